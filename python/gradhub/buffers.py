@@ -1,0 +1,78 @@
+"""Zero-copy access to numpy arrays and CPU torch tensors.
+
+Returns the raw pointer, size and dtype of a contiguous, writable buffer; the
+caller keeps the object alive for as long as the pointer is used (the core
+holds a reference until the operation completes). torch is never imported
+here, so servers and numpy-only users don't pay for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_NUMPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+@dataclass
+class Buffer:
+    ptr: int
+    nbytes: int
+    dtype: str
+    obj: Any
+
+
+def is_torch_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr") and hasattr(x, "is_contiguous")
+
+
+def get_buffer(x: Any, dtype: str | None = None) -> Buffer:
+    """Describe `x` for an in-place operation. `dtype` overrides the element
+    type for raw buffers (e.g. a uint16 numpy array holding bfloat16 bits)."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ValueError("gradhub needs a C-contiguous array (use np.ascontiguousarray and copy back)")
+        if not x.flags.writeable:
+            raise ValueError("gradhub works in place and needs a writable array")
+        dt = dtype
+        if dt is None:
+            dt = _NUMPY_DTYPES.get(x.dtype) or ("bfloat16" if x.dtype.name == "bfloat16" else None)
+        elif dt == "bfloat16" and x.dtype.itemsize != 2:
+            raise ValueError("dtype='bfloat16' needs a 2-byte element array (e.g. uint16 bit patterns)")
+        if dt is None:
+            raise TypeError(f"unsupported array dtype {x.dtype} (use float32, float16 or bfloat16)")
+        return Buffer(x.ctypes.data, x.nbytes, dt, x)
+    if is_torch_tensor(x):
+        if x.device.type != "cpu":
+            raise ValueError(
+                f"gradhub.push_pull takes CPU tensors; got a tensor on {x.device}. "
+                "gradhub.torch stages CUDA tensors through pinned host memory."
+            )
+        if not x.is_contiguous():
+            raise ValueError("gradhub needs a contiguous tensor (call .contiguous() and copy back)")
+        if x.requires_grad:
+            raise ValueError(
+                "gradhub works in place and cannot modify a tensor that requires grad; "
+                "pass tensor.detach() or a gradient (param.grad)"
+            )
+        dt = dtype or _TORCH_DTYPES.get(str(x.dtype))
+        if dt is None:
+            raise TypeError(f"unsupported tensor dtype {x.dtype} (use float32, float16 or bfloat16)")
+        return Buffer(x.data_ptr(), x.numel() * x.element_size(), dt, x)
+    raise TypeError(f"gradhub works on numpy arrays and CPU torch tensors, not {type(x).__name__}")
+
+
+def describe(x: Any) -> tuple[int, str]:
+    """(number of elements, dtype name) of an array or tensor, for declarations."""
+    if isinstance(x, np.ndarray):
+        dt = _NUMPY_DTYPES.get(x.dtype) or ("bfloat16" if x.dtype.name == "bfloat16" else None)
+    elif is_torch_tensor(x):
+        dt = _TORCH_DTYPES.get(str(x.dtype))
+    else:
+        raise TypeError(f"cannot declare a {type(x).__name__}; pass an array, a tensor or (numel, dtype)")
+    if dt is None:
+        raise TypeError(f"unsupported dtype {x.dtype} (use float32, float16 or bfloat16)")
+    return int(x.size if isinstance(x, np.ndarray) else x.numel()), dt

@@ -1,0 +1,540 @@
+//! The worker client (BytePS's Communication Service, in the training
+//! process): joins the job, opens one data connection per server thread,
+//! declares tensors, and runs push_pull through the I/O thread.
+//!
+//! Threads: the caller's thread (submits, waits on handles), one I/O thread
+//! (all data connections, see `io`), one control thread (scheduler messages:
+//! declarations, barriers, peer failures) and a heartbeat thread.
+
+mod io;
+mod op;
+
+pub use op::{Op, OpError};
+
+use std::collections::{HashMap, HashSet};
+use std::io::ErrorKind;
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Sender};
+use mio::{Poll, Waker};
+
+use crate::protocol::{
+    read_control, write_control, Control, DType, DeclEntry, Header, MsgType, ReadError, Register, Role, TensorSpec,
+    Welcome,
+};
+use crate::transport::connect_retry;
+use io::{BufPtr, DataConn, IoCmd, IoThread, Submission};
+
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub scheduler: String,
+    pub rank: i32,
+    pub num_workers: u32,
+    pub num_servers: u32,
+    pub namespace: u32,
+    /// Max bytes in flight per server-thread connection.
+    pub credit_bytes: usize,
+    pub connect_timeout: Duration,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            scheduler: "127.0.0.1:9000".into(),
+            rank: -1,
+            num_workers: 0,
+            num_servers: 0,
+            namespace: 0,
+            credit_bytes: crate::DEFAULT_CREDIT_BYTES,
+            connect_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot join the job: {0}")]
+    Setup(String),
+    #[error("{0}")]
+    Usage(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+enum Waiter {
+    /// A blocking declare() call.
+    Sync(Sender<Result<Vec<TensorSpec>, String>>),
+    /// Declared on first push_pull; the ops wait in `parked`.
+    Async,
+}
+
+struct Parked {
+    op: Arc<Op>,
+    numel: u64,
+    dtype: DType,
+    ptr: BufPtr,
+    priority: i32,
+    flags: u16,
+}
+
+#[derive(Default)]
+struct Table {
+    specs: HashMap<String, Arc<TensorSpec>>,
+    parked: HashMap<String, Vec<Parked>>,
+    waiters: HashMap<u32, Waiter>,
+    in_flight: HashSet<String>,
+    barriers: HashMap<u32, Sender<Result<(), String>>>,
+}
+
+/// State shared by the caller, the control thread and the I/O thread.
+pub struct Shared {
+    namespace: u32,
+    writer: Mutex<TcpStream>,
+    table: Mutex<Table>,
+    failure: Mutex<Option<String>>,
+    io_tx: Sender<IoCmd>,
+    io_waker: Waker,
+    next_req: AtomicU32,
+    next_barrier: AtomicU32,
+    closing: AtomicBool,
+}
+
+impl Shared {
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Record a job failure (first one wins) and fail everything waiting.
+    pub(crate) fn set_failure(&self, msg: String) {
+        {
+            let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            if f.is_some() {
+                return;
+            }
+            *f = Some(msg.clone());
+        }
+        let (parked, waiters, barriers) = {
+            let mut t = self.table();
+            (std::mem::take(&mut t.parked), std::mem::take(&mut t.waiters), std::mem::take(&mut t.barriers))
+        };
+        for (_, ops) in parked {
+            for p in ops {
+                self.finish_op(&p.op, Some(msg.clone()));
+            }
+        }
+        for (_, w) in waiters {
+            if let Waiter::Sync(tx) = w {
+                let _ = tx.send(Err(msg.clone()));
+            }
+        }
+        for (_, tx) in barriers {
+            let _ = tx.send(Err(msg.clone()));
+        }
+        self.send_io(IoCmd::Fail(msg));
+    }
+
+    pub(crate) fn finish_op(&self, op: &Op, error: Option<String>) {
+        self.table().in_flight.remove(&op.name);
+        // Drop the keepalive (e.g. a Python object) outside our locks.
+        drop(op.complete(error));
+    }
+
+    fn send_io(&self, cmd: IoCmd) {
+        if self.io_tx.send(cmd).is_ok() {
+            let _ = self.io_waker.wake();
+        }
+    }
+
+    fn send_ctrl(&self, msg: &Control) -> Result<(), String> {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        write_control(&mut *w, msg, self.namespace).map_err(|e| format!("lost the scheduler: {e}"))
+    }
+
+    fn submit(&self, op: Arc<Op>, spec: Arc<TensorSpec>, ptr: BufPtr, priority: i32, flags: u16) {
+        self.send_io(IoCmd::Submit(Submission { op, spec, ptr, priority, flags }));
+    }
+
+    /// Install declared specs and release ops that were waiting for them.
+    fn on_declared(&self, specs: Vec<TensorSpec>) {
+        let mut ready = Vec::new();
+        {
+            let mut t = self.table();
+            for s in specs {
+                let s = Arc::new(s);
+                t.specs.insert(s.name.clone(), s.clone());
+                if let Some(ops) = t.parked.remove(&s.name) {
+                    ready.extend(ops.into_iter().map(|p| (p, s.clone())));
+                }
+            }
+        }
+        for (p, s) in ready {
+            match check_matches(&s, p.numel, p.dtype) {
+                Ok(()) => self.submit(p.op, s, p.ptr, p.priority, p.flags),
+                Err(e) => self.finish_op(&p.op, Some(e)),
+            }
+        }
+    }
+
+    fn on_declare_error(&self, req: u32, message: String) {
+        let waiter = self.table().waiters.remove(&req);
+        if let Some(Waiter::Sync(tx)) = waiter {
+            let _ = tx.send(Err(message.clone()));
+        }
+        // Fail parked ops for the tensor named in the message's declaration.
+        let parked: Vec<Parked> = {
+            let mut t = self.table();
+            let names: Vec<String> =
+                t.parked.keys().filter(|n| message.contains(&format!("'{n}'"))).cloned().collect();
+            names.into_iter().flat_map(|n| t.parked.remove(&n).unwrap_or_default()).collect()
+        };
+        for p in parked {
+            self.finish_op(&p.op, Some(message.clone()));
+        }
+    }
+}
+
+fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), String> {
+    if s.numel != numel || s.dtype != dtype {
+        return Err(format!(
+            "tensor '{}' was declared with {} elements of {} but this call has {} elements of {}",
+            s.name,
+            s.numel,
+            s.dtype.name(),
+            numel,
+            dtype.name()
+        ));
+    }
+    Ok(())
+}
+
+pub struct Client {
+    pub rank: u32,
+    pub num_workers: u32,
+    pub local_rank: u32,
+    pub local_size: u32,
+    pub num_servers: u32,
+    pub partition_bytes: u32,
+    shared: Arc<Shared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    closed: AtomicBool,
+}
+
+impl Client {
+    /// Join the job: register, receive the cluster map, connect to every server thread.
+    pub fn connect(cfg: ClientConfig) -> Result<Client, ClientError> {
+        let setup = |what: &str, e: std::io::Error| ClientError::Setup(format!("{what}: {e}"));
+        let ns = cfg.namespace;
+        let mut ctrl = connect_retry(&cfg.scheduler, cfg.connect_timeout)
+            .map_err(|e| setup(&format!("cannot reach the scheduler at {}", cfg.scheduler), e))?;
+        let hostname = crate::hostname();
+        let reg = Register {
+            role: Role::Worker,
+            requested_rank: cfg.rank,
+            hostname: hostname.clone(),
+            addr: String::new(),
+            ports: Vec::new(),
+            colocated: false,
+            num_workers: cfg.num_workers,
+            num_servers: cfg.num_servers,
+        };
+        write_control(&mut ctrl, &Control::Register(reg), ns).map_err(|e| setup("register", e))?;
+        let w: Welcome = match read_control(&mut ctrl, ns) {
+            Ok(Control::Welcome(w)) => w,
+            Ok(Control::Error { message }) => return Err(ClientError::Setup(format!("rejected by the scheduler: {message}"))),
+            Ok(other) => return Err(ClientError::Setup(format!("expected Welcome, got {:?}", other.msg_type()))),
+            Err(e) => return Err(ClientError::Setup(format!("no welcome from the scheduler: {e}"))),
+        };
+        let local_rank = w.worker_hosts.iter().take(w.rank as usize).filter(|h| **h == hostname).count() as u32;
+        let local_size = w.worker_hosts.iter().filter(|h| **h == hostname).count() as u32;
+
+        // One data connection per server thread, in slot order.
+        let mut conns = Vec::new();
+        for s in &w.servers {
+            for (t, port) in s.ports.iter().enumerate() {
+                let addr = if s.addr.contains(':') { format!("[{}]:{port}", s.addr) } else { format!("{}:{port}", s.addr) };
+                let desc = format!("server {} ({addr}) thread {t}", s.rank);
+                let mut stream = connect_retry(&addr, cfg.connect_timeout).map_err(|e| setup(&desc, e))?;
+                let mut h = Header::new(MsgType::DataHello);
+                h.namespace = ns;
+                h.key = w.rank;
+                std::io::Write::write_all(&mut stream, &h.encode()).map_err(|e| setup(&desc, e))?;
+                stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
+                conns.push(DataConn::new(mio::net::TcpStream::from_std(stream), desc));
+            }
+        }
+
+        let poll = Poll::new().map_err(|e| setup("poll", e))?;
+        let io_waker = Waker::new(poll.registry(), io::WAKER).map_err(|e| setup("waker", e))?;
+        // Bounded: a caller submitting faster than the I/O thread drains blocks briefly.
+        let (io_tx, io_rx) = bounded(65536);
+        let shared = Arc::new(Shared {
+            namespace: ns,
+            writer: Mutex::new(ctrl.try_clone().map_err(|e| setup("clone", e))?),
+            table: Mutex::new(Table::default()),
+            failure: Mutex::new(None),
+            io_tx,
+            io_waker,
+            next_req: AtomicU32::new(0),
+            next_barrier: AtomicU32::new(0),
+            closing: AtomicBool::new(false),
+        });
+
+        let mut threads = Vec::new();
+        let max_payload = w.partition_bytes;
+        let credit = cfg.credit_bytes;
+        {
+            let shared = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("gradhub-io".into())
+                    .spawn(move || match IoThread::new(poll, conns, io_rx, shared.clone(), credit, ns, max_payload) {
+                        Ok(t) => t.run(),
+                        Err(e) => shared.set_failure(format!("worker I/O setup failed: {e}")),
+                    })
+                    .map_err(|e| setup("spawn", e))?,
+            );
+        }
+        let hb = Duration::from_millis(w.heartbeat_ms.max(10) as u64);
+        let peer_timeout = (hb * 10).max(Duration::from_secs(10));
+        {
+            let shared = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("gradhub-heartbeat".into())
+                    .spawn(move || {
+                        while !shared.closing.load(Ordering::Relaxed) {
+                            if shared.send_ctrl(&Control::Heartbeat).is_err() {
+                                return;
+                            }
+                            std::thread::sleep(hb);
+                        }
+                    })
+                    .map_err(|e| setup("spawn", e))?,
+            );
+        }
+        {
+            let shared = shared.clone();
+            let _ = ctrl.set_read_timeout(Some(peer_timeout));
+            threads.push(
+                std::thread::Builder::new()
+                    .name("gradhub-control".into())
+                    .spawn(move || control_loop(shared, ctrl, peer_timeout))
+                    .map_err(|e| setup("spawn", e))?,
+            );
+        }
+        Ok(Client {
+            rank: w.rank,
+            num_workers: w.num_workers,
+            local_rank,
+            local_size,
+            num_servers: w.servers.len() as u32,
+            partition_bytes: w.partition_bytes,
+            shared,
+            threads: Mutex::new(threads),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    fn check_usable(&self) -> Result<(), ClientError> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(ClientError::Usage("gradhub has been shut down".into()));
+        }
+        if let Some(f) = self.shared.failure() {
+            return Err(ClientError::Failed(format!("the job has failed: {f}")));
+        }
+        Ok(())
+    }
+
+    /// Declare tensors ahead of their first round, in one exchange. Blocks
+    /// until every worker has declared them (or a mismatch is found).
+    pub fn declare(&self, entries: Vec<DeclEntry>) -> Result<(), ClientError> {
+        self.check_usable()?;
+        let todo: Vec<DeclEntry> = {
+            let t = self.shared.table();
+            let mut todo = Vec::new();
+            for e in entries {
+                match t.specs.get(&e.name) {
+                    Some(s) => check_matches(s, e.numel, e.dtype).map_err(ClientError::Usage)?,
+                    None => todo.push(e),
+                }
+            }
+            todo
+        };
+        if todo.is_empty() {
+            return Ok(());
+        }
+        let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = bounded(1);
+        self.shared.table().waiters.insert(req, Waiter::Sync(tx));
+        if let Err(e) = self.shared.send_ctrl(&Control::Declare { req, entries: todo }) {
+            self.shared.set_failure(e);
+        }
+        match rx.recv() {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(ClientError::Failed(e)),
+            Err(_) => Err(ClientError::Failed(self.shared.failure().unwrap_or_else(|| "client closed".into()))),
+        }
+    }
+
+    /// Start an in-place push_pull of `nbytes` at `ptr`. The memory must stay
+    /// valid and untouched until the returned op completes; `keepalive` is
+    /// held until then.
+    ///
+    /// # Safety
+    /// `ptr` must point to `nbytes` writable bytes that outlive the op.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn push_pull(
+        &self,
+        ptr: *mut u8,
+        nbytes: usize,
+        dtype: DType,
+        name: &str,
+        average: bool,
+        priority: i32,
+        keepalive: Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<Arc<Op>, ClientError> {
+        self.check_usable()?;
+        if dtype == DType::None {
+            return Err(ClientError::Usage("push_pull needs a float32, float16 or bfloat16 tensor".into()));
+        }
+        if nbytes % dtype.size() != 0 {
+            return Err(ClientError::Usage(format!("{nbytes} bytes is not a whole number of {} elements", dtype.name())));
+        }
+        let numel = (nbytes / dtype.size()) as u64;
+        let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 };
+        let op = Arc::new(Op::new(name.to_string(), keepalive));
+        let ptr = BufPtr(ptr);
+        let mut t = self.shared.table();
+        if !t.in_flight.insert(name.to_string()) {
+            return Err(ClientError::Usage(format!(
+                "tensor '{name}' is already being push_pulled; wait for its handle before starting another round"
+            )));
+        }
+        if let Some(s) = t.specs.get(name).cloned() {
+            if let Err(e) = check_matches(&s, numel, dtype) {
+                t.in_flight.remove(name);
+                return Err(ClientError::Usage(e));
+            }
+            drop(t);
+            self.shared.submit(op.clone(), s, ptr, priority, flags);
+            return Ok(op);
+        }
+        // First use: declare it asynchronously; the op runs when every worker declared it.
+        let first = !t.parked.contains_key(name);
+        t.parked.entry(name.to_string()).or_default().push(Parked { op: op.clone(), numel, dtype, ptr, priority, flags });
+        if first {
+            let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
+            t.waiters.insert(req, Waiter::Async);
+            drop(t);
+            let e = DeclEntry { name: name.to_string(), numel, dtype };
+            if let Err(msg) = self.shared.send_ctrl(&Control::Declare { req, entries: vec![e] }) {
+                self.shared.set_failure(msg);
+            }
+        }
+        Ok(op)
+    }
+
+    /// Block until every worker has entered the barrier.
+    pub fn barrier(&self) -> Result<(), ClientError> {
+        self.check_usable()?;
+        let id = self.shared.next_barrier.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = bounded(1);
+        self.shared.table().barriers.insert(id, tx);
+        if let Err(e) = self.shared.send_ctrl(&Control::Barrier { id }) {
+            self.shared.set_failure(e);
+        }
+        match rx.recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ClientError::Failed(e)),
+            Err(_) => Err(ClientError::Failed("client closed".into())),
+        }
+    }
+
+    /// Leave the job cleanly. In-flight operations are failed.
+    pub fn shutdown(&self) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.shared.closing.store(true, Ordering::SeqCst);
+        let _ = self.shared.send_ctrl(&Control::Goodbye);
+        self.shared.send_io(IoCmd::Stop);
+        if let Ok(w) = self.shared.writer.lock() {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+        // Anything still pending can no longer complete.
+        let parked = std::mem::take(&mut self.shared.table().parked);
+        for (_, ops) in parked {
+            for p in ops {
+                self.shared.finish_op(&p.op, Some("gradhub was shut down".into()));
+            }
+        }
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure()
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn control_loop(shared: Arc<Shared>, mut ctrl: TcpStream, peer_timeout: Duration) {
+    let ns = shared.namespace;
+    loop {
+        let msg = read_control(&mut ctrl, ns);
+        if shared.closing.load(Ordering::Relaxed) {
+            return;
+        }
+        match msg {
+            Ok(Control::Heartbeat) => {}
+            Ok(Control::Declared { req, specs }) => {
+                let waiter = shared.table().waiters.remove(&req);
+                shared.on_declared(specs.clone());
+                if let Some(Waiter::Sync(tx)) = waiter {
+                    let _ = tx.send(Ok(specs));
+                }
+            }
+            Ok(Control::DeclareError { req, message }) => shared.on_declare_error(req, message),
+            Ok(Control::BarrierDone { id }) => {
+                if let Some(tx) = shared.table().barriers.remove(&id) {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            Ok(Control::PeerLost { role, rank, reason }) => {
+                shared.set_failure(format!("{} {rank} was lost: {reason}", role.name()));
+                return;
+            }
+            Ok(Control::Error { message }) => {
+                shared.set_failure(format!("scheduler: {message}"));
+                return;
+            }
+            Ok(other) => {
+                shared.set_failure(format!("unexpected {:?} from the scheduler", other.msg_type()));
+                return;
+            }
+            Err(ReadError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                shared.set_failure(format!("the scheduler sent nothing for {:.0}s", peer_timeout.as_secs_f64()));
+                return;
+            }
+            Err(e) => {
+                shared.set_failure(format!("lost the connection to the scheduler: {e}"));
+                return;
+            }
+        }
+    }
+}

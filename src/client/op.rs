@@ -1,0 +1,89 @@
+//! A push_pull in progress, as seen by the caller: a handle to wait on.
+
+use std::any::Any;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum OpError {
+    #[error("{0}")]
+    Failed(String),
+    #[error("{0}")]
+    Timeout(String),
+}
+
+#[derive(Default)]
+struct OpState {
+    done: bool,
+    error: Option<String>,
+    /// Latest stall report from a server about this tensor.
+    stall: Option<String>,
+    /// Keeps the caller's buffer alive until the operation is over.
+    keepalive: Option<Box<dyn Any + Send>>,
+}
+
+pub struct Op {
+    pub name: String,
+    state: Mutex<OpState>,
+    cv: Condvar,
+}
+
+impl Op {
+    pub fn new(name: String, keepalive: Option<Box<dyn Any + Send>>) -> Op {
+        Op { name, state: Mutex::new(OpState { keepalive, ..Default::default() }), cv: Condvar::new() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, OpState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn complete(&self, error: Option<String>) -> Option<Box<dyn Any + Send>> {
+        let mut st = self.lock();
+        if st.done {
+            return None;
+        }
+        st.done = true;
+        st.error = error;
+        self.cv.notify_all();
+        st.keepalive.take()
+    }
+
+    pub(crate) fn set_stall(&self, msg: String) {
+        self.lock().stall = Some(msg);
+    }
+
+    pub fn done(&self) -> bool {
+        self.lock().done
+    }
+
+    /// Wait until the result is in the caller's buffer, or fail.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<(), OpError> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.lock();
+        while !st.done {
+            match deadline {
+                None => st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        let mut msg = format!(
+                            "push_pull '{}' did not complete within {:.3}s",
+                            self.name,
+                            timeout.unwrap_or_default().as_secs_f64()
+                        );
+                        if let Some(s) = &st.stall {
+                            msg.push_str("; ");
+                            msg.push_str(s);
+                        }
+                        return Err(OpError::Timeout(msg));
+                    }
+                    st = self.cv.wait_timeout(st, d - now).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
+        }
+        match &st.error {
+            None => Ok(()),
+            Some(e) => Err(OpError::Failed(format!("push_pull '{}' failed: {e}", self.name))),
+        }
+    }
+}

@@ -1,0 +1,177 @@
+//! Which server thread owns which chunk.
+//!
+//! Every chunk of every tensor goes to one *slot* (a server thread). Slots are
+//! numbered server by server: slot = first_slot(server) + thread. The
+//! scheduler places each tensor once, when every worker has declared it, and
+//! sends the same answer to all workers and servers, so placement is
+//! identical everywhere regardless of the order workers declared in.
+//!
+//! Load is balanced in bytes, weighted per server as BytePS §4.1 prescribes:
+//! with n workers and k CPU-only servers, a CPU-only server should take
+//! M_cpu = 2(n-1)M/(n^2+kn-2k) bytes of the summation work and a server
+//! colocated with a worker M_gpu = (n-k)M/(n^2+kn-2k). Only the ratio
+//! matters, so the weights are 2(n-1) and (n-k). (The formula assumes one
+//! colocated server per worker machine, BytePS's setting; with k >= n the
+//! colocated servers get no work, the paper's "use PS only" regime.)
+
+use crate::protocol::ServerInfo;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    pub server: u32,
+    pub thread: u32,
+}
+
+/// Relative share of the summation work for each server (BytePS Eq. 1/2).
+pub fn server_weights(colocated: &[bool], num_workers: usize) -> Vec<f64> {
+    let n = num_workers as f64;
+    let k = colocated.iter().filter(|&&c| !c).count() as f64;
+    let w_cpu = 2.0 * (n - 1.0);
+    let w_gpu = (n - k).max(0.0);
+    let w: Vec<f64> = colocated.iter().map(|&c| if c { w_gpu } else { w_cpu }).collect();
+    if w.iter().all(|&x| x <= 0.0) {
+        // e.g. one worker: no network traffic to balance, spread evenly.
+        return vec![1.0; colocated.len()];
+    }
+    w
+}
+
+/// Greedy weighted least-loaded placement (deterministic, ties -> lowest slot).
+pub struct Placer {
+    slots: Vec<Slot>,
+    weight: Vec<f64>,
+    load: Vec<u64>,
+}
+
+impl Placer {
+    pub fn new(servers: &[ServerInfo], num_workers: usize) -> Placer {
+        let colocated: Vec<bool> = servers.iter().map(|s| s.colocated).collect();
+        let sw = server_weights(&colocated, num_workers);
+        let mut slots = Vec::new();
+        let mut weight = Vec::new();
+        for (s, w) in servers.iter().zip(sw) {
+            let t = s.ports.len().max(1);
+            for thread in 0..t {
+                slots.push(Slot { server: s.rank, thread: thread as u32 });
+                weight.push(w / t as f64);
+            }
+        }
+        let load = vec![0; slots.len()];
+        Placer { slots, weight, load }
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn slot(&self, i: u32) -> Option<Slot> {
+        self.slots.get(i as usize).copied()
+    }
+
+    /// Bytes placed so far on each slot.
+    pub fn loads(&self) -> &[u64] {
+        &self.load
+    }
+
+    /// Place chunks of the given byte sizes, in order; returns their slots.
+    pub fn place(&mut self, chunk_bytes: impl IntoIterator<Item = u64>) -> Vec<u32> {
+        chunk_bytes
+            .into_iter()
+            .map(|b| {
+                let mut best = usize::MAX;
+                let mut best_cost = f64::INFINITY;
+                for i in 0..self.slots.len() {
+                    if self.weight[i] <= 0.0 {
+                        continue;
+                    }
+                    let cost = (self.load[i] + b) as f64 / self.weight[i];
+                    if cost < best_cost {
+                        best_cost = cost;
+                        best = i;
+                    }
+                }
+                self.load[best] += b;
+                best as u32
+            })
+            .collect()
+    }
+}
+
+/// Split a tensor of `numel` elements of `elem_size` bytes into chunks of at
+/// most `partition_bytes` (at least one element each). Returns elements per chunk.
+pub fn chunk_elems(partition_bytes: u32, elem_size: usize) -> u64 {
+    ((partition_bytes as usize / elem_size).max(1)) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn servers(colocated: &[bool], threads: usize) -> Vec<ServerInfo> {
+        colocated
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| ServerInfo {
+                rank: i as u32,
+                addr: format!("10.0.0.{i}"),
+                ports: (0..threads as u16).map(|p| 9000 + p).collect(),
+                colocated: c,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn weights_match_byteps_formula() {
+        // n = 4 workers, k = 2 CPU-only, 4 colocated: M_cpu/M_gpu = 2(n-1)/(n-k) = 3.
+        let w = server_weights(&[false, false, true, true, true, true], 4);
+        assert_eq!(w, vec![6.0, 6.0, 2.0, 2.0, 2.0, 2.0]);
+        // Shares: k*M_cpu + n*M_gpu = M with M_cpu = 2(n-1)M/(n^2+kn-2k).
+        let (n, k) = (4.0f64, 2.0f64);
+        let total: f64 = w.iter().sum();
+        assert!((w[0] / total - 2.0 * (n - 1.0) / (n * n + k * n - 2.0 * k)).abs() < 1e-12);
+        assert!((w[2] / total - (n - k) / (n * n + k * n - 2.0 * k)).abs() < 1e-12);
+        // All colocated -> equal (all-reduce-equivalent); all CPU-only -> equal (sharded PS).
+        assert_eq!(server_weights(&[true; 3], 3), vec![3.0; 3]);
+        assert_eq!(server_weights(&[false; 2], 3), vec![4.0; 2]);
+        // k >= n: colocated servers get nothing.
+        assert_eq!(server_weights(&[false, false, true], 2), vec![2.0, 2.0, 0.0]);
+        // A single worker: evenly.
+        assert_eq!(server_weights(&[false, true], 1), vec![1.0, 1.0]);
+    }
+
+    #[test]
+    fn placement_is_deterministic_and_balanced() {
+        let s = servers(&[false, false, false], 4);
+        let sizes: Vec<u64> = (0..1000).map(|i| 1 + (i * 7919 % 65536) as u64).collect();
+        let mut a = Placer::new(&s, 4);
+        let mut b = Placer::new(&s, 4);
+        let pa = a.place(sizes.iter().copied());
+        assert_eq!(pa, b.place(sizes.iter().copied()));
+        let loads = a.loads();
+        let max = *loads.iter().max().unwrap();
+        let min = *loads.iter().min().unwrap();
+        // Greedy least-loaded keeps the spread below one largest item.
+        assert!(max - min <= 65536, "loads {loads:?}");
+        assert_eq!(loads.iter().sum::<u64>(), sizes.iter().sum::<u64>());
+    }
+
+    #[test]
+    fn placement_follows_weights() {
+        // n=4, k=1: M_cpu/M_gpu = 6/3 = 2, so server 0 gets twice each colocated one.
+        let s = servers(&[false, true, true, true, true], 2);
+        let mut p = Placer::new(&s, 4);
+        p.place(std::iter::repeat(1000u64).take(6000));
+        let per_server: Vec<u64> = p.loads().chunks(2).map(|c| c.iter().sum()).collect();
+        let unit = per_server[1] as f64;
+        assert!((per_server[0] as f64 / unit - 2.0).abs() < 0.01, "{per_server:?}");
+        for &l in &per_server[1..] {
+            assert!((l as f64 / unit - 1.0).abs() < 0.01, "{per_server:?}");
+        }
+    }
+
+    #[test]
+    fn chunking() {
+        assert_eq!(chunk_elems(4096, 4), 1024);
+        assert_eq!(chunk_elems(3, 4), 1);
+    }
+}

@@ -1,0 +1,362 @@
+//! Control-plane messages (rendezvous, declarations, liveness) and their
+//! payload encodings. Data-plane frames (Push/Result) carry raw tensor bytes
+//! and are handled by the server and client directly.
+
+use super::codec::{Reader, Writer};
+use super::frame::{DType, Header, MsgType};
+use super::ProtocolError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Worker,
+    Server,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Worker => "worker",
+            Role::Server => "server",
+        }
+    }
+    fn to_u8(self) -> u8 {
+        match self {
+            Role::Worker => 0,
+            Role::Server => 1,
+        }
+    }
+    fn from_u8(v: u8) -> Result<Role, ProtocolError> {
+        match v {
+            0 => Ok(Role::Worker),
+            1 => Ok(Role::Server),
+            _ => Err(ProtocolError::BadPayload(format!("unknown role {v}"))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Register {
+    pub role: Role,
+    /// Requested rank, or -1 for "assign me one".
+    pub requested_rank: i32,
+    pub hostname: String,
+    /// Address peers should use to reach this member (servers only).
+    pub addr: String,
+    /// One listening port per server thread (servers only).
+    pub ports: Vec<u16>,
+    pub colocated: bool,
+    /// The job size this member was configured with; checked by the scheduler.
+    pub num_workers: u32,
+    pub num_servers: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerInfo {
+    pub rank: u32,
+    pub addr: String,
+    pub ports: Vec<u16>,
+    pub colocated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Welcome {
+    pub rank: u32,
+    pub num_workers: u32,
+    pub partition_bytes: u32,
+    pub heartbeat_ms: u32,
+    pub stall_ms: u32,
+    pub servers: Vec<ServerInfo>,
+    /// Hostname of each worker, by rank (for local_rank/local_size).
+    pub worker_hosts: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeclEntry {
+    pub name: String,
+    pub numel: u64,
+    pub dtype: DType,
+}
+
+/// Everything a worker and a server need to move one tensor: its key, how it
+/// is cut into chunks, and which server thread (global slot) owns each chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub key: u32,
+    pub name: String,
+    pub numel: u64,
+    pub dtype: DType,
+    pub chunk_elems: u64,
+    pub slots: Vec<u32>,
+}
+
+impl TensorSpec {
+    pub fn num_chunks(&self) -> usize {
+        self.slots.len()
+    }
+    /// Element range of chunk `c`.
+    pub fn chunk_range(&self, c: usize) -> (usize, usize) {
+        let start = c as u64 * self.chunk_elems;
+        let end = (start + self.chunk_elems).min(self.numel);
+        (start as usize, end as usize)
+    }
+    pub fn chunk_bytes(&self, c: usize) -> usize {
+        let (s, e) = self.chunk_range(c);
+        (e - s) * self.dtype.size()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Control {
+    Register(Register),
+    Welcome(Welcome),
+    Declare { req: u32, entries: Vec<DeclEntry> },
+    Declared { req: u32, specs: Vec<TensorSpec> },
+    DeclareError { req: u32, message: String },
+    Heartbeat,
+    PeerLost { role: Role, rank: u32, reason: String },
+    Goodbye,
+    Shutdown,
+    Barrier { id: u32 },
+    BarrierDone { id: u32 },
+    ServerDeclare { batch: u32, specs: Vec<TensorSpec> },
+    ServerDeclareAck { batch: u32 },
+    Error { message: String },
+}
+
+fn put_spec(w: &mut Writer, s: &TensorSpec) {
+    w.u32(s.key).str(&s.name).u64(s.numel).u8(s.dtype as u8).u64(s.chunk_elems);
+    w.u32(s.slots.len() as u32);
+    for &slot in &s.slots {
+        w.u32(slot);
+    }
+}
+
+fn get_dtype(r: &mut Reader) -> Result<DType, ProtocolError> {
+    let v = r.u8("dtype")?;
+    match DType::from_u8(v) {
+        Some(d) if d != DType::None => Ok(d),
+        _ => Err(ProtocolError::BadDtype(v)),
+    }
+}
+
+fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
+    let key = r.u32("key")?;
+    let name = r.str("name")?;
+    let numel = r.u64("numel")?;
+    let dtype = get_dtype(r)?;
+    let chunk_elems = r.u64("chunk_elems")?;
+    let n = r.count("slots", 4)?;
+    let mut slots = Vec::with_capacity(n);
+    for _ in 0..n {
+        slots.push(r.u32("slot")?);
+    }
+    if chunk_elems == 0 || numel.div_ceil(chunk_elems) != n as u64 {
+        return Err(ProtocolError::BadPayload(format!(
+            "tensor spec '{name}': {n} chunk slots do not cover {numel} elements in chunks of {chunk_elems}"
+        )));
+    }
+    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots })
+}
+
+fn put_specs(w: &mut Writer, specs: &[TensorSpec]) {
+    w.u32(specs.len() as u32);
+    for s in specs {
+        put_spec(w, s);
+    }
+}
+
+fn get_specs(r: &mut Reader) -> Result<Vec<TensorSpec>, ProtocolError> {
+    let n = r.count("specs", 29)?;
+    (0..n).map(|_| get_spec(r)).collect()
+}
+
+impl Control {
+    pub fn msg_type(&self) -> MsgType {
+        match self {
+            Control::Register(_) => MsgType::Register,
+            Control::Welcome(_) => MsgType::Welcome,
+            Control::Declare { .. } => MsgType::Declare,
+            Control::Declared { .. } => MsgType::Declared,
+            Control::DeclareError { .. } => MsgType::DeclareError,
+            Control::Heartbeat => MsgType::Heartbeat,
+            Control::PeerLost { .. } => MsgType::PeerLost,
+            Control::Goodbye => MsgType::Goodbye,
+            Control::Shutdown => MsgType::Shutdown,
+            Control::Barrier { .. } => MsgType::Barrier,
+            Control::BarrierDone { .. } => MsgType::BarrierDone,
+            Control::ServerDeclare { .. } => MsgType::ServerDeclare,
+            Control::ServerDeclareAck { .. } => MsgType::ServerDeclareAck,
+            Control::Error { .. } => MsgType::Error,
+        }
+    }
+
+    /// Encode into header bytes followed by the payload, ready to write.
+    pub fn encode(&self, namespace: u32) -> Vec<u8> {
+        let mut w = Writer::new();
+        match self {
+            Control::Register(m) => {
+                w.u8(m.role.to_u8()).i32(m.requested_rank).str(&m.hostname).str(&m.addr);
+                w.u32(m.ports.len() as u32);
+                for &p in &m.ports {
+                    w.u16(p);
+                }
+                w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
+            }
+            Control::Welcome(m) => {
+                w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
+                w.u32(m.heartbeat_ms).u32(m.stall_ms);
+                w.u32(m.servers.len() as u32);
+                for s in &m.servers {
+                    w.u32(s.rank).str(&s.addr).u32(s.ports.len() as u32);
+                    for &p in &s.ports {
+                        w.u16(p);
+                    }
+                    w.u8(s.colocated as u8);
+                }
+                w.u32(m.worker_hosts.len() as u32);
+                for h in &m.worker_hosts {
+                    w.str(h);
+                }
+            }
+            Control::Declare { req, entries } => {
+                w.u32(*req).u32(entries.len() as u32);
+                for e in entries {
+                    w.str(&e.name).u64(e.numel).u8(e.dtype as u8);
+                }
+            }
+            Control::Declared { req, specs } => {
+                w.u32(*req);
+                put_specs(&mut w, specs);
+            }
+            Control::DeclareError { req, message } => {
+                w.u32(*req).str(message);
+            }
+            Control::Heartbeat | Control::Goodbye | Control::Shutdown => {}
+            Control::PeerLost { role, rank, reason } => {
+                w.u8(role.to_u8()).u32(*rank).str(reason);
+            }
+            Control::Barrier { id } | Control::BarrierDone { id } => {
+                w.u32(*id);
+            }
+            Control::ServerDeclare { batch, specs } => {
+                w.u32(*batch);
+                put_specs(&mut w, specs);
+            }
+            Control::ServerDeclareAck { batch } => {
+                w.u32(*batch);
+            }
+            Control::Error { message } => {
+                w.buf.extend_from_slice(message.as_bytes());
+            }
+        }
+        let mut h = Header::new(self.msg_type());
+        h.namespace = namespace;
+        h.payload_len = w.buf.len() as u32;
+        let mut out = Vec::with_capacity(super::HEADER_LEN + w.buf.len());
+        out.extend_from_slice(&h.encode());
+        out.extend_from_slice(&w.buf);
+        out
+    }
+
+    pub fn decode(h: &Header, payload: &[u8]) -> Result<Control, ProtocolError> {
+        let mut r = Reader::new(payload);
+        let msg = match h.msg_type {
+            MsgType::Register => {
+                let role = Role::from_u8(r.u8("role")?)?;
+                let requested_rank = r.i32("requested_rank")?;
+                let hostname = r.str("hostname")?;
+                let addr = r.str("addr")?;
+                let n = r.count("ports", 2)?;
+                let ports = (0..n).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
+                let colocated = r.u8("colocated")? != 0;
+                let num_workers = r.u32("num_workers")?;
+                let num_servers = r.u32("num_servers")?;
+                Control::Register(Register {
+                    role,
+                    requested_rank,
+                    hostname,
+                    addr,
+                    ports,
+                    colocated,
+                    num_workers,
+                    num_servers,
+                })
+            }
+            MsgType::Welcome => {
+                let rank = r.u32("rank")?;
+                let num_workers = r.u32("num_workers")?;
+                let partition_bytes = r.u32("partition_bytes")?;
+                let heartbeat_ms = r.u32("heartbeat_ms")?;
+                let stall_ms = r.u32("stall_ms")?;
+                let ns = r.count("servers", 13)?;
+                let mut servers = Vec::with_capacity(ns);
+                for _ in 0..ns {
+                    let rank = r.u32("server rank")?;
+                    let addr = r.str("server addr")?;
+                    let np = r.count("server ports", 2)?;
+                    let ports = (0..np).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
+                    let colocated = r.u8("colocated")? != 0;
+                    servers.push(ServerInfo { rank, addr, ports, colocated });
+                }
+                let nw = r.count("worker_hosts", 4)?;
+                let worker_hosts = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;
+                Control::Welcome(Welcome {
+                    rank,
+                    num_workers,
+                    partition_bytes,
+                    heartbeat_ms,
+                    stall_ms,
+                    servers,
+                    worker_hosts,
+                })
+            }
+            MsgType::Declare => {
+                let req = r.u32("req")?;
+                let n = r.count("entries", 13)?;
+                let mut entries = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let name = r.str("name")?;
+                    let numel = r.u64("numel")?;
+                    let dtype = get_dtype(&mut r)?;
+                    entries.push(DeclEntry { name, numel, dtype });
+                }
+                Control::Declare { req, entries }
+            }
+            MsgType::Declared => {
+                let req = r.u32("req")?;
+                Control::Declared { req, specs: get_specs(&mut r)? }
+            }
+            MsgType::DeclareError => {
+                let req = r.u32("req")?;
+                Control::DeclareError { req, message: r.str("message")? }
+            }
+            MsgType::Heartbeat => Control::Heartbeat,
+            MsgType::Goodbye => Control::Goodbye,
+            MsgType::Shutdown => Control::Shutdown,
+            MsgType::PeerLost => {
+                let role = Role::from_u8(r.u8("role")?)?;
+                let rank = r.u32("rank")?;
+                Control::PeerLost { role, rank, reason: r.str("reason")? }
+            }
+            MsgType::Barrier => Control::Barrier { id: r.u32("id")? },
+            MsgType::BarrierDone => Control::BarrierDone { id: r.u32("id")? },
+            MsgType::ServerDeclare => {
+                let batch = r.u32("batch")?;
+                Control::ServerDeclare { batch, specs: get_specs(&mut r)? }
+            }
+            MsgType::ServerDeclareAck => Control::ServerDeclareAck { batch: r.u32("batch")? },
+            MsgType::Error => {
+                return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() })
+            }
+            other => {
+                return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection")))
+            }
+        };
+        r.finish(match h.msg_type {
+            MsgType::Register => "Register",
+            MsgType::Welcome => "Welcome",
+            _ => "control message",
+        })?;
+        Ok(msg)
+    }
+}

@@ -1,0 +1,189 @@
+//! The fixed 32-byte frame header every gradhub message starts with.
+//!
+//! Layout (little-endian):
+//! ```text
+//!  0  magic u16 = 0x4847 ("GH")   2  version u8    3  type u8
+//!  4  flags u16                   6  dtype u8      7  reserved u8 (0)
+//!  8  namespace u32              12  key u32      16  chunk u32
+//! 20  round u32                  24  priority i32 28  payload_len u32
+//! ```
+//! Decoding validates everything that can be checked without job state;
+//! the receiver then checks key/chunk/round/length against what was declared.
+
+use super::ProtocolError;
+
+pub const MAGIC: u16 = 0x4847;
+pub const VERSION: u8 = 1;
+pub const HEADER_LEN: usize = 32;
+
+/// Flag bit: divide the sum by the number of workers before returning it.
+pub const FLAG_AVERAGE: u16 = 1;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE;
+
+macro_rules! msg_types {
+    ($($name:ident = $val:expr, $doc:literal;)*) => {
+        /// Every message type on the wire. Values are stable across versions.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(u8)]
+        pub enum MsgType { $(#[doc = $doc] $name = $val,)* }
+        impl MsgType {
+            pub fn from_u8(v: u8) -> Option<MsgType> {
+                match v { $($val => Some(MsgType::$name),)* _ => None }
+            }
+        }
+    };
+}
+
+msg_types! {
+    DataHello = 1, "worker -> server thread: first frame on a data connection (key = worker rank)";
+    Push = 2, "worker -> server thread: one chunk of a tensor for this round";
+    Result = 3, "server thread -> worker: the reduced chunk (fused push-pull, no pull request)";
+    Stall = 4, "server thread -> worker: a round waited too long; payload names missing ranks";
+    Error = 5, "either direction: a fatal problem, UTF-8 text; the sender closes the connection";
+    Register = 16, "member -> scheduler: join the job";
+    Welcome = 17, "scheduler -> member: rank and cluster map";
+    Declare = 18, "worker -> scheduler: batch of tensor declarations";
+    Declared = 19, "scheduler -> worker: tensor specs (key, chunking, placement)";
+    DeclareError = 20, "scheduler -> worker: declarations disagree across workers";
+    Heartbeat = 21, "member <-> scheduler: liveness";
+    PeerLost = 22, "scheduler -> members: a member disconnected or stopped heartbeating";
+    Goodbye = 23, "worker -> scheduler: clean exit";
+    Shutdown = 24, "scheduler -> servers: every worker finished, exit";
+    Barrier = 25, "worker -> scheduler: enter a barrier";
+    BarrierDone = 26, "scheduler -> worker: everyone entered the barrier";
+    ServerDeclare = 27, "scheduler -> server: install tensor specs before workers use them";
+    ServerDeclareAck = 28, "server -> scheduler: specs installed";
+}
+
+/// Element type of a tensor payload. `None` is used by control messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    None = 0,
+    F32 = 1,
+    F16 = 2,
+    BF16 = 3,
+}
+
+impl DType {
+    pub fn from_u8(v: u8) -> Option<DType> {
+        match v {
+            0 => Some(DType::None),
+            1 => Some(DType::F32),
+            2 => Some(DType::F16),
+            3 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            DType::None => 1,
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::None => "none",
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+        }
+    }
+    pub fn from_name(s: &str) -> Option<DType> {
+        match s {
+            "float32" | "f32" => Some(DType::F32),
+            "float16" | "f16" | "half" => Some(DType::F16),
+            "bfloat16" | "bf16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub msg_type: MsgType,
+    pub flags: u16,
+    pub dtype: DType,
+    pub namespace: u32,
+    pub key: u32,
+    pub chunk: u32,
+    pub round: u32,
+    pub priority: i32,
+    pub payload_len: u32,
+}
+
+impl Header {
+    pub fn new(msg_type: MsgType) -> Header {
+        Header {
+            msg_type,
+            flags: 0,
+            dtype: DType::None,
+            namespace: 0,
+            key: 0,
+            chunk: 0,
+            round: 0,
+            priority: 0,
+            payload_len: 0,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..2].copy_from_slice(&MAGIC.to_le_bytes());
+        b[2] = VERSION;
+        b[3] = self.msg_type as u8;
+        b[4..6].copy_from_slice(&self.flags.to_le_bytes());
+        b[6] = self.dtype as u8;
+        b[7] = 0;
+        b[8..12].copy_from_slice(&self.namespace.to_le_bytes());
+        b[12..16].copy_from_slice(&self.key.to_le_bytes());
+        b[16..20].copy_from_slice(&self.chunk.to_le_bytes());
+        b[20..24].copy_from_slice(&self.round.to_le_bytes());
+        b[24..28].copy_from_slice(&self.priority.to_le_bytes());
+        b[28..32].copy_from_slice(&self.payload_len.to_le_bytes());
+        b
+    }
+
+    /// Decode and validate a header. `max_payload` bounds the payload length
+    /// so that a corrupt length can never make the receiver allocate or wait
+    /// for gigabytes.
+    pub fn decode(b: &[u8], max_payload: u32) -> Result<Header, ProtocolError> {
+        if b.len() < HEADER_LEN {
+            return Err(ProtocolError::Truncated { need: HEADER_LEN, got: b.len() });
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let magic = u16_at(0);
+        if magic != MAGIC {
+            return Err(ProtocolError::BadMagic(magic));
+        }
+        if b[2] != VERSION {
+            return Err(ProtocolError::UnsupportedVersion(b[2]));
+        }
+        let msg_type = MsgType::from_u8(b[3]).ok_or(ProtocolError::UnknownType(b[3]))?;
+        let flags = u16_at(4);
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(ProtocolError::UnknownFlags(flags));
+        }
+        let dtype = DType::from_u8(b[6]).ok_or(ProtocolError::BadDtype(b[6]))?;
+        if b[7] != 0 {
+            return Err(ProtocolError::ReservedNonZero);
+        }
+        let payload_len = u32_at(28);
+        if payload_len > max_payload {
+            return Err(ProtocolError::PayloadTooLarge { len: payload_len, max: max_payload });
+        }
+        Ok(Header {
+            msg_type,
+            flags,
+            dtype,
+            namespace: u32_at(8),
+            key: u32_at(12),
+            chunk: u32_at(16),
+            round: u32_at(20),
+            priority: u32_at(24) as i32,
+            payload_len,
+        })
+    }
+}

@@ -1,0 +1,100 @@
+//! Wire protocol: the fixed frame header, control-message payloads, and
+//! blocking helpers for the (low-rate) control connections.
+
+pub mod codec;
+pub mod control;
+pub mod frame;
+
+pub use control::{Control, DeclEntry, Register, Role, ServerInfo, TensorSpec, Welcome};
+pub use frame::{DType, Header, MsgType, FLAG_AVERAGE, HEADER_LEN, MAGIC, VERSION};
+
+use std::io::{Read, Write};
+
+/// Control payloads are small; this bounds what a peer can make us buffer.
+/// (A Declared reply lists one u32 per chunk, so 64 MiB allows ~16M chunks.)
+pub const MAX_CONTROL_PAYLOAD: u32 = 64 << 20;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ProtocolError {
+    #[error("bad magic 0x{0:04x} (not a gradhub peer?)")]
+    BadMagic(u16),
+    #[error("unsupported protocol version {0} (this build speaks {VERSION})")]
+    UnsupportedVersion(u8),
+    #[error("unknown message type {0}")]
+    UnknownType(u8),
+    #[error("unknown flag bits 0x{0:04x}")]
+    UnknownFlags(u16),
+    #[error("unknown dtype code {0}")]
+    BadDtype(u8),
+    #[error("reserved header byte is not zero")]
+    ReservedNonZero,
+    #[error("payload length {len} exceeds the limit of {max} bytes")]
+    PayloadTooLarge { len: u32, max: u32 },
+    #[error("frame truncated: need {need} bytes, got {got}")]
+    Truncated { need: usize, got: usize },
+    #[error("malformed payload: {0}")]
+    BadPayload(String),
+    #[error("unexpected message: {0}")]
+    UnexpectedType(String),
+    #[error("namespace {got} does not match this job's namespace {want}")]
+    WrongNamespace { got: u32, want: u32 },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Protocol(#[from] ProtocolError),
+}
+
+/// Read one control message from a blocking stream.
+pub fn read_control<R: Read>(r: &mut R, namespace: u32) -> Result<Control, ReadError> {
+    let mut hb = [0u8; HEADER_LEN];
+    r.read_exact(&mut hb)?;
+    let h = Header::decode(&hb, MAX_CONTROL_PAYLOAD)?;
+    if h.namespace != namespace {
+        return Err(ProtocolError::WrongNamespace { got: h.namespace, want: namespace }.into());
+    }
+    let mut payload = vec![0u8; h.payload_len as usize];
+    r.read_exact(&mut payload)?;
+    Ok(Control::decode(&h, &payload)?)
+}
+
+/// Write one control message to a blocking stream.
+pub fn write_control<W: Write>(w: &mut W, msg: &Control, namespace: u32) -> std::io::Result<()> {
+    w.write_all(&msg.encode(namespace))?;
+    w.flush()
+}
+
+/// Payload of a Stall frame: which server thread reports, and the worker
+/// ranks that have not pushed the chunk (key/chunk/round are in the header).
+pub fn encode_stall(server: u32, thread: u32, waited_ms: u64, missing: &[u32]) -> Vec<u8> {
+    let mut w = codec::Writer::new();
+    w.u32(server).u32(thread).u64(waited_ms).u32(missing.len() as u32);
+    for &m in missing {
+        w.u32(m);
+    }
+    w.buf
+}
+
+pub struct StallReport {
+    pub server: u32,
+    pub thread: u32,
+    pub waited_ms: u64,
+    pub missing: Vec<u32>,
+}
+
+pub fn decode_stall(payload: &[u8]) -> Result<StallReport, ProtocolError> {
+    let mut r = codec::Reader::new(payload);
+    let server = r.u32("server")?;
+    let thread = r.u32("thread")?;
+    let waited_ms = r.u64("waited_ms")?;
+    let n = r.count("missing", 4)?;
+    let missing = (0..n).map(|_| r.u32("rank")).collect::<Result<_, _>>()?;
+    r.finish("Stall")?;
+    Ok(StallReport { server, thread, waited_ms, missing })
+}
+
+#[cfg(test)]
+mod tests;

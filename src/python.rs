@@ -1,0 +1,299 @@
+//! PyO3 bindings: the `gradhub._core` extension module. Thin: argument
+//! conversion, releasing the GIL around anything that blocks, and mapping
+//! errors to Python exceptions. The Python package builds the user API on this.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::client::{Client, ClientConfig, ClientError, Op, OpError};
+use crate::protocol::{DType, DeclEntry};
+use crate::scheduler::{self, SchedulerConfig};
+use crate::server::{self, ServerConfig};
+
+create_exception!(_core, GradhubError, PyRuntimeError, "A gradhub job or operation failed.");
+create_exception!(_core, GradhubTimeoutError, PyTimeoutError, "A gradhub operation did not finish in time.");
+
+fn client_err(e: ClientError) -> PyErr {
+    match e {
+        ClientError::Usage(m) => PyValueError::new_err(m),
+        other => GradhubError::new_err(other.to_string()),
+    }
+}
+
+fn dtype_of(s: &str) -> PyResult<DType> {
+    DType::from_name(s).ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
+}
+
+#[pyfunction]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0))]
+#[allow(clippy::too_many_arguments)]
+fn run_scheduler(
+    py: Python<'_>,
+    bind: String,
+    num_workers: u32,
+    num_servers: u32,
+    partition_bytes: u32,
+    heartbeat_ms: u32,
+    peer_timeout_ms: u32,
+    stall_ms: u32,
+    join_timeout_ms: u32,
+    namespace: u32,
+) -> PyResult<()> {
+    let cfg = SchedulerConfig {
+        bind,
+        num_workers,
+        num_servers,
+        partition_bytes,
+        heartbeat_ms,
+        peer_timeout_ms,
+        stall_ms,
+        join_timeout_ms,
+        namespace,
+    };
+    py.detach(|| scheduler::run_scheduler(cfg)).map_err(|e| GradhubError::new_err(e.to_string()))
+}
+
+/// A scheduler running on a background thread of this process.
+#[pyclass(module = "gradhub._core")]
+struct SchedulerHandle {
+    addr: String,
+    inner: std::sync::Mutex<Option<scheduler::SchedulerHandle>>,
+}
+
+#[pymethods]
+impl SchedulerHandle {
+    #[getter]
+    fn address(&self) -> String {
+        self.addr.clone()
+    }
+    /// Wait for the job to end; raises if it failed.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let h = self.inner.lock().map_err(|_| GradhubError::new_err("poisoned"))?.take();
+        match h {
+            Some(h) => py.detach(|| h.wait()).map_err(|e| GradhubError::new_err(e.to_string())),
+            None => Ok(()),
+        }
+    }
+}
+
+#[pyfunction]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0))]
+#[allow(clippy::too_many_arguments)]
+fn start_scheduler(
+    bind: String,
+    num_workers: u32,
+    num_servers: u32,
+    partition_bytes: u32,
+    heartbeat_ms: u32,
+    peer_timeout_ms: u32,
+    stall_ms: u32,
+    join_timeout_ms: u32,
+    namespace: u32,
+) -> PyResult<SchedulerHandle> {
+    let cfg = SchedulerConfig {
+        bind,
+        num_workers,
+        num_servers,
+        partition_bytes,
+        heartbeat_ms,
+        peer_timeout_ms,
+        stall_ms,
+        join_timeout_ms,
+        namespace,
+    };
+    let h = scheduler::start_scheduler(cfg).map_err(|e| GradhubError::new_err(e.to_string()))?;
+    Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
+}
+
+#[pyfunction]
+#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0))]
+#[allow(clippy::too_many_arguments)]
+fn run_server(
+    py: Python<'_>,
+    scheduler: String,
+    threads: usize,
+    colocated: bool,
+    advertise: Option<String>,
+    bind_host: String,
+    base_port: u16,
+    rank: i32,
+    num_workers: u32,
+    num_servers: u32,
+    namespace: u32,
+    connect_timeout: f64,
+) -> PyResult<()> {
+    let cfg = ServerConfig {
+        scheduler,
+        threads,
+        colocated,
+        advertise,
+        bind_host,
+        base_port,
+        rank,
+        num_workers,
+        num_servers,
+        namespace,
+        connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
+    };
+    py.detach(|| server::run_server(cfg)).map_err(|e| GradhubError::new_err(e.to_string()))
+}
+
+/// A push_pull in flight.
+#[pyclass(module = "gradhub._core", name = "Handle")]
+struct PyHandle {
+    op: Arc<Op>,
+}
+
+#[pymethods]
+impl PyHandle {
+    /// Block (without the GIL) until done; raises on failure or timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let op = self.op.clone();
+        let t = timeout.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        py.detach(move || op.wait(t)).map_err(|e| match e {
+            OpError::Timeout(m) => GradhubTimeoutError::new_err(m),
+            OpError::Failed(m) => GradhubError::new_err(m),
+        })
+    }
+    fn done(&self) -> bool {
+        self.op.done()
+    }
+    #[getter]
+    fn name(&self) -> String {
+        self.op.name.clone()
+    }
+}
+
+#[pyclass(module = "gradhub._core", name = "Client")]
+struct PyClient {
+    inner: Arc<Client>,
+}
+
+#[pymethods]
+impl PyClient {
+    #[new]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0))]
+    fn new(
+        py: Python<'_>,
+        scheduler: String,
+        rank: i32,
+        num_workers: u32,
+        num_servers: u32,
+        namespace: u32,
+        credit_bytes: usize,
+        connect_timeout: f64,
+    ) -> PyResult<Self> {
+        let cfg = ClientConfig {
+            scheduler,
+            rank,
+            num_workers,
+            num_servers,
+            namespace,
+            credit_bytes,
+            connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
+        };
+        let c = py.detach(|| Client::connect(cfg)).map_err(client_err)?;
+        Ok(PyClient { inner: Arc::new(c) })
+    }
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.inner.rank
+    }
+    #[getter]
+    fn size(&self) -> u32 {
+        self.inner.num_workers
+    }
+    #[getter]
+    fn local_rank(&self) -> u32 {
+        self.inner.local_rank
+    }
+    #[getter]
+    fn local_size(&self) -> u32 {
+        self.inner.local_size
+    }
+    #[getter]
+    fn num_servers(&self) -> u32 {
+        self.inner.num_servers
+    }
+    #[getter]
+    fn partition_bytes(&self) -> u32 {
+        self.inner.partition_bytes
+    }
+
+    /// Declare [(name, numel, dtype), ...] in one exchange.
+    fn declare(&self, py: Python<'_>, entries: Vec<(String, u64, String)>) -> PyResult<()> {
+        let entries = entries
+            .into_iter()
+            .map(|(name, numel, d)| Ok(DeclEntry { name, numel, dtype: dtype_of(&d)? }))
+            .collect::<PyResult<Vec<_>>>()?;
+        let c = self.inner.clone();
+        py.detach(move || c.declare(entries)).map_err(client_err)
+    }
+
+    /// Start an in-place push_pull of raw memory. `owner` is kept alive until done.
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_pull_async(
+        &self,
+        ptr: usize,
+        nbytes: usize,
+        dtype: &str,
+        name: &str,
+        average: bool,
+        priority: i32,
+        owner: Py<PyAny>,
+    ) -> PyResult<PyHandle> {
+        let dtype = dtype_of(dtype)?;
+        if ptr == 0 && nbytes > 0 {
+            return Err(PyValueError::new_err("null buffer"));
+        }
+        // SAFETY: the Python layer passes the data pointer and size of a
+        // contiguous, writable buffer owned by `owner`, which the op keeps alive.
+        let op = unsafe {
+            self.inner.push_pull(ptr as *mut u8, nbytes, dtype, name, average, priority, Some(Box::new(owner)))
+        }
+        .map_err(client_err)?;
+        Ok(PyHandle { op })
+    }
+
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self.inner.clone();
+        py.detach(move || c.barrier()).map_err(client_err)
+    }
+
+    fn shutdown(&self, py: Python<'_>) {
+        let c = self.inner.clone();
+        py.detach(move || c.shutdown())
+    }
+
+    /// The job's failure message, if it has failed.
+    fn failure(&self) -> Option<String> {
+        self.inner.failure()
+    }
+}
+
+#[pyfunction]
+fn kernel_simd_level() -> &'static str {
+    crate::kernels::simd_level()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(run_scheduler, m)?)?;
+    m.add_function(wrap_pyfunction!(start_scheduler, m)?)?;
+    m.add_function(wrap_pyfunction!(run_server, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_simd_level, m)?)?;
+    m.add_class::<PyClient>()?;
+    m.add_class::<PyHandle>()?;
+    m.add_class::<SchedulerHandle>()?;
+    m.add("GradhubError", m.py().get_type::<GradhubError>())?;
+    m.add("GradhubTimeoutError", m.py().get_type::<GradhubTimeoutError>())?;
+    m.add("DEFAULT_PARTITION_BYTES", crate::DEFAULT_PARTITION_BYTES)?;
+    m.add("DEFAULT_CREDIT_BYTES", crate::DEFAULT_CREDIT_BYTES)?;
+    Ok(())
+}

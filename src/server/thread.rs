@@ -1,0 +1,603 @@
+//! One server thread: owns a listener, the connections every worker opened to
+//! it, and a fixed set of chunks. Nothing here is shared with other threads
+//! (PHub's shared-nothing, chunk-to-core mapping), so the data path has no locks.
+//!
+//! Per chunk and round: the first push is received straight into the
+//! accumulation buffer (f32), later pushes land in a per-connection scratch
+//! buffer and are added with the vectorized kernel. When every worker has
+//! pushed, the sum goes back to every worker on the same connections, without
+//! a pull request (fused push-pull). Results are double-buffered by round
+//! parity: a worker can only push round r+2 after every worker received round
+//! r, so the buffer of round r is never overwritten while it is being sent.
+
+use std::collections::{BinaryHeap, HashMap};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+
+use crate::kernels;
+use crate::protocol::{encode_stall, DType, Header, MsgType, ProtocolError, TensorSpec, FLAG_AVERAGE, HEADER_LEN};
+use crate::transport::{bytes, bytes_mut, read_nb, write_frame_nb, Io};
+
+pub const LISTENER: Token = Token(0);
+pub const WAKER: Token = Token(1);
+const FIRST_CONN: usize = 2;
+
+pub enum ThreadCmd {
+    /// Install specs; the chunks whose slot is this thread's become ours.
+    Declare(Vec<TensorSpec>, Sender<()>),
+    Stop,
+}
+
+pub struct ThreadConfig {
+    pub server: u32,
+    pub thread: u32,
+    pub slot: u32,
+    pub num_workers: u32,
+    pub namespace: u32,
+    pub partition_bytes: u32,
+    pub stall: Duration,
+}
+
+enum ChunkBuf {
+    F32([Vec<f32>; 2]),
+    /// f16/bf16 are accumulated in f32 and narrowed once per round.
+    Half { acc: Vec<f32>, out: [Vec<u16>; 2] },
+}
+
+struct Chunk {
+    key: u32,
+    chunk: u32,
+    dtype: DType,
+    elems: usize,
+    round: u32,
+    pushed: Vec<bool>,
+    count: u32,
+    flags: u16,
+    priority: i32,
+    started: Option<Instant>,
+    stall_reported: bool,
+    buf: ChunkBuf,
+}
+
+impl Chunk {
+    fn result_bytes(&self, parity: usize) -> &[u8] {
+        match &self.buf {
+            ChunkBuf::F32(b) => bytes(&b[parity]),
+            ChunkBuf::Half { out, .. } => bytes(&out[parity]),
+        }
+    }
+}
+
+/// A result waiting to be sent; higher priority first, then FIFO.
+#[derive(PartialEq, Eq)]
+struct TxItem {
+    priority: i32,
+    seq: u64,
+    chunk: usize,
+    round: u32,
+}
+impl Ord for TxItem {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.priority.cmp(&o.priority).then_with(|| o.seq.cmp(&self.seq))
+    }
+}
+impl PartialOrd for TxItem {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+enum Rx {
+    Header { got: usize },
+    /// Receiving a push payload; `direct` = straight into the accumulator.
+    Payload { hdr: Header, chunk: usize, direct: bool, got: usize },
+}
+
+struct Conn {
+    stream: TcpStream,
+    peer: SocketAddr,
+    rank: Option<u32>,
+    rx: Rx,
+    hdr: [u8; HEADER_LEN],
+    scratch: Vec<u32>,
+    tx: BinaryHeap<TxItem>,
+    /// Advisory frames (stall notices), sent between results.
+    notices: std::collections::VecDeque<Vec<u8>>,
+    cur: Option<Cur>,
+}
+
+/// The frame currently being written, and how many bytes of it are out.
+enum Cur {
+    Result(TxItem, [u8; HEADER_LEN], usize),
+    Notice(Vec<u8>, usize),
+}
+
+pub struct ServerThread {
+    cfg: ThreadConfig,
+    poll: Poll,
+    listener: TcpListener,
+    cmds: Receiver<ThreadCmd>,
+    conns: HashMap<usize, Conn>,
+    next_token: usize,
+    worker_conn: Vec<Option<usize>>,
+    chunks: Vec<Chunk>,
+    index: HashMap<(u32, u32), usize>,
+    names: HashMap<u32, String>,
+    seq: u64,
+}
+
+type ConnResult = Result<(), String>;
+
+impl ServerThread {
+    pub fn new(cfg: ThreadConfig, poll: Poll, listener: TcpListener, cmds: Receiver<ThreadCmd>) -> ServerThread {
+        let n = cfg.num_workers as usize;
+        ServerThread {
+            cfg,
+            poll,
+            listener,
+            cmds,
+            conns: HashMap::new(),
+            next_token: FIRST_CONN,
+            worker_conn: vec![None; n],
+            chunks: Vec::new(),
+            index: HashMap::new(),
+            names: HashMap::new(),
+            seq: 0,
+        }
+    }
+
+    /// Register the listener and a waker; the waker is used by the control
+    /// thread to signal commands.
+    pub fn setup(poll: &Poll, listener: &mut TcpListener) -> std::io::Result<Waker> {
+        poll.registry().register(listener, LISTENER, Interest::READABLE)?;
+        Waker::new(poll.registry(), WAKER)
+    }
+
+    fn log(&self, msg: &str) {
+        eprintln!("[gradhub server {}/t{}] {msg}", self.cfg.server, self.cfg.thread);
+    }
+
+    pub fn run(mut self) {
+        let mut events = Events::with_capacity(256);
+        let tick = (self.cfg.stall / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        loop {
+            if let Err(e) = self.poll.poll(&mut events, Some(tick)) {
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                self.log(&format!("poll failed: {e}"));
+                return;
+            }
+            for ev in events.iter() {
+                match ev.token() {
+                    LISTENER => self.accept(),
+                    WAKER => {}
+                    Token(t) => {
+                        let mut res = Ok(());
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            res = self.on_readable(t);
+                        }
+                        if res.is_ok() && ev.is_writable() {
+                            res = self.flush(t);
+                        }
+                        if let Err(why) = res {
+                            self.close(t, &why);
+                        }
+                    }
+                }
+            }
+            while let Ok(cmd) = self.cmds.try_recv() {
+                match cmd {
+                    ThreadCmd::Declare(specs, ack) => {
+                        self.install(&specs);
+                        let _ = ack.send(());
+                    }
+                    ThreadCmd::Stop => return,
+                }
+            }
+            self.check_stalls();
+        }
+    }
+
+    fn accept(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((mut stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    let t = self.next_token;
+                    self.next_token += 1;
+                    if let Err(e) =
+                        self.poll.registry().register(&mut stream, Token(t), Interest::READABLE | Interest::WRITABLE)
+                    {
+                        self.log(&format!("cannot register connection from {peer}: {e}"));
+                        continue;
+                    }
+                    self.conns.insert(
+                        t,
+                        Conn {
+                            stream,
+                            peer,
+                            rank: None,
+                            rx: Rx::Header { got: 0 },
+                            hdr: [0; HEADER_LEN],
+                            scratch: Vec::new(),
+                            tx: BinaryHeap::new(),
+                            notices: Default::default(),
+                            cur: None,
+                        },
+                    );
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    self.log(&format!("accept failed: {e}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    fn install(&mut self, specs: &[TensorSpec]) {
+        let n = self.cfg.num_workers as usize;
+        for s in specs {
+            self.names.insert(s.key, s.name.clone());
+            for (c, &slot) in s.slots.iter().enumerate() {
+                if slot != self.cfg.slot || self.index.contains_key(&(s.key, c as u32)) {
+                    continue;
+                }
+                let (a, b) = s.chunk_range(c);
+                let elems = b - a;
+                let buf = match s.dtype {
+                    DType::F32 => ChunkBuf::F32([vec![0.0; elems], vec![0.0; elems]]),
+                    _ => ChunkBuf::Half { acc: vec![0.0; elems], out: [vec![0; elems], vec![0; elems]] },
+                };
+                self.index.insert((s.key, c as u32), self.chunks.len());
+                self.chunks.push(Chunk {
+                    key: s.key,
+                    chunk: c as u32,
+                    dtype: s.dtype,
+                    elems,
+                    round: 0,
+                    pushed: vec![false; n],
+                    count: 0,
+                    flags: 0,
+                    priority: 0,
+                    started: None,
+                    stall_reported: false,
+                    buf,
+                });
+            }
+        }
+    }
+
+    fn close(&mut self, t: usize, why: &str) {
+        if let Some(mut c) = self.conns.remove(&t) {
+            let who = match c.rank {
+                Some(r) => format!("worker {r} ({})", c.peer),
+                None => format!("{}", c.peer),
+            };
+            if !why.is_empty() {
+                self.log(&format!("closing connection from {who}: {why}"));
+                // Best effort: tell the peer why, unless a frame is half-written.
+                if c.cur.is_none() {
+                    let mut h = Header::new(MsgType::Error);
+                    h.namespace = self.cfg.namespace;
+                    let msg = format!("server {} thread {}: {why}", self.cfg.server, self.cfg.thread);
+                    h.payload_len = msg.len() as u32;
+                    let _ = c.stream.write_all(&[&h.encode()[..], msg.as_bytes()].concat());
+                }
+            }
+            let _ = self.poll.registry().deregister(&mut c.stream);
+            if let Some(r) = c.rank {
+                if self.worker_conn[r as usize] == Some(t) {
+                    self.worker_conn[r as usize] = None;
+                }
+            }
+        }
+    }
+
+    fn on_readable(&mut self, t: usize) -> ConnResult {
+        loop {
+            let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
+            match conn.rx {
+                Rx::Header { got } => match read_nb(&mut conn.stream, &mut conn.hdr[got..]) {
+                    Ok(Io::Done(n)) if got + n == HEADER_LEN => {
+                        conn.rx = Rx::Header { got: 0 };
+                        let hdr = Header::decode(&conn.hdr, self.cfg.partition_bytes).map_err(|e| e.to_string())?;
+                        self.on_header(t, hdr)?;
+                    }
+                    Ok(Io::Done(n)) => conn.rx = Rx::Header { got: got + n },
+                    Ok(Io::WouldBlock) => return Ok(()),
+                    Ok(Io::Closed) if got == 0 => {
+                        self.close(t, "");
+                        return Ok(());
+                    }
+                    Ok(Io::Closed) => return Err("connection closed in the middle of a frame header".into()),
+                    Err(e) => return Err(format!("read failed: {e}")),
+                },
+                Rx::Payload { hdr, chunk, direct, got } => {
+                    let len = hdr.payload_len as usize;
+                    let parity = (hdr.round & 1) as usize;
+                    let dst: &mut [u8] = if direct {
+                        match &mut self.chunks[chunk].buf {
+                            ChunkBuf::F32(b) => &mut bytes_mut(&mut b[parity])[got..len],
+                            ChunkBuf::Half { .. } => return Err("internal: direct receive of a half chunk".into()),
+                        }
+                    } else {
+                        &mut bytes_mut(&mut conn.scratch)[got..len]
+                    };
+                    match read_nb(&mut conn.stream, dst) {
+                        Ok(Io::Done(n)) if got + n == len => {
+                            conn.rx = Rx::Header { got: 0 };
+                            self.on_push_complete(t, hdr, chunk, direct)?;
+                        }
+                        Ok(Io::Done(n)) => conn.rx = Rx::Payload { hdr, chunk, direct, got: got + n },
+                        Ok(Io::WouldBlock) => return Ok(()),
+                        Ok(Io::Closed) => return Err("connection closed in the middle of a push payload".into()),
+                        Err(e) => return Err(format!("read failed: {e}")),
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_header(&mut self, t: usize, hdr: Header) -> ConnResult {
+        if hdr.namespace != self.cfg.namespace {
+            return Err(ProtocolError::WrongNamespace { got: hdr.namespace, want: self.cfg.namespace }.to_string());
+        }
+        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        match hdr.msg_type {
+            MsgType::DataHello => {
+                let r = hdr.key;
+                if conn.rank.is_some() {
+                    return Err("second DataHello on one connection".into());
+                }
+                if r >= self.cfg.num_workers {
+                    return Err(format!("worker rank {r} out of range (job has {} workers)", self.cfg.num_workers));
+                }
+                if self.worker_conn[r as usize].is_some() {
+                    return Err(format!("worker rank {r} is already connected"));
+                }
+                conn.rank = Some(r);
+                self.worker_conn[r as usize] = Some(t);
+                Ok(())
+            }
+            MsgType::Push => {
+                let rank = conn.rank.ok_or("Push before DataHello")?;
+                let &idx = self.index.get(&(hdr.key, hdr.chunk)).ok_or_else(|| {
+                    format!(
+                        "key {} chunk {} is not owned by this server thread (undeclared or misrouted)",
+                        hdr.key, hdr.chunk
+                    )
+                })?;
+                let ch = &self.chunks[idx];
+                let name = self.names.get(&hdr.key).map(String::as_str).unwrap_or("?");
+                if hdr.dtype != ch.dtype {
+                    return Err(format!(
+                        "tensor '{name}' chunk {}: dtype {} but it was declared {}",
+                        hdr.chunk,
+                        hdr.dtype.name(),
+                        ch.dtype.name()
+                    ));
+                }
+                let want = ch.elems * ch.dtype.size();
+                if hdr.payload_len as usize != want {
+                    return Err(format!(
+                        "tensor '{name}' chunk {}: payload of {} bytes, expected {want}",
+                        hdr.chunk, hdr.payload_len
+                    ));
+                }
+                if hdr.round != ch.round {
+                    return Err(format!(
+                        "tensor '{name}' chunk {}: push for round {} but the chunk is at round {}",
+                        hdr.chunk, hdr.round, ch.round
+                    ));
+                }
+                if ch.pushed[rank as usize] {
+                    return Err(format!("tensor '{name}' chunk {}: worker {rank} pushed twice in round {}", hdr.chunk, ch.round));
+                }
+                if ch.count > 0 && (hdr.flags & FLAG_AVERAGE) != (ch.flags & FLAG_AVERAGE) {
+                    return Err(format!("tensor '{name}': workers disagree on average= in round {}", ch.round));
+                }
+                let direct = ch.count == 0 && ch.dtype == DType::F32;
+                if !direct && conn.scratch.len() * 4 < want {
+                    conn.scratch.resize(want.div_ceil(4), 0);
+                }
+                if want == 0 {
+                    return self.on_push_complete(t, hdr, idx, direct);
+                }
+                conn.rx = Rx::Payload { hdr, chunk: idx, direct, got: 0 };
+                Ok(())
+            }
+            other => Err(format!("unexpected {other:?} frame on a data connection")),
+        }
+    }
+
+    fn on_push_complete(&mut self, t: usize, hdr: Header, idx: usize, direct: bool) -> ConnResult {
+        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        let rank = conn.rank.ok_or("internal: no rank")? as usize;
+        let ch = &mut self.chunks[idx];
+        let parity = (hdr.round & 1) as usize;
+        let n = ch.elems;
+        let first = ch.count == 0;
+        match &mut ch.buf {
+            ChunkBuf::F32(b) => {
+                if !direct {
+                    let src: &[f32] = bytemuck_f32(&conn.scratch[..n]);
+                    kernels::add_f32(&mut b[parity], src);
+                }
+            }
+            ChunkBuf::Half { acc, .. } => {
+                let src: &[u16] = &bytemuck_u16(&conn.scratch)[..n];
+                match (ch.dtype, first) {
+                    (DType::F16, true) => kernels::widen_f16(acc, src),
+                    (DType::F16, false) => kernels::add_f16(acc, src),
+                    (_, true) => kernels::widen_bf16(acc, src),
+                    (_, false) => kernels::add_bf16(acc, src),
+                }
+            }
+        }
+        if first {
+            ch.started = Some(Instant::now());
+            ch.flags = hdr.flags;
+            ch.priority = hdr.priority;
+        }
+        ch.priority = ch.priority.max(hdr.priority);
+        ch.pushed[rank] = true;
+        ch.count += 1;
+        if ch.count == self.cfg.num_workers {
+            self.finish_round(idx);
+        }
+        Ok(())
+    }
+
+    /// Every worker pushed: finalize and send the result to everyone.
+    fn finish_round(&mut self, idx: usize) {
+        let nw = self.cfg.num_workers;
+        let ch = &mut self.chunks[idx];
+        let parity = (ch.round & 1) as usize;
+        let scale = if ch.flags & FLAG_AVERAGE != 0 { 1.0 / nw as f32 } else { 1.0 };
+        match &mut ch.buf {
+            ChunkBuf::F32(b) => {
+                if scale != 1.0 {
+                    kernels::scale_f32(&mut b[parity], scale);
+                }
+            }
+            ChunkBuf::Half { acc, out } => match ch.dtype {
+                DType::F16 => kernels::narrow_f16(&mut out[parity], acc, scale),
+                _ => kernels::narrow_bf16(&mut out[parity], acc, scale),
+            },
+        }
+        let (round, priority) = (ch.round, ch.priority);
+        if ch.stall_reported {
+            let name = self.names.get(&ch.key).cloned().unwrap_or_default();
+            eprintln!(
+                "[gradhub server {}/t{}] stall resolved: tensor '{name}' chunk {} round {round} complete",
+                self.cfg.server, self.cfg.thread, ch.chunk
+            );
+        }
+        ch.round = ch.round.wrapping_add(1);
+        ch.pushed.iter_mut().for_each(|p| *p = false);
+        ch.count = 0;
+        ch.started = None;
+        ch.stall_reported = false;
+        for r in 0..nw as usize {
+            let Some(t) = self.worker_conn[r] else { continue };
+            self.seq += 1;
+            if let Some(c) = self.conns.get_mut(&t) {
+                c.tx.push(TxItem { priority, seq: self.seq, chunk: idx, round });
+            }
+            if let Err(why) = self.flush(t) {
+                self.close(t, &why);
+            }
+        }
+    }
+
+    fn flush(&mut self, t: usize) -> ConnResult {
+        let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
+        loop {
+            if conn.cur.is_none() {
+                if let Some(n) = conn.notices.pop_front() {
+                    conn.cur = Some(Cur::Notice(n, 0));
+                } else {
+                    let Some(item) = conn.tx.pop() else { return Ok(()) };
+                    let ch = &self.chunks[item.chunk];
+                    let mut h = Header::new(MsgType::Result);
+                    h.namespace = self.cfg.namespace;
+                    h.key = ch.key;
+                    h.chunk = ch.chunk;
+                    h.round = item.round;
+                    h.dtype = ch.dtype;
+                    h.priority = item.priority;
+                    h.payload_len = (ch.elems * ch.dtype.size()) as u32;
+                    conn.cur = Some(Cur::Result(item, h.encode(), 0));
+                }
+            }
+            let (res, sent, total) = match conn.cur.as_mut() {
+                Some(Cur::Result(item, hdr, sent)) => {
+                    let payload = self.chunks[item.chunk].result_bytes((item.round & 1) as usize);
+                    (write_frame_nb(&mut conn.stream, hdr, payload, *sent), sent, HEADER_LEN + payload.len())
+                }
+                Some(Cur::Notice(frame, sent)) => {
+                    (write_frame_nb(&mut conn.stream, frame, &[], *sent), sent, frame.len())
+                }
+                None => return Ok(()),
+            };
+            match res {
+                Ok(Io::Done(n)) => {
+                    *sent += n;
+                    if *sent == total {
+                        conn.cur = None;
+                    }
+                }
+                Ok(_) => return Ok(()),
+                Err(e) => return Err(format!("write failed: {e}")),
+            }
+        }
+    }
+
+    /// Report rounds that have waited too long: which ranks did not push.
+    fn check_stalls(&mut self) {
+        let now = Instant::now();
+        // (key, round) -> (chunk indices, missing ranks, waited)
+        let mut by_key: HashMap<(u32, u32), (Vec<usize>, Vec<u32>, Duration)> = HashMap::new();
+        for (i, ch) in self.chunks.iter_mut().enumerate() {
+            let Some(start) = ch.started else { continue };
+            let waited = now - start;
+            if ch.stall_reported || waited < self.cfg.stall {
+                continue;
+            }
+            ch.stall_reported = true;
+            let e = by_key.entry((ch.key, ch.round)).or_insert_with(|| (Vec::new(), Vec::new(), waited));
+            e.0.push(i);
+            for (r, &p) in ch.pushed.iter().enumerate() {
+                if !p && !e.1.contains(&(r as u32)) {
+                    e.1.push(r as u32);
+                }
+            }
+        }
+        for ((key, round), (idxs, mut missing, waited)) in by_key {
+            missing.sort_unstable();
+            let name = self.names.get(&key).cloned().unwrap_or_default();
+            self.log(&format!(
+                "stall: tensor '{name}' (key {key}) round {round} has waited {:.1}s for worker rank(s) {missing:?} ({} chunk(s) on this thread)",
+                waited.as_secs_f64(),
+                idxs.len()
+            ));
+            let first = &self.chunks[idxs[0]];
+            let payload = encode_stall(self.cfg.server, self.cfg.thread, waited.as_millis() as u64, &missing);
+            let mut h = Header::new(MsgType::Stall);
+            h.namespace = self.cfg.namespace;
+            h.key = key;
+            h.chunk = first.chunk;
+            h.round = round;
+            h.payload_len = payload.len() as u32;
+            let pushed: Vec<usize> =
+                first.pushed.iter().enumerate().filter(|(_, &p)| p).map(|(r, _)| r).collect();
+            let frame = [&h.encode()[..], &payload].concat();
+            for r in pushed {
+                let Some(t) = self.worker_conn[r] else { continue };
+                if let Some(c) = self.conns.get_mut(&t) {
+                    c.notices.push_back(frame.clone());
+                }
+                if let Err(why) = self.flush(t) {
+                    self.close(t, &why);
+                }
+            }
+        }
+    }
+}
+
+fn bytemuck_f32(s: &[u32]) -> &[f32] {
+    // SAFETY: u32 and f32 have the same size and alignment; any bits are a valid f32.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
+}
+
+fn bytemuck_u16(s: &[u32]) -> &[u16] {
+    // SAFETY: u16 has smaller alignment than u32; the view covers the same bytes.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u16, s.len() * 2) }
+}
