@@ -2,9 +2,14 @@
 //!
 //! f16 uses the F16C conversion instructions (exact widening, RNE narrowing with inf/NaN
 //! preserved). bf16 is integer shifts: widening is `bits << 16`, narrowing is the RNE bias trick
-//! of [`portable::f32_to_bf16`] done lane-wise. All loads/stores are unaligned: buffers come from
-//! the network at arbitrary offsets, and unaligned ops on aligned data cost nothing on
-//! AVX2-class cores.
+//! of [`portable::f32_to_bf16`] done lane-wise.
+//!
+//! Buffers may sit at any offset, so loads/stores are the unaligned forms, but every kernel first
+//! peels a short head until its f32 stream is vector-aligned: a 16-byte-offset buffer (what glibc
+//! returns for large `Vec`s) otherwise splits accesses across cache lines, measured ~25% slower
+//! in cache. The other stream usually shares the offset and is aligned by the same peel.
+//!
+//! The AVX-512 intrinsics need Rust >= 1.89.
 
 use std::arch::x86_64::*;
 
@@ -53,11 +58,9 @@ pub(super) fn avx512() -> Option<Kernels> {
     })
 }
 
-/// 8 lanes per step. A scalar head (portable code, same rounding) first brings the f32 stream
-/// to a 32-byte boundary: a 16-byte-offset buffer (what glibc returns for large `Vec`s) would
-/// otherwise split every other access across cache lines, measured ~25% slower in cache; the
-/// other stream usually shares the offset and gets aligned too. The < 8 element tail is scalar.
-/// Pointer arithmetic stays within `0..n`, and every function asserts the lengths it relies on.
+/// 8 lanes per step; the alignment head and the short tail run the portable scalar code (same
+/// rounding). Pointer arithmetic stays within `0..n`, and every function asserts the lengths it
+/// relies on.
 mod avx2 {
     use super::*;
 
@@ -217,16 +220,15 @@ mod avx2 {
     }
 }
 
-/// 16 lanes per step. The tail is one more step with a lane mask: masked-off lanes are neither
-/// read nor written (no fault past the end of the slice), so no scalar tail is needed.
+/// 16 lanes per step. Head and tail are single steps with a lane mask: masked-off lanes are
+/// neither read nor written (no fault outside the slice), so no scalar code is needed.
 mod avx512 {
     use super::*;
 
     const W: usize = 16;
 
     /// Calls `f(i, mask)` over `0..n`: a masked head that brings `p` (the f32 stream) to a
-    /// 64-byte boundary (so no access splits a cache line; see `avx2`), whole blocks with an
-    /// all-ones mask, then a masked tail. The all-ones mask matters: LLVM turns it into plain
+    /// 64-byte boundary, whole blocks with an all-ones mask, then a masked tail. The all-ones mask matters: LLVM turns it into plain
     /// loads/stores, while masked ops in the main loop measured at half speed from DRAM.
     #[inline(always)]
     fn blocks(p: *const f32, n: usize, mut f: impl FnMut(usize, __mmask16)) {

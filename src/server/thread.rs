@@ -61,6 +61,10 @@ struct Chunk {
     priority: i32,
     started: Option<Instant>,
     stall_reported: bool,
+    /// A push is being received straight into the accumulator right now;
+    /// pushes that complete meanwhile are parked in `deferred` and added after.
+    direct_in_progress: bool,
+    deferred: Vec<Vec<u32>>,
     buf: ChunkBuf,
 }
 
@@ -129,6 +133,8 @@ pub struct ServerThread {
     index: HashMap<(u32, u32), usize>,
     names: HashMap<u32, String>,
     seq: u64,
+    /// Recycled scratch buffers (see `Chunk::deferred`).
+    pool: Vec<Vec<u32>>,
 }
 
 type ConnResult = Result<(), String>;
@@ -148,6 +154,7 @@ impl ServerThread {
             index: HashMap::new(),
             names: HashMap::new(),
             seq: 0,
+            pool: Vec::new(),
         }
     }
 
@@ -268,6 +275,8 @@ impl ServerThread {
                     priority: 0,
                     started: None,
                     stall_reported: false,
+                    direct_in_progress: false,
+                    deferred: Vec::new(),
                     buf,
                 });
             }
@@ -276,6 +285,24 @@ impl ServerThread {
 
     fn close(&mut self, t: usize, why: &str) {
         if let Some(mut c) = self.conns.remove(&t) {
+            if let Rx::Payload { chunk, direct: true, .. } = c.rx {
+                // The accumulator holds a partial push: rebuild it from the
+                // pushes parked meanwhile (the next push overwrites it if none).
+                let ch = &mut self.chunks[chunk];
+                ch.direct_in_progress = false;
+                let (parity, n) = ((ch.round & 1) as usize, ch.elems);
+                if let ChunkBuf::F32(b) = &mut ch.buf {
+                    for (i, d) in ch.deferred.drain(..).enumerate() {
+                        let src = bytemuck_f32(&d[..n]);
+                        if i == 0 {
+                            b[parity].copy_from_slice(src);
+                        } else {
+                            kernels::add_f32(&mut b[parity], src);
+                        }
+                        self.pool.push(d);
+                    }
+                }
+            }
             let who = match c.rank {
                 Some(r) => format!("worker {r} ({})", c.peer),
                 None => format!("{}", c.peer),
@@ -403,9 +430,14 @@ impl ServerThread {
                 if ch.count > 0 && (hdr.flags & FLAG_AVERAGE) != (ch.flags & FLAG_AVERAGE) {
                     return Err(format!("tensor '{name}': workers disagree on average= in round {}", ch.round));
                 }
-                let direct = ch.count == 0 && ch.dtype == DType::F32;
-                if !direct && conn.scratch.len() * 4 < want {
-                    conn.scratch.resize(want.div_ceil(4), 0);
+                let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress;
+                if direct {
+                    self.chunks[idx].direct_in_progress = true;
+                } else if conn.scratch.len() * 4 < want {
+                    if conn.scratch.is_empty() {
+                        conn.scratch = self.pool.pop().unwrap_or_default();
+                    }
+                    conn.scratch.resize((self.cfg.partition_bytes as usize).div_ceil(4).max(want.div_ceil(4)), 0);
                 }
                 if want == 0 {
                     return self.on_push_complete(t, hdr, idx, direct);
@@ -426,9 +458,19 @@ impl ServerThread {
         let first = ch.count == 0;
         match &mut ch.buf {
             ChunkBuf::F32(b) => {
-                if !direct {
-                    let src: &[f32] = bytemuck_f32(&conn.scratch[..n]);
-                    kernels::add_f32(&mut b[parity], src);
+                if direct {
+                    ch.direct_in_progress = false;
+                    for d in ch.deferred.drain(..) {
+                        kernels::add_f32(&mut b[parity], bytemuck_f32(&d[..n]));
+                        self.pool.push(d);
+                    }
+                } else if ch.direct_in_progress {
+                    // The accumulator is still being filled from the network.
+                    ch.deferred.push(std::mem::take(&mut conn.scratch));
+                } else if first {
+                    b[parity].copy_from_slice(bytemuck_f32(&conn.scratch[..n]));
+                } else {
+                    kernels::add_f32(&mut b[parity], bytemuck_f32(&conn.scratch[..n]));
                 }
             }
             ChunkBuf::Half { acc, .. } => {

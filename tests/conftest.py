@@ -1,0 +1,117 @@
+"""Helpers for integration tests that run real gradhub jobs on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+WORKERS = HERE / "workers"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(**extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(k, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_launch(workers: int, servers: int, script: str, config: dict | None = None, *, threads: int = 1,
+               launch_args: list[str] | None = None, timeout: float = 240, env: dict | None = None):
+    """Run `gradhub launch` with a worker script from tests/workers; returns (rc, output)."""
+    argv = [sys.executable, "-m", "gradhub", "launch", "-w", str(workers), "-s", str(servers),
+            "--server-threads", str(threads), *(launch_args or []), "--",
+            sys.executable, str(WORKERS / script)]
+    e = job_env(GH_TEST=json.dumps(config or {}), **(env or {}))
+    p = subprocess.run(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    return p.returncode, p.stdout.decode(errors="replace")
+
+
+def assert_all_passed(rc: int, out: str, workers: int) -> None:
+    assert rc == 0, out[-6000:]
+    for r in range(workers):
+        assert f"[worker {r}] PASS" in out, out[-6000:]
+
+
+class Cluster:
+    """Scheduler and servers as separate processes, for failure tests that
+    need to kill or poke individual members."""
+
+    def __init__(self, workers: int, servers: int, threads: int = 1, server_ports: list[int] | None = None,
+                 **env):
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.workers = workers
+        self.env = job_env(GRADHUB_SCHEDULER=self.addr, GRADHUB_NUM_WORKERS=workers,
+                           GRADHUB_NUM_SERVERS=servers, **env)
+        py = [sys.executable, "-m", "gradhub"]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self._spawn("scheduler", py + ["scheduler", "--bind", self.addr])
+        for s in range(servers):
+            argv = py + ["server", "--threads", str(threads), "--rank", str(s), "--advertise-addr", "127.0.0.1"]
+            if server_ports:
+                argv += ["--port", str(server_ports[s])]
+            self._spawn(f"server{s}", argv)
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gradhub-test-{os.getpid()}-{self.port}-{name}.log"
+        f = open(log, "wb")
+        p = subprocess.Popen(argv, env=env or self.env, stdout=f, stderr=subprocess.STDOUT)
+        self.procs[name] = p
+        self.logs[name] = log
+        return p
+
+    def start_worker(self, rank: int, script: str, config: dict | None = None) -> subprocess.Popen:
+        env = dict(self.env, GRADHUB_RANK=str(rank), GH_TEST=json.dumps(config or {}))
+        return self._spawn(f"worker{rank}", [sys.executable, str(WORKERS / script)], env)
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text(errors="replace")
+
+    def wait_for(self, name: str, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log(name):
+                return
+            if self.procs[name].poll() is not None and text not in self.log(name):
+                raise AssertionError(f"{name} exited before printing {text!r}:\n{self.log(name)}")
+            time.sleep(0.05)
+        raise AssertionError(f"{name} did not print {text!r} within {timeout}s:\n{self.log(name)}")
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in self.logs.values():
+            log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def cluster_factory():
+    made: list[Cluster] = []
+
+    def make(*args, **kwargs) -> Cluster:
+        c = Cluster(*args, **kwargs)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
