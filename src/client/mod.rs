@@ -510,6 +510,17 @@ fn control_loop(shared: Arc<Shared>, mut ctrl: TcpStream, peer_timeout: Duration
                 }
             }
             Ok(Control::DeclareError { req, message }) => shared.on_declare_error(req, message),
+            Ok(Control::DeclareStall { name, missing, waited_ms }) => {
+                let msg = format!(
+                    "the scheduler reports tensor '{name}' has waited {:.1}s for worker rank(s) {missing:?} to push_pull or declare it",
+                    waited_ms as f64 / 1000.0
+                );
+                if let Some(ops) = shared.table().parked.get(&name) {
+                    for p in ops {
+                        p.op.set_stall(msg.clone());
+                    }
+                }
+            }
             Ok(Control::BarrierDone { id }) => {
                 if let Some(tx) = shared.table().barriers.remove(&id) {
                     let _ = tx.send(Ok(()));

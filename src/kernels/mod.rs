@@ -144,13 +144,15 @@ fn select(forced: Option<&str>) -> Kernels {
         }
     }
     // Preference, by measurement (`cargo bench --bench kernels`, 2-vCPU AMD EPYC VM with
-    // AVX-512, buffers 64-byte aligned): AVX-512 >= AVX2 in every cell. In cache (32 KiB-4 MiB
-    // per operand) it is 1.0-1.1x for add_f32, ~1.5x for add_f16/add_bf16, 2x for narrow_bf16;
-    // from DRAM (64 MiB) all levels hit the same ~63 GB/s. The earlier finding that 512-bit lost
-    // for f32 accumulation reproduces only with masked loads/stores in the main loop (0.5x from
-    // DRAM); the kernels now keep masks to head and tail. Not measured here: Skylake-SP/Cascade
-    // Lake drop their clock for 512-bit code, slowing the rest of the server, so AVX-512 is only
-    // preferred on CPUs with VBMI2 (Ice Lake / Zen 4 and newer, which barely throttle).
+    // AVX-512, 64-byte-aligned buffers, several runs): AVX-512 is never slower than AVX2 beyond
+    // run-to-run noise. In cache (32 KiB-4 MiB per operand) it gains 1.0-1.4x on add_f32,
+    // 1.5-1.8x on add_f16/add_bf16/widen, 2x on narrow_bf16 and scale_f32; from DRAM (64 MiB)
+    // every level sits at the ~60-65 GB/s the baseline gets. The earlier finding that 512-bit
+    // loses for f32 accumulation reproduced only while the AVX-512 main loop used masked
+    // loads/stores (0.5x the bandwidth from DRAM); masks are now confined to head and tail.
+    // Not measurable here: Skylake-SP/Cascade Lake lower their clock for 512-bit code, slowing
+    // the rest of the server, so AVX-512 is only preferred where VBMI2 marks a newer core
+    // (Ice Lake / Zen 4 and later, which barely throttle). GRADHUB_KERNELS overrides this.
     #[cfg(target_arch = "x86_64")]
     let preference: &[&str] = if is_x86_feature_detected!("avx512vbmi2") {
         &["avx512", "avx2"]

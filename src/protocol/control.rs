@@ -120,6 +120,7 @@ pub enum Control {
     BarrierDone { id: u32 },
     ServerDeclare { batch: u32, specs: Vec<TensorSpec> },
     ServerDeclareAck { batch: u32 },
+    DeclareStall { name: String, missing: Vec<u32>, waited_ms: u64 },
     Error { message: String },
 }
 
@@ -186,6 +187,7 @@ impl Control {
             Control::BarrierDone { .. } => MsgType::BarrierDone,
             Control::ServerDeclare { .. } => MsgType::ServerDeclare,
             Control::ServerDeclareAck { .. } => MsgType::ServerDeclareAck,
+            Control::DeclareStall { .. } => MsgType::DeclareStall,
             Control::Error { .. } => MsgType::Error,
         }
     }
@@ -244,6 +246,12 @@ impl Control {
             }
             Control::ServerDeclareAck { batch } => {
                 w.u32(*batch);
+            }
+            Control::DeclareStall { name, missing, waited_ms } => {
+                w.str(name).u64(*waited_ms).u32(missing.len() as u32);
+                for &m in missing {
+                    w.u32(m);
+                }
             }
             Control::Error { message } => {
                 w.buf.extend_from_slice(message.as_bytes());
@@ -345,6 +353,13 @@ impl Control {
                 Control::ServerDeclare { batch, specs: get_specs(&mut r)? }
             }
             MsgType::ServerDeclareAck => Control::ServerDeclareAck { batch: r.u32("batch")? },
+            MsgType::DeclareStall => {
+                let name = r.str("name")?;
+                let waited_ms = r.u64("waited_ms")?;
+                let n = r.count("missing", 4)?;
+                let missing = (0..n).map(|_| r.u32("rank")).collect::<Result<_, _>>()?;
+                Control::DeclareStall { name, missing, waited_ms }
+            }
             MsgType::Error => {
                 return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() })
             }

@@ -53,6 +53,7 @@ msg_types! {
     BarrierDone = 26, "scheduler -> worker: everyone entered the barrier";
     ServerDeclare = 27, "scheduler -> server: install tensor specs before workers use them";
     ServerDeclareAck = 28, "server -> scheduler: specs installed";
+    DeclareStall = 29, "scheduler -> worker: a tensor you declared waits for other workers to declare it";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

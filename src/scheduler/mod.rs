@@ -94,7 +94,8 @@ struct Decl {
     conflict: Option<String>,
     spec: Option<TensorSpec>,
     installed: bool,
-    in_batch: bool,
+    since: Instant,
+    stall_reported: bool,
 }
 
 struct PendingReq {
@@ -272,6 +273,7 @@ fn heartbeat_loop(shared: Arc<Shared>) {
         for m in members {
             m.send(&Control::Heartbeat, shared.cfg.namespace);
         }
+        report_declaration_stalls(&shared);
         thread::sleep(period);
     }
 }
@@ -563,7 +565,8 @@ fn declare(
             conflict: None,
             spec: None,
             installed: false,
-            in_batch: false,
+            since: Instant::now(),
+            stall_reported: false,
         });
         if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype) {
             d.conflict = Some(format!(
@@ -600,7 +603,6 @@ fn declare(
         let spec = TensorSpec { key, name: name.clone(), numel, dtype, chunk_elems: ce, slots };
         if let Some(d) = st.decls.get_mut(&name) {
             d.spec = Some(spec.clone());
-            d.in_batch = true;
         }
         specs.push(spec);
     }
@@ -611,6 +613,34 @@ fn declare(
     let batch = st.next_batch;
     st.next_batch += 1;
     Some((batch, specs))
+}
+
+/// A tensor some workers declared long ago and others never did: log who is
+/// missing and tell the workers waiting on it (their timeouts will name them).
+fn report_declaration_stalls(shared: &Shared) {
+    let stall = Duration::from_millis(shared.cfg.stall_ms as u64);
+    let mut st = shared.lock();
+    let mut reports = Vec::new();
+    for (name, d) in st.decls.iter_mut() {
+        if d.spec.is_some() || d.conflict.is_some() || d.stall_reported || d.since.elapsed() < stall {
+            continue;
+        }
+        d.stall_reported = true;
+        let missing: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| !d.declared_by[r as usize]).collect();
+        let waiting: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| d.declared_by[r as usize]).collect();
+        reports.push((name.clone(), missing, waiting, d.since.elapsed()));
+    }
+    for (name, missing, waiting, waited) in reports {
+        shared.log(&format!(
+            "stall: tensor '{name}' has waited {:.1}s for worker rank(s) {missing:?} to declare it (push_pull it)",
+            waited.as_secs_f64()
+        ));
+        let msg = Control::DeclareStall { name, missing, waited_ms: waited.as_millis() as u64 };
+        for m in st.members.iter().filter(|m| m.role == Role::Worker && waiting.contains(&m.rank)) {
+            m.send(&msg, shared.cfg.namespace);
+        }
+    }
+    drop(st);
 }
 
 /// Send the specs to every server, wait for all acks, then answer workers.

@@ -151,12 +151,6 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         wakers.push(waker);
         joins.push(j);
     }
-    let stop_all = |cmd_txs: &Vec<crossbeam_channel::Sender<ThreadCmd>>, wakers: &Vec<Waker>| {
-        for (tx, w) in cmd_txs.iter().zip(wakers) {
-            let _ = tx.send(ThreadCmd::Stop);
-            let _ = w.wake();
-        }
-    };
 
     // Heartbeats go out from their own thread so a slow install never looks like death.
     let writer = Arc::new(Mutex::new(ctrl.try_clone().map_err(|e| setup("clone", e))?));
@@ -180,7 +174,13 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let _ = ctrl.set_read_timeout(Some(peer_timeout));
     let result = control_loop(rank, &mut ctrl, &writer, &cmd_txs, &wakers, ns, peer_timeout);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    stop_all(&cmd_txs, &wakers);
+    for (tx, w) in cmd_txs.iter().zip(&wakers) {
+        let _ = tx.send(match &result {
+            Ok(()) => ThreadCmd::Stop,
+            Err(e) => ThreadCmd::Abort(e.to_string()),
+        });
+        let _ = w.wake();
+    }
     for j in joins {
         let _ = j.join();
     }

@@ -31,6 +31,8 @@ pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours.
     Declare(Vec<TensorSpec>, Sender<()>),
     Stop,
+    /// The job failed: tell every connected worker why, then exit.
+    Abort(String),
 }
 
 pub struct ThreadConfig {
@@ -205,6 +207,13 @@ impl ServerThread {
                         let _ = ack.send(());
                     }
                     ThreadCmd::Stop => return,
+                    ThreadCmd::Abort(why) => {
+                        let tokens: Vec<usize> = self.conns.keys().copied().collect();
+                        for t in tokens {
+                            self.close(t, &why);
+                        }
+                        return;
+                    }
                 }
             }
             self.check_stalls();

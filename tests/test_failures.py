@@ -1,0 +1,159 @@
+"""Failure handling: dead and stalled peers, bad input, user errors."""
+
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import assert_all_passed, free_port, run_launch
+
+
+def wait_line(cluster, name, text, timeout=30):
+    cluster.wait_for(name, text, timeout)
+    return next(line for line in cluster.log(name).splitlines() if text in line)
+
+
+def test_server_killed_mid_round_raises_naming_it(cluster_factory, tmp_path):
+    c = cluster_factory(2, 2)
+    cfg = {"go_file": str(tmp_path / "never"), "size": 1_000_000}
+    c.start_worker(0, "hold.py", cfg)
+    c.start_worker(1, "hold.py", cfg)
+    c.wait_for("worker0", "WAITING")
+    time.sleep(0.3)  # worker 0's chunks are now pushed and waiting for worker 1
+    killed = time.monotonic()
+    c.procs["server1"].send_signal(signal.SIGKILL)
+    line = wait_line(c, "worker0", "RAISED", timeout=20)
+    assert time.monotonic() - killed < 20
+    assert "server 1" in line, line
+    assert c.procs["worker0"].wait(timeout=20) == 3
+
+
+def test_worker_killed_is_reported_to_the_others(cluster_factory, tmp_path):
+    c = cluster_factory(2, 1)
+    cfg = {"go_file": str(tmp_path / "never")}
+    c.start_worker(0, "hold.py", cfg)
+    c.start_worker(1, "hold.py", cfg)
+    c.wait_for("worker0", "WAITING")
+    c.wait_for("worker1", "READY")
+    c.procs["worker1"].send_signal(signal.SIGKILL)
+    line = wait_line(c, "worker0", "RAISED", timeout=20)
+    assert "worker 1" in line, line
+    # The scheduler and the server end with an error, they don't hang.
+    assert c.procs["scheduler"].wait(timeout=20) == 1
+    assert c.procs["server0"].wait(timeout=20) == 1
+
+
+def test_silent_peer_detected_by_heartbeat(cluster_factory, tmp_path):
+    c = cluster_factory(2, 2, GRADHUB_PEER_TIMEOUT=2)
+    cfg = {"go_file": str(tmp_path / "never")}
+    c.start_worker(0, "hold.py", cfg)
+    c.start_worker(1, "hold.py", cfg)
+    c.wait_for("worker0", "WAITING")
+    os.kill(c.procs["server0"].pid, signal.SIGSTOP)  # alive, connections open, but silent
+    try:
+        stopped = time.monotonic()
+        line = wait_line(c, "worker0", "RAISED", timeout=30)
+        assert time.monotonic() - stopped < 15
+        assert "server 0" in line and "heartbeat" in line, line
+    finally:
+        os.kill(c.procs["server0"].pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared):
+    # Declared ahead: the server sees a round with a missing push. Not declared:
+    # the scheduler sees a tensor that one worker never asked for.
+    go = tmp_path / "go"
+    c = cluster_factory(3, 1, GRADHUB_STALL_SECONDS=1)
+    cfg = {"go_file": str(go), "timeout": 3, "hold_rank": 2, "size": 1000, "declare": declared}
+    for r in range(3):
+        c.start_worker(r, "hold.py", cfg)
+    line = wait_line(c, "worker0", "TIMEOUT", timeout=30)
+    assert "rank(s) [2]" in line and "'x'" in line, line
+    who = "server0" if declared else "scheduler"
+    c.wait_for(who, "stall: tensor 'x'")
+    assert "worker rank(s) [2]" in c.log(who)
+    go.write_text("go")
+    for r in range(3):
+        c.wait_for(f"worker{r}", "PASS")
+    if declared:
+        c.wait_for("server0", "stall resolved")
+
+
+def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, tmp_path):
+    port = free_port()
+    go = tmp_path / "go"
+    c = cluster_factory(2, 1, server_ports=[port])
+    cfg = {"go_file": str(go), "size": 100_000, "extra_rounds": 5}
+    c.start_worker(0, "hold.py", cfg)
+    c.start_worker(1, "hold.py", cfg)
+    c.wait_for("worker0", "WAITING")
+    c.wait_for("worker1", "READY")
+
+    def send(data: bytes) -> bytes:
+        """Send raw bytes, return whatever the server answers before closing."""
+        chunks = []
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            try:
+                s.sendall(data)
+                s.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the server may reject and close before reading everything
+            try:
+                while b := s.recv(65536):
+                    chunks.append(b)
+            except OSError:
+                pass
+        return b"".join(chunks)
+
+    def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=1):
+        return struct.pack("<HBBHBBIIIIiI", magic, ver, mtype, flags, dtype, 0, 0, key, chunk, rnd, 0, plen)
+
+    rng = np.random.default_rng(0)
+    send(rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())                     # random bytes
+    reply = send(header(2, ver=1, magic=0x1234))                                   # bad magic
+    assert b"bad magic" in reply
+    reply = send(header(1, key=0))                                                 # duplicate worker rank
+    assert b"already connected" in reply
+    reply = send(header(1, key=7))                                                 # rank out of range
+    assert b"out of range" in reply
+    reply = send(header(1, key=0) if False else header(2, key=0, dtype=1, plen=4))   # push before hello
+    assert b"before DataHello" in reply
+    reply = send(header(2, plen=1 << 30))                                          # absurd length
+    assert b"exceeds the limit" in reply
+    go.write_text("go")
+    c.wait_for("worker0", "PASS")
+    c.wait_for("worker1", "PASS")
+    log = c.log("server0")
+    assert "closing connection" in log and "bad magic" in log
+    assert c.procs["server0"].wait(timeout=20) == 0
+
+
+def test_usage_errors_and_mismatched_declarations():
+    rc, out = run_launch(2, 1, "usage_errors.py")
+    assert_all_passed(rc, out, 2)
+
+
+def test_torch_tensors_and_broadcast():
+    rc, out = run_launch(3, 2, "torch_tensors.py", threads=2)
+    assert_all_passed(rc, out, 3)
+
+
+def test_errors_before_init():
+    import subprocess
+
+    code = (
+        "import numpy as np, gradhub\n"
+        "try:\n    gradhub.push_pull(np.zeros(3, np.float32))\nexcept RuntimeError as e:\n    print('E1', e)\n"
+        "try:\n    gradhub.init()\nexcept RuntimeError as e:\n    print('E2', e)\n"
+    )
+    from conftest import job_env
+
+    out = subprocess.run([sys.executable, "-c", code], env=job_env(), capture_output=True, text=True, timeout=60)
+    assert "E1 gradhub is not initialized: call gradhub.init() first" in out.stdout, out
+    assert "E2 gradhub.init(): no scheduler address" in out.stdout, out

@@ -1,0 +1,61 @@
+"""Worker: user errors get clear exceptions, and the job keeps working."""
+
+import time
+
+import numpy as np
+
+import gradhub
+from common import CONFIG
+
+gradhub.init()
+r, n = gradhub.rank(), gradhub.size()
+
+
+def expect(exc, text, fn):
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"expected {text!r} in {e!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__} containing {text!r}")
+
+
+# Declarations that disagree across workers: both sides get an error.
+mine = 100 + (1 if r == 1 else 0)
+expect(gradhub.GradhubError, "declared inconsistently", lambda: gradhub.declare([("a", np.zeros(mine, np.float32))]))
+# The same through push_pull's implicit declaration.
+expect(gradhub.GradhubError, "declared inconsistently",
+       lambda: gradhub.push_pull(np.zeros(50 if r == 0 else 60, np.float32), name="b", timeout=30))
+# dtype disagreement.
+dt = np.float32 if r == 0 else np.float16
+expect(gradhub.GradhubError, "declared inconsistently", lambda: gradhub.push_pull(np.zeros(8, dt), name="c", timeout=30))
+
+# Local usage errors.
+expect(TypeError, "int64", lambda: gradhub.push_pull(np.zeros(4, np.int64), name="i"))
+expect(ValueError, "contiguous", lambda: gradhub.push_pull(np.zeros((4, 4), np.float32)[:, 1], name="nc"))
+ro = np.zeros(4, np.float32)
+ro.flags.writeable = False
+expect(ValueError, "writable", lambda: gradhub.push_pull(ro, name="ro"))
+expect(ValueError, "root_rank", lambda: gradhub.broadcast(np.zeros(4, np.float32), root_rank=n))
+
+# Same name twice in flight.
+z = np.ones(10, np.float32)
+if r == 0:
+    h = gradhub.push_pull_async(z, name="twice")
+    expect(ValueError, "already being push_pulled", lambda: gradhub.push_pull_async(np.ones(10, np.float32), name="twice"))
+    h.wait(30)
+else:
+    time.sleep(0.5)
+    gradhub.push_pull(z, name="twice", timeout=30)
+assert np.all(z == n)
+
+# A registered name reused with another size.
+expect(ValueError, "was declared with 10 elements", lambda: gradhub.push_pull(np.ones(11, np.float32), name="twice"))
+
+# The job still works.
+y = np.full(1000, r + 1.0, np.float32)
+gradhub.push_pull(y, name="after", timeout=30)
+assert np.all(y == n * (n + 1) / 2)
+gradhub.barrier()
+print("PASS", r, flush=True)
+gradhub.shutdown()
