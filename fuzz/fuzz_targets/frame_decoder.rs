@@ -51,6 +51,40 @@ fuzz_target!(|data: &[u8]| {
 
     // 3. Raw bytes as a Stall payload.
     let _ = decode_stall(data);
+
+    // 4. Structure-aware shortcut so the payload decoders get deep coverage
+    //    without the fuzzer first having to discover the magic/version/type
+    //    bytes: the first byte picks the message type, the rest is its
+    //    payload, both directly and as a well-formed frame via read_control.
+    if let Some((&t, payload)) = data.split_first() {
+        const CONTROL: [MsgType; 14] = [
+            MsgType::Register,
+            MsgType::Welcome,
+            MsgType::Declare,
+            MsgType::Declared,
+            MsgType::DeclareError,
+            MsgType::Heartbeat,
+            MsgType::PeerLost,
+            MsgType::Goodbye,
+            MsgType::Shutdown,
+            MsgType::Barrier,
+            MsgType::BarrierDone,
+            MsgType::ServerDeclare,
+            MsgType::ServerDeclareAck,
+            MsgType::Error,
+        ];
+        let mut h = Header::new(CONTROL[t as usize % CONTROL.len()]);
+        h.namespace = 7;
+        h.payload_len = payload.len() as u32;
+        check_control(&h, payload);
+        let mut frame = h.encode().to_vec();
+        frame.extend_from_slice(payload);
+        if let Ok(msg) = read_control(&mut Cursor::new(&frame), 7) {
+            let again = read_control(&mut Cursor::new(&msg.encode(7)), 7)
+                .unwrap_or_else(|e| panic!("re-encoded {msg:?} fails to decode: {e}"));
+            assert_eq!(again, msg);
+        }
+    }
 });
 
 fn check_control(h: &Header, payload: &[u8]) {

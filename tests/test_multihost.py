@@ -1,0 +1,95 @@
+"""Every role on its own emulated host (network namespaces joined by a bridge):
+workers reach servers only through the addresses servers advertise."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import WORKERS, job_env
+
+SUFFIX = f"{os.getpid() % 100000}"
+BRIDGE = f"ghbr{SUFFIX}"
+SUBNET = "10.213.{}.{}"
+
+
+def sh(*args, check=True):
+    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+
+
+def netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    probe = f"ghprobe{SUFFIX}"
+    r = sh("ip", "netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"cannot create network namespaces here: {r.stderr.strip()}"
+    sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+@pytest.fixture
+def hosts():
+    reason = netns_available()
+    if reason:
+        pytest.skip(reason)
+    made = []
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "link", "set", BRIDGE, "up")
+
+    def add(i: int) -> tuple[str, str]:
+        ns, veth = f"gh{SUFFIX}h{i}", f"gh{SUFFIX}v{i}"
+        ip = SUBNET.format(0, i + 1)
+        sh("ip", "netns", "add", ns)
+        made.append(ns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", veth, "master", BRIDGE)
+        sh("ip", "link", "set", veth, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        return ns, ip
+
+    try:
+        yield add
+    finally:
+        for ns in made:
+            sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "link", "del", BRIDGE, check=False)
+
+
+def test_job_across_emulated_hosts(hosts):
+    sched_ns, sched_ip = hosts(0)
+    server_hosts = [hosts(1), hosts(2)]
+    worker_hosts = [hosts(3), hosts(4), hosts(5)]
+    port = 9555
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:{port}", GRADHUB_NUM_WORKERS=3, GRADHUB_NUM_SERVERS=2,
+                  GH_TEST='{"sizes": [1, 1000, 300001], "dtypes": ["float32", "bfloat16"], "rounds": 2}')
+    py = sys.executable
+    procs = [subprocess.Popen(["ip", "netns", "exec", sched_ns, py, "-m", "gradhub", "scheduler"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    for i, (ns, _) in enumerate(server_hosts):
+        # No --advertise-addr: each server must advertise its own host's address.
+        argv = ["ip", "netns", "exec", ns, py, "-m", "gradhub", "server", "--threads", "2"]
+        if i == 1:
+            argv.append("--colocated")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    for r, (ns, _) in enumerate(worker_hosts):
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, py, str(WORKERS / "check_sums.py")],
+                                      env=dict(env, GRADHUB_RANK=str(r)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    for r in range(3):
+        assert f"PASS {r}" in outs[3 + r]
+    for i, (_, ip) in enumerate(server_hosts):
+        assert f"on {ip} ports" in outs[1 + i], outs[1 + i]
