@@ -6,6 +6,10 @@ use super::codec::{Reader, Writer};
 use super::frame::{DType, Header, MsgType};
 use super::ProtocolError;
 
+/// Largest tensor gradhub accepts (1 TiB): far beyond any real gradient,
+/// small enough that sizes and offsets never overflow.
+pub const MAX_TENSOR_BYTES: u64 = 1 << 40;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
     Worker,
@@ -96,7 +100,7 @@ impl TensorSpec {
     /// Element range of chunk `c`.
     pub fn chunk_range(&self, c: usize) -> (usize, usize) {
         let start = c as u64 * self.chunk_elems;
-        let end = (start + self.chunk_elems).min(self.numel);
+        let end = start.saturating_add(self.chunk_elems).min(self.numel);
         (start as usize, end as usize)
     }
     pub fn chunk_bytes(&self, c: usize) -> usize {
@@ -150,6 +154,14 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
     let mut slots = Vec::with_capacity(n);
     for _ in 0..n {
         slots.push(r.u32("slot")?);
+    }
+    let elem = dtype.size() as u64;
+    if numel.checked_mul(elem).is_none_or(|b| b > MAX_TENSOR_BYTES) {
+        return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {numel} elements is too large")));
+    }
+    // numel * elem fits (checked above), so the largest real chunk does too.
+    if chunk_elems.min(numel) * elem > u32::MAX as u64 {
+        return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': chunks of {chunk_elems} elements are too large")));
     }
     if chunk_elems == 0 || numel.div_ceil(chunk_elems) != n as u64 {
         return Err(ProtocolError::BadPayload(format!(

@@ -56,8 +56,12 @@ pub fn read_control<R: Read>(r: &mut R, namespace: u32) -> Result<Control, ReadE
     if h.namespace != namespace {
         return Err(ProtocolError::WrongNamespace { got: h.namespace, want: namespace }.into());
     }
-    let mut payload = vec![0u8; h.payload_len as usize];
-    r.read_exact(&mut payload)?;
+    // Grow with the data actually received, not with what the header claims.
+    let mut payload = Vec::new();
+    r.take(h.payload_len as u64).read_to_end(&mut payload)?;
+    if payload.len() != h.payload_len as usize {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed mid-message").into());
+    }
     Ok(Control::decode(&h, &payload)?)
 }
 

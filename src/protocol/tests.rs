@@ -5,7 +5,9 @@ use super::*;
 use proptest::prelude::*;
 use std::io::Cursor;
 
-const ALL_MSG_TYPES: [MsgType; 18] = [
+/// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
+/// type that is missing here.
+const ALL_MSG_TYPES: [MsgType; 19] = [
     MsgType::DataHello,
     MsgType::Push,
     MsgType::Result,
@@ -24,7 +26,11 @@ const ALL_MSG_TYPES: [MsgType; 18] = [
     MsgType::BarrierDone,
     MsgType::ServerDeclare,
     MsgType::ServerDeclareAck,
+    MsgType::DeclareStall,
 ];
+
+/// Data-plane types; every other MsgType is a Control message.
+const DATA_TYPES: [MsgType; 4] = [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall];
 
 const ALL_DTYPES: [DType; 4] = [DType::None, DType::F32, DType::F16, DType::BF16];
 
@@ -119,7 +125,10 @@ fn sample_controls() -> Vec<Control> {
             ],
         },
         Control::Declared { req: 0, specs: vec![] },
-        Control::DeclareError { req: 9, message: "tensor 'x' declared as float32 by rank 0 but float16 by rank 2 ✗".into() },
+        Control::DeclareError {
+            req: 9,
+            message: "tensor 'x' declared as float32 by rank 0 but float16 by rank 2 ✗".into(),
+        },
         Control::DeclareError { req: 0, message: String::new() },
         Control::Heartbeat,
         Control::PeerLost { role: Role::Server, rank: 1, reason: "heartbeat timeout after 3000 ms".into() },
@@ -135,6 +144,9 @@ fn sample_controls() -> Vec<Control> {
         },
         Control::ServerDeclare { batch: 0, specs: vec![] },
         Control::ServerDeclareAck { batch: u32::MAX },
+        Control::DeclareStall { name: "layer1.weight".into(), missing: vec![1, 3, u32::MAX], waited_ms: 30_000 },
+        Control::DeclareStall { name: "ß∂ƒ".into(), missing: vec![], waited_ms: u64::MAX },
+        Control::DeclareStall { name: String::new(), missing: vec![0], waited_ms: 0 },
         Control::Error { message: "scheduler: job namespace mismatch — bye 👋".into() },
         Control::Error { message: String::new() },
     ]
@@ -304,6 +316,11 @@ fn header_rejects_unknown_type() {
         let mut b = valid_header_bytes();
         b[3] = v;
         let r = Header::decode(&b, u32::MAX);
+        assert_eq!(
+            MsgType::from_u8(v).is_some(),
+            known.contains(&v),
+            "type {v}: ALL_MSG_TYPES in tests.rs is out of sync with frame.rs"
+        );
         if known.contains(&v) {
             assert_eq!(r.unwrap().msg_type as u8, v);
             assert_eq!(MsgType::from_u8(v).map(|t| t as u8), Some(v));
@@ -395,22 +412,7 @@ fn control_round_trip_every_variant() {
     // Every Control variant (i.e. every control MsgType) is covered.
     let mut covered: Vec<MsgType> = samples.iter().map(Control::msg_type).collect();
     covered.dedup();
-    for t in [
-        MsgType::Register,
-        MsgType::Welcome,
-        MsgType::Declare,
-        MsgType::Declared,
-        MsgType::DeclareError,
-        MsgType::Heartbeat,
-        MsgType::PeerLost,
-        MsgType::Goodbye,
-        MsgType::Shutdown,
-        MsgType::Barrier,
-        MsgType::BarrierDone,
-        MsgType::ServerDeclare,
-        MsgType::ServerDeclareAck,
-        MsgType::Error,
-    ] {
+    for &t in ALL_MSG_TYPES.iter().filter(|t| !DATA_TYPES.contains(t)) {
         assert!(covered.contains(&t), "no sample for {t:?}");
     }
     for msg in samples {
@@ -459,7 +461,7 @@ fn control_error_decodes_invalid_utf8_lossily() {
 
 #[test]
 fn control_rejects_data_plane_types() {
-    for t in [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall] {
+    for t in DATA_TYPES {
         let (h, p) = frame_with_payload(t, &[0u8; 16]);
         assert!(matches!(Control::decode(&h, &p), Err(ProtocolError::UnexpectedType(_))), "{t:?}");
         let (h, p) = frame_with_payload(t, &[]);
@@ -572,6 +574,13 @@ fn control_rejects_huge_counts_without_allocating() {
         let mut p = w();
         p.u8(1).u32(2).u32(count);
         cases.push((MsgType::PeerLost, p.buf));
+        // DeclareStall: name length and missing-ranks count.
+        let mut p = w();
+        p.u32(count).u64(1).u32(0);
+        cases.push((MsgType::DeclareStall, p.buf));
+        let mut p = w();
+        p.str("t").u64(1).u32(count).u32(0);
+        cases.push((MsgType::DeclareStall, p.buf));
 
         for (t, payload) in cases {
             let (h, p) = frame_with_payload(t, &payload);
@@ -620,6 +629,9 @@ fn control_rejects_invalid_utf8() {
     let mut p = w();
     p.u8(0).u32(1).u32(bad.len() as u32).extend_raw(bad);
     cases.push((MsgType::PeerLost, p.buf));
+    let mut p = w();
+    p.u32(bad.len() as u32).extend_raw(bad).u64(1).u32(0);
+    cases.push((MsgType::DeclareStall, p.buf));
     for (t, payload) in cases {
         let (h, p) = frame_with_payload(t, &payload);
         match Control::decode(&h, &p) {
@@ -648,7 +660,8 @@ fn specs_payload(t: MsgType, spec_bytes: &[u8]) -> (Header, Vec<u8>) {
 fn control_rejects_inconsistent_tensor_specs() {
     for t in [MsgType::Declared, MsgType::ServerDeclare] {
         // Sanity: the raw builder produces a valid spec when consistent.
-        for (numel, chunk, n) in [(10u64, 3u64, 4u32), (0, 5, 0), (9, 3, 3), (1, u64::MAX, 1), (u64::MAX, 1 << 40, 1 << 24)]
+        for (numel, chunk, n) in
+            [(10u64, 3u64, 4u32), (0, 5, 0), (9, 3, 3), (1, u64::MAX, 1), (u64::MAX, 1 << 40, 1 << 24)]
         {
             if n > 1000 {
                 continue; // too large to materialise cheaply
@@ -744,10 +757,7 @@ fn read_control_reports_header_errors() {
     // Bad magic.
     let mut b = Control::Heartbeat.encode(NS);
     b[0] = 0;
-    assert!(matches!(
-        read_control(&mut Cursor::new(b), NS),
-        Err(ReadError::Protocol(ProtocolError::BadMagic(_)))
-    ));
+    assert!(matches!(read_control(&mut Cursor::new(b), NS), Err(ReadError::Protocol(ProtocolError::BadMagic(_)))));
     // Oversized payload_len is rejected before anything is allocated or read.
     let mut h = Header::new(MsgType::Declared);
     h.namespace = NS;
@@ -883,7 +893,7 @@ proptest! {
 
     #[test]
     fn prop_mutated_valid_frames_never_panic(
-        idx in 0..24usize,
+        idx in 0..64usize,
         flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
     ) {
         let samples = sample_controls();
@@ -902,5 +912,25 @@ proptest! {
     ) {
         let r = decode_stall(&encode_stall(server, thread, waited, &missing)).unwrap();
         prop_assert_eq!((r.server, r.thread, r.waited_ms, r.missing), (server, thread, waited, missing));
+    }
+}
+
+// ---------------------------------------------------------------- regressions
+
+/// Specs whose sizes would overflow offset arithmetic (numel = u64::MAX,
+/// chunk_elems = 2^63: 2 slots, chunk 1 at 2^63 + 2^63) are rejected by decode.
+#[test]
+fn decoded_spec_chunk_geometry_does_not_overflow() {
+    for (numel, chunk) in [(u64::MAX, 1u64 << 63), (u64::MAX, u64::MAX), (1u64 << 41, 1u64 << 20)] {
+        let n = numel.div_ceil(chunk) as u32;
+        let (h, p) = specs_payload(MsgType::Declared, &raw_spec(numel, 1, chunk, n));
+        assert!(Control::decode(&h, &p).is_err(), "numel {numel} chunk {chunk} accepted");
+        if let Ok(Control::Declared { specs, .. }) = Control::decode(&h, &p) {
+            let s = &specs[0];
+            for c in 0..s.num_chunks() {
+                let _ = s.chunk_range(c);
+                let _ = s.chunk_bytes(c);
+            }
+        }
     }
 }

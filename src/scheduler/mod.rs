@@ -556,6 +556,26 @@ fn declare(
     let n = shared.cfg.num_workers as usize;
     let mut names = Vec::with_capacity(entries.len());
     let mut newly_complete = Vec::new();
+    for e in &entries {
+        let ce = chunk_elems(shared.cfg.partition_bytes, e.dtype.size());
+        let bytes = e.numel.checked_mul(e.dtype.size() as u64);
+        // The reply lists one u32 slot per chunk; keep it well under the control-message limit.
+        if bytes.is_none_or(|b| b > crate::protocol::control::MAX_TENSOR_BYTES)
+            || e.numel.div_ceil(ce) > (crate::protocol::MAX_CONTROL_PAYLOAD / 16) as u64
+        {
+            let message = format!(
+                "tensor '{}' with {} elements of {} is too large for partitions of {} bytes",
+                e.name,
+                e.numel,
+                e.dtype.name(),
+                shared.cfg.partition_bytes
+            );
+            if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
+                m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
+            }
+            return None;
+        }
+    }
     for e in entries {
         let d = st.decls.entry(e.name.clone()).or_insert_with(|| Decl {
             numel: e.numel,
