@@ -10,6 +10,7 @@
 //! - `client`: the worker's communication service (priority + credit)
 //! - `python` (feature "python"): the PyO3 extension `gradhub._core`
 
+pub mod baseline;
 pub mod client;
 pub mod kernels;
 pub mod placement;

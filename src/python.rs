@@ -277,6 +277,29 @@ impl PyClient {
     }
 }
 
+/// Benchmark baseline: echo one TCP connection on `bind` (prints the port).
+#[pyfunction]
+fn baseline_echo_serve(py: Python<'_>, bind: String) -> PyResult<()> {
+    let l = std::net::TcpListener::bind(&bind).map_err(|e| GradhubError::new_err(e.to_string()))?;
+    let port = l.local_addr().map_err(|e| GradhubError::new_err(e.to_string()))?.port();
+    println!("{port}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    py.detach(|| crate::baseline::echo_serve(l)).map_err(|e| GradhubError::new_err(e.to_string()))
+}
+
+/// Benchmark baseline: seconds per echo of `nbytes`, `reps` times.
+#[pyfunction]
+fn baseline_echo_goodput(py: Python<'_>, addr: String, nbytes: usize, reps: usize) -> PyResult<Vec<f64>> {
+    py.detach(|| crate::baseline::echo_goodput(&addr, nbytes, reps)).map_err(|e| GradhubError::new_err(e.to_string()))
+}
+
+/// Benchmark baseline: seconds per ping-pong of `size` bytes.
+#[pyfunction]
+fn baseline_ping_pong(py: Python<'_>, addr: String, size: usize, iters: usize) -> PyResult<Vec<f64>> {
+    py.detach(|| crate::baseline::ping_pong(&addr, size, iters)).map_err(|e| GradhubError::new_err(e.to_string()))
+}
+
 #[pyfunction]
 fn kernel_simd_level() -> &'static str {
     crate::kernels::simd_level()
@@ -288,6 +311,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(baseline_echo_serve, m)?)?;
+    m.add_function(wrap_pyfunction!(baseline_echo_goodput, m)?)?;
+    m.add_function(wrap_pyfunction!(baseline_ping_pong, m)?)?;
     m.add_class::<PyClient>()?;
     m.add_class::<PyHandle>()?;
     m.add_class::<SchedulerHandle>()?;

@@ -1,7 +1,8 @@
 //! A push_pull in progress, as seen by the caller: a handle to wait on.
 
 use std::any::Any;
-use std::sync::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -26,11 +27,28 @@ pub struct Op {
     pub name: String,
     state: Mutex<OpState>,
     cv: Condvar,
+    /// Mirrors `state.done` so a waiter can spin without the lock.
+    done_flag: AtomicBool,
+}
+
+/// How long `wait` spins before sleeping: a futex sleep/wake costs more than
+/// a small round trip, so short waits are much faster when spun.
+fn spin_limit() -> Duration {
+    static SPIN: OnceLock<Duration> = OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("GRADHUB_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50u64);
+        Duration::from_micros(us)
+    })
 }
 
 impl Op {
     pub fn new(name: String, keepalive: Option<Box<dyn Any + Send>>) -> Op {
-        Op { name, state: Mutex::new(OpState { keepalive, ..Default::default() }), cv: Condvar::new() }
+        Op {
+            name,
+            state: Mutex::new(OpState { keepalive, ..Default::default() }),
+            cv: Condvar::new(),
+            done_flag: AtomicBool::new(false),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OpState> {
@@ -44,6 +62,7 @@ impl Op {
         }
         st.done = true;
         st.error = error;
+        self.done_flag.store(true, Ordering::Release);
         self.cv.notify_all();
         st.keepalive.take()
     }
@@ -58,7 +77,12 @@ impl Op {
 
     /// Wait until the result is in the caller's buffer, or fail.
     pub fn wait(&self, timeout: Option<Duration>) -> Result<(), OpError> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        let spin_until = start + spin_limit().min(timeout.unwrap_or(Duration::MAX));
+        while !self.done_flag.load(Ordering::Acquire) && Instant::now() < spin_until {
+            std::hint::spin_loop();
+        }
         let mut st = self.lock();
         while !st.done {
             match deadline {
