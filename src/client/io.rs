@@ -1,32 +1,41 @@
-//! The worker's single I/O thread (the Communication Service's progress
-//! engine): one nonblocking connection per server thread, a priority queue of
-//! chunk sends per connection with a credit (bounded bytes in flight), and
-//! results received straight into the caller's buffer.
+//! The worker's data plane: one nonblocking connection per server thread,
+//! a priority queue of chunk sends per connection with a credit (bounded
+//! bytes in flight), and results received straight into the caller's buffer.
+//!
+//! Sends are driven by whoever has work: the caller's thread writes its own
+//! chunks right away (no hand-off to another thread, which on a small round
+//! trip costs as much as the network), and the I/O thread continues when a
+//! socket becomes writable again or a result returns credit. Receives are
+//! the I/O thread's alone.
 //!
 //! Why a credit: once bytes are in the kernel socket queue they cannot be
 //! overtaken. Keeping at most `credit` bytes outstanding per connection means
 //! a high-priority chunk waits behind at most that much low-priority data
 //! (P3's slicing + priority queue, ByteScheduler's credit).
+//!
+//! Locks: `ops` before a connection's `send`, never the reverse; the client's
+//! table lock is only taken inside `ops` (completing an op), never around it.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use crossbeam_channel::Receiver;
 use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token};
+use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::op::Op;
 use super::Shared;
 use crate::protocol::{decode_stall, DType, Header, MsgType, TensorSpec, HEADER_LEN};
-use crate::transport::{read_nb, write_frame_nb, Io};
+use crate::transport::{read_nb, write_frame_nb, Io as IoOutcome};
 
 pub const WAKER: Token = Token(usize::MAX);
 
-/// Raw pointer to the caller's buffer. The Op's keepalive owns the memory
-/// until the Op completes, and only the I/O thread touches it meanwhile.
+/// Raw pointer to the caller's buffer. The op's keepalive owns the memory
+/// until the op completes; an op is completed only after every queued send
+/// of it is dropped and by the thread that receives into it.
 #[derive(Clone, Copy)]
 pub struct BufPtr(pub *mut u8);
-// SAFETY: see above; the pointer is only dereferenced by the I/O thread while the op is active.
+// SAFETY: see above.
 unsafe impl Send for BufPtr {}
 
 pub struct Submission {
@@ -35,12 +44,6 @@ pub struct Submission {
     pub ptr: BufPtr,
     pub priority: i32,
     pub flags: u16,
-}
-
-pub enum IoCmd {
-    Submit(Submission),
-    Fail(String),
-    Stop,
 }
 
 /// One chunk waiting to be sent. Strict order: higher priority first, then
@@ -68,39 +71,30 @@ impl PartialOrd for SendItem {
     }
 }
 
-enum Rx {
-    Header { got: usize },
-    Result { key: u32, chunk: usize, dst: *mut u8, len: usize, got: usize },
-    /// A small frame read whole (stall notice or error text).
-    Small { hdr: Header, buf: Vec<u8>, got: usize },
-}
-
-pub struct DataConn {
-    pub stream: TcpStream,
-    pub desc: String,
+#[derive(Default)]
+struct SendHalf {
     heap: BinaryHeap<SendItem>,
     cur: Option<(SendItem, [u8; HEADER_LEN], usize)>,
     in_flight: usize,
-    rx: Rx,
-    hdr: [u8; HEADER_LEN],
+    /// Registered for writability: only while a write would block, because
+    /// with it set every ACK wakes the I/O thread for nothing.
+    watching_writable: bool,
+}
+// SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
+unsafe impl Send for SendHalf {}
+
+pub struct Conn {
+    stream: TcpStream,
+    pub desc: String,
+    send: Mutex<SendHalf>,
 }
 
-// SAFETY: the raw pointers inside (queued chunks, receive target) point into
-// caller buffers kept alive by their ops; a DataConn is moved to the I/O
-// thread once and only used there.
-unsafe impl Send for DataConn {}
-
-impl DataConn {
-    pub fn new(stream: TcpStream, desc: String) -> DataConn {
-        DataConn {
-            stream,
-            desc,
-            heap: BinaryHeap::new(),
-            cur: None,
-            in_flight: 0,
-            rx: Rx::Header { got: 0 },
-            hdr: [0; HEADER_LEN],
-        }
+impl Conn {
+    pub fn new(stream: TcpStream, desc: String) -> Conn {
+        Conn { stream, desc, send: Mutex::new(SendHalf::default()) }
+    }
+    fn send(&self) -> MutexGuard<'_, SendHalf> {
+        self.send.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -113,46 +107,254 @@ struct Active {
     remaining: usize,
 }
 
-pub struct IoThread {
-    pub poll: Poll,
-    pub conns: Vec<DataConn>,
-    pub cmds: Receiver<IoCmd>,
-    pub shared: Arc<Shared>,
-    pub credit: usize,
-    pub namespace: u32,
-    pub max_payload: u32,
+#[derive(Default)]
+struct OpTable {
     active: HashMap<u32, Active>,
     rounds: HashMap<u32, u32>,
     seq: u64,
     failed: Option<String>,
 }
 
-impl IoThread {
+/// The send side and the table of operations in flight, shared by callers and the I/O thread.
+pub struct Io {
+    pub conns: Vec<Conn>,
+    registry: mio::Registry,
+    ops: Mutex<OpTable>,
+    credit: usize,
+    namespace: u32,
+    max_payload: u32,
+    waker: Waker,
+    stop: AtomicBool,
+    fail_requested: Mutex<Option<String>>,
+}
+
+impl Io {
+    /// Registers the connections with `poll` (owned by the I/O thread).
     pub fn new(
-        poll: Poll,
-        mut conns: Vec<DataConn>,
-        cmds: Receiver<IoCmd>,
-        shared: Arc<Shared>,
+        poll: &Poll,
+        mut streams: Vec<(TcpStream, String)>,
         credit: usize,
         namespace: u32,
         max_payload: u32,
-    ) -> std::io::Result<IoThread> {
-        for (i, c) in conns.iter_mut().enumerate() {
-            poll.registry().register(&mut c.stream, Token(i), Interest::READABLE | Interest::WRITABLE)?;
+    ) -> std::io::Result<Io> {
+        for (i, (s, _)) in streams.iter_mut().enumerate() {
+            poll.registry().register(s, Token(i), Interest::READABLE)?;
         }
-        Ok(IoThread {
-            poll,
-            conns,
-            cmds,
-            shared,
+        Ok(Io {
+            conns: streams.into_iter().map(|(s, d)| Conn::new(s, d)).collect(),
+            registry: poll.registry().try_clone()?,
+            ops: Mutex::new(OpTable::default()),
             credit,
             namespace,
             max_payload,
-            active: HashMap::new(),
-            rounds: HashMap::new(),
-            seq: 0,
-            failed: None,
+            waker: Waker::new(poll.registry(), WAKER)?,
+            stop: AtomicBool::new(false),
+            fail_requested: Mutex::new(None),
         })
+    }
+
+    fn ops(&self) -> MutexGuard<'_, OpTable> {
+        self.ops.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.waker.wake();
+    }
+
+    /// Ask the I/O thread to fail everything in flight (it owns the receive
+    /// buffers, so only it may release them).
+    pub fn request_fail(&self, msg: String) {
+        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
+        let _ = self.waker.wake();
+    }
+
+    /// Queue every chunk of a push_pull and start sending from this thread.
+    pub fn submit(&self, s: Submission, shared: &Shared) {
+        let key = s.spec.key;
+        let n = s.spec.num_chunks();
+        let mut touched = Vec::new();
+        {
+            let mut ops = self.ops();
+            if let Some(f) = &ops.failed {
+                let f = f.clone();
+                drop(ops);
+                shared.finish_op(&s.op, Some(f));
+                return;
+            }
+            if ops.active.contains_key(&key) {
+                drop(ops);
+                shared.finish_op(&s.op, Some(format!("tensor '{}' is already in flight", s.spec.name)));
+                return;
+            }
+            let round = *ops.rounds.entry(key).or_insert(0);
+            if n == 0 {
+                ops.rounds.insert(key, round.wrapping_add(1));
+                drop(ops);
+                shared.finish_op(&s.op, None);
+                return;
+            }
+            if let Some(&bad) = s.spec.slots.iter().find(|&&slot| slot as usize >= self.conns.len()) {
+                drop(ops);
+                shared.finish_op(&s.op, Some(format!("tensor '{}' placed on unknown slot {bad}", s.spec.name)));
+                return;
+            }
+            let es = s.spec.dtype.size();
+            // Items go on the queues while `ops` is held, so a concurrent
+            // failure either sees them (and drops them) or runs before them.
+            for c in 0..n {
+                let slot = s.spec.slots[c] as usize;
+                let (a, b) = s.spec.chunk_range(c);
+                ops.seq += 1;
+                self.conns[slot].send().heap.push(SendItem {
+                    priority: s.priority,
+                    seq: ops.seq,
+                    key,
+                    chunk: c as u32,
+                    round,
+                    flags: s.flags,
+                    dtype: s.spec.dtype,
+                    // SAFETY: a..b lies within the buffer of numel elements the caller passed.
+                    ptr: unsafe { s.ptr.0.add(a * es) },
+                    len: (b - a) * es,
+                });
+                if !touched.contains(&slot) {
+                    touched.push(slot);
+                }
+            }
+            ops.active.insert(key, Active { op: s.op, spec: s.spec, ptr: s.ptr, round, got: vec![false; n], remaining: n });
+        }
+        for slot in touched {
+            if let Err(why) = self.pump(slot) {
+                self.request_fail(format!("{}: {why}", self.conns[slot].desc));
+                return;
+            }
+        }
+    }
+
+    /// Send as much as the credit and the socket allow on connection `i`.
+    fn pump(&self, i: usize) -> Result<(), String> {
+        let c = &self.conns[i];
+        let mut st = c.send();
+        let res = self.pump_locked(c, &mut st);
+        let blocked = matches!(res, Ok(true));
+        if blocked != st.watching_writable {
+            let interest = if blocked { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
+            // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
+            self.registry
+                .reregister(&mut SourceRef(&c.stream), Token(i), interest)
+                .map_err(|e| format!("poll registration failed: {e}"))?;
+            st.watching_writable = blocked;
+        }
+        res.map(|_| ())
+    }
+
+    /// Returns Ok(true) when the socket would block with data still to send.
+    fn pump_locked(&self, c: &Conn, st: &mut SendHalf) -> Result<bool, String> {
+        loop {
+            if st.cur.is_none() {
+                let Some(top) = st.heap.peek() else { return Ok(false) };
+                // Always allow one chunk, so a chunk larger than the credit still moves.
+                if st.in_flight > 0 && st.in_flight + top.len > self.credit {
+                    return Ok(false);
+                }
+                let Some(item) = st.heap.pop() else { return Ok(false) };
+                let mut h = Header::new(MsgType::Push);
+                h.namespace = self.namespace;
+                h.key = item.key;
+                h.chunk = item.chunk;
+                h.round = item.round;
+                h.flags = item.flags;
+                h.priority = item.priority;
+                h.dtype = item.dtype;
+                h.payload_len = item.len as u32;
+                st.in_flight += item.len;
+                st.cur = Some((item, h.encode(), 0));
+            }
+            let Some((item, hdr, sent)) = st.cur.as_mut() else { return Ok(false) };
+            // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
+            let payload = unsafe { std::slice::from_raw_parts(item.ptr, item.len) };
+            match write_frame_nb(&mut &c.stream, hdr, payload, *sent) {
+                Ok(IoOutcome::Done(n)) => {
+                    *sent += n;
+                    if *sent == HEADER_LEN + item.len {
+                        st.cur = None;
+                    }
+                }
+                Ok(_) => return Ok(true),
+                Err(e) => return Err(format!("send failed: {e}")),
+            }
+        }
+    }
+
+    /// Fail every op in flight. Only called on the I/O thread.
+    fn fail_all(&self, msg: String, shared: &Shared) {
+        let mut ops = self.ops();
+        let msg = ops.failed.get_or_insert(msg).clone();
+        for c in &self.conns {
+            let mut st = c.send();
+            st.heap.clear();
+            st.cur = None;
+        }
+        let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
+        drop(ops);
+        shared.set_failure(msg.clone());
+        for a in drained {
+            shared.finish_op(&a.op, Some(msg.clone()));
+        }
+    }
+}
+
+/// Lets a shared `&TcpStream` be reregistered (mio wants `&mut impl Source`;
+/// registration only reads the file descriptor).
+struct SourceRef<'a>(&'a TcpStream);
+
+impl mio::event::Source for SourceRef<'_> {
+    fn register(&mut self, r: &mio::Registry, t: Token, i: Interest) -> std::io::Result<()> {
+        mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(self.0)).register(r, t, i)
+    }
+    fn reregister(&mut self, r: &mio::Registry, t: Token, i: Interest) -> std::io::Result<()> {
+        mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(self.0)).reregister(r, t, i)
+    }
+    fn deregister(&mut self, r: &mio::Registry) -> std::io::Result<()> {
+        mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(self.0)).deregister(r)
+    }
+}
+
+enum Rx {
+    Header { got: usize },
+    Result { key: u32, chunk: usize, dst: *mut u8, len: usize, got: usize },
+    /// A small frame read whole (stall notice or error text).
+    Small { hdr: Header, buf: Vec<u8>, got: usize },
+}
+
+/// The receiving side, owned by the I/O thread.
+pub struct IoThread {
+    poll: Poll,
+    shared: Arc<Shared>,
+    rx: Vec<Rx>,
+    hdr: Vec<[u8; HEADER_LEN]>,
+    failed: bool,
+}
+
+impl IoThread {
+    pub fn new(poll: Poll, shared: Arc<Shared>) -> IoThread {
+        let n = shared.io.conns.len();
+        IoThread {
+            poll,
+            shared,
+            rx: (0..n).map(|_| Rx::Header { got: 0 }).collect(),
+            hdr: vec![[0; HEADER_LEN]; n],
+            failed: false,
+        }
+    }
+
+    fn fail(&mut self, msg: String) {
+        self.failed = true;
+        // Receive targets may be released now: forget them.
+        self.rx.iter_mut().for_each(|r| *r = Rx::Header { got: 0 });
+        let shared = self.shared.clone();
+        shared.io.fail_all(msg, &shared);
     }
 
     pub fn run(mut self) {
@@ -162,15 +364,19 @@ impl IoThread {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                self.fail_all(format!("worker I/O poll failed: {e}"));
+                self.fail(format!("worker I/O poll failed: {e}"));
                 return;
             }
+            if self.shared.io.stop.load(Ordering::SeqCst) {
+                return;
+            }
+            let requested = self.shared.io.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(msg) = requested {
+                self.fail(msg);
+            }
             for ev in events.iter() {
-                if ev.token() == WAKER {
-                    continue;
-                }
                 let i = ev.token().0;
-                if self.failed.is_some() || i >= self.conns.len() {
+                if ev.token() == WAKER || self.failed || i >= self.rx.len() {
                     continue;
                 }
                 let mut res = Ok(());
@@ -178,178 +384,63 @@ impl IoThread {
                     res = self.on_readable(i);
                 }
                 if res.is_ok() && ev.is_writable() {
-                    res = self.pump(i);
+                    res = self.shared.io.pump(i);
                 }
                 if let Err(why) = res {
-                    let msg = format!("{}: {why}", self.conns[i].desc);
-                    self.fail_all(msg);
+                    let msg = format!("{}: {why}", self.shared.io.conns[i].desc);
+                    self.fail(msg);
                 }
-            }
-            while let Ok(cmd) = self.cmds.try_recv() {
-                match cmd {
-                    IoCmd::Submit(s) => self.submit(s),
-                    IoCmd::Fail(msg) => self.fail_all(msg),
-                    IoCmd::Stop => return,
-                }
-            }
-        }
-    }
-
-    fn fail_all(&mut self, msg: String) {
-        if self.failed.is_none() {
-            self.shared.set_failure(msg.clone());
-            self.failed = Some(msg.clone());
-        }
-        let msg = self.failed.clone().unwrap_or(msg);
-        for c in &mut self.conns {
-            c.heap.clear();
-        }
-        for (_, a) in self.active.drain() {
-            self.shared.finish_op(&a.op, Some(msg.clone()));
-        }
-    }
-
-    fn submit(&mut self, s: Submission) {
-        if let Some(f) = &self.failed {
-            self.shared.finish_op(&s.op, Some(f.clone()));
-            return;
-        }
-        let key = s.spec.key;
-        if self.active.contains_key(&key) {
-            let msg = format!("tensor '{}' is already in flight", s.spec.name);
-            self.shared.finish_op(&s.op, Some(msg));
-            return;
-        }
-        let n = s.spec.num_chunks();
-        if n == 0 {
-            self.rounds.entry(key).and_modify(|r| *r += 1).or_insert(1);
-            self.shared.finish_op(&s.op, None);
-            return;
-        }
-        let round = *self.rounds.entry(key).or_insert(0);
-        let es = s.spec.dtype.size();
-        let mut touched = Vec::new();
-        for c in 0..n {
-            let slot = s.spec.slots[c] as usize;
-            let Some(conn) = self.conns.get_mut(slot) else {
-                let msg = format!("tensor '{}' placed on unknown slot {slot}", s.spec.name);
-                self.shared.finish_op(&s.op, Some(msg));
-                return;
-            };
-            let (a, b) = s.spec.chunk_range(c);
-            self.seq += 1;
-            conn.heap.push(SendItem {
-                priority: s.priority,
-                seq: self.seq,
-                key,
-                chunk: c as u32,
-                round,
-                flags: s.flags,
-                dtype: s.spec.dtype,
-                // SAFETY: a..b lies within the buffer of numel elements the caller passed.
-                ptr: unsafe { s.ptr.0.add(a * es) },
-                len: (b - a) * es,
-            });
-            if !touched.contains(&slot) {
-                touched.push(slot);
-            }
-        }
-        self.active.insert(key, Active { op: s.op, spec: s.spec, ptr: s.ptr, round, got: vec![false; n], remaining: n });
-        for slot in touched {
-            if let Err(why) = self.pump(slot) {
-                let msg = format!("{}: {why}", self.conns[slot].desc);
-                self.fail_all(msg);
-                return;
-            }
-        }
-    }
-
-    /// Send as much as the credit and the socket allow on connection `i`.
-    fn pump(&mut self, i: usize) -> Result<(), String> {
-        let ns = self.namespace;
-        let credit = self.credit;
-        let c = &mut self.conns[i];
-        loop {
-            if c.cur.is_none() {
-                let Some(top) = c.heap.peek() else { return Ok(()) };
-                // Always allow one chunk, so a chunk larger than the credit still moves.
-                if c.in_flight > 0 && c.in_flight + top.len > credit {
-                    return Ok(());
-                }
-                let Some(item) = c.heap.pop() else { return Ok(()) };
-                let mut h = Header::new(MsgType::Push);
-                h.namespace = ns;
-                h.key = item.key;
-                h.chunk = item.chunk;
-                h.round = item.round;
-                h.flags = item.flags;
-                h.priority = item.priority;
-                h.dtype = item.dtype;
-                h.payload_len = item.len as u32;
-                c.in_flight += item.len;
-                c.cur = Some((item, h.encode(), 0));
-            }
-            let Some((item, hdr, sent)) = c.cur.as_mut() else { return Ok(()) };
-            // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
-            let payload = unsafe { std::slice::from_raw_parts(item.ptr, item.len) };
-            match write_frame_nb(&mut c.stream, hdr, payload, *sent) {
-                Ok(Io::Done(n)) => {
-                    *sent += n;
-                    if *sent == HEADER_LEN + item.len {
-                        c.cur = None;
-                    }
-                }
-                Ok(_) => return Ok(()),
-                Err(e) => return Err(format!("send failed: {e}")),
             }
         }
     }
 
     fn on_readable(&mut self, i: usize) -> Result<(), String> {
+        let shared = self.shared.clone();
+        let mut stream = &shared.io.conns[i].stream;
         loop {
-            let c = &mut self.conns[i];
-            match c.rx {
-                Rx::Header { got } => match read_nb(&mut c.stream, &mut c.hdr[got..]) {
-                    Ok(Io::Done(n)) if got + n == HEADER_LEN => {
-                        c.rx = Rx::Header { got: 0 };
-                        let hdr = Header::decode(&c.hdr, self.max_payload).map_err(|e| format!("bad frame: {e}"))?;
+            match self.rx[i] {
+                Rx::Header { got } => match read_nb(&mut stream, &mut self.hdr[i][got..]) {
+                    Ok(IoOutcome::Done(n)) if got + n == HEADER_LEN => {
+                        self.rx[i] = Rx::Header { got: 0 };
+                        let hdr = Header::decode(&self.hdr[i], shared.io.max_payload)
+                            .map_err(|e| format!("bad frame: {e}"))?;
                         self.on_header(i, hdr)?;
                     }
-                    Ok(Io::Done(n)) => c.rx = Rx::Header { got: got + n },
-                    Ok(Io::WouldBlock) => return Ok(()),
-                    Ok(Io::Closed) => return Err("connection closed by the server".into()),
+                    Ok(IoOutcome::Done(n)) => self.rx[i] = Rx::Header { got: got + n },
+                    Ok(IoOutcome::WouldBlock) => return Ok(()),
+                    Ok(IoOutcome::Closed) => return Err("connection closed by the server".into()),
                     Err(e) => return Err(format!("connection lost: {e}")),
                 },
                 Rx::Result { key, chunk, dst, len, got } => {
-                    // SAFETY: dst..dst+len is this chunk's range in the active op's buffer.
+                    // SAFETY: dst..dst+len is this chunk's range in an active op's buffer,
+                    // which stays alive until this thread completes the op.
                     let buf = unsafe { std::slice::from_raw_parts_mut(dst.add(got), len - got) };
-                    match read_nb(&mut c.stream, buf) {
-                        Ok(Io::Done(n)) if got + n == len => {
-                            c.rx = Rx::Header { got: 0 };
-                            self.chunk_done(i, key, chunk, len);
-                            self.pump(i)?;
+                    match read_nb(&mut stream, buf) {
+                        Ok(IoOutcome::Done(n)) if got + n == len => {
+                            self.rx[i] = Rx::Header { got: 0 };
+                            self.chunk_done(i, key, chunk)?;
                         }
-                        Ok(Io::Done(n)) => c.rx = Rx::Result { key, chunk, dst, len, got: got + n },
-                        Ok(Io::WouldBlock) => return Ok(()),
-                        Ok(Io::Closed) => return Err("connection closed by the server mid-result".into()),
+                        Ok(IoOutcome::Done(n)) => self.rx[i] = Rx::Result { key, chunk, dst, len, got: got + n },
+                        Ok(IoOutcome::WouldBlock) => return Ok(()),
+                        Ok(IoOutcome::Closed) => return Err("connection closed by the server mid-result".into()),
                         Err(e) => return Err(format!("connection lost: {e}")),
                     }
                 }
                 Rx::Small { hdr, ref mut buf, got } => {
                     let len = buf.len();
-                    match read_nb(&mut c.stream, &mut buf[got..]) {
-                        Ok(Io::Done(n)) if got + n == len => {
+                    match read_nb(&mut stream, &mut buf[got..]) {
+                        Ok(IoOutcome::Done(n)) if got + n == len => {
                             let buf = std::mem::take(buf);
-                            c.rx = Rx::Header { got: 0 };
+                            self.rx[i] = Rx::Header { got: 0 };
                             self.on_small(i, hdr, buf)?;
                         }
-                        Ok(Io::Done(n)) => {
-                            if let Rx::Small { got, .. } = &mut c.rx {
+                        Ok(IoOutcome::Done(n)) => {
+                            if let Rx::Small { got, .. } = &mut self.rx[i] {
                                 *got += n;
                             }
                         }
-                        Ok(Io::WouldBlock) => return Ok(()),
-                        Ok(Io::Closed) => return Err("connection closed by the server".into()),
+                        Ok(IoOutcome::WouldBlock) => return Ok(()),
+                        Ok(IoOutcome::Closed) => return Err("connection closed by the server".into()),
                         Err(e) => return Err(format!("connection lost: {e}")),
                     }
                 }
@@ -358,12 +449,14 @@ impl IoThread {
     }
 
     fn on_header(&mut self, i: usize, hdr: Header) -> Result<(), String> {
-        if hdr.namespace != self.namespace {
-            return Err(format!("frame for namespace {} (this job is {})", hdr.namespace, self.namespace));
+        let io = &self.shared.io;
+        if hdr.namespace != io.namespace {
+            return Err(format!("frame for namespace {} (this job is {})", hdr.namespace, io.namespace));
         }
         match hdr.msg_type {
             MsgType::Result => {
-                let a = self
+                let ops = io.ops();
+                let a = ops
                     .active
                     .get(&hdr.key)
                     .ok_or_else(|| format!("result for key {} which has no push_pull in flight", hdr.key))?;
@@ -390,10 +483,11 @@ impl IoThread {
                 let (start, _) = a.spec.chunk_range(c);
                 // SAFETY: start is within the tensor.
                 let dst = unsafe { a.ptr.0.add(start * a.spec.dtype.size()) };
+                drop(ops);
                 if len == 0 {
-                    self.chunk_done(i, hdr.key, c, 0);
+                    self.chunk_done(i, hdr.key, c)?;
                 } else {
-                    self.conns[i].rx = Rx::Result { key: hdr.key, chunk: c, dst, len, got: 0 };
+                    self.rx[i] = Rx::Result { key: hdr.key, chunk: c, dst, len, got: 0 };
                 }
                 Ok(())
             }
@@ -402,7 +496,7 @@ impl IoThread {
                 if buf.is_empty() {
                     return self.on_small(i, hdr, buf);
                 }
-                self.conns[i].rx = Rx::Small { hdr, buf, got: 0 };
+                self.rx[i] = Rx::Small { hdr, buf, got: 0 };
                 Ok(())
             }
             other => Err(format!("unexpected {other:?} frame from the server")),
@@ -414,12 +508,13 @@ impl IoThread {
             return Err(format!("server reported an error: {}", String::from_utf8_lossy(&buf)));
         }
         let s = decode_stall(&buf).map_err(|e| format!("bad stall report: {e}"))?;
-        if let Some(a) = self.active.get(&hdr.key) {
+        let io = &self.shared.io;
+        if let Some(a) = io.ops().active.get(&hdr.key) {
             let msg = format!(
                 "server {} thread {} ({}) reports tensor '{}' round {} has waited {:.1}s for worker rank(s) {:?}",
                 s.server,
                 s.thread,
-                self.conns[i].desc,
+                io.conns[i].desc,
                 a.spec.name,
                 hdr.round,
                 s.waited_ms as f64 / 1000.0,
@@ -430,18 +525,27 @@ impl IoThread {
         Ok(())
     }
 
-    fn chunk_done(&mut self, i: usize, key: u32, chunk: usize, len: usize) {
-        let spec_len = self.active.get(&key).map(|a| a.spec.chunk_bytes(chunk)).unwrap_or(len);
-        let c = &mut self.conns[i];
-        c.in_flight = c.in_flight.saturating_sub(spec_len);
-        let Some(a) = self.active.get_mut(&key) else { return };
-        a.got[chunk] = true;
-        a.remaining -= 1;
-        if a.remaining == 0 {
-            if let Some(a) = self.active.remove(&key) {
-                self.rounds.insert(key, a.round.wrapping_add(1));
-                self.shared.finish_op(&a.op, None);
+    fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), String> {
+        let io = &self.shared.io;
+        let done = {
+            let mut ops = io.ops();
+            let Some(a) = ops.active.get_mut(&key) else { return Ok(()) };
+            let len = a.spec.chunk_bytes(chunk);
+            a.got[chunk] = true;
+            a.remaining -= 1;
+            let finished = if a.remaining == 0 { ops.active.remove(&key) } else { None };
+            if let Some(a) = &finished {
+                ops.rounds.insert(key, a.round.wrapping_add(1));
             }
+            drop(ops);
+            let mut st = io.conns[i].send();
+            st.in_flight = st.in_flight.saturating_sub(len);
+            finished
+        };
+        if let Some(a) = done {
+            self.shared.finish_op(&a.op, None);
         }
+        // Credit came back: keep the connection busy.
+        io.pump(i)
     }
 }

@@ -20,14 +20,14 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
-use mio::{Poll, Waker};
+use mio::Poll;
 
 use crate::protocol::{
     read_control, write_control, Control, DType, DeclEntry, Header, MsgType, ReadError, Register, Role, TensorSpec,
     Welcome,
 };
 use crate::transport::connect_retry;
-use io::{BufPtr, DataConn, IoCmd, IoThread, Submission};
+use io::{BufPtr, Io, IoThread, Submission};
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -96,8 +96,7 @@ pub struct Shared {
     writer: Mutex<TcpStream>,
     table: Mutex<Table>,
     failure: Mutex<Option<String>>,
-    io_tx: Sender<IoCmd>,
-    io_waker: Waker,
+    io: Io,
     next_req: AtomicU32,
     next_barrier: AtomicU32,
     closing: AtomicBool,
@@ -138,7 +137,7 @@ impl Shared {
         for (_, tx) in barriers {
             let _ = tx.send(Err(msg.clone()));
         }
-        self.send_io(IoCmd::Fail(msg));
+        self.io.request_fail(msg);
     }
 
     pub(crate) fn finish_op(&self, op: &Op, error: Option<String>) {
@@ -147,19 +146,13 @@ impl Shared {
         drop(op.complete(error));
     }
 
-    fn send_io(&self, cmd: IoCmd) {
-        if self.io_tx.send(cmd).is_ok() {
-            let _ = self.io_waker.wake();
-        }
-    }
-
     fn send_ctrl(&self, msg: &Control) -> Result<(), String> {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
         write_control(&mut *w, msg, self.namespace).map_err(|e| format!("lost the scheduler: {e}"))
     }
 
     fn submit(&self, op: Arc<Op>, spec: Arc<TensorSpec>, ptr: BufPtr, priority: i32, flags: u16) {
-        self.send_io(IoCmd::Submit(Submission { op, spec, ptr, priority, flags }));
+        self.io.submit(Submission { op, spec, ptr, priority, flags }, self);
     }
 
     /// Install declared specs and release ops that were waiting for them.
@@ -267,38 +260,30 @@ impl Client {
                 h.key = w.rank;
                 std::io::Write::write_all(&mut stream, &h.encode()).map_err(|e| setup(&desc, e))?;
                 stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
-                conns.push(DataConn::new(mio::net::TcpStream::from_std(stream), desc));
+                conns.push((mio::net::TcpStream::from_std(stream), desc));
             }
         }
 
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
-        let io_waker = Waker::new(poll.registry(), io::WAKER).map_err(|e| setup("waker", e))?;
-        // Bounded: a caller submitting faster than the I/O thread drains blocks briefly.
-        let (io_tx, io_rx) = bounded(65536);
+        let io = Io::new(&poll, conns, cfg.credit_bytes, ns, w.partition_bytes).map_err(|e| setup("poll", e))?;
         let shared = Arc::new(Shared {
             namespace: ns,
             writer: Mutex::new(ctrl.try_clone().map_err(|e| setup("clone", e))?),
             table: Mutex::new(Table::default()),
             failure: Mutex::new(None),
-            io_tx,
-            io_waker,
+            io,
             next_req: AtomicU32::new(0),
             next_barrier: AtomicU32::new(0),
             closing: AtomicBool::new(false),
         });
 
         let mut threads = Vec::new();
-        let max_payload = w.partition_bytes;
-        let credit = cfg.credit_bytes;
         {
             let shared = shared.clone();
             threads.push(
                 std::thread::Builder::new()
                     .name("gradhub-io".into())
-                    .spawn(move || match IoThread::new(poll, conns, io_rx, shared.clone(), credit, ns, max_payload) {
-                        Ok(t) => t.run(),
-                        Err(e) => shared.set_failure(format!("worker I/O setup failed: {e}")),
-                    })
+                    .spawn(move || IoThread::new(poll, shared).run())
                     .map_err(|e| setup("spawn", e))?,
             );
         }
@@ -465,7 +450,7 @@ impl Client {
         }
         self.shared.closing.store(true, Ordering::SeqCst);
         let _ = self.shared.send_ctrl(&Control::Goodbye);
-        self.shared.send_io(IoCmd::Stop);
+        self.shared.io.stop();
         if let Ok(w) = self.shared.writer.lock() {
             let _ = w.shutdown(std::net::Shutdown::Both);
         }

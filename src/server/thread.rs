@@ -115,6 +115,9 @@ struct Conn {
     /// Advisory frames (stall notices), sent between results.
     notices: std::collections::VecDeque<Vec<u8>>,
     cur: Option<Cur>,
+    /// Registered for writability only while a write would block (with it
+    /// always on, every ACK would wake the thread for nothing).
+    watching_writable: bool,
 }
 
 /// The frame currently being written, and how many bytes of it are out.
@@ -228,7 +231,7 @@ impl ServerThread {
                     let t = self.next_token;
                     self.next_token += 1;
                     if let Err(e) =
-                        self.poll.registry().register(&mut stream, Token(t), Interest::READABLE | Interest::WRITABLE)
+                        self.poll.registry().register(&mut stream, Token(t), Interest::READABLE)
                     {
                         self.log(&format!("cannot register connection from {peer}: {e}"));
                         continue;
@@ -245,6 +248,7 @@ impl ServerThread {
                             tx: BinaryHeap::new(),
                             notices: Default::default(),
                             cur: None,
+                            watching_writable: false,
                         },
                     );
                 }
@@ -549,13 +553,29 @@ impl ServerThread {
     }
 
     fn flush(&mut self, t: usize) -> ConnResult {
+        let blocked = self.flush_inner(t)?;
         let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
+        if blocked != conn.watching_writable {
+            let interest = if blocked { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
+            // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
+            self.poll
+                .registry()
+                .reregister(&mut conn.stream, Token(t), interest)
+                .map_err(|e| format!("poll registration failed: {e}"))?;
+            conn.watching_writable = blocked;
+        }
+        Ok(())
+    }
+
+    /// Write queued frames until done or the socket is full (returns true then).
+    fn flush_inner(&mut self, t: usize) -> Result<bool, String> {
+        let Some(conn) = self.conns.get_mut(&t) else { return Ok(false) };
         loop {
             if conn.cur.is_none() {
                 if let Some(n) = conn.notices.pop_front() {
                     conn.cur = Some(Cur::Notice(n, 0));
                 } else {
-                    let Some(item) = conn.tx.pop() else { return Ok(()) };
+                    let Some(item) = conn.tx.pop() else { return Ok(false) };
                     let ch = &self.chunks[item.chunk];
                     let mut h = Header::new(MsgType::Result);
                     h.namespace = self.cfg.namespace;
@@ -576,7 +596,7 @@ impl ServerThread {
                 Some(Cur::Notice(frame, sent)) => {
                     (write_frame_nb(&mut conn.stream, frame, &[], *sent), sent, frame.len())
                 }
-                None => return Ok(()),
+                None => return Ok(false),
             };
             match res {
                 Ok(Io::Done(n)) => {
@@ -585,7 +605,7 @@ impl ServerThread {
                         conn.cur = None;
                     }
                 }
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok(true),
                 Err(e) => return Err(format!("write failed: {e}")),
             }
         }
