@@ -227,24 +227,51 @@ def bench_priority(args, out):
     out["priority"] = [{"credit": c, "small_ms": ts * 1e3, "big_ms": tb * 1e3, "ratio": ts / tb} for c, ts, tb in rows]
 
 
+def priority_ratio(partition: int, credit: int, reps: int) -> tuple[float, float, float]:
+    """(small ms, big ms, small/big) for a 256 KiB priority-10 push_pull issued
+    2 ms after a 64 MiB priority-0 one; median over reps."""
+    job = Job(partition, credit)
+    try:
+        big = np.ones(16 << 20, dtype=np.float32)
+        small = np.ones(64 << 10, dtype=np.float32)
+        job.push_pull(big, "big").wait()
+        job.push_pull(small, "small").wait()
+        res = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            hb = job.push_pull(big, "big", priority=0)
+            time.sleep(0.002)
+            t1 = time.perf_counter()
+            job.push_pull(small, "small", priority=10).wait()
+            ts = time.perf_counter() - t1
+            hb.wait()
+            res.append((ts, time.perf_counter() - t0))
+        ts, tb = sorted(res, key=lambda r: r[0] / r[1])[len(res) // 2]
+        return ts * 1e3, tb * 1e3, ts / tb
+    finally:
+        job.close()
+
+
 def bench_sweep(args, out):
     nbytes = 64 << 20
-    reps = 2 if args.quick else 4
+    reps = 3 if args.quick else 6
     parts = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
-    credits = [1 << 20, 4 << 20, 16 << 20]
-    print(f"sweep      push_pull goodput (GB/s) of 64 MiB, 1 worker + 1 server; rows partition, columns credit")
-    print("  partition " + "".join(f"{c >> 20:>8d}M" for c in credits))
+    credits = [1 << 20, 2 << 20, 4 << 20, 8 << 20]
+    print("sweep      64 MiB push_pull, 1 worker + 1 server: goodput GB/s (best of %d) / priority small:big ratio" % reps)
+    print("  partition " + "".join(f"{'credit ' + str(c >> 20) + 'M':>16s}" for c in credits))
     res = []
     for p in parts:
-        row = []
+        cells = []
         for c in credits:
             if c < p:
-                row.append(float("nan"))
+                cells.append(f"{'-':>16s}")
                 continue
             g, cpu = push_pull_goodput(nbytes, reps, p, c)
-            row.append(g)
-            res.append({"partition": p, "credit": c, "GBps": g, "cpu": cpu})
-        print(f"  {p >> 10:7d}K " + "".join(f"{g:9.2f}" for g in row))
+            ts, tb, r = priority_ratio(p, c, 3 if args.quick else 5)
+            cells.append(f"{g:9.2f} / {r:4.2f}")
+            res.append({"partition": p, "credit": c, "GBps": g, "cpu": cpu, "small_ms": ts, "big_ms": tb,
+                        "priority_ratio": r})
+        print(f"  {p >> 10:7d}K " + "".join(cells), flush=True)
     out["sweep"] = res
 
 

@@ -23,9 +23,9 @@ pub mod transport;
 mod python;
 
 /// Default chunk size. See docs/benchmarks.md for the measurement behind it.
-pub const DEFAULT_PARTITION_BYTES: u32 = 1 << 20;
+pub const DEFAULT_PARTITION_BYTES: u32 = 256 << 10;
 /// Default per-connection credit (bytes in flight). See docs/benchmarks.md.
-pub const DEFAULT_CREDIT_BYTES: usize = 4 << 20;
+pub const DEFAULT_CREDIT_BYTES: usize = 2 << 20;
 
 /// This machine's host name (used to compute local ranks).
 pub fn hostname() -> String {

@@ -24,9 +24,9 @@ def test_sums_all_dtypes_and_sizes(workers, servers, threads, launch_args):
 
 
 def test_large_tensors_small_partitions():
-    # Tens of MB per tensor, many chunks per server thread (256 KiB partitions).
+    # Tens of MB per tensor, many chunks per server thread (64 KiB partitions).
     cfg = {"sizes": [10_000_003], "dtypes": ["float32"], "rounds": 2}
-    rc, out = run_launch(2, 2, "check_sums.py", cfg, threads=2, launch_args=["--partition-bytes", "262144"])
+    rc, out = run_launch(2, 2, "check_sums.py", cfg, threads=2, launch_args=["--partition-bytes", "65536"])
     assert_all_passed(rc, out, 2)
     cfg = {"sizes": [4_000_001], "dtypes": ["float16", "bfloat16"], "rounds": 1}
     rc, out = run_launch(2, 1, "check_sums.py", cfg, threads=1)

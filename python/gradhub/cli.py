@@ -49,7 +49,7 @@ def _split_hostport(s: str, default_port: int) -> tuple[str, int]:
 
 def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-bytes", type=int, default=_env_int("GRADHUB_PARTITION_BYTES"),
-                   help="chunk size in bytes (default: GRADHUB_PARTITION_BYTES or 1 MiB)")
+                   help="chunk size in bytes (default: GRADHUB_PARTITION_BYTES or 256 KiB)")
     p.add_argument("--stall-seconds", type=float, default=_env_float("GRADHUB_STALL_SECONDS", 30.0),
                    help="servers report a round that waited longer than this (default 30)")
     p.add_argument("--peer-timeout", type=float, default=_env_float("GRADHUB_PEER_TIMEOUT", 10.0),
