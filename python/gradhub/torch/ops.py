@@ -1,0 +1,377 @@
+"""Collective operations on torch tensors, with Horovod's names and semantics,
+built on gradhub's push_pull (a sum across workers).
+
+- float32/float16/bfloat16 travel natively; float64 and integer tensors are
+  carried as float32 (exact for integers below 2^24, a float32 rounding for
+  float64) in allreduce, and as raw bytes (exact) in broadcast and allgather.
+- CUDA tensors are staged through pinned host memory with PyTorch's copies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import api as _api
+from .compression import Compression
+
+
+class ReduceOp:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"gradhub.torch.{self.name}"
+
+
+Average = ReduceOp("Average")
+Sum = ReduceOp("Sum")
+
+_NATIVE = (torch.float32, torch.float16, torch.bfloat16)
+_counter = itertools.count()
+_counter_lock = threading.Lock()
+
+
+def _auto_name(kind: str) -> str:
+    with _counter_lock:
+        return f"{kind}.noname.{next(_counter)}"
+
+
+def _client():
+    return _api._require()
+
+
+def _resolve_op(average, op):
+    if op is not None and average is not None:
+        raise ValueError("pass either average= or op=, not both")
+    if op is None:
+        op = Average if average in (None, True) else Sum
+    if op not in (Average, Sum):
+        raise ValueError(f"unsupported reduce op {op!r}: use gradhub.torch.Average or gradhub.torch.Sum")
+    return op
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with t's values (pinned staging for CUDA)."""
+    if t.device.type == "cpu":
+        return t
+    if t.device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("a CUDA tensor was given but no GPU is available")
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=False)
+        return h
+    raise ValueError(f"gradhub supports CPU and CUDA tensors, not {t.device}")
+
+
+class Handle:
+    """An operation in flight. `synchronize(handle)` (or `handle.wait()`)
+    returns its output tensor; `poll(handle)` tells whether it is done."""
+
+    def __init__(self, core_handle, finish, name: str):
+        self._h = core_handle
+        self._finish = finish
+        self._result = None
+        self._done = False
+        self.name = name
+
+    def done(self) -> bool:
+        return self._done or self._h is None or self._h.done()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done:
+            if self._h is not None:
+                self._h.wait(timeout)
+            self._result = self._finish()
+            self._done = True
+        return self._result
+
+
+def _check_inplace(tensor: torch.Tensor, what: str):
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{what} modifies its argument in place, but this tensor requires grad; "
+            f"use the out-of-place version, or call it on tensor.data / under torch.no_grad()"
+        )
+
+
+def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: int, compression,
+                     inplace_target: torch.Tensor | None) -> Handle:
+    """Reduce `tensor`; the result is written into `inplace_target` if given,
+    else returned as a new tensor."""
+    c = _client()
+    src = tensor.detach()
+    comp, ctx = compression.compress(src)
+    wire_cast = None
+    if comp.dtype not in _NATIVE:
+        if not (comp.dtype.is_floating_point or comp.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                                 torch.uint8, torch.bool)):
+            raise TypeError(f"cannot reduce tensors of dtype {comp.dtype}")
+        wire_cast = comp.dtype
+        comp = comp.to(torch.float32)
+    buf = _host(comp)
+    # The buffer is summed in place: never the caller's own memory unless asked.
+    if buf.data_ptr() == src.data_ptr() or not buf.is_contiguous():
+        buf = buf.contiguous().clone() if inplace_target is None else buf.contiguous()
+    if inplace_target is not None and (buf.data_ptr() != inplace_target.data_ptr()):
+        pass  # result copied back in finish()
+    h = c.push_pull_async(buf.data_ptr(), buf.numel() * buf.element_size(), _wire_dtype(buf), name, average,
+                          int(priority), buf)
+
+    def finish():
+        out = buf
+        if wire_cast is not None:
+            out = out.round().to(wire_cast) if not wire_cast.is_floating_point else out.to(wire_cast)
+        out = compression.decompress(out, ctx)
+        if inplace_target is not None:
+            if out.data_ptr() != inplace_target.data_ptr():
+                inplace_target.copy_(out.view_as(inplace_target))
+            return inplace_target
+        return out.to(tensor.device).view_as(tensor) if out.device != tensor.device else out.view_as(tensor)
+
+    return Handle(h, finish, name)
+
+
+def _wire_dtype(t: torch.Tensor) -> str:
+    return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[t.dtype]
+
+
+# ---------------------------------------------------------------- allreduce
+
+
+def push_pull_async(tensor, average=True, name=None, priority=0, compression=Compression.none) -> Handle:
+    """Start summing (average=True: averaging) `tensor` across workers; out of place."""
+    return _push_pull_async(tensor, name or _auto_name("push_pull"), bool(average), priority, compression, None)
+
+
+def push_pull(tensor, average=True, name=None, priority=0, compression=Compression.none):
+    """BytePS's name for allreduce: returns the reduced tensor (out of place)."""
+    return push_pull_async(tensor, average, name, priority, compression).wait()
+
+
+def allreduce_async(tensor, average=None, name=None, compression=Compression.none, op=None, priority=0) -> Handle:
+    op = _resolve_op(average, op)
+    return _push_pull_async(tensor, name or _auto_name("allreduce"), op is Average, priority, compression, None)
+
+
+class _AllreduceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, compression):
+        ctx.op, ctx.compression, ctx.name = op, compression, name
+        return allreduce_async(tensor, name=name, op=op, compression=compression).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=ctx.op, compression=ctx.compression)
+        return g.wait(), None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None):
+    """Reduce `tensor` across workers (default: average); returns a new tensor.
+    Differentiable: the gradient is reduced the same way."""
+    op = _resolve_op(average, op)
+    name = name or _auto_name("allreduce")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllreduceFn.apply(tensor, name, op, compression)
+    return allreduce_async(tensor, name=name, op=op, compression=compression).wait()
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none) -> Handle:
+    """In-place allreduce; `synchronize(handle)` returns `tensor` itself."""
+    _check_inplace(tensor, "allreduce_")
+    op = _resolve_op(average, op)
+    return _push_pull_async(tensor, name or _auto_name("allreduce"), op is Average, priority, compression, tensor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, compression=Compression.none):
+    return allreduce_async_(tensor, average, name, op, compression=compression).wait()
+
+
+def synchronize(handle: Handle):
+    """Wait for an async operation; returns its output tensor."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize() takes a handle returned by an *_async function, not {type(handle).__name__}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True if the async operation has finished (synchronize will not block)."""
+    return handle.done()
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+def _bytes_as_f32(t: torch.Tensor) -> torch.Tensor:
+    """Each byte of t as one float32 (exact: only values 0..255 are summed with zeros)."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return raw.to(torch.float32)
+
+
+def broadcast_async(tensor, root_rank, name=None) -> Handle:
+    """Start replacing `tensor`'s value with root_rank's; out of place."""
+    return _broadcast_async(tensor, root_rank, name or _auto_name("broadcast"), None)
+
+
+def _broadcast_async(tensor, root_rank, name, target) -> Handle:
+    c = _client()
+    if not 0 <= root_rank < c.size:
+        raise ValueError(f"root_rank {root_rank} is out of range for {c.size} workers")
+    src = tensor.detach()
+    if src.dtype in _NATIVE:
+        buf = _host(src).contiguous().clone()
+        exact_bytes = False
+    else:
+        buf = _bytes_as_f32(src)
+        exact_bytes = True
+    if c.rank != root_rank:
+        buf.zero_()
+    h = c.push_pull_async(buf.data_ptr(), buf.numel() * buf.element_size(), _wire_dtype(buf), name, False, 0, buf)
+
+    def finish():
+        if exact_bytes:
+            out = buf.to(torch.uint8).view(src.dtype).reshape(src.shape)
+        else:
+            out = buf.view_as(src)
+        if target is not None:
+            target.copy_(out)
+            return target
+        return out.to(tensor.device)
+
+    return Handle(h, finish, name)
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Return root_rank's value of `tensor` on every worker (out of place)."""
+    return broadcast_async(tensor, root_rank, name).wait()
+
+
+def broadcast_async_(tensor, root_rank, name=None) -> Handle:
+    _check_inplace(tensor, "broadcast_")
+    return _broadcast_async(tensor, root_rank, name or _auto_name("broadcast"), tensor)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """Overwrite `tensor` with root_rank's value, in place."""
+    return broadcast_async_(tensor, root_rank, name).wait()
+
+
+# ---------------------------------------------------------------- allgather
+
+
+def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list[int]]:
+    c = _client()
+    n, r = c.size, c.rank
+    t = tensor.detach().contiguous()
+    if t.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension")
+    counts = torch.zeros(n, dtype=torch.float32)
+    counts[r] = t.shape[0]
+    c.push_pull_async(counts.data_ptr(), counts.numel() * 4, "float32", f"{name}.counts", False, 0, counts).wait()
+    counts_l = [int(x) for x in counts.tolist()]
+    row = int(np.prod(t.shape[1:], dtype=np.int64))
+    total = sum(counts_l)
+    start = sum(counts_l[:r])
+    native = t.dtype in _NATIVE
+    if native:
+        buf = torch.zeros(total * row, dtype=t.dtype)
+        buf[start * row:(start + t.shape[0]) * row] = _host(t).reshape(-1)
+    else:
+        width = t.element_size()
+        buf = torch.zeros(total * row * width, dtype=torch.float32)
+        buf[start * row * width:(start + t.shape[0]) * row * width] = _bytes_as_f32(t)
+    # Sizes differ between calls, so the tensor is declared per total size.
+    h = c.push_pull_async(buf.data_ptr(), buf.numel() * buf.element_size(), _wire_dtype(buf),
+                          f"{name}.data.{total}x{row}", False, 0, buf)
+    h.wait()
+    if native:
+        out = buf.reshape(total, *t.shape[1:])
+    else:
+        out = buf.to(torch.uint8).view(t.dtype).reshape(total, *t.shape[1:])
+    return out.to(tensor.device), counts_l
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        out, counts = _allgather_impl(tensor, name)
+        ctx.counts, ctx.name = counts, name
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = _client().rank
+        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad.{grad.shape[0]}", op=Sum).wait()
+        start = sum(ctx.counts[:r])
+        return g[start:start + ctx.counts[r]], None
+
+
+def allgather(tensor, name=None):
+    """Concatenate every worker's `tensor` along dim 0 (first dims may differ)."""
+    name = name or _auto_name("allgather")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllgatherFn.apply(tensor, name)
+    return _allgather_impl(tensor, name)[0]
+
+
+def allgather_async(tensor, name=None) -> Handle:
+    """Horovod-compatible spelling; gathers eagerly (the size exchange is a round trip anyway)."""
+    out = allgather(tensor, name)
+    return Handle(None, lambda: out, name or "allgather")
+
+
+# ---------------------------------------------------------------- objects and models
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None):
+    """Pickle `obj` on root_rank and return it on every worker."""
+    c = _client()
+    name = name or _auto_name("broadcast_object")
+    if c.rank == root_rank:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.float32)
+    else:
+        payload = None
+        size = torch.zeros(1, dtype=torch.float32)
+    size = broadcast(size, root_rank, name=f"{name}.size")
+    n = int(size.item())
+    if payload is None:
+        payload = torch.zeros(n, dtype=torch.uint8)
+    data = broadcast(payload, root_rank, name=f"{name}.data.{n}")
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_parameters(params, root_rank: int = 0):
+    """Overwrite parameters/buffers with root_rank's: a state_dict, a module's
+    named_parameters(), or a list of (name, tensor)."""
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+        items = list(params)
+        if items and not isinstance(items[0], tuple):
+            raise ValueError("broadcast_parameters takes a state_dict or (name, tensor) pairs")
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}")
+    handles = []
+    for pname, p in items:
+        if p is None:
+            continue
+        t = p.data if isinstance(p, torch.nn.Parameter) else p
+        handles.append(_broadcast_async(t, root_rank, f"broadcast.param.{pname}", t))
+    for h in handles:
+        h.wait()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0):
+    """Make every worker's optimizer state (hyperparameters, momentum, ...) root_rank's."""
+    if hasattr(optimizer, "_gradhub_inner_state_dict"):
+        state = optimizer._gradhub_inner_state_dict()
+    else:
+        state = optimizer.state_dict()
+    state = broadcast_object(state, root_rank, name="broadcast.optimizer_state")
+    optimizer.load_state_dict(state)
