@@ -1,0 +1,116 @@
+"""Worker: train a small model with gradhub.torch on this rank's shard and
+check it against single-process training on the combined batch.
+
+Config: model (mlp|cnn), opt (sgd|nesterov|adamw), overlap (bool),
+steps, passes (backward_passes_per_step), compression (none|fp16).
+"""
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gradhub.torch as hvd
+from common import CONFIG
+
+torch.use_deterministic_algorithms(True)
+torch.set_num_threads(1)
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+model_kind = CONFIG.get("model", "mlp")
+opt_kind = CONFIG.get("opt", "sgd")
+overlap = CONFIG.get("overlap", False)
+steps = CONFIG.get("steps", 20)
+passes = CONFIG.get("passes", 1)
+per_worker = CONFIG.get("batch", 8)
+compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[CONFIG.get("compression", "none")]
+
+
+def make_model():
+    torch.manual_seed(1234)
+    if model_kind == "mlp":
+        return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 5))
+    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 8, 3), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 2 * 2, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def make_opt(params):
+    if opt_kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    if opt_kind == "nesterov":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
+
+
+def batch(step):
+    """The combined batch of all workers for this step (same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    total = per_worker * n
+    x = torch.randn(total, 20, generator=g) if model_kind == "mlp" else torch.randn(total, 1, 8, 8, generator=g)
+    y = torch.randint(0, 5, (total,), generator=g)
+    return x, y
+
+
+# Reference: one process on the combined batch (with the same accumulation).
+ref = make_model()
+ref_opt = make_opt(ref.parameters())
+ref_losses = []
+for s in range(steps):
+    ref_opt.zero_grad()
+    for k in range(passes):
+        x, y = batch(s * passes + k)
+        loss = F.cross_entropy(ref(x), y)
+        loss.backward()
+    ref_losses.append(loss.item())
+    ref_opt.step()
+
+# Distributed: each rank trains on its shard.
+model = make_model()
+opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
+                               compression=compression, backward_passes_per_step=passes, overlap_forward=overlap)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(opt, root_rank=0)
+losses = []
+deferred = 0
+first = next(model.parameters())
+for s in range(steps):
+    opt.zero_grad()
+    for k in range(passes):
+        x, y = batch(s * passes + k)
+        xs, ys = x[r * per_worker:(r + 1) * per_worker], y[r * per_worker:(r + 1) * per_worker]
+        before = first.detach().clone()
+        out = model(xs)
+        # With overlap_forward, step() only schedules updates: the first layer
+        # changes during the forward pass, not before.
+        deferred += int(k == 0 and s > 0 and not torch.equal(before, first.detach()))
+        loss = F.cross_entropy(out, ys)
+        loss.backward()
+    # Loss of the combined batch, from every worker's shard loss.
+    losses.append(hvd.allreduce(loss.detach(), name="loss", op=hvd.Average).item())
+    opt.step()
+if hasattr(opt, "finish"):
+    opt.finish()
+
+if overlap and opt_kind != "none":
+    assert deferred == steps - 1, f"updates were applied in {deferred} of {steps - 1} forward passes"
+worst = 0.0
+for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    rel = ((p.detach() - q.detach()).abs().max() / (q.detach().abs().max() + 1e-12)).item()
+    worst = max(worst, rel)
+# Identical parameters on every worker: compare with rank 0's.
+for name, p in model.named_parameters():
+    p0 = hvd.broadcast(p.detach(), 0, name=f"check.{name}")
+    assert torch.equal(p0, p.detach()), f"rank {r}: {name} differs from rank 0"
+loss_gap = max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref_losses))
+print(f"rank {r}: max relative parameter difference {worst:.2e}, max relative loss gap {loss_gap:.2e}", flush=True)
+if opt_kind == "adamw":
+    tol = CONFIG.get("loss_tol", 0.02)
+    assert loss_gap < tol, f"loss curve differs by {loss_gap:.3e} (tolerance {tol})"
+else:
+    tol = CONFIG.get("param_tol", 1e-5)
+    assert worst < tol, f"parameters differ from single-process training by {worst:.3e} (tolerance {tol})"
+    assert loss_gap < 1e-4, f"loss curve differs by {loss_gap:.3e}"
+print("PASS", r, flush=True)
+hvd.shutdown()
