@@ -4,8 +4,6 @@ overlap, gradhub moves the bytes.
     ddp_model.register_comm_hook(None, gradhub.torch.ddp_comm_hook)
 """
 
-from __future__ import annotations
-
 import queue
 import threading
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ class _Completer:
     """One thread that waits for push_pulls in order and completes their futures."""
 
     def __init__(self):
-        self.q: queue.Queue = queue.Queue(maxsize=4096)
+        self.q = queue.Queue(maxsize=4096)
         self.t = threading.Thread(target=self._run, name="gradhub-ddp-completer", daemon=True)
         self.t.start()
 
@@ -42,11 +40,11 @@ class _Completer:
                 fut.set_exception(e)
 
 
-_completer: _Completer | None = None
+_completer = None
 _lock = threading.Lock()
 
 
-def ddp_comm_hook(state, bucket) -> torch.futures.Future:
+def ddp_comm_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients across workers through gradhub."""
     global _completer
     with _lock:
@@ -57,6 +55,6 @@ def ddp_comm_hook(state, bucket) -> torch.futures.Future:
     # DDP may rebuild buckets after the first iteration: the size is part of the name.
     name = f"ddp.bucket.{bucket.index()}.{buf.numel()}"
     h = _push_pull_async(buf, name, True, st.priority, st.compression, buf)
-    fut: torch.futures.Future = torch.futures.Future()
+    fut = torch.futures.Future()
     _completer.q.put((h, fut, buf))
     return fut

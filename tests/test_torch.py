@@ -1,0 +1,50 @@
+"""gradhub.torch: training equivalence, the Horovod-compatible API, the DDP hook, user errors."""
+
+import pytest
+
+from conftest import assert_all_passed, free_port, run_launch
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("opt", ["sgd", "nesterov"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_training_matches_single_process(model, opt, overlap):
+    # 4 workers on 4 disjoint shards == one process on the combined batch, within 1e-5 relative.
+    cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 20}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, threads=1)
+    assert_all_passed(rc, out, 4)
+
+
+@pytest.mark.parametrize("model,overlap", [("mlp", False), ("cnn", True)])
+def test_adamw_loss_curve_and_identical_workers(model, overlap):
+    cfg = {"model": model, "opt": "adamw", "overlap": overlap, "steps": 20, "loss_tol": 0.01}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 4)
+
+
+def test_backward_passes_per_step_accumulates_locally():
+    cfg = {"model": "mlp", "opt": "sgd", "passes": 3, "steps": 10}
+    rc, out = run_launch(2, 1, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 2)
+
+
+def test_fp16_compression_trains_close():
+    cfg = {"model": "mlp", "opt": "adamw", "compression": "fp16", "steps": 20, "loss_tol": 0.02}
+    rc, out = run_launch(3, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 3)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_api_functions(workers):
+    rc, out = run_launch(workers, 2, "torch_api.py", threads=2)
+    assert_all_passed(rc, out, workers)
+
+
+def test_ddp_comm_hook_matches_gloo_allreduce():
+    rc, out = run_launch(3, 2, "torch_ddp.py", {"port": free_port()})
+    assert_all_passed(rc, out, 3)
+
+
+def test_user_errors_have_helpful_messages():
+    rc, out = run_launch(2, 1, "torch_errors.py")
+    assert_all_passed(rc, out, 2)

@@ -1,0 +1,54 @@
+"""Worker: user errors in gradhub.torch get helpful messages."""
+
+import torch
+
+import gradhub.torch as hvd
+
+
+def expect(exc, text, fn):
+    try:
+        fn()
+    except exc as e:
+        assert text in str(e), f"expected {text!r} in {e!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__} containing {text!r}")
+
+
+# Before init.
+expect(RuntimeError, "call gradhub.init() first", lambda: hvd.allreduce(torch.ones(2)))
+expect(RuntimeError, "not initialized", lambda: hvd.rank())
+expect(RuntimeError, "before DistributedOptimizer",
+       lambda: hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)))
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+
+# Mismatched shapes under one name across ranks.
+expect(hvd.GradhubError, "declared inconsistently",
+       lambda: hvd.allreduce(torch.ones(3 + r), name="mismatch"))
+# A name reused locally with another shape.
+hvd.allreduce(torch.ones(4), name="reused")
+expect(ValueError, "was declared with 4 elements", lambda: hvd.allreduce(torch.ones(5), name="reused"))
+# In-place op on a tensor that requires grad.
+p = torch.nn.Parameter(torch.ones(3))
+expect(ValueError, "requires grad", lambda: hvd.allreduce_(p, name="p"))
+expect(ValueError, "requires grad", lambda: hvd.broadcast_(p, 0, name="p2"))
+# CUDA requested without a GPU: torch cannot even build such a tensor here,
+# so exercise gradhub's staging check with a stand-in that claims to be on CUDA.
+if not torch.cuda.is_available():
+    from gradhub.torch.ops import _host
+
+    class OnCuda:
+        device = torch.device("cuda", 0)
+
+    expect(RuntimeError, "no GPU is available", lambda: _host(OnCuda()))
+    expect(ValueError, "CPU and CUDA tensors", lambda: _host(torch.ones(2, device="meta")))
+# Wrong arguments.
+expect(ValueError, "not both", lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum))
+expect(ValueError, "out of range", lambda: hvd.broadcast(torch.ones(2), root_rank=n))
+expect(TypeError, "handle", lambda: hvd.synchronize(torch.ones(1)))
+model = torch.nn.Linear(2, 2)
+expect(ValueError, "named_parameters should be a sequence of (name, parameter)",
+       lambda: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=list(model.parameters())))
+print("PASS", r, flush=True)
+hvd.shutdown()
