@@ -24,7 +24,7 @@ fn main() {
     for i in 0..iters + 100 {
         let t0 = Instant::now();
         // SAFETY: buf outlives the op, which is waited for right away.
-        let op = unsafe { c.push_pull(buf.as_mut_ptr() as *mut u8, bytes, DType::F32, "x", false, 0, None) }
+        let op = unsafe { c.push_pull(buf.as_mut_ptr() as *mut u8, bytes, DType::F32, "x", 0, 0, None) }
             .expect("push_pull");
         op.wait(None).expect("wait");
         if i >= 100 {

@@ -236,7 +236,7 @@ impl PyClient {
     }
 
     /// Start an in-place push_pull of raw memory. `owner` is kept alive until done.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner))]
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -247,7 +247,9 @@ impl PyClient {
         average: bool,
         priority: i32,
         owner: Py<PyAny>,
+        init: bool,
     ) -> PyResult<PyHandle> {
+        let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 } | if init { crate::protocol::FLAG_INIT } else { 0 };
         let dtype = dtype_of(dtype)?;
         if ptr == 0 && nbytes > 0 {
             return Err(PyValueError::new_err("null buffer"));
@@ -255,10 +257,39 @@ impl PyClient {
         // SAFETY: the Python layer passes the data pointer and size of a
         // contiguous, writable buffer owned by `owner`, which the op keeps alive.
         let op = unsafe {
-            self.inner.push_pull(ptr as *mut u8, nbytes, dtype, name, average, priority, Some(Box::new(owner)))
+            self.inner.push_pull(ptr as *mut u8, nbytes, dtype, name, flags, priority, Some(Box::new(owner)))
         }
         .map_err(client_err)?;
         Ok(PyHandle { op })
+    }
+
+    /// Run an optimizer on the servers for float32 tensor `name` (see DistributedOptimizer(optimizer_on_server=True)).
+    #[pyo3(signature = (name, numel, kind, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=false, beta1=0.9, beta2=0.999, eps=1e-8))]
+    #[allow(clippy::too_many_arguments)]
+    fn set_server_optimizer(
+        &self,
+        py: Python<'_>,
+        name: String,
+        numel: u64,
+        kind: &str,
+        lr: f32,
+        momentum: f32,
+        dampening: f32,
+        weight_decay: f32,
+        nesterov: bool,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+    ) -> PyResult<()> {
+        use crate::protocol::{OptConfig, OptKind};
+        let kind = match kind {
+            "sgd" => OptKind::Sgd,
+            "adamw" => OptKind::AdamW,
+            k => return Err(PyValueError::new_err(format!("unknown server optimizer '{k}' (sgd or adamw)"))),
+        };
+        let cfg = OptConfig { kind, lr, momentum, dampening, weight_decay, nesterov, beta1, beta2, eps };
+        let c = self.inner.clone();
+        py.detach(move || c.set_server_optimizer(&name, numel, cfg)).map_err(client_err)
     }
 
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {

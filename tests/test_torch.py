@@ -10,7 +10,8 @@ from conftest import assert_all_passed, free_port, run_launch
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_training_matches_single_process(model, opt, overlap):
     # 4 workers on 4 disjoint shards == one process on the combined batch, within 1e-5 relative.
-    cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 20}
+    # With overlap, a StepLR schedule also checks that per-parameter updates follow LR changes.
+    cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 20, "sched": overlap}
     rc, out = run_launch(4, 2, "torch_train.py", cfg, threads=1)
     assert_all_passed(rc, out, 4)
 
@@ -19,6 +20,21 @@ def test_training_matches_single_process(model, opt, overlap):
 def test_adamw_loss_curve_and_identical_workers(model, overlap):
     cfg = {"model": model, "opt": "adamw", "overlap": overlap, "steps": 20, "loss_tol": 0.01}
     rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 4)
+
+
+@pytest.mark.parametrize("model,opt,overlap", [("mlp", "sgd", False), ("cnn", "nesterov", True)])
+def test_optimizer_on_server_matches_single_process(model, opt, overlap):
+    # The servers run the SGD update fused per chunk and return parameters;
+    # a StepLR schedule changes the learning rate on the servers mid-run.
+    cfg = {"model": model, "opt": opt, "overlap": overlap, "server": True, "steps": 20, "sched": True}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, threads=2)
+    assert_all_passed(rc, out, 4)
+
+
+def test_adamw_on_server():
+    cfg = {"model": "mlp", "opt": "adamw", "server": True, "steps": 20, "loss_tol": 0.01, "sched": True}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, launch_args=["--colocated-servers", "1"])
     assert_all_passed(rc, out, 4)
 
 

@@ -59,6 +59,9 @@ struct SendItem {
     dtype: DType,
     ptr: *const u8,
     len: usize,
+    /// A control frame carrying its own payload (OptConfig); not a push, so
+    /// it takes no credit and expects no result.
+    owned: Option<(MsgType, Vec<u8>)>,
 }
 impl Ord for SendItem {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
@@ -217,6 +220,7 @@ impl Io {
                     // SAFETY: a..b lies within the buffer of numel elements the caller passed.
                     ptr: unsafe { s.ptr.0.add(a * es) },
                     len: (b - a) * es,
+                    owned: None,
                 });
                 if !touched.contains(&slot) {
                     touched.push(slot);
@@ -230,6 +234,32 @@ impl Io {
                 return;
             }
         }
+    }
+
+    /// Queue a control frame for `key` on connection `slot`, ahead of any
+    /// push queued after it (highest priority, FIFO among equals).
+    pub fn send_control(&self, slot: usize, key: u32, msg_type: MsgType, payload: Vec<u8>) -> Result<(), String> {
+        let c = self.conns.get(slot).ok_or_else(|| format!("no connection for slot {slot}"))?;
+        {
+            let mut ops = self.ops();
+            if let Some(f) = &ops.failed {
+                return Err(f.clone());
+            }
+            ops.seq += 1;
+            c.send().heap.push(SendItem {
+                priority: i32::MAX,
+                seq: ops.seq,
+                key,
+                chunk: 0,
+                round: 0,
+                flags: 0,
+                dtype: DType::None,
+                ptr: std::ptr::null(),
+                len: 0,
+                owned: Some((msg_type, payload)),
+            });
+        }
+        self.pump(slot)
     }
 
     /// Send as much as the credit and the socket allow on connection `i`.
@@ -255,7 +285,7 @@ impl Io {
             if st.cur.is_none() {
                 let Some(top) = st.heap.peek() else { return Ok(false) };
                 // Always allow one chunk, so a chunk larger than the credit still moves.
-                if st.in_flight > 0 && st.in_flight + top.len > self.credit {
+                if top.owned.is_none() && st.in_flight > 0 && st.in_flight + top.len > self.credit {
                     return Ok(false);
                 }
                 let Some(item) = st.heap.pop() else { return Ok(false) };
@@ -268,16 +298,25 @@ impl Io {
                 h.priority = item.priority;
                 h.dtype = item.dtype;
                 h.payload_len = item.len as u32;
-                st.in_flight += item.len;
+                if let Some((t, p)) = &item.owned {
+                    h.msg_type = *t;
+                    h.payload_len = p.len() as u32;
+                } else {
+                    st.in_flight += item.len;
+                }
                 st.cur = Some((item, h.encode(), 0));
             }
             let Some((item, hdr, sent)) = st.cur.as_mut() else { return Ok(false) };
-            // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
-            let payload = unsafe { std::slice::from_raw_parts(item.ptr, item.len) };
+            let payload = match &item.owned {
+                Some((_, p)) => p.as_slice(),
+                // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
+                None => unsafe { std::slice::from_raw_parts(item.ptr, item.len) },
+            };
+            let total = HEADER_LEN + payload.len();
             match write_frame_nb(&mut &c.stream, hdr, payload, *sent) {
                 Ok(IoOutcome::Done(n)) => {
                     *sent += n;
-                    if *sent == HEADER_LEN + item.len {
+                    if *sent == total {
                         st.cur = None;
                     }
                 }

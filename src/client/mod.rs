@@ -382,7 +382,7 @@ impl Client {
         nbytes: usize,
         dtype: DType,
         name: &str,
-        average: bool,
+        flags: u16,
         priority: i32,
         keepalive: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<Arc<Op>, ClientError> {
@@ -394,7 +394,9 @@ impl Client {
             return Err(ClientError::Usage(format!("{nbytes} bytes is not a whole number of {} elements", dtype.name())));
         }
         let numel = (nbytes / dtype.size()) as u64;
-        let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 };
+        if flags & !(crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT) != 0 {
+            return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
+        }
         let op = Arc::new(Op::new(name.to_string(), keepalive));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
@@ -425,6 +427,26 @@ impl Client {
             }
         }
         Ok(op)
+    }
+
+    /// Run `cfg` on the server threads that own `name`'s chunks: from now on
+    /// its rounds return updated parameters instead of sums. Declares the
+    /// tensor if needed. The parameters must be set with an init round
+    /// (FLAG_INIT) before the first gradient round.
+    pub fn set_server_optimizer(&self, name: &str, numel: u64, cfg: crate::protocol::OptConfig) -> Result<(), ClientError> {
+        self.declare(vec![DeclEntry { name: name.to_string(), numel, dtype: DType::F32 }])?;
+        let spec = self.shared.table().specs.get(name).cloned().ok_or_else(|| ClientError::Failed(format!("tensor '{name}' is not declared")))?;
+        let mut slots: Vec<u32> = spec.slots.clone();
+        slots.sort_unstable();
+        slots.dedup();
+        let payload = cfg.encode();
+        for slot in slots {
+            self.shared
+                .io
+                .send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())
+                .map_err(ClientError::Failed)?;
+        }
+        Ok(())
     }
 
     /// Block until every worker has entered the barrier.

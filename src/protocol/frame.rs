@@ -18,7 +18,10 @@ pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
 pub const FLAG_AVERAGE: u16 = 1;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE;
+/// Flag bit: this round carries initial parameter values for a server-side
+/// optimizer; the server keeps worker 0's and returns them.
+pub const FLAG_INIT: u16 = 2;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {
@@ -40,6 +43,7 @@ msg_types! {
     Result = 3, "server thread -> worker: the reduced chunk (fused push-pull, no pull request)";
     Stall = 4, "server thread -> worker: a round waited too long; payload names missing ranks";
     Error = 5, "either direction: a fatal problem, UTF-8 text; the sender closes the connection";
+    OptConfig = 6, "worker -> server thread: run this optimizer on the key's chunks (payload: OptConfig)";
     Register = 16, "member -> scheduler: join the job";
     Welcome = 17, "scheduler -> member: rank and cluster map";
     Declare = 18, "worker -> scheduler: batch of tensor declarations";

@@ -4,9 +4,11 @@
 pub mod codec;
 pub mod control;
 pub mod frame;
+pub mod optim;
 
 pub use control::{Control, DeclEntry, Register, Role, ServerInfo, TensorSpec, Welcome};
-pub use frame::{DType, Header, MsgType, FLAG_AVERAGE, HEADER_LEN, MAGIC, VERSION};
+pub use frame::{DType, Header, MsgType, FLAG_AVERAGE, FLAG_INIT, HEADER_LEN, MAGIC, VERSION};
+pub use optim::{OptConfig, OptKind};
 
 use std::io::{Read, Write};
 

@@ -3,6 +3,7 @@
 //! port), installs tensor specs on its threads when the scheduler says so,
 //! and exits when the job ends.
 
+mod optimizer;
 mod thread;
 
 use std::io::ErrorKind;

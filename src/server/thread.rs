@@ -20,7 +20,10 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use crate::kernels;
-use crate::protocol::{encode_stall, DType, Header, MsgType, ProtocolError, TensorSpec, FLAG_AVERAGE, HEADER_LEN};
+use super::optimizer::OptState;
+use crate::protocol::{
+    encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, TensorSpec, FLAG_AVERAGE, FLAG_INIT, HEADER_LEN,
+};
 use crate::transport::{bytes, bytes_mut, read_nb, write_frame_nb, Io};
 
 pub const LISTENER: Token = Token(0);
@@ -68,6 +71,8 @@ struct Chunk {
     direct_in_progress: bool,
     deferred: Vec<Vec<u32>>,
     buf: ChunkBuf,
+    /// Parameters and optimizer state, for tensors with a server-side optimizer.
+    opt: Option<Box<OptState>>,
 }
 
 impl Chunk {
@@ -102,6 +107,8 @@ enum Rx {
     Header { got: usize },
     /// Receiving a push payload; `direct` = straight into the accumulator.
     Payload { hdr: Header, chunk: usize, direct: bool, got: usize },
+    /// Receiving an OptConfig payload.
+    Config { hdr: Header, buf: Vec<u8>, got: usize },
 }
 
 struct Conn {
@@ -140,6 +147,10 @@ pub struct ServerThread {
     seq: u64,
     /// Recycled scratch buffers (see `Chunk::deferred`).
     pool: Vec<Vec<u32>>,
+    /// Server-side optimizer per key (set by OptConfig frames).
+    opt_cfg: HashMap<u32, OptConfig>,
+    /// dtype of every key with at least one chunk on this thread.
+    keys_here: HashMap<u32, DType>,
 }
 
 type ConnResult = Result<(), String>;
@@ -160,6 +171,8 @@ impl ServerThread {
             names: HashMap::new(),
             seq: 0,
             pool: Vec::new(),
+            opt_cfg: HashMap::new(),
+            keys_here: HashMap::new(),
         }
     }
 
@@ -276,6 +289,7 @@ impl ServerThread {
                     _ => ChunkBuf::Half { acc: vec![0.0; elems], out: [vec![0; elems], vec![0; elems]] },
                 };
                 self.index.insert((s.key, c as u32), self.chunks.len());
+                self.keys_here.insert(s.key, s.dtype);
                 self.chunks.push(Chunk {
                     key: s.key,
                     chunk: c as u32,
@@ -291,6 +305,7 @@ impl ServerThread {
                     direct_in_progress: false,
                     deferred: Vec::new(),
                     buf,
+                    opt: None,
                 });
             }
         }
@@ -381,6 +396,24 @@ impl ServerThread {
                         Err(e) => return Err(format!("read failed: {e}")),
                     }
                 }
+                Rx::Config { hdr, ref mut buf, got } => {
+                    let len = buf.len();
+                    match read_nb(&mut conn.stream, &mut buf[got..]) {
+                        Ok(Io::Done(n)) if got + n == len => {
+                            let cfg = OptConfig::decode(buf).map_err(|e| e.to_string())?;
+                            conn.rx = Rx::Header { got: 0 };
+                            self.opt_cfg.insert(hdr.key, cfg);
+                        }
+                        Ok(Io::Done(n)) => {
+                            if let Rx::Config { got, .. } = &mut conn.rx {
+                                *got += n;
+                            }
+                        }
+                        Ok(Io::WouldBlock) => return Ok(()),
+                        Ok(Io::Closed) => return Err("connection closed in the middle of a frame".into()),
+                        Err(e) => return Err(format!("read failed: {e}")),
+                    }
+                }
             }
         }
     }
@@ -440,10 +473,18 @@ impl ServerThread {
                 if ch.pushed[rank as usize] {
                     return Err(format!("tensor '{name}' chunk {}: worker {rank} pushed twice in round {}", hdr.chunk, ch.round));
                 }
-                if ch.count > 0 && (hdr.flags & FLAG_AVERAGE) != (ch.flags & FLAG_AVERAGE) {
-                    return Err(format!("tensor '{name}': workers disagree on average= in round {}", ch.round));
+                if ch.count > 0 && hdr.flags != ch.flags {
+                    return Err(format!(
+                        "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
+                        ch.round
+                    ));
                 }
-                let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress;
+                let init = hdr.flags & FLAG_INIT != 0;
+                if init && ch.dtype != DType::F32 {
+                    return Err(format!("tensor '{name}': parameter initialization needs float32"));
+                }
+                // Init rounds keep only worker 0's push, so nothing goes straight in.
+                let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress && !init;
                 if direct {
                     self.chunks[idx].direct_in_progress = true;
                 } else if conn.scratch.len() * 4 < want {
@@ -458,6 +499,19 @@ impl ServerThread {
                 conn.rx = Rx::Payload { hdr, chunk: idx, direct, got: 0 };
                 Ok(())
             }
+            MsgType::OptConfig => {
+                conn.rank.ok_or("OptConfig before DataHello")?;
+                match self.keys_here.get(&hdr.key) {
+                    None => return Err(format!("OptConfig for key {} which has no chunk on this thread", hdr.key)),
+                    Some(DType::F32) => {}
+                    Some(d) => return Err(format!("a server-side optimizer needs float32 tensors, key {} is {}", hdr.key, d.name())),
+                }
+                if hdr.payload_len as usize != crate::protocol::optim::OPT_CONFIG_LEN {
+                    return Err(format!("OptConfig payload of {} bytes", hdr.payload_len));
+                }
+                conn.rx = Rx::Config { hdr, buf: vec![0; hdr.payload_len as usize], got: 0 };
+                Ok(())
+            }
             other => Err(format!("unexpected {other:?} frame on a data connection")),
         }
     }
@@ -469,7 +523,13 @@ impl ServerThread {
         let parity = (hdr.round & 1) as usize;
         let n = ch.elems;
         let first = ch.count == 0;
+        let init = hdr.flags & FLAG_INIT != 0;
         match &mut ch.buf {
+            ChunkBuf::F32(b) if init => {
+                if rank == 0 {
+                    b[parity].copy_from_slice(bytemuck_f32(&conn.scratch[..n]));
+                }
+            }
             ChunkBuf::F32(b) => {
                 if direct {
                     ch.direct_in_progress = false;
@@ -516,10 +576,20 @@ impl ServerThread {
         let ch = &mut self.chunks[idx];
         let parity = (ch.round & 1) as usize;
         let scale = if ch.flags & FLAG_AVERAGE != 0 { 1.0 / nw as f32 } else { 1.0 };
+        let opt = self.opt_cfg.get(&ch.key);
         match &mut ch.buf {
+            ChunkBuf::F32(b) if ch.flags & FLAG_INIT != 0 => {
+                // New parameters (worker 0's); fresh optimizer state.
+                ch.opt = Some(Box::new(OptState::new(&b[parity])));
+            }
             ChunkBuf::F32(b) => {
                 if scale != 1.0 {
                     kernels::scale_f32(&mut b[parity], scale);
+                }
+                // Server-side optimizer: the result is the updated parameters.
+                if let (Some(cfg), Some(state)) = (opt, ch.opt.as_mut()) {
+                    state.update(cfg, &b[parity]);
+                    b[parity].copy_from_slice(&state.param);
                 }
             }
             ChunkBuf::Half { acc, out } => match ch.dtype {

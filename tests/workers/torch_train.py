@@ -1,7 +1,7 @@
 """Worker: train a small model with gradhub.torch on this rank's shard and
 check it against single-process training on the combined batch.
 
-Config: model (mlp|cnn), opt (sgd|nesterov|adamw), overlap (bool),
+Config: model (mlp|cnn), opt (sgd|nesterov|adamw), overlap (bool), server (optimizer on the servers),
 steps, passes (backward_passes_per_step), compression (none|fp16).
 """
 
@@ -22,9 +22,11 @@ r, n = hvd.rank(), hvd.size()
 model_kind = CONFIG.get("model", "mlp")
 opt_kind = CONFIG.get("opt", "sgd")
 overlap = CONFIG.get("overlap", False)
+server = CONFIG.get("server", False)
 steps = CONFIG.get("steps", 20)
 passes = CONFIG.get("passes", 1)
 per_worker = CONFIG.get("batch", 8)
+sched = CONFIG.get("sched", False)  # a StepLR schedule: hyperparameters change mid-run
 compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[CONFIG.get("compression", "none")]
 
 
@@ -56,6 +58,7 @@ def batch(step):
 # Reference: one process on the combined batch (with the same accumulation).
 ref = make_model()
 ref_opt = make_opt(ref.parameters())
+ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5) if sched else None
 ref_losses = []
 for s in range(steps):
     ref_opt.zero_grad()
@@ -65,13 +68,18 @@ for s in range(steps):
         loss.backward()
     ref_losses.append(loss.item())
     ref_opt.step()
+    if ref_sched:
+        ref_sched.step()
 
 # Distributed: each rank trains on its shard.
 model = make_model()
 opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
-                               compression=compression, backward_passes_per_step=passes, overlap_forward=overlap)
+                               compression=compression, backward_passes_per_step=passes, overlap_forward=overlap,
+                               optimizer_on_server=server)
+assert opt._gh_server == server
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
+lr_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None
 losses = []
 deferred = 0
 first = next(model.parameters())
@@ -90,6 +98,8 @@ for s in range(steps):
     # Loss of the combined batch, from every worker's shard loss.
     losses.append(hvd.allreduce(loss.detach(), name="loss", op=hvd.Average).item())
     opt.step()
+    if lr_sched:
+        lr_sched.step()
 if hasattr(opt, "finish"):
     opt.finish()
 

@@ -10,6 +10,10 @@
 - overlap_forward (P3): step() does not wait; each parameter is updated when
   its own reduced gradient is needed, just before its module's next forward
   (or at the next step()/synchronize()). Same arithmetic, same result.
+- optimizer_on_server (PHub): the servers keep the parameters and optimizer
+  state and run the update fused per chunk; a round returns new parameters,
+  which are copied into the model. SGD (momentum, dampening, Nesterov, weight
+  decay) and AdamW (and Adam without weight decay), float32 parameters.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                 op=Average, overlap_forward=False):
+                 op=Average, overlap_forward=False, optimizer_on_server=False):
         super(self.__class__, self).__init__(params)
         self._gh_compression = compression
         self._gh_op = _resolve_op(None, op)
@@ -65,7 +69,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gh_zero_after: set[int] = set()
         self._gh_skip_sync = False
         self._gh_synchronized = False
-        self._gh_group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        # Group index, not the dict: load_state_dict() replaces the group dicts.
+        self._gh_group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._gh_by_id = {id(p): p for p in all_params}
         self._gh_overlap = bool(overlap_forward)
         if self._gh_overlap and not isinstance(self, _ELEMENTWISE):
@@ -73,6 +78,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           f"{type(self).__mro__[1].__name__} falls back to the synchronous schedule", stacklevel=3)
             self._gh_overlap = False
         self._gh_sub: dict[int, torch.optim.Optimizer] = {}
+        self._gh_server = bool(optimizer_on_server)
+        if self._gh_server:
+            why = self._gh_server_unsupported(all_params, compression)
+            if why:
+                warnings.warn(f"optimizer_on_server is not available here ({why}); the optimizer runs on the "
+                              f"workers", stacklevel=3)
+                self._gh_server = False
+        self._gh_server_cfg: dict[int, tuple] = {}   # last optimizer config sent, per parameter
+        self._gh_inited: set[int] = set()
+        self._gh_init_handles: dict[int, object] = {}
         self._gh_hooks = []
         if _api._client is None:
             raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
@@ -80,6 +95,89 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.requires_grad:
                 self._gh_hooks.append(p.register_post_accumulate_grad_hook(self._gh_make_hook(p)))
         self._gh_fwd_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._gh_forward_pre_hook)
+
+    # -------------------------------------------------------------- server-side optimizer
+
+    def _gh_group_of(self, p) -> dict:
+        return self.param_groups[self._gh_group_idx[id(p)]]
+
+    def _gh_server_unsupported(self, params, compression):
+        if compression is not Compression.none:
+            return "gradient compression"
+        if any(p.dtype != torch.float32 for p in params):
+            return "non-float32 parameters"
+        for g in self.param_groups:
+            if g.get("maximize") or g.get("amsgrad"):
+                return "maximize/amsgrad"
+        if isinstance(self, torch.optim.SGD):
+            return None
+        if isinstance(self, torch.optim.AdamW):
+            return None
+        if isinstance(self, torch.optim.Adam):
+            if any(g.get("weight_decay", 0) for g in self.param_groups):
+                return "Adam with L2 weight decay (use AdamW)"
+            return None
+        return f"{type(self).__mro__[1].__name__} is not one of SGD, Adam, AdamW"
+
+    def _gh_server_name(self, p) -> str:
+        return f"server_opt.{self._gh_names[id(p)]}"
+
+    def _gh_send_server_config(self, p):
+        """Tell the servers p's hyperparameters, if they changed (LR schedules)."""
+        g = self._gh_group_of(p)
+        if isinstance(self, torch.optim.SGD):
+            cfg = ("sgd", float(g["lr"]), float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)),
+                   float(g.get("weight_decay", 0.0)), bool(g.get("nesterov", False)), 0.9, 0.999, 1e-8)
+        else:
+            b1, b2 = g["betas"]
+            cfg = ("adamw", float(g["lr"]), 0.0, 0.0, float(g.get("weight_decay", 0.0)), False, float(b1), float(b2),
+                   float(g["eps"]))
+        if self._gh_server_cfg.get(id(p)) == cfg:
+            return
+        kind, lr, mom, damp, wd, nest, b1, b2, eps = cfg
+        _api._require().set_server_optimizer(self._gh_server_name(p), p.numel(), kind, lr, momentum=mom,
+                                             dampening=damp, weight_decay=wd, nesterov=nest, beta1=b1, beta2=b2,
+                                             eps=eps)
+        self._gh_server_cfg[id(p)] = cfg
+
+    def _gh_server_init(self, p):
+        """Give the servers p's initial values (worker 0's), asynchronously."""
+        if id(p) in self._gh_inited:
+            return
+        self._gh_inited.add(id(p))
+        self._gh_send_server_config(p)
+        buf = p.detach().float().contiguous().clone()
+        c = _api._require()
+        h = c.push_pull_async(buf.data_ptr(), buf.numel() * 4, "float32", self._gh_server_name(p), False,
+                              self._gh_priority(p), buf, init=True)
+        self._gh_init_handles[id(p)] = (h, buf)
+
+    def _gh_server_init_wait(self, p):
+        self._gh_server_init(p)
+        pending = self._gh_init_handles.pop(id(p), None)
+        if pending is not None:
+            h, buf = pending
+            h.wait()
+            with torch.no_grad():
+                p.copy_(buf.view_as(p))
+
+    def _gh_server_start(self, p):
+        """Push p's gradient; the round returns p's new value."""
+        from .ops import Handle
+
+        self._gh_server_init_wait(p)
+        self._gh_send_server_config(p)
+        buf = p.grad.detach().float().contiguous().clone()
+        c = _api._require()
+        h = c.push_pull_async(buf.data_ptr(), buf.numel() * 4, "float32", self._gh_server_name(p),
+                              self._gh_op is Average, self._gh_priority(p), buf)
+
+        def finish():
+            with torch.no_grad():
+                p.copy_(buf.view_as(p))
+            return p
+
+        self._gh_handles[id(p)] = Handle(h, finish, self._gh_server_name(p))
 
     # -------------------------------------------------------------- scheduling
 
@@ -94,6 +192,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._gh_order_final:
             for p in own:
                 self._gh_forward_seen.setdefault(id(p), len(self._gh_forward_seen))
+        if self._gh_server:
+            for p in own:
+                self._gh_server_init(p)
         if self._gh_pending:
             for p in own:
                 if id(p) in self._gh_pending:
@@ -135,6 +236,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             return
+        if self._gh_server:
+            return self._gh_server_start(p)
         name = f"allreduce.{self._gh_names[id(p)]}"
         self._gh_handles[id(p)] = _push_pull_async(grad, name, self._gh_op is Average, self._gh_priority(p),
                                                    self._gh_compression, grad)
@@ -167,13 +270,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         this one, so parameters can be updated one at a time (overlap mode)."""
         sub = self._gh_sub.get(id(p))
         if sub is None:
-            group = self._gh_group_of[id(p)]
+            group = self._gh_group_of(p)
             base = type(self).__mro__[1]
             hyper = {k: v for k, v in group.items() if k != "params"}
             sub = base([p], **{k: v for k, v in hyper.items() if k in base.__init__.__code__.co_varnames})
             sub.state = self.state  # shared: keyed by parameter
             self._gh_sub[id(p)] = sub
-        group = self._gh_group_of[id(p)]
+        group = self._gh_group_of(p)
         for k, v in group.items():  # follow LR schedulers etc.
             if k != "params":
                 sub.param_groups[0][k] = v
@@ -185,8 +288,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if h is not None:
             h.wait()
         self._gh_pending.pop(id(p), None)
-        with torch.no_grad():
-            self._gh_sub_optimizer(p).step()
+        if not self._gh_server:  # server mode: the handle copied the new value in
+            with torch.no_grad():
+                self._gh_sub_optimizer(p).step()
         if id(p) in self._gh_zero_after:
             self._gh_zero_after.discard(id(p))
             p.grad = None
@@ -210,6 +314,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not self._gh_synchronized:
                 self.synchronize()
         self._gh_synchronized = False
+        if self._gh_server:
+            # The servers ran the update; synchronize() copied the new values in.
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            return loss
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -249,17 +360,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
-                         overlap_forward: bool = False):
+                         overlap_forward: bool = False, optimizer_on_server: bool = False):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
 
-    Same signature as Horovod's. `overlap_forward=True` lets the next forward
-    pass start before every gradient has arrived (SGD, Adam, AdamW)."""
+    Same signature as Horovod's, plus two scheduling options:
+    `overlap_forward=True` lets the next forward pass start before every
+    gradient has arrived (SGD, Adam, AdamW); `optimizer_on_server=True` runs
+    the update on the summation servers (SGD, AdamW; float32)."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     opt = cls.__new__(cls)
     # Re-create with the same param_groups (hyperparameters included) and defaults.
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                 overlap_forward)
+                 overlap_forward, optimizer_on_server)
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
