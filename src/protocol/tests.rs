@@ -7,8 +7,9 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 19] = [
+const ALL_MSG_TYPES: [MsgType; 20] = [
     MsgType::DataHello,
+    MsgType::OptConfig,
     MsgType::Push,
     MsgType::Result,
     MsgType::Stall,
@@ -30,7 +31,8 @@ const ALL_MSG_TYPES: [MsgType; 19] = [
 ];
 
 /// Data-plane types; every other MsgType is a Control message.
-const DATA_TYPES: [MsgType; 4] = [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall];
+const DATA_TYPES: [MsgType; 5] =
+    [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall, MsgType::OptConfig];
 
 const ALL_DTYPES: [DType; 4] = [DType::None, DType::F32, DType::F16, DType::BF16];
 
@@ -333,7 +335,9 @@ fn header_rejects_unknown_type() {
 
 #[test]
 fn header_rejects_unknown_flag_bits() {
-    for bit in 1..16 {
+    // Bit 0 is FLAG_AVERAGE, bit 1 FLAG_INIT.
+    assert_eq!(FLAG_INIT, 2);
+    for bit in 2..16 {
         let flags = 1u16 << bit;
         let mut b = valid_header_bytes();
         b[4..6].copy_from_slice(&flags.to_le_bytes());
@@ -932,5 +936,36 @@ fn decoded_spec_chunk_geometry_does_not_overflow() {
                 let _ = s.chunk_bytes(c);
             }
         }
+    }
+}
+
+// ---------------------------------------------------------------- OptConfig
+
+#[test]
+fn opt_config_round_trip_and_rejection() {
+    let c = OptConfig {
+        kind: OptKind::AdamW,
+        lr: 1e-3,
+        momentum: 0.0,
+        dampening: 0.0,
+        weight_decay: 0.01,
+        nesterov: false,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let b = c.encode();
+    assert_eq!(b.len(), optim::OPT_CONFIG_LEN);
+    assert_eq!(OptConfig::decode(&b), Ok(c));
+    for n in 0..b.len() {
+        assert!(OptConfig::decode(&b[..n]).is_err(), "prefix {n}");
+    }
+    let mut bad = b.clone();
+    bad[0] = 9; // unknown kind
+    assert!(OptConfig::decode(&bad).is_err());
+    for (field, v) in [(1usize, f32::NAN), (1, -1.0), (22, 1.0), (26, -1.0)] {
+        let mut bad = b.clone();
+        bad[field..field + 4].copy_from_slice(&v.to_bits().to_le_bytes());
+        assert!(OptConfig::decode(&bad).is_err(), "field at {field} = {v}");
     }
 }
