@@ -50,3 +50,10 @@ def test_batched_declaration_in_different_orders():
     cfg = {"sizes": [10, 1000, 70_000], "dtypes": ALL, "rounds": 2, "declare": True, "in_flight": True}
     rc, out = run_launch(3, 2, "check_sums.py", cfg, threads=2)
     assert_all_passed(rc, out, 3)
+
+
+def test_opposite_submission_orders_do_not_deadlock():
+    # Small credit and partitions: each rank's queue holds many chunks the other sends last.
+    rc, out = run_launch(2, 1, "cross_order.py", launch_args=["--partition-bytes", "65536"],
+                         env={"GRADHUB_CREDIT_BYTES": 262144}, timeout=180)
+    assert_all_passed(rc, out, 2)

@@ -8,10 +8,19 @@
 //! socket becomes writable again or a result returns credit. Receives are
 //! the I/O thread's alone.
 //!
-//! Why a credit: once bytes are in the kernel socket queue they cannot be
-//! overtaken. Keeping at most `credit` bytes outstanding per connection means
-//! a high-priority chunk waits behind at most that much low-priority data
-//! (P3's slicing + priority queue, ByteScheduler's credit).
+//! Why a credit: once bytes are in socket queues (ours, the server's, and the
+//! results coming back) they cannot be overtaken. At most `credit` bytes per
+//! connection are pushed-but-not-returned, so a high-priority chunk waits
+//! behind at most that much low-priority data; the rest waits in our priority
+//! queue (P3's slicing + priority queue, ByteScheduler's credit).
+//!
+//! Why no deadlock: a result returns only when every worker has pushed, so
+//! credits could fill up with chunks other workers have not sent yet. The
+//! queue order is therefore the same on every worker — (priority descending,
+//! tensor key, chunk index); keys are assigned by the scheduler in first-use
+//! order, which makes ties FIFO — and a chunk that comes before every chunk
+//! in flight may always go. The first unfinished chunk of the whole job can
+//! thus always be sent by every worker that holds it, so the job progresses.
 //!
 //! Locks: `ops` before a connection's `send`, never the reverse; the client's
 //! table lock is only taken inside `ops` (completing an op), never around it.
@@ -46,8 +55,9 @@ pub struct Submission {
     pub flags: u16,
 }
 
-/// One chunk waiting to be sent. Strict order: higher priority first, then
-/// submission order (FIFO) — never a `<=`-style comparator.
+/// One chunk waiting to be sent. Strict total order, identical on every
+/// worker: higher priority first, then lower key (earlier first use), then
+/// lower chunk index — never a `<=`-style comparator.
 #[derive(PartialEq, Eq)]
 struct SendItem {
     priority: i32,
@@ -63,9 +73,18 @@ struct SendItem {
     /// it takes no credit and expects no result.
     owned: Option<(MsgType, Vec<u8>)>,
 }
+impl SendItem {
+    /// Position in the job-wide order (smaller = sooner).
+    fn order(&self) -> Order {
+        (std::cmp::Reverse(self.priority), self.key, self.chunk, self.seq)
+    }
+}
+type Order = (std::cmp::Reverse<i32>, u32, u32, u64);
+
 impl Ord for SendItem {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        self.priority.cmp(&o.priority).then_with(|| o.seq.cmp(&self.seq))
+        // BinaryHeap pops the greatest: the greatest is the soonest.
+        o.order().cmp(&self.order())
     }
 }
 impl PartialOrd for SendItem {
@@ -78,7 +97,9 @@ impl PartialOrd for SendItem {
 struct SendHalf {
     heap: BinaryHeap<SendItem>,
     cur: Option<(SendItem, [u8; HEADER_LEN], usize)>,
+    /// Pushed, result not back yet: bytes and the order of each chunk.
     in_flight: usize,
+    in_flight_order: std::collections::BTreeMap<(u32, u32), Order>,
     /// Registered for writability: only while a write would block, because
     /// with it set every ACK wakes the I/O thread for nothing.
     watching_writable: bool,
@@ -284,9 +305,12 @@ impl Io {
         loop {
             if st.cur.is_none() {
                 let Some(top) = st.heap.peek() else { return Ok(false) };
-                // Always allow one chunk, so a chunk larger than the credit still moves.
                 if top.owned.is_none() && st.in_flight > 0 && st.in_flight + top.len > self.credit {
-                    return Ok(false);
+                    // Over the credit: only a chunk that comes before everything in flight may go.
+                    let first_in_flight = st.in_flight_order.values().min().copied();
+                    if first_in_flight.is_some_and(|f| top.order() > f) {
+                        return Ok(false);
+                    }
                 }
                 let Some(item) = st.heap.pop() else { return Ok(false) };
                 let mut h = Header::new(MsgType::Push);
@@ -303,6 +327,7 @@ impl Io {
                     h.payload_len = p.len() as u32;
                 } else {
                     st.in_flight += item.len;
+                    st.in_flight_order.insert((item.key, item.chunk), item.order());
                 }
                 st.cur = Some((item, h.encode(), 0));
             }
@@ -334,6 +359,8 @@ impl Io {
             let mut st = c.send();
             st.heap.clear();
             st.cur = None;
+            st.in_flight = 0;
+            st.in_flight_order.clear();
         }
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
         drop(ops);
@@ -566,19 +593,23 @@ impl IoThread {
 
     fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), String> {
         let io = &self.shared.io;
+        // Lock order is ops before send: look the length up first.
+        let len = io.ops().active.get(&key).map(|a| a.spec.chunk_bytes(chunk)).unwrap_or(0);
+        {
+            let mut st = io.conns[i].send();
+            if st.in_flight_order.remove(&(key, chunk as u32)).is_some() {
+                st.in_flight = st.in_flight.saturating_sub(len);
+            }
+        }
         let done = {
             let mut ops = io.ops();
             let Some(a) = ops.active.get_mut(&key) else { return Ok(()) };
-            let len = a.spec.chunk_bytes(chunk);
             a.got[chunk] = true;
             a.remaining -= 1;
             let finished = if a.remaining == 0 { ops.active.remove(&key) } else { None };
             if let Some(a) = &finished {
                 ops.rounds.insert(key, a.round.wrapping_add(1));
             }
-            drop(ops);
-            let mut st = io.conns[i].send();
-            st.in_flight = st.in_flight.saturating_sub(len);
             finished
         };
         if let Some(a) = done {

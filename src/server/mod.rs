@@ -76,12 +76,14 @@ fn log(rank: Option<u32>, msg: &str) {
 pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let setup = |what: &str, e: std::io::Error| ServerError::Setup(format!("{what}: {e}"));
     let threads = cfg.threads.max(1);
+
     // Bind every thread's listener first, so the ports we advertise exist.
     let mut listeners = Vec::with_capacity(threads);
     for t in 0..threads {
         let port = if cfg.base_port == 0 { 0 } else { cfg.base_port + t as u16 };
         let addr = format!("{}:{port}", cfg.bind_host);
         let l = std::net::TcpListener::bind(&addr).map_err(|e| setup(&format!("cannot listen on {addr}"), e))?;
+
         l.set_nonblocking(true).map_err(|e| setup("listener", e))?;
         listeners.push(l);
     }

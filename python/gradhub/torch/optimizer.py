@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Iterable
 
@@ -73,6 +74,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gh_group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._gh_by_id = {id(p): p for p in all_params}
         self._gh_overlap = bool(overlap_forward)
+        sched = os.environ.get("GRADHUB_SCHEDULING", "priority").strip().lower()
+        if sched not in ("priority", "fifo"):
+            raise ValueError(f"GRADHUB_SCHEDULING={sched!r}: expected priority or fifo")
+        self._gh_fifo = sched == "fifo"
         if self._gh_overlap and not isinstance(self, _ELEMENTWISE):
             warnings.warn(f"overlap_forward is supported for {', '.join(c.__name__ for c in _ELEMENTWISE)}; "
                           f"{type(self).__mro__[1].__name__} falls back to the synchronous schedule", stacklevel=3)
@@ -182,7 +187,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -------------------------------------------------------------- scheduling
 
     def _gh_priority(self, p) -> int:
-        """Higher = sooner. Earlier in the forward pass = more urgent."""
+        """Higher = sooner. Earlier in the forward pass = more urgent.
+        (GRADHUB_SCHEDULING=fifo: all equal, i.e. in order of readiness.)"""
+        if self._gh_fifo:
+            return 0
         return len(self._gh_params) - self._gh_rank_of[id(p)]
 
     def _gh_forward_pre_hook(self, module, inputs):
@@ -358,15 +366,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gh_hooks = []
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
-                         overlap_forward: bool = False, optimizer_on_server: bool = False):
+                         overlap_forward: bool | None = None, optimizer_on_server: bool | None = None):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
 
     Same signature as Horovod's, plus two scheduling options:
     `overlap_forward=True` lets the next forward pass start before every
     gradient has arrived (SGD, Adam, AdamW); `optimizer_on_server=True` runs
-    the update on the summation servers (SGD, AdamW; float32)."""
+    the update on the summation servers (SGD, AdamW; float32). Left unset,
+    they come from GRADHUB_OVERLAP_FORWARD / GRADHUB_OPTIMIZER_ON_SERVER, so an
+    unchanged Horovod script can use them; GRADHUB_SCHEDULING=fifo turns the
+    forward-order priorities off (for comparisons)."""
+    if overlap_forward is None:
+        overlap_forward = _env_flag("GRADHUB_OVERLAP_FORWARD")
+    if optimizer_on_server is None:
+        optimizer_on_server = _env_flag("GRADHUB_OPTIMIZER_ON_SERVER")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     opt = cls.__new__(cls)
     # Re-create with the same param_groups (hyperparameters included) and defaults.
