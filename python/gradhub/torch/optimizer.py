@@ -66,7 +66,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gh_order_final = False
         self._gh_handles: dict[int, object] = {}
         self._gh_counts = {id(p): 0 for p in all_params}
-        self._gh_pending: dict[int, torch.nn.Parameter] = {}  # overlap: reduced, not yet applied
+        self._gh_pending: dict[int, dict] = {}  # overlap: param id -> hyperparameters of its pending update
         self._gh_zero_after: set[int] = set()
         self._gh_skip_sync = False
         self._gh_synchronized = False
@@ -273,9 +273,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # -------------------------------------------------------------- updates
 
-    def _gh_sub_optimizer(self, p):
+    def _gh_sub_optimizer(self, p, hyper: dict):
         """An optimizer of the same class over one parameter, sharing state with
-        this one, so parameters can be updated one at a time (overlap mode)."""
+        this one, so parameters can be updated one at a time (overlap mode).
+        `hyper`: the group's hyperparameters as they were at step()."""
         sub = self._gh_sub.get(id(p))
         if sub is None:
             group = self._gh_group_of(p)
@@ -284,10 +285,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sub = base([p], **{k: v for k, v in hyper.items() if k in base.__init__.__code__.co_varnames})
             sub.state = self.state  # shared: keyed by parameter
             self._gh_sub[id(p)] = sub
-        group = self._gh_group_of(p)
-        for k, v in group.items():  # follow LR schedulers etc.
-            if k != "params":
-                sub.param_groups[0][k] = v
+        sub.param_groups[0].update(hyper)
         return sub
 
     def _gh_apply(self, p):
@@ -295,10 +293,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         h = self._gh_handles.pop(id(p), None)
         if h is not None:
             h.wait()
-        self._gh_pending.pop(id(p), None)
+        hyper = self._gh_pending.pop(id(p), None)
         if not self._gh_server:  # server mode: the handle copied the new value in
+            if hyper is None:
+                hyper = {k: v for k, v in self._gh_group_of(p).items() if k != "params"}
             with torch.no_grad():
-                self._gh_sub_optimizer(p).step()
+                self._gh_sub_optimizer(p, hyper).step()
         if id(p) in self._gh_zero_after:
             self._gh_zero_after.discard(id(p))
             p.grad = None
@@ -315,7 +315,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if any(c != 0 for c in self._gh_counts.values()) and not self._gh_handles:
                 return None  # accumulating (backward_passes_per_step)
             for pid in list(self._gh_handles):
-                self._gh_pending[pid] = self._gh_by_id[pid]
+                # Snapshot the hyperparameters: an LR scheduler may step before the update runs.
+                group = self._gh_group_of(self._gh_by_id[pid])
+                self._gh_pending[pid] = {k: v for k, v in group.items() if k != "params"}
             return None
         if not self._gh_skip_sync:
             self._gh_apply_all()

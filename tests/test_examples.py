@@ -1,0 +1,43 @@
+"""The examples run (small) and do what they say."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import job_env
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def run(argv, timeout=300):
+    p = subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def final_accuracy(out: str) -> float:
+    m = re.search(r"final test accuracy ([0-9.]+)", out)
+    assert m, out[-3000:]
+    return float(m.group(1))
+
+
+def test_digits_distributed_matches_single_process():
+    args = [str(EXAMPLES / "digits.py"), "--epochs", "12", "--no-progress"]
+    rc, single = run([sys.executable, *args])
+    assert rc == 0, single[-3000:]
+    rc, dist = run([sys.executable, "-m", "gradhub", "launch", "-w", "4", "-s", "2", "--", sys.executable, *args])
+    assert rc == 0, dist[-3000:]
+    assert "(4 workers)" in dist and re.search(r"\[worker 0\] epoch 12: train loss", dist)
+    a1, a4 = final_accuracy(single), final_accuracy(dist)
+    assert a1 > 0.9 and a4 > 0.9, (a1, a4)
+    assert abs(a1 - a4) <= 0.02, (a1, a4)
+
+
+def test_synthetic_benchmark_runs():
+    argv = [sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--", sys.executable,
+            str(EXAMPLES / "synthetic_benchmark.py"), "--model", "mlp", "--num-iters", "2",
+            "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8"]
+    rc, out = run(argv)
+    assert rc == 0, out[-3000:]
+    m = re.search(r"Total img/sec on 2 CPU\(s\): ([0-9.]+)", out)
+    assert m and float(m.group(1)) > 0, out[-3000:]
