@@ -369,9 +369,5 @@ def broadcast_parameters(params, root_rank: int = 0):
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0):
     """Make every worker's optimizer state (hyperparameters, momentum, ...) root_rank's."""
-    if hasattr(optimizer, "_gradhub_inner_state_dict"):
-        state = optimizer._gradhub_inner_state_dict()
-    else:
-        state = optimizer.state_dict()
-    state = broadcast_object(state, root_rank, name="broadcast.optimizer_state")
+    state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state")
     optimizer.load_state_dict(state)

@@ -358,9 +358,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gh_apply_all()
         return super(self.__class__, self).state_dict()
 
-    def _gh_inner_state_dict(self):
-        return self.state_dict()
-
     def remove_hooks(self):
         for h in self._gh_hooks:
             h.remove()
