@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="request this server rank (default: assigned)")
     vp.add_argument("--connect-timeout", type=float, default=_env_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
                     help="seconds to keep retrying the scheduler (default 60)")
+    sub.add_parser("bench", help="benchmark suite on an emulated cluster (see `gradhub bench --help`)",
+                   add_help=False)
     return p
 
 
@@ -176,6 +178,11 @@ def _run_server(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

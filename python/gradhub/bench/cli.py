@@ -1,0 +1,138 @@
+"""`gradhub bench`: the benchmark suite on an emulated cluster (needs root)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import netns, profiles
+from .runner import Layout, allreduce_time, byteps_optimum_time, run_job
+
+VARIANTS = {
+    "priority": {},
+    "fifo": {"GRADHUB_SCHEDULING": "fifo"},
+    "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
+    "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
+}
+
+
+def _add_cluster_args(p):
+    p.add_argument("--workers", type=int, default=4, help="worker hosts (default 4)")
+    p.add_argument("--cpu-servers", type=int, default=0, help="CPU-only server hosts, k (default 0)")
+    p.add_argument("--no-colocated", action="store_true", help="no server on the worker hosts")
+    p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
+    p.add_argument("--rate", default="1gbit", help="per-host rate in each direction, tc syntax (default 1gbit)")
+    p.add_argument("--json", help="append results to this JSON-lines file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gradhub bench", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    t = sub.add_parser("train", help="emulated training (sleep as compute) under gradhub, DDP/gloo and no sync")
+    _add_cluster_args(t)
+    t.add_argument("--model", default="vgg19", choices=sorted(profiles.PROFILES))
+    t.add_argument("--scale", type=float, default=16, help="divide every byte count by this (default 16)")
+    t.add_argument("--iters", type=int, default=10)
+    t.add_argument("--warmup", type=int, default=3)
+    t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
+    t.add_argument("--variants", default="priority", help=f"gradhub variants: {', '.join(VARIANTS)}")
+    g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
+    _add_cluster_args(g)
+    g.add_argument("--k", default="0", help="comma list of CPU-only server counts to try (default 0)")
+    g.add_argument("--mbytes", type=float, default=64.0, help="bytes synchronized per iteration, MB (default 64)")
+    g.add_argument("--iters", type=int, default=5)
+    g.add_argument("--no-ddp", action="store_true", help="skip the gloo all-reduce baseline")
+    sub.add_parser("cleanup", help="remove namespaces/bridges left by a killed run")
+    return ap
+
+
+def _emit(args, rec):
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def cmd_train(args) -> int:
+    layout = Layout(args.workers, args.cpu_servers, not args.no_colocated, args.server_threads)
+    prof = profiles.get(args.model)
+    cfg = {"model": args.model, "scale": args.scale, "iters": args.iters, "warmup": args.warmup}
+    partition = max(4096, int(256 * 1024 / args.scale))
+    print(f"{prof.name}: {prof.num_params / 1e6:.1f} M params ({prof.num_params * 4 / 1e6 / args.scale:.1f} MB "
+          f"after /{args.scale:g}), {prof.time_per_batch * 1e3:.0f} ms compute per batch of {prof.batch}; "
+          f"{args.workers} workers, {args.cpu_servers} CPU-only servers, colocated={layout.colocated}, "
+          f"rate {args.rate} (= {args.rate} x {args.scale:g} for the full model)")
+    print(f"{'run':28s} {'samples/s':>10s} {'eff':>6s} {'p50 ms':>8s} {'p90 ms':>8s} {'cores':>6s} {'vs ddp':>7s}")
+    rows = []
+    ddp = None
+    for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
+        variants = [v.strip() for v in args.variants.split(",")] if system == "gradhub" else [""]
+        for v in variants:
+            if v and v not in VARIANTS:
+                print(f"unknown variant {v!r}", file=sys.stderr)
+                return 2
+            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=VARIANTS.get(v, {}),
+                          partition_bytes=partition)
+            label = system + (f"/{v}" if v else "")
+            if system == "ddp":
+                ddp = res["samples_per_s"]
+            ratio = f"{res['samples_per_s'] / ddp:7.2f}" if ddp and system == "gradhub" else f"{'':7s}"
+            cores = res["busy_cores"]
+            print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
+                  f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
+                  f"{cores if cores is not None else float('nan'):6.2f} {ratio}", flush=True)
+            res.update(kind="train", label=label, model=args.model, scale=args.scale)
+            res.pop("raw", None)
+            rows.append(res)
+            _emit(args, res)
+    return 0
+
+
+def cmd_goodput(args) -> int:
+    mbytes = args.mbytes
+    rate = netns.parse_rate(args.rate)
+    n = args.workers
+    print(f"goodput: {n} workers, {mbytes:g} MB per iteration, {args.rate} per host")
+    print(f"{'config':22s} {'time ms':>9s} {'goodput GB/s':>13s} {'optimum ms':>11s} {'of optimum':>11s} {'cores':>6s}")
+    for k in [int(x) for x in args.k.split(",")]:
+        layout = Layout(n, k, not args.no_colocated, args.server_threads)
+        res = run_job(layout, args.rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": args.iters}, "gradhub")
+        t_opt = byteps_optimum_time(n, k, mbytes * 1e6, rate) if layout.colocated else None
+        t = res["iter_time_mean"]
+        share = f"{t_opt / t:11.2f}" if t_opt else f"{'':11s}"
+        print(f"{'gradhub k=' + str(k):22s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} "
+              f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}", flush=True)
+        res.update(kind="goodput", k=k, optimum_time=t_opt, mbytes=mbytes)
+        res.pop("raw", None)
+        _emit(args, res)
+    if not args.no_ddp:
+        layout = Layout(n, 0, False)
+        res = run_job(layout, args.rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": args.iters}, "ddp")
+        t = res["iter_time_mean"]
+        t_ring = allreduce_time(n, mbytes * 1e6, rate)
+        print(f"{'gloo all-reduce':22s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} {t_ring * 1e3:11.1f} "
+              f"{t_ring / t:11.2f} {res['busy_cores'] or float('nan'):6.2f}  (vs ring optimum)", flush=True)
+        res.update(kind="goodput", k=None, optimum_time=t_ring, mbytes=mbytes)
+        res.pop("raw", None)
+        _emit(args, res)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.cmd is None:
+        ap.print_help()
+        return 2
+    if args.cmd == "cleanup":
+        removed = netns.cleanup()
+        print("removed: " + (", ".join(removed) if removed else "nothing"))
+        return 0
+    try:
+        return cmd_train(args) if args.cmd == "train" else cmd_goodput(args)
+    except netns.ClusterError as e:
+        print(f"gradhub bench: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"gradhub bench: interrupted ({e}); emulated cluster removed", file=sys.stderr)
+        return 130

@@ -1,0 +1,155 @@
+"""Emulated training on one worker (run inside an emulated host).
+
+The model is a chain of layers with the profile's true parameter sizes
+(divided by `scale`), whose forward and backward "compute" is sleeping for the
+layer's share of the iteration time (costs no CPU). Gradients are real
+tensors, so wait-free backprop, priorities and forward overlap face the real
+timing structure. Systems:
+  gradhub  gradhub.torch.DistributedOptimizer (options from the environment)
+  ddp      torch DistributedDataParallel over gloo (bucket cap scaled like the model)
+  none     no synchronization: the compute-only upper bound
+
+Scale equivalence: every byte count is divided by `scale` (parameters, DDP
+buckets, gradhub partitions), so a run at rate R behaves like the full model
+at rate scale x R; compute times are not scaled.
+
+Config (JSON in GH_BENCH): model, scale, iters, warmup, system, rank, world,
+ddp_addr. Prints one line `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+from .profiles import get as get_profile
+
+
+class _Clock:
+    """Sleeps off accumulated compute time in chunks, so hundreds of tiny
+    layers do not pay hundreds of sleep() overheads."""
+
+    def __init__(self):
+        self.deadline = None
+
+    def spend(self, seconds: float):
+        now = time.perf_counter()
+        if self.deadline is None or self.deadline < now:
+            self.deadline = now
+        self.deadline += seconds
+        ahead = self.deadline - now
+        if ahead > 2e-4:
+            time.sleep(ahead)
+
+
+CLOCK = _Clock()
+
+
+class _SleepFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd, bwd, *params):
+        CLOCK.spend(fwd)
+        ctx.bwd = bwd
+        ctx.shapes = [p.shape for p in params]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        CLOCK.spend(ctx.bwd)
+        grads = tuple(torch.full(s, 1e-6) for s in ctx.shapes)
+        return (g, None, None) + grads
+
+
+class SleepLayer(nn.Module):
+    def __init__(self, sizes: list[int], fwd: float, bwd: float):
+        super().__init__()
+        self.fwd, self.bwd = fwd, bwd
+        self.w = nn.ParameterList([nn.Parameter(torch.zeros(max(1, n))) for n in sizes])
+
+    def forward(self, x):
+        return _SleepFn.apply(x, self.fwd, self.bwd, *self.w)
+
+
+class EmulatedModel(nn.Module):
+    def __init__(self, profile, scale: float):
+        super().__init__()
+        times = profile.compute_times()
+        self.layers = nn.ModuleList(
+            SleepLayer([math.ceil(n / scale) for n in layer.params], f, b)
+            for layer, (f, b) in zip(profile.layers, times)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def main():
+    cfg = json.loads(os.environ["GH_BENCH"])
+    torch.set_num_threads(1)
+    profile = get_profile(cfg["model"])
+    scale = float(cfg.get("scale", 1))
+    model = EmulatedModel(profile, scale)
+    system = cfg["system"]
+    rank, world = cfg.get("rank", 0), cfg.get("world", 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if system == "gradhub":
+        import gradhub.torch as hvd
+
+        hvd.init()
+        rank, world = hvd.rank(), hvd.size()
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif system == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{cfg['ddp_addr']}", rank=rank, world_size=world)
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25.0 / scale)
+    elif system != "none":
+        raise ValueError(f"unknown system {system!r}")
+    x = torch.ones(1, requires_grad=True)
+    times = []
+    t_start = time.time()
+    for i in range(cfg.get("warmup", 3) + cfg.get("iters", 10)):
+        if i == cfg.get("warmup", 3):
+            t_start = time.time()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    if system == "gradhub" and hasattr(opt, "finish"):
+        opt.finish()
+    times = times[cfg.get("warmup", 3):]
+    res = {
+        "rank": rank,
+        "world": world,
+        "system": system,
+        "model": profile.name,
+        "scale": scale,
+        "batch": profile.batch,
+        "compute_per_iter": profile.time_per_batch,
+        "iter_times": times,
+        "t_start": t_start, "t_end": time.time(),
+        "params_scaled": sum(p.numel() for p in model.parameters()),
+        "options": {k: os.environ.get(k) for k in ("GRADHUB_OVERLAP_FORWARD", "GRADHUB_OPTIMIZER_ON_SERVER",
+                                                   "GRADHUB_SCHEDULING") if os.environ.get(k)},
+    }
+    print("RESULT " + json.dumps(res), flush=True)
+    if system == "gradhub":
+        hvd.shutdown()
+    elif system == "ddp":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

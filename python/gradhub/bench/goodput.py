@@ -1,0 +1,58 @@
+"""Communication only: each worker synchronizes `mbytes` of float32 gradients
+per iteration, as one tensor (gradhub push_pull, or gloo all_reduce for the
+DDP baseline). Config (JSON in GH_BENCH): system, mbytes, iters, warmup,
+rank, world, ddp_addr. Prints `RESULT {json}` with per-iteration times."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+
+def main():
+    cfg = json.loads(os.environ["GH_BENCH"])
+    n = int(cfg["mbytes"] * 1e6) // 4
+    system = cfg["system"]
+    times = []
+    t_start = time.time()
+    if system == "gradhub":
+        import gradhub
+
+        gradhub.init()
+        a = np.ones(n, dtype=np.float32)
+        for i in range(cfg.get("warmup", 2) + cfg["iters"]):
+            if i == cfg.get("warmup", 2):
+                t_start = time.time()
+            t0 = time.perf_counter()
+            gradhub.push_pull(a, name="grad")
+            times.append(time.perf_counter() - t0)
+        t_end = time.time()
+        rank, world = gradhub.rank(), gradhub.size()
+        gradhub.shutdown()
+    else:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        rank, world = cfg["rank"], cfg["world"]
+        dist.init_process_group("gloo", init_method=f"tcp://{cfg['ddp_addr']}", rank=rank, world_size=world)
+        t = torch.ones(n)
+        for i in range(cfg.get("warmup", 2) + cfg["iters"]):
+            if i == cfg.get("warmup", 2):
+                t_start = time.time()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        t_end = time.time()
+        dist.destroy_process_group()
+    times = times[cfg.get("warmup", 2):]
+    print("RESULT " + json.dumps({"rank": rank, "world": world, "system": system, "bytes": n * 4,
+                                  "iter_times": times,
+                                  "t_start": t_start, "t_end": t_end}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""An emulated cluster on one machine: one network namespace per host, each
+joined to a bridge by a veth pair whose two ends are rate-limited with tc
+token buckets (the host side shapes its upload, the bridge side its
+download, so a server's incast is limited too).
+
+Only private addresses inside namespaces created here are used. Everything is
+torn down on exit, also on Ctrl-C/SIGTERM; `cleanup()` removes leftovers of
+an earlier run that was killed hard.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+
+PREFIX = "ghb"
+SUBNET = "10.231"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and p.returncode != 0:
+        raise ClusterError(f"`{' '.join(argv)}` failed: {p.stderr.strip() or p.stdout.strip()}")
+    return p
+
+
+def parse_rate(rate: str) -> int:
+    """'1gbit', '500mbit', '10Gbit', '100kbit' -> bits per second."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise ValueError(f"invalid rate {rate!r} (examples: 1gbit, 500mbit)")
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    return int(float(m.group(1)) * mult)
+
+
+def check_available() -> str | None:
+    """None if namespaces can be used here, else the reason why not."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces and tc); run as root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    r = _run("ip", "netns", "add", probe, check=False)
+    if r.returncode != 0:
+        return f"cannot create network namespaces here: {r.stderr.strip()}"
+    _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def cleanup(prefix: str = PREFIX) -> list[str]:
+    """Remove namespaces and bridges left by earlier runs with this prefix."""
+    removed = []
+    for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith(prefix):
+            _run("ip", "netns", "del", ns, check=False)
+            removed.append(ns)
+    for line in _run("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if name.startswith(prefix):
+            _run("ip", "link", "del", name, check=False)
+            removed.append(name)
+    return removed
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str
+    ip: str
+    veth: str
+
+    def cmd(self, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+
+class EmulatedCluster:
+    """`with EmulatedCluster(["w0", "w1", "s0"], rate="1gbit") as c: c.hosts["w0"].cmd([...])`.
+
+    A host named "sched" (always added, unshaped) runs the scheduler."""
+
+    def __init__(self, names: list[str], rate: str | None = "1gbit", tag: str | None = None):
+        why = check_available()
+        if why:
+            raise ClusterError(why)
+        self.rate_bps = parse_rate(rate) if rate else None
+        self.tag = tag or f"{os.getpid() % 100000}"
+        self.bridge = f"{PREFIX}br{self.tag}"
+        self.names = ["sched"] + [n for n in names if n != "sched"]
+        self.hosts: dict[str, Host] = {}
+        self._old_handlers = {}
+
+    def __enter__(self) -> "EmulatedCluster":
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[s] = signal.signal(s, self._on_signal)
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def _on_signal(self, signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc):
+        self.teardown()
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+        return False
+
+    def _build(self):
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "link", "set", self.bridge, "up")
+        for i, name in enumerate(self.names):
+            ns, veth = f"{PREFIX}{self.tag}{name}", f"{PREFIX}{self.tag}v{i}"
+            ip = f"{SUBNET}.{i // 250}.{i % 250 + 1}"
+            _run("ip", "netns", "add", ns)
+            host = Host(name, ns, ip, veth)
+            self.hosts[name] = host
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", self.bridge)
+            _run("ip", "link", "set", veth, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/16", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.rate_bps and name != "sched":
+                self._shape(["ip", "netns", "exec", ns, "tc"], "eth0")   # upload
+                self._shape(["tc"], veth)                                # download
+        # Let the bridge forward without iptables in the way.
+        _run("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", check=False)
+
+    def _shape(self, tc: list[str], dev: str):
+        rate = self.rate_bps
+        # Token bucket: burst of ~4 ms at line rate (at least 64 KiB so GSO
+        # super-packets pass), 20 ms of queue.
+        burst = max(rate // 8 // 250, 64 * 1024)
+        _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
+             "latency", "20ms")
+
+    def teardown(self):
+        for h in list(self.hosts.values()):
+            _run("ip", "netns", "del", h.ns, check=False)
+        self.hosts.clear()
+        _run("ip", "link", "del", self.bridge, check=False)

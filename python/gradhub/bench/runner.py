@@ -1,0 +1,206 @@
+"""Runs jobs across an emulated cluster and summarizes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from .netns import EmulatedCluster
+
+SCHED_PORT = 9000
+GLOO_PORT = 29400
+
+
+def byteps_optimum_time(n: int, k: int, model_bytes: float, rate_bps: float) -> float:
+    """BytePS's optimal communication time per iteration (seconds):
+    2n(n-1)M / ((n^2 + kn - 2k) B), for n worker machines, 0 <= k <= n CPU machines."""
+    if n < 1 or k < 0:
+        raise ValueError("need n >= 1 and k >= 0")
+    if n == 1:
+        return 0.0
+    k = min(k, n)  # beyond n, more CPU machines do not help (BytePS §4.1)
+    return 2 * n * (n - 1) * model_bytes * 8 / ((n * n + k * n - 2 * k) * rate_bps)
+
+
+def allreduce_time(n: int, model_bytes: float, rate_bps: float) -> float:
+    """Ring all-reduce: 2(n-1)M / (nB)."""
+    return 2 * (n - 1) * model_bytes * 8 / (n * rate_bps)
+
+
+def summarize(results: list[dict]) -> dict:
+    """Combine per-worker RESULT records of one run."""
+    if not results:
+        raise ValueError("no results")
+    per_iter = [statistics.mean(r["iter_times"]) for r in results]
+    all_times = sorted(t for r in results for t in r["iter_times"])
+    q = lambda f: all_times[min(len(all_times) - 1, int(f * len(all_times)))]
+    out = {
+        "workers": len(results),
+        "iter_time_mean": max(per_iter),   # the job moves at the pace of its slowest worker
+        "iter_time_p50": q(0.5),
+        "iter_time_p90": q(0.9),
+        "iter_time_max": all_times[-1],
+    }
+    r0 = results[0]
+    if "batch" in r0:
+        out["samples_per_s"] = len(results) * r0["batch"] / out["iter_time_mean"]
+        bound = len(results) * r0["batch"] / r0["compute_per_iter"]
+        out["compute_bound_samples_per_s"] = bound
+        out["scaling_efficiency"] = out["samples_per_s"] / bound
+    if "bytes" in r0:
+        out["bytes"] = r0["bytes"]
+        out["goodput_Bps"] = r0["bytes"] / out["iter_time_mean"]
+    return out
+
+
+@dataclass
+class Layout:
+    workers: int
+    cpu_servers: int = 0
+    colocated: bool = True      # a server on every worker host
+    server_threads: int = 1
+
+    @property
+    def num_servers(self) -> int:
+        return self.cpu_servers + (self.workers if self.colocated else 0)
+
+    def host_names(self) -> list[str]:
+        return [f"w{i}" for i in range(self.workers)] + [f"s{i}" for i in range(self.cpu_servers)]
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+class CpuSampler:
+    """Samples machine-wide CPU use (/proc/stat) so the busy share of the
+    measured window, not of process start-up, is reported."""
+
+    def __init__(self, period: float = 0.2):
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []  # (time, busy jiffies, total jiffies)
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._t.start()
+
+    @staticmethod
+    def _read() -> tuple[float, float]:
+        with open("/proc/stat") as f:
+            v = [float(x) for x in f.readline().split()[1:]]
+        idle = v[3] + (v[4] if len(v) > 4 else 0)
+        return sum(v) - idle, sum(v)
+
+    def _run(self, period):
+        while not self._stop.is_set():
+            b, t = self._read()
+            self.samples.append((time.time(), b, t))
+            self._stop.wait(period)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+    def busy_cores(self, start: float, end: float) -> float | None:
+        """Average number of busy cores between two wall-clock times."""
+        # The samples that bracket the window (the window may be shorter than the period).
+        before = [s for s in self.samples if s[0] <= start]
+        after = [s for s in self.samples if s[0] >= end]
+        if not before or not after:
+            return None
+        (_, b0, t0), (_, b1, t1) = before[-1], after[0]
+        return (b1 - b0) / max(t1 - t0, 1e-9) * (os.cpu_count() or 1)
+
+
+def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: str, env: dict | None = None,
+            partition_bytes: int | None = None, timeout: float = 900, cluster: EmulatedCluster | None = None) -> dict:
+    """Start scheduler/servers (gradhub) and one worker process per worker host
+    running `python -m <module>`; returns the summary plus raw results."""
+    own = cluster is None
+    if own:
+        cluster = EmulatedCluster(layout.host_names(), rate).__enter__()
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        sched = cluster.hosts["sched"]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+        base.update(env or {})
+        base["PYTHONUNBUFFERED"] = "1"
+        base["GLOO_SOCKET_IFNAME"] = "eth0"  # each emulated host talks through its veth
+        py = sys.executable
+        c0, t0 = _children_cpu(), time.monotonic()
+        sampler = CpuSampler()
+        if system == "gradhub":
+            if layout.num_servers < 1:
+                raise ValueError("gradhub needs at least one server (colocated or CPU-only)")
+            base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.workers),
+                        GRADHUB_NUM_SERVERS=str(layout.num_servers))
+            argv = [py, "-m", "gradhub", "scheduler", "--bind", f"{sched.ip}:{SCHED_PORT}"]
+            if partition_bytes:
+                argv += ["--partition-bytes", str(partition_bytes)]
+            procs.append(("scheduler", subprocess.Popen(sched.cmd(argv), env=base, stdout=subprocess.PIPE,
+                                                         stderr=subprocess.STDOUT)))
+            server_hosts = [f"s{i}" for i in range(layout.cpu_servers)]
+            if layout.colocated:
+                server_hosts += [f"w{i}" for i in range(layout.workers)]
+            for name in server_hosts:
+                argv = [py, "-m", "gradhub", "server", "--threads", str(layout.server_threads)]
+                if name.startswith("w"):
+                    argv.append("--colocated")
+                procs.append((f"server@{name}", subprocess.Popen(cluster.hosts[name].cmd(argv), env=base,
+                                                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
+        workers = []
+        for r in range(layout.workers):
+            host = cluster.hosts[f"w{r}"]
+            wcfg = dict(cfg, system=system, rank=r, world=layout.workers,
+                        ddp_addr=f"{cluster.hosts['w0'].ip}:{GLOO_PORT}")
+            wenv = dict(base, GH_BENCH=json.dumps(wcfg), GRADHUB_RANK=str(r))
+            p = subprocess.Popen(host.cmd([py, "-m", module]), env=wenv, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT)
+            procs.append((f"worker{r}", p))
+            workers.append(p)
+        results, logs = [], {}
+        deadline = time.monotonic() + timeout
+        for name, p in procs:
+            if name.startswith("worker"):
+                try:
+                    out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"{name} did not finish within {timeout:.0f}s")
+                text = out.decode(errors="replace")
+                logs[name] = text
+                if p.returncode != 0:
+                    raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{text[-3000:]}")
+                lines = [l for l in text.splitlines() if l.startswith("RESULT ")]
+                if not lines:
+                    raise RuntimeError(f"{name} printed no RESULT:\n{text[-3000:]}")
+                results.append(json.loads(lines[-1][7:]))
+        for name, p in procs:
+            if not name.startswith("worker"):
+                try:
+                    p.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.communicate()
+        wall = time.monotonic() - t0
+        sampler.stop()
+        start = max(r["t_start"] for r in results)
+        end = min(r["t_end"] for r in results)
+        summary = summarize(results)
+        summary.update(system=system, rate=rate, busy_cores=sampler.busy_cores(start, end),
+                       cpu_cores=os.cpu_count(), cpu_seconds_per_s=(_children_cpu() - c0) / wall, wall=wall,
+                       layout=layout.__dict__, options=dict(env or {}), raw=results)
+        return summary
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if own:
+            cluster.__exit__(None, None, None)
