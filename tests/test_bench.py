@@ -1,0 +1,116 @@
+"""The benchmark suite: pure parts (profiles, formulas, aggregation) and one
+small end-to-end run on a 2-host emulated cluster."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from gradhub.bench import netns, profiles
+from gradhub.bench.runner import allreduce_time, byteps_optimum_time, summarize
+from conftest import job_env
+
+# Published parameter counts (torchvision for the CNNs, Hugging Face for the transformers).
+PUBLISHED = {
+    "vgg19": 143_667_240,
+    "resnet50": 25_557_032,
+    "alexnet": 61_100_840,
+    "inception_v3": 27_161_264,   # with the auxiliary classifier
+    "bert_base": 109_482_240,     # BertModel with pooler
+    "gpt2_small": 124_439_808,    # GPT2Model, tied output head
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_profile_sizes_match_the_real_architectures(name):
+    p = profiles.get(name)
+    assert p.num_params == PUBLISHED[name]
+    times = p.compute_times()
+    assert len(times) == len(p.layers) and all(f >= 0 and b == pytest.approx(2 * f) for f, b in times)
+    assert sum(f + b for f, b in times) == pytest.approx(p.time_per_batch)
+
+
+def test_profile_layer_structure():
+    vgg = profiles.vgg19()
+    # 16 conv + 3 fc layers, in forward order; the first FC layer dominates the bytes.
+    assert len(vgg.layers) == 19 and vgg.layers[0].name == "features.0" and vgg.layers[-1].name == "classifier.6"
+    assert vgg.layers[16].params[0] == 25088 * 4096
+    # Convolutions dominate VGG's FLOPs, FC layers its parameters.
+    conv_flops = sum(l.flops for l in vgg.layers[:16])
+    assert conv_flops / sum(l.flops for l in vgg.layers) > 0.95
+    r50 = profiles.resnet50()
+    assert r50.layers[0].name == "conv1" and r50.layers[-1].name == "fc"
+    with pytest.raises(ValueError, match="unknown model profile"):
+        profiles.get("lenet")
+
+
+def test_byteps_optimum_formula():
+    M, B = 100e6, 1e9  # bytes, bits/s
+    for n in (2, 4, 8):
+        # k = 0: equals ring all-reduce; k = n: M/B per direction, the PS optimum.
+        assert byteps_optimum_time(n, 0, M, B) == pytest.approx(allreduce_time(n, M, B))
+        assert byteps_optimum_time(n, n, M, B) == pytest.approx(M * 8 / B)
+        # More CPU machines never hurt, and beyond n they do not help.
+        ts = [byteps_optimum_time(n, k, M, B) for k in range(n + 3)]
+        assert all(a >= b for a, b in zip(ts, ts[1:]))
+        assert ts[n] == ts[n + 2]
+    assert byteps_optimum_time(1, 0, M, B) == 0.0
+    # n = 4, k = 2: 2*4*3 / (16 + 8 - 4) = 1.2 M/B.
+    assert byteps_optimum_time(4, 2, M, B) == pytest.approx(1.2 * M * 8 / B)
+
+
+def test_summarize_aggregates_workers():
+    rs = [
+        {"iter_times": [0.1, 0.1, 0.1], "batch": 32, "compute_per_iter": 0.08},
+        {"iter_times": [0.2, 0.2, 0.2], "batch": 32, "compute_per_iter": 0.08},
+    ]
+    s = summarize(rs)
+    assert s["iter_time_mean"] == pytest.approx(0.2)  # slowest worker sets the pace
+    assert s["samples_per_s"] == pytest.approx(2 * 32 / 0.2)
+    assert s["scaling_efficiency"] == pytest.approx(0.08 / 0.2)
+    assert s["iter_time_p50"] in (0.1, 0.2) and s["iter_time_max"] == 0.2
+    g = summarize([{"iter_times": [0.5, 0.5], "bytes": 1e9}])
+    assert g["goodput_Bps"] == pytest.approx(2e9)
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_parse_rate():
+    assert netns.parse_rate("1gbit") == 10**9
+    assert netns.parse_rate("500mbit") == 5 * 10**8
+    assert netns.parse_rate("2.5Gbit") == 25 * 10**8
+    with pytest.raises(ValueError):
+        netns.parse_rate("fast")
+
+
+def test_cluster_end_to_end_two_hosts(tmp_path):
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "res.jsonl"
+    argv = [sys.executable, "-m", "gradhub", "bench", "train", "--model", "alexnet", "--workers", "2",
+            "--scale", "64", "--iters", "3", "--warmup", "1", "--rate", "1gbit", "--json", str(out)]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["none", "ddp", "gradhub/priority"]
+    for r in rows:
+        assert r["samples_per_s"] > 0 and 0 < r["scaling_efficiency"] <= 1.2
+        assert r["busy_cores"] is None or 0 <= r["busy_cores"] <= 2.5
+    # Nothing is left behind.
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ghb" not in left
+    g = subprocess.run([sys.executable, "-m", "gradhub", "bench", "goodput", "--workers", "2", "--k", "0,1",
+                        "--mbytes", "4", "--iters", "2", "--rate", "1gbit"], capture_output=True, text=True,
+                       timeout=600, env=job_env())
+    assert g.returncode == 0, g.stdout + g.stderr
+    assert "gradhub k=1" in g.stdout and "gloo all-reduce" in g.stdout
+
+
+def test_bench_needs_root_message(monkeypatch):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert "needs root" in netns.check_available()
+    with pytest.raises(netns.ClusterError, match="needs root"):
+        netns.EmulatedCluster(["w0"])
