@@ -145,7 +145,7 @@ class EmulatedCluster:
         # super-packets pass), 20 ms of queue.
         burst = max(rate // 8 // 250, 64 * 1024)
         _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-             "latency", "20ms")
+             "latency", os.environ.get("GRADHUB_BENCH_TBF_LATENCY", "20ms"))
 
     def teardown(self):
         for h in list(self.hosts.values()):
