@@ -16,6 +16,13 @@ def test_training_matches_single_process(model, opt, overlap):
     assert_all_passed(rc, out, 4)
 
 
+def test_overlap_with_parameter_list_containers():
+    # ParameterList/ParameterDict never run forward: their parameters are
+    # updated when the owning module runs.
+    rc, out = run_launch(2, 1, "torch_train.py", {"model": "plist", "opt": "sgd", "overlap": True, "steps": 10})
+    assert_all_passed(rc, out, 2)
+
+
 @pytest.mark.parametrize("model,overlap", [("mlp", False), ("cnn", True)])
 def test_adamw_loss_curve_and_identical_workers(model, overlap):
     cfg = {"model": model, "opt": "adamw", "overlap": overlap, "steps": 20, "loss_tol": 0.01}

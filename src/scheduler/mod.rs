@@ -115,9 +115,9 @@ struct State {
     joining: Vec<Option<Registration>>,
     /// Set once everyone registered: (role, rank) of each joining slot.
     assigned: Option<Vec<(Role, u32)>>,
-    welcome_servers: Vec<ServerInfo>,
-    worker_hosts: Vec<String>,
     members: Vec<Arc<Member>>,
+    /// The member created for each registration slot, in join order.
+    slot_members: Vec<Option<Arc<Member>>>,
     placer: Option<Placer>,
     decls: HashMap<String, Decl>,
     next_key: u32,
@@ -346,6 +346,11 @@ fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Result<(), Strin
 }
 
 /// Register a member and block until everyone has joined; returns this member.
+///
+/// The thread that completes the registration creates every member and sends
+/// every Welcome while holding the state lock, so each member is known (and
+/// welcomed) before anyone can send it anything else — a server must not miss
+/// a tensor installation because its own thread had not run yet.
 fn join(
     shared: &Shared,
     reg: Register,
@@ -359,38 +364,13 @@ fn join(
         return Err("the job already has all its members".into());
     }
     let Some(stream) = stream else { return Err("cannot clone socket".into()) };
-    let role = reg.role;
+    drop(writer);
     let slot = st.joining.len();
     st.joining.push(Some(Registration { reg, peer, stream }));
     let total = (cfg.num_workers + cfg.num_servers) as usize;
     if st.joining.len() == total {
         match assign_ranks(cfg, &st.joining) {
-            Ok(a) => {
-                let regs: Vec<&Registration> = st.joining.iter().flatten().collect();
-                let mut servers: Vec<ServerInfo> = a
-                    .iter()
-                    .zip(regs.iter())
-                    .filter(|((r, _), _)| *r == Role::Server)
-                    .map(|((_, rank), g)| ServerInfo {
-                        rank: *rank,
-                        addr: g.reg.addr.clone(),
-                        ports: g.reg.ports.clone(),
-                        colocated: g.reg.colocated,
-                    })
-                    .collect();
-                servers.sort_by_key(|s| s.rank);
-                let mut hosts = vec![String::new(); cfg.num_workers as usize];
-                for ((r, rank), g) in a.iter().zip(regs.iter()) {
-                    if *r == Role::Worker {
-                        hosts[*rank as usize] = g.reg.hostname.clone();
-                    }
-                }
-                st.placer = Some(Placer::new(&servers, cfg.num_workers as usize));
-                st.welcome_servers = servers;
-                st.worker_hosts = hosts;
-                st.assigned = Some(a);
-                shared.log(&format!("all {total} members joined"));
-            }
+            Ok(a) => welcome_all(shared, &mut st, a),
             Err(msg) => {
                 shared.fail(&mut st, None, msg.clone());
                 for r in st.joining.iter_mut().flatten() {
@@ -406,24 +386,51 @@ fn join(
     if let Some(f) = &st.failed {
         return Err(f.clone());
     }
-    let (_, rank) = st.assigned.as_ref().map(|a| a[slot]).ok_or("internal: no rank")?;
-    let member = Arc::new(Member { role, rank, peer, writer: Mutex::new(writer) });
-    let welcome = Control::Welcome(Welcome {
-        rank,
-        num_workers: cfg.num_workers,
-        partition_bytes: cfg.partition_bytes,
-        heartbeat_ms: cfg.heartbeat_ms,
-        stall_ms: cfg.stall_ms,
-        servers: st.welcome_servers.clone(),
-        worker_hosts: st.worker_hosts.clone(),
-    });
-    st.members.push(member.clone());
-    st.joining[slot] = None;
-    drop(st);
-    if !member.send(&welcome, cfg.namespace) {
-        return Err("cannot send welcome".into());
+    st.slot_members.get(slot).cloned().flatten().ok_or_else(|| "internal: no member for this slot".into())
+}
+
+/// Create every member, send each its Welcome (state lock held).
+fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
+    let cfg = &shared.cfg;
+    let regs: Vec<Registration> = st.joining.drain(..).flatten().collect();
+    let mut servers: Vec<ServerInfo> = assigned
+        .iter()
+        .zip(regs.iter())
+        .filter(|((r, _), _)| *r == Role::Server)
+        .map(|((_, rank), g)| ServerInfo {
+            rank: *rank,
+            addr: g.reg.addr.clone(),
+            ports: g.reg.ports.clone(),
+            colocated: g.reg.colocated,
+        })
+        .collect();
+    servers.sort_by_key(|s| s.rank);
+    let mut hosts = vec![String::new(); cfg.num_workers as usize];
+    for ((r, rank), g) in assigned.iter().zip(regs.iter()) {
+        if *r == Role::Worker {
+            hosts[*rank as usize] = g.reg.hostname.clone();
+        }
     }
-    Ok(member)
+    st.placer = Some(Placer::new(&servers, cfg.num_workers as usize));
+    for ((role, rank), g) in assigned.iter().zip(regs) {
+        let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });
+        let welcome = Control::Welcome(Welcome {
+            rank: *rank,
+            num_workers: cfg.num_workers,
+            partition_bytes: cfg.partition_bytes,
+            heartbeat_ms: cfg.heartbeat_ms,
+            stall_ms: cfg.stall_ms,
+            servers: servers.clone(),
+            worker_hosts: hosts.clone(),
+        });
+        if !member.send(&welcome, cfg.namespace) {
+            shared.log(&format!("cannot send the welcome to {}", member.describe()));
+        }
+        st.members.push(member.clone());
+        st.slot_members.push(Some(member));
+    }
+    st.assigned = Some(assigned);
+    shared.log(&format!("all {} members joined", cfg.num_workers + cfg.num_servers));
 }
 
 /// Requested ranks are honoured (and must be unique); the rest are filled in join order.

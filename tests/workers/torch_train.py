@@ -30,8 +30,22 @@ sched = CONFIG.get("sched", False)  # a StepLR schedule: hyperparameters change 
 compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[CONFIG.get("compression", "none")]
 
 
+class PListNet(nn.Module):
+    """Parameters held in a ParameterList (a container whose forward never runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ws = nn.ParameterList([nn.Parameter(torch.randn(32, 20) * 0.2), nn.Parameter(torch.randn(5, 32) * 0.2)])
+        self.bs = nn.ParameterList([nn.Parameter(torch.zeros(32)), nn.Parameter(torch.zeros(5))])
+
+    def forward(self, x):
+        return F.linear(torch.tanh(F.linear(x, self.ws[0], self.bs[0])), self.ws[1], self.bs[1])
+
+
 def make_model():
     torch.manual_seed(1234)
+    if model_kind == "plist":
+        return PListNet()
     if model_kind == "mlp":
         return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 5))
     return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 8, 3), nn.ReLU(),
@@ -50,7 +64,7 @@ def batch(step):
     """The combined batch of all workers for this step (same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
     total = per_worker * n
-    x = torch.randn(total, 20, generator=g) if model_kind == "mlp" else torch.randn(total, 1, 8, 8, generator=g)
+    x = torch.randn(total, 1, 8, 8, generator=g) if model_kind == "cnn" else torch.randn(total, 20, generator=g)
     y = torch.randint(0, 5, (total,), generator=g)
     return x, y
 

@@ -43,6 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mbytes", type=float, default=64.0, help="bytes synchronized per iteration, MB (default 64)")
     g.add_argument("--iters", type=int, default=5)
     g.add_argument("--no-ddp", action="store_true", help="skip the gloo all-reduce baseline")
+    w = sub.add_parser("sweep", help="bandwidth sweep per model and k sweep, with PNG plots and JSON")
+    w.add_argument("--models", default="vgg19,resnet50", help="comma list of profiles")
+    w.add_argument("--rates", default="250mbit,500mbit,1gbit,2gbit", help="comma list of per-host rates")
+    w.add_argument("--workers", type=int, default=4)
+    w.add_argument("--scale", type=float, default=16)
+    w.add_argument("--iters", type=int, default=6)
+    w.add_argument("--variants", default="priority,fifo,overlap")
+    w.add_argument("--k", default="0,1,2,3,4", help="k values for the goodput sweep ('' to skip)")
+    w.add_argument("--k-rate", default="1gbit")
+    w.add_argument("--mbytes", type=float, default=32.0)
+    w.add_argument("--out", default="docs/bench", help="output folder (default docs/bench)")
     sub.add_parser("cleanup", help="remove namespaces/bridges left by a killed run")
     return ap
 
@@ -129,6 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         print("removed: " + (", ".join(removed) if removed else "nothing"))
         return 0
     try:
+        if args.cmd == "sweep":
+            from pathlib import Path
+
+            from .sweep import bandwidth_sweep, k_sweep
+
+            out = Path(args.out)
+            for m in [x for x in args.models.split(",") if x]:
+                bandwidth_sweep(m, args.rates.split(","), args.workers, args.scale, args.iters, out,
+                                [v for v in args.variants.split(",") if v])
+            if args.k:
+                k_sweep(args.workers, [int(x) for x in args.k.split(",")], args.k_rate, args.mbytes, 4, out)
+            return 0
         return cmd_train(args) if args.cmd == "train" else cmd_goodput(args)
     except netns.ClusterError as e:
         print(f"gradhub bench: {e}", file=sys.stderr)

@@ -120,7 +120,7 @@ class CpuSampler:
 
 
 def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: str, env: dict | None = None,
-            partition_bytes: int | None = None, timeout: float = 900, cluster: EmulatedCluster | None = None) -> dict:
+            partition_bytes: int | None = None, timeout: float = 300, cluster: EmulatedCluster | None = None) -> dict:
     """Start scheduler/servers (gradhub) and one worker process per worker host
     running `python -m <module>`; returns the summary plus raw results."""
     own = cluster is None
@@ -172,7 +172,12 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                 try:
                     out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    raise RuntimeError(f"{name} did not finish within {timeout:.0f}s")
+                    tails = []
+                    for other, q in procs:
+                        q.kill()
+                        text = (q.communicate()[0] or b"").decode(errors="replace")
+                        tails.append(f"--- {other}:\n" + "\n".join(text.splitlines()[-8:]))
+                    raise RuntimeError(f"{name} did not finish within {timeout:.0f}s\n" + "\n".join(tails))
                 text = out.decode(errors="replace")
                 logs[name] = text
                 if p.returncode != 0:

@@ -83,6 +83,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                           f"{type(self).__mro__[1].__name__} falls back to the synchronous schedule", stacklevel=3)
             self._gh_overlap = False
         self._gh_sub: dict[int, torch.optim.Optimizer] = {}
+        self._gh_own_cache: dict[int, list] = {}
         self._gh_server = bool(optimizer_on_server)
         if self._gh_server:
             why = self._gh_server_unsupported(all_params, compression)
@@ -193,8 +194,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return 0
         return len(self._gh_params) - self._gh_rank_of[id(p)]
 
+    def _gh_module_params(self, module):
+        """Parameters a module's forward uses directly: its own, and those of
+        ParameterList/ParameterDict children (containers that are never called)."""
+        own = self._gh_own_cache.get(id(module))
+        if own is None:
+            ps = list(module._parameters.values())
+            stack = [c for c in module.children() if isinstance(c, (torch.nn.ParameterList, torch.nn.ParameterDict))]
+            while stack:
+                c = stack.pop()
+                ps.extend(c._parameters.values())
+                stack.extend(x for x in c.children() if isinstance(x, (torch.nn.ParameterList, torch.nn.ParameterDict)))
+            own = [p for p in ps if p is not None and id(p) in self._gh_rank_of]
+            self._gh_own_cache[id(module)] = own
+        return own
+
     def _gh_forward_pre_hook(self, module, inputs):
-        own = [p for p in module._parameters.values() if p is not None and id(p) in self._gh_rank_of]
+        own = self._gh_module_params(module)
         if not own:
             return
         if not self._gh_order_final:
