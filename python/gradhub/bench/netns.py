@@ -88,12 +88,17 @@ class EmulatedCluster:
 
     A host named "sched" (always added, unshaped) runs the scheduler."""
 
+    _count = 0
+
     def __init__(self, names: list[str], rate: str | None = "1gbit", tag: str | None = None):
         why = check_available()
         if why:
             raise ClusterError(why)
         self.rate_bps = parse_rate(rate) if rate else None
-        self.tag = tag or f"{os.getpid() % 100000}"
+        # Unique per cluster: interface deletion in the kernel is asynchronous,
+        # so names are never reused within a process (and fit IFNAMSIZ).
+        EmulatedCluster._count += 1
+        self.tag = tag or f"{os.getpid() % 10000}{EmulatedCluster._count % 100}"
         self.bridge = f"{PREFIX}br{self.tag}"
         self.names = ["sched"] + [n for n in names if n != "sched"]
         self.hosts: dict[str, Host] = {}
@@ -149,6 +154,7 @@ class EmulatedCluster:
 
     def teardown(self):
         for h in list(self.hosts.values()):
+            _run("ip", "link", "del", h.veth, check=False)  # synchronous, unlike namespace teardown
             _run("ip", "netns", "del", h.ns, check=False)
         self.hosts.clear()
         _run("ip", "link", "del", self.bridge, check=False)
