@@ -28,6 +28,32 @@ fn dtype_of(s: &str) -> PyResult<DType> {
     DType::from_name(s).ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
 }
 
+#[allow(clippy::too_many_arguments)]
+fn scheduler_config(
+    bind: String,
+    num_workers: u32,
+    num_servers: u32,
+    partition_bytes: u32,
+    heartbeat_ms: u32,
+    peer_timeout_ms: u32,
+    stall_ms: u32,
+    join_timeout_ms: u32,
+    namespace: u32,
+) -> SchedulerConfig {
+    SchedulerConfig {
+        bind,
+        num_workers,
+        num_servers,
+        partition_bytes,
+        heartbeat_ms,
+        peer_timeout_ms,
+        stall_ms,
+        join_timeout_ms,
+        namespace,
+    }
+}
+
+/// Run a scheduler until the job ends (blocking, without the GIL).
 #[pyfunction]
 #[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0))]
 #[allow(clippy::too_many_arguments)]
@@ -43,17 +69,10 @@ fn run_scheduler(
     join_timeout_ms: u32,
     namespace: u32,
 ) -> PyResult<()> {
-    let cfg = SchedulerConfig {
-        bind,
-        num_workers,
-        num_servers,
-        partition_bytes,
-        heartbeat_ms,
-        peer_timeout_ms,
-        stall_ms,
-        join_timeout_ms,
+    let cfg = scheduler_config(
+        bind, num_workers, num_servers, partition_bytes, heartbeat_ms, peer_timeout_ms, stall_ms, join_timeout_ms,
         namespace,
-    };
+    );
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(|e| GradhubError::new_err(e.to_string()))
 }
 
@@ -94,17 +113,10 @@ fn start_scheduler(
     join_timeout_ms: u32,
     namespace: u32,
 ) -> PyResult<SchedulerHandle> {
-    let cfg = SchedulerConfig {
-        bind,
-        num_workers,
-        num_servers,
-        partition_bytes,
-        heartbeat_ms,
-        peer_timeout_ms,
-        stall_ms,
-        join_timeout_ms,
+    let cfg = scheduler_config(
+        bind, num_workers, num_servers, partition_bytes, heartbeat_ms, peer_timeout_ms, stall_ms, join_timeout_ms,
         namespace,
-    };
+    );
     let h = scheduler::start_scheduler(cfg).map_err(|e| GradhubError::new_err(e.to_string()))?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
 }

@@ -2,13 +2,13 @@
 workers reach servers only through the addresses servers advertise."""
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from conftest import WORKERS, job_env
+from gradhub.bench.netns import check_available as netns_available
 
 SUFFIX = f"{os.getpid() % 100000}"
 BRIDGE = f"ghbr{SUFFIX}"
@@ -17,19 +17,6 @@ SUBNET = "10.213.{}.{}"
 
 def sh(*args, check=True):
     return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
-def netns_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    if shutil.which("ip") is None:
-        return "iproute2 (ip) is not installed"
-    probe = f"ghprobe{SUFFIX}"
-    r = sh("ip", "netns", "add", probe, check=False)
-    if r.returncode != 0:
-        return f"cannot create network namespaces here: {r.stderr.strip()}"
-    sh("ip", "netns", "del", probe, check=False)
-    return None
 
 
 @pytest.fixture
