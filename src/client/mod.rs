@@ -68,8 +68,8 @@ pub enum ClientError {
 enum Waiter {
     /// A blocking declare() call.
     Sync(Sender<Result<Vec<TensorSpec>, String>>),
-    /// Declared on first push_pull; the ops wait in `parked`.
-    Async,
+    /// Declared on first push_pull; the ops for these names wait in `parked`.
+    Async(Vec<String>),
 }
 
 struct Parked {
@@ -178,15 +178,18 @@ impl Shared {
 
     fn on_declare_error(&self, req: u32, message: String) {
         let waiter = self.table().waiters.remove(&req);
-        if let Some(Waiter::Sync(tx)) = waiter {
-            let _ = tx.send(Err(message.clone()));
-        }
-        // Fail parked ops for the tensor named in the message's declaration.
+        let names = match waiter {
+            Some(Waiter::Sync(tx)) => {
+                let _ = tx.send(Err(message.clone()));
+                return;
+            }
+            Some(Waiter::Async(names)) => names,
+            None => return,
+        };
+        // Fail the ops that were waiting for this declaration.
         let parked: Vec<Parked> = {
             let mut t = self.table();
-            let names: Vec<String> =
-                t.parked.keys().filter(|n| message.contains(&format!("'{n}'"))).cloned().collect();
-            names.into_iter().flat_map(|n| t.parked.remove(&n).unwrap_or_default()).collect()
+            names.iter().flat_map(|n| t.parked.remove(n).unwrap_or_default()).collect()
         };
         for p in parked {
             self.finish_op(&p.op, Some(message.clone()));
@@ -419,7 +422,7 @@ impl Client {
         t.parked.entry(name.to_string()).or_default().push(Parked { op: op.clone(), numel, dtype, ptr, priority, flags });
         if first {
             let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
-            t.waiters.insert(req, Waiter::Async);
+            t.waiters.insert(req, Waiter::Async(vec![name.to_string()]));
             drop(t);
             let e = DeclEntry { name: name.to_string(), numel, dtype };
             if let Err(msg) = self.shared.send_ctrl(&Control::Declare { req, entries: vec![e] }) {
