@@ -3,8 +3,10 @@ small end-to-end run on a 2-host emulated cluster."""
 
 import json
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +109,35 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
                        timeout=600, env=job_env())
     assert g.returncode == 0, g.stdout + g.stderr
     assert "gradhub k=1" in g.stdout and "gloo all-reduce" in g.stdout
+
+
+@pytest.mark.parametrize("extra", [["--cpu-servers", "1"], ["--no-servers"]], ids=["k1", "no-servers"])
+def test_bench_cluster_runs_a_command_on_every_host(extra):
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    script = str(Path(__file__).parent / "workers" / "cluster_job.py")
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "cluster", "--workers", "2", "--rate", "500mbit",
+                        *extra, "--", sys.executable, script], capture_output=True, text=True, timeout=300,
+                       env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    ips = sorted(re.findall(r"\[worker (\d)@w\1\] OK rank=\1 ip=(10\.231\.\d+\.\d+)/16", p.stdout))
+    assert len(ips) == 2 and ips[0][1] != ips[1][1], p.stdout
+    servers = re.findall(r"\[server@(\w+)\].*serving 2 workers on (10\.231\.\S+)", p.stdout)
+    assert len(servers) == (0 if "--no-servers" in extra else 3), p.stdout
+    assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_bench_cluster_stops_the_job_when_a_worker_fails():
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    code = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(120)"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "cluster", "--workers", "2", "--", sys.executable,
+                        "-c", code], capture_output=True, text=True, timeout=60, env=job_env())
+    assert p.returncode == 3
+    assert "worker 1@w1 exited with code 3" in p.stderr
+    assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 def test_bench_needs_root_message(monkeypatch):

@@ -102,6 +102,13 @@ def launch(args, command: list[str]) -> int:
         workers.append(Proc(f"worker {w}", command, env))
     procs += workers
 
+    return supervise(procs, workers, "gradhub launch")
+
+
+def supervise(procs: list[Proc], workers: list[Proc], tool: str) -> int:
+    """Wait for the workers; stop everything as soon as one process fails (or
+    on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0."""
+
     def on_signal(signum, _frame):
         _stop(procs)
         sys.exit(128 + signum)
@@ -112,7 +119,7 @@ def launch(args, command: list[str]) -> int:
             for p in procs:
                 rc = p.poll()
                 if rc is not None and rc != 0:
-                    print(f"gradhub launch: {p.label} exited with code {rc}; stopping the job", file=sys.stderr)
+                    print(f"{tool}: {p.label} exited with code {rc}; stopping the job", file=sys.stderr)
                     _stop(procs)
                     return rc if rc > 0 else 128 - rc
             if all(w.poll() == 0 for w in workers):
@@ -124,8 +131,7 @@ def launch(args, command: list[str]) -> int:
             time.sleep(0.05)
         rest = [p for p in procs if p.poll() is None]
         if rest:
-            print("gradhub launch: " + ", ".join(p.label for p in rest) + " did not exit; terminating",
-                  file=sys.stderr)
+            print(f"{tool}: " + ", ".join(p.label for p in rest) + " did not exit; terminating", file=sys.stderr)
         _stop(procs)
         bad = [p for p in procs if p.poll() not in (0, None) and p not in rest]
         return next((p.poll() for p in bad), 0)

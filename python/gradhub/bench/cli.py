@@ -23,12 +23,26 @@ def _add_cluster_args(p):
     p.add_argument("--no-colocated", action="store_true", help="no server on the worker hosts")
     p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
     p.add_argument("--rate", default="1gbit", help="per-host rate in each direction, tc syntax (default 1gbit)")
-    p.add_argument("--json", help="append results to this JSON-lines file")
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gradhub bench", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    c = sub.add_parser(
+        "cluster", help="run any command on every worker host of an emulated cluster",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build the emulated hosts, start the scheduler and servers, run COMMAND once per worker "
+                    "host (gradhub and torch.distributed variables set), then remove everything.",
+        epilog="examples:\n"
+               "  gradhub bench cluster --workers 4 --rate 1gbit -- python examples/digits.py\n"
+               "  gradhub bench cluster --workers 4 --cpu-servers 2 -- python train.py       # BytePS k=2\n"
+               "  gradhub bench cluster --workers 4 --cpu-servers 1 --no-colocated -- ...    # PHub centralized\n"
+               "  gradhub bench cluster --workers 4 --no-servers -- python ddp_baseline.py   # torch DDP peer")
+    _add_cluster_args(c)
+    c.add_argument("--no-servers", action="store_true",
+                   help="start no gradhub scheduler or servers (e.g. to run a torch.distributed baseline)")
+    c.add_argument("--partition-bytes", type=int, help="chunk size for the job (default: the scheduler's)")
+    c.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     t = sub.add_parser("train", help="emulated training (sleep as compute) under gradhub, DDP/gloo and no sync")
     _add_cluster_args(t)
     t.add_argument("--model", default="vgg19", choices=sorted(profiles.PROFILES))
@@ -37,12 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
     t.add_argument("--variants", default="priority", help=f"gradhub variants: {', '.join(VARIANTS)}")
+    t.add_argument("--json", help="append results to this JSON-lines file")
     g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
     _add_cluster_args(g)
     g.add_argument("--k", default="0", help="comma list of CPU-only server counts to try (default 0)")
     g.add_argument("--mbytes", type=float, default=64.0, help="bytes synchronized per iteration, MB (default 64)")
     g.add_argument("--iters", type=int, default=5)
     g.add_argument("--no-ddp", action="store_true", help="skip the gloo all-reduce baseline")
+    g.add_argument("--json", help="append results to this JSON-lines file")
     w = sub.add_parser("sweep", help="bandwidth sweep per model and k sweep, with PNG plots and JSON")
     w.add_argument("--models", default="vgg19,resnet50", help="comma list of profiles")
     w.add_argument("--rates", default="250mbit,500mbit,1gbit,2gbit", help="comma list of per-host rates")
@@ -135,6 +151,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         ap.print_help()
         return 2
+    if args.cmd == "cluster":
+        from .cluster import run_cluster
+
+        cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not cmd:
+            ap.error("cluster needs a worker command after --")
+        if args.no_servers:
+            layout = Layout(args.workers, 0, False)
+        else:
+            layout = Layout(args.workers, args.cpu_servers, not args.no_colocated, args.server_threads)
+            if layout.num_servers == 0:
+                ap.error("--no-colocated needs --cpu-servers >= 1 (or use --no-servers)")
+        try:
+            return run_cluster(layout, args.rate, cmd, args.partition_bytes)
+        except netns.ClusterError as e:
+            print(f"gradhub bench: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "cleanup":
         removed = netns.cleanup()
         print("removed: " + (", ".join(removed) if removed else "nothing"))

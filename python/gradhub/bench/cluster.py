@@ -1,0 +1,76 @@
+"""`gradhub bench cluster`: run any job across an emulated cluster.
+
+Builds the hosts (network namespaces, rate-limited veths), starts the
+scheduler on its own unshaped host, one server per server host (CPU-only
+hosts, plus the worker hosts unless --no-colocated), and the given command
+once per worker host, supervised like `gradhub launch`: output is prefixed
+with role@host, the first failure stops the job, and the emulated cluster is
+removed afterwards, also on Ctrl-C.
+
+The worker environment carries both gradhub's variables and torch.distributed's
+(RANK, WORLD_SIZE, MASTER_ADDR/PORT on worker 0's host, GLOO_SOCKET_IFNAME), so
+the same script can be run as a DDP baseline with --no-servers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..launch import Proc, supervise
+from .netns import EmulatedCluster
+from .runner import GLOO_PORT, SCHED_PORT, Layout
+
+
+def layout_summary(layout: Layout) -> str:
+    """PHub/BytePS vocabulary for a layout (printed so a run says what it was)."""
+    if layout.num_servers == 0:
+        return "no gradhub servers"
+    if not layout.colocated:
+        kind = "centralized" if layout.cpu_servers == 1 else f"non-colocated sharded ({layout.cpu_servers} servers)"
+    elif layout.cpu_servers == 0:
+        kind = "colocated sharded"
+    else:
+        kind = f"colocated + {layout.cpu_servers} CPU-only servers (BytePS k={layout.cpu_servers})"
+    return f"{layout.workers} worker hosts, {kind}"
+
+
+def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_bytes: int | None = None,
+                extra_env: dict[str, str] | None = None) -> int:
+    if layout.workers < 1:
+        print("gradhub bench cluster: need at least one worker host", file=sys.stderr)
+        return 2
+    with EmulatedCluster(layout.host_names(), rate) as cluster:
+        sched = cluster.hosts["sched"]
+        print(f"gradhub bench cluster: {layout_summary(layout)}, {rate or 'unshaped'} per host; "
+              + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts.values()), flush=True)
+        py = [sys.executable, "-m", "gradhub"]
+        base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+        base.update(extra_env or {})
+        base["PYTHONUNBUFFERED"] = "1"
+        procs: list[Proc] = []
+        if layout.num_servers:
+            base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.workers),
+                        GRADHUB_NUM_SERVERS=str(layout.num_servers))
+            argv = py + ["scheduler", "--bind", f"{sched.ip}:{SCHED_PORT}"]
+            if partition_bytes:
+                argv += ["--partition-bytes", str(partition_bytes)]
+            procs.append(Proc("scheduler@sched", sched.cmd(argv), {**base, "GRADHUB_ROLE": "scheduler"}))
+            hosts = [f"s{i}" for i in range(layout.cpu_servers)]
+            hosts += [f"w{i}" for i in range(layout.workers)] if layout.colocated else []
+            for name in hosts:
+                # No --advertise-addr: each server finds the address that
+                # reaches the scheduler from its own namespace, as on real hosts.
+                argv = py + ["server", "--threads", str(layout.server_threads)]
+                if name.startswith("w"):
+                    argv.append("--colocated")
+                procs.append(Proc(f"server@{name}", cluster.hosts[name].cmd(argv), {**base, "GRADHUB_ROLE": "server"}))
+        workers = []
+        master = cluster.hosts["w0"].ip
+        for r in range(layout.workers):
+            env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(r), "RANK": str(r),
+                   "WORLD_SIZE": str(layout.workers), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": master, "MASTER_PORT": str(GLOO_PORT), "GLOO_SOCKET_IFNAME": "eth0"}
+            workers.append(Proc(f"worker {r}@w{r}", cluster.hosts[f"w{r}"].cmd(command), env))
+        procs += workers
+        return supervise(procs, workers, "gradhub bench cluster")
