@@ -256,7 +256,7 @@ def bench_sweep(args, out):
     nbytes = 64 << 20
     reps = 3 if args.quick else 6
     parts = [64 << 10, 256 << 10, 1 << 20, 4 << 20]
-    credits = [1 << 20, 2 << 20, 4 << 20, 8 << 20]
+    credits = [1 << 19, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
     print("sweep      64 MiB push_pull, 1 worker + 1 server: goodput GB/s (best of %d) / priority small:big ratio" % reps)
     print("  partition " + "".join(f"{'credit ' + str(c >> 20) + 'M':>16s}" for c in credits))
     res = []

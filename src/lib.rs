@@ -25,7 +25,7 @@ mod python;
 /// Default chunk size. See docs/benchmarks.md for the measurement behind it.
 pub const DEFAULT_PARTITION_BYTES: u32 = 256 << 10;
 /// Default per-connection credit (bytes in flight). See docs/benchmarks.md.
-pub const DEFAULT_CREDIT_BYTES: usize = 2 << 20;
+pub const DEFAULT_CREDIT_BYTES: usize = 512 << 10;
 
 /// This machine's host name (used to compute local ranks).
 pub fn hostname() -> String {

@@ -145,3 +145,71 @@ def test_bench_needs_root_message(monkeypatch):
     assert "needs root" in netns.check_available()
     with pytest.raises(netns.ClusterError, match="needs root"):
         netns.EmulatedCluster(["w0"])
+
+
+def _train_run(label, system, k, samples):
+    return {"label": label, "system": system, "layout": {"cpu_servers": k}, "samples_per_s": samples,
+            "scaling_efficiency": samples / 500, "iter_time_p50": 0.5, "iter_time_p90": 0.6, "busy_cores": 0.8}
+
+
+def test_report_renders_tables_targets_and_keeps_the_rest(tmp_path):
+    from gradhub.bench.report import BEGIN, END, update_doc
+
+    data = tmp_path / "bench"
+    data.mkdir()
+    runs = [_train_run("none", "none", 0, 400.0), _train_run("ddp", "ddp", 0, 180.0),
+            _train_run("gradhub k=0 fifo", "gradhub", 0, 200.0), _train_run("gradhub k=0 overlap", "gradhub", 0, 250.0),
+            _train_run("gradhub k=4 overlap", "gradhub", 4, 330.0)]
+    (data / "train_vgg19.json").write_text(json.dumps(
+        {"model": "vgg19", "rate": "1gbit", "workers": 4, "scale": 16, "runs": runs,
+         "meta": {"cpu": "TestCPU", "cores": 2, "commit": "abc1234", "date": "2026-01-01 00:00 UTC",
+                  "command": "gradhub bench suite --only train_vgg19"}}))
+    opt = byteps_optimum_time(4, 0, 32e6, 1e9)
+    (data / "k_sweep.json").write_text(json.dumps(
+        {"workers": 4, "rate": "1gbit", "mbytes": 32, "runs": [
+            {"k": 0, "iter_time_mean": opt / 0.95, "optimum_time": opt, "share_of_optimum": 0.95, "busy_cores": 0.5},
+            {"k": 1, "iter_time_mean": opt / 0.8, "optimum_time": opt, "share_of_optimum": 0.8, "busy_cores": 0.7}]}))
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nhand-written intro\n")
+    update_doc(doc, data)
+    first = doc.read_text()
+    assert first.startswith("# Benchmarks\n\nhand-written intro\n") and BEGIN in first and END in first
+    assert "TestCPU" in first and "abc1234" in first and "gradhub bench suite --only train_vgg19" in first
+    # Ratios are computed from the runs: 330/180 = 1.83 >= 1.8, 250/180 = 1.39 >= 1.3, overlap/FIFO = 1.25.
+    assert "best is gradhub k=4 overlap at 1.83 × — **met**" in first
+    assert "best is gradhub k=0 overlap at 1.39 × — **met**" in first
+    assert "1.25 × FIFO — **met**" in first
+    assert "| gradhub k=4 overlap | 330.0 | 0.66 | 0.82 |" in first
+    assert "**not met** (met for k = 0; missed for k = 1)" in first
+    assert "![goodput vs k](bench/k_sweep.png)" in first
+    assert "Not measured yet: rate_check" in first
+    # Re-rendering replaces the section in place; text after it is kept.
+    doc.write_text(first + "\nhand-written outro\n")
+    (data / "train_vgg19.json").write_text((data / "train_vgg19.json").read_text().replace("330.0", "200.0"))
+    update_doc(doc, data)
+    second = doc.read_text()
+    assert second.count(BEGIN) == 1 and second.endswith("hand-written outro\n")
+    assert "best is gradhub k=4 overlap at 1.11 × — **not met**" in second and "1.83" not in second
+
+
+def test_suite_quick_end_to_end(tmp_path):
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    doc = tmp_path / "b.md"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "suite", "--quick", "--workers", "2", "--only",
+                        "k_sweep", "--out", str(tmp_path / "bench"), "--doc", str(doc)],
+                       capture_output=True, text=True, timeout=600, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads((tmp_path / "bench" / "k_sweep.json").read_text())
+    assert [r["k"] for r in data["runs"]] == [0, 1] and data["gloo"]["iter_time_mean"] > 0
+    for r in data["runs"]:
+        assert r["optimum_time"] == pytest.approx(byteps_optimum_time(2, r["k"], 4e6, 1e9))
+        assert 0 < r["share_of_optimum"] < 1.5
+    assert data["meta"]["cores"] >= 1 and "suite --quick" in data["meta"]["command"]
+    assert (tmp_path / "bench" / "k_sweep.png").stat().st_size > 1000
+    text = doc.read_text()
+    assert "| gradhub k=1 (1 CPU-only + 2 colocated) |" in text and "gloo ring all-reduce" in text
+    bad = subprocess.run([sys.executable, "-m", "gradhub", "bench", "suite", "--only", "nope", "--out",
+                          str(tmp_path / "x")], capture_output=True, text=True, env=job_env())
+    assert bad.returncode == 2 and "unknown experiment" in bad.stderr

@@ -103,6 +103,8 @@ struct SendHalf {
     /// Registered for writability: only while a write would block, because
     /// with it set every ACK wakes the I/O thread for nothing.
     watching_writable: bool,
+    /// This connection's credit (bytes); see `Io::note_placement`.
+    credit: usize,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
@@ -145,6 +147,8 @@ pub struct Io {
     registry: mio::Registry,
     ops: Mutex<OpTable>,
     credit: usize,
+    /// Bytes of all declared tensors placed on each connection's server thread.
+    placed: Mutex<Vec<u64>>,
     namespace: u32,
     max_payload: u32,
     waker: Waker,
@@ -164,8 +168,14 @@ impl Io {
         for (i, (s, _)) in streams.iter_mut().enumerate() {
             poll.registry().register(s, Token(i), Interest::READABLE)?;
         }
+        let n = streams.len();
+        let conns: Vec<Conn> = streams.into_iter().map(|(s, d)| Conn::new(s, d)).collect();
+        for c in &conns {
+            c.send().credit = credit;
+        }
         Ok(Io {
-            conns: streams.into_iter().map(|(s, d)| Conn::new(s, d)).collect(),
+            placed: Mutex::new(vec![0; n]),
+            conns,
             registry: poll.registry().try_clone()?,
             ops: Mutex::new(OpTable::default()),
             credit,
@@ -175,6 +185,36 @@ impl Io {
             stop: AtomicBool::new(false),
             fail_requested: Mutex::new(None),
         })
+    }
+
+    /// Split the credit across connections in proportion to the bytes placed
+    /// on each (the whole budget is `credit` x connections in use). A
+    /// window-limited connection moves credit/RTT, so equal credits would
+    /// give every server the same rate, while the BytePS split gives a
+    /// CPU-only server up to 2(n-1)/(n-k) times a colocated one's bytes;
+    /// with equal credits its links idle while the small shares finish.
+    pub fn note_placement(&self, spec: &TensorSpec) {
+        let shares = {
+            let mut placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+            for (c, &slot) in spec.slots.iter().enumerate() {
+                let (lo, hi) = spec.chunk_range(c);
+                if let Some(b) = placed.get_mut(slot as usize) {
+                    *b += ((hi - lo) * spec.dtype.size()) as u64;
+                }
+            }
+            placed.clone()
+        };
+        let total: u64 = shares.iter().sum();
+        let used = shares.iter().filter(|&&b| b > 0).count();
+        if total == 0 {
+            return;
+        }
+        let budget = (self.credit * used) as f64;
+        for (c, &b) in self.conns.iter().zip(&shares) {
+            // Never below one chunk's worth of the base credit's order.
+            let share = (budget * b as f64 / total as f64) as usize;
+            c.send().credit = share.max(self.credit / 4);
+        }
     }
 
     fn ops(&self) -> MutexGuard<'_, OpTable> {
@@ -305,7 +345,7 @@ impl Io {
         loop {
             if st.cur.is_none() {
                 let Some(top) = st.heap.peek() else { return Ok(false) };
-                if top.owned.is_none() && st.in_flight > 0 && st.in_flight + top.len > self.credit {
+                if top.owned.is_none() && st.in_flight > 0 && st.in_flight + top.len > st.credit {
                     // Over the credit: only a chunk that comes before everything in flight may go.
                     let first_in_flight = st.in_flight_order.values().min().copied();
                     if first_in_flight.is_some_and(|f| top.order() > f) {

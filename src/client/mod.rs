@@ -158,6 +158,9 @@ impl Shared {
     /// Install declared specs and release ops that were waiting for them.
     fn on_declared(&self, specs: Vec<TensorSpec>) {
         let mut ready = Vec::new();
+        for s in &specs {
+            self.io.note_placement(s);
+        }
         {
             let mut t = self.table();
             for s in specs {

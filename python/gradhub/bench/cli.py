@@ -7,14 +7,7 @@ import json
 import sys
 
 from . import netns, profiles
-from .runner import Layout, allreduce_time, byteps_optimum_time, run_job
-
-VARIANTS = {
-    "priority": {},
-    "fifo": {"GRADHUB_SCHEDULING": "fifo"},
-    "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
-    "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
-}
+from .runner import VARIANTS, Layout, allreduce_time, byteps_optimum_time, run_job, variant_env
 
 
 def _add_cluster_args(p):
@@ -50,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iters", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
-    t.add_argument("--variants", default="priority", help=f"gradhub variants: {', '.join(VARIANTS)}")
+    t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server)")
     t.add_argument("--json", help="append results to this JSON-lines file")
     g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
     _add_cluster_args(g)
@@ -59,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--iters", type=int, default=5)
     g.add_argument("--no-ddp", action="store_true", help="skip the gloo all-reduce baseline")
     g.add_argument("--json", help="append results to this JSON-lines file")
-    w = sub.add_parser("sweep", help="bandwidth sweep per model and k sweep, with PNG plots and JSON")
+    w = sub.add_parser("sweep", help="ad hoc bandwidth sweeps and k sweep, with PNG plots and JSON")
     w.add_argument("--models", default="vgg19,resnet50", help="comma list of profiles")
     w.add_argument("--rates", default="250mbit,500mbit,1gbit,2gbit", help="comma list of per-host rates")
     w.add_argument("--workers", type=int, default=4)
@@ -70,6 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--k-rate", default="1gbit")
     w.add_argument("--mbytes", type=float, default=32.0)
     w.add_argument("--out", default="docs/bench", help="output folder (default docs/bench)")
+    su = sub.add_parser("suite", help="run every experiment of docs/benchmarks.md and regenerate its tables",
+                        description="Runs the fixed experiment list (about an hour with the defaults), writes one "
+                                    "JSON (+ PNG) per experiment into --out, then regenerates the report section "
+                                    "of --doc from them.")
+    su.add_argument("--out", default="docs/bench", help="data folder (default docs/bench)")
+    su.add_argument("--doc", default="docs/benchmarks.md", help="document to update ('' to skip)")
+    su.add_argument("--workers", type=int, default=4)
+    su.add_argument("--only", help="comma list of experiments (default: all; see --list)")
+    su.add_argument("--resume", action="store_true", help="skip experiments whose JSON already exists")
+    su.add_argument("--quick", action="store_true", help="tiny version of every experiment (smoke test)")
+    su.add_argument("--list", action="store_true", help="list the experiments and exit")
+    r = sub.add_parser("report", help="regenerate the report section of docs/benchmarks.md from the JSON")
+    r.add_argument("--out", default="docs/bench", help="data folder (default docs/bench)")
+    r.add_argument("--doc", default="docs/benchmarks.md")
     sub.add_parser("cleanup", help="remove namespaces/bridges left by a killed run")
     return ap
 
@@ -95,10 +102,12 @@ def cmd_train(args) -> int:
     for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
         variants = [v.strip() for v in args.variants.split(",")] if system == "gradhub" else [""]
         for v in variants:
-            if v and v not in VARIANTS:
-                print(f"unknown variant {v!r}", file=sys.stderr)
+            try:
+                env = variant_env(v)
+            except ValueError as e:
+                print(f"gradhub bench: {e}", file=sys.stderr)
                 return 2
-            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=VARIANTS.get(v, {}),
+            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=env,
                           partition_bytes=partition)
             label = system + (f"/{v}" if v else "")
             if system == "ddp":
@@ -128,7 +137,8 @@ def cmd_goodput(args) -> int:
         t = res["iter_time_mean"]
         share = f"{t_opt / t:11.2f}" if t_opt else f"{'':11s}"
         print(f"{'gradhub k=' + str(k):22s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} "
-              f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}", flush=True)
+              f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}  drops {res['tc_drops']}",
+              flush=True)
         res.update(kind="goodput", k=k, optimum_time=t_opt, mbytes=mbytes)
         res.pop("raw", None)
         _emit(args, res)
@@ -168,15 +178,37 @@ def main(argv: list[str] | None = None) -> int:
         except netns.ClusterError as e:
             print(f"gradhub bench: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "report":
+        from pathlib import Path
+
+        from .report import update_doc
+
+        update_doc(Path(args.doc), Path(args.out))
+        print(f"regenerated the report section of {args.doc} from {args.out}/*.json")
+        return 0
+    if args.cmd == "suite" and args.list:
+        from .suite import experiment_list
+
+        for e in experiment_list(args.workers):
+            print(f"{e.name:22s} {e.what}")
+        return 0
     if args.cmd == "cleanup":
         removed = netns.cleanup()
         print("removed: " + (", ".join(removed) if removed else "nothing"))
         return 0
     try:
+        if args.cmd == "suite":
+            from pathlib import Path
+
+            from .suite import run_suite
+
+            only = [x for x in (args.only or "").split(",") if x] or None
+            return run_suite(Path(args.out), Path(args.doc) if args.doc else None, args.workers, args.quick, only,
+                             args.resume, (argv if argv is not None else sys.argv[1:])[1:])
         if args.cmd == "sweep":
             from pathlib import Path
 
-            from .sweep import bandwidth_sweep, k_sweep
+            from .experiments import bandwidth_sweep, k_sweep
 
             out = Path(args.out)
             for m in [x for x in args.models.split(",") if x]:

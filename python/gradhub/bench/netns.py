@@ -152,6 +152,18 @@ class EmulatedCluster:
         _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
              "latency", os.environ.get("GRADHUB_BENCH_TBF_LATENCY", "20ms"))
 
+    def qdisc_drops(self) -> int:
+        """Packets the token buckets dropped so far (all hosts, both
+        directions): a sign of flows overrunning the emulated links."""
+        total = 0
+        for h in self.hosts.values():
+            if h.name == "sched" or not self.rate_bps:
+                continue
+            for tc in (["ip", "netns", "exec", h.ns, "tc"], ["tc"]):
+                out = _run(*tc, "-s", "qdisc", "show", "dev", "eth0" if len(tc) > 1 else h.veth, check=False).stdout
+                total += sum(int(x) for x in re.findall(r"dropped (\d+)", out))
+        return total
+
     def teardown(self):
         for h in list(self.hosts.values()):
             _run("ip", "link", "del", h.veth, check=False)  # synchronous, unlike namespace teardown

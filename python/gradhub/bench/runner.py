@@ -17,6 +17,25 @@ SCHED_PORT = 9000
 GLOO_PORT = 29400
 
 
+# gradhub scheduling options, as the environment switches a Horovod-style
+# script reads; "a+b" combines them (e.g. "overlap+server").
+VARIANTS = {
+    "priority": {},
+    "fifo": {"GRADHUB_SCHEDULING": "fifo"},
+    "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
+    "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
+}
+
+
+def variant_env(variant: str) -> dict:
+    env = {}
+    for part in [p for p in variant.split("+") if p]:
+        if part not in VARIANTS:
+            raise ValueError(f"unknown gradhub variant {part!r} (choose from {', '.join(VARIANTS)}, joined by +)")
+        env.update(VARIANTS[part])
+    return env
+
+
 def byteps_optimum_time(n: int, k: int, model_bytes: float, rate_bps: float) -> float:
     """BytePS's optimal communication time per iteration (seconds):
     2n(n-1)M / ((n^2 + kn - 2k) B), for n worker machines, 0 <= k <= n CPU machines."""
@@ -198,7 +217,7 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         start = max(r["t_start"] for r in results)
         end = min(r["t_end"] for r in results)
         summary = summarize(results)
-        summary.update(system=system, rate=rate, busy_cores=sampler.busy_cores(start, end),
+        summary.update(system=system, rate=rate, tc_drops=cluster.qdisc_drops(), busy_cores=sampler.busy_cores(start, end),
                        cpu_cores=os.cpu_count(), cpu_seconds_per_s=(_children_cpu() - c0) / wall, wall=wall,
                        layout=layout.__dict__, options=dict(env or {}), raw=results)
         return summary
