@@ -141,6 +141,18 @@ struct OpTable {
     failed: Option<String>,
 }
 
+/// Per-connection credits: `base` x (connections with bytes placed), split in
+/// proportion to `placed`; never below `base / 4`, so a connection can always
+/// keep a chunk moving. Before any placement every connection gets `base`.
+pub fn split_credit(base: usize, placed: &[u64]) -> Vec<usize> {
+    let total: u64 = placed.iter().sum();
+    if total == 0 {
+        return vec![base; placed.len()];
+    }
+    let budget = (base * placed.iter().filter(|&&b| b > 0).count()) as f64;
+    placed.iter().map(|&b| ((budget * b as f64 / total as f64) as usize).max(base / 4)).collect()
+}
+
 /// The send side and the table of operations in flight, shared by callers and the I/O thread.
 pub struct Io {
     pub conns: Vec<Conn>,
@@ -204,16 +216,8 @@ impl Io {
             }
             placed.clone()
         };
-        let total: u64 = shares.iter().sum();
-        let used = shares.iter().filter(|&&b| b > 0).count();
-        if total == 0 {
-            return;
-        }
-        let budget = (self.credit * used) as f64;
-        for (c, &b) in self.conns.iter().zip(&shares) {
-            // Never below one chunk's worth of the base credit's order.
-            let share = (budget * b as f64 / total as f64) as usize;
-            c.send().credit = share.max(self.credit / 4);
+        for (c, credit) in self.conns.iter().zip(split_credit(self.credit, &shares)) {
+            c.send().credit = credit;
         }
     }
 
@@ -657,5 +661,22 @@ impl IoThread {
         }
         // Credit came back: keep the connection busy.
         io.pump(i)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_credit;
+
+    #[test]
+    fn credit_follows_the_placed_bytes() {
+        // Before any tensor is placed: the base credit everywhere.
+        assert_eq!(split_credit(100, &[0, 0, 0]), vec![100, 100, 100]);
+        // Equal shares keep the base credit.
+        assert_eq!(split_credit(100, &[5, 5, 5, 5]), vec![100; 4]);
+        // BytePS k=2, n=4: CPU-only servers 0.3 M each, colocated 0.1 M each.
+        assert_eq!(split_credit(1000, &[3, 3, 1, 1, 1, 1]), vec![1800, 1800, 600, 600, 600, 600]);
+        // Unused connections keep a floor and do not dilute the budget.
+        assert_eq!(split_credit(400, &[1, 1, 0]), vec![400, 400, 100]);
     }
 }
