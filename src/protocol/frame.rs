@@ -44,6 +44,7 @@ msg_types! {
     Stall = 4, "server thread -> worker: a round waited too long; payload names missing ranks";
     Error = 5, "either direction: a fatal problem, UTF-8 text; the sender closes the connection";
     OptConfig = 6, "worker -> server thread: run this optimizer on the key's chunks (payload: OptConfig)";
+    Received = 7, "server thread -> worker: a push arrived whole (header only); returns the worker's credit for it";
     Register = 16, "member -> scheduler: join the job";
     Welcome = 17, "scheduler -> member: rank and cluster map";
     Declare = 18, "worker -> scheduler: batch of tensor declarations";

@@ -7,9 +7,10 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 20] = [
+const ALL_MSG_TYPES: [MsgType; 21] = [
     MsgType::DataHello,
     MsgType::OptConfig,
+    MsgType::Received,
     MsgType::Push,
     MsgType::Result,
     MsgType::Stall,
@@ -31,8 +32,8 @@ const ALL_MSG_TYPES: [MsgType; 20] = [
 ];
 
 /// Data-plane types; every other MsgType is a Control message.
-const DATA_TYPES: [MsgType; 5] =
-    [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall, MsgType::OptConfig];
+const DATA_TYPES: [MsgType; 6] =
+    [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall, MsgType::OptConfig, MsgType::Received];
 
 const ALL_DTYPES: [DType; 4] = [DType::None, DType::F32, DType::F16, DType::BF16];
 
