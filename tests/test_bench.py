@@ -178,6 +178,7 @@ def test_report_renders_tables_targets_and_keeps_the_rest(tmp_path):
     # Ratios are computed from the runs: 330/180 = 1.83 >= 1.8, 250/180 = 1.39 >= 1.3, overlap/FIFO = 1.25.
     assert "best is gradhub k=4 overlap at 1.83 × — **met**" in first
     assert "best is gradhub k=0 overlap at 1.39 × — **met**" in first
+    assert "DDP reaches 0.36 of the compute bound and 0.45 of the no-sync run" in first
     assert "1.25 × FIFO — **met**" in first
     assert "| gradhub k=4 overlap | 330.0 | 0.66 | 0.82 |" in first
     assert "**not met** (met for k = 0; missed for k = 1)" in first

@@ -135,6 +135,8 @@ class CpuSampler:
         if not before or not after:
             return None
         (_, b0, t0), (_, b1, t1) = before[-1], after[0]
+        if t1 <= t0:
+            return None
         return (b1 - b0) / max(t1 - t0, 1e-9) * (os.cpu_count() or 1)
 
 
@@ -214,8 +216,12 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                     p.communicate()
         wall = time.monotonic() - t0
         sampler.stop()
+        # The window all workers were measuring; if they never overlapped
+        # (a very short run), the span from the first start to the last end.
         start = max(r["t_start"] for r in results)
         end = min(r["t_end"] for r in results)
+        if end <= start:
+            start, end = min(r["t_start"] for r in results), max(r["t_end"] for r in results)
         summary = summarize(results)
         summary.update(system=system, rate=rate, tc_drops=cluster.qdisc_drops(), busy_cores=sampler.busy_cores(start, end),
                        cpu_cores=os.cpu_count(), cpu_seconds_per_s=(_children_cpu() - c0) / wall, wall=wall,

@@ -119,7 +119,7 @@ def run_suite(out: Path, doc: Path | None, workers: int, quick: bool, only: list
         todo = [e for e in todo if not (out / f"{e.name}.json").exists()]
     out.mkdir(parents=True, exist_ok=True)
     meta = machine_info()
-    meta["command"] = "gradhub bench suite " + " ".join(argv)
+    meta["command"] = " ".join(["gradhub bench suite", *argv])
     t0 = time.monotonic()
     for i, e in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {e.name}: {e.what}", flush=True)
