@@ -100,9 +100,15 @@ def _plot_bandwidth(data: dict, path: Path):
     plt.close(fig)
 
 
-def _goodput_run(workers, k, rate, mbytes, iters, system="gradhub") -> dict:
+def _goodput_run(workers, k, rate, mbytes, iters, system="gradhub", trials=3) -> dict:
+    """Median of `trials` jobs (by mean iteration time): one job's figure
+    swings by up to ±5 % on this machine."""
     layout = Layout(workers, k, system == "gradhub")
-    res = run_job(layout, rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": iters}, system)
+    runs = [run_job(layout, rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": iters}, system)
+            for _ in range(max(1, trials))]
+    runs.sort(key=lambda r: r["iter_time_mean"])
+    res = runs[len(runs) // 2]
+    res["trial_iter_times"] = [r["iter_time_mean"] for r in runs]
     rate_bps = netns.parse_rate(rate)
     opt = byteps_optimum_time(workers, k, mbytes * 1e6, rate_bps) if system == "gradhub" else \
         allreduce_time(workers, mbytes * 1e6, rate_bps)
@@ -110,14 +116,16 @@ def _goodput_run(workers, k, rate, mbytes, iters, system="gradhub") -> dict:
                   share_of_optimum=opt / res["iter_time_mean"])
 
 
-def k_sweep(workers: int, ks: list[int], rate: str, mbytes: float, iters: int, outdir: Path, log=print) -> dict:
-    data = {"kind": "k_sweep", "workers": workers, "rate": rate, "mbytes": mbytes, "iters": iters, "runs": []}
+def k_sweep(workers: int, ks: list[int], rate: str, mbytes: float, iters: int, outdir: Path, log=print,
+            trials: int = 3) -> dict:
+    data = {"kind": "k_sweep", "workers": workers, "rate": rate, "mbytes": mbytes, "iters": iters,
+            "trials": trials, "runs": []}
     for k in ks:
-        res = _goodput_run(workers, k, rate, mbytes, iters)
+        res = _goodput_run(workers, k, rate, mbytes, iters, trials=trials)
         data["runs"].append(res)
         log(f"  k={k}: {res['iter_time_mean'] * 1e3:.1f} ms (optimum {res['optimum_time'] * 1e3:.1f} ms, "
             f"{res['share_of_optimum']:.2f}), cores {res['busy_cores'] or float('nan'):.2f}")
-    data["gloo"] = _goodput_run(workers, 0, rate, mbytes, iters, system="ddp")
+    data["gloo"] = _goodput_run(workers, 0, rate, mbytes, iters, system="ddp", trials=trials)
     log(f"  gloo all-reduce: {data['gloo']['iter_time_mean'] * 1e3:.1f} ms ({data['gloo']['share_of_optimum']:.2f} "
         "of the ring optimum)")
     _write(outdir, "k_sweep", data)
@@ -138,15 +146,16 @@ def k_sweep(workers: int, ks: list[int], rate: str, mbytes: float, iters: int, o
     return data
 
 
-def rate_check(workers: int, rates: list[str], mbytes: float, iters: int, outdir: Path, log=print) -> dict:
+def rate_check(workers: int, rates: list[str], mbytes: float, iters: int, outdir: Path, log=print,
+               trials: int = 3) -> dict:
     """Goodput at k = 0 against rising rates: while it tracks the optimum the
     experiment measures the emulated network; when busy cores approach the
     machine's and the share drops, it measures this machine instead."""
-    data = {"kind": "rate_check", "workers": workers, "mbytes": mbytes, "iters": iters, "runs": []}
+    data = {"kind": "rate_check", "workers": workers, "mbytes": mbytes, "iters": iters, "trials": trials, "runs": []}
     for rate in rates:
         # Enough bytes per iteration that start-up costs stay small at high rates too.
         mb = mbytes * max(1.0, netns.parse_rate(rate) / 1e9)
-        res = _goodput_run(workers, 0, rate, mb, iters)
+        res = _goodput_run(workers, 0, rate, mb, iters, trials=trials)
         res["rate"] = rate
         data["runs"].append(res)
         log(f"  {rate:>8s}: {res['share_of_optimum']:.2f} of the optimum, cores {res['busy_cores'] or float('nan'):.2f}")

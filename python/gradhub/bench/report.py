@@ -73,7 +73,8 @@ def render_meta(datasets: list[dict]) -> list[str]:
 
 
 def render_rate_check(d: dict) -> list[str]:
-    out = [f"### Choice of rate (`rate_check.json`: {d['workers']} workers, k = 0, push_pull goodput)", "",
+    out = [f"### Choice of rate (`rate_check.json`: {d['workers']} workers, k = 0, push_pull goodput, median of "
+           f"{d.get('trials', 1)} jobs)", "",
            "| per-host rate | MB per iteration | time/iter | BytePS optimum | share of optimum | busy cores | tc drops |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in d["runs"]:
@@ -95,7 +96,7 @@ def render_rate_check(d: dict) -> list[str]:
 
 def render_k_sweep(d: dict, img: str) -> list[str]:
     out = [f"### Goodput vs the BytePS optimum (`k_sweep.json`: {d['workers']} workers, {d['mbytes']:g} MB per "
-           f"iteration, {d['rate']} per host)", "",
+           f"iteration, {d['rate']} per host, median of {d.get('trials', 1)} jobs)", "",
            "| config | time/iter | optimum | share of optimum | busy cores | tc drops |",
            "| --- | --- | --- | --- | --- | --- |"]
     for r in d["runs"]:

@@ -44,6 +44,7 @@ def experiment_list(workers: int = 4, quick: bool = False) -> list[Experiment]:
     scale = 64 if quick else 16
     iters = 2 if quick else 6
     gp_iters = 2 if quick else 5
+    trials = 1 if quick else 3
     mbytes = 4 if quick else 32
     pick = (lambda xs: xs[-1:]) if quick else (lambda xs: xs)
     ks = [0, 1] if quick else list(range(n + 1))
@@ -55,9 +56,9 @@ def experiment_list(workers: int = 4, quick: bool = False) -> list[Experiment]:
     exps = [
         Experiment("rate_check", "goodput and CPU use vs per-host rate (k=0)",
                    lambda out, log: experiments.rate_check(n, pick(["500mbit", "1gbit", "2gbit", "4gbit"]), mbytes,
-                                                           gp_iters, out, log)),
+                                                           gp_iters, out, log, trials)),
         Experiment("k_sweep", "goodput vs CPU-only servers, BytePS optimum, gloo",
-                   lambda out, log: experiments.k_sweep(n, ks, "1gbit", mbytes, gp_iters, out, log)),
+                   lambda out, log: experiments.k_sweep(n, ks, "1gbit", mbytes, gp_iters, out, log, trials)),
         Experiment("train_vgg19", "VGG-19 at 1 Gbit/s: every scheduling option, k=0 and k=n",
                    train("vgg19", "1gbit", base + [
                        ("gradhub", "fifo", 0), ("gradhub", "priority", 0), ("gradhub", "overlap", 0),
