@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--mbytes", type=float, default=32.0)
     w.add_argument("--out", default="docs/bench", help="output folder (default docs/bench)")
     su = sub.add_parser("suite", help="run every experiment of docs/benchmarks.md and regenerate its tables",
-                        description="Runs the fixed experiment list (about an hour with the defaults), writes one "
+                        description="Runs the fixed experiment list (about 25 minutes here), writes one "
                                     "JSON (+ PNG) per experiment into --out, then regenerates the report section "
                                     "of --doc from them.")
     su.add_argument("--out", default="docs/bench", help="data folder (default docs/bench)")

@@ -62,7 +62,7 @@ def render_meta(datasets: list[dict]) -> list[str]:
     m = max(metas, key=lambda x: x.get("date", ""))
     dates = sorted({x.get("date", "?") for x in metas})
     commits = sorted({x.get("commit", "?") for x in metas})
-    cmds = sorted({x.get("command", "") for x in metas if x.get("command")})
+    cmds = sorted({x["command"].strip() for x in metas if x.get("command")})
     out = [f"Measured on: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory', '?')}, "
            f"Linux {m.get('kernel', '?')}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}; "
            f"gradhub commit {', '.join(commits)}; {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") + ".",
@@ -109,9 +109,13 @@ def render_k_sweep(d: dict, img: str) -> list[str]:
                    f"{_f(g['share_of_optimum'])} | {_f(g['busy_cores'])} | {g.get('tc_drops', '–')} |")
     met = [r["k"] for r in d["runs"] if r["share_of_optimum"] >= 0.9]
     miss = [r["k"] for r in d["runs"] if r["share_of_optimum"] < 0.9]
-    out += ["", f"Target, within 10 % of the optimum for every k: {_met(not miss)}"
-            + (f" (met for k = {', '.join(map(str, met))}; missed for k = {', '.join(map(str, miss))})" if miss else "")
-            + ".", "", f"![goodput vs k]({img}/k_sweep.png)", ""]
+    shares = ", ".join(f"{r['share_of_optimum']:.2f}" for r in d["runs"])
+    detail = ""
+    if miss:
+        detail = (f" (met for k = {', '.join(map(str, met))}; missed for k = {', '.join(map(str, miss))})" if met
+                  else f" (missed for every k: {shares})")
+    out += ["", f"Target, within 10 % of the optimum for every k: {_met(not miss)}{detail}.", "",
+            f"![goodput vs k]({img}/k_sweep.png)", ""]
     return out
 
 
