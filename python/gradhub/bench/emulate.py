@@ -19,7 +19,6 @@ ddp_addr. Prints one line `RESULT {json}`.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -116,11 +115,6 @@ def main():
     elif system != "none":
         raise ValueError(f"unknown system {system!r}")
     x = torch.ones(1, requires_grad=True)
-    # Every worker allocates alike, so all run a full garbage collection of
-    # the heap torch's import left behind at the same iteration; four of them
-    # sharing two cores stall ~0.4 s, an artifact of emulating on one machine.
-    # Freezing that heap removes it for every system alike.
-    gc.freeze()
     times = []
     t_start = time.time()
     for i in range(cfg.get("warmup", 3) + cfg.get("iters", 10)):
