@@ -2,21 +2,28 @@
 //!
 //! Modules by role and concern:
 //! - `protocol`: frame header, control messages, validation
-//! - `transport`: nonblocking socket helpers shared by server and client
+//! - `transport`: the framed nonblocking data connection shared by server and
+//!   client, connect-with-retry, byte views
+//! - `session`: a member's membership in a job (join, heartbeats, liveness),
+//!   shared by workers and servers
 //! - `kernels`: vectorized summation (f32, f16, bf16)
 //! - `placement`: chunk -> server-thread mapping (BytePS-weighted)
 //! - `scheduler`: rendezvous, declarations, liveness
 //! - `server`: the summation service (shared-nothing threads)
 //! - `client`: the worker's communication service (priority + credit)
+//! - `error`: the one error type of the entry points (for the bindings)
+//! - `logging`: one log format for every role (`GRADHUB_LOG`)
 //! - `python` (feature "python"): the PyO3 extension `gradhub._core`
 
-pub mod baseline;
 pub mod client;
+pub mod error;
 pub mod kernels;
+pub mod logging;
 pub mod placement;
 pub mod protocol;
 pub mod scheduler;
 pub mod server;
+pub mod session;
 pub mod transport;
 
 #[cfg(feature = "python")]

@@ -1,15 +1,19 @@
-//! PyO3 bindings: the `gradhub._core` extension module. Thin: argument
-//! conversion, releasing the GIL around anything that blocks, and mapping
-//! errors to Python exceptions. The Python package builds the user API on this.
+//! PyO3 bindings: the `gradhub._core` extension module (typed in
+//! `python/gradhub/_core.pyi`). Thin: argument conversion, releasing the GIL
+//! around anything that blocks, completion callbacks, and the one mapping
+//! from `crate::error::Error` to Python exceptions. The Python package builds
+//! the user API on this.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use crossbeam_channel::{bounded, Sender, TrySendError};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::client::{Client, ClientConfig, ClientError, Op, OpError};
+use crate::error::Error;
 use crate::protocol::{DType, DeclEntry};
 use crate::scheduler::{self, SchedulerConfig};
 use crate::server::{self, ServerConfig};
@@ -17,11 +21,47 @@ use crate::server::{self, ServerConfig};
 create_exception!(_core, GradhubError, PyRuntimeError, "A gradhub job or operation failed.");
 create_exception!(_core, GradhubTimeoutError, PyTimeoutError, "A gradhub operation did not finish in time.");
 
-fn client_err(e: ClientError) -> PyErr {
-    match e {
-        ClientError::Usage(m) => PyValueError::new_err(m),
-        other => GradhubError::new_err(other.to_string()),
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        match e {
+            Error::Client(ClientError::Usage(m)) => PyValueError::new_err(m),
+            Error::Op(OpError::Timeout(m)) => GradhubTimeoutError::new_err(m),
+            other => GradhubError::new_err(other.to_string()),
+        }
     }
+}
+
+/// Convert any entry point's error (the one conversion to Python).
+fn py_err(e: impl Into<Error>) -> PyErr {
+    e.into().into()
+}
+
+/// Python completion callbacks run on one thread of their own: taking the
+/// GIL on the I/O thread would stall every other transfer while Python
+/// runs. Bounded; when full, the callback runs on the completing thread.
+fn callback_queue() -> &'static Sender<(Py<PyAny>, Option<String>)> {
+    static QUEUE: OnceLock<Sender<(Py<PyAny>, Option<String>)>> = OnceLock::new();
+    QUEUE.get_or_init(|| {
+        let (tx, rx) = bounded::<(Py<PyAny>, Option<String>)>(1 << 16);
+        let spawned = std::thread::Builder::new().name("gradhub-callbacks".into()).spawn(move || {
+            for (f, err) in rx {
+                run_callback(f, err);
+            }
+        });
+        if let Err(e) = spawned {
+            log::error!(target: "worker", "cannot start the callback thread: {e}; callbacks run inline");
+        }
+        tx
+    })
+}
+
+fn run_callback(f: Py<PyAny>, err: Option<String>) {
+    Python::attach(|py| {
+        if let Err(e) = f.call1(py, (err,)) {
+            // Like an exception in a thread: reported, never lost silently.
+            e.write_unraisable(py, Some(f.bind(py)));
+        }
+    });
 }
 
 fn dtype_of(s: &str) -> PyResult<DType> {
@@ -73,7 +113,7 @@ fn run_scheduler(
         bind, num_workers, num_servers, partition_bytes, heartbeat_ms, peer_timeout_ms, stall_ms, join_timeout_ms,
         namespace,
     );
-    py.detach(|| scheduler::run_scheduler(cfg)).map_err(|e| GradhubError::new_err(e.to_string()))
+    py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
 }
 
 /// A scheduler running on a background thread of this process.
@@ -93,7 +133,7 @@ impl SchedulerHandle {
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         let h = self.inner.lock().map_err(|_| GradhubError::new_err("poisoned"))?.take();
         match h {
-            Some(h) => py.detach(|| h.wait()).map_err(|e| GradhubError::new_err(e.to_string())),
+            Some(h) => py.detach(|| h.wait()).map_err(py_err),
             None => Ok(()),
         }
     }
@@ -117,7 +157,7 @@ fn start_scheduler(
         bind, num_workers, num_servers, partition_bytes, heartbeat_ms, peer_timeout_ms, stall_ms, join_timeout_ms,
         namespace,
     );
-    let h = scheduler::start_scheduler(cfg).map_err(|e| GradhubError::new_err(e.to_string()))?;
+    let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
 }
 
@@ -151,7 +191,7 @@ fn run_server(
         namespace,
         connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
     };
-    py.detach(|| server::run_server(cfg)).map_err(|e| GradhubError::new_err(e.to_string()))
+    py.detach(|| server::run_server(cfg)).map_err(py_err)
 }
 
 /// A push_pull in flight.
@@ -167,13 +207,25 @@ impl PyHandle {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let op = self.op.clone();
         let t = timeout.map(|s| Duration::from_secs_f64(s.max(0.0)));
-        py.detach(move || op.wait(t)).map_err(|e| match e {
-            OpError::Timeout(m) => GradhubTimeoutError::new_err(m),
-            OpError::Failed(m) => GradhubError::new_err(m),
-        })
+        py.detach(move || op.wait(t)).map_err(py_err)
     }
     fn done(&self) -> bool {
         self.op.done()
+    }
+    /// Call `fn(error)` once the operation completes: `error` is None on
+    /// success, else the failure message. Runs on gradhub's callback thread
+    /// (on this thread if the operation is already done).
+    fn add_done_callback(&self, py: Python<'_>, f: Py<PyAny>) -> PyResult<()> {
+        if !f.bind(py).is_callable() {
+            return Err(PyValueError::new_err("add_done_callback needs a callable"));
+        }
+        self.op.on_complete(Box::new(move |res| {
+            let item = (f, res.err());
+            if let Err(TrySendError::Full(item) | TrySendError::Disconnected(item)) = callback_queue().try_send(item) {
+                run_callback(item.0, item.1);
+            }
+        }));
+        Ok(())
     }
     #[getter]
     fn name(&self) -> String {
@@ -209,7 +261,7 @@ impl PyClient {
             credit_bytes,
             connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
         };
-        let c = py.detach(|| Client::connect(cfg)).map_err(client_err)?;
+        let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })
     }
     #[getter]
@@ -244,7 +296,7 @@ impl PyClient {
             .map(|(name, numel, d)| Ok(DeclEntry { name, numel, dtype: dtype_of(&d)? }))
             .collect::<PyResult<Vec<_>>>()?;
         let c = self.inner.clone();
-        py.detach(move || c.declare(entries)).map_err(client_err)
+        py.detach(move || c.declare(entries)).map_err(py_err)
     }
 
     /// Start an in-place push_pull of raw memory. `owner` is kept alive until done.
@@ -271,7 +323,7 @@ impl PyClient {
         let op = unsafe {
             self.inner.push_pull(ptr as *mut u8, nbytes, dtype, name, flags, priority, Some(Box::new(owner)))
         }
-        .map_err(client_err)?;
+        .map_err(py_err)?;
         Ok(PyHandle { op })
     }
 
@@ -301,12 +353,12 @@ impl PyClient {
         };
         let cfg = OptConfig { kind, lr, momentum, dampening, weight_decay, nesterov, beta1, beta2, eps };
         let c = self.inner.clone();
-        py.detach(move || c.set_server_optimizer(&name, numel, cfg)).map_err(client_err)
+        py.detach(move || c.set_server_optimizer(&name, numel, cfg)).map_err(py_err)
     }
 
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         let c = self.inner.clone();
-        py.detach(move || c.barrier()).map_err(client_err)
+        py.detach(move || c.barrier()).map_err(py_err)
     }
 
     fn shutdown(&self, py: Python<'_>) {
@@ -320,29 +372,6 @@ impl PyClient {
     }
 }
 
-/// Benchmark baseline: echo one TCP connection on `bind` (prints the port).
-#[pyfunction]
-fn baseline_echo_serve(py: Python<'_>, bind: String) -> PyResult<()> {
-    let l = std::net::TcpListener::bind(&bind).map_err(|e| GradhubError::new_err(e.to_string()))?;
-    let port = l.local_addr().map_err(|e| GradhubError::new_err(e.to_string()))?.port();
-    println!("{port}");
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    py.detach(|| crate::baseline::echo_serve(l)).map_err(|e| GradhubError::new_err(e.to_string()))
-}
-
-/// Benchmark baseline: seconds per echo of `nbytes`, `reps` times.
-#[pyfunction]
-fn baseline_echo_goodput(py: Python<'_>, addr: String, nbytes: usize, reps: usize) -> PyResult<Vec<f64>> {
-    py.detach(|| crate::baseline::echo_goodput(&addr, nbytes, reps)).map_err(|e| GradhubError::new_err(e.to_string()))
-}
-
-/// Benchmark baseline: seconds per ping-pong of `size` bytes.
-#[pyfunction]
-fn baseline_ping_pong(py: Python<'_>, addr: String, size: usize, iters: usize) -> PyResult<Vec<f64>> {
-    py.detach(|| crate::baseline::ping_pong(&addr, size, iters)).map_err(|e| GradhubError::new_err(e.to_string()))
-}
-
 #[pyfunction]
 fn kernel_simd_level() -> &'static str {
     crate::kernels::simd_level()
@@ -350,13 +379,11 @@ fn kernel_simd_level() -> &'static str {
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    crate::logging::init();
     m.add_function(wrap_pyfunction!(run_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(start_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_simd_level, m)?)?;
-    m.add_function(wrap_pyfunction!(baseline_echo_serve, m)?)?;
-    m.add_function(wrap_pyfunction!(baseline_echo_goodput, m)?)?;
-    m.add_function(wrap_pyfunction!(baseline_ping_pong, m)?)?;
     m.add_class::<PyClient>()?;
     m.add_class::<PyHandle>()?;
     m.add_class::<SchedulerHandle>()?;

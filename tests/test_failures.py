@@ -111,12 +111,12 @@ def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, t
                 pass
         return b"".join(chunks)
 
-    def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=1):
+    def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=2):
         return struct.pack("<HBBHBBIIIIiI", magic, ver, mtype, flags, dtype, 0, 0, key, chunk, rnd, 0, plen)
 
     rng = np.random.default_rng(0)
     send(rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())                     # random bytes
-    reply = send(header(2, ver=1, magic=0x1234))                                   # bad magic
+    reply = send(header(2, ver=2, magic=0x1234))                                   # bad magic
     assert b"bad magic" in reply
     reply = send(header(1, key=0))                                                 # duplicate worker rank
     assert b"already connected" in reply

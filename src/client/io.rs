@@ -39,12 +39,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use mio::net::TcpStream;
-use mio::{Events, Interest, Poll, Token, Waker};
+use mio::{Events, Poll, Token, Waker};
 
 use super::op::Op;
 use super::Shared;
-use crate::protocol::{decode_stall, DType, Header, MsgType, TensorSpec, HEADER_LEN};
-use crate::transport::{read_nb, write_frame_nb, Io as IoOutcome};
+use crate::protocol::{decode_stall, DType, Header, MsgType, TensorSpec};
+use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
 pub const WAKER: Token = Token(usize::MAX);
 
@@ -64,11 +64,9 @@ pub struct Submission {
     pub flags: u16,
 }
 
-/// One chunk waiting to be sent. Strict total order, identical on every
-/// worker: higher priority first, then lower key (earlier first use), then
-/// lower chunk index — never a `<=`-style comparator.
+/// One chunk of a push_pull: a slice of the caller's buffer.
 #[derive(PartialEq, Eq)]
-struct SendItem {
+struct ChunkSend {
     priority: i32,
     seq: u64,
     key: u32,
@@ -78,17 +76,38 @@ struct SendItem {
     dtype: DType,
     ptr: *const u8,
     len: usize,
-    /// A control frame carrying its own payload (OptConfig); not a push, so
-    /// it takes no credit and expects no result.
-    owned: Option<(MsgType, Vec<u8>)>,
 }
+
+/// Something waiting to be sent on a connection. Strict total order,
+/// identical on every worker: higher priority first, then lower key
+/// (earlier first use), then lower chunk index — never a `<=`-style comparator.
+#[derive(PartialEq, Eq)]
+enum SendItem {
+    Chunk(ChunkSend),
+    /// A control frame with a payload of its own (OptConfig): not a push, so
+    /// it takes no credit and expects no result; it goes before every push
+    /// queued after it.
+    Control { seq: u64, key: u32, msg_type: MsgType, payload: Vec<u8> },
+}
+
 impl SendItem {
     /// Position in the job-wide order (smaller = sooner).
     fn order(&self) -> Order {
-        (std::cmp::Reverse(self.priority), self.key, self.chunk, self.seq)
+        match self {
+            SendItem::Chunk(c) => (std::cmp::Reverse(c.priority), c.key, c.chunk, c.seq),
+            SendItem::Control { seq, key, .. } => (std::cmp::Reverse(i32::MAX), *key, 0, *seq),
+        }
     }
 }
 type Order = (std::cmp::Reverse<i32>, u32, u32, u64);
+
+/// What the frame being written carries: a chunk of a caller's buffer, or
+/// nothing beyond its encoded bytes (control frames).
+#[derive(Clone, Copy)]
+enum Carry {
+    Chunk { ptr: *const u8, len: usize },
+    Encoded,
+}
 
 /// Chunks pushed on a connection and not yet released: their bytes and order.
 #[derive(Default)]
@@ -114,6 +133,7 @@ impl Window {
             None => false,
         }
     }
+    #[cfg(test)]
     fn contains(&self, key: u32, chunk: u32) -> bool {
         self.by_chunk.contains_key(&(key, chunk))
     }
@@ -157,15 +177,12 @@ impl PartialOrd for SendItem {
 #[derive(Default)]
 struct SendHalf {
     heap: BinaryHeap<SendItem>,
-    cur: Option<(SendItem, [u8; HEADER_LEN], usize)>,
+    tx: FrameWriter<Carry>,
     /// Pushed, not yet received whole by the server (bounded by `credit`).
     unreceived: Window,
     /// Pushed, result not back yet: at most `credit` bytes of it may come
     /// before a chunk in the job-wide order for that chunk to go.
     unreturned: Window,
-    /// Registered for writability: only while a write would block, because
-    /// with it set every ACK wakes the I/O thread for nothing.
-    watching_writable: bool,
     /// This connection's credit (bytes); see `Io::note_placement`.
     credit: usize,
 }
@@ -173,14 +190,13 @@ struct SendHalf {
 unsafe impl Send for SendHalf {}
 
 pub struct Conn {
-    stream: TcpStream,
-    pub desc: String,
+    link: Connection,
     send: Mutex<SendHalf>,
 }
 
 impl Conn {
-    pub fn new(stream: TcpStream, desc: String) -> Conn {
-        Conn { stream, desc, send: Mutex::new(SendHalf::default()) }
+    pub fn desc(&self) -> &str {
+        &self.link.peer
     }
     fn send(&self) -> MutexGuard<'_, SendHalf> {
         self.send.lock().unwrap_or_else(|e| e.into_inner())
@@ -235,18 +251,16 @@ impl Io {
     /// Registers the connections with `poll` (owned by the I/O thread).
     pub fn new(
         poll: &Poll,
-        mut streams: Vec<(TcpStream, String)>,
+        streams: Vec<(TcpStream, String)>,
         credit: usize,
         namespace: u32,
         max_payload: u32,
     ) -> std::io::Result<Io> {
-        for (i, (s, _)) in streams.iter_mut().enumerate() {
-            poll.registry().register(s, Token(i), Interest::READABLE)?;
-        }
         let n = streams.len();
-        let conns: Vec<Conn> = streams.into_iter().map(|(s, d)| Conn::new(s, d)).collect();
-        for c in &conns {
-            c.send().credit = credit;
+        let mut conns = Vec::with_capacity(n);
+        for (i, (s, desc)) in streams.into_iter().enumerate() {
+            let link = Connection::new(poll.registry(), s, Token(i), desc)?;
+            conns.push(Conn { link, send: Mutex::new(SendHalf { credit, ..Default::default() }) });
         }
         Ok(Io {
             placed: Mutex::new(vec![0; n]),
@@ -337,7 +351,7 @@ impl Io {
                 let slot = s.spec.slots[c] as usize;
                 let (a, b) = s.spec.chunk_range(c);
                 ops.seq += 1;
-                self.conns[slot].send().heap.push(SendItem {
+                self.conns[slot].send().heap.push(SendItem::Chunk(ChunkSend {
                     priority: s.priority,
                     seq: ops.seq,
                     key,
@@ -348,8 +362,7 @@ impl Io {
                     // SAFETY: a..b lies within the buffer of numel elements the caller passed.
                     ptr: unsafe { s.ptr.0.add(a * es) },
                     len: (b - a) * es,
-                    owned: None,
-                });
+                }));
                 if !touched.contains(&slot) {
                     touched.push(slot);
                 }
@@ -358,7 +371,7 @@ impl Io {
         }
         for slot in touched {
             if let Err(why) = self.pump(slot) {
-                self.request_fail(format!("{}: {why}", self.conns[slot].desc));
+                self.request_fail(format!("{}: {why}", self.conns[slot].desc()));
                 return;
             }
         }
@@ -374,87 +387,57 @@ impl Io {
                 return Err(f.clone());
             }
             ops.seq += 1;
-            c.send().heap.push(SendItem {
-                priority: i32::MAX,
-                seq: ops.seq,
-                key,
-                chunk: 0,
-                round: 0,
-                flags: 0,
-                dtype: DType::None,
-                ptr: std::ptr::null(),
-                len: 0,
-                owned: Some((msg_type, payload)),
-            });
+            c.send().heap.push(SendItem::Control { seq: ops.seq, key, msg_type, payload });
         }
-        self.pump(slot)
+        self.pump(slot).map_err(|e| format!("{}: {e}", c.desc()))
     }
 
     /// Send as much as the credit and the socket allow on connection `i`.
-    fn pump(&self, i: usize) -> Result<(), String> {
+    fn pump(&self, i: usize) -> Result<(), ConnError> {
         let c = &self.conns[i];
-        let mut st = c.send();
-        let res = self.pump_locked(c, &mut st);
-        let blocked = matches!(res, Ok(true));
-        if blocked != st.watching_writable {
-            let interest = if blocked { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
-            self.registry
-                .reregister(&mut SourceRef(&c.stream), Token(i), interest)
-                .map_err(|e| format!("poll registration failed: {e}"))?;
-            st.watching_writable = blocked;
-        }
-        res.map(|_| ())
-    }
-
-    /// Returns Ok(true) when the socket would block with data still to send.
-    fn pump_locked(&self, c: &Conn, st: &mut SendHalf) -> Result<bool, String> {
-        loop {
-            if st.cur.is_none() {
-                let Some(top) = st.heap.peek() else { return Ok(false) };
-                if top.owned.is_none()
-                    && !(st.unreceived.admits(top.order(), top.len, st.credit)
-                        && st.unreturned.admits_before(top.order(), top.len, st.credit))
-                {
-                    return Ok(false);
+        let mut guard = c.send();
+        let st = &mut *guard;
+        let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
+        let ns = self.namespace;
+        let next = || {
+            if let SendItem::Chunk(top) = heap.peek()? {
+                let order = heap.peek()?.order();
+                if !(unreceived.admits(order, top.len, credit) && unreturned.admits_before(order, top.len, credit)) {
+                    return None;
                 }
-                let Some(item) = st.heap.pop() else { return Ok(false) };
-                let mut h = Header::new(MsgType::Push);
-                h.namespace = self.namespace;
-                h.key = item.key;
-                h.chunk = item.chunk;
-                h.round = item.round;
-                h.flags = item.flags;
-                h.priority = item.priority;
-                h.dtype = item.dtype;
-                h.payload_len = item.len as u32;
-                if let Some((t, p)) = &item.owned {
-                    h.msg_type = *t;
-                    h.payload_len = p.len() as u32;
-                } else {
-                    st.unreceived.insert(item.key, item.chunk, item.order(), item.len);
-                    st.unreturned.insert(item.key, item.chunk, item.order(), item.len);
-                }
-                st.cur = Some((item, h.encode(), 0));
             }
-            let Some((item, hdr, sent)) = st.cur.as_mut() else { return Ok(false) };
-            let payload = match &item.owned {
-                Some((_, p)) => p.as_slice(),
-                // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
-                None => unsafe { std::slice::from_raw_parts(item.ptr, item.len) },
-            };
-            let total = HEADER_LEN + payload.len();
-            match write_frame_nb(&mut &c.stream, hdr, payload, *sent) {
-                Ok(IoOutcome::Done(n)) => {
-                    *sent += n;
-                    if *sent == total {
-                        st.cur = None;
-                    }
+            let item = heap.pop()?;
+            let order = item.order();
+            match item {
+                SendItem::Chunk(ch) => {
+                    let mut h = Header::new(MsgType::Push);
+                    h.namespace = ns;
+                    h.key = ch.key;
+                    h.chunk = ch.chunk;
+                    h.round = ch.round;
+                    h.flags = ch.flags;
+                    h.priority = ch.priority;
+                    h.dtype = ch.dtype;
+                    h.payload_len = ch.len as u32;
+                    unreceived.insert(ch.key, ch.chunk, order, ch.len);
+                    unreturned.insert(ch.key, ch.chunk, order, ch.len);
+                    Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
                 }
-                Ok(_) => return Ok(true),
-                Err(e) => return Err(format!("send failed: {e}")),
+                SendItem::Control { key, msg_type, payload, .. } => {
+                    let mut h = Header::new(msg_type);
+                    h.namespace = ns;
+                    h.key = key;
+                    h.payload_len = payload.len() as u32;
+                    Some(Outgoing::encoded(Carry::Encoded, [&h.encode()[..], &payload].concat()))
+                }
             }
-        }
+        };
+        let payload = |c: &Carry| match *c {
+            // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
+            Carry::Chunk { ptr, len } => unsafe { std::slice::from_raw_parts(ptr, len) },
+            Carry::Encoded => &[],
+        };
+        c.link.pump(&self.registry, &mut st.tx, next, payload)
     }
 
     /// Fail every op in flight. Only called on the I/O thread.
@@ -464,7 +447,7 @@ impl Io {
         for c in &self.conns {
             let mut st = c.send();
             st.heap.clear();
-            st.cur = None;
+            st.tx.clear();
             st.unreceived.clear();
             st.unreturned.clear();
         }
@@ -477,35 +460,21 @@ impl Io {
     }
 }
 
-/// Lets a shared `&TcpStream` be reregistered (mio wants `&mut impl Source`;
-/// registration only reads the file descriptor).
-struct SourceRef<'a>(&'a TcpStream);
-
-impl mio::event::Source for SourceRef<'_> {
-    fn register(&mut self, r: &mio::Registry, t: Token, i: Interest) -> std::io::Result<()> {
-        mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(self.0)).register(r, t, i)
-    }
-    fn reregister(&mut self, r: &mio::Registry, t: Token, i: Interest) -> std::io::Result<()> {
-        mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(self.0)).reregister(r, t, i)
-    }
-    fn deregister(&mut self, r: &mio::Registry) -> std::io::Result<()> {
-        mio::unix::SourceFd(&std::os::fd::AsRawFd::as_raw_fd(self.0)).deregister(r)
-    }
-}
-
-enum Rx {
-    Header { got: usize },
-    Result { key: u32, chunk: usize, dst: *mut u8, len: usize, got: usize },
-    /// A small frame read whole (stall notice or error text).
-    Small { hdr: Header, buf: Vec<u8>, got: usize },
+/// Where an incoming result goes: chunk `chunk` of tensor `key`, `len`
+/// bytes at `dst` in the caller's buffer.
+#[derive(Clone, Copy)]
+struct ResultDest {
+    key: u32,
+    chunk: usize,
+    dst: *mut u8,
+    len: usize,
 }
 
 /// The receiving side, owned by the I/O thread.
 pub struct IoThread {
     poll: Poll,
     shared: Arc<Shared>,
-    rx: Vec<Rx>,
-    hdr: Vec<[u8; HEADER_LEN]>,
+    rx: Vec<FrameReader<ResultDest>>,
     failed: bool,
 }
 
@@ -515,8 +484,7 @@ impl IoThread {
         IoThread {
             poll,
             shared,
-            rx: (0..n).map(|_| Rx::Header { got: 0 }).collect(),
-            hdr: vec![[0; HEADER_LEN]; n],
+            rx: (0..n).map(|_| FrameReader::default()).collect(),
             failed: false,
         }
     }
@@ -524,7 +492,9 @@ impl IoThread {
     fn fail(&mut self, msg: String) {
         self.failed = true;
         // Receive targets may be released now: forget them.
-        self.rx.iter_mut().for_each(|r| *r = Rx::Header { got: 0 });
+        self.rx.iter_mut().for_each(|r| {
+            r.reset();
+        });
         let shared = self.shared.clone();
         shared.io.fail_all(msg, &shared);
     }
@@ -559,71 +529,38 @@ impl IoThread {
                     res = self.shared.io.pump(i);
                 }
                 if let Err(why) = res {
-                    let msg = format!("{}: {why}", self.shared.io.conns[i].desc);
+                    let why = match why {
+                        ConnError::Closed | ConnError::ClosedMidFrame => "connection closed by the server".to_string(),
+                        ConnError::Frame(e) => format!("bad frame: {e}"),
+                        other => other.to_string(),
+                    };
+                    let msg = format!("{}: {why}", self.shared.io.conns[i].desc());
                     self.fail(msg);
                 }
             }
         }
     }
 
-    fn on_readable(&mut self, i: usize) -> Result<(), String> {
+    fn on_readable(&mut self, i: usize) -> Result<(), ConnError> {
         let shared = self.shared.clone();
-        let mut stream = &shared.io.conns[i].stream;
+        let link = &shared.io.conns[i].link;
         loop {
-            match self.rx[i] {
-                Rx::Header { got } => match read_nb(&mut stream, &mut self.hdr[i][got..]) {
-                    Ok(IoOutcome::Done(n)) if got + n == HEADER_LEN => {
-                        self.rx[i] = Rx::Header { got: 0 };
-                        let hdr = Header::decode(&self.hdr[i], shared.io.max_payload)
-                            .map_err(|e| format!("bad frame: {e}"))?;
-                        self.on_header(i, hdr)?;
-                    }
-                    Ok(IoOutcome::Done(n)) => self.rx[i] = Rx::Header { got: got + n },
-                    Ok(IoOutcome::WouldBlock) => return Ok(()),
-                    Ok(IoOutcome::Closed) => return Err("connection closed by the server".into()),
-                    Err(e) => return Err(format!("connection lost: {e}")),
-                },
-                Rx::Result { key, chunk, dst, len, got } => {
-                    // SAFETY: dst..dst+len is this chunk's range in an active op's buffer,
-                    // which stays alive until this thread completes the op.
-                    let buf = unsafe { std::slice::from_raw_parts_mut(dst.add(got), len - got) };
-                    match read_nb(&mut stream, buf) {
-                        Ok(IoOutcome::Done(n)) if got + n == len => {
-                            self.rx[i] = Rx::Header { got: 0 };
-                            self.chunk_done(i, key, chunk)?;
-                        }
-                        Ok(IoOutcome::Done(n)) => self.rx[i] = Rx::Result { key, chunk, dst, len, got: got + n },
-                        Ok(IoOutcome::WouldBlock) => return Ok(()),
-                        Ok(IoOutcome::Closed) => return Err("connection closed by the server mid-result".into()),
-                        Err(e) => return Err(format!("connection lost: {e}")),
-                    }
-                }
-                Rx::Small { hdr, ref mut buf, got } => {
-                    let len = buf.len();
-                    match read_nb(&mut stream, &mut buf[got..]) {
-                        Ok(IoOutcome::Done(n)) if got + n == len => {
-                            let buf = std::mem::take(buf);
-                            self.rx[i] = Rx::Header { got: 0 };
-                            self.on_small(i, hdr, buf)?;
-                        }
-                        Ok(IoOutcome::Done(n)) => {
-                            if let Rx::Small { got, .. } = &mut self.rx[i] {
-                                *got += n;
-                            }
-                        }
-                        Ok(IoOutcome::WouldBlock) => return Ok(()),
-                        Ok(IoOutcome::Closed) => return Err("connection closed by the server".into()),
-                        Err(e) => return Err(format!("connection lost: {e}")),
-                    }
-                }
+            // SAFETY: the destination is this chunk's range in an active op's
+            // buffer, which stays alive until this thread completes the op.
+            let dst = |d: ResultDest| unsafe { std::slice::from_raw_parts_mut(d.dst, d.len) };
+            match link.read_frame(&mut self.rx[i], shared.io.max_payload, dst)? {
+                None => return Ok(()),
+                Some(Frame::Header(hdr)) => self.on_header(i, hdr)?,
+                Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk)?,
+                Some(Frame::Message(hdr, buf)) => self.on_small(i, hdr, buf)?,
             }
         }
     }
 
-    fn on_header(&mut self, i: usize, hdr: Header) -> Result<(), String> {
+    fn on_header(&mut self, i: usize, hdr: Header) -> Result<(), ConnError> {
         let io = &self.shared.io;
         if hdr.namespace != io.namespace {
-            return Err(format!("frame for namespace {} (this job is {})", hdr.namespace, io.namespace));
+            return Err(ConnError::Invalid(format!("frame for namespace {} (this job is {})", hdr.namespace, io.namespace)));
         }
         match hdr.msg_type {
             MsgType::Result => {
@@ -634,33 +571,29 @@ impl IoThread {
                     .ok_or_else(|| format!("result for key {} which has no push_pull in flight", hdr.key))?;
                 let c = hdr.chunk as usize;
                 if c >= a.spec.num_chunks() || a.spec.slots[c] as usize != i {
-                    return Err(format!("result for tensor '{}' chunk {c} on the wrong connection", a.spec.name));
+                    return Err(ConnError::Invalid(format!("result for tensor '{}' chunk {c} on the wrong connection", a.spec.name)));
                 }
                 if hdr.round != a.round || a.got[c] {
-                    return Err(format!(
+                    return Err(ConnError::Invalid(format!(
                         "unexpected result for tensor '{}' chunk {c} round {} (expected round {})",
                         a.spec.name, hdr.round, a.round
-                    ));
+                    )));
                 }
                 let len = a.spec.chunk_bytes(c);
                 if hdr.payload_len as usize != len || hdr.dtype != a.spec.dtype {
-                    return Err(format!(
+                    return Err(ConnError::Invalid(format!(
                         "result for tensor '{}' chunk {c}: {} bytes of {}, expected {len} bytes of {}",
                         a.spec.name,
                         hdr.payload_len,
                         hdr.dtype.name(),
                         a.spec.dtype.name()
-                    ));
+                    )));
                 }
                 let (start, _) = a.spec.chunk_range(c);
                 // SAFETY: start is within the tensor.
                 let dst = unsafe { a.ptr.0.add(start * a.spec.dtype.size()) };
                 drop(ops);
-                if len == 0 {
-                    self.chunk_done(i, hdr.key, c)?;
-                } else {
-                    self.rx[i] = Rx::Result { key: hdr.key, chunk: c, dst, len, got: 0 };
-                }
+                self.rx[i].receive_into(hdr, ResultDest { key: hdr.key, chunk: c, dst, len });
                 Ok(())
             }
             MsgType::Received => {
@@ -668,28 +601,24 @@ impl IoThread {
                 // an urgent chunk and the server, so they leave the credit now,
                 // not when the result (which waits for every worker) returns.
                 if hdr.payload_len != 0 {
-                    return Err(format!("Received frame with a {}-byte payload", hdr.payload_len));
+                    return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
                 }
                 if !io.conns[i].send().unreceived.remove(hdr.key, hdr.chunk) {
-                    return Err(format!("Received for key {} chunk {}, which is not in flight here", hdr.key, hdr.chunk));
+                    return Err(ConnError::Invalid(format!("Received for key {} chunk {}, which is not in flight here", hdr.key, hdr.chunk)));
                 }
                 io.pump(i)
             }
             MsgType::Stall | MsgType::Error => {
-                let buf = vec![0u8; hdr.payload_len as usize];
-                if buf.is_empty() {
-                    return self.on_small(i, hdr, buf);
-                }
-                self.rx[i] = Rx::Small { hdr, buf, got: 0 };
+                self.rx[i].receive_owned(hdr);
                 Ok(())
             }
-            other => Err(format!("unexpected {other:?} frame from the server")),
+            other => Err(ConnError::Invalid(format!("unexpected {other:?} frame from the server"))),
         }
     }
 
-    fn on_small(&mut self, i: usize, hdr: Header, buf: Vec<u8>) -> Result<(), String> {
+    fn on_small(&mut self, i: usize, hdr: Header, buf: Vec<u8>) -> Result<(), ConnError> {
         if hdr.msg_type == MsgType::Error {
-            return Err(format!("server reported an error: {}", String::from_utf8_lossy(&buf)));
+            return Err(ConnError::Invalid(format!("server reported an error: {}", String::from_utf8_lossy(&buf))));
         }
         let s = decode_stall(&buf).map_err(|e| format!("bad stall report: {e}"))?;
         let io = &self.shared.io;
@@ -698,7 +627,7 @@ impl IoThread {
                 "server {} thread {} ({}) reports tensor '{}' round {} has waited {:.1}s for worker rank(s) {:?}",
                 s.server,
                 s.thread,
-                io.conns[i].desc,
+                io.conns[i].desc(),
                 a.spec.name,
                 hdr.round,
                 s.waited_ms as f64 / 1000.0,
@@ -709,7 +638,7 @@ impl IoThread {
         Ok(())
     }
 
-    fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), String> {
+    fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), ConnError> {
         let io = &self.shared.io;
         {
             let mut st = io.conns[i].send();

@@ -9,11 +9,9 @@
 mod io;
 mod op;
 
-pub use op::{Op, OpError};
+pub use op::{Callback, Op, OpError};
 
 use std::collections::{HashMap, HashSet};
-use std::io::ErrorKind;
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -22,11 +20,9 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use mio::Poll;
 
-use crate::protocol::{
-    read_control, write_control, Control, DType, DeclEntry, Header, MsgType, ReadError, Register, Role, TensorSpec,
-    Welcome,
-};
-use crate::transport::connect_retry;
+use crate::protocol::{Control, DType, DeclEntry, Header, MsgType, Register, Role, TensorSpec};
+use crate::session::{Joining, Session, SessionError, SessionSender};
+use crate::transport::{connect_retry, join_host_port};
 use io::{BufPtr, Io, IoThread, Submission};
 
 #[derive(Debug, Clone)]
@@ -59,6 +55,8 @@ impl Default for ClientConfig {
 pub enum ClientError {
     #[error("cannot join the job: {0}")]
     Setup(String),
+    #[error("cannot join the job: {0}")]
+    Session(#[from] SessionError),
     #[error("{0}")]
     Usage(String),
     #[error("{0}")]
@@ -92,8 +90,7 @@ struct Table {
 
 /// State shared by the caller, the control thread and the I/O thread.
 pub struct Shared {
-    namespace: u32,
-    writer: Mutex<TcpStream>,
+    session: SessionSender,
     table: Mutex<Table>,
     failure: Mutex<Option<String>>,
     io: Io,
@@ -142,13 +139,14 @@ impl Shared {
 
     pub(crate) fn finish_op(&self, op: &Op, error: Option<String>) {
         self.table().in_flight.remove(&op.name);
-        // Drop the keepalive (e.g. a Python object) outside our locks.
-        drop(op.complete(error));
+        // Callbacks and the keepalive (e.g. a Python object) run outside our locks.
+        if let Some(done) = op.complete(error) {
+            done.run();
+        }
     }
 
     fn send_ctrl(&self, msg: &Control) -> Result<(), String> {
-        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        write_control(&mut *w, msg, self.namespace).map_err(|e| format!("lost the scheduler: {e}"))
+        self.session.send(msg).map_err(|e| e.to_string())
     }
 
     fn submit(&self, op: Arc<Op>, spec: Arc<TensorSpec>, ptr: BufPtr, priority: i32, flags: u16) {
@@ -229,12 +227,11 @@ pub struct Client {
 impl Client {
     /// Join the job: register, receive the cluster map, connect to every server thread.
     pub fn connect(cfg: ClientConfig) -> Result<Client, ClientError> {
+        crate::logging::init();
         let setup = |what: &str, e: std::io::Error| ClientError::Setup(format!("{what}: {e}"));
         let ns = cfg.namespace;
-        let mut ctrl = connect_retry(&cfg.scheduler, cfg.connect_timeout)
-            .map_err(|e| setup(&format!("cannot reach the scheduler at {}", cfg.scheduler), e))?;
         let hostname = crate::hostname();
-        let reg = Register {
+        let session = Joining::connect(&cfg.scheduler, cfg.connect_timeout, ns)?.register(Register {
             role: Role::Worker,
             requested_rank: cfg.rank,
             hostname: hostname.clone(),
@@ -243,22 +240,16 @@ impl Client {
             colocated: false,
             num_workers: cfg.num_workers,
             num_servers: cfg.num_servers,
-        };
-        write_control(&mut ctrl, &Control::Register(reg), ns).map_err(|e| setup("register", e))?;
-        let w: Welcome = match read_control(&mut ctrl, ns) {
-            Ok(Control::Welcome(w)) => w,
-            Ok(Control::Error { message }) => return Err(ClientError::Setup(format!("rejected by the scheduler: {message}"))),
-            Ok(other) => return Err(ClientError::Setup(format!("expected Welcome, got {:?}", other.msg_type()))),
-            Err(e) => return Err(ClientError::Setup(format!("no welcome from the scheduler: {e}"))),
-        };
+        })?;
+        let w = session.welcome.clone();
         let local_rank = w.worker_hosts.iter().take(w.rank as usize).filter(|h| **h == hostname).count() as u32;
         let local_size = w.worker_hosts.iter().filter(|h| **h == hostname).count() as u32;
 
         // One data connection per server thread, in slot order.
         let mut conns = Vec::new();
         for s in &w.servers {
-            for (t, port) in s.ports.iter().enumerate() {
-                let addr = if s.addr.contains(':') { format!("[{}]:{port}", s.addr) } else { format!("{}:{port}", s.addr) };
+            for (t, &port) in s.ports.iter().enumerate() {
+                let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
                 let mut stream = connect_retry(&addr, cfg.connect_timeout).map_err(|e| setup(&desc, e))?;
                 let mut h = Header::new(MsgType::DataHello);
@@ -273,8 +264,7 @@ impl Client {
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let io = Io::new(&poll, conns, cfg.credit_bytes, ns, w.partition_bytes).map_err(|e| setup("poll", e))?;
         let shared = Arc::new(Shared {
-            namespace: ns,
-            writer: Mutex::new(ctrl.try_clone().map_err(|e| setup("clone", e))?),
+            session: session.sender(),
             table: Mutex::new(Table::default()),
             failure: Mutex::new(None),
             io,
@@ -283,44 +273,19 @@ impl Client {
             closing: AtomicBool::new(false),
         });
 
-        let mut threads = Vec::new();
-        {
-            let shared = shared.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name("gradhub-io".into())
-                    .spawn(move || IoThread::new(poll, shared).run())
-                    .map_err(|e| setup("spawn", e))?,
-            );
-        }
-        let hb = Duration::from_millis(w.heartbeat_ms.max(10) as u64);
-        let peer_timeout = (hb * 10).max(Duration::from_secs(10));
-        {
-            let shared = shared.clone();
-            threads.push(
-                std::thread::Builder::new()
-                    .name("gradhub-heartbeat".into())
-                    .spawn(move || {
-                        while !shared.closing.load(Ordering::Relaxed) {
-                            if shared.send_ctrl(&Control::Heartbeat).is_err() {
-                                return;
-                            }
-                            std::thread::sleep(hb);
-                        }
-                    })
-                    .map_err(|e| setup("spawn", e))?,
-            );
-        }
-        {
-            let shared = shared.clone();
-            let _ = ctrl.set_read_timeout(Some(peer_timeout));
-            threads.push(
-                std::thread::Builder::new()
-                    .name("gradhub-control".into())
-                    .spawn(move || control_loop(shared, ctrl, peer_timeout))
-                    .map_err(|e| setup("spawn", e))?,
-            );
-        }
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| setup("spawn", e))
+        };
+        let threads = vec![
+            {
+                let shared = shared.clone();
+                spawn("gradhub-io", Box::new(move || IoThread::new(poll, shared).run()))?
+            },
+            {
+                let shared = shared.clone();
+                spawn("gradhub-control", Box::new(move || control_loop(shared, session)))?
+            },
+        ];
         Ok(Client {
             rank: w.rank,
             num_workers: w.num_workers,
@@ -477,11 +442,8 @@ impl Client {
             return;
         }
         self.shared.closing.store(true, Ordering::SeqCst);
-        let _ = self.shared.send_ctrl(&Control::Goodbye);
+        self.shared.session.close(true);
         self.shared.io.stop();
-        if let Ok(w) = self.shared.writer.lock() {
-            let _ = w.shutdown(std::net::Shutdown::Both);
-        }
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
             let _ = t.join();
@@ -506,15 +468,14 @@ impl Drop for Client {
     }
 }
 
-fn control_loop(shared: Arc<Shared>, mut ctrl: TcpStream, peer_timeout: Duration) {
-    let ns = shared.namespace;
+/// Handle the scheduler's messages until the session ends.
+fn control_loop(shared: Arc<Shared>, mut session: Session) {
     loop {
-        let msg = read_control(&mut ctrl, ns);
+        let msg = session.recv();
         if shared.closing.load(Ordering::Relaxed) {
             return;
         }
         match msg {
-            Ok(Control::Heartbeat) => {}
             Ok(Control::Declared { req, specs }) => {
                 let waiter = shared.table().waiters.remove(&req);
                 shared.on_declared(specs.clone());
@@ -548,15 +509,11 @@ fn control_loop(shared: Arc<Shared>, mut ctrl: TcpStream, peer_timeout: Duration
                 return;
             }
             Ok(other) => {
-                shared.set_failure(format!("unexpected {:?} from the scheduler", other.msg_type()));
-                return;
-            }
-            Err(ReadError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                shared.set_failure(format!("the scheduler sent nothing for {:.0}s", peer_timeout.as_secs_f64()));
+                shared.set_failure(crate::session::unexpected(&other));
                 return;
             }
             Err(e) => {
-                shared.set_failure(format!("lost the connection to the scheduler: {e}"));
+                shared.set_failure(e.to_string());
                 return;
             }
         }

@@ -1,4 +1,5 @@
-//! A push_pull in progress, as seen by the caller: a handle to wait on.
+//! A push_pull in progress, as seen by the caller: a handle to wait on,
+//! or to be called back from when it completes.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +14,12 @@ pub enum OpError {
     Timeout(String),
 }
 
+/// Called once when an op completes: `Ok` when the result is in the
+/// buffer, else the failure. Runs on the thread that completes the op (the
+/// I/O or control thread, or the caller's if it was already done), outside
+/// gradhub's locks, so it must be quick and must not block.
+pub type Callback = Box<dyn FnOnce(Result<(), String>) + Send>;
+
 #[derive(Default)]
 struct OpState {
     done: bool,
@@ -21,6 +28,25 @@ struct OpState {
     stall: Option<String>,
     /// Keeps the caller's buffer alive until the operation is over.
     keepalive: Option<Box<dyn Any + Send>>,
+    callbacks: Vec<Callback>,
+}
+
+/// What completing an op leaves to run outside the locks: the callbacks,
+/// then releasing the caller's buffer (in that order, so a callback may
+/// still read the result).
+pub(crate) struct Completed {
+    callbacks: Vec<Callback>,
+    result: Result<(), String>,
+    keepalive: Option<Box<dyn Any + Send>>,
+}
+
+impl Completed {
+    pub(crate) fn run(self) {
+        for cb in self.callbacks {
+            cb(self.result.clone());
+        }
+        drop(self.keepalive);
+    }
 }
 
 pub struct Op {
@@ -55,7 +81,8 @@ impl Op {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn complete(&self, error: Option<String>) -> Option<Box<dyn Any + Send>> {
+    /// Mark the op done; the caller runs what is returned outside its locks.
+    pub(crate) fn complete(&self, error: Option<String>) -> Option<Completed> {
         let mut st = self.lock();
         if st.done {
             return None;
@@ -64,7 +91,30 @@ impl Op {
         st.error = error;
         self.done_flag.store(true, Ordering::Release);
         self.cv.notify_all();
-        st.keepalive.take()
+        Some(Completed {
+            callbacks: std::mem::take(&mut st.callbacks),
+            result: self.outcome(&st),
+            keepalive: st.keepalive.take(),
+        })
+    }
+
+    /// Call `cb` when the op completes (at once, on this thread, if it has).
+    pub fn on_complete(&self, cb: Callback) {
+        let mut st = self.lock();
+        if !st.done {
+            st.callbacks.push(cb);
+            return;
+        }
+        let result = self.outcome(&st);
+        drop(st);
+        cb(result);
+    }
+
+    fn outcome(&self, st: &OpState) -> Result<(), String> {
+        match &st.error {
+            None => Ok(()),
+            Some(e) => Err(format!("push_pull '{}' failed: {e}", self.name)),
+        }
     }
 
     pub(crate) fn set_stall(&self, msg: String) {
@@ -105,9 +155,6 @@ impl Op {
                 }
             }
         }
-        match &st.error {
-            None => Ok(()),
-            Some(e) => Err(OpError::Failed(format!("push_pull '{}' failed: {e}", self.name))),
-        }
+        self.outcome(&st).map_err(OpError::Failed)
     }
 }

@@ -69,6 +69,8 @@ pub struct Welcome {
     pub partition_bytes: u32,
     pub heartbeat_ms: u32,
     pub stall_ms: u32,
+    /// A peer silent for this long is lost: the same for every role.
+    pub peer_timeout_ms: u32,
     pub servers: Vec<ServerInfo>,
     /// Hostname of each worker, by rank (for local_rank/local_size).
     pub worker_hosts: Vec<String>,
@@ -218,7 +220,7 @@ impl Control {
             }
             Control::Welcome(m) => {
                 w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
-                w.u32(m.heartbeat_ms).u32(m.stall_ms);
+                w.u32(m.heartbeat_ms).u32(m.stall_ms).u32(m.peer_timeout_ms);
                 w.u32(m.servers.len() as u32);
                 for s in &m.servers {
                     w.u32(s.rank).str(&s.addr).u32(s.ports.len() as u32);
@@ -308,6 +310,7 @@ impl Control {
                 let partition_bytes = r.u32("partition_bytes")?;
                 let heartbeat_ms = r.u32("heartbeat_ms")?;
                 let stall_ms = r.u32("stall_ms")?;
+                let peer_timeout_ms = r.u32("peer_timeout_ms")?;
                 let ns = r.count("servers", 13)?;
                 let mut servers = Vec::with_capacity(ns);
                 for _ in 0..ns {
@@ -326,6 +329,7 @@ impl Control {
                     partition_bytes,
                     heartbeat_ms,
                     stall_ms,
+                    peer_timeout_ms,
                     servers,
                     worker_hosts,
                 })

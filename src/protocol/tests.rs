@@ -93,6 +93,7 @@ fn sample_controls() -> Vec<Control> {
             partition_bytes: 4 << 20,
             heartbeat_ms: 1000,
             stall_ms: 30_000,
+            peer_timeout_ms: 10_000,
             servers: vec![
                 ServerInfo { rank: 0, addr: "10.0.0.1".into(), ports: vec![40000, 40001, 40002], colocated: true },
                 ServerInfo { rank: 1, addr: "host-β.example".into(), ports: vec![], colocated: false },
@@ -106,6 +107,7 @@ fn sample_controls() -> Vec<Control> {
             partition_bytes: 0,
             heartbeat_ms: 0,
             stall_ms: u32::MAX,
+            peer_timeout_ms: 1,
             servers: vec![],
             worker_hosts: vec![],
         }),
@@ -305,7 +307,7 @@ fn header_rejects_bad_magic() {
 
 #[test]
 fn header_rejects_wrong_version() {
-    for v in [0u8, 2, 0x7f, 0xff] {
+    for v in [0u8, 1, VERSION + 1, 0x7f, 0xff] {
         let mut b = valid_header_bytes();
         b[2] = v;
         assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::UnsupportedVersion(v)));
@@ -548,15 +550,15 @@ fn control_rejects_huge_counts_without_allocating() {
         cases.push((MsgType::Register, p.buf));
         // Welcome: servers count.
         let mut p = w();
-        p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(count).u32(0);
+        p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(count).u32(0);
         cases.push((MsgType::Welcome, p.buf));
         // Welcome: per-server ports count.
         let mut p = w();
-        p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(1).u32(0).str("x").u32(count).u8(0).u32(0);
+        p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(1).u32(0).str("x").u32(count).u8(0).u32(0);
         cases.push((MsgType::Welcome, p.buf));
         // Welcome: worker_hosts count.
         let mut p = w();
-        p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(0).u32(count).str("a");
+        p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(0).u32(count).str("a");
         cases.push((MsgType::Welcome, p.buf));
         // Declare: entries count.
         let mut p = w();
@@ -617,10 +619,10 @@ fn control_rejects_invalid_utf8() {
     p.u8(1).i32(0).str("h").u32(1).extend_raw(b"\xff").u32(0).u8(0).u32(1).u32(1);
     cases.push((MsgType::Register, p.buf));
     let mut p = w();
-    p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(0).u32(1).u32(2).extend_raw(b"\xed\xa0"); // surrogate prefix
+    p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(0).u32(1).u32(2).extend_raw(b"\xed\xa0"); // surrogate prefix
     cases.push((MsgType::Welcome, p.buf));
     let mut p = w();
-    p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(1).u32(0).u32(1).extend_raw(b"\x80").u32(0).u8(0).u32(0);
+    p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(1).u32(0).u32(1).extend_raw(b"\x80").u32(0).u8(0).u32(0);
     cases.push((MsgType::Welcome, p.buf));
     let mut p = w();
     p.u32(1).u32(1).u32(bad.len() as u32).extend_raw(bad).u64(1).u8(1);

@@ -6,16 +6,13 @@
 mod optimizer;
 mod thread;
 
-use std::io::ErrorKind;
-use std::net::TcpStream;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::bounded;
 use mio::{Poll, Waker};
 
-use crate::protocol::{read_control, write_control, Control, ReadError, Register, Role, Welcome};
-use crate::transport::connect_retry;
+use crate::protocol::{Control, Register, Role};
+use crate::session::{Joining, Session, SessionError};
 use thread::{ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
@@ -60,20 +57,14 @@ impl Default for ServerConfig {
 pub enum ServerError {
     #[error("server setup failed: {0}")]
     Setup(String),
-    #[error("rejected by the scheduler: {0}")]
-    Rejected(String),
+    #[error(transparent)]
+    Session(#[from] SessionError),
     #[error("job failed: {0}")]
     JobFailed(String),
 }
 
-fn log(rank: Option<u32>, msg: &str) {
-    match rank {
-        Some(r) => eprintln!("[gradhub server {r}] {msg}"),
-        None => eprintln!("[gradhub server] {msg}"),
-    }
-}
-
 pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
+    crate::logging::init();
     let setup = |what: &str, e: std::io::Error| ServerError::Setup(format!("{what}: {e}"));
     let threads = cfg.threads.max(1);
 
@@ -89,41 +80,32 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     }
     let ports: Vec<u16> = listeners.iter().map(|l| l.local_addr().map(|a| a.port()).unwrap_or(0)).collect();
 
-    let mut ctrl = connect_retry(&cfg.scheduler, cfg.connect_timeout)
-        .map_err(|e| setup(&format!("cannot reach the scheduler at {}", cfg.scheduler), e))?;
+    let joining = Joining::connect(&cfg.scheduler, cfg.connect_timeout, cfg.namespace)?;
     let advertise = match &cfg.advertise {
         Some(a) => a.clone(),
-        None => ctrl.local_addr().map_err(|e| setup("local address", e))?.ip().to_string(),
+        None => joining.local_ip()?.to_string(),
     };
-    let hostname = crate::hostname();
     let ns = cfg.namespace;
-    let reg = Register {
+    let mut session = joining.register(Register {
         role: Role::Server,
         requested_rank: cfg.rank,
-        hostname,
+        hostname: crate::hostname(),
         addr: advertise.clone(),
         ports: ports.clone(),
         colocated: cfg.colocated,
         num_workers: cfg.num_workers,
         num_servers: cfg.num_servers,
-    };
-    write_control(&mut ctrl, &Control::Register(reg), ns).map_err(|e| setup("register", e))?;
-    let welcome: Welcome = match read_control(&mut ctrl, ns) {
-        Ok(Control::Welcome(w)) => w,
-        Ok(Control::Error { message }) => return Err(ServerError::Rejected(message)),
-        Ok(other) => return Err(ServerError::Setup(format!("expected Welcome, got {:?}", other.msg_type()))),
-        Err(e) => return Err(ServerError::Setup(format!("no welcome from the scheduler: {e}"))),
-    };
+    })?;
+    let welcome = session.welcome.clone();
     let rank = welcome.rank;
+    let who = format!("server {rank}");
     let first_slot: u32 = welcome.servers.iter().filter(|s| s.rank < rank).map(|s| s.ports.len() as u32).sum();
-    log(
-        Some(rank),
-        &format!(
-            "serving {} workers on {advertise} ports {ports:?} ({}), {} thread(s)",
-            welcome.num_workers,
-            if cfg.colocated { "colocated" } else { "CPU-only" },
-            threads
-        ),
+    log::info!(
+        target: &who,
+        "serving {} workers on {advertise} ports {ports:?} ({}), {} thread(s)",
+        welcome.num_workers,
+        if cfg.colocated { "colocated" } else { "CPU-only" },
+        threads
     );
 
     // Spawn the shared-nothing threads.
@@ -155,28 +137,8 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         joins.push(j);
     }
 
-    // Heartbeats go out from their own thread so a slow install never looks like death.
-    let writer = Arc::new(Mutex::new(ctrl.try_clone().map_err(|e| setup("clone", e))?));
-    let hb_period = Duration::from_millis(welcome.heartbeat_ms.max(10) as u64);
-    let peer_timeout = (hb_period * 10).max(Duration::from_secs(10));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    {
-        let writer = writer.clone();
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                if let Ok(mut w) = writer.lock() {
-                    if write_control(&mut *w, &Control::Heartbeat, ns).is_err() {
-                        return;
-                    }
-                }
-                std::thread::sleep(hb_period);
-            }
-        });
-    }
-    let _ = ctrl.set_read_timeout(Some(peer_timeout));
-    let result = control_loop(rank, &mut ctrl, &writer, &cmd_txs, &wakers, ns, peer_timeout);
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let result = control_loop(&mut session, &cmd_txs, &wakers);
+    drop(session);
     for (tx, w) in cmd_txs.iter().zip(&wakers) {
         let _ = tx.send(match &result {
             Ok(()) => ThreadCmd::Stop,
@@ -188,53 +150,41 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         let _ = j.join();
     }
     match &result {
-        Ok(()) => log(Some(rank), "job complete, exiting"),
-        Err(e) => log(Some(rank), &format!("{e}")),
+        Ok(()) => log::info!(target: &who, "job complete, exiting"),
+        Err(e) => log::error!(target: &who, "{e}"),
     }
     result
 }
 
+/// Serve the scheduler's requests until the job ends.
 fn control_loop(
-    rank: u32,
-    ctrl: &mut TcpStream,
-    writer: &Mutex<TcpStream>,
+    session: &mut Session,
     cmd_txs: &[crossbeam_channel::Sender<ThreadCmd>],
     wakers: &[Waker],
-    ns: u32,
-    peer_timeout: Duration,
 ) -> Result<(), ServerError> {
+    let sender = session.sender();
+    let exited = || ServerError::JobFailed("a server thread exited".into());
     loop {
-        match read_control(ctrl, ns) {
-            Ok(Control::Heartbeat) => {}
-            Ok(Control::ServerDeclare { batch, specs }) => {
+        match session.recv()? {
+            Control::ServerDeclare { batch, specs } => {
                 let (ack_tx, ack_rx) = bounded(cmd_txs.len());
                 for (tx, w) in cmd_txs.iter().zip(wakers) {
-                    tx.send(ThreadCmd::Declare(specs.clone(), ack_tx.clone()))
-                        .map_err(|_| ServerError::JobFailed("a server thread exited".into()))?;
+                    tx.send(ThreadCmd::Declare(specs.clone(), ack_tx.clone())).map_err(|_| exited())?;
                     let _ = w.wake();
                 }
                 for _ in cmd_txs {
-                    ack_rx.recv().map_err(|_| ServerError::JobFailed("a server thread exited".into()))?;
+                    ack_rx.recv().map_err(|_| exited())?;
                 }
-                let mut w = writer.lock().map_err(|_| ServerError::JobFailed("control writer poisoned".into()))?;
-                write_control(&mut *w, &Control::ServerDeclareAck { batch }, ns)
-                    .map_err(|e| ServerError::JobFailed(format!("lost the scheduler: {e}")))?;
+                sender.send(&Control::ServerDeclareAck { batch })?;
             }
-            Ok(Control::Shutdown) => return Ok(()),
-            Ok(Control::PeerLost { role, rank: r, reason }) => {
+            Control::Shutdown => return Ok(()),
+            Control::PeerLost { role, rank: r, reason } => {
                 return Err(ServerError::JobFailed(format!("{} {r} lost: {reason}", role.name())))
             }
-            Ok(Control::Error { message }) => return Err(ServerError::JobFailed(message)),
-            Ok(other) => {
-                log(Some(rank), &format!("ignoring unexpected {:?} from the scheduler", other.msg_type()));
+            Control::Error { message } => return Err(ServerError::JobFailed(message)),
+            other => {
+                log::warn!(target: &format!("server {}", session.welcome.rank), "ignoring {}", crate::session::unexpected(&other));
             }
-            Err(ReadError::Io(e)) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(ServerError::JobFailed(format!(
-                    "scheduler silent for {:.0}s (no heartbeat)",
-                    peer_timeout.as_secs_f64()
-                )))
-            }
-            Err(e) => return Err(ServerError::JobFailed(format!("lost the scheduler: {e}"))),
         }
     }
 }

@@ -10,21 +10,19 @@
 //! parity: a worker can only push round r+2 after every worker received round
 //! r, so the buffer of round r is never overwritten while it is being sent.
 
-use std::collections::{BinaryHeap, HashMap};
-use std::io::Write;
-use std::net::SocketAddr;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use mio::net::{TcpListener, TcpStream};
+use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use crate::kernels;
 use super::optimizer::OptState;
+use crate::kernels;
 use crate::protocol::{
-    encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, TensorSpec, FLAG_AVERAGE, FLAG_INIT, HEADER_LEN,
+    encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
 };
-use crate::transport::{bytes, bytes_mut, read_nb, write_frame_nb, Io};
+use crate::transport::{bytes, bytes_mut, cast, ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
 pub const LISTENER: Token = Token(0);
 pub const WAKER: Token = Token(1);
@@ -103,38 +101,38 @@ impl PartialOrd for TxItem {
     }
 }
 
-enum Rx {
-    Header { got: usize },
-    /// Receiving a push payload; `direct` = straight into the accumulator.
-    Payload { hdr: Header, chunk: usize, direct: bool, got: usize },
-    /// Receiving an OptConfig payload.
-    Config { hdr: Header, buf: Vec<u8>, got: usize },
+/// Where an incoming push payload goes.
+#[derive(Clone, Copy)]
+struct Dest {
+    chunk: usize,
+    /// Straight into the accumulator of round parity `parity`, else into the
+    /// connection's scratch buffer.
+    direct: bool,
+    parity: usize,
+    len: usize,
+}
+
+/// What a frame being written carries: a result (its payload is a chunk's
+/// result buffer), or nothing beyond pre-encoded bytes (acks, notices).
+#[derive(Clone, Copy)]
+enum Carry {
+    Result { chunk: usize, parity: usize },
+    Encoded,
 }
 
 struct Conn {
-    stream: TcpStream,
-    peer: SocketAddr,
+    link: Connection,
     rank: Option<u32>,
-    rx: Rx,
-    hdr: [u8; HEADER_LEN],
+    rx: FrameReader<Dest>,
+    tx: FrameWriter<Carry>,
     scratch: Vec<u32>,
-    tx: BinaryHeap<TxItem>,
+    results: BinaryHeap<TxItem>,
     /// Advisory frames (stall notices), sent between results.
-    notices: std::collections::VecDeque<Vec<u8>>,
+    notices: VecDeque<Vec<u8>>,
     /// Received frames (headers) not yet written: sent before anything else,
     /// batched into one write per readable event. Bounded by the pushes a
     /// worker may have unacknowledged (its credit plus preempting chunks).
     acks: Vec<u8>,
-    cur: Option<Cur>,
-    /// Registered for writability only while a write would block (with it
-    /// always on, every ACK would wake the thread for nothing).
-    watching_writable: bool,
-}
-
-/// The frame currently being written, and how many bytes of it are out.
-enum Cur {
-    Result(TxItem, [u8; HEADER_LEN], usize),
-    Notice(Vec<u8>, usize),
 }
 
 /// Unsent bytes the kernel may hold per data connection before the socket
@@ -163,7 +161,7 @@ pub struct ServerThread {
     keys_here: HashMap<u32, DType>,
 }
 
-type ConnResult = Result<(), String>;
+type ConnResult = Result<(), ConnError>;
 
 impl ServerThread {
     pub fn new(cfg: ThreadConfig, poll: Poll, listener: TcpListener, cmds: Receiver<ThreadCmd>) -> ServerThread {
@@ -193,8 +191,8 @@ impl ServerThread {
         Waker::new(poll.registry(), WAKER)
     }
 
-    fn log(&self, msg: &str) {
-        eprintln!("[gradhub server {}/t{}] {msg}", self.cfg.server, self.cfg.thread);
+    fn who(&self) -> String {
+        format!("server {}/t{}", self.cfg.server, self.cfg.thread)
     }
 
     pub fn run(mut self) {
@@ -205,7 +203,7 @@ impl ServerThread {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                self.log(&format!("poll failed: {e}"));
+                log::error!(target: &self.who(), "poll failed: {e}");
                 return;
             }
             for ev in events.iter() {
@@ -221,8 +219,11 @@ impl ServerThread {
                         if res.is_ok() && (ev.is_writable() || acks) {
                             res = self.flush(t);
                         }
-                        if let Err(why) = res {
-                            self.close(t, &why);
+                        match res {
+                            Ok(()) => {}
+                            // A clean close between frames: the worker is done.
+                            Err(ConnError::Closed) => self.close(t, ""),
+                            Err(why) => self.close(t, &why.to_string()),
                         }
                     }
                 }
@@ -250,38 +251,36 @@ impl ServerThread {
     fn accept(&mut self) {
         loop {
             match self.listener.accept() {
-                Ok((mut stream, peer)) => {
+                Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
                     // Best effort: without it results are still ordered, only less strictly.
                     let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
                     let t = self.next_token;
                     self.next_token += 1;
-                    if let Err(e) =
-                        self.poll.registry().register(&mut stream, Token(t), Interest::READABLE)
-                    {
-                        self.log(&format!("cannot register connection from {peer}: {e}"));
-                        continue;
-                    }
+                    let link = match Connection::new(self.poll.registry(), stream, Token(t), peer.to_string()) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            log::warn!(target: &self.who(), "cannot register connection from {peer}: {e}");
+                            continue;
+                        }
+                    };
                     self.conns.insert(
                         t,
                         Conn {
-                            stream,
-                            peer,
+                            link,
                             rank: None,
-                            rx: Rx::Header { got: 0 },
-                            hdr: [0; HEADER_LEN],
+                            rx: FrameReader::default(),
+                            tx: FrameWriter::default(),
                             scratch: Vec::new(),
-                            tx: BinaryHeap::new(),
-                            notices: Default::default(),
+                            results: BinaryHeap::new(),
+                            notices: VecDeque::new(),
                             acks: Vec::new(),
-                            cur: None,
-                            watching_writable: false,
                         },
                     );
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) => {
-                    self.log(&format!("accept failed: {e}"));
+                    log::warn!(target: &self.who(), "accept failed: {e}");
                     return;
                 }
             }
@@ -326,45 +325,46 @@ impl ServerThread {
     }
 
     fn close(&mut self, t: usize, why: &str) {
-        if let Some(mut c) = self.conns.remove(&t) {
-            if let Rx::Payload { chunk, direct: true, .. } = c.rx {
-                // The accumulator holds a partial push: rebuild it from the
-                // pushes parked meanwhile (the next push overwrites it if none).
-                let ch = &mut self.chunks[chunk];
-                ch.direct_in_progress = false;
-                let (parity, n) = ((ch.round & 1) as usize, ch.elems);
-                if let ChunkBuf::F32(b) = &mut ch.buf {
-                    for (i, d) in ch.deferred.drain(..).enumerate() {
-                        let src = bytemuck_f32(&d[..n]);
-                        if i == 0 {
-                            b[parity].copy_from_slice(src);
-                        } else {
-                            kernels::add_f32(&mut b[parity], src);
-                        }
-                        self.pool.push(d);
+        let who = self.who();
+        let Some(mut c) = self.conns.remove(&t) else { return };
+        if let Some(Dest { chunk, direct: true, parity, .. }) = c.rx.reset() {
+            // The accumulator holds a partial push: rebuild it from the
+            // pushes parked meanwhile (the next push overwrites it if none).
+            let ch = &mut self.chunks[chunk];
+            ch.direct_in_progress = false;
+            let n = ch.elems;
+            if let ChunkBuf::F32(b) = &mut ch.buf {
+                for (i, d) in ch.deferred.drain(..).enumerate() {
+                    let src: &[f32] = &cast(&d)[..n];
+                    if i == 0 {
+                        b[parity].copy_from_slice(src);
+                    } else {
+                        kernels::add_f32(&mut b[parity], src);
                     }
+                    self.pool.push(d);
                 }
             }
-            let who = match c.rank {
-                Some(r) => format!("worker {r} ({})", c.peer),
-                None => format!("{}", c.peer),
-            };
-            if !why.is_empty() {
-                self.log(&format!("closing connection from {who}: {why}"));
-                // Best effort: tell the peer why, unless a frame is half-written.
-                if c.cur.is_none() {
-                    let mut h = Header::new(MsgType::Error);
-                    h.namespace = self.cfg.namespace;
-                    let msg = format!("server {} thread {}: {why}", self.cfg.server, self.cfg.thread);
-                    h.payload_len = msg.len() as u32;
-                    let _ = c.stream.write_all(&[&h.encode()[..], msg.as_bytes()].concat());
-                }
+        }
+        let peer = match c.rank {
+            Some(r) => format!("worker {r} ({})", c.link.peer),
+            None => c.link.peer.clone(),
+        };
+        if !why.is_empty() {
+            log::warn!(target: &who, "closing connection from {peer}: {why}");
+            // Best effort: tell the peer why, unless a frame is half-written.
+            if c.tx.idle() {
+                let msg = format!("server {} thread {}: {why}", self.cfg.server, self.cfg.thread);
+                let mut h = Header::new(MsgType::Error);
+                h.namespace = self.cfg.namespace;
+                h.payload_len = msg.len() as u32;
+                c.link.write_last_words(&[&h.encode()[..], msg.as_bytes()].concat());
             }
-            let _ = self.poll.registry().deregister(&mut c.stream);
-            if let Some(r) = c.rank {
-                if self.worker_conn[r as usize] == Some(t) {
-                    self.worker_conn[r as usize] = None;
-                }
+        }
+        c.tx.clear();
+        c.link.deregister(self.poll.registry());
+        if let Some(r) = c.rank {
+            if self.worker_conn[r as usize] == Some(t) {
+                self.worker_conn[r as usize] = None;
             }
         }
     }
@@ -372,61 +372,27 @@ impl ServerThread {
     fn on_readable(&mut self, t: usize) -> ConnResult {
         loop {
             let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
-            match conn.rx {
-                Rx::Header { got } => match read_nb(&mut conn.stream, &mut conn.hdr[got..]) {
-                    Ok(Io::Done(n)) if got + n == HEADER_LEN => {
-                        conn.rx = Rx::Header { got: 0 };
-                        let hdr = Header::decode(&conn.hdr, self.cfg.partition_bytes).map_err(|e| e.to_string())?;
-                        self.on_header(t, hdr)?;
+            let chunks = &mut self.chunks;
+            let scratch = &mut conn.scratch;
+            let frame = conn.link.read_frame(&mut conn.rx, self.cfg.partition_bytes, |d| {
+                if d.direct {
+                    match &mut chunks[d.chunk].buf {
+                        ChunkBuf::F32(b) => &mut bytes_mut(&mut b[d.parity])[..d.len],
+                        // Never chosen: only f32 chunks are received directly.
+                        ChunkBuf::Half { acc, .. } => &mut bytes_mut(acc)[..0],
                     }
-                    Ok(Io::Done(n)) => conn.rx = Rx::Header { got: got + n },
-                    Ok(Io::WouldBlock) => return Ok(()),
-                    Ok(Io::Closed) if got == 0 => {
-                        self.close(t, "");
-                        return Ok(());
-                    }
-                    Ok(Io::Closed) => return Err("connection closed in the middle of a frame header".into()),
-                    Err(e) => return Err(format!("read failed: {e}")),
-                },
-                Rx::Payload { hdr, chunk, direct, got } => {
-                    let len = hdr.payload_len as usize;
-                    let parity = (hdr.round & 1) as usize;
-                    let dst: &mut [u8] = if direct {
-                        match &mut self.chunks[chunk].buf {
-                            ChunkBuf::F32(b) => &mut bytes_mut(&mut b[parity])[got..len],
-                            ChunkBuf::Half { .. } => return Err("internal: direct receive of a half chunk".into()),
-                        }
-                    } else {
-                        &mut bytes_mut(&mut conn.scratch)[got..len]
-                    };
-                    match read_nb(&mut conn.stream, dst) {
-                        Ok(Io::Done(n)) if got + n == len => {
-                            conn.rx = Rx::Header { got: 0 };
-                            self.on_push_complete(t, hdr, chunk, direct)?;
-                        }
-                        Ok(Io::Done(n)) => conn.rx = Rx::Payload { hdr, chunk, direct, got: got + n },
-                        Ok(Io::WouldBlock) => return Ok(()),
-                        Ok(Io::Closed) => return Err("connection closed in the middle of a push payload".into()),
-                        Err(e) => return Err(format!("read failed: {e}")),
-                    }
+                } else {
+                    &mut bytes_mut(scratch)[..d.len]
                 }
-                Rx::Config { hdr, ref mut buf, got } => {
-                    let len = buf.len();
-                    match read_nb(&mut conn.stream, &mut buf[got..]) {
-                        Ok(Io::Done(n)) if got + n == len => {
-                            let cfg = OptConfig::decode(buf).map_err(|e| e.to_string())?;
-                            conn.rx = Rx::Header { got: 0 };
-                            self.opt_cfg.insert(hdr.key, cfg);
-                        }
-                        Ok(Io::Done(n)) => {
-                            if let Rx::Config { got, .. } = &mut conn.rx {
-                                *got += n;
-                            }
-                        }
-                        Ok(Io::WouldBlock) => return Ok(()),
-                        Ok(Io::Closed) => return Err("connection closed in the middle of a frame".into()),
-                        Err(e) => return Err(format!("read failed: {e}")),
-                    }
+            })?;
+            match frame {
+                None => return Ok(()),
+                Some(Frame::Header(hdr)) => self.on_header(t, hdr)?,
+                Some(Frame::Payload(hdr, d)) => self.on_push_complete(t, hdr, d.chunk, d.direct)?,
+                Some(Frame::Message(hdr, buf)) => {
+                    // Only OptConfig payloads are received whole (see on_header).
+                    let cfg = OptConfig::decode(&buf)?;
+                    self.opt_cfg.insert(hdr.key, cfg);
                 }
             }
         }
@@ -434,7 +400,7 @@ impl ServerThread {
 
     fn on_header(&mut self, t: usize, hdr: Header) -> ConnResult {
         if hdr.namespace != self.cfg.namespace {
-            return Err(ProtocolError::WrongNamespace { got: hdr.namespace, want: self.cfg.namespace }.to_string());
+            return Err(ProtocolError::WrongNamespace { got: hdr.namespace, want: self.cfg.namespace }.into());
         }
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         match hdr.msg_type {
@@ -444,10 +410,10 @@ impl ServerThread {
                     return Err("second DataHello on one connection".into());
                 }
                 if r >= self.cfg.num_workers {
-                    return Err(format!("worker rank {r} out of range (job has {} workers)", self.cfg.num_workers));
+                    return Err(ConnError::Invalid(format!("worker rank {r} out of range (job has {} workers)", self.cfg.num_workers)));
                 }
                 if self.worker_conn[r as usize].is_some() {
-                    return Err(format!("worker rank {r} is already connected"));
+                    return Err(ConnError::Invalid(format!("worker rank {r} is already connected")));
                 }
                 conn.rank = Some(r);
                 self.worker_conn[r as usize] = Some(t);
@@ -464,38 +430,38 @@ impl ServerThread {
                 let ch = &self.chunks[idx];
                 let name = self.names.get(&hdr.key).map(String::as_str).unwrap_or("?");
                 if hdr.dtype != ch.dtype {
-                    return Err(format!(
+                    return Err(ConnError::Invalid(format!(
                         "tensor '{name}' chunk {}: dtype {} but it was declared {}",
                         hdr.chunk,
                         hdr.dtype.name(),
                         ch.dtype.name()
-                    ));
+                    )));
                 }
                 let want = ch.elems * ch.dtype.size();
                 if hdr.payload_len as usize != want {
-                    return Err(format!(
+                    return Err(ConnError::Invalid(format!(
                         "tensor '{name}' chunk {}: payload of {} bytes, expected {want}",
                         hdr.chunk, hdr.payload_len
-                    ));
+                    )));
                 }
                 if hdr.round != ch.round {
-                    return Err(format!(
+                    return Err(ConnError::Invalid(format!(
                         "tensor '{name}' chunk {}: push for round {} but the chunk is at round {}",
                         hdr.chunk, hdr.round, ch.round
-                    ));
+                    )));
                 }
                 if ch.pushed[rank as usize] {
-                    return Err(format!("tensor '{name}' chunk {}: worker {rank} pushed twice in round {}", hdr.chunk, ch.round));
+                    return Err(ConnError::Invalid(format!("tensor '{name}' chunk {}: worker {rank} pushed twice in round {}", hdr.chunk, ch.round)));
                 }
                 if ch.count > 0 && hdr.flags != ch.flags {
-                    return Err(format!(
+                    return Err(ConnError::Invalid(format!(
                         "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
                         ch.round
-                    ));
+                    )));
                 }
                 let init = hdr.flags & FLAG_INIT != 0;
                 if init && ch.dtype != DType::F32 {
-                    return Err(format!("tensor '{name}': parameter initialization needs float32"));
+                    return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
                 }
                 // Init rounds keep only worker 0's push, so nothing goes straight in.
                 let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress && !init;
@@ -510,23 +476,23 @@ impl ServerThread {
                 if want == 0 {
                     return self.on_push_complete(t, hdr, idx, direct);
                 }
-                conn.rx = Rx::Payload { hdr, chunk: idx, direct, got: 0 };
+                conn.rx.receive_into(hdr, Dest { chunk: idx, direct, parity: (hdr.round & 1) as usize, len: want });
                 Ok(())
             }
             MsgType::OptConfig => {
                 conn.rank.ok_or("OptConfig before DataHello")?;
                 match self.keys_here.get(&hdr.key) {
-                    None => return Err(format!("OptConfig for key {} which has no chunk on this thread", hdr.key)),
+                    None => return Err(ConnError::Invalid(format!("OptConfig for key {} which has no chunk on this thread", hdr.key))),
                     Some(DType::F32) => {}
-                    Some(d) => return Err(format!("a server-side optimizer needs float32 tensors, key {} is {}", hdr.key, d.name())),
+                    Some(d) => return Err(ConnError::Invalid(format!("a server-side optimizer needs float32 tensors, key {} is {}", hdr.key, d.name()))),
                 }
                 if hdr.payload_len as usize != crate::protocol::optim::OPT_CONFIG_LEN {
-                    return Err(format!("OptConfig payload of {} bytes", hdr.payload_len));
+                    return Err(ConnError::Invalid(format!("OptConfig payload of {} bytes", hdr.payload_len)));
                 }
-                conn.rx = Rx::Config { hdr, buf: vec![0; hdr.payload_len as usize], got: 0 };
+                conn.rx.receive_owned(hdr);
                 Ok(())
             }
-            other => Err(format!("unexpected {other:?} frame on a data connection")),
+            other => Err(format!("unexpected {other:?} frame on a data connection").into()),
         }
     }
 
@@ -541,27 +507,27 @@ impl ServerThread {
         match &mut ch.buf {
             ChunkBuf::F32(b) if init => {
                 if rank == 0 {
-                    b[parity].copy_from_slice(bytemuck_f32(&conn.scratch[..n]));
+                    b[parity].copy_from_slice(&cast(&conn.scratch)[..n]);
                 }
             }
             ChunkBuf::F32(b) => {
                 if direct {
                     ch.direct_in_progress = false;
                     for d in ch.deferred.drain(..) {
-                        kernels::add_f32(&mut b[parity], bytemuck_f32(&d[..n]));
+                        kernels::add_f32(&mut b[parity], &cast(&d)[..n]);
                         self.pool.push(d);
                     }
                 } else if ch.direct_in_progress {
                     // The accumulator is still being filled from the network.
                     ch.deferred.push(std::mem::take(&mut conn.scratch));
                 } else if first {
-                    b[parity].copy_from_slice(bytemuck_f32(&conn.scratch[..n]));
+                    b[parity].copy_from_slice(&cast(&conn.scratch)[..n]);
                 } else {
-                    kernels::add_f32(&mut b[parity], bytemuck_f32(&conn.scratch[..n]));
+                    kernels::add_f32(&mut b[parity], &cast(&conn.scratch)[..n]);
                 }
             }
             ChunkBuf::Half { acc, .. } => {
-                let src: &[u16] = &bytemuck_u16(&conn.scratch)[..n];
+                let src: &[u16] = &cast(&conn.scratch)[..n];
                 match (ch.dtype, first) {
                     (DType::F16, true) => kernels::widen_f16(acc, src),
                     (DType::F16, false) => kernels::add_f16(acc, src),
@@ -623,10 +589,11 @@ impl ServerThread {
         }
         let (round, priority) = (ch.round, ch.priority);
         if ch.stall_reported {
-            let name = self.names.get(&ch.key).cloned().unwrap_or_default();
-            eprintln!(
-                "[gradhub server {}/t{}] stall resolved: tensor '{name}' chunk {} round {round} complete",
-                self.cfg.server, self.cfg.thread, ch.chunk
+            let name = self.names.get(&ch.key).map(String::as_str).unwrap_or("?");
+            log::info!(
+                target: &format!("server {}/t{}", self.cfg.server, self.cfg.thread),
+                "stall resolved: tensor '{name}' chunk {} round {round} complete",
+                ch.chunk
             );
         }
         ch.round = ch.round.wrapping_add(1);
@@ -638,73 +605,46 @@ impl ServerThread {
             let Some(t) = self.worker_conn[r] else { continue };
             self.seq += 1;
             if let Some(c) = self.conns.get_mut(&t) {
-                c.tx.push(TxItem { priority, seq: self.seq, chunk: idx, round });
+                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round });
             }
             if let Err(why) = self.flush(t) {
-                self.close(t, &why);
+                self.close(t, &why.to_string());
             }
         }
     }
 
+    /// Write acks, then notices, then results in priority order, until done
+    /// or the socket is full.
     fn flush(&mut self, t: usize) -> ConnResult {
-        let blocked = self.flush_inner(t)?;
         let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
-        if blocked != conn.watching_writable {
-            let interest = if blocked { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
-            self.poll
-                .registry()
-                .reregister(&mut conn.stream, Token(t), interest)
-                .map_err(|e| format!("poll registration failed: {e}"))?;
-            conn.watching_writable = blocked;
-        }
+        let chunks = &self.chunks;
+        let ns = self.cfg.namespace;
+        let (acks, notices, results) = (&mut conn.acks, &mut conn.notices, &mut conn.results);
+        let next = || {
+            if !acks.is_empty() {
+                return Some(Outgoing::encoded(Carry::Encoded, std::mem::take(acks)));
+            }
+            if let Some(n) = notices.pop_front() {
+                return Some(Outgoing::encoded(Carry::Encoded, n));
+            }
+            let item = results.pop()?;
+            let ch = &chunks[item.chunk];
+            let mut h = Header::new(MsgType::Result);
+            h.namespace = ns;
+            h.key = ch.key;
+            h.chunk = ch.chunk;
+            h.round = item.round;
+            h.dtype = ch.dtype;
+            h.priority = item.priority;
+            h.payload_len = (ch.elems * ch.dtype.size()) as u32;
+            Some(Outgoing::frame(Carry::Result { chunk: item.chunk, parity: (item.round & 1) as usize }, &h))
+        };
+        let payload = |c: &Carry| match *c {
+            Carry::Result { chunk, parity } => chunks[chunk].result_bytes(parity),
+            Carry::Encoded => &[],
+        };
+        conn.link.pump(self.poll.registry(), &mut conn.tx, next, payload)?;
         Ok(())
-    }
-
-    /// Write queued frames until done or the socket is full (returns true then).
-    fn flush_inner(&mut self, t: usize) -> Result<bool, String> {
-        let Some(conn) = self.conns.get_mut(&t) else { return Ok(false) };
-        loop {
-            if conn.cur.is_none() {
-                if !conn.acks.is_empty() {
-                    conn.cur = Some(Cur::Notice(std::mem::take(&mut conn.acks), 0));
-                } else if let Some(n) = conn.notices.pop_front() {
-                    conn.cur = Some(Cur::Notice(n, 0));
-                } else {
-                    let Some(item) = conn.tx.pop() else { return Ok(false) };
-                    let ch = &self.chunks[item.chunk];
-                    let mut h = Header::new(MsgType::Result);
-                    h.namespace = self.cfg.namespace;
-                    h.key = ch.key;
-                    h.chunk = ch.chunk;
-                    h.round = item.round;
-                    h.dtype = ch.dtype;
-                    h.priority = item.priority;
-                    h.payload_len = (ch.elems * ch.dtype.size()) as u32;
-                    conn.cur = Some(Cur::Result(item, h.encode(), 0));
-                }
-            }
-            let (res, sent, total) = match conn.cur.as_mut() {
-                Some(Cur::Result(item, hdr, sent)) => {
-                    let payload = self.chunks[item.chunk].result_bytes((item.round & 1) as usize);
-                    (write_frame_nb(&mut conn.stream, hdr, payload, *sent), sent, HEADER_LEN + payload.len())
-                }
-                Some(Cur::Notice(frame, sent)) => {
-                    (write_frame_nb(&mut conn.stream, frame, &[], *sent), sent, frame.len())
-                }
-                None => return Ok(false),
-            };
-            match res {
-                Ok(Io::Done(n)) => {
-                    *sent += n;
-                    if *sent == total {
-                        conn.cur = None;
-                    }
-                }
-                Ok(_) => return Ok(true),
-                Err(e) => return Err(format!("write failed: {e}")),
-            }
-        }
     }
 
     /// Report rounds that have waited too long: which ranks did not push.
@@ -730,11 +670,12 @@ impl ServerThread {
         for ((key, round), (idxs, mut missing, waited)) in by_key {
             missing.sort_unstable();
             let name = self.names.get(&key).cloned().unwrap_or_default();
-            self.log(&format!(
+            log::warn!(
+                target: &self.who(),
                 "stall: tensor '{name}' (key {key}) round {round} has waited {:.1}s for worker rank(s) {missing:?} ({} chunk(s) on this thread)",
                 waited.as_secs_f64(),
                 idxs.len()
-            ));
+            );
             let first = &self.chunks[idxs[0]];
             let payload = encode_stall(self.cfg.server, self.cfg.thread, waited.as_millis() as u64, &missing);
             let mut h = Header::new(MsgType::Stall);
@@ -752,19 +693,9 @@ impl ServerThread {
                     c.notices.push_back(frame.clone());
                 }
                 if let Err(why) = self.flush(t) {
-                    self.close(t, &why);
+                    self.close(t, &why.to_string());
                 }
             }
         }
     }
-}
-
-fn bytemuck_f32(s: &[u32]) -> &[f32] {
-    // SAFETY: u32 and f32 have the same size and alignment; any bits are a valid f32.
-    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
-}
-
-fn bytemuck_u16(s: &[u32]) -> &[u16] {
-    // SAFETY: u16 has smaller alignment than u32; the view covers the same bytes.
-    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u16, s.len() * 2) }
 }

@@ -1,0 +1,197 @@
+//! Declarations: collect each worker's tensor declarations, check they
+//! agree, place each complete tensor once (so placement is identical on
+//! every worker), install it on every server and only then answer the
+//! workers; report tensors some workers never declare.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::state::{Member, Shared, State};
+use crate::placement::chunk_elems;
+use crate::protocol::{Control, DType, Role, TensorSpec};
+
+pub(super) struct Decl {
+    numel: u64,
+    dtype: DType,
+    first_rank: u32,
+    declared_by: Vec<bool>,
+    conflict: Option<String>,
+    spec: Option<TensorSpec>,
+    installed: bool,
+    since: Instant,
+    stall_reported: bool,
+}
+
+pub(super) struct PendingReq {
+    rank: u32,
+    req: u32,
+    names: Vec<String>,
+}
+
+/// Record a worker's declarations. Returns a batch of newly complete specs
+/// that must be installed on the servers before anyone is answered.
+pub(super) fn declare(
+    shared: &Shared,
+    st: &mut State,
+    rank: u32,
+    req: u32,
+    entries: Vec<crate::protocol::DeclEntry>,
+) -> Option<(u32, Vec<TensorSpec>)> {
+    let n = shared.cfg.num_workers as usize;
+    let mut names = Vec::with_capacity(entries.len());
+    let mut newly_complete = Vec::new();
+    for e in &entries {
+        let ce = chunk_elems(shared.cfg.partition_bytes, e.dtype.size());
+        let bytes = e.numel.checked_mul(e.dtype.size() as u64);
+        // The reply lists one u32 slot per chunk; keep it well under the control-message limit.
+        if bytes.is_none_or(|b| b > crate::protocol::control::MAX_TENSOR_BYTES)
+            || e.numel.div_ceil(ce) > (crate::protocol::MAX_CONTROL_PAYLOAD / 16) as u64
+        {
+            let message = format!(
+                "tensor '{}' with {} elements of {} is too large for partitions of {} bytes",
+                e.name,
+                e.numel,
+                e.dtype.name(),
+                shared.cfg.partition_bytes
+            );
+            if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
+                m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
+            }
+            return None;
+        }
+    }
+    for e in entries {
+        let d = st.decls.entry(e.name.clone()).or_insert_with(|| Decl {
+            numel: e.numel,
+            dtype: e.dtype,
+            first_rank: rank,
+            declared_by: vec![false; n],
+            conflict: None,
+            spec: None,
+            installed: false,
+            since: Instant::now(),
+            stall_reported: false,
+        });
+        if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype) {
+            d.conflict = Some(format!(
+                "tensor '{}' declared inconsistently: worker {} has {} elements of {}, worker {} has {} elements of {}",
+                e.name,
+                d.first_rank,
+                d.numel,
+                d.dtype.name(),
+                rank,
+                e.numel,
+                e.dtype.name()
+            ));
+        }
+        d.declared_by[rank as usize] = true;
+        if d.conflict.is_none() && d.spec.is_none() && d.declared_by.iter().all(|&b| b) {
+            newly_complete.push(e.name.clone());
+        }
+        names.push(e.name);
+    }
+    st.pending.push(PendingReq { rank, req, names });
+    let mut specs = Vec::new();
+    for name in newly_complete {
+        let key = st.next_key;
+        st.next_key += 1;
+        let Some(d) = st.decls.get(&name) else { continue };
+        let (numel, dtype) = (d.numel, d.dtype);
+        let ce = chunk_elems(shared.cfg.partition_bytes, dtype.size());
+        let nchunks = numel.div_ceil(ce);
+        let sizes = (0..nchunks).map(|c| (ce.min(numel - c * ce)) * dtype.size() as u64);
+        let slots = match st.placer.as_mut() {
+            Some(p) => p.place(sizes),
+            None => continue,
+        };
+        let spec = TensorSpec { key, name: name.clone(), numel, dtype, chunk_elems: ce, slots };
+        if let Some(d) = st.decls.get_mut(&name) {
+            d.spec = Some(spec.clone());
+        }
+        specs.push(spec);
+    }
+    answer_ready(shared, st);
+    if specs.is_empty() {
+        return None;
+    }
+    let batch = st.next_batch;
+    st.next_batch += 1;
+    Some((batch, specs))
+}
+
+/// A tensor some workers declared long ago and others never did: log who is
+/// missing and tell the workers waiting on it (their timeouts will name them).
+pub(super) fn report_declaration_stalls(shared: &Shared) {
+    let stall = Duration::from_millis(shared.cfg.stall_ms as u64);
+    let mut st = shared.lock();
+    let mut reports = Vec::new();
+    for (name, d) in st.decls.iter_mut() {
+        if d.spec.is_some() || d.conflict.is_some() || d.stall_reported || d.since.elapsed() < stall {
+            continue;
+        }
+        d.stall_reported = true;
+        let missing: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| !d.declared_by[r as usize]).collect();
+        let waiting: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| d.declared_by[r as usize]).collect();
+        reports.push((name.clone(), missing, waiting, d.since.elapsed()));
+    }
+    for (name, missing, waiting, waited) in reports {
+        log::warn!(target: "scheduler", 
+            "stall: tensor '{name}' has waited {:.1}s for worker rank(s) {missing:?} to declare it (push_pull it)",
+            waited.as_secs_f64()
+        );
+        let msg = Control::DeclareStall { name, missing, waited_ms: waited.as_millis() as u64 };
+        for m in st.members.iter().filter(|m| m.role == Role::Worker && waiting.contains(&m.rank)) {
+            m.send(&msg, shared.cfg.namespace);
+        }
+    }
+    drop(st);
+}
+
+/// Send the specs to every server, wait for all acks, then answer workers.
+pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
+    let ns = shared.cfg.namespace;
+    let servers: Vec<Arc<Member>> =
+        shared.lock().members.iter().filter(|m| m.role == Role::Server).cloned().collect();
+    let msg = Control::ServerDeclare { batch, specs: specs.clone() };
+    for s in &servers {
+        s.send(&msg, ns);
+    }
+    let mut st = shared.lock();
+    while st.acks.get(&batch).copied().unwrap_or(0) < shared.cfg.num_servers && st.failed.is_none() {
+        st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+    }
+    st.acks.remove(&batch);
+    for s in &specs {
+        if let Some(d) = st.decls.get_mut(&s.name) {
+            d.installed = true;
+        }
+    }
+    answer_ready(shared, &mut st);
+}
+
+/// Answer every pending declaration whose tensors are all installed, or that
+/// contains a conflicting tensor.
+fn answer_ready(shared: &Shared, st: &mut State) {
+    let ns = shared.cfg.namespace;
+    let mut i = 0;
+    while i < st.pending.len() {
+        let p = &st.pending[i];
+        let conflict = p.names.iter().find_map(|n| st.decls.get(n).and_then(|d| d.conflict.clone()));
+        let ready = p.names.iter().all(|n| st.decls.get(n).is_some_and(|d| d.installed));
+        if conflict.is_none() && !ready {
+            i += 1;
+            continue;
+        }
+        let p = st.pending.swap_remove(i);
+        let reply = match conflict {
+            Some(message) => Control::DeclareError { req: p.req, message },
+            None => Control::Declared {
+                req: p.req,
+                specs: p.names.iter().filter_map(|n| st.decls.get(n).and_then(|d| d.spec.clone())).collect(),
+            },
+        };
+        if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == p.rank) {
+            m.send(&reply, ns);
+        }
+    }
+}

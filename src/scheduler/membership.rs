@@ -1,0 +1,218 @@
+//! Membership: registration checks, rank assignment, the Welcome with the
+//! cluster map, barriers, goodbyes and liveness (a member that disconnects
+//! or stops heartbeating fails the job, and everyone is told who and why).
+
+use std::collections::HashMap;
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+
+use super::state::{Member, Shared, State};
+use super::SchedulerConfig;
+use crate::placement::Placer;
+use crate::protocol::{Control, ReadError, Register, Role, ServerInfo, Welcome};
+
+pub(super) struct Registration {
+    pub reg: Register,
+    pub peer: SocketAddr,
+    pub stream: TcpStream,
+}
+
+pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Result<(), String> {
+    if reg.num_workers != 0 && reg.num_workers != cfg.num_workers {
+        return Err(format!(
+            "{} was started for {} workers but the scheduler expects {}",
+            reg.role.name(),
+            reg.num_workers,
+            cfg.num_workers
+        ));
+    }
+    if reg.num_servers != 0 && reg.num_servers != cfg.num_servers {
+        return Err(format!(
+            "{} was started for {} servers but the scheduler expects {}",
+            reg.role.name(),
+            reg.num_servers,
+            cfg.num_servers
+        ));
+    }
+    let limit = match reg.role {
+        Role::Worker => cfg.num_workers,
+        Role::Server => cfg.num_servers,
+    };
+    if reg.requested_rank >= limit as i32 {
+        return Err(format!("requested {} rank {} but the job has {limit}", reg.role.name(), reg.requested_rank));
+    }
+    if reg.role == Role::Server && (reg.ports.is_empty() || reg.addr.is_empty()) {
+        return Err("server registered without an address or ports".into());
+    }
+    Ok(())
+}
+
+/// Register a member and block until everyone has joined; returns this member.
+///
+/// The thread that completes the registration creates every member and sends
+/// every Welcome while holding the state lock, so each member is known (and
+/// welcomed) before anyone can send it anything else — a server must not miss
+/// a tensor installation because its own thread had not run yet.
+pub(super) fn join(
+    shared: &Shared,
+    reg: Register,
+    peer: SocketAddr,
+    stream: Option<TcpStream>,
+    writer: TcpStream,
+) -> Result<Arc<Member>, String> {
+    let cfg = &shared.cfg;
+    let mut st = shared.lock();
+    if st.assigned.is_some() {
+        return Err("the job already has all its members".into());
+    }
+    let Some(stream) = stream else { return Err("cannot clone socket".into()) };
+    drop(writer);
+    let slot = st.joining.len();
+    st.joining.push(Some(Registration { reg, peer, stream }));
+    let total = (cfg.num_workers + cfg.num_servers) as usize;
+    if st.joining.len() == total {
+        match assign_ranks(cfg, &st.joining) {
+            Ok(a) => welcome_all(shared, &mut st, a),
+            Err(msg) => {
+                shared.fail(&mut st, None, msg.clone());
+                shared.reject_joining(&mut st, &msg);
+            }
+        }
+        shared.cv.notify_all();
+    }
+    while st.assigned.is_none() && st.failed.is_none() {
+        st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+    }
+    if let Some(f) = &st.failed {
+        return Err(f.clone());
+    }
+    st.slot_members.get(slot).cloned().flatten().ok_or_else(|| "internal: no member for this slot".into())
+}
+
+/// Create every member, send each its Welcome (state lock held).
+fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
+    let cfg = &shared.cfg;
+    let regs: Vec<Registration> = st.joining.drain(..).flatten().collect();
+    let mut servers: Vec<ServerInfo> = assigned
+        .iter()
+        .zip(regs.iter())
+        .filter(|((r, _), _)| *r == Role::Server)
+        .map(|((_, rank), g)| ServerInfo {
+            rank: *rank,
+            addr: g.reg.addr.clone(),
+            ports: g.reg.ports.clone(),
+            colocated: g.reg.colocated,
+        })
+        .collect();
+    servers.sort_by_key(|s| s.rank);
+    let mut hosts = vec![String::new(); cfg.num_workers as usize];
+    for ((r, rank), g) in assigned.iter().zip(regs.iter()) {
+        if *r == Role::Worker {
+            hosts[*rank as usize] = g.reg.hostname.clone();
+        }
+    }
+    st.placer = Some(Placer::new(&servers, cfg.num_workers as usize));
+    for ((role, rank), g) in assigned.iter().zip(regs) {
+        let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });
+        let welcome = Control::Welcome(Welcome {
+            rank: *rank,
+            num_workers: cfg.num_workers,
+            partition_bytes: cfg.partition_bytes,
+            heartbeat_ms: cfg.heartbeat_ms,
+            stall_ms: cfg.stall_ms,
+            peer_timeout_ms: cfg.peer_timeout_ms,
+            servers: servers.clone(),
+            worker_hosts: hosts.clone(),
+        });
+        if !member.send(&welcome, cfg.namespace) {
+            log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
+        }
+        st.members.push(member.clone());
+        st.slot_members.push(Some(member));
+    }
+    st.assigned = Some(assigned);
+    log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
+}
+
+/// Requested ranks are honoured (and must be unique); the rest are filled in join order.
+fn assign_ranks(cfg: &SchedulerConfig, joining: &[Option<Registration>]) -> Result<Vec<(Role, u32)>, String> {
+    let mut out = Vec::with_capacity(joining.len());
+    let mut taken: HashMap<(u8, u32), SocketAddr> = HashMap::new();
+    let role_id = |r: Role| if r == Role::Worker { 0u8 } else { 1u8 };
+    let (mut nw, mut ns) = (0u32, 0u32);
+    for j in joining.iter().flatten() {
+        match j.reg.role {
+            Role::Worker => nw += 1,
+            Role::Server => ns += 1,
+        }
+        if j.reg.requested_rank >= 0 {
+            let key = (role_id(j.reg.role), j.reg.requested_rank as u32);
+            if let Some(prev) = taken.insert(key, j.peer) {
+                return Err(format!(
+                    "two {}s ({prev} and {}) both asked for rank {}",
+                    j.reg.role.name(),
+                    j.peer,
+                    j.reg.requested_rank
+                ));
+            }
+        }
+    }
+    if nw != cfg.num_workers || ns != cfg.num_servers {
+        return Err(format!(
+            "expected {} workers and {} servers, got {nw} workers and {ns} servers",
+            cfg.num_workers, cfg.num_servers
+        ));
+    }
+    for j in joining.iter().flatten() {
+        let rid = role_id(j.reg.role);
+        let rank = if j.reg.requested_rank >= 0 {
+            j.reg.requested_rank as u32
+        } else {
+            let mut r = 0;
+            while taken.contains_key(&(rid, r)) {
+                r += 1;
+            }
+            taken.insert((rid, r), j.peer);
+            r
+        };
+        out.push((j.reg.role, rank));
+    }
+    Ok(out)
+}
+
+/// A worker entered barrier `id`; the last one releases everyone.
+pub(super) fn enter_barrier(shared: &Shared, st: &mut State, rank: u32, id: u32) {
+    let set = st.barriers.entry(id).or_default();
+    set.insert(rank);
+    if set.len() == shared.cfg.num_workers as usize {
+        st.barriers.remove(&id);
+        for m in st.members.iter().filter(|m| m.role == Role::Worker) {
+            m.send(&Control::BarrierDone { id }, shared.cfg.namespace);
+        }
+    }
+}
+
+/// A worker finished; when every worker has, the servers are told to exit.
+pub(super) fn say_goodbye(shared: &Shared, st: &mut State, rank: u32) {
+    st.said_goodbye.insert(rank);
+    let done = st.finished || st.failed.is_some();
+    if st.said_goodbye.len() == shared.cfg.num_workers as usize && !done {
+        st.finished = true;
+        for m in st.members.iter().filter(|m| m.role == Role::Server) {
+            m.send(&Control::Shutdown, shared.cfg.namespace);
+        }
+        shared.cv.notify_all();
+    }
+}
+
+/// Why a member's control connection failed, in words for everyone else.
+pub(super) fn lost_reason(cfg: &SchedulerConfig, me: &Member, e: &ReadError) -> String {
+    match e {
+        ReadError::Io(io) if io.kind() == ErrorKind::WouldBlock || io.kind() == ErrorKind::TimedOut => {
+            format!("{} sent nothing for {} ms (no heartbeat)", me.describe(), cfg.peer_timeout_ms)
+        }
+        ReadError::Io(io) if io.kind() == ErrorKind::UnexpectedEof => format!("{} disconnected", me.describe()),
+        _ => format!("{} connection failed: {e}", me.describe()),
+    }
+}

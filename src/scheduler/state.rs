@@ -1,0 +1,97 @@
+//! The scheduler's shared state, in one place: who is in the job
+//! (membership) and what tensors it has (declarations), behind one mutex
+//! with a condition variable for the threads waiting on either.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use super::declarations::{Decl, PendingReq};
+use super::membership::Registration;
+use super::SchedulerConfig;
+use crate::placement::Placer;
+use crate::protocol::{write_control, Control, Role};
+
+pub(super) struct Member {
+    pub role: Role,
+    pub rank: u32,
+    pub peer: SocketAddr,
+    pub writer: Mutex<TcpStream>,
+}
+
+impl Member {
+    pub fn send(&self, msg: &Control, ns: u32) -> bool {
+        match self.writer.lock() {
+            Ok(mut w) => write_control(&mut *w, msg, ns).is_ok(),
+            Err(_) => false,
+        }
+    }
+    pub fn describe(&self) -> String {
+        format!("{} {} ({})", self.role.name(), self.rank, self.peer)
+    }
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    // Membership.
+    pub joining: Vec<Option<Registration>>,
+    /// Set once everyone registered: (role, rank) of each joining slot.
+    pub assigned: Option<Vec<(Role, u32)>>,
+    pub members: Vec<Arc<Member>>,
+    /// The member created for each registration slot, in join order.
+    pub slot_members: Vec<Option<Arc<Member>>>,
+    pub barriers: HashMap<u32, HashSet<u32>>,
+    pub said_goodbye: HashSet<u32>,
+    // Declarations.
+    pub placer: Option<Placer>,
+    pub decls: HashMap<String, Decl>,
+    pub next_key: u32,
+    pub next_batch: u32,
+    pub acks: HashMap<u32, u32>,
+    pub pending: Vec<PendingReq>,
+    // The job.
+    pub finished: bool,
+    pub failed: Option<String>,
+}
+
+pub(super) struct Shared {
+    pub cfg: SchedulerConfig,
+    pub state: Mutex<State>,
+    pub cv: Condvar,
+}
+
+impl Shared {
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking member thread must not take the whole scheduler down.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Mark the job failed and tell every other member who is gone and why.
+    pub fn fail(&self, st: &mut State, who: Option<&Member>, reason: String) {
+        if st.finished || st.failed.is_some() {
+            return;
+        }
+        log::error!(target: "scheduler", "job failed: {reason}");
+        st.failed = Some(reason.clone());
+        let members = st.members.clone();
+        for m in members {
+            if let Some(w) = who {
+                if m.role == w.role && m.rank == w.rank {
+                    continue;
+                }
+                m.send(&Control::PeerLost { role: w.role, rank: w.rank, reason: reason.clone() }, self.cfg.namespace);
+            } else {
+                m.send(&Control::Error { message: reason.clone() }, self.cfg.namespace);
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    /// Tell the members not welcomed yet (reachable only through their
+    /// registration streams) why the job failed.
+    pub fn reject_joining(&self, st: &mut State, message: &str) {
+        for r in st.joining.iter_mut().flatten() {
+            let _ = write_control(&mut r.stream, &Control::Error { message: message.to_string() }, self.cfg.namespace);
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! A member's session with the job's scheduler, the same for workers and
+//! servers: connect (retrying while the scheduler starts), Register, Welcome,
+//! heartbeats from a thread of their own (so slow work never looks like
+//! death), and reading the scheduler's messages under the job's peer
+//! timeout, which the scheduler tells every member in Welcome: a scheduler
+//! silent for that long is reported as lost, whatever the member's role.
+
+use std::net::{IpAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
+
+use crate::protocol::{read_control, write_control, Control, MsgType, ReadError, Register, Welcome};
+use crate::transport::connect_retry;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("cannot reach the scheduler at {addr}: {source}")]
+    Connect { addr: String, source: std::io::Error },
+    #[error("rejected by the scheduler: {0}")]
+    Rejected(String),
+    #[error("no welcome from the scheduler: {0}")]
+    NoWelcome(String),
+    #[error("the scheduler sent nothing for {0:.0}s (no heartbeat)")]
+    Silent(f64),
+    #[error("lost the connection to the scheduler: {0}")]
+    Lost(ReadError),
+    #[error("cannot write to the scheduler: {0}")]
+    Send(std::io::Error),
+    #[error("session setup failed: {0}")]
+    Setup(std::io::Error),
+}
+
+/// Connected to the scheduler, not registered yet.
+pub struct Joining {
+    stream: TcpStream,
+    namespace: u32,
+}
+
+impl Joining {
+    pub fn connect(scheduler: &str, timeout: Duration, namespace: u32) -> Result<Joining, SessionError> {
+        let stream = connect_retry(scheduler, timeout)
+            .map_err(|source| SessionError::Connect { addr: scheduler.to_string(), source })?;
+        Ok(Joining { stream, namespace })
+    }
+
+    /// The local address of the connection: the interface that reaches the
+    /// scheduler, which a server advertises by default.
+    pub fn local_ip(&self) -> Result<IpAddr, SessionError> {
+        self.stream.local_addr().map(|a| a.ip()).map_err(SessionError::Setup)
+    }
+
+    /// Register and wait for the Welcome (every member of the job must have
+    /// registered by then); starts the heartbeats.
+    pub fn register(mut self, reg: Register) -> Result<Session, SessionError> {
+        let ns = self.namespace;
+        write_control(&mut self.stream, &Control::Register(reg), ns).map_err(SessionError::Send)?;
+        let welcome = match read_control(&mut self.stream, ns) {
+            Ok(Control::Welcome(w)) => w,
+            Ok(Control::Error { message }) => return Err(SessionError::Rejected(message)),
+            Ok(other) => return Err(SessionError::NoWelcome(format!("got {:?} instead", other.msg_type()))),
+            Err(e) => return Err(SessionError::NoWelcome(e.to_string())),
+        };
+        let peer_timeout = Duration::from_millis(welcome.peer_timeout_ms.max(1) as u64);
+        self.stream.set_read_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
+        let writer = self.stream.try_clone().map_err(SessionError::Setup)?;
+        let (stop_tx, stop_rx) = bounded::<()>(0);
+        let link = Arc::new(Link {
+            writer: Mutex::new(writer),
+            namespace: ns,
+            closing: AtomicBool::new(false),
+            stop: Mutex::new(Some(stop_tx)),
+        });
+        let period = Duration::from_millis(welcome.heartbeat_ms.max(10) as u64);
+        let hb = {
+            let link = link.clone();
+            std::thread::Builder::new()
+                .name("gradhub-heartbeat".into())
+                .spawn(move || loop {
+                    if link.send(&Control::Heartbeat).is_err() {
+                        return;
+                    }
+                    // Wakes at once when the session closes (the sender is dropped).
+                    match stop_rx.recv_timeout(period) {
+                        Err(RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                })
+                .map_err(SessionError::Setup)?
+        };
+        Ok(Session { welcome, link, reader: self.stream, peer_timeout, heartbeat: Some(hb) })
+    }
+}
+
+struct Link {
+    writer: Mutex<TcpStream>,
+    namespace: u32,
+    closing: AtomicBool,
+    /// Dropped to stop the heartbeat thread.
+    stop: Mutex<Option<Sender<()>>>,
+}
+
+impl Link {
+    fn send(&self, msg: &Control) -> Result<(), SessionError> {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        write_control(&mut *w, msg, self.namespace).map_err(SessionError::Send)
+    }
+}
+
+/// Sends to the scheduler from any thread.
+#[derive(Clone)]
+pub struct SessionSender(Arc<Link>);
+
+impl SessionSender {
+    pub fn send(&self, msg: &Control) -> Result<(), SessionError> {
+        self.0.send(msg)
+    }
+
+    /// Say goodbye (workers) and close: stops the heartbeats and makes a
+    /// pending `recv` return. Safe to call more than once.
+    pub fn close(&self, goodbye: bool) {
+        if self.0.closing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if goodbye {
+            let _ = self.0.send(&Control::Goodbye);
+        }
+        self.0.stop.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let w = self.0.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = w.shutdown(std::net::Shutdown::Both);
+    }
+
+    pub fn closing(&self) -> bool {
+        self.0.closing.load(Ordering::SeqCst)
+    }
+}
+
+/// A registered member's session; `recv` is for one thread (the member's
+/// control loop), `sender()` for everyone.
+pub struct Session {
+    pub welcome: Welcome,
+    link: Arc<Link>,
+    reader: TcpStream,
+    peer_timeout: Duration,
+    heartbeat: Option<JoinHandle<()>>,
+}
+
+impl Session {
+    pub fn sender(&self) -> SessionSender {
+        SessionSender(self.link.clone())
+    }
+
+    pub fn peer_timeout(&self) -> Duration {
+        self.peer_timeout
+    }
+
+    /// The scheduler's next message other than a heartbeat. A scheduler
+    /// silent for the peer timeout is an error, as is a closed connection.
+    pub fn recv(&mut self) -> Result<Control, SessionError> {
+        loop {
+            match read_control(&mut self.reader, self.link.namespace) {
+                Ok(Control::Heartbeat) => {}
+                Ok(msg) => return Ok(msg),
+                Err(ReadError::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+                {
+                    return Err(SessionError::Silent(self.peer_timeout.as_secs_f64()))
+                }
+                Err(e) => return Err(SessionError::Lost(e)),
+            }
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.sender().close(false);
+        if let Some(h) = self.heartbeat.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Name of a message type for "unexpected X" reports.
+pub fn unexpected(msg: &Control) -> String {
+    let t: MsgType = msg.msg_type();
+    format!("unexpected {t:?} from the scheduler")
+}

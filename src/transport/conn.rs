@@ -1,0 +1,311 @@
+//! The one framed, nonblocking connection of the data plane, used by the
+//! worker's I/O thread and by every server thread.
+//!
+//! - Reading: `FrameReader` is the per-connection state machine (header, then
+//!   payload). The payload goes where the caller says once it has seen the
+//!   header: straight into caller memory (a tensor chunk, an accumulator) or
+//!   into a buffer of the reader's own (small control payloads).
+//! - Writing: `FrameWriter` holds the frame being written (header and payload
+//!   in one vectored write, no staging copy) and applies the writability
+//!   rule: the socket is watched for writability only while a write would
+//!   block, because with the interest always on every ACK wakes the thread
+//!   for nothing.
+//!
+//! All methods take `&self`, so a connection can be shared between threads
+//! (the worker sends from callers' threads and receives on its I/O thread);
+//! the read and write states live wherever their owner keeps them.
+
+use std::io::{self, IoSlice, Read, Write};
+use std::os::fd::AsRawFd;
+
+use mio::net::TcpStream;
+use mio::unix::SourceFd;
+use mio::{Interest, Registry, Token};
+
+use crate::protocol::{Header, ProtocolError, HEADER_LEN};
+
+/// Outcome of one nonblocking read or write attempt.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Moved this many bytes (> 0, or 0 for an empty buffer).
+    Moved(usize),
+    /// Nothing to do now; wait for the next readiness event.
+    WouldBlock,
+    /// The peer closed the connection (reads only).
+    Closed,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    #[error("connection closed by the peer")]
+    Closed,
+    #[error("connection closed by the peer in the middle of a frame")]
+    ClosedMidFrame,
+    #[error("connection lost: {0}")]
+    Io(#[from] io::Error),
+    #[error("bad frame: {0}")]
+    Frame(#[from] ProtocolError),
+    /// A well-formed frame that breaks the protocol's rules here (wrong
+    /// round, unknown key, ...): the message says which.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl From<String> for ConnError {
+    fn from(s: String) -> ConnError {
+        ConnError::Invalid(s)
+    }
+}
+impl From<&str> for ConnError {
+    fn from(s: &str) -> ConnError {
+        ConnError::Invalid(s.to_string())
+    }
+}
+
+fn read_nb<R: Read>(mut r: R, buf: &mut [u8]) -> io::Result<Progress> {
+    loop {
+        return match r.read(buf) {
+            Ok(0) if !buf.is_empty() => Ok(Progress::Closed),
+            Ok(n) => Ok(Progress::Moved(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Progress::WouldBlock),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => Err(e),
+        };
+    }
+}
+
+fn write_nb<W: Write>(mut w: W, head: &[u8], payload: &[u8]) -> io::Result<Progress> {
+    let slices = [IoSlice::new(head), IoSlice::new(payload)];
+    loop {
+        return match w.write_vectored(&slices) {
+            Ok(0) => Err(io::Error::new(io::ErrorKind::WriteZero, "connection accepts no more data")),
+            Ok(n) => Ok(Progress::Moved(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Progress::WouldBlock),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => Err(e),
+        };
+    }
+}
+
+/// A complete piece of an incoming frame.
+#[derive(Debug)]
+pub enum Frame<T> {
+    /// A header. If it announces a payload, the caller calls `receive_into`
+    /// or `receive_owned` before reading on.
+    Header(Header),
+    /// A payload received whole into the caller's memory for `T`.
+    Payload(Header, T),
+    /// A payload received whole into a buffer of the reader's own.
+    Message(Header, Vec<u8>),
+}
+
+enum ReadState<T> {
+    Header { got: usize },
+    Into { hdr: Header, target: T, got: usize },
+    Owned { hdr: Header, buf: Vec<u8>, got: usize },
+}
+
+/// Read state of one connection; `T` names a caller-owned payload destination.
+pub struct FrameReader<T> {
+    head: [u8; HEADER_LEN],
+    state: ReadState<T>,
+}
+
+impl<T: Copy> Default for FrameReader<T> {
+    fn default() -> Self {
+        FrameReader { head: [0; HEADER_LEN], state: ReadState::Header { got: 0 } }
+    }
+}
+
+impl<T: Copy> FrameReader<T> {
+    /// The payload of `hdr` goes to the caller's memory for `target`.
+    pub fn receive_into(&mut self, hdr: Header, target: T) {
+        self.state = ReadState::Into { hdr, target, got: 0 };
+    }
+
+    /// The payload of `hdr` goes to a buffer of the reader's own (control
+    /// payloads, bounded by the header's length limit).
+    pub fn receive_owned(&mut self, hdr: Header) {
+        self.state = ReadState::Owned { hdr, buf: vec![0; hdr.payload_len as usize], got: 0 };
+    }
+
+    /// Forget any partial frame; returns the destination being filled, if any.
+    pub fn reset(&mut self) -> Option<T> {
+        let old = std::mem::replace(&mut self.state, ReadState::Header { got: 0 });
+        match old {
+            ReadState::Into { target, .. } => Some(target),
+            _ => None,
+        }
+    }
+}
+
+/// A frame to write: its header (or a pre-encoded run of frames) and an
+/// item from which the payload is looked up when it is written.
+pub struct Outgoing<I> {
+    pub item: I,
+    head: Vec<u8>,
+    sent: usize,
+}
+
+impl<I> Outgoing<I> {
+    /// A frame whose payload is the item's (see `Connection::pump`).
+    pub fn frame(item: I, hdr: &Header) -> Self {
+        Outgoing { item, head: hdr.encode().to_vec(), sent: 0 }
+    }
+    /// Frames encoded in full, header(s) and payload(s) (batched acks,
+    /// notices, control frames); the item's payload must be empty.
+    pub fn encoded(item: I, bytes: Vec<u8>) -> Self {
+        Outgoing { item, head: bytes, sent: 0 }
+    }
+}
+
+/// Write state of one connection.
+pub struct FrameWriter<I> {
+    cur: Option<Outgoing<I>>,
+    /// Registered for writability (only while a write would block).
+    watching_writable: bool,
+}
+
+impl<I> Default for FrameWriter<I> {
+    fn default() -> Self {
+        FrameWriter { cur: None, watching_writable: false }
+    }
+}
+
+impl<I> FrameWriter<I> {
+    /// No frame is half-written (a new frame may be written out of band).
+    pub fn idle(&self) -> bool {
+        self.cur.is_none()
+    }
+    /// Drop the frame being written (the connection is being torn down).
+    pub fn clear(&mut self) {
+        self.cur = None;
+    }
+}
+
+/// One data connection: a nonblocking socket registered with a poller under `token`.
+pub struct Connection {
+    stream: TcpStream,
+    token: Token,
+    /// Who is at the other end, for messages.
+    pub peer: String,
+}
+
+impl Connection {
+    /// Registers `stream` for readability under `token`.
+    pub fn new(registry: &Registry, mut stream: TcpStream, token: Token, peer: String) -> io::Result<Connection> {
+        registry.register(&mut stream, token, Interest::READABLE)?;
+        Ok(Connection { stream, token, peer })
+    }
+
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    pub fn deregister(&self, registry: &Registry) {
+        let _ = registry.deregister(&mut SourceFd(&self.stream.as_raw_fd()));
+    }
+
+    /// Read until one frame event is complete (`Ok(Some)`) or the socket has
+    /// nothing more for now (`Ok(None)`). `dst` gives the caller memory of a
+    /// `receive_into` target, exactly the payload's length; it is asked for
+    /// only while that payload is being received.
+    pub fn read_frame<'d, T: Copy>(
+        &self,
+        rx: &mut FrameReader<T>,
+        max_payload: u32,
+        dst: impl FnOnce(T) -> &'d mut [u8],
+    ) -> Result<Option<Frame<T>>, ConnError> {
+        let done = match &mut rx.state {
+            ReadState::Header { got } => {
+                let at_boundary = *got == 0;
+                self.fill(&mut rx.head, got, at_boundary)?
+            }
+            ReadState::Into { hdr, target, got } => {
+                let len = hdr.payload_len as usize;
+                let whole: &mut [u8] = if len == 0 { &mut [] } else { dst(*target) };
+                if whole.len() != len {
+                    return Err(ConnError::Io(io::Error::other(format!(
+                        "internal: a {}-byte destination for a {len}-byte payload",
+                        whole.len()
+                    ))));
+                }
+                self.fill(whole, got, false)?
+            }
+            ReadState::Owned { buf, got, .. } => self.fill(buf, got, false)?,
+        };
+        if !done {
+            return Ok(None);
+        }
+        let frame = match std::mem::replace(&mut rx.state, ReadState::Header { got: 0 }) {
+            ReadState::Header { .. } => Frame::Header(Header::decode(&rx.head, max_payload)?),
+            ReadState::Into { hdr, target, .. } => Frame::Payload(hdr, target),
+            ReadState::Owned { hdr, buf, .. } => Frame::Message(hdr, buf),
+        };
+        Ok(Some(frame))
+    }
+
+    /// Read into `buf[*got..]` until it is full (true) or the socket is
+    /// drained (false). A close with nothing of a frame read is `Closed`.
+    fn fill(&self, buf: &mut [u8], got: &mut usize, at_boundary: bool) -> Result<bool, ConnError> {
+        while *got < buf.len() {
+            match read_nb(&self.stream, &mut buf[*got..])? {
+                Progress::Moved(n) => *got += n,
+                Progress::WouldBlock => return Ok(false),
+                Progress::Closed if at_boundary && *got == 0 => return Err(ConnError::Closed),
+                Progress::Closed => return Err(ConnError::ClosedMidFrame),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Write frames until `next` has none left or the socket is full, then
+    /// watch for writability exactly in the latter case. `payload` gives the
+    /// payload bytes of an item (empty for `Outgoing::encoded` frames).
+    pub fn pump<'p, I>(
+        &self,
+        registry: &Registry,
+        tx: &mut FrameWriter<I>,
+        mut next: impl FnMut() -> Option<Outgoing<I>>,
+        payload: impl Fn(&I) -> &'p [u8],
+    ) -> Result<(), ConnError> {
+        let blocked = loop {
+            if tx.cur.is_none() {
+                match next() {
+                    Some(o) => tx.cur = Some(o),
+                    None => break false,
+                }
+            }
+            let Some(cur) = tx.cur.as_mut() else { break false };
+            let body = payload(&cur.item);
+            let total = cur.head.len() + body.len();
+            let (head, body) = if cur.sent < cur.head.len() {
+                (&cur.head[cur.sent..], body)
+            } else {
+                (&[][..], &body[cur.sent - cur.head.len()..])
+            };
+            match write_nb(&self.stream, head, body)? {
+                Progress::Moved(n) => {
+                    cur.sent += n;
+                    if cur.sent == total {
+                        tx.cur = None;
+                    }
+                }
+                _ => break true,
+            }
+        };
+        if blocked != tx.watching_writable {
+            let interest = if blocked { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
+            // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
+            registry.reregister(&mut SourceFd(&self.stream.as_raw_fd()), self.token, interest)?;
+            tx.watching_writable = blocked;
+        }
+        Ok(())
+    }
+
+    /// Best effort, nonblocking: e.g. an Error frame before closing, written
+    /// only when no frame is half-written (a full socket drops it).
+    pub fn write_last_words(&self, bytes: &[u8]) {
+        let _ = (&self.stream).write_all(bytes);
+    }
+}

@@ -1,0 +1,93 @@
+//! Everything between a role and its sockets: the one framed, nonblocking
+//! data connection both the worker and the server use (`conn`), connecting
+//! with retry, and byte views of numeric buffers.
+
+mod conn;
+
+pub use conn::{Connection, ConnError, Frame, FrameReader, FrameWriter, Outgoing, Progress};
+
+use std::io;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+/// Resolve `host:port`, accepting a bare IPv6 or hostname.
+pub fn resolve(addr: &str) -> io::Result<SocketAddr> {
+    addr.to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, format!("cannot resolve {addr}")))
+}
+
+/// `host:port` for an advertised address, bracketing IPv6 literals.
+pub fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Connect, retrying while the peer is not up yet (roles start in any order).
+pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut last_err;
+    loop {
+        match resolve(addr).and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(5))) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) => last_err = e,
+        }
+        if Instant::now() >= deadline {
+            return Err(io::Error::new(
+                last_err.kind(),
+                format!("cannot connect to {addr} within {:.0}s: {last_err}", timeout.as_secs_f64()),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Types whose every bit pattern is valid, so their memory may be filled
+/// straight from the network or viewed as another such type.
+pub trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for u16 {}
+impl Plain for u32 {}
+impl Plain for u8 {}
+
+pub fn bytes<T: Plain>(s: &[T]) -> &[u8] {
+    cast(s)
+}
+
+pub fn bytes_mut<T: Plain>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: T is plain old data; the byte view covers exactly the slice,
+    // and any bytes written form valid T values.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
+}
+
+/// View a slice of one plain type as another of no stricter alignment (e.g.
+/// a u32 scratch buffer as the f32 or u16 values received into it). A
+/// trailing partial element is left out.
+pub fn cast<T: Plain, U: Plain>(s: &[T]) -> &[U] {
+    const { assert!(std::mem::align_of::<U>() <= std::mem::align_of::<T>()) };
+    let n = std::mem::size_of_val(s) / std::mem::size_of::<U>();
+    // SAFETY: alignment checked at compile time; the view lies within the
+    // slice's bytes; every bit pattern is a valid U.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const U, n) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn casts_cover_the_same_bytes() {
+        let w = [0x3f80_0000u32, 0x4000_0000];
+        assert_eq!(cast::<u32, f32>(&w), &[1.0, 2.0]);
+        assert_eq!(cast::<u32, u16>(&w), &[0, 0x3f80, 0, 0x4000]);
+        assert_eq!(bytes(&w).len(), 8);
+        assert_eq!(join_host_port("::1", 5), "[::1]:5");
+        assert_eq!(join_host_port("10.0.0.1", 5), "10.0.0.1:5");
+    }
+}
