@@ -1,4 +1,13 @@
-"""`gradhub bench`: the benchmark suite on an emulated cluster (needs root)."""
+"""`gradhub bench`: every benchmark of gradhub, in one place.
+
+- `core` and `torch-options`: the data plane on loopback against raw TCP, and
+  the PyTorch scheduling options on this machine (developer benchmarks: they
+  need the source checkout; `core` builds its compiled TCP baseline with cargo);
+- `cluster`, `train`, `goodput`, `sweep`, `suite`, `report`, `cleanup`: an
+  emulated cluster on one machine (network namespaces, veth, tc; needs root)
+  against DDP and the BytePS optimum.
+
+Kernel throughput is `cargo bench --bench kernels` (benches/kernels.rs)."""
 
 from __future__ import annotations
 
@@ -19,8 +28,28 @@ def _add_cluster_args(p):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="gradhub bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="gradhub bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+    from . import core
+
+    k = sub.add_parser(
+        "core", help="data plane on loopback vs raw TCP: transport, latency, priority, sweep (source checkout)",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=core.__doc__,
+        epilog="needs the gradhub source checkout (pip install -e .) and cargo: the raw-TCP baseline "
+               "(examples/tcp_baseline.rs) is built with `cargo build --release --example tcp_baseline` "
+               "if it is missing")
+    core.add_arguments(k)
+    o = sub.add_parser(
+        "torch-options", help="examples/synthetic_benchmark.py under each DistributedOptimizer option "
+                              "(source checkout)",
+        description="Runs examples/synthetic_benchmark.py (batch 16, 5 iterations of 10 batches) in a "
+                    "`gradhub launch` job once per scheduling option (GRADHUB_SCHEDULING=fifo|priority, "
+                    "GRADHUB_OVERLAP_FORWARD=1, GRADHUB_OPTIMIZER_ON_SERVER=1, both) and prints the total "
+                    "images/s of each. Needs the gradhub source checkout.")
+    o.add_argument("--model", default="mlp", help="synthetic_benchmark.py model (default mlp)")
+    o.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    o.add_argument("--servers", type=int, default=1, help="servers (default 1)")
     c = sub.add_parser(
         "cluster", help="run any command on every worker host of an emulated cluster",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -161,6 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         ap.print_help()
         return 2
+    if args.cmd in ("core", "torch-options"):
+        from .checkout import CheckoutError
+
+        try:
+            if args.cmd == "core":
+                from .core import run as run_core
+
+                return run_core(args)
+            from .torch_options import run as run_options
+
+            return run_options(args.model, args.workers, args.servers)
+        except CheckoutError as e:
+            print(f"gradhub bench {args.cmd}: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "cluster":
         from .cluster import run_cluster
 

@@ -1,6 +1,6 @@
-"""Core data-plane benchmarks (issue: transport, latency, priority, defaults).
+"""`gradhub bench core`: data-plane benchmarks on loopback, each figure next
+to its baseline measured in the same run:
 
-Each figure is printed next to its baseline measured in the same run:
   transport  push_pull of a large f32 tensor, 1 worker + 1 server on loopback,
              vs a plain TCP echo of the same bytes between two processes
   latency    round trip of a small push_pull vs a raw TCP ping-pong
@@ -11,7 +11,11 @@ Each figure is printed next to its baseline measured in the same run:
 CPU use (user+sys seconds per wall second, summed over all processes of the
 run; 2.0 = both cores of this machine busy) is printed beside every figure.
 
-Usage: python benchmarks/bench_core.py [transport|latency|priority|sweep|all] [--quick] [--json FILE]
+The TCP baselines are a compiled program (examples/tcp_baseline.rs), so the
+comparison is about protocol, not interpreter: this is a developer benchmark
+that needs the source checkout and cargo, which builds the program on first use.
+
+Usage: gradhub bench core [transport|latency|priority|sweep|all] [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -24,17 +28,25 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
-import gradhub
-from gradhub import _core
+from .. import _core
+from .checkout import tcp_baseline
 
-# The echo peer is the compiled one from gradhub._core (src/baseline.rs), so
-# the baseline is as fast as TCP on this machine allows, not Python-bound.
-ECHO_SERVER = "from gradhub import _core; _core.baseline_echo_serve('127.0.0.1:0')"
+
+def _echo_server(exe: Path) -> tuple[subprocess.Popen, str]:
+    """The compiled echo peer on a free port: (process, address)."""
+    p = subprocess.Popen([str(exe), "echo-serve", "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    return p, f"127.0.0.1:{int(p.stdout.readline())}"
+
+
+def _baseline_times(exe: Path, *args) -> list[float]:
+    """Run a baseline client (echo-goodput or ping-pong): seconds per repetition."""
+    out = subprocess.run([str(exe), *map(str, args)], stdout=subprocess.PIPE, text=True, check=True).stdout
+    return [float(x) for x in out.split()]
 
 
 def cpu_seconds() -> float:
@@ -61,7 +73,8 @@ def self_cpu() -> float:
 
 class Job:
     """A 1-server job: scheduler thread in this process, server as a child
-    process, this process as the (only or first) worker."""
+    process, this process as the (only or first) worker. It drives the core's
+    client directly (not gradhub.api), so the figures are the core's."""
 
     def __init__(self, partition: int, credit: int, threads: int = 1, workers: int = 1):
         port = _free_port()
@@ -92,11 +105,12 @@ def _free_port() -> int:
 
 def tcp_echo_goodput(nbytes: int, reps: int) -> tuple[float, float]:
     """GB/s of bytes sent and received back once through a TCP echo (both ends compiled)."""
-    p = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE)
-    port = int(p.stdout.readline())
-    c0, t0 = self_cpu() + proc_cpu(p.pid), time.perf_counter()
-    times = _core.baseline_echo_goodput(f"127.0.0.1:{port}", nbytes, reps)
-    cpu_ratio = (self_cpu() + proc_cpu(p.pid) - c0) / (time.perf_counter() - t0)
+    exe = tcp_baseline()
+    p, addr = _echo_server(exe)
+    # cpu_seconds() counts the client once it has exited (RUSAGE_CHILDREN), proc_cpu the live echo server.
+    c0, t0 = cpu_seconds() + proc_cpu(p.pid), time.perf_counter()
+    times = _baseline_times(exe, "echo-goodput", addr, nbytes, reps)
+    cpu_ratio = (cpu_seconds() + proc_cpu(p.pid) - c0) / (time.perf_counter() - t0)
     p.wait()
     return nbytes / min(times) / 1e9, cpu_ratio
 
@@ -161,12 +175,12 @@ def bench_latency(args, out):
     iters = 300 if args.quick else 2000
     trials = 1 if args.quick else 3
     best = {"rust": float("inf"), "python": float("inf"), "gradhub": float("inf")}
+    exe = tcp_baseline()
     for _ in range(trials):
         for kind in ("rust", "python"):
-            p = subprocess.Popen([sys.executable, "-c", ECHO_SERVER], stdout=subprocess.PIPE)
-            addr = f"127.0.0.1:{int(p.stdout.readline())}"
+            p, addr = _echo_server(exe)
             if kind == "rust":
-                times = _core.baseline_ping_pong(addr, n, iters + 50)[50:]
+                times = _baseline_times(exe, "ping-pong", addr, n, iters + 50)[50:]
             else:
                 times = _python_ping_pong(addr, n, iters + 50)[50:]
             p.wait()
@@ -275,20 +289,28 @@ def bench_sweep(args, out):
     out["sweep"] = res
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="*", default=["all"])
+BENCHMARKS = ("transport", "latency", "priority", "sweep")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("which", nargs="*", default=["all"], metavar="BENCH",
+                    help="transport, latency, priority, sweep or all (default all)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--json", help="write raw results to this file")
-    args = ap.parse_args()
-    which = args.which if "all" not in args.which else ["transport", "latency", "priority", "sweep"]
+
+
+def run(args) -> int:
+    unknown = [w for w in args.which if w not in (*BENCHMARKS, "all")]
+    if unknown:
+        print(f"gradhub bench core: unknown benchmark {', '.join(unknown)} (choose from {', '.join(BENCHMARKS)}, all)",
+              file=sys.stderr)
+        return 2
+    which = list(BENCHMARKS) if "all" in args.which else args.which
+    tcp_baseline()  # before anything runs: build it, or fail with the reason
     out = {"simd": _core.kernel_simd_level(), "cpus": os.cpu_count()}
     for w in which:
         globals()[f"bench_{w}"](args, out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
