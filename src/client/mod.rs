@@ -145,8 +145,8 @@ impl Shared {
         }
     }
 
-    fn send_ctrl(&self, msg: &Control) -> Result<(), String> {
-        self.session.send(msg).map_err(|e| e.to_string())
+    fn send_ctrl(&self, msg: &Control) -> Result<(), SessionError> {
+        self.session.send(msg)
     }
 
     fn submit(&self, op: Arc<Op>, spec: Arc<TensorSpec>, ptr: BufPtr, priority: i32, flags: u16) {
@@ -172,7 +172,7 @@ impl Shared {
         for (p, s) in ready {
             match check_matches(&s, p.numel, p.dtype) {
                 Ok(()) => self.submit(p.op, s, p.ptr, p.priority, p.flags),
-                Err(e) => self.finish_op(&p.op, Some(e)),
+                Err(e) => self.finish_op(&p.op, Some(e.to_string())),
             }
         }
     }
@@ -198,16 +198,16 @@ impl Shared {
     }
 }
 
-fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), String> {
+fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), ClientError> {
     if s.numel != numel || s.dtype != dtype {
-        return Err(format!(
+        return Err(ClientError::Usage(format!(
             "tensor '{}' was declared with {} elements of {} but this call has {} elements of {}",
             s.name,
             s.numel,
             s.dtype.name(),
             numel,
             dtype.name()
-        ));
+        )));
     }
     Ok(())
 }
@@ -318,7 +318,7 @@ impl Client {
             let mut todo = Vec::new();
             for e in entries {
                 match t.specs.get(&e.name) {
-                    Some(s) => check_matches(s, e.numel, e.dtype).map_err(ClientError::Usage)?,
+                    Some(s) => check_matches(s, e.numel, e.dtype)?,
                     None => todo.push(e),
                 }
             }
@@ -331,7 +331,7 @@ impl Client {
         let (tx, rx) = bounded(1);
         self.shared.table().waiters.insert(req, Waiter::Sync(tx));
         if let Err(e) = self.shared.send_ctrl(&Control::Declare { req, entries: todo }) {
-            self.shared.set_failure(e);
+            self.shared.set_failure(e.to_string());
         }
         match rx.recv() {
             Ok(Ok(_)) => Ok(()),
@@ -379,7 +379,7 @@ impl Client {
         if let Some(s) = t.specs.get(name).cloned() {
             if let Err(e) = check_matches(&s, numel, dtype) {
                 t.in_flight.remove(name);
-                return Err(ClientError::Usage(e));
+                return Err(e);
             }
             drop(t);
             self.shared.submit(op.clone(), s, ptr, priority, flags);
@@ -394,7 +394,7 @@ impl Client {
             drop(t);
             let e = DeclEntry { name: name.to_string(), numel, dtype };
             if let Err(msg) = self.shared.send_ctrl(&Control::Declare { req, entries: vec![e] }) {
-                self.shared.set_failure(msg);
+                self.shared.set_failure(msg.to_string());
             }
         }
         Ok(op)
@@ -427,7 +427,7 @@ impl Client {
         let (tx, rx) = bounded(1);
         self.shared.table().barriers.insert(id, tx);
         if let Err(e) = self.shared.send_ctrl(&Control::Barrier { id }) {
-            self.shared.set_failure(e);
+            self.shared.set_failure(e.to_string());
         }
         match rx.recv() {
             Ok(Ok(())) => Ok(()),

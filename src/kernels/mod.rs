@@ -138,9 +138,7 @@ fn select(forced: Option<&str>) -> Kernels {
     if let Some(name) = forced {
         match levels.iter().find(|k| k.level == name) {
             Some(k) => return *k,
-            None => {
-                eprintln!("gradhub: GRADHUB_KERNELS={name:?} not available here; using default")
-            }
+            None => log::warn!(target: "kernels", "GRADHUB_KERNELS={name:?} not available here; using default"),
         }
     }
     // Preference, by measurement (`cargo bench --bench kernels`, 2-vCPU AMD EPYC VM with

@@ -18,32 +18,40 @@ pub(super) struct Registration {
     pub stream: TcpStream,
 }
 
-pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Result<(), String> {
+/// Why a registration is refused; the message is sent to the member.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Refusal {
+    #[error("{role} was started for {got} {what} but the scheduler expects {want}")]
+    JobSize { role: &'static str, what: &'static str, got: u32, want: u32 },
+    #[error("requested {role} rank {rank} but the job has {limit}")]
+    RankOutOfRange { role: &'static str, rank: i32, limit: u32 },
+    #[error("server registered without an address or ports")]
+    NoAddress,
+    #[error("the job already has all its members")]
+    Full,
+    #[error("{0}")]
+    JobFailed(String),
+    #[error("internal: {0}")]
+    Internal(&'static str),
+}
+
+pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Result<(), Refusal> {
+    let role = reg.role.name();
     if reg.num_workers != 0 && reg.num_workers != cfg.num_workers {
-        return Err(format!(
-            "{} was started for {} workers but the scheduler expects {}",
-            reg.role.name(),
-            reg.num_workers,
-            cfg.num_workers
-        ));
+        return Err(Refusal::JobSize { role, what: "workers", got: reg.num_workers, want: cfg.num_workers });
     }
     if reg.num_servers != 0 && reg.num_servers != cfg.num_servers {
-        return Err(format!(
-            "{} was started for {} servers but the scheduler expects {}",
-            reg.role.name(),
-            reg.num_servers,
-            cfg.num_servers
-        ));
+        return Err(Refusal::JobSize { role, what: "servers", got: reg.num_servers, want: cfg.num_servers });
     }
     let limit = match reg.role {
         Role::Worker => cfg.num_workers,
         Role::Server => cfg.num_servers,
     };
     if reg.requested_rank >= limit as i32 {
-        return Err(format!("requested {} rank {} but the job has {limit}", reg.role.name(), reg.requested_rank));
+        return Err(Refusal::RankOutOfRange { role, rank: reg.requested_rank, limit });
     }
     if reg.role == Role::Server && (reg.ports.is_empty() || reg.addr.is_empty()) {
-        return Err("server registered without an address or ports".into());
+        return Err(Refusal::NoAddress);
     }
     Ok(())
 }
@@ -58,16 +66,13 @@ pub(super) fn join(
     shared: &Shared,
     reg: Register,
     peer: SocketAddr,
-    stream: Option<TcpStream>,
-    writer: TcpStream,
-) -> Result<Arc<Member>, String> {
+    stream: TcpStream,
+) -> Result<Arc<Member>, Refusal> {
     let cfg = &shared.cfg;
     let mut st = shared.lock();
     if st.assigned.is_some() {
-        return Err("the job already has all its members".into());
+        return Err(Refusal::Full);
     }
-    let Some(stream) = stream else { return Err("cannot clone socket".into()) };
-    drop(writer);
     let slot = st.joining.len();
     st.joining.push(Some(Registration { reg, peer, stream }));
     let total = (cfg.num_workers + cfg.num_servers) as usize;
@@ -85,9 +90,9 @@ pub(super) fn join(
         st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
     }
     if let Some(f) = &st.failed {
-        return Err(f.clone());
+        return Err(Refusal::JobFailed(f.clone()));
     }
-    st.slot_members.get(slot).cloned().flatten().ok_or_else(|| "internal: no member for this slot".into())
+    st.slot_members.get(slot).cloned().flatten().ok_or(Refusal::Internal("no member for this slot"))
 }
 
 /// Create every member, send each its Welcome (state lock held).

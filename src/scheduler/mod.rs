@@ -198,16 +198,23 @@ fn member_thread(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
             return;
         }
     };
-    if let Err(message) = check_registration(&shared.cfg, &reg) {
-        log::warn!(target: "scheduler", "rejecting {} at {peer}: {message}", reg.role.name());
-        let _ = write_control(&mut stream, &Control::Error { message }, ns);
+    if let Err(why) = check_registration(&shared.cfg, &reg) {
+        log::warn!(target: "scheduler", "rejecting {} at {peer}: {why}", reg.role.name());
+        let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
         return;
     }
-    let Ok(writer) = stream.try_clone() else { return };
-    let me = match join(&shared, reg, peer, stream.try_clone().ok(), writer) {
+    // The member's writer: a clone, so this thread keeps reading from `stream`.
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
+            return;
+        }
+    };
+    let me = match join(&shared, reg, peer, writer) {
         Ok(m) => m,
-        Err(message) => {
-            let _ = write_control(&mut stream, &Control::Error { message }, ns);
+        Err(why) => {
+            let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
             return;
         }
     };
