@@ -410,15 +410,17 @@ impl Io {
             let order = item.order();
             match item {
                 SendItem::Chunk(ch) => {
-                    let mut h = Header::new(MsgType::Push);
-                    h.namespace = ns;
-                    h.key = ch.key;
-                    h.chunk = ch.chunk;
-                    h.round = ch.round;
-                    h.flags = ch.flags;
-                    h.priority = ch.priority;
-                    h.dtype = ch.dtype;
-                    h.payload_len = ch.len as u32;
+                    let h = Header {
+                        msg_type: MsgType::Push,
+                        flags: ch.flags,
+                        dtype: ch.dtype,
+                        namespace: ns,
+                        key: ch.key,
+                        chunk: ch.chunk,
+                        round: ch.round,
+                        priority: ch.priority,
+                        payload_len: ch.len as u32,
+                    };
                     unreceived.insert(ch.key, ch.chunk, order, ch.len);
                     unreturned.insert(ch.key, ch.chunk, order, ch.len);
                     Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))

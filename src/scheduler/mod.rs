@@ -92,6 +92,13 @@ pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, Schedule
     if cfg.partition_bytes < 4 {
         return Err(SchedulerError::Config("partition size must be at least 4 bytes".into()));
     }
+    // Every member waits this long for a heartbeat: it must span a few of them.
+    if cfg.peer_timeout_ms < 2 * cfg.heartbeat_ms.max(10) {
+        return Err(SchedulerError::Config(format!(
+            "peer timeout ({} ms) must be at least twice the heartbeat period ({} ms)",
+            cfg.peer_timeout_ms, cfg.heartbeat_ms
+        )));
+    }
     let listener = TcpListener::bind(&cfg.bind).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     listener.set_nonblocking(true).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;

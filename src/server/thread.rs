@@ -629,14 +629,17 @@ impl ServerThread {
             }
             let item = results.pop()?;
             let ch = &chunks[item.chunk];
-            let mut h = Header::new(MsgType::Result);
-            h.namespace = ns;
-            h.key = ch.key;
-            h.chunk = ch.chunk;
-            h.round = item.round;
-            h.dtype = ch.dtype;
-            h.priority = item.priority;
-            h.payload_len = (ch.elems * ch.dtype.size()) as u32;
+            let h = Header {
+                msg_type: MsgType::Result,
+                flags: 0,
+                dtype: ch.dtype,
+                namespace: ns,
+                key: ch.key,
+                chunk: ch.chunk,
+                round: item.round,
+                priority: item.priority,
+                payload_len: (ch.elems * ch.dtype.size()) as u32,
+            };
             Some(Outgoing::frame(Carry::Result { chunk: item.chunk, parity: (item.round & 1) as usize }, &h))
         };
         let payload = |c: &Carry| match *c {
