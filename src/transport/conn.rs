@@ -309,3 +309,145 @@ impl Connection {
         let _ = (&self.stream).write_all(bytes);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::MsgType;
+    use std::time::{Duration, Instant};
+
+    /// A registered nonblocking connection and the blocking std peer writing to it.
+    fn pair() -> (mio::Poll, Connection, std::net::TcpStream) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let peer = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_nonblocking(true).unwrap();
+        let poll = mio::Poll::new().unwrap();
+        let c = Connection::new(poll.registry(), TcpStream::from_std(s), Token(7), "peer".into()).unwrap();
+        (poll, c, peer)
+    }
+
+    fn header(t: MsgType, len: u32) -> Header {
+        let mut h = Header::new(t);
+        h.key = 3;
+        h.payload_len = len;
+        h
+    }
+
+    /// Read until a frame arrives (bounded), the way an event loop would.
+    fn next<T: Copy>(c: &Connection, rx: &mut FrameReader<T>, dst: &mut [u8]) -> Result<Frame<T>, ConnError> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(f) = c.read_frame(rx, 1 << 20, |_| &mut *dst)? {
+                return Ok(f);
+            }
+            assert!(Instant::now() < deadline, "no frame within 5 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn frames_arrive_whole_whatever_the_segmentation() {
+        let (_poll, c, mut peer) = pair();
+        let payload: Vec<u8> = (0..100u8).collect();
+        let mut wire = header(MsgType::Push, 100).encode().to_vec();
+        wire.extend_from_slice(&payload);
+        wire.extend_from_slice(&header(MsgType::Stall, 5).encode());
+        wire.extend_from_slice(b"hello");
+        wire.extend_from_slice(&header(MsgType::Received, 0).encode());
+        // One byte at a time: every partial state of header and payload.
+        let writer = std::thread::spawn(move || {
+            for b in wire {
+                peer.write_all(&[b]).unwrap();
+                peer.flush().unwrap();
+            }
+            peer
+        });
+        let mut rx = FrameReader::<u32>::default();
+        let mut dst = vec![0u8; 100];
+        let Frame::Header(h) = next(&c, &mut rx, &mut dst).unwrap() else { panic!("expected a header") };
+        assert_eq!((h.msg_type, h.key, h.payload_len), (MsgType::Push, 3, 100));
+        rx.receive_into(h, 42);
+        let Frame::Payload(h2, target) = next(&c, &mut rx, &mut dst).unwrap() else { panic!("expected a payload") };
+        assert_eq!((h2, target), (h, 42));
+        assert_eq!(dst, payload, "payload lands in the caller's memory");
+        let Frame::Header(h) = next(&c, &mut rx, &mut dst).unwrap() else { panic!("expected a header") };
+        rx.receive_owned(h);
+        let Frame::Message(h, buf) = next(&c, &mut rx, &mut dst).unwrap() else { panic!("expected a message") };
+        assert_eq!((h.msg_type, buf.as_slice()), (MsgType::Stall, &b"hello"[..]));
+        // A header-only frame, received "into" nothing: completes at once.
+        let Frame::Header(h) = next(&c, &mut rx, &mut dst).unwrap() else { panic!("expected a header") };
+        rx.receive_into(h, 9);
+        let Frame::Payload(_, 9) = next(&c, &mut rx, &mut []).unwrap() else { panic!("expected an empty payload") };
+        drop(writer.join().unwrap());
+        // Closed between frames: a clean close.
+        assert!(matches!(next(&c, &mut rx, &mut dst), Err(ConnError::Closed)));
+    }
+
+    #[test]
+    fn closing_mid_frame_and_bad_headers_are_errors() {
+        let (_poll, c, mut peer) = pair();
+        peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
+        drop(peer);
+        let mut rx = FrameReader::<()>::default();
+        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::ClosedMidFrame)));
+
+        let (_poll, c, mut peer) = pair();
+        let mut bad = header(MsgType::Push, 0).encode();
+        bad[0] = 0;
+        peer.write_all(&bad).unwrap();
+        let mut rx = FrameReader::<()>::default();
+        let err = next(&c, &mut rx, &mut []).unwrap_err();
+        assert!(matches!(err, ConnError::Frame(ProtocolError::BadMagic(_))), "{err}");
+
+        // A payload longer than the caller's limit is refused at the header.
+        let (_poll, c, mut peer) = pair();
+        peer.write_all(&header(MsgType::Push, 2 << 20).encode()).unwrap();
+        let mut rx = FrameReader::<()>::default();
+        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Frame(ProtocolError::PayloadTooLarge { .. }))));
+    }
+
+    #[test]
+    fn a_destination_of_the_wrong_size_is_refused() {
+        let (_poll, c, mut peer) = pair();
+        peer.write_all(&header(MsgType::Push, 8).encode()).unwrap();
+        peer.write_all(&[1; 8]).unwrap();
+        let mut rx = FrameReader::<u8>::default();
+        let Frame::Header(h) = next(&c, &mut rx, &mut []).unwrap() else { panic!("expected a header") };
+        rx.receive_into(h, 0);
+        assert!(next(&c, &mut rx, &mut [0u8; 4]).is_err());
+    }
+
+    #[test]
+    fn pump_writes_everything_and_watches_writability_only_while_blocked() {
+        let (poll, c, peer) = pair();
+        let big = vec![7u8; 8 << 20];
+        let mut queue: Vec<Outgoing<usize>> =
+            (0..4).map(|i| Outgoing::frame(i, &header(MsgType::Result, big.len() as u32))).collect();
+        queue.push(Outgoing::encoded(99, header(MsgType::Received, 0).encode().to_vec()));
+        queue.reverse();
+        let mut tx = FrameWriter::<usize>::default();
+        let payload = |i: &usize| if *i == 99 { &[][..] } else { &big[..] };
+        // Nobody reads yet: 32 MiB cannot fit in the socket buffers.
+        c.pump(poll.registry(), &mut tx, || queue.pop(), payload).unwrap();
+        assert!(tx.watching_writable && !tx.idle(), "a blocked write watches for writability");
+        let reader = std::thread::spawn(move || {
+            let mut peer = peer;
+            let mut all = Vec::new();
+            std::io::Read::read_to_end(&mut peer, &mut all).unwrap();
+            all
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(tx.idle() && queue.is_empty()) {
+            assert!(Instant::now() < deadline, "pump made no progress");
+            c.pump(poll.registry(), &mut tx, || queue.pop(), payload).unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(!tx.watching_writable, "an idle writer stops watching");
+        drop(c);
+        let all = reader.join().unwrap();
+        assert_eq!(all.len(), 4 * (HEADER_LEN + big.len()) + HEADER_LEN);
+        let last = Header::decode(all[all.len() - HEADER_LEN..].try_into().unwrap(), 0).unwrap();
+        assert_eq!(last.msg_type, MsgType::Received);
+    }
+}
