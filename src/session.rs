@@ -24,8 +24,10 @@ pub enum SessionError {
     Rejected(String),
     #[error("no welcome from the scheduler: {0}")]
     NoWelcome(String),
-    #[error("the scheduler sent nothing for {0:.0}s (no heartbeat)")]
+    #[error("the scheduler sent nothing for {0:.1}s (no heartbeat)")]
     Silent(f64),
+    #[error("lost the connection to the scheduler: it closed the connection")]
+    Closed,
     #[error("lost the connection to the scheduler: {0}")]
     Lost(ReadError),
     #[error("cannot write to the scheduler: {0}")]
@@ -168,6 +170,9 @@ impl Session {
                     if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
                 {
                     return Err(SessionError::Silent(self.peer_timeout.as_secs_f64()))
+                }
+                Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    return Err(SessionError::Closed)
                 }
                 Err(e) => return Err(SessionError::Lost(e)),
             }

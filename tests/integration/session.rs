@@ -1,0 +1,121 @@
+//! The member session (src/session.rs) as workers and servers see it: the
+//! job's peer timeout comes from the scheduler's Welcome and means the same
+//! for every role; a silent or lost scheduler is reported, never waited on.
+
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use gradhub::client::{Client, ClientConfig};
+use gradhub::protocol::{read_control, write_control, Control, Role, Welcome};
+use gradhub::server::{run_server, ServerConfig};
+
+/// A scheduler that welcomes one member and then does what the test says.
+struct FakeScheduler {
+    listener: TcpListener,
+}
+
+impl FakeScheduler {
+    fn new() -> FakeScheduler {
+        FakeScheduler { listener: TcpListener::bind("127.0.0.1:0").expect("bind") }
+    }
+    fn addr(&self) -> String {
+        self.listener.local_addr().expect("addr").to_string()
+    }
+    /// Accept one member, check its Register, send a Welcome with this peer timeout.
+    fn welcome(&self, role: Role, peer_timeout_ms: u32) -> TcpStream {
+        let (mut s, _) = self.listener.accept().expect("accept");
+        s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        match read_control(&mut s, 0) {
+            Ok(Control::Register(r)) => assert_eq!(r.role, role),
+            other => panic!("expected Register, got {other:?}"),
+        }
+        let w = Welcome {
+            rank: 0,
+            num_workers: 1,
+            partition_bytes: 1 << 16,
+            heartbeat_ms: 50,
+            stall_ms: 60_000,
+            peer_timeout_ms,
+            servers: Vec::new(),
+            worker_hosts: vec![gradhub::hostname()],
+        };
+        write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
+        s
+    }
+}
+
+fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < limit, "condition not met within {limit:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    start.elapsed()
+}
+
+#[test]
+fn a_worker_uses_the_peer_timeout_from_welcome() {
+    let sched = FakeScheduler::new();
+    let addr = sched.addr();
+    let t = std::thread::spawn(move || Client::connect(ClientConfig { scheduler: addr, ..Default::default() }));
+    let mut s = sched.welcome(Role::Worker, 400);
+    let client = t.join().expect("thread").expect("connect");
+    // Heartbeats keep the session alive well past the timeout...
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(1200) {
+        write_control(&mut s, &Control::Heartbeat, 0).expect("heartbeat");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(client.failure(), None);
+    // ...the member heartbeats too...
+    assert!(matches!(read_control(&mut s, 0), Ok(Control::Heartbeat)));
+    // ...and silence is detected after the job's timeout, not a built-in 10 s.
+    let took = wait_until(Duration::from_secs(5), || client.failure().is_some());
+    let why = client.failure().unwrap_or_default();
+    assert!(why.contains("scheduler sent nothing") && why.contains("heartbeat"), "{why}");
+    assert!(took < Duration::from_secs(3), "detected after {took:?}");
+    client.shutdown();
+}
+
+#[test]
+fn a_server_uses_the_peer_timeout_from_welcome_and_reports_a_lost_scheduler() {
+    for (silent, expect) in [(true, "scheduler sent nothing"), (false, "lost the connection to the scheduler")] {
+        let sched = FakeScheduler::new();
+        let addr = sched.addr();
+        let started = Instant::now();
+        let t = std::thread::spawn(move || {
+            run_server(ServerConfig {
+                scheduler: addr,
+                advertise: Some("127.0.0.1".into()),
+                bind_host: "127.0.0.1".into(),
+                ..Default::default()
+            })
+        });
+        let s = sched.welcome(Role::Server, 300);
+        if !silent {
+            drop(s);
+            let err = t.join().expect("thread").expect_err("the server must fail");
+            assert!(err.to_string().contains(expect), "{err}");
+            continue;
+        }
+        let err = t.join().expect("thread").expect_err("the server must fail");
+        assert!(err.to_string().contains(expect), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        drop(s);
+    }
+}
+
+#[test]
+fn a_rejection_reaches_the_member_as_an_error() {
+    let sched = FakeScheduler::new();
+    let addr = sched.addr();
+    let t = std::thread::spawn(move || {
+        Client::connect(ClientConfig { scheduler: addr, connect_timeout: Duration::from_secs(5), ..Default::default() })
+    });
+    let (mut s, _) = sched.listener.accept().expect("accept");
+    assert!(matches!(read_control(&mut s, 0), Ok(Control::Register(_))));
+    write_control(&mut s, &Control::Error { message: "go away".into() }, 0).expect("error");
+    let err = t.join().expect("thread").err().expect("connect must fail");
+    let msg = err.to_string();
+    assert!(msg.contains("rejected by the scheduler") && msg.contains("go away"), "{msg}");
+}
