@@ -166,14 +166,8 @@ impl Session {
             match read_control(&mut self.reader, self.link.namespace) {
                 Ok(Control::Heartbeat) => {}
                 Ok(msg) => return Ok(msg),
-                Err(ReadError::Io(e))
-                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
-                {
-                    return Err(SessionError::Silent(self.peer_timeout.as_secs_f64()))
-                }
-                Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                    return Err(SessionError::Closed)
-                }
+                Err(ReadError::TimedOut) => return Err(SessionError::Silent(self.peer_timeout.as_secs_f64())),
+                Err(ReadError::Closed | ReadError::ClosedMidFrame) => return Err(SessionError::Closed),
                 Err(e) => return Err(SessionError::Lost(e)),
             }
         }

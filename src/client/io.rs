@@ -43,7 +43,7 @@ use mio::{Events, Poll, Token, Waker};
 
 use super::op::Op;
 use super::Shared;
-use crate::protocol::{decode_stall, DType, Header, MsgType, TensorSpec};
+use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec};
 use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
 pub const WAKER: Token = Token(usize::MAX);
@@ -532,8 +532,9 @@ impl IoThread {
                 }
                 if let Err(why) = res {
                     let why = match why {
-                        ConnError::Closed | ConnError::ClosedMidFrame => "connection closed by the server".to_string(),
-                        ConnError::Frame(e) => format!("bad frame: {e}"),
+                        ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame) => {
+                            "connection closed by the server".to_string()
+                        }
                         other => other.to_string(),
                     };
                     let msg = format!("{}: {why}", self.shared.io.conns[i].desc());

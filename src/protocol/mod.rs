@@ -5,10 +5,12 @@ pub mod codec;
 pub mod control;
 pub mod frame;
 pub mod optim;
+pub mod reader;
 
 pub use control::{Control, DeclEntry, Register, Role, ServerInfo, TensorSpec, Welcome};
 pub use frame::{DType, Header, MsgType, FLAG_AVERAGE, FLAG_INIT, HEADER_LEN, MAGIC, VERSION};
 pub use optim::{OptConfig, OptKind};
+pub use reader::{Frame, FrameReader, ReadError};
 
 use std::io::{Read, Write};
 
@@ -42,29 +44,22 @@ pub enum ProtocolError {
     WrongNamespace { got: u32, want: u32 },
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum ReadError {
-    #[error("{0}")]
-    Io(#[from] std::io::Error),
-    #[error("{0}")]
-    Protocol(#[from] ProtocolError),
-}
-
-/// Read one control message from a blocking stream.
+/// Read one control message from a blocking stream (with the one frame
+/// reader). A read timeout on the stream gives `ReadError::TimedOut`.
 pub fn read_control<R: Read>(r: &mut R, namespace: u32) -> Result<Control, ReadError> {
-    let mut hb = [0u8; HEADER_LEN];
-    r.read_exact(&mut hb)?;
-    let h = Header::decode(&hb, MAX_CONTROL_PAYLOAD)?;
-    if h.namespace != namespace {
-        return Err(ProtocolError::WrongNamespace { got: h.namespace, want: namespace }.into());
+    let mut rx = FrameReader::<()>::default();
+    loop {
+        match rx.read_from(&mut *r, MAX_CONTROL_PAYLOAD, |()| &mut [])? {
+            None => return Err(ReadError::TimedOut),
+            Some(Frame::Header(h)) if h.namespace != namespace => {
+                return Err(ProtocolError::WrongNamespace { got: h.namespace, want: namespace }.into())
+            }
+            Some(Frame::Header(h)) => rx.receive_owned(h),
+            Some(Frame::Message(h, payload)) => return Ok(Control::decode(&h, &payload)?),
+            // Never: nothing is received into caller memory here.
+            Some(Frame::Payload(..)) => return Err(ReadError::TimedOut),
+        }
     }
-    // Grow with the data actually received, not with what the header claims.
-    let mut payload = Vec::new();
-    r.take(h.payload_len as u64).read_to_end(&mut payload)?;
-    if payload.len() != h.payload_len as usize {
-        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed mid-message").into());
-    }
-    Ok(Control::decode(&h, &payload)?)
 }
 
 /// Write one control message to a blocking stream.

@@ -504,8 +504,8 @@ fn control_rejects_every_truncation() {
             let mut cur = Cursor::new(&frame[..HEADER_LEN + cut]);
             let r = read_control(&mut cur, NS);
             match r {
-                Err(ReadError::Io(e)) => assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof),
-                other => panic!("{msg:?} stream cut at {cut}: expected EOF, got {other:?}"),
+                Err(ReadError::ClosedMidFrame) => {}
+                other => panic!("{msg:?} stream cut at {cut}: expected a close mid-frame, got {other:?}"),
             }
         }
     }
@@ -737,9 +737,9 @@ fn read_write_control_over_cursor() {
     for msg in &samples {
         assert_eq!(&read_control(&mut cur, NS).unwrap(), msg);
     }
-    // Stream exhausted: clean EOF as an I/O error.
+    // Stream exhausted between messages: a clean close.
     match read_control(&mut cur, NS) {
-        Err(ReadError::Io(e)) => assert_eq!(e.kind(), std::io::ErrorKind::UnexpectedEof),
+        Err(ReadError::Closed) => {}
         other => panic!("{other:?}"),
     }
 }
@@ -791,7 +791,7 @@ fn read_control_reports_header_errors() {
     ));
     // Header shorter than 32 bytes: I/O EOF, not a protocol error.
     let b = Control::Heartbeat.encode(NS);
-    assert!(matches!(read_control(&mut Cursor::new(&b[..10]), NS), Err(ReadError::Io(_))));
+    assert!(matches!(read_control(&mut Cursor::new(&b[..10]), NS), Err(ReadError::ClosedMidFrame)));
 }
 
 // ---------------------------------------------------------------- stall
@@ -971,4 +971,17 @@ fn opt_config_round_trip_and_rejection() {
         bad[field..field + 4].copy_from_slice(&v.to_bits().to_le_bytes());
         assert!(OptConfig::decode(&bad).is_err(), "field at {field} = {v}");
     }
+}
+
+#[test]
+fn read_control_reads_payloads_larger_than_one_growth_step() {
+    // Owned payloads grow as data arrives: a message of several steps must
+    // still come out whole, and a short one right after it too.
+    let big = Control::Error { message: "x".repeat(300_000) };
+    let mut buf = Vec::new();
+    write_control(&mut buf, &big, NS).unwrap();
+    write_control(&mut buf, &Control::Barrier { id: 1 }, NS).unwrap();
+    let mut cur = Cursor::new(buf);
+    assert_eq!(read_control(&mut cur, NS).unwrap(), big);
+    assert_eq!(read_control(&mut cur, NS).unwrap(), Control::Barrier { id: 1 });
 }

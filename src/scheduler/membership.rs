@@ -3,7 +3,6 @@
 //! or stops heartbeating fails the job, and everyone is told who and why).
 
 use std::collections::HashMap;
-use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 
@@ -214,10 +213,10 @@ pub(super) fn say_goodbye(shared: &Shared, st: &mut State, rank: u32) {
 /// Why a member's control connection failed, in words for everyone else.
 pub(super) fn lost_reason(cfg: &SchedulerConfig, me: &Member, e: &ReadError) -> String {
     match e {
-        ReadError::Io(io) if io.kind() == ErrorKind::WouldBlock || io.kind() == ErrorKind::TimedOut => {
+        ReadError::TimedOut => {
             format!("{} sent nothing for {} ms (no heartbeat)", me.describe(), cfg.peer_timeout_ms)
         }
-        ReadError::Io(io) if io.kind() == ErrorKind::UnexpectedEof => format!("{} disconnected", me.describe()),
+        ReadError::Closed | ReadError::ClosedMidFrame => format!("{} disconnected", me.describe()),
         _ => format!("{} connection failed: {e}", me.describe()),
     }
 }

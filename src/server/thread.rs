@@ -20,7 +20,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 use super::optimizer::OptState;
 use crate::kernels;
 use crate::protocol::{
-    encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
+    encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
 };
 use crate::transport::{bytes, bytes_mut, cast, ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
@@ -222,7 +222,7 @@ impl ServerThread {
                         match res {
                             Ok(()) => {}
                             // A clean close between frames: the worker is done.
-                            Err(ConnError::Closed) => self.close(t, ""),
+                            Err(ConnError::Read(ReadError::Closed)) => self.close(t, ""),
                             Err(why) => self.close(t, &why.to_string()),
                         }
                     }

@@ -1,10 +1,8 @@
 //! The one framed, nonblocking connection of the data plane, used by the
 //! worker's I/O thread and by every server thread.
 //!
-//! - Reading: `FrameReader` is the per-connection state machine (header, then
-//!   payload). The payload goes where the caller says once it has seen the
-//!   header: straight into caller memory (a tensor chunk, an accumulator) or
-//!   into a buffer of the reader's own (small control payloads).
+//! - Reading: `protocol::FrameReader`, the one frame reader (header, then
+//!   payload into the caller's memory or a buffer of its own), on the socket.
 //! - Writing: `FrameWriter` holds the frame being written (header and payload
 //!   in one vectored write, no staging copy) and applies the writability
 //!   rule: the socket is watched for writability only while a write would
@@ -15,42 +13,32 @@
 //! (the worker sends from callers' threads and receives on its I/O thread);
 //! the read and write states live wherever their owner keeps them.
 
-use std::io::{self, IoSlice, Read, Write};
+use std::io::{self, IoSlice, Write};
 use std::os::fd::AsRawFd;
 
 use mio::net::TcpStream;
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
 
-use crate::protocol::{Header, ProtocolError, HEADER_LEN};
-
-/// Outcome of one nonblocking read or write attempt.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Progress {
-    /// Moved this many bytes (> 0, or 0 for an empty buffer).
-    Moved(usize),
-    /// Nothing to do now; wait for the next readiness event.
-    WouldBlock,
-    /// The peer closed the connection (reads only).
-    Closed,
-}
+use crate::protocol::{Frame, FrameReader, Header, ProtocolError, ReadError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
-    #[error("connection closed by the peer")]
-    Closed,
-    #[error("connection closed by the peer in the middle of a frame")]
-    ClosedMidFrame,
+    #[error(transparent)]
+    Read(#[from] ReadError),
     #[error("connection lost: {0}")]
     Io(#[from] io::Error),
-    #[error("bad frame: {0}")]
-    Frame(#[from] ProtocolError),
     /// A well-formed frame that breaks the protocol's rules here (wrong
     /// round, unknown key, ...): the message says which.
     #[error("{0}")]
     Invalid(String),
 }
 
+impl From<ProtocolError> for ConnError {
+    fn from(e: ProtocolError) -> ConnError {
+        ConnError::Read(ReadError::Protocol(e))
+    }
+}
 impl From<String> for ConnError {
     fn from(s: String) -> ConnError {
         ConnError::Invalid(s)
@@ -62,80 +50,22 @@ impl From<&str> for ConnError {
     }
 }
 
-fn read_nb<R: Read>(mut r: R, buf: &mut [u8]) -> io::Result<Progress> {
-    loop {
-        return match r.read(buf) {
-            Ok(0) if !buf.is_empty() => Ok(Progress::Closed),
-            Ok(n) => Ok(Progress::Moved(n)),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Progress::WouldBlock),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => Err(e),
-        };
-    }
+/// Outcome of one nonblocking write attempt.
+enum Wrote {
+    Moved(usize),
+    WouldBlock,
 }
 
-fn write_nb<W: Write>(mut w: W, head: &[u8], payload: &[u8]) -> io::Result<Progress> {
+fn write_nb<W: Write>(mut w: W, head: &[u8], payload: &[u8]) -> io::Result<Wrote> {
     let slices = [IoSlice::new(head), IoSlice::new(payload)];
     loop {
         return match w.write_vectored(&slices) {
             Ok(0) => Err(io::Error::new(io::ErrorKind::WriteZero, "connection accepts no more data")),
-            Ok(n) => Ok(Progress::Moved(n)),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Progress::WouldBlock),
+            Ok(n) => Ok(Wrote::Moved(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Wrote::WouldBlock),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             Err(e) => Err(e),
         };
-    }
-}
-
-/// A complete piece of an incoming frame.
-#[derive(Debug)]
-pub enum Frame<T> {
-    /// A header. If it announces a payload, the caller calls `receive_into`
-    /// or `receive_owned` before reading on.
-    Header(Header),
-    /// A payload received whole into the caller's memory for `T`.
-    Payload(Header, T),
-    /// A payload received whole into a buffer of the reader's own.
-    Message(Header, Vec<u8>),
-}
-
-enum ReadState<T> {
-    Header { got: usize },
-    Into { hdr: Header, target: T, got: usize },
-    Owned { hdr: Header, buf: Vec<u8>, got: usize },
-}
-
-/// Read state of one connection; `T` names a caller-owned payload destination.
-pub struct FrameReader<T> {
-    head: [u8; HEADER_LEN],
-    state: ReadState<T>,
-}
-
-impl<T: Copy> Default for FrameReader<T> {
-    fn default() -> Self {
-        FrameReader { head: [0; HEADER_LEN], state: ReadState::Header { got: 0 } }
-    }
-}
-
-impl<T: Copy> FrameReader<T> {
-    /// The payload of `hdr` goes to the caller's memory for `target`.
-    pub fn receive_into(&mut self, hdr: Header, target: T) {
-        self.state = ReadState::Into { hdr, target, got: 0 };
-    }
-
-    /// The payload of `hdr` goes to a buffer of the reader's own (control
-    /// payloads, bounded by the header's length limit).
-    pub fn receive_owned(&mut self, hdr: Header) {
-        self.state = ReadState::Owned { hdr, buf: vec![0; hdr.payload_len as usize], got: 0 };
-    }
-
-    /// Forget any partial frame; returns the destination being filled, if any.
-    pub fn reset(&mut self) -> Option<T> {
-        let old = std::mem::replace(&mut self.state, ReadState::Header { got: 0 });
-        match old {
-            ReadState::Into { target, .. } => Some(target),
-            _ => None,
-        }
     }
 }
 
@@ -207,56 +137,14 @@ impl Connection {
     }
 
     /// Read until one frame event is complete (`Ok(Some)`) or the socket has
-    /// nothing more for now (`Ok(None)`). `dst` gives the caller memory of a
-    /// `receive_into` target, exactly the payload's length; it is asked for
-    /// only while that payload is being received.
+    /// nothing more for now (`Ok(None)`); see `FrameReader::read_from`.
     pub fn read_frame<'d, T: Copy>(
         &self,
         rx: &mut FrameReader<T>,
         max_payload: u32,
         dst: impl FnOnce(T) -> &'d mut [u8],
     ) -> Result<Option<Frame<T>>, ConnError> {
-        let done = match &mut rx.state {
-            ReadState::Header { got } => {
-                let at_boundary = *got == 0;
-                self.fill(&mut rx.head, got, at_boundary)?
-            }
-            ReadState::Into { hdr, target, got } => {
-                let len = hdr.payload_len as usize;
-                let whole: &mut [u8] = if len == 0 { &mut [] } else { dst(*target) };
-                if whole.len() != len {
-                    return Err(ConnError::Io(io::Error::other(format!(
-                        "internal: a {}-byte destination for a {len}-byte payload",
-                        whole.len()
-                    ))));
-                }
-                self.fill(whole, got, false)?
-            }
-            ReadState::Owned { buf, got, .. } => self.fill(buf, got, false)?,
-        };
-        if !done {
-            return Ok(None);
-        }
-        let frame = match std::mem::replace(&mut rx.state, ReadState::Header { got: 0 }) {
-            ReadState::Header { .. } => Frame::Header(Header::decode(&rx.head, max_payload)?),
-            ReadState::Into { hdr, target, .. } => Frame::Payload(hdr, target),
-            ReadState::Owned { hdr, buf, .. } => Frame::Message(hdr, buf),
-        };
-        Ok(Some(frame))
-    }
-
-    /// Read into `buf[*got..]` until it is full (true) or the socket is
-    /// drained (false). A close with nothing of a frame read is `Closed`.
-    fn fill(&self, buf: &mut [u8], got: &mut usize, at_boundary: bool) -> Result<bool, ConnError> {
-        while *got < buf.len() {
-            match read_nb(&self.stream, &mut buf[*got..])? {
-                Progress::Moved(n) => *got += n,
-                Progress::WouldBlock => return Ok(false),
-                Progress::Closed if at_boundary && *got == 0 => return Err(ConnError::Closed),
-                Progress::Closed => return Err(ConnError::ClosedMidFrame),
-            }
-        }
-        Ok(true)
+        Ok(rx.read_from(&self.stream, max_payload, dst)?)
     }
 
     /// Write frames until `next` has none left or the socket is full, then
@@ -285,13 +173,13 @@ impl Connection {
                 (&[][..], &body[cur.sent - cur.head.len()..])
             };
             match write_nb(&self.stream, head, body)? {
-                Progress::Moved(n) => {
+                Wrote::Moved(n) => {
                     cur.sent += n;
                     if cur.sent == total {
                         tx.cur = None;
                     }
                 }
-                _ => break true,
+                Wrote::WouldBlock => break true,
             }
         };
         if blocked != tx.watching_writable {
@@ -313,7 +201,7 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::MsgType;
+    use crate::protocol::{MsgType, HEADER_LEN};
     use std::time::{Duration, Instant};
 
     /// A registered nonblocking connection and the blocking std peer writing to it.
@@ -381,7 +269,7 @@ mod tests {
         let Frame::Payload(_, 9) = next(&c, &mut rx, &mut []).unwrap() else { panic!("expected an empty payload") };
         drop(writer.join().unwrap());
         // Closed between frames: a clean close.
-        assert!(matches!(next(&c, &mut rx, &mut dst), Err(ConnError::Closed)));
+        assert!(matches!(next(&c, &mut rx, &mut dst), Err(ConnError::Read(ReadError::Closed))));
     }
 
     #[test]
@@ -390,7 +278,7 @@ mod tests {
         peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
         drop(peer);
         let mut rx = FrameReader::<()>::default();
-        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::ClosedMidFrame)));
+        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Read(ReadError::ClosedMidFrame))));
 
         let (_poll, c, mut peer) = pair();
         let mut bad = header(MsgType::Push, 0).encode();
@@ -398,13 +286,13 @@ mod tests {
         peer.write_all(&bad).unwrap();
         let mut rx = FrameReader::<()>::default();
         let err = next(&c, &mut rx, &mut []).unwrap_err();
-        assert!(matches!(err, ConnError::Frame(ProtocolError::BadMagic(_))), "{err}");
+        assert!(matches!(err, ConnError::Read(ReadError::Protocol(ProtocolError::BadMagic(_)))), "{err}");
 
         // A payload longer than the caller's limit is refused at the header.
         let (_poll, c, mut peer) = pair();
         peer.write_all(&header(MsgType::Push, 2 << 20).encode()).unwrap();
         let mut rx = FrameReader::<()>::default();
-        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Frame(ProtocolError::PayloadTooLarge { .. }))));
+        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Read(ReadError::Protocol(ProtocolError::PayloadTooLarge { .. })))));
     }
 
     #[test]

@@ -4,7 +4,8 @@
 
 mod conn;
 
-pub use conn::{Connection, ConnError, Frame, FrameReader, FrameWriter, Outgoing, Progress};
+pub use conn::{ConnError, Connection, FrameWriter, Outgoing};
+pub use crate::protocol::{Frame, FrameReader};
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};

@@ -1,0 +1,169 @@
+//! The one frame reader: a header, then its payload, from any byte source —
+//! the nonblocking data connections (`transport::Connection`) and the
+//! blocking control connections (`read_control`) alike. The payload goes
+//! where the caller says once it has seen the header: straight into caller
+//! memory (a tensor chunk, an accumulator) or into a buffer of the reader's
+//! own (control payloads, stall notices).
+
+use std::io::{self, Read};
+
+use super::{Header, ProtocolError, HEADER_LEN};
+
+/// Owned payload buffers start at this size and double as data arrives.
+const OWNED_STEP: usize = 64 << 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("connection closed by the peer")]
+    Closed,
+    #[error("connection closed by the peer in the middle of a frame")]
+    ClosedMidFrame,
+    /// A blocking read's timeout passed with no complete frame.
+    #[error("nothing received within the read timeout")]
+    TimedOut,
+    #[error("connection lost: {0}")]
+    Io(#[from] io::Error),
+    #[error("bad frame: {0}")]
+    Protocol(#[from] ProtocolError),
+}
+
+/// Outcome of one nonblocking read or write attempt.
+#[derive(Debug, PartialEq, Eq)]
+enum Progress {
+    /// Moved this many bytes (> 0, or 0 for an empty buffer).
+    Moved(usize),
+    /// Nothing to do now; wait for the next readiness event.
+    WouldBlock,
+    /// The peer closed the connection (reads only).
+    Closed,
+}
+
+fn read_nb<R: Read>(mut r: R, buf: &mut [u8]) -> io::Result<Progress> {
+    loop {
+        return match r.read(buf) {
+            Ok(0) if !buf.is_empty() => Ok(Progress::Closed),
+            Ok(n) => Ok(Progress::Moved(n)),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Progress::WouldBlock),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => Err(e),
+        };
+    }
+}
+
+/// Read into `buf[*got..]` until it is full (true) or the socket is
+/// drained (false). A close with nothing of a frame read is `Closed`.
+fn fill<R: Read>(r: &mut R, buf: &mut [u8], got: &mut usize, at_boundary: bool) -> Result<bool, ReadError> {
+    while *got < buf.len() {
+        match read_nb(&mut *r, &mut buf[*got..])? {
+            Progress::Moved(n) => *got += n,
+            Progress::WouldBlock => return Ok(false),
+            Progress::Closed if at_boundary && *got == 0 => return Err(ReadError::Closed),
+            Progress::Closed => return Err(ReadError::ClosedMidFrame),
+        }
+    }
+    Ok(true)
+}
+
+/// A complete piece of an incoming frame.
+#[derive(Debug)]
+pub enum Frame<T> {
+    /// A header. If it announces a payload, the caller calls `receive_into`
+    /// or `receive_owned` before reading on.
+    Header(Header),
+    /// A payload received whole into the caller's memory for `T`.
+    Payload(Header, T),
+    /// A payload received whole into a buffer of the reader's own.
+    Message(Header, Vec<u8>),
+}
+
+enum ReadState<T> {
+    Header { got: usize },
+    Into { hdr: Header, target: T, got: usize },
+    Owned { hdr: Header, buf: Vec<u8>, got: usize },
+}
+
+/// Read state of one connection or stream; `T` names a caller-owned
+/// payload destination.
+pub struct FrameReader<T> {
+    head: [u8; HEADER_LEN],
+    state: ReadState<T>,
+}
+
+impl<T: Copy> Default for FrameReader<T> {
+    fn default() -> Self {
+        FrameReader { head: [0; HEADER_LEN], state: ReadState::Header { got: 0 } }
+    }
+}
+
+impl<T: Copy> FrameReader<T> {
+    /// The payload of `hdr` goes to the caller's memory for `target`.
+    pub fn receive_into(&mut self, hdr: Header, target: T) {
+        self.state = ReadState::Into { hdr, target, got: 0 };
+    }
+
+    /// The payload of `hdr` goes to a buffer of the reader's own (control
+    /// payloads, bounded by the header's length limit).
+    pub fn receive_owned(&mut self, hdr: Header) {
+        self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0 };
+    }
+
+    /// Forget any partial frame; returns the destination being filled, if any.
+    pub fn reset(&mut self) -> Option<T> {
+        let old = std::mem::replace(&mut self.state, ReadState::Header { got: 0 });
+        match old {
+            ReadState::Into { target, .. } => Some(target),
+            _ => None,
+        }
+    }
+    /// Read until one frame event is complete (`Ok(Some)`) or the socket has
+    /// nothing more for now (`Ok(None)`). `dst` gives the caller memory of a
+    /// `receive_into` target, exactly the payload's length; it is asked for
+    /// only while that payload is being received.
+    pub fn read_from<'d, R: Read>(
+        &mut self,
+        mut r: R,
+        max_payload: u32,
+        dst: impl FnOnce(T) -> &'d mut [u8],
+    ) -> Result<Option<Frame<T>>, ReadError> {
+        let done = match &mut self.state {
+            ReadState::Header { got } => {
+                let at_boundary = *got == 0;
+                fill(&mut r, &mut self.head, got, at_boundary)?
+            }
+            ReadState::Into { hdr, target, got } => {
+                let len = hdr.payload_len as usize;
+                let whole: &mut [u8] = if len == 0 { &mut [] } else { dst(*target) };
+                if whole.len() != len {
+                    return Err(ReadError::Io(io::Error::other(format!(
+                        "internal: a {}-byte destination for a {len}-byte payload",
+                        whole.len()
+                    ))));
+                }
+                fill(&mut r, whole, got, false)?
+            }
+            ReadState::Owned { hdr, buf, got } => loop {
+                // Grow with the data actually received, not with what the
+                // header claims, so a lying peer cannot make us allocate.
+                let len = hdr.payload_len as usize;
+                if *got == buf.len() && buf.len() < len {
+                    buf.resize(len.min((buf.len() * 2).max(OWNED_STEP)), 0);
+                }
+                if !fill(&mut r, buf, got, false)? {
+                    break false;
+                }
+                if *got == len {
+                    break true;
+                }
+            },
+        };
+        if !done {
+            return Ok(None);
+        }
+        let frame = match std::mem::replace(&mut self.state, ReadState::Header { got: 0 }) {
+            ReadState::Header { .. } => Frame::Header(Header::decode(&self.head, max_payload)?),
+            ReadState::Into { hdr, target, .. } => Frame::Payload(hdr, target),
+            ReadState::Owned { hdr, buf, .. } => Frame::Message(hdr, buf),
+        };
+        Ok(Some(frame))
+    }
+}
