@@ -1,8 +1,14 @@
-"""Job configuration from the environment.
+"""Every setting gradhub reads from the environment, parsed in one place.
 
 gradhub reads its own GRADHUB_* variables first and falls back to torchrun's
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a
-script started by `gradhub launch` or by torchrun needs no extra setup.
+script started by `gradhub launch` or by torchrun needs no extra setup. A value
+that does not parse raises a ValueError naming the variable.
+
+Readers by role: `worker_env()` (gradhub.init), `scheduler_env()` and
+`server_env()` (the `gradhub scheduler|server` commands, GRADHUB_ROLE and the
+torchrun-embedded roles), `role()`, `torch_options()` (DistributedOptimizer).
+GRADHUB_LOG is read by the Rust core itself.
 """
 
 from __future__ import annotations
@@ -10,10 +16,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
-def _int(name: str, default: int | None = None) -> int | None:
+
+def get_str(name: str, default: str | None = None) -> str | None:
+    """The variable's value, or `default` if it is unset or empty."""
     v = os.environ.get(name)
-    if v is None or v == "":
+    return default if v is None or v.strip() == "" else v.strip()
+
+
+def is_set(name: str) -> bool:
+    return get_str(name) is not None
+
+
+def get_int(name: str, default: int | None = None) -> int | None:
+    v = get_str(name)
+    if v is None:
         return default
     try:
         return int(v)
@@ -21,8 +40,37 @@ def _int(name: str, default: int | None = None) -> int | None:
         raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def get_float(name: str, default: float | None = None) -> float | None:
+    v = get_str(name)
+    if v is None:
+        return default
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+
+
+def get_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    s = v.strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={v!r} is not a flag (use 1/0, true/false, yes/no or on/off)")
+
+
+def get_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    v = (get_str(name) or default).lower()
+    if v not in choices:
+        expected = ", ".join(choices[:-1]) + " or " + choices[-1]
+        raise ValueError(f"environment variable {name}={v!r}: expected {expected}")
+    return v
+
+
+# ---------------------------------------------------------------- workers
 
 
 @dataclass
@@ -37,29 +85,112 @@ class WorkerEnv:
     credit_bytes: int | None
     connect_timeout: float
     torchrun: bool
+    # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
+    # servers inside the worker processes (see gradhub.api).
+    embedded: bool
 
 
 def worker_env() -> WorkerEnv:
     torchrun = "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ
-    scheduler = os.environ.get("GRADHUB_SCHEDULER")
-    if not scheduler and torchrun:
-        port = _int("GRADHUB_SCHEDULER_PORT") or (_int("MASTER_PORT", 29500) + 1)
+    scheduler = get_str("GRADHUB_SCHEDULER")
+    embedded = torchrun and scheduler is None
+    if embedded:
+        port = get_int("GRADHUB_SCHEDULER_PORT") or (get_int("MASTER_PORT", 29500) + 1)
         scheduler = f"{os.environ['MASTER_ADDR']}:{port}"
-    rank = _int("GRADHUB_RANK", _int("RANK", -1))
-    num_workers = _int("GRADHUB_NUM_WORKERS", _int("WORLD_SIZE", 0))
-    local_size = _int("LOCAL_WORLD_SIZE")
+    num_workers = get_int("GRADHUB_NUM_WORKERS", get_int("WORLD_SIZE", 0))
+    local_size = get_int("LOCAL_WORLD_SIZE")
     default_servers = 0
     if torchrun and num_workers and local_size:
         default_servers = max(1, num_workers // local_size)  # one per node
     return WorkerEnv(
         scheduler=scheduler,
-        rank=rank,
+        rank=get_int("GRADHUB_RANK", get_int("RANK", -1)),
         num_workers=num_workers,
-        num_servers=_int("GRADHUB_NUM_SERVERS", default_servers),
-        local_rank=_int("LOCAL_RANK"),
+        num_servers=get_int("GRADHUB_NUM_SERVERS", default_servers),
+        local_rank=get_int("LOCAL_RANK"),
         local_size=local_size,
-        namespace=_int("GRADHUB_NAMESPACE", 0),
-        credit_bytes=_int("GRADHUB_CREDIT_BYTES"),
-        connect_timeout=float(os.environ.get("GRADHUB_CONNECT_TIMEOUT", "60")),
+        namespace=get_int("GRADHUB_NAMESPACE", 0),
+        credit_bytes=get_int("GRADHUB_CREDIT_BYTES"),
+        connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
         torchrun=torchrun,
+        embedded=embedded,
+    )
+
+
+def role() -> str:
+    """GRADHUB_ROLE: worker (default), server or scheduler."""
+    return get_choice("GRADHUB_ROLE", ("worker", "server", "scheduler"), "worker")
+
+
+# ---------------------------------------------------------------- scheduler and servers
+
+
+@dataclass
+class SchedulerEnv:
+    scheduler: str | None          # GRADHUB_SCHEDULER: its port is the default bind port
+    num_workers: int | None
+    num_servers: int | None
+    partition_bytes: int | None    # None: the core's default
+    stall_seconds: float
+    peer_timeout: float
+    namespace: int
+
+
+def scheduler_env() -> SchedulerEnv:
+    return SchedulerEnv(
+        scheduler=get_str("GRADHUB_SCHEDULER"),
+        num_workers=get_int("GRADHUB_NUM_WORKERS"),
+        num_servers=get_int("GRADHUB_NUM_SERVERS"),
+        partition_bytes=get_int("GRADHUB_PARTITION_BYTES"),
+        stall_seconds=get_float("GRADHUB_STALL_SECONDS", 30.0),
+        peer_timeout=get_float("GRADHUB_PEER_TIMEOUT", 10.0),
+        namespace=get_int("GRADHUB_NAMESPACE", 0),
+    )
+
+
+@dataclass
+class ServerEnv:
+    scheduler: str | None
+    threads: int | None            # None: the launcher's default (see README, Settings)
+    colocated: bool
+    advertise: str | None
+    port: int
+    rank: int
+    num_workers: int
+    num_servers: int
+    namespace: int
+    connect_timeout: float
+
+
+def server_env() -> ServerEnv:
+    return ServerEnv(
+        scheduler=get_str("GRADHUB_SCHEDULER"),
+        threads=get_int("GRADHUB_SERVER_THREADS"),
+        colocated=get_flag("GRADHUB_COLOCATED"),
+        advertise=get_str("GRADHUB_ADVERTISE_ADDR"),
+        port=get_int("GRADHUB_SERVER_PORT", 0),
+        rank=get_int("GRADHUB_SERVER_RANK", -1),
+        num_workers=get_int("GRADHUB_NUM_WORKERS", 0),
+        num_servers=get_int("GRADHUB_NUM_SERVERS", 0),
+        namespace=get_int("GRADHUB_NAMESPACE", 0),
+        connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
+    )
+
+
+# ---------------------------------------------------------------- gradhub.torch
+
+
+@dataclass
+class TorchOptions:
+    overlap_forward: bool
+    optimizer_on_server: bool
+    scheduling: str                # priority or fifo
+
+
+def torch_options() -> TorchOptions:
+    """The DistributedOptimizer switches, so an unchanged Horovod script can use them."""
+    return TorchOptions(
+        overlap_forward=get_flag("GRADHUB_OVERLAP_FORWARD"),
+        optimizer_on_server=get_flag("GRADHUB_OPTIMIZER_ON_SERVER"),
+        scheduling=get_choice("GRADHUB_SCHEDULING", ("priority", "fifo"), "priority"),
     )

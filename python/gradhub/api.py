@@ -1,24 +1,30 @@
-"""The worker-side API: init, push_pull, broadcast, declare, barrier, shutdown."""
+"""The worker-side API: init, push_pull, broadcast, declare, barrier, shutdown.
+
+This module is the only door into the core's worker client (`_core.Client`):
+gradhub.torch and every other layer go through the functions below.
+`push_pull_async` is the one staging helper: numpy arrays and CPU tensors are
+summed in place (zero-copy), CUDA tensors through a pinned host copy that is
+copied back when the operation completes.
+"""
 
 from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import sys
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from . import _core
-from ._env import worker_env
-from .buffers import describe, get_buffer, is_torch_tensor
+from . import _core, _env
+from .buffers import describe, get_buffer, is_torch_tensor, stage
 
 _lock = threading.Lock()
 _client: _core.Client | None = None
 _local_rank: int | None = None
 _local_size: int | None = None
-_embedded: list[Any] = []  # in-process scheduler / server threads (torchrun mode)
-_noname = itertools.count()
+_embedded = None  # roles.Embedded: in-process scheduler / server (torchrun mode)
+_names = itertools.count()
+_names_lock = threading.Lock()
 
 
 def _require() -> _core.Client:
@@ -28,59 +34,27 @@ def _require() -> _core.Client:
     return c
 
 
-def _run_role_and_exit(role: str) -> None:
-    """BytePS-style: the same script started with GRADHUB_ROLE=server or
-    scheduler runs that role inside init() and exits when the job ends."""
-    from . import cli
-
-    rc = cli.main([role])
-    sys.exit(rc)
-
-
-def _start_embedded(env) -> None:
-    """torchrun without a separate scheduler: rank 0 hosts the scheduler and
-    local rank 0 of each node hosts a colocated summation server."""
-    if env.rank == 0:
-        host, _, port = env.scheduler.rpartition(":")
-        h = _core.start_scheduler(
-            f"0.0.0.0:{port}",
-            env.num_workers,
-            env.num_servers,
-            int(os.environ.get("GRADHUB_PARTITION_BYTES", _core.DEFAULT_PARTITION_BYTES)),
-        )
-        _embedded.append(h)
-    if (env.local_rank or 0) == 0:
-        threads = int(os.environ.get("GRADHUB_SERVER_THREADS", "1"))
-
-        def serve():
-            try:
-                _core.run_server(env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
-                                 num_servers=env.num_servers, namespace=env.namespace)
-            except _core.GradhubError as e:  # reported to workers by the scheduler too
-                print(f"[gradhub] embedded server: {e}", file=sys.stderr)
-
-        t = threading.Thread(target=serve, name="gradhub-embedded-server", daemon=True)
-        t.start()
-        _embedded.append(t)
-
-
 def init(scheduler: str | None = None, rank: int | None = None, num_workers: int | None = None,
          num_servers: int | None = None) -> None:
     """Join the job. Arguments override the environment (GRADHUB_SCHEDULER,
     GRADHUB_RANK, GRADHUB_NUM_WORKERS, GRADHUB_NUM_SERVERS, or torchrun's RANK,
-    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR)."""
-    global _client, _local_rank, _local_size
-    role = os.environ.get("GRADHUB_ROLE", "worker").strip().lower()
-    if role in ("server", "scheduler"):
-        _run_role_and_exit(role)
-    elif role != "worker":
-        raise ValueError(f"GRADHUB_ROLE={role!r}: expected worker, server or scheduler")
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
+
+    BytePS style: started with GRADHUB_ROLE=server or scheduler, the same
+    script runs that role here and exits when the job ends."""
+    global _client, _local_rank, _local_size, _embedded
+    role = _env.role()
+    if role != "worker":
+        from . import roles
+
+        sys.exit(roles.run_role(role))
     with _lock:
         if _client is not None:
             return
-        env = worker_env()
+        env = _env.worker_env()
         if scheduler is not None:
             env.scheduler = scheduler
+            env.embedded = False
         if rank is not None:
             env.rank = rank
         if num_workers is not None:
@@ -92,8 +66,10 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                 "gradhub.init(): no scheduler address. Start the job with `gradhub launch`, "
                 "set GRADHUB_SCHEDULER=host:port, or run under torchrun (MASTER_ADDR)."
             )
-        if env.torchrun and "GRADHUB_SCHEDULER" not in os.environ and scheduler is None:
-            _start_embedded(env)
+        if env.embedded:
+            from .roles import Embedded
+
+            _embedded = Embedded(env)
         kwargs = {}
         if env.credit_bytes is not None:
             kwargs["credit_bytes"] = env.credit_bytes
@@ -111,22 +87,15 @@ def is_initialized() -> bool:
 
 def shutdown() -> None:
     """Leave the job. Safe to call twice."""
-    global _client
+    global _client, _embedded
     with _lock:
         c, _client = _client, None
+        emb, _embedded = _embedded, None
     if c is None:
         return
     c.shutdown()
-    # Embedded roles must outlive every worker of the job, not just this one.
-    for e in _embedded:
-        if isinstance(e, threading.Thread):
-            e.join(timeout=60)
-        else:
-            try:
-                e.wait()
-            except _core.GradhubError as err:
-                print(f"[gradhub] embedded scheduler: {err}", file=sys.stderr)
-    _embedded.clear()
+    if emb is not None:
+        emb.wait()
 
 
 def rank() -> int:
@@ -150,21 +119,39 @@ def local_size() -> int:
 class Handle:
     """A push_pull in flight. `wait()` returns the (in-place updated) tensor."""
 
-    __slots__ = ("_h", "tensor")
+    __slots__ = ("_h", "tensor", "_host", "_copy_lock")
 
-    def __init__(self, h: _core.Handle, tensor: Any):
+    def __init__(self, h: _core.Handle, tensor: Any, host: Any = None):
         self._h = h
         self.tensor = tensor
+        self._host = host  # pinned host copy of a CUDA tensor, copied back once done
+        self._copy_lock = threading.Lock() if host is not None else None
+
+    def _copy_back(self) -> None:
+        if self._copy_lock is None:
+            return
+        with self._copy_lock:
+            host, self._host = self._host, None
+            if host is not None:
+                self.tensor.copy_(host)
 
     def wait(self, timeout: float | None = None):
         """Block until the result is in the tensor. Raises GradhubTimeoutError
         after `timeout` seconds (naming stalled ranks if a server reported
         them), GradhubError if a peer died or the job failed."""
         self._h.wait(timeout)
+        self._copy_back()
         return self.tensor
 
     def done(self) -> bool:
         return self._h.done()
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call `fn(handle)` once the operation has finished: from a core
+        thread, or at once on this thread if it is already done. Inside `fn`,
+        `handle.wait()` returns the tensor at once or raises the failure.
+        `fn` should be quick and must not raise."""
+        self._h.add_done_callback(lambda _error: fn(self))
 
     @property
     def name(self) -> str:
@@ -174,25 +161,37 @@ class Handle:
         return f"<gradhub.Handle {self.name!r} {'done' if self.done() else 'pending'}>"
 
 
-def _auto_name(prefix: str) -> str:
-    return f"{prefix}.noname.{next(_noname)}"
+def auto_name(kind: str) -> str:
+    """A name for an unnamed operation: `<kind>.noname.<n>`, numbered in call
+    order by one counter shared by every layer (gradhub and gradhub.torch), so
+    unnamed calls never collide. The call order must be the same on every worker."""
+    with _names_lock:
+        return f"{kind}.noname.{next(_names)}"
 
 
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
-                    dtype: str | None = None) -> Handle:
+                    dtype: str | None = None, init: bool = False) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
+    `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
+    bfloat16). CPU memory is used in place; a CUDA tensor is staged through
+    pinned host memory and the result copied back by `wait()`.
     `name` identifies the tensor across workers; without one, names are
     generated from the call order, which must then be the same on every worker.
     Higher `priority` is sent first. `average=True` divides by the number of
     workers. `dtype="bfloat16"` lets a uint16 numpy array carry bfloat16 bits.
+    `init=True` (float32 only) gives the servers the initial values of a tensor
+    whose optimizer runs on the servers (`set_server_optimizer`); the round
+    returns worker 0's values.
     """
     c = _require()
-    buf = get_buffer(tensor, dtype)
+    host = stage(tensor, dtype)
+    buf = get_buffer(host, dtype)
     if name is None:
-        name = _auto_name("push_pull")
-    h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj)
-    return Handle(h, tensor)
+        name = auto_name("push_pull")
+    h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
+                          init=bool(init))
+    return Handle(h, tensor, host if host is not tensor else None)
 
 
 def push_pull(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
@@ -211,7 +210,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
     if not 0 <= root_rank < c.size:
         raise ValueError(f"root_rank {root_rank} out of range for {c.size} workers")
     if name is None:
-        name = _auto_name("broadcast")
+        name = auto_name("broadcast")
     if c.rank != root_rank:
         if is_torch_tensor(tensor):
             tensor.zero_()
@@ -222,7 +221,8 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
 
 def declare(tensors: Iterable[tuple[str, Any]] | dict) -> None:
     """Declare tensors ahead of their first push_pull, in one exchange with the
-    scheduler: [(name, tensor_or_array), ...] or {name: tensor}. Checks that
+    scheduler: [(name, tensor_or_array), ...], [(name, (numel, dtype)), ...] or
+    {name: tensor}. Blocks until every worker has declared them; checks that
     every worker declares the same sizes and dtypes (raises otherwise)."""
     c = _require()
     items = tensors.items() if isinstance(tensors, dict) else tensors
@@ -234,6 +234,19 @@ def declare(tensors: Iterable[tuple[str, Any]] | dict) -> None:
         else:
             entries.append((name, *describe(t)))
     c.declare(entries)
+
+
+def set_server_optimizer(name: str, numel: int, kind: str, lr: float, momentum: float = 0.0,
+                         dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                         beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8) -> None:
+    """Have the servers run an optimizer ("sgd" or "adamw") on float32 tensor
+    `name` of `numel` elements: its push_pulls then return updated parameters
+    (gradhub.torch.DistributedOptimizer(optimizer_on_server=True)). Call again
+    to change hyperparameters; it takes effect from the tensor's next round."""
+    _require().set_server_optimizer(name, int(numel), kind, float(lr), momentum=float(momentum),
+                                    dampening=float(dampening), weight_decay=float(weight_decay),
+                                    nesterov=bool(nesterov), beta1=float(beta1), beta2=float(beta2),
+                                    eps=float(eps))
 
 
 def barrier() -> None:

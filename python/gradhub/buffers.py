@@ -1,9 +1,12 @@
-"""Zero-copy access to numpy arrays and CPU torch tensors.
+"""Zero-copy access to numpy arrays and CPU torch tensors, and host staging
+of CUDA tensors.
 
-Returns the raw pointer, size and dtype of a contiguous, writable buffer; the
-caller keeps the object alive for as long as the pointer is used (the core
-holds a reference until the operation completes). torch is never imported
-here, so servers and numpy-only users don't pay for it.
+`get_buffer` returns the raw pointer, size and dtype of a contiguous, writable
+buffer; the caller keeps the object alive for as long as the pointer is used
+(the core holds a reference until the operation completes). `stage` gives the
+host memory an operation works on: the object itself, or a pinned host copy of
+a CUDA tensor. torch is never imported here (a CUDA tensor implies it is
+loaded already), so servers and numpy-only users don't pay for it.
 """
 
 from __future__ import annotations
@@ -47,22 +50,45 @@ def get_buffer(x: Any, dtype: str | None = None) -> Buffer:
         return Buffer(x.ctypes.data, x.nbytes, dt, x)
     if is_torch_tensor(x):
         if x.device.type != "cpu":
-            raise ValueError(
-                f"gradhub.push_pull takes CPU tensors; got a tensor on {x.device}. "
-                "gradhub.torch stages CUDA tensors through pinned host memory."
-            )
-        if not x.is_contiguous():
-            raise ValueError("gradhub needs a contiguous tensor (call .contiguous() and copy back)")
-        if x.requires_grad:
-            raise ValueError(
-                "gradhub works in place and cannot modify a tensor that requires grad; "
-                "pass tensor.detach() or a gradient (param.grad)"
-            )
-        dt = dtype or _TORCH_DTYPES.get(str(x.dtype))
-        if dt is None:
-            raise TypeError(f"unsupported tensor dtype {x.dtype} (use float32, float16 or bfloat16)")
+            raise ValueError(f"gradhub needs host memory; got a tensor on {x.device} (see buffers.stage)")
+        dt = _check_tensor(x, dtype)
         return Buffer(x.data_ptr(), x.numel() * x.element_size(), dt, x)
-    raise TypeError(f"gradhub works on numpy arrays and CPU torch tensors, not {type(x).__name__}")
+    raise TypeError(f"gradhub works on numpy arrays and CPU or CUDA torch tensors, not {type(x).__name__}")
+
+
+def _check_tensor(x: Any, dtype: str | None) -> str:
+    """Checks for an in-place operation on a torch tensor; returns its wire dtype."""
+    if not x.is_contiguous():
+        raise ValueError("gradhub needs a contiguous tensor (call .contiguous() and copy back)")
+    if x.requires_grad:
+        raise ValueError(
+            "gradhub works in place and cannot modify a tensor that requires grad; "
+            "pass tensor.detach() or a gradient (param.grad)"
+        )
+    dt = dtype or _TORCH_DTYPES.get(str(x.dtype))
+    if dt is None:
+        raise TypeError(f"unsupported tensor dtype {x.dtype} (use float32, float16 or bfloat16)")
+    return dt
+
+
+def stage(x: Any, dtype: str | None = None) -> Any:
+    """The host memory an in-place operation on `x` works on: `x` itself for
+    numpy arrays and CPU tensors (zero-copy), a pinned host copy for a CUDA
+    tensor (the caller copies the result back with `x.copy_(host)`)."""
+    device = getattr(x, "device", None)
+    kind = getattr(device, "type", None)
+    if isinstance(x, np.ndarray) or kind is None or kind == "cpu":
+        return x
+    if kind != "cuda":
+        raise ValueError(f"gradhub supports CPU and CUDA tensors, not {device}")
+    import torch  # loaded already: x is a torch tensor
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("a CUDA tensor was given but no GPU is available")
+    _check_tensor(x, dtype)
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x)
+    return host
 
 
 def describe(x: Any) -> tuple[int, str]:

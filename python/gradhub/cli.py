@@ -7,56 +7,43 @@ environment describes a job for all roles. Servers never import torch.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
+
+from . import _env, roles
 
 ENV_HELP = """
 environment (flags win over variables):
   GRADHUB_SCHEDULER        scheduler host:port (all roles)
   GRADHUB_NUM_WORKERS      number of workers in the job
   GRADHUB_NUM_SERVERS      number of summation servers in the job
-  GRADHUB_SERVER_THREADS   threads (cores) per server
+  GRADHUB_SERVER_THREADS   threads (cores) per server (default: launch 1, server
+                           the number of cores, torchrun-embedded server 1)
   GRADHUB_COLOCATED=1      this server shares a machine with a worker
   GRADHUB_ADVERTISE_ADDR   address a server tells workers to use
   GRADHUB_PARTITION_BYTES  chunk size (scheduler decides for the job)
   GRADHUB_CREDIT_BYTES     bytes in flight per server-thread connection (workers)
   GRADHUB_STALL_SECONDS    report rounds stalled longer than this
-  GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead
+  GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead;
+                           set on the scheduler, which tells every member
+  GRADHUB_LOG              log level of every role: warn, info (default) or debug
 """
 
 
-def _env_int(name: str, default: int | None = None) -> int | None:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else default
-
-
-def _env_float(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    return float(v) if v not in (None, "") else default
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _split_hostport(s: str, default_port: int) -> tuple[str, int]:
-    if ":" in s:
-        host, _, port = s.rpartition(":")
-        return host.strip("[]") or "0.0.0.0", int(port)
-    return s, default_port
-
-
-def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--partition-bytes", type=int, default=_env_int("GRADHUB_PARTITION_BYTES"),
+def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> None:
+    p.add_argument("--partition-bytes", type=int, default=env.partition_bytes,
                    help="chunk size in bytes (default: GRADHUB_PARTITION_BYTES or 256 KiB)")
-    p.add_argument("--stall-seconds", type=float, default=_env_float("GRADHUB_STALL_SECONDS", 30.0),
+    p.add_argument("--stall-seconds", type=float, default=env.stall_seconds,
                    help="servers report a round that waited longer than this (default 30)")
-    p.add_argument("--peer-timeout", type=float, default=_env_float("GRADHUB_PEER_TIMEOUT", 10.0),
-                   help="seconds without a heartbeat before a member is declared dead (default 10)")
+    p.add_argument("--peer-timeout", type=float, default=env.peer_timeout,
+                   help="seconds without a heartbeat before any member is declared dead; the scheduler tells "
+                   "every member (GRADHUB_PEER_TIMEOUT; default 10)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line; defaults come from the environment (a malformed
+    variable raises ValueError naming it)."""
+    senv = _env.scheduler_env()
+    venv = _env.server_env()
     p = argparse.ArgumentParser(
         prog="gradhub",
         description="gradhub: gradient synchronization for data-parallel training.",
@@ -76,15 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lp.add_argument("-w", "--workers", type=int, required=True, help="number of worker processes")
     lp.add_argument("-s", "--servers", type=int, default=1, help="number of summation servers (default 1)")
-    lp.add_argument("--server-threads", type=int, default=_env_int("GRADHUB_SERVER_THREADS", 1),
-                    help="threads per server (default 1)")
+    lp.add_argument("--server-threads", type=int, default=venv.threads or 1,
+                    help="threads per server (GRADHUB_SERVER_THREADS; default 1)")
     g = lp.add_mutually_exclusive_group()
     g.add_argument("--colocated", action="store_true",
                    help="mark every server as colocated with a worker (all-reduce-like traffic split)")
     g.add_argument("--colocated-servers", type=int, default=0, metavar="C",
                    help="mark the first C servers colocated, the rest CPU-only (mixed job)")
     lp.add_argument("--port", type=int, default=0, help="scheduler port (default: a free port)")
-    _add_scheduler_args(lp)
+    _add_scheduler_args(lp, senv)
     lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
 
     sp = sub.add_parser(
@@ -97,11 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--bind", default=None,
                     help="host:port to listen on (default: 0.0.0.0 and the port of GRADHUB_SCHEDULER, or 9000)")
-    sp.add_argument("--workers", type=int, default=_env_int("GRADHUB_NUM_WORKERS"),
+    sp.add_argument("--workers", type=int, default=senv.num_workers,
                     help="number of workers (GRADHUB_NUM_WORKERS)")
-    sp.add_argument("--servers", type=int, default=_env_int("GRADHUB_NUM_SERVERS"),
+    sp.add_argument("--servers", type=int, default=senv.num_servers,
                     help="number of servers (GRADHUB_NUM_SERVERS)")
-    _add_scheduler_args(sp)
+    _add_scheduler_args(sp, senv)
 
     vp = sub.add_parser(
         "server",
@@ -111,70 +98,37 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks. Registers with the scheduler and exits when the job ends.",
         epilog=ENV_HELP,
     )
-    vp.add_argument("--scheduler", default=os.environ.get("GRADHUB_SCHEDULER"),
+    vp.add_argument("--scheduler", default=venv.scheduler,
                     help="scheduler host:port (GRADHUB_SCHEDULER)")
-    vp.add_argument("--threads", type=int, default=_env_int("GRADHUB_SERVER_THREADS", os.cpu_count() or 1),
+    vp.add_argument("--threads", type=int, default=venv.threads if venv.threads is not None else roles.default_server_threads(),
                     help="server threads (GRADHUB_SERVER_THREADS; default: number of cores)")
-    vp.add_argument("--colocated", action="store_true", default=_env_flag("GRADHUB_COLOCATED"),
+    vp.add_argument("--colocated", action="store_true", default=venv.colocated,
                     help="this server runs on a worker machine (GRADHUB_COLOCATED=1)")
-    vp.add_argument("--advertise-addr", default=os.environ.get("GRADHUB_ADVERTISE_ADDR"),
+    vp.add_argument("--advertise-addr", default=venv.advertise,
                     help="address workers should connect to (GRADHUB_ADVERTISE_ADDR; default: the local "
                     "address of the interface that reaches the scheduler)")
     vp.add_argument("--bind-host", default="0.0.0.0", help="host to listen on (default 0.0.0.0)")
-    vp.add_argument("--port", type=int, default=_env_int("GRADHUB_SERVER_PORT", 0),
-                    help="first port; thread t listens on port+t (default: free ports)")
-    vp.add_argument("--rank", type=int, default=_env_int("GRADHUB_SERVER_RANK", -1),
-                    help="request this server rank (default: assigned)")
-    vp.add_argument("--connect-timeout", type=float, default=_env_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
-                    help="seconds to keep retrying the scheduler (default 60)")
-    sub.add_parser("bench", help="benchmark suite on an emulated cluster (see `gradhub bench --help`)",
-                   add_help=False)
+    vp.add_argument("--port", type=int, default=venv.port,
+                    help="first port; thread t listens on port+t (GRADHUB_SERVER_PORT; default: free ports)")
+    vp.add_argument("--rank", type=int, default=venv.rank,
+                    help="request this server rank (GRADHUB_SERVER_RANK; default: assigned)")
+    vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
+                    help="seconds to keep retrying the scheduler (GRADHUB_CONNECT_TIMEOUT; default 60)")
+    sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core) and the emulated-cluster "
+                   "suite (see `gradhub bench --help`)", add_help=False)
     return p
 
 
 def _run_scheduler(args) -> int:
-    from . import _core
-
-    if args.workers is None or args.servers is None:
-        print("gradhub scheduler: --workers and --servers (or GRADHUB_NUM_WORKERS/GRADHUB_NUM_SERVERS) "
-              "are required", file=sys.stderr)
-        return 2
-    bind = args.bind
-    if bind is None:
-        port = 9000
-        if os.environ.get("GRADHUB_SCHEDULER"):
-            _, port = _split_hostport(os.environ["GRADHUB_SCHEDULER"], 9000)
-        bind = f"0.0.0.0:{port}"
-    elif ":" not in bind:
-        bind = f"{bind}:9000"
-    try:
-        _core.run_scheduler(bind, args.workers, args.servers,
-                            args.partition_bytes or _core.DEFAULT_PARTITION_BYTES,
-                            peer_timeout_ms=int(args.peer_timeout * 1000),
-                            stall_ms=int(args.stall_seconds * 1000),
-                            namespace=_env_int("GRADHUB_NAMESPACE", 0))
-    except _core.GradhubError as e:
-        print(f"gradhub scheduler: {e}", file=sys.stderr)
-        return 1
-    return 0
+    e = _env.scheduler_env()
+    return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
+                               args.peer_timeout, e.namespace, scheduler=e.scheduler)
 
 
 def _run_server(args) -> int:
-    from . import _core
-
-    if not args.scheduler:
-        print("gradhub server: --scheduler (or GRADHUB_SCHEDULER) is required", file=sys.stderr)
-        return 2
-    try:
-        _core.run_server(args.scheduler, threads=max(1, args.threads), colocated=args.colocated,
-                         advertise=args.advertise_addr, bind_host=args.bind_host, base_port=args.port,
-                         rank=args.rank, num_workers=_env_int("GRADHUB_NUM_WORKERS", 0),
-                         num_servers=_env_int("GRADHUB_NUM_SERVERS", 0),
-                         namespace=_env_int("GRADHUB_NAMESPACE", 0), connect_timeout=args.connect_timeout)
-    except _core.GradhubError as e:
-        print(f"gradhub server: {e}", file=sys.stderr)
-        return 1
-    return 0
+    e = _env.server_env()
+    return roles.run_server(args.scheduler, args.threads, args.colocated, args.advertise_addr, args.bind_host,
+                            args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ValueError as e:  # a malformed GRADHUB_* variable
+        print(f"gradhub: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()
         return 2
     if args.cmd in ("scheduler", "server"):
-        # Blocking in native code: let Ctrl-C terminate the process directly.
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
         return _run_scheduler(args) if args.cmd == "scheduler" else _run_server(args)
     from .launch import launch
 

@@ -9,9 +9,9 @@ Three ways to use it:
 
 from __future__ import annotations
 
+from .. import GradhubError, GradhubTimeoutError
 from ..api import init as _init
 from ..api import is_initialized, local_rank, local_size, rank, shutdown, size
-from .._core import GradhubError, GradhubTimeoutError
 from .compression import Compression, Compressor
 from .ddp import HookState, ddp_comm_hook
 from .ops import (

@@ -4,15 +4,15 @@ built on gradhub's push_pull (a sum across workers).
 - float32/float16/bfloat16 travel natively; float64 and integer tensors are
   carried as float32 (exact for integers below 2^24, a float32 rounding for
   float64) in allreduce, and as raw bytes (exact) in broadcast and allgather.
-- CUDA tensors are staged through pinned host memory with PyTorch's copies.
+- CUDA tensors are staged through pinned host memory with PyTorch's copies
+  (by gradhub.api.push_pull_async, the one door into the core).
 """
 
 from __future__ import annotations
 
-import itertools
 import pickle
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,17 +33,7 @@ Average = ReduceOp("Average")
 Sum = ReduceOp("Sum")
 
 _NATIVE = (torch.float32, torch.float16, torch.bfloat16)
-_counter = itertools.count()
-_counter_lock = threading.Lock()
-
-
-def _auto_name(kind: str) -> str:
-    with _counter_lock:
-        return f"{kind}.noname.{next(_counter)}"
-
-
-def _client():
-    return _api._require()
+_auto_name = _api.auto_name
 
 
 def _resolve_op(average, op):
@@ -56,28 +46,16 @@ def _resolve_op(average, op):
     return op
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor with t's values (pinned staging for CUDA)."""
-    if t.device.type == "cpu":
-        return t
-    if t.device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("a CUDA tensor was given but no GPU is available")
-        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        h.copy_(t, non_blocking=False)
-        return h
-    raise ValueError(f"gradhub supports CPU and CUDA tensors, not {t.device}")
-
-
 class Handle:
     """An operation in flight. `synchronize(handle)` (or `handle.wait()`)
     returns its output tensor; `poll(handle)` tells whether it is done."""
 
-    def __init__(self, core_handle, finish, name: str):
-        self._h = core_handle
+    def __init__(self, handle, finish, name: str):
+        self._h = handle  # a gradhub.api.Handle, or None if the result is ready
         self._finish = finish
         self._result = None
         self._done = False
+        self._lock = threading.Lock()  # finish() runs once, also with a done callback racing wait()
         self.name = name
 
     def done(self) -> bool:
@@ -87,9 +65,41 @@ class Handle:
         if not self._done:
             if self._h is not None:
                 self._h.wait(timeout)
-            self._result = self._finish()
-            self._done = True
+            with self._lock:
+                if not self._done:
+                    self._result = self._finish()
+                    self._done = True
         return self._result
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call `fn(handle)` once the operation has finished: from a core
+        thread, or at once if it is already done. Inside `fn`,
+        `handle.wait()` returns the output at once or raises the failure.
+        `fn` should be quick and must not raise."""
+        if self._h is None:
+            fn(self)
+        else:
+            self._h.add_done_callback(lambda _h: fn(self))
+
+
+_WIRE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_VIA_FLOAT32 = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of `dtype` travels in: itself if native, else float32."""
+    if dtype in _NATIVE:
+        return dtype
+    if dtype.is_floating_point or dtype in _VIA_FLOAT32:
+        return torch.float32
+    raise TypeError(f"cannot reduce tensors of dtype {dtype}")
+
+
+def _wire_spec(tensor: torch.Tensor, compression=Compression.none) -> tuple[int, str]:
+    """(numel, dtype name) that `_push_pull_async(tensor, ..., compression)`
+    sends, for declaring it ahead of its first reduction."""
+    comp, _ = compression.compress(tensor.detach())
+    return comp.numel(), _WIRE_NAMES[_wire_dtype(comp.dtype)]
 
 
 def _check_inplace(tensor: torch.Tensor, what: str):
@@ -103,25 +113,18 @@ def _check_inplace(tensor: torch.Tensor, what: str):
 def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: int, compression,
                      inplace_target: torch.Tensor | None) -> Handle:
     """Reduce `tensor`; the result is written into `inplace_target` if given,
-    else returned as a new tensor."""
-    c = _client()
+    else returned as a new tensor. (The DDP comm hook calls this too.)"""
     src = tensor.detach()
     comp, ctx = compression.compress(src)
     wire_cast = None
-    if comp.dtype not in _NATIVE:
-        if not (comp.dtype.is_floating_point or comp.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
-                                                                 torch.uint8, torch.bool)):
-            raise TypeError(f"cannot reduce tensors of dtype {comp.dtype}")
+    if _wire_dtype(comp.dtype) is not comp.dtype:
         wire_cast = comp.dtype
         comp = comp.to(torch.float32)
-    buf = _host(comp)
+    buf = comp
     # The buffer is summed in place: never the caller's own memory unless asked.
     if buf.data_ptr() == src.data_ptr() or not buf.is_contiguous():
         buf = buf.contiguous().clone() if inplace_target is None else buf.contiguous()
-    if inplace_target is not None and (buf.data_ptr() != inplace_target.data_ptr()):
-        pass  # result copied back in finish()
-    h = c.push_pull_async(buf.data_ptr(), buf.numel() * buf.element_size(), _wire_dtype(buf), name, average,
-                          int(priority), buf)
+    h = _api.push_pull_async(buf, name=name, average=average, priority=priority)
 
     def finish():
         out = buf
@@ -135,10 +138,6 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
         return out.to(tensor.device).view_as(tensor) if out.device != tensor.device else out.view_as(tensor)
 
     return Handle(h, finish, name)
-
-
-def _wire_dtype(t: torch.Tensor) -> str:
-    return {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[t.dtype]
 
 
 # ---------------------------------------------------------------- allreduce
@@ -219,19 +218,19 @@ def broadcast_async(tensor, root_rank, name=None) -> Handle:
 
 
 def _broadcast_async(tensor, root_rank, name, target) -> Handle:
-    c = _client()
-    if not 0 <= root_rank < c.size:
-        raise ValueError(f"root_rank {root_rank} is out of range for {c.size} workers")
+    n = _api.size()
+    if not 0 <= root_rank < n:
+        raise ValueError(f"root_rank {root_rank} is out of range for {n} workers")
     src = tensor.detach()
     if src.dtype in _NATIVE:
-        buf = _host(src).contiguous().clone()
+        buf = src.contiguous().clone()
         exact_bytes = False
     else:
         buf = _bytes_as_f32(src)
         exact_bytes = True
-    if c.rank != root_rank:
+    if _api.rank() != root_rank:
         buf.zero_()
-    h = c.push_pull_async(buf.data_ptr(), buf.numel() * buf.element_size(), _wire_dtype(buf), name, False, 0, buf)
+    h = _api.push_pull_async(buf, name=name, average=False, priority=0)
 
     def finish():
         if exact_bytes:
@@ -265,14 +264,13 @@ def broadcast_(tensor, root_rank, name=None):
 
 
 def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list[int]]:
-    c = _client()
-    n, r = c.size, c.rank
+    n, r = _api.size(), _api.rank()
     t = tensor.detach().contiguous()
     if t.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
     counts = torch.zeros(n, dtype=torch.float32)
     counts[r] = t.shape[0]
-    c.push_pull_async(counts.data_ptr(), counts.numel() * 4, "float32", f"{name}.counts", False, 0, counts).wait()
+    _api.push_pull(counts, name=f"{name}.counts")
     counts_l = [int(x) for x in counts.tolist()]
     row = int(np.prod(t.shape[1:], dtype=np.int64))
     total = sum(counts_l)
@@ -280,15 +278,13 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
     native = t.dtype in _NATIVE
     if native:
         buf = torch.zeros(total * row, dtype=t.dtype)
-        buf[start * row:(start + t.shape[0]) * row] = _host(t).reshape(-1)
+        buf[start * row:(start + t.shape[0]) * row] = t.reshape(-1)  # copies from any device
     else:
         width = t.element_size()
         buf = torch.zeros(total * row * width, dtype=torch.float32)
         buf[start * row * width:(start + t.shape[0]) * row * width] = _bytes_as_f32(t)
     # Sizes differ between calls, so the tensor is declared per total size.
-    h = c.push_pull_async(buf.data_ptr(), buf.numel() * buf.element_size(), _wire_dtype(buf),
-                          f"{name}.data.{total}x{row}", False, 0, buf)
-    h.wait()
+    _api.push_pull(buf, name=f"{name}.data.{total}x{row}")
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:
@@ -305,7 +301,7 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        r = _client().rank
+        r = _api.rank()
         g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad.{grad.shape[0]}", op=Sum).wait()
         start = sum(ctx.counts[:r])
         return g[start:start + ctx.counts[r]], None
@@ -330,9 +326,8 @@ def allgather_async(tensor, name=None) -> Handle:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None):
     """Pickle `obj` on root_rank and return it on every worker."""
-    c = _client()
     name = name or _auto_name("broadcast_object")
-    if c.rank == root_rank:
+    if _api.rank() == root_rank:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.float32)
     else:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .ops import _auto_name, allgather
+from .. import api as _api
+from .ops import allgather
 
 
 class _SyncBatchNormFn(torch.autograd.Function):
@@ -66,7 +67,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
-        self._gh_name = _auto_name("sync_batch_norm")
+        self._gh_name = _api.auto_name("sync_batch_norm")
 
     def _check_input_dim(self, x):
         if x.dim() < 2:
@@ -74,9 +75,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x):
         self._check_input_dim(x)
-        from .. import api as _api
-
-        if not self.training or _api._client is None or _api._client.size == 1:
+        if not self.training or not _api.is_initialized() or _api.size() == 1:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 self.training or not self.track_running_stats, self.momentum or 0.0, self.eps)
         if self.training and self.track_running_stats:

@@ -1,0 +1,143 @@
+"""Type stub of the compiled core (src/python.rs, built by maturin).
+
+Thin bindings: argument conversion, releasing the GIL around anything that
+blocks, and errors mapped to Python exceptions. The user API (gradhub.api)
+builds on them; only gradhub.api, gradhub.roles and the benchmarks call them.
+tests/test_api_structure.py checks that this stub and the extension define the
+same names.
+"""
+
+from collections.abc import Callable
+
+DEFAULT_PARTITION_BYTES: int
+DEFAULT_CREDIT_BYTES: int
+
+class GradhubError(RuntimeError):
+    """A gradhub job or operation failed."""
+
+class GradhubTimeoutError(TimeoutError):
+    """A gradhub operation did not finish in time."""
+
+def run_scheduler(
+    bind: str,
+    num_workers: int,
+    num_servers: int,
+    partition_bytes: int,
+    heartbeat_ms: int = 1000,
+    peer_timeout_ms: int = 10000,
+    stall_ms: int = 30000,
+    join_timeout_ms: int = 300000,
+    namespace: int = 0,
+) -> None:
+    """Run a scheduler until the job ends (blocking, without the GIL)."""
+
+def start_scheduler(
+    bind: str,
+    num_workers: int,
+    num_servers: int,
+    partition_bytes: int,
+    heartbeat_ms: int = 1000,
+    peer_timeout_ms: int = 10000,
+    stall_ms: int = 30000,
+    join_timeout_ms: int = 300000,
+    namespace: int = 0,
+) -> SchedulerHandle:
+    """Start a scheduler on a background thread of this process."""
+
+def run_server(
+    scheduler: str,
+    threads: int = 1,
+    colocated: bool = False,
+    advertise: str | None = None,
+    bind_host: str = "0.0.0.0",
+    base_port: int = 0,
+    rank: int = -1,
+    num_workers: int = 0,
+    num_servers: int = 0,
+    namespace: int = 0,
+    connect_timeout: float = 60.0,
+) -> None:
+    """Run a summation server until the job ends (blocking, without the GIL)."""
+
+def kernel_simd_level() -> str:
+    """The summation kernels in use: "avx512", "avx2" or "portable"."""
+
+class SchedulerHandle:
+    """A scheduler running on a background thread of this process."""
+
+    @property
+    def address(self) -> str: ...
+    def wait(self) -> None:
+        """Wait for the job to end; raises GradhubError if it failed."""
+
+class Handle:
+    """A push_pull in flight."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block (without the GIL) until done; raises GradhubTimeoutError after
+        `timeout` seconds, GradhubError if the operation failed."""
+    def done(self) -> bool: ...
+    def add_done_callback(self, fn: Callable[[str | None], None]) -> None:
+        """Call fn once, from a core thread, with None on success or the error
+        message on failure; at once on the caller's thread if already done."""
+    @property
+    def name(self) -> str: ...
+
+class Client:
+    """A worker's connection to the job: joins on construction (blocking)."""
+
+    def __init__(
+        self,
+        scheduler: str,
+        rank: int = -1,
+        num_workers: int = 0,
+        num_servers: int = 0,
+        namespace: int = 0,
+        credit_bytes: int = ...,
+        connect_timeout: float = 60.0,
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def local_size(self) -> int: ...
+    @property
+    def num_servers(self) -> int: ...
+    @property
+    def partition_bytes(self) -> int: ...
+    def declare(self, entries: list[tuple[str, int, str]]) -> None:
+        """Declare [(name, numel, dtype), ...] in one exchange."""
+    def push_pull_async(
+        self,
+        ptr: int,
+        nbytes: int,
+        dtype: str,
+        name: str,
+        average: bool,
+        priority: int,
+        owner: object,
+        init: bool = False,
+    ) -> Handle:
+        """Start an in-place push_pull of raw memory. `owner` is kept alive until done."""
+    def set_server_optimizer(
+        self,
+        name: str,
+        numel: int,
+        kind: str,
+        lr: float,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+    ) -> None:
+        """Run an optimizer ("sgd" or "adamw") on the servers for float32 tensor `name`."""
+    def barrier(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def failure(self) -> str | None:
+        """The job's failure message, if it has failed."""

@@ -1,0 +1,152 @@
+"""The scheduler and server roles, however they are started:
+
+- `gradhub scheduler` / `gradhub server` (cli.py: flags, falling back to the environment);
+- GRADHUB_ROLE=scheduler|server (BytePS style: the training script itself,
+  started with that variable, runs the role inside `gradhub.init()` and exits
+  when the job ends): `run_role()`, built from the environment alone;
+- torchrun without GRADHUB_SCHEDULER: rank 0 hosts the scheduler and local
+  rank 0 of each node a colocated server, on threads of the worker process
+  (`Embedded`).
+
+Servers and the scheduler never import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from . import _core, _env
+
+DEFAULT_SCHEDULER_PORT = 9000
+
+
+def split_hostport(s: str, default_port: int) -> tuple[str, int]:
+    if ":" in s:
+        host, _, port = s.rpartition(":")
+        return host.strip("[]") or "0.0.0.0", int(port)
+    return s, default_port
+
+
+def _native_sigint() -> None:
+    """Blocking in native code: let Ctrl-C terminate the process directly."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        pass
+
+
+def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None,
+                  partition_bytes: int | None = None, stall_seconds: float = 30.0, peer_timeout: float = 10.0,
+                  namespace: int = 0, scheduler: str | None = None) -> int:
+    """Run the job's scheduler until the job ends; returns an exit code
+    (0 done, 1 the job failed, 2 bad settings). `bind` defaults to 0.0.0.0 and
+    the port of `scheduler` (GRADHUB_SCHEDULER), or 9000."""
+    if num_workers is None or num_servers is None:
+        print("gradhub scheduler: --workers and --servers (or GRADHUB_NUM_WORKERS/GRADHUB_NUM_SERVERS) "
+              "are required", file=sys.stderr)
+        return 2
+    if bind is None:
+        port = DEFAULT_SCHEDULER_PORT
+        if scheduler:
+            _, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
+        bind = f"0.0.0.0:{port}"
+    elif ":" not in bind:
+        bind = f"{bind}:{DEFAULT_SCHEDULER_PORT}"
+    _native_sigint()
+    try:
+        _core.run_scheduler(bind, num_workers, num_servers, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
+                            peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
+                            namespace=namespace)
+    except _core.GradhubError as e:
+        print(f"gradhub scheduler: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_server(scheduler: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
+               bind_host: str = "0.0.0.0", port: int = 0, rank: int = -1, num_workers: int = 0,
+               num_servers: int = 0, namespace: int = 0, connect_timeout: float = 60.0) -> int:
+    """Run one summation server until the job ends; returns an exit code."""
+    if not scheduler:
+        print("gradhub server: --scheduler (or GRADHUB_SCHEDULER) is required", file=sys.stderr)
+        return 2
+    _native_sigint()
+    try:
+        _core.run_server(scheduler, threads=max(1, threads), colocated=colocated, advertise=advertise,
+                         bind_host=bind_host, base_port=port, rank=rank, num_workers=num_workers,
+                         num_servers=num_servers, namespace=namespace, connect_timeout=connect_timeout)
+    except _core.GradhubError as e:
+        print(f"gradhub server: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def default_server_threads() -> int:
+    """`gradhub server` without --threads or GRADHUB_SERVER_THREADS: one per core."""
+    return os.cpu_count() or 1
+
+
+def scheduler_from_env() -> int:
+    e = _env.scheduler_env()
+    return run_scheduler(None, e.num_workers, e.num_servers, e.partition_bytes, e.stall_seconds, e.peer_timeout,
+                         e.namespace, scheduler=e.scheduler)
+
+
+def server_from_env() -> int:
+    e = _env.server_env()
+    return run_server(e.scheduler, e.threads if e.threads is not None else default_server_threads(), e.colocated,
+                      e.advertise, "0.0.0.0", e.port, e.rank, e.num_workers, e.num_servers, e.namespace,
+                      e.connect_timeout)
+
+
+def run_role(role: str) -> int:
+    """Run `role` ("scheduler" or "server") as configured by the environment."""
+    if role == "scheduler":
+        return scheduler_from_env()
+    if role == "server":
+        return server_from_env()
+    raise ValueError(f"unknown role {role!r}: expected scheduler or server")
+
+
+class Embedded:
+    """The roles a torchrun worker hosts when there is no separate scheduler:
+    rank 0 the scheduler, local rank 0 of each node a colocated server
+    (GRADHUB_SERVER_THREADS threads, default 1, so training keeps its cores)."""
+
+    def __init__(self, env: _env.WorkerEnv):
+        self._scheduler = None
+        self._server: threading.Thread | None = None
+        if env.rank == 0:
+            _, _, port = env.scheduler.rpartition(":")
+            s = _env.scheduler_env()
+            self._scheduler = _core.start_scheduler(
+                f"0.0.0.0:{port}", env.num_workers, env.num_servers,
+                s.partition_bytes or _core.DEFAULT_PARTITION_BYTES,
+                peer_timeout_ms=int(s.peer_timeout * 1000), stall_ms=int(s.stall_seconds * 1000),
+                namespace=env.namespace)
+        if (env.local_rank or 0) == 0:
+            threads = _env.server_env().threads or 1
+
+            def serve():
+                try:
+                    _core.run_server(env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
+                                     num_servers=env.num_servers, namespace=env.namespace)
+                except _core.GradhubError as e:  # reported to workers by the scheduler too
+                    print(f"[gradhub] embedded server: {e}", file=sys.stderr)
+
+            self._server = threading.Thread(target=serve, name="gradhub-embedded-server", daemon=True)
+            self._server.start()
+
+    def wait(self) -> None:
+        """Wait for the hosted roles to finish: they must outlive every worker
+        of the job, not just this one."""
+        if self._scheduler is not None:
+            try:
+                self._scheduler.wait()
+            except _core.GradhubError as err:
+                print(f"[gradhub] embedded scheduler: {err}", file=sys.stderr)
+        if self._server is not None:
+            self._server.join(timeout=60)
