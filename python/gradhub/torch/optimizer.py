@@ -7,37 +7,48 @@
   forward pre-hook); until then, registration order stands in. Earlier layers
   get higher priority, so the first layer's gradient, produced last in
   backward, overtakes the big last layers still in flight.
-- overlap_forward (P3): step() does not wait; each parameter is updated when
-  its own reduced gradient is needed, just before its module's next forward
-  (or at the next step()/synchronize()). Same arithmetic, same result.
-- optimizer_on_server (PHub): the servers keep the parameters and optimizer
-  state and run the update fused per chunk; a round returns new parameters,
-  which are copied into the model. SGD (momentum, dampening, Nesterov, weight
-  decay) and AdamW (and Adam without weight decay), float32 parameters.
+- Every tensor the optimizer will push is declared in one batched exchange when
+  it is built, so no step pays a scheduler round trip.
+
+This module holds the base every mode shares (hooks, priorities, synchronize,
+skip_synchronize, the Horovod API) and the `DistributedOptimizer` factory,
+which combines it with the modes:
+- overlap.py: `overlap_forward` (P3), each parameter updated just before its
+  module's next forward;
+- server_optimizer.py: `optimizer_on_server` (PHub), the servers run the update.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from typing import Iterable
 
 import torch
 
+from .. import _env
 from .. import api as _api
 from .compression import Compression
-from .ops import Average, Sum, _push_pull_async, _resolve_op
-
-# Optimizers whose update of a parameter depends only on that parameter's
-# gradient and state, so parameters can be updated one at a time.
-_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+from .ops import Average, _push_pull_async, _resolve_op, _wire_spec
+from .overlap import ELEMENTWISE, OverlapForward
+from .server_optimizer import OptimizerOnServer, server_unsupported
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class _DistributedOptimizer:
+    """The synchronous schedule, and the base of the other modes.
+
+    `DistributedOptimizer(opt)` builds a subclass of opt's class with this
+    class (and any mode mixins) in front, so `isinstance(dopt, type(opt))`
+    holds; `super().step()` etc. reach the wrapped optimizer's methods. Modes
+    extend it through the `_gh_*` methods documented below."""
+
+    _gh_overlap = False
+    _gh_server = False
+
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                 op=Average, overlap_forward=False, optimizer_on_server=False):
-        super(self.__class__, self).__init__(params)
+                 op=Average, *, base_cls: type, fifo: bool = False):
+        super().__init__(params)
+        self._gh_base_cls = base_cls  # the wrapped optimizer's class
         self._gh_compression = compression
         self._gh_op = _resolve_op(None, op)
         if backward_passes_per_step < 1:
@@ -66,126 +77,54 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._gh_order_final = False
         self._gh_handles: dict[int, object] = {}
         self._gh_counts = {id(p): 0 for p in all_params}
-        self._gh_pending: dict[int, dict] = {}  # overlap: param id -> hyperparameters of its pending update
-        self._gh_zero_after: set[int] = set()
         self._gh_skip_sync = False
         self._gh_synchronized = False
         # Group index, not the dict: load_state_dict() replaces the group dicts.
         self._gh_group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._gh_by_id = {id(p): p for p in all_params}
-        self._gh_overlap = bool(overlap_forward)
-        sched = os.environ.get("GRADHUB_SCHEDULING", "priority").strip().lower()
-        if sched not in ("priority", "fifo"):
-            raise ValueError(f"GRADHUB_SCHEDULING={sched!r}: expected priority or fifo")
-        self._gh_fifo = sched == "fifo"
-        if self._gh_overlap and not isinstance(self, _ELEMENTWISE):
-            warnings.warn(f"overlap_forward is supported for {', '.join(c.__name__ for c in _ELEMENTWISE)}; "
-                          f"{type(self).__mro__[1].__name__} falls back to the synchronous schedule", stacklevel=3)
-            self._gh_overlap = False
-        self._gh_sub: dict[int, torch.optim.Optimizer] = {}
+        self._gh_fifo = fifo
         self._gh_own_cache: dict[int, list] = {}
-        self._gh_server = bool(optimizer_on_server)
-        if self._gh_server:
-            why = self._gh_server_unsupported(all_params, compression)
-            if why:
-                warnings.warn(f"optimizer_on_server is not available here ({why}); the optimizer runs on the "
-                              f"workers", stacklevel=3)
-                self._gh_server = False
-        self._gh_server_cfg: dict[int, tuple] = {}   # last optimizer config sent, per parameter
-        self._gh_inited: set[int] = set()
-        self._gh_init_handles: dict[int, object] = {}
+        # Collective: blocks until every worker has built its optimizer.
+        _api.declare(self._gh_declarations())
         self._gh_hooks = []
-        if _api._client is None:
-            raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
         for p in all_params:
             if p.requires_grad:
                 self._gh_hooks.append(p.register_post_accumulate_grad_hook(self._gh_make_hook(p)))
         self._gh_fwd_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._gh_forward_pre_hook)
 
-    # -------------------------------------------------------------- server-side optimizer
+    # -------------------------------------------------------------- extension points of the modes
+
+    def _gh_declarations(self) -> list:
+        """[(name, (numel, dtype)), ...] of every tensor this optimizer pushes,
+        declared in one exchange at construction. Reverse registration order
+        approximates the order gradients become ready, which is the order the
+        tensors used to be declared in on first use (it sets their keys, the
+        tie-break between equal priorities)."""
+        return [(self._gh_push_name(p), _wire_spec(p, self._gh_compression))
+                for p in reversed(self._gh_params) if p.requires_grad]
+
+    def _gh_push_name(self, p) -> str:
+        return f"allreduce.{self._gh_names[id(p)]}"
+
+    def _gh_push(self, p, grad):
+        """Start reducing p's gradient; returns an ops.Handle."""
+        return _push_pull_async(grad, self._gh_push_name(p), self._gh_op is Average, self._gh_priority(p),
+                                self._gh_compression, grad)
+
+    def _gh_check_gradient(self, pid: int) -> None:
+        """Called when a gradient is accumulated, before it is counted."""
+
+    def _gh_before_forward(self, own: list) -> None:
+        """Called before a module that uses parameters `own` runs forward."""
+
+    def _gh_update(self, closure):
+        """The update after synchronize(): the wrapped optimizer's step."""
+        return super().step(closure)
+
+    # -------------------------------------------------------------- scheduling
 
     def _gh_group_of(self, p) -> dict:
         return self.param_groups[self._gh_group_idx[id(p)]]
-
-    def _gh_server_unsupported(self, params, compression):
-        if compression is not Compression.none:
-            return "gradient compression"
-        if any(p.dtype != torch.float32 for p in params):
-            return "non-float32 parameters"
-        for g in self.param_groups:
-            if g.get("maximize") or g.get("amsgrad"):
-                return "maximize/amsgrad"
-        if isinstance(self, torch.optim.SGD):
-            return None
-        if isinstance(self, torch.optim.AdamW):
-            return None
-        if isinstance(self, torch.optim.Adam):
-            if any(g.get("weight_decay", 0) for g in self.param_groups):
-                return "Adam with L2 weight decay (use AdamW)"
-            return None
-        return f"{type(self).__mro__[1].__name__} is not one of SGD, Adam, AdamW"
-
-    def _gh_server_name(self, p) -> str:
-        return f"server_opt.{self._gh_names[id(p)]}"
-
-    def _gh_send_server_config(self, p):
-        """Tell the servers p's hyperparameters, if they changed (LR schedules)."""
-        g = self._gh_group_of(p)
-        if isinstance(self, torch.optim.SGD):
-            cfg = ("sgd", float(g["lr"]), float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)),
-                   float(g.get("weight_decay", 0.0)), bool(g.get("nesterov", False)), 0.9, 0.999, 1e-8)
-        else:
-            b1, b2 = g["betas"]
-            cfg = ("adamw", float(g["lr"]), 0.0, 0.0, float(g.get("weight_decay", 0.0)), False, float(b1), float(b2),
-                   float(g["eps"]))
-        if self._gh_server_cfg.get(id(p)) == cfg:
-            return
-        kind, lr, mom, damp, wd, nest, b1, b2, eps = cfg
-        _api._require().set_server_optimizer(self._gh_server_name(p), p.numel(), kind, lr, momentum=mom,
-                                             dampening=damp, weight_decay=wd, nesterov=nest, beta1=b1, beta2=b2,
-                                             eps=eps)
-        self._gh_server_cfg[id(p)] = cfg
-
-    def _gh_server_init(self, p):
-        """Give the servers p's initial values (worker 0's), asynchronously."""
-        if id(p) in self._gh_inited:
-            return
-        self._gh_inited.add(id(p))
-        self._gh_send_server_config(p)
-        buf = p.detach().float().contiguous().clone()
-        c = _api._require()
-        h = c.push_pull_async(buf.data_ptr(), buf.numel() * 4, "float32", self._gh_server_name(p), False,
-                              self._gh_priority(p), buf, init=True)
-        self._gh_init_handles[id(p)] = (h, buf)
-
-    def _gh_server_init_wait(self, p):
-        self._gh_server_init(p)
-        pending = self._gh_init_handles.pop(id(p), None)
-        if pending is not None:
-            h, buf = pending
-            h.wait()
-            with torch.no_grad():
-                p.copy_(buf.view_as(p))
-
-    def _gh_server_start(self, p):
-        """Push p's gradient; the round returns p's new value."""
-        from .ops import Handle
-
-        self._gh_server_init_wait(p)
-        self._gh_send_server_config(p)
-        buf = p.grad.detach().float().contiguous().clone()
-        c = _api._require()
-        h = c.push_pull_async(buf.data_ptr(), buf.numel() * 4, "float32", self._gh_server_name(p),
-                              self._gh_op is Average, self._gh_priority(p), buf)
-
-        def finish():
-            with torch.no_grad():
-                p.copy_(buf.view_as(p))
-            return p
-
-        self._gh_handles[id(p)] = Handle(h, finish, self._gh_server_name(p))
-
-    # -------------------------------------------------------------- scheduling
 
     def _gh_priority(self, p) -> int:
         """Higher = sooner. Earlier in the forward pass = more urgent.
@@ -216,13 +155,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._gh_order_final:
             for p in own:
                 self._gh_forward_seen.setdefault(id(p), len(self._gh_forward_seen))
-        if self._gh_server:
-            for p in own:
-                self._gh_server_init(p)
-        if self._gh_pending:
-            for p in own:
-                if id(p) in self._gh_pending:
-                    self._gh_apply(p)
+        self._gh_before_forward(own)
 
     def _gh_finalize_order(self):
         """After the first forward+backward: fix priorities to forward order
@@ -237,12 +170,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _gh_make_hook(self, p):
         def hook(param):
             pid = id(param)
-            if pid in self._gh_pending:
-                raise RuntimeError(
-                    f"gradient of '{self._gh_names[pid]}' was accumulated before its pending update was applied: "
-                    f"with overlap_forward=True a parameter must be used inside the forward() of the module that "
-                    f"owns it; use overlap_forward=False for this model"
-                )
+            self._gh_check_gradient(pid)
             if pid in self._gh_handles:
                 raise RuntimeError(
                     f"gradient of '{self._gh_names[pid]}' was computed twice before step(); "
@@ -260,11 +188,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             return
-        if self._gh_server:
-            return self._gh_server_start(p)
-        name = f"allreduce.{self._gh_names[id(p)]}"
-        self._gh_handles[id(p)] = _push_pull_async(grad, name, self._gh_op is Average, self._gh_priority(p),
-                                                   self._gh_compression, grad)
+        self._gh_handles[id(p)] = self._gh_push(p, grad)
+
+    # -------------------------------------------------------------- Horovod API
 
     def synchronize(self):
         """Wait until every gradient of this step has been reduced."""
@@ -287,102 +213,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._gh_skip_sync = False
 
-    # -------------------------------------------------------------- updates
-
-    def _gh_sub_optimizer(self, p, hyper: dict):
-        """An optimizer of the same class over one parameter, sharing state with
-        this one, so parameters can be updated one at a time (overlap mode).
-        `hyper`: the group's hyperparameters as they were at step()."""
-        sub = self._gh_sub.get(id(p))
-        if sub is None:
-            group = self._gh_group_of(p)
-            base = type(self).__mro__[1]
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            sub = base([p], **{k: v for k, v in hyper.items() if k in base.__init__.__code__.co_varnames})
-            sub.state = self.state  # shared: keyed by parameter
-            self._gh_sub[id(p)] = sub
-        sub.param_groups[0].update(hyper)
-        return sub
-
-    def _gh_apply(self, p):
-        """Overlap mode: wait for p's reduced gradient and update p alone."""
-        h = self._gh_handles.pop(id(p), None)
-        if h is not None:
-            h.wait()
-        hyper = self._gh_pending.pop(id(p), None)
-        if not self._gh_server:  # server mode: the handle copied the new value in
-            if hyper is None:
-                hyper = {k: v for k, v in self._gh_group_of(p).items() if k != "params"}
-            with torch.no_grad():
-                self._gh_sub_optimizer(p, hyper).step()
-        if id(p) in self._gh_zero_after:
-            self._gh_zero_after.discard(id(p))
-            p.grad = None
-
-    def _gh_apply_all(self):
-        for pid in list(self._gh_pending):
-            self._gh_apply(self._gh_by_id[pid])
-
     def step(self, closure=None):
-        if self._gh_overlap and closure is None and not self._gh_skip_sync:
-            # Previous step's stragglers (parameters unused in forward) first.
-            self._gh_apply_all()
-            self._gh_finalize_order()
-            if any(c != 0 for c in self._gh_counts.values()) and not self._gh_handles:
-                return None  # accumulating (backward_passes_per_step)
-            for pid in list(self._gh_handles):
-                # Snapshot the hyperparameters: an LR scheduler may step before the update runs.
-                group = self._gh_group_of(self._gh_by_id[pid])
-                self._gh_pending[pid] = {k: v for k, v in group.items() if k != "params"}
-            return None
-        if not self._gh_skip_sync:
-            self._gh_apply_all()
-            if not self._gh_synchronized:
-                self.synchronize()
+        if not self._gh_skip_sync and not self._gh_synchronized:
+            self.synchronize()
         self._gh_synchronized = False
-        if self._gh_server:
-            # The servers ran the update; synchronize() copied the new values in.
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            return loss
-        return super(self.__class__, self).step(closure)
+        return self._gh_update(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._gh_handles and not self._gh_overlap:
+        if self._gh_handles:
             raise RuntimeError("zero_grad() called while gradients are still being reduced; "
                                "call step() or synchronize() first")
-        if self._gh_overlap and self._gh_pending:
-            # Gradients still needed by pending updates are cleared after them.
-            for pid in self._gh_pending:
-                self._gh_zero_after.add(pid)
-            for p in self._gh_params:
-                if id(p) not in self._gh_pending and p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_().zero_()
-            return
-        return super(self.__class__, self).zero_grad(set_to_none)
+        return super().zero_grad(set_to_none)
 
     def finish(self):
-        """Apply every pending update now (overlap mode), e.g. before evaluation or saving."""
-        self._gh_apply_all()
-
-    def state_dict(self):
-        self._gh_apply_all()
-        return super(self.__class__, self).state_dict()
+        """Apply every pending update now (overlap_forward), e.g. before
+        evaluation or saving; nothing to do in the other modes."""
 
     def remove_hooks(self):
         for h in self._gh_hooks:
             h.remove()
         self._gh_fwd_hook.remove()
         self._gh_hooks = []
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
@@ -396,17 +247,39 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     the update on the summation servers (SGD, AdamW; float32). Left unset,
     they come from GRADHUB_OVERLAP_FORWARD / GRADHUB_OPTIMIZER_ON_SERVER, so an
     unchanged Horovod script can use them; GRADHUB_SCHEDULING=fifo turns the
-    forward-order priorities off (for comparisons)."""
+    forward-order priorities off (for comparisons).
+
+    Construction is collective: every tensor the optimizer will push is
+    declared with the scheduler in one batched exchange, which returns once
+    every worker has built its DistributedOptimizer (as every Horovod script
+    does), and raises if the workers' parameters differ in size or dtype."""
+    if not _api.is_initialized():
+        raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
+    env = _env.torch_options()
     if overlap_forward is None:
-        overlap_forward = _env_flag("GRADHUB_OVERLAP_FORWARD")
+        overlap_forward = env.overlap_forward
     if optimizer_on_server is None:
-        optimizer_on_server = _env_flag("GRADHUB_OPTIMIZER_ON_SERVER")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+        optimizer_on_server = env.optimizer_on_server
+    base = optimizer.__class__
+    if overlap_forward and not issubclass(base, ELEMENTWISE):
+        warnings.warn(f"overlap_forward is supported for {', '.join(c.__name__ for c in ELEMENTWISE)}; "
+                      f"{base.__name__} falls back to the synchronous schedule", stacklevel=2)
+        overlap_forward = False
+    if optimizer_on_server:
+        why = server_unsupported(optimizer, compression)
+        if why:
+            warnings.warn(f"optimizer_on_server is not available here ({why}); the optimizer runs on the "
+                          f"workers", stacklevel=2)
+            optimizer_on_server = False
+    # Method resolution: server mode before overlap (its no-op per-parameter
+    # update wins), both before the base, all before the wrapped optimizer.
+    modes = [OptimizerOnServer] * bool(optimizer_on_server) + [OverlapForward] * bool(overlap_forward)
+    cls = type(base.__name__, (*modes, _DistributedOptimizer, base), {})
     opt = cls.__new__(cls)
     # Re-create with the same param_groups (hyperparameters included) and defaults.
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                 overlap_forward, optimizer_on_server)
+                 base_cls=base, fifo=env.scheduling == "fifo")
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())

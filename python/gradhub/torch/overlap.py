@@ -1,0 +1,123 @@
+"""DistributedOptimizer(overlap_forward=True) (P3): step() does not wait.
+
+Each parameter is updated when its own reduced gradient is needed: just
+before the module that owns it runs forward again (a module pre-hook), or at
+the next step()/synchronize()/finish(). Same arithmetic as the synchronous
+schedule, hence the same result: the update of one parameter is the wrapped
+optimizer's update restricted to it (a one-parameter optimizer of the same
+class sharing its state), with the hyperparameters as they were at step()
+(an LR scheduler may step before the update runs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Optimizers whose update of a parameter depends only on that parameter's
+# gradient and state, so parameters can be updated one at a time.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class OverlapForward:
+    """Mode mixin; see optimizer._DistributedOptimizer for the extension points."""
+
+    _gh_overlap = True
+
+    def __init__(self, *args, **kwargs):
+        self._gh_pending: dict[int, dict] = {}  # param id -> hyperparameters of its pending update
+        self._gh_zero_after: set[int] = set()
+        self._gh_sub: dict[int, torch.optim.Optimizer] = {}
+        super().__init__(*args, **kwargs)
+
+    def _gh_check_gradient(self, pid: int) -> None:
+        if pid in self._gh_pending:
+            raise RuntimeError(
+                f"gradient of '{self._gh_names[pid]}' was accumulated before its pending update was applied: "
+                f"with overlap_forward=True a parameter must be used inside the forward() of the module that "
+                f"owns it; use overlap_forward=False for this model"
+            )
+        super()._gh_check_gradient(pid)
+
+    def _gh_before_forward(self, own: list) -> None:
+        super()._gh_before_forward(own)
+        if self._gh_pending:
+            for p in own:
+                if id(p) in self._gh_pending:
+                    self._gh_apply(p)
+
+    def _gh_sub_optimizer(self, p, hyper: dict):
+        """An optimizer of the same class over one parameter, sharing state with
+        this one, so parameters can be updated one at a time.
+        `hyper`: the group's hyperparameters as they were at step()."""
+        sub = self._gh_sub.get(id(p))
+        if sub is None:
+            group = self._gh_group_of(p)
+            base = self._gh_base_cls
+            hyper0 = {k: v for k, v in group.items() if k != "params"}
+            sub = base([p], **{k: v for k, v in hyper0.items() if k in base.__init__.__code__.co_varnames})
+            sub.state = self.state  # shared: keyed by parameter
+            self._gh_sub[id(p)] = sub
+        sub.param_groups[0].update(hyper)
+        return sub
+
+    def _gh_update_one(self, p, hyper: dict | None) -> None:
+        """Update p alone with its reduced gradient."""
+        if hyper is None:
+            hyper = {k: v for k, v in self._gh_group_of(p).items() if k != "params"}
+        with torch.no_grad():
+            self._gh_sub_optimizer(p, hyper).step()
+
+    def _gh_apply(self, p):
+        """Wait for p's reduced gradient and update p alone."""
+        h = self._gh_handles.pop(id(p), None)
+        if h is not None:
+            h.wait()
+        self._gh_update_one(p, self._gh_pending.pop(id(p), None))
+        if id(p) in self._gh_zero_after:
+            self._gh_zero_after.discard(id(p))
+            p.grad = None
+
+    def _gh_apply_all(self):
+        for pid in list(self._gh_pending):
+            self._gh_apply(self._gh_by_id[pid])
+
+    def step(self, closure=None):
+        if closure is None and not self._gh_skip_sync:
+            # Previous step's stragglers (parameters unused in forward) first.
+            self._gh_apply_all()
+            self._gh_finalize_order()
+            if any(c != 0 for c in self._gh_counts.values()) and not self._gh_handles:
+                return None  # accumulating (backward_passes_per_step)
+            for pid in list(self._gh_handles):
+                # Snapshot the hyperparameters: an LR scheduler may step before the update runs.
+                group = self._gh_group_of(self._gh_by_id[pid])
+                self._gh_pending[pid] = {k: v for k, v in group.items() if k != "params"}
+            return None
+        # With a closure (or under skip_synchronize): the synchronous schedule.
+        if not self._gh_skip_sync:
+            self._gh_apply_all()
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._gh_pending:
+            # Gradients still needed by pending updates are cleared after them.
+            for pid in self._gh_pending:
+                self._gh_zero_after.add(pid)
+            for p in self._gh_params:
+                if id(p) not in self._gh_pending and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+            return
+        # The wrapped optimizer's, not the base's check: reductions still in
+        # flight are fine here, they become pending updates at step().
+        return self._gh_base_cls.zero_grad(self, set_to_none)
+
+    def finish(self):
+        """Apply every pending update now, e.g. before evaluation or saving."""
+        self._gh_apply_all()
+
+    def state_dict(self):
+        self._gh_apply_all()
+        return super().state_dict()
