@@ -214,3 +214,47 @@ def test_suite_quick_end_to_end(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gradhub", "bench", "suite", "--only", "nope", "--out",
                           str(tmp_path / "x")], capture_output=True, text=True, env=job_env())
     assert bad.returncode == 2 and "unknown experiment" in bad.stderr
+
+
+# ---------------------------------------------------------------- developer benchmarks (source checkout)
+
+
+def test_bench_core_help_and_usage_errors():
+    h = subprocess.run([sys.executable, "-m", "gradhub", "bench", "core", "--help"], capture_output=True, text=True,
+                       timeout=60, env=job_env())
+    assert h.returncode == 0 and "cargo" in h.stdout and "checkout" in h.stdout and "--quick" in h.stdout
+    bad = subprocess.run([sys.executable, "-m", "gradhub", "bench", "core", "nope"], capture_output=True, text=True,
+                         timeout=60, env=job_env())
+    assert bad.returncode == 2 and "unknown benchmark nope" in bad.stderr
+
+
+def test_bench_core_explains_a_missing_checkout_or_cargo(tmp_path, monkeypatch):
+    from gradhub.bench import checkout
+
+    monkeypatch.setattr(checkout, "_is_checkout", lambda d: False)
+    with pytest.raises(checkout.CheckoutError, match="source checkout"):
+        checkout.checkout_root()
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "Cargo.toml").write_text("")
+    (tmp_path / "examples" / "tcp_baseline.rs").write_text("")
+    monkeypatch.setattr(checkout, "checkout_root", lambda: tmp_path)
+    monkeypatch.setattr(checkout.shutil, "which", lambda name: None)
+    with pytest.raises(checkout.CheckoutError, match="needs cargo"):
+        checkout.tcp_baseline()
+
+
+def test_bench_core_latency_quick(tmp_path):
+    # Builds examples/tcp_baseline.rs with cargo if `cargo test --release` has not already.
+    from gradhub.bench import checkout
+
+    try:
+        checkout.checkout_root()
+    except checkout.CheckoutError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "core.json"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "core", "latency", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "TCP ping-pong, compiled client (baseline)" in p.stdout and "gradhub push_pull" in p.stdout
+    lat = json.loads(out.read_text())["latency"]
+    assert all(0 < lat[k] < 100_000 for k in ("tcp_rust_us", "tcp_python_us", "push_pull_us")), lat
