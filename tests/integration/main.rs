@@ -1,0 +1,17 @@
+//! In-process integration tests of the Rust core: a scheduler, servers and
+//! clients (real ones, or fake ones on raw sockets) in one process.
+//!
+//! - `membership`: registration, ranks, Welcome, liveness, end of job
+//! - `declarations`: tensor specs, installation on servers, conflicts, stalls, placement
+//! - `server`: the server thread's data plane, driven by fake workers
+//! - `client`: `Client` setup, push_pull, declare, barrier, failures, shutdown
+//!
+//! Every wait is bounded (see `support::IO_TIMEOUT`); tests only use the
+//! crate's public API.
+
+mod support;
+
+mod client;
+mod declarations;
+mod membership;
+mod server;

@@ -1,0 +1,418 @@
+//! The server thread, driven through a real scheduler and a real server
+//! (`run_server` on a thread) by fake workers on raw sockets: sums, the
+//! Received/Result protocol, frame validation, stalls, shutdown.
+
+use std::time::{Duration, Instant};
+
+use gradhub::protocol::{decode_stall, Control, DType, Header, MsgType, TensorSpec, Welcome, FLAG_AVERAGE};
+use half::{bf16, f16};
+
+use crate::support::*;
+
+/// A real scheduler and one real server; the workers are fake.
+struct DataJob {
+    job: RealJob,
+    workers: Vec<Member>,
+    welcome: Welcome,
+}
+
+fn data_job(nw: u32, threads: usize, tweak: impl FnOnce(&mut gradhub::scheduler::SchedulerConfig)) -> DataJob {
+    let mut cfg = sched_config(nw, 1);
+    tweak(&mut cfg);
+    let job = real_job(cfg, &[(threads, false)]);
+    let mut workers: Vec<Member> =
+        (0..nw).map(|r| Member::register(job.addr, worker_reg(r as i32, "h", nw, 1))).collect();
+    let welcomes: Vec<Welcome> = workers.iter_mut().map(|w| w.welcome()).collect();
+    let welcome = welcomes.into_iter().next().unwrap();
+    assert_eq!(welcome.servers.len(), 1);
+    assert_eq!(welcome.servers[0].ports.len(), threads);
+    assert_eq!(welcome.servers[0].addr, "127.0.0.1");
+    DataJob { job, workers, welcome }
+}
+
+impl DataJob {
+    /// Every worker declares `entries`; returns the (identical) specs.
+    fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Vec<TensorSpec> {
+        let e: Vec<_> = entries
+            .iter()
+            .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype })
+            .collect();
+        for w in &self.workers {
+            w.send(&Control::Declare { req, entries: e.clone() }).unwrap();
+        }
+        let specs: Vec<Vec<TensorSpec>> = self.workers.iter_mut().map(|w| declared(w.recv(), req)).collect();
+        assert!(specs.iter().all(|s| s == &specs[0]));
+        specs.into_iter().next().unwrap()
+    }
+
+    fn port(&self, slot: u32) -> u16 {
+        self.welcome.servers[0].ports[slot as usize]
+    }
+
+    /// A data connection to `slot` with DataHello for `rank`.
+    fn conn(&self, slot: u32, rank: u32) -> DataConn {
+        DataConn::connect_hello("127.0.0.1", self.port(slot), rank)
+    }
+
+    /// A data connection to `slot`, no hello.
+    fn raw(&self, slot: u32) -> DataConn {
+        DataConn::connect("127.0.0.1", self.port(slot))
+    }
+
+    /// Every worker says goodbye: the server exits Ok, the job ends Ok.
+    fn finish(self) {
+        for w in &self.workers {
+            w.send(&Control::Goodbye).unwrap();
+        }
+        self.job.finish_ok();
+    }
+}
+
+/// Run one round of `spec` with the fake workers in `order`: each pushes all
+/// chunks, non-final pushers get Received for each, then every worker gets
+/// every Result. Returns each worker's result bytes per chunk, concatenated.
+fn round(
+    conns: &mut [Vec<DataConn>],
+    spec: &TensorSpec,
+    round: u32,
+    flags: u16,
+    order: &[usize],
+    payloads: &[Vec<u8>],
+) -> Vec<Vec<u8>> {
+    let es = spec.dtype.size();
+    for (i, &r) in order.iter().enumerate() {
+        for c in 0..spec.num_chunks() {
+            let (a, b) = spec.chunk_range(c);
+            let p = &payloads[r][a * es..b * es];
+            conns[r][spec.slots[c] as usize].push(spec, c, round, flags, p);
+        }
+        if i + 1 < order.len() {
+            // Not the last pusher: each push is acknowledged (credit), no result yet.
+            for c in 0..spec.num_chunks() {
+                conns[r][spec.slots[c] as usize].expect_received(spec, c, round);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for conns in conns.iter_mut() {
+        let mut bytes = Vec::new();
+        for c in 0..spec.num_chunks() {
+            bytes.extend(conns[spec.slots[c] as usize].expect_result(spec, c, round));
+        }
+        out.push(bytes);
+    }
+    out
+}
+
+#[test]
+fn f32_pushes_are_summed_and_returned_to_every_worker() {
+    let mut job = data_job(3, 2, |_| {});
+    // 600 f32 in chunks of 256: three chunks over two server threads.
+    let spec = job.declare(0, &[("g", 600, DType::F32)]).remove(0);
+    assert_eq!(spec.num_chunks(), 3);
+    let mut conns: Vec<Vec<DataConn>> = (0..3).map(|r| (0..2).map(|s| job.conn(s, r)).collect()).collect();
+    let vals: Vec<Vec<f32>> =
+        (0..3).map(|r| (0..600).map(|i| (r + 1) as f32 * i as f32 * 0.5 - 7.0).collect()).collect();
+    let sum: Vec<f32> = (0..600).map(|i| vals[0][i] + vals[1][i] + vals[2][i]).collect();
+    let payloads: Vec<Vec<u8>> = vals.iter().map(|v| f32_bytes(v)).collect();
+
+    for res in round(&mut conns, &spec, 0, 0, &[0, 1, 2], &payloads) {
+        assert_eq!(bytes_f32(&res), sum);
+    }
+    // Average, and a different arrival order.
+    let third = 1.0f32 / 3.0;
+    let avg: Vec<f32> = sum.iter().map(|s| s * third).collect();
+    for res in round(&mut conns, &spec, 1, FLAG_AVERAGE, &[2, 0, 1], &payloads) {
+        assert_eq!(bytes_f32(&res), avg);
+    }
+    // Several rounds in a row reuse the double buffers correctly.
+    for r in 2..6u32 {
+        let scaled: Vec<Vec<u8>> =
+            vals.iter().map(|v| f32_bytes(&v.iter().map(|x| x * r as f32).collect::<Vec<_>>())).collect();
+        let want: Vec<f32> =
+            (0..600).map(|i| (vals[0][i] * r as f32 + vals[1][i] * r as f32) + vals[2][i] * r as f32).collect();
+        for res in round(&mut conns, &spec, r, 0, &[1, 2, 0], &scaled) {
+            assert_eq!(bytes_f32(&res), want, "round {r}");
+        }
+    }
+    drop(conns);
+    job.finish();
+}
+
+#[test]
+fn f16_and_bf16_are_accumulated_in_f32_and_rounded_once() {
+    let mut job = data_job(3, 1, |_| {});
+    let specs = job.declare(0, &[("h16", 700, DType::F16), ("hb", 300, DType::BF16)]);
+    let (s16, sb) = (&specs[0], &specs[1]);
+    assert_eq!((s16.num_chunks(), sb.num_chunks()), (2, 1));
+    let mut conns: Vec<Vec<DataConn>> = (0..3).map(|r| vec![job.conn(0, r)]).collect();
+
+    // f16: element 0 is 2048 + 1 + 1. Rounded after every add it would stay
+    // 2048 (f16 spacing there is 2); summed in f32 and rounded once it is 2050.
+    let v16: Vec<Vec<f16>> = (0..3)
+        .map(|r| {
+            (0..700)
+                .map(|i| match (i, r) {
+                    (0, 0) => f16::from_f32(2048.0),
+                    (0, _) => f16::from_f32(1.0),
+                    _ => f16::from_f32(((i % 40) as f32 - 20.0) * 0.25 * (r + 1) as f32),
+                })
+                .collect()
+        })
+        .collect();
+    let vb: Vec<Vec<bf16>> = (0..3)
+        .map(|r| (0..300).map(|i| bf16::from_f32(((i % 50) as f32 + 0.5) * (r + 1) as f32 * 1.01)).collect())
+        .collect();
+    let p16: Vec<Vec<u8>> = v16.iter().map(|v| u16_bytes(&v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())).collect();
+    let pb: Vec<Vec<u8>> = vb.iter().map(|v| u16_bytes(&v.iter().map(|x| x.to_bits()).collect::<Vec<_>>())).collect();
+
+    for (round_no, flags, scale) in [(0u32, 0u16, 1.0f32), (1, FLAG_AVERAGE, 1.0 / 3.0)] {
+        let want16: Vec<u16> = (0..700)
+            .map(|i| f16::from_f32((v16[0][i].to_f32() + v16[1][i].to_f32() + v16[2][i].to_f32()) * scale).to_bits())
+            .collect();
+        let wantb: Vec<u16> = (0..300)
+            .map(|i| bf16::from_f32((vb[0][i].to_f32() + vb[1][i].to_f32() + vb[2][i].to_f32()) * scale).to_bits())
+            .collect();
+        for res in round(&mut conns, s16, round_no, flags, &[0, 1, 2], &p16) {
+            let got = bytes_u16(&res);
+            assert_eq!(got, want16);
+            if round_no == 0 {
+                assert_eq!(f16::from_bits(got[0]).to_f32(), 2050.0);
+            }
+        }
+        for res in round(&mut conns, sb, round_no, flags, &[2, 1, 0], &pb) {
+            assert_eq!(bytes_u16(&res), wantb);
+        }
+    }
+    drop(conns);
+    job.finish();
+}
+
+/// A header for tensor `spec`'s chunk 0 with some field changed.
+fn hdr(spec: &TensorSpec, f: impl FnOnce(&mut Header)) -> Header {
+    let mut h = push_header(spec, 0, 0, 0, spec.chunk_bytes(0));
+    f(&mut h);
+    h
+}
+
+#[test]
+fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
+    let mut job = data_job(2, 1, |_| {});
+    let spec = job.declare(0, &[("t", 64, DType::F32)]).remove(0);
+    assert_eq!(spec.chunk_bytes(0), 256);
+    // Worker 0's good connection stays open through all of this.
+    let mut good0 = job.conn(0, 0);
+
+    let mut c = job.raw(0);
+    c.send_raw(&[0xAB; 32]);
+    c.expect_error("magic");
+
+    let mut c = job.raw(0);
+    let mut b = hdr(&spec, |h| h.msg_type = MsgType::DataHello).encode();
+    b[2] = 9; // version
+    c.send_raw(&b);
+    c.expect_error("version");
+
+    let mut c = job.raw(0);
+    c.send_header(&hdr(&spec, |h| {
+        h.msg_type = MsgType::DataHello;
+        h.key = 1;
+        h.namespace = NS + 1;
+    }));
+    c.expect_error("namespace");
+
+    let mut c = job.raw(0);
+    c.send_header(&hdr(&spec, |_| {}));
+    c.expect_error("before DataHello");
+
+    let mut c = job.conn(0, 5);
+    c.expect_error("out of range");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.flags = 0x80));
+    c.expect_error("flag");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| {
+        h.msg_type = MsgType::Heartbeat;
+        h.payload_len = 0;
+    }));
+    c.expect_error("unexpected");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.key = 999));
+    c.expect_error("key 999");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.chunk = 1));
+    c.expect_error("chunk 1");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.payload_len = 100));
+    let e = c.expect_error("payload");
+    assert_contains(&e, &["100", "256"]);
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.payload_len = PARTITION + 4));
+    c.expect_error("exceeds");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| {
+        h.dtype = DType::F16;
+        h.payload_len = 128;
+    }));
+    c.expect_error("dtype");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.round = 5));
+    c.expect_error("round 5");
+
+    let mut c = job.conn(0, 1);
+    c.hello(1);
+    c.expect_error("second DataHello");
+
+    // A duplicate push in a round: the first one counts, the connection is closed.
+    let v0: Vec<f32> = (0..64).map(|i| i as f32).collect();
+    let v1: Vec<f32> = (0..64).map(|i| 100.0 - i as f32 * 3.0).collect();
+    let mut c1 = job.conn(0, 1);
+    c1.push(&spec, 0, 0, 0, &f32_bytes(&v1));
+    c1.expect_received(&spec, 0, 0);
+    c1.send_header(&hdr(&spec, |_| {}));
+    c1.expect_error("twice");
+
+    // Worker 0's untouched connection completes the round: worker 1's first push counted.
+    good0.push(&spec, 0, 0, 0, &f32_bytes(&v0));
+    let want: Vec<f32> = v0.iter().zip(&v1).map(|(a, b)| a + b).collect();
+    assert_eq!(bytes_f32(&good0.expect_result(&spec, 0, 0)), want);
+
+    // Rank 0 is connected (good0, which just pushed): a second connection for it
+    // is refused. Errors name the server thread.
+    let mut c = job.conn(0, 0);
+    let e = c.expect_error("already connected");
+    assert_contains(&e, &["server 0", "thread 0"]);
+
+    // Worker 1 reconnects and the next round works for both.
+    let mut c1 = job.conn(0, 1);
+    c1.push(&spec, 0, 1, FLAG_AVERAGE, &f32_bytes(&v1));
+    c1.expect_received(&spec, 0, 1);
+    good0.push(&spec, 0, 1, FLAG_AVERAGE, &f32_bytes(&v0));
+    let avg: Vec<f32> = want.iter().map(|s| s * 0.5).collect();
+    assert_eq!(bytes_f32(&good0.expect_result(&spec, 0, 1)), avg);
+    assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 1)), avg);
+
+    drop((good0, c1));
+    job.finish();
+}
+
+#[test]
+fn workers_disagreeing_on_the_average_flag_are_refused() {
+    let mut job = data_job(2, 1, |_| {});
+    let spec = job.declare(0, &[("f", 10, DType::F32)]).remove(0);
+    let (v0, v1) = (vec![1.0f32; 10], vec![2.0f32; 10]);
+    let mut c0 = job.conn(0, 0);
+    let mut c1 = job.conn(0, 1);
+    c0.push(&spec, 0, 0, 0, &f32_bytes(&v0));
+    c0.expect_received(&spec, 0, 0);
+    c1.push(&spec, 0, 0, FLAG_AVERAGE, &f32_bytes(&v1));
+    c1.expect_error("flags");
+    let mut c1 = job.conn(0, 1);
+    c1.push(&spec, 0, 0, 0, &f32_bytes(&v1));
+    for c in [&mut c0, &mut c1] {
+        assert_eq!(bytes_f32(&c.expect_result(&spec, 0, 0)), vec![3.0f32; 10]);
+    }
+    drop((c0, c1));
+    job.finish();
+}
+
+#[test]
+fn connection_closed_mid_push_does_not_corrupt_the_sum() {
+    let mut job = data_job(2, 1, |_| {});
+    let spec = job.declare(0, &[("m", 256, DType::F32)]).remove(0);
+    let v0: Vec<f32> = (0..256).map(|i| i as f32 * 0.25).collect();
+    let v1: Vec<f32> = (0..256).map(|i| 1000.0 - i as f32).collect();
+    let want: Vec<f32> = v0.iter().zip(&v1).map(|(a, b)| a + b).collect();
+    let p0 = f32_bytes(&v0);
+
+    let mut c1 = job.conn(0, 1);
+    for r in 0..2u32 {
+        // Worker 0 sends a push header and half its payload (received straight
+        // into the accumulator when it is first)...
+        let mut half = job.conn(0, 0);
+        let mut b = push_header(&spec, 0, r, 0, p0.len()).encode().to_vec();
+        b.extend_from_slice(&[0xFF; 512]);
+        half.send_raw(&b);
+        if r == 1 {
+            // ...and in round 1 worker 1's push arrives meanwhile (parked behind
+            // it; the pause only makes that interleaving likely, either order must work).
+            std::thread::sleep(Duration::from_millis(50));
+            c1.push(&spec, 0, r, 0, &f32_bytes(&v1));
+            c1.expect_received(&spec, 0, r);
+        }
+        // ...then worker 0's connection dies mid-payload.
+        half.s.shutdown(std::net::Shutdown::Write).unwrap();
+        half.expect_error("closed");
+        // Worker 0 reconnects and pushes again; the sum is exact.
+        let mut c0 = job.conn(0, 0);
+        c0.push(&spec, 0, r, 0, &p0);
+        if r == 0 {
+            c0.expect_received(&spec, 0, r);
+            c1.push(&spec, 0, r, 0, &f32_bytes(&v1));
+        }
+        assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, r)), want, "round {r}");
+        assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, r)), want, "round {r}");
+        c0.close_and_wait();
+    }
+    drop(c1);
+    job.finish();
+}
+
+#[test]
+fn a_round_waiting_for_a_worker_gets_a_stall_notice_naming_it() {
+    let mut job = data_job(3, 1, |c| c.stall_ms = 300);
+    let spec = job.declare(0, &[("st", 16, DType::F32)]).remove(0);
+    let mut conns: Vec<DataConn> = (0..3).map(|r| job.conn(0, r)).collect();
+    let t0 = Instant::now();
+    for r in [0, 2] {
+        conns[r].push(&spec, 0, 0, 0, &f32_bytes(&[1.0; 16]));
+        conns[r].expect_received(&spec, 0, 0);
+    }
+    for r in [0, 2] {
+        let (h, p) = conns[r].read_frame();
+        assert_eq!(h.msg_type, MsgType::Stall, "{h:?}");
+        assert_eq!((h.key, h.round), (spec.key, 0));
+        let s = decode_stall(&p).expect("stall payload");
+        assert_eq!(s.missing, vec![1]);
+        assert_eq!((s.server, s.thread), (0, 0));
+        assert!(s.waited_ms >= 300, "{}", s.waited_ms);
+    }
+    assert!(t0.elapsed() >= Duration::from_millis(280));
+    // The late worker completes the round normally.
+    conns[1].push(&spec, 0, 0, 0, &f32_bytes(&[1.0; 16]));
+    for c in &mut conns {
+        assert_eq!(bytes_f32(&c.expect_result(&spec, 0, 0)), vec![3.0f32; 16]);
+    }
+    drop(conns);
+    job.finish();
+}
+
+#[test]
+fn server_fails_and_tells_its_workers_when_a_worker_is_lost() {
+    let mut job = data_job(2, 2, |_| {});
+    let spec = job.declare(0, &[("l", 4, DType::F32)]).remove(0);
+    let mut c0 = job.conn(spec.slots[0], 0);
+    c0.push(&spec, 0, 0, 0, &f32_bytes(&[1.0; 4]));
+    c0.expect_received(&spec, 0, 0);
+    let gone = job.workers.remove(1);
+    gone.kill();
+    // The server's data connections are closed with the reason.
+    let e = c0.expect_error("worker 1");
+    assert!(!e.is_empty());
+    match job.workers[0].recv() {
+        Control::PeerLost { rank: 1, .. } => {}
+        other => panic!("expected PeerLost, got {other:?}"),
+    }
+    let results = job.job.server_results();
+    let err = results[0].clone().expect_err("the server must fail");
+    assert_contains(&err, &["worker 1"]);
+    assert!(job.job.wait().expect_err("the job must fail").contains("worker 1"));
+}
