@@ -5,6 +5,7 @@
 //! - `declarations`: tensor specs, installation on servers, conflicts, stalls, placement
 //! - `server`: the server thread's data plane, driven by fake workers
 //! - `client`: `Client` setup, push_pull, declare, barrier, failures, shutdown
+//! - `session`: the member session: peer timeout from Welcome, lost scheduler
 //!
 //! Every wait is bounded (see `support::IO_TIMEOUT`); tests only use the
 //! crate's public API.
@@ -15,3 +16,4 @@ mod client;
 mod declarations;
 mod membership;
 mod server;
+mod session;

@@ -123,7 +123,7 @@ pub struct Member {
 }
 
 fn is_timeout(e: &ReadError) -> bool {
-    matches!(e, ReadError::Io(io) if matches!(io.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut))
+    matches!(e, ReadError::TimedOut)
 }
 
 impl Member {
@@ -159,7 +159,7 @@ impl Member {
             match read_control(&mut self.reader, NS) {
                 Ok(Control::Heartbeat) if Instant::now() < deadline => continue,
                 Ok(Control::Heartbeat) => {
-                    return Err(ReadError::Io(std::io::Error::new(ErrorKind::TimedOut, "only heartbeats")))
+                    return Err(ReadError::TimedOut)
                 }
                 other => return other,
             }
