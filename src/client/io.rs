@@ -512,6 +512,9 @@ impl IoThread {
                 return;
             }
             if self.shared.io.stop.load(Ordering::SeqCst) {
+                // Shut down: what was sent can no longer complete. Fail it
+                // here, where the receive buffers are owned.
+                self.fail("gradhub was shut down".into());
                 return;
             }
             let requested = self.shared.io.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take();

@@ -262,7 +262,8 @@ impl Client {
         }
 
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
-        let io = Io::new(&poll, conns, cfg.credit_bytes, ns, w.partition_bytes).map_err(|e| setup("poll", e))?;
+        let limit = crate::protocol::data_payload_limit(w.partition_bytes);
+        let io = Io::new(&poll, conns, cfg.credit_bytes, ns, limit).map_err(|e| setup("poll", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
             table: Mutex::new(Table::default()),

@@ -18,6 +18,17 @@ use std::io::{Read, Write};
 /// (A Declared reply lists one u32 per chunk, so 64 MiB allows ~16M chunks.)
 pub const MAX_CONTROL_PAYLOAD: u32 = 64 << 20;
 
+/// Largest payload of a data-connection frame that is not tensor data
+/// (stall notices, errors, optimizer configs).
+pub const MAX_NOTICE_PAYLOAD: u32 = 64 << 10;
+
+/// The header limit on a data connection: chunks are bounded by the
+/// partition size, which may be smaller than a notice. Each frame type's
+/// exact length is checked after the header.
+pub fn data_payload_limit(partition_bytes: u32) -> u32 {
+    partition_bytes.max(MAX_NOTICE_PAYLOAD)
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ProtocolError {
     #[error("bad magic 0x{0:04x} (not a gradhub peer?)")]

@@ -85,7 +85,9 @@ pub(super) fn declare(
             ));
         }
         d.declared_by[rank as usize] = true;
-        if d.conflict.is_none() && d.spec.is_none() && d.declared_by.iter().all(|&b| b) {
+        // A name repeated in one request completes (and is placed) once.
+        let complete = d.declared_by.iter().all(|&b| b);
+        if d.conflict.is_none() && d.spec.is_none() && complete && !newly_complete.contains(&e.name) {
             newly_complete.push(e.name.clone());
         }
         names.push(e.name);

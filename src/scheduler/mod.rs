@@ -133,7 +133,7 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), Schedul
             if st.assigned.is_none() && started.elapsed() > join_timeout {
                 let n = st.joining.iter().flatten().count();
                 let msg = format!(
-                    "only {n} of {} members registered within {:.0}s",
+                    "only {n} of {} members registered within {:.1}s",
                     shared.cfg.num_workers + shared.cfg.num_servers,
                     join_timeout.as_secs_f64()
                 );

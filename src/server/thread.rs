@@ -374,7 +374,8 @@ impl ServerThread {
             let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
             let chunks = &mut self.chunks;
             let scratch = &mut conn.scratch;
-            let frame = conn.link.read_frame(&mut conn.rx, self.cfg.partition_bytes, |d| {
+            let limit = crate::protocol::data_payload_limit(self.cfg.partition_bytes);
+            let frame = conn.link.read_frame(&mut conn.rx, limit, |d| {
                 if d.direct {
                     match &mut chunks[d.chunk].buf {
                         ChunkBuf::F32(b) => &mut bytes_mut(&mut b[d.parity])[..d.len],

@@ -502,7 +502,6 @@ fn server_reporting_an_error_fails_the_clients_ops() {
 }
 
 #[test]
-#[ignore = "bug: Client::shutdown only fails ops still waiting for a declaration; a submitted op is never completed (op.wait(None) hangs)"]
 fn shutdown_fails_the_operations_in_flight() {
     let job = real_job(sched_config(2, 1), &[(1, false)]);
     let clients = job.clients(2, 2, 1);
@@ -529,7 +528,6 @@ fn shutdown_fails_the_operations_in_flight() {
 }
 
 #[test]
-#[ignore = "bug: the client bounds every data-connection frame by partition_bytes, so a Stall frame larger than a small partition fails the whole client"]
 fn small_partitions_still_deliver_stall_notices() {
     // 16-byte partitions are valid (the scheduler accepts >= 4), but a Stall
     // frame's payload (24 bytes for one missing rank) is larger than that.

@@ -295,7 +295,6 @@ fn placement_gives_colocated_servers_nothing_when_cpu_servers_outnumber_workers(
 }
 
 #[test]
-#[ignore = "bug: a name repeated in one Declare is placed and installed on the servers twice, under two keys"]
 fn a_name_repeated_in_one_request_is_placed_and_installed_once() {
     let mut job = fake_job(sched_config(1, 1), &[(2, false)]);
     job.workers[0]

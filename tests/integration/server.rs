@@ -252,8 +252,15 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     let e = c.expect_error("payload");
     assert_contains(&e, &["100", "256"]);
 
+    // Over the partition but within the notice limit: refused by its exact length...
     let mut c = job.conn(0, 1);
     c.send_header(&hdr(&spec, |h| h.payload_len = PARTITION + 4));
+    let e = c.expect_error("expected");
+    assert_contains(&e, &["256"]);
+
+    // ...over every data-frame limit: refused at the header, before any payload.
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.payload_len = gradhub::protocol::data_payload_limit(PARTITION) + 1));
     c.expect_error("exceeds");
 
     let mut c = job.conn(0, 1);
