@@ -219,6 +219,12 @@ impl PyHandle {
         if !f.bind(py).is_callable() {
             return Err(PyValueError::new_err("add_done_callback needs a callable"));
         }
+        if self.op.done() {
+            // Already done: on this thread, which holds the GIL.
+            let err = self.op.wait(Some(Duration::ZERO)).err().map(|e| e.to_string());
+            f.call1(py, (err,))?;
+            return Ok(());
+        }
         self.op.on_complete(Box::new(move |res| {
             let item = (f, res.err());
             if let Err(TrySendError::Full(item) | TrySendError::Disconnected(item)) = callback_queue().try_send(item) {
