@@ -38,7 +38,8 @@ fn py_err(e: impl Into<Error>) -> PyErr {
 
 /// Python completion callbacks run on one thread of their own: taking the
 /// GIL on the I/O thread would stall every other transfer while Python
-/// runs. Bounded; when full, the callback runs on the completing thread.
+/// runs (and deadlock if the GIL holder waits for that thread). Bounded;
+/// when full, an overflowing callback gets a thread of its own.
 fn callback_queue() -> &'static Sender<(Py<PyAny>, Option<String>)> {
     static QUEUE: OnceLock<Sender<(Py<PyAny>, Option<String>)>> = OnceLock::new();
     QUEUE.get_or_init(|| {
@@ -212,10 +213,11 @@ impl PyHandle {
     fn done(&self) -> bool {
         self.op.done()
     }
-    /// Call `fn(error)` once the operation completes: `error` is None on
+    /// Call `callback(error)` once the operation completes: `error` is None on
     /// success, else the failure message. Runs on gradhub's callback thread
     /// (on this thread if the operation is already done).
-    fn add_done_callback(&self, py: Python<'_>, f: Py<PyAny>) -> PyResult<()> {
+    fn add_done_callback(&self, py: Python<'_>, callback: Py<PyAny>) -> PyResult<()> {
+        let f = callback;
         if !f.bind(py).is_callable() {
             return Err(PyValueError::new_err("add_done_callback needs a callable"));
         }
@@ -228,7 +230,12 @@ impl PyHandle {
         self.op.on_complete(Box::new(move |res| {
             let item = (f, res.err());
             if let Err(TrySendError::Full(item) | TrySendError::Disconnected(item)) = callback_queue().try_send(item) {
-                run_callback(item.0, item.1);
+                let spawned = std::thread::Builder::new()
+                    .name("gradhub-callback".into())
+                    .spawn(move || run_callback(item.0, item.1));
+                if let Err(e) = spawned {
+                    log::error!(target: "worker", "cannot run a completion callback: {e}");
+                }
             }
         }));
         Ok(())

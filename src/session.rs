@@ -68,6 +68,8 @@ impl Joining {
         };
         let peer_timeout = Duration::from_millis(welcome.peer_timeout_ms.max(1) as u64);
         self.stream.set_read_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
+        // A scheduler that stops reading must not hang a heartbeat or a goodbye.
+        self.stream.set_write_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
         let writer = self.stream.try_clone().map_err(SessionError::Setup)?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let link = Arc::new(Link {

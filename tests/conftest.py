@@ -22,6 +22,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (torchrun's MASTER_PORT; gradhub's
+    scheduler takes MASTER_PORT + 1 on every interface)."""
+    for _ in range(100):
+        p = free_port()
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("0.0.0.0", p))
+                b.bind(("0.0.0.0", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
 def job_env(**extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -48,6 +48,49 @@ def test_stub_matches_the_extension():
         assert have - want == set(), f"_core.{name}: in the extension only: {sorted(have - want)}"
 
 
+def _stub_signatures() -> dict[str, list[tuple[str, object]]]:
+    """'func' or 'Class.method' -> [(parameter, default or inspect.Parameter.empty)], from the stub."""
+    import inspect
+
+    out = {}
+
+    def params(fn: ast.FunctionDef) -> list[tuple[str, object]]:
+        args = [a.arg for a in fn.args.args if a.arg != "self"]
+        defaults = [ast.literal_eval(d) if not (isinstance(d, ast.Constant) and d.value is ...) else ...
+                    for d in fn.args.defaults]
+        padded = [inspect.Parameter.empty] * (len(args) - len(defaults)) + defaults
+        return list(zip(args, padded))
+
+    for node in ast.parse(STUB.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = params(node)
+        elif isinstance(node, ast.ClassDef):
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and not any(
+                        isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list):
+                    if f.name == "__init__" or not f.name.startswith("_"):
+                        out[f"{node.name}.{f.name}"] = params(f)
+    return out
+
+
+def test_stub_signatures_match_the_extension():
+    import inspect
+
+    for qual, want in sorted(_stub_signatures().items()):
+        obj = _core
+        for part in qual.split("."):
+            # A constructor's signature is the class's own.
+            obj = obj if part == "__init__" else getattr(obj, part)
+        sig = inspect.signature(obj)
+        have = [(p.name, p.default) for p in sig.parameters.values()
+                if p.name not in ("self", "cls", "$self", "$cls", "type")]
+        assert [n for n, _ in have] == [n for n, _ in want], f"{qual}: extension {have}, stub {want}"
+        for (name, d_have), (_, d_want) in zip(have, want):
+            # The extension shows non-literal defaults (e.g. -1, constants) as "...".
+            if d_want is not ... and d_have is not inspect.Parameter.empty and d_have is not ...:
+                assert d_have == d_want, f"{qual}({name}=...): extension default {d_have!r}, stub {d_want!r}"
+
+
 def test_package_ships_the_stub():
     assert STUB.is_file() and (PKG / "py.typed").is_file()
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import WORKERS, assert_all_passed, free_port, job_env, run_launch
+from conftest import WORKERS, assert_all_passed, free_port, free_port_pair, job_env, run_launch
 
 
 def gh(*args, timeout=60, env=None):
@@ -59,7 +59,7 @@ def test_output_is_prefixed_with_role_and_rank():
 def test_torchrun_environment_embeds_scheduler_and_servers():
     # What torchrun sets for 2 nodes x 2 processes (here all on this machine):
     # rank 0 hosts the scheduler, local rank 0 of each "node" a colocated server.
-    master_port = free_port()
+    master_port = free_port_pair()
     procs = []
     cfg = '{"sizes": [1, 5000, 300000], "dtypes": ["float32", "float16"], "rounds": 2}'
     for rank in range(4):

@@ -77,9 +77,10 @@ class Handle:
         """Block (without the GIL) until done; raises GradhubTimeoutError after
         `timeout` seconds, GradhubError if the operation failed."""
     def done(self) -> bool: ...
-    def add_done_callback(self, fn: Callable[[str | None], None]) -> None:
-        """Call fn once, from a core thread, with None on success or the error
-        message on failure; at once on the caller's thread if already done."""
+    def add_done_callback(self, callback: Callable[[str | None], None]) -> None:
+        """Call `callback` once, from gradhub's callback thread, with None on
+        success or the error message on failure; at once on the caller's
+        thread if already done."""
     @property
     def name(self) -> str: ...
 
@@ -93,7 +94,7 @@ class Client:
         num_workers: int = 0,
         num_servers: int = 0,
         namespace: int = 0,
-        credit_bytes: int = ...,
+        credit_bytes: int = 524288,  # DEFAULT_CREDIT_BYTES
         connect_timeout: float = 60.0,
     ) -> None: ...
     @property

@@ -23,9 +23,11 @@ environment (flags win over variables):
   GRADHUB_PARTITION_BYTES  chunk size (scheduler decides for the job)
   GRADHUB_CREDIT_BYTES     bytes in flight per server-thread connection (workers)
   GRADHUB_STALL_SECONDS    report rounds stalled longer than this
-  GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead;
-                           set on the scheduler, which tells every member
-  GRADHUB_LOG              log level of every role: warn, info (default) or debug
+  GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead
+                           (at least 2: two heartbeats); set on the scheduler,
+                           which tells every member
+  GRADHUB_LOG              log level of every role: error, warn, info (default)
+                           or debug
 """
 
 
@@ -114,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="request this server rank (GRADHUB_SERVER_RANK; default: assigned)")
     vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
                     help="seconds to keep retrying the scheduler (GRADHUB_CONNECT_TIMEOUT; default 60)")
-    sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core) and the emulated-cluster "
-                   "suite (see `gradhub bench --help`)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
+                   "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
+                   add_help=False)
     return p
 
 

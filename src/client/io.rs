@@ -42,7 +42,7 @@ use mio::net::TcpStream;
 use mio::{Events, Poll, Token, Waker};
 
 use super::op::Op;
-use super::Shared;
+use super::{ClientError, Shared};
 use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec};
 use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
@@ -84,9 +84,9 @@ struct ChunkSend {
 #[derive(PartialEq, Eq)]
 enum SendItem {
     Chunk(ChunkSend),
-    /// A control frame with a payload of its own (OptConfig): not a push, so
-    /// it takes no credit and expects no result; it goes before every push
-    /// queued after it.
+    /// A control frame with a payload of its own (DataHello, OptConfig): not
+    /// a push, so it takes no credit and expects no result; control frames go
+    /// out in the order they were queued, before every push.
     Control { seq: u64, key: u32, msg_type: MsgType, payload: Vec<u8> },
 }
 
@@ -95,7 +95,8 @@ impl SendItem {
     fn order(&self) -> Order {
         match self {
             SendItem::Chunk(c) => (std::cmp::Reverse(c.priority), c.key, c.chunk, c.seq),
-            SendItem::Control { seq, key, .. } => (std::cmp::Reverse(i32::MAX), *key, 0, *seq),
+            // Control frames: FIFO among themselves, before every push.
+            SendItem::Control { seq, .. } => (std::cmp::Reverse(i32::MAX), 0, 0, *seq),
         }
     }
 }
@@ -249,9 +250,12 @@ pub struct Io {
 
 impl Io {
     /// Registers the connections with `poll` (owned by the I/O thread).
+    /// Registers the connections and sends each its DataHello (this
+    /// worker's `rank`) before anything else.
     pub fn new(
         poll: &Poll,
         streams: Vec<(TcpStream, String)>,
+        rank: u32,
         credit: usize,
         namespace: u32,
         max_payload: u32,
@@ -260,9 +264,12 @@ impl Io {
         let mut conns = Vec::with_capacity(n);
         for (i, (s, desc)) in streams.into_iter().enumerate() {
             let link = Connection::new(poll.registry(), s, Token(i), desc)?;
-            conns.push(Conn { link, send: Mutex::new(SendHalf { credit, ..Default::default() }) });
+            let mut send = SendHalf { credit, ..Default::default() };
+            // seq 0: ahead of every frame queued later.
+            send.heap.push(SendItem::Control { seq: 0, key: rank, msg_type: MsgType::DataHello, payload: Vec::new() });
+            conns.push(Conn { link, send: Mutex::new(send) });
         }
-        Ok(Io {
+        let io = Io {
             placed: Mutex::new(vec![0; n]),
             conns,
             registry: poll.registry().try_clone()?,
@@ -273,7 +280,11 @@ impl Io {
             waker: Waker::new(poll.registry(), WAKER)?,
             stop: AtomicBool::new(false),
             fail_requested: Mutex::new(None),
-        })
+        };
+        for (i, c) in io.conns.iter().enumerate() {
+            io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
+        }
+        Ok(io)
     }
 
     /// Split the credit across connections in proportion to the bytes placed
@@ -379,17 +390,17 @@ impl Io {
 
     /// Queue a control frame for `key` on connection `slot`, ahead of any
     /// push queued after it (highest priority, FIFO among equals).
-    pub fn send_control(&self, slot: usize, key: u32, msg_type: MsgType, payload: Vec<u8>) -> Result<(), String> {
-        let c = self.conns.get(slot).ok_or_else(|| format!("no connection for slot {slot}"))?;
+    pub fn send_control(&self, slot: usize, key: u32, msg_type: MsgType, payload: Vec<u8>) -> Result<(), ClientError> {
+        let c = self.conns.get(slot).ok_or_else(|| ClientError::Failed(format!("no connection for slot {slot}")))?;
         {
             let mut ops = self.ops();
             if let Some(f) = &ops.failed {
-                return Err(f.clone());
+                return Err(ClientError::Failed(f.clone()));
             }
             ops.seq += 1;
             c.send().heap.push(SendItem::Control { seq: ops.seq, key, msg_type, payload });
         }
-        self.pump(slot).map_err(|e| format!("{}: {e}", c.desc()))
+        self.pump(slot).map_err(|e| ClientError::Failed(format!("{}: {e}", c.desc())))
     }
 
     /// Send as much as the credit and the socket allow on connection `i`.
@@ -442,8 +453,10 @@ impl Io {
         c.link.pump(&self.registry, &mut st.tx, next, payload)
     }
 
-    /// Fail every op in flight. Only called on the I/O thread.
-    fn fail_all(&self, msg: String, shared: &Shared) {
+    /// Fail every op in flight. Only called on the I/O thread. `job_failed`:
+    /// the job failed (recorded for every later call), else this worker is
+    /// shutting down.
+    fn fail_all(&self, msg: String, shared: &Shared, job_failed: bool) {
         let mut ops = self.ops();
         let msg = ops.failed.get_or_insert(msg).clone();
         for c in &self.conns {
@@ -455,7 +468,9 @@ impl Io {
         }
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
         drop(ops);
-        shared.set_failure(msg.clone());
+        if job_failed {
+            shared.set_failure(msg.clone());
+        }
         for a in drained {
             shared.finish_op(&a.op, Some(msg.clone()));
         }
@@ -491,14 +506,14 @@ impl IoThread {
         }
     }
 
-    fn fail(&mut self, msg: String) {
+    fn fail(&mut self, msg: String, job_failed: bool) {
         self.failed = true;
         // Receive targets may be released now: forget them.
         self.rx.iter_mut().for_each(|r| {
             r.reset();
         });
         let shared = self.shared.clone();
-        shared.io.fail_all(msg, &shared);
+        shared.io.fail_all(msg, &shared, job_failed);
     }
 
     pub fn run(mut self) {
@@ -508,18 +523,18 @@ impl IoThread {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                self.fail(format!("worker I/O poll failed: {e}"));
+                self.fail(format!("worker I/O poll failed: {e}"), true);
                 return;
             }
             if self.shared.io.stop.load(Ordering::SeqCst) {
                 // Shut down: what was sent can no longer complete. Fail it
                 // here, where the receive buffers are owned.
-                self.fail("gradhub was shut down".into());
+                self.fail("gradhub was shut down".into(), false);
                 return;
             }
             let requested = self.shared.io.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take();
             if let Some(msg) = requested {
-                self.fail(msg);
+                self.fail(msg, true);
             }
             for ev in events.iter() {
                 let i = ev.token().0;
@@ -541,7 +556,7 @@ impl IoThread {
                         other => other.to_string(),
                     };
                     let msg = format!("{}: {why}", self.shared.io.conns[i].desc());
-                    self.fail(msg);
+                    self.fail(msg, true);
                 }
             }
         }

@@ -20,7 +20,7 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use mio::Poll;
 
-use crate::protocol::{Control, DType, DeclEntry, Header, MsgType, Register, Role, TensorSpec};
+use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError, SessionSender};
 use crate::transport::{connect_retry, join_host_port};
 use io::{BufPtr, Io, IoThread, Submission};
@@ -251,11 +251,7 @@ impl Client {
             for (t, &port) in s.ports.iter().enumerate() {
                 let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
-                let mut stream = connect_retry(&addr, cfg.connect_timeout).map_err(|e| setup(&desc, e))?;
-                let mut h = Header::new(MsgType::DataHello);
-                h.namespace = ns;
-                h.key = w.rank;
-                std::io::Write::write_all(&mut stream, &h.encode()).map_err(|e| setup(&desc, e))?;
+                let stream = connect_retry(&addr, cfg.connect_timeout).map_err(|e| setup(&desc, e))?;
                 stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
                 conns.push((mio::net::TcpStream::from_std(stream), desc));
             }
@@ -263,7 +259,7 @@ impl Client {
 
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
-        let io = Io::new(&poll, conns, cfg.credit_bytes, ns, limit).map_err(|e| setup("poll", e))?;
+        let io = Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit).map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
             table: Mutex::new(Table::default()),
@@ -415,8 +411,7 @@ impl Client {
         for slot in slots {
             self.shared
                 .io
-                .send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())
-                .map_err(ClientError::Failed)?;
+                .send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())?;
         }
         Ok(())
     }

@@ -62,7 +62,13 @@ pub struct Op {
 fn spin_limit() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
     *SPIN.get_or_init(|| {
-        let us = std::env::var("GRADHUB_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50u64);
+        let us = match std::env::var("GRADHUB_SPIN_US") {
+            Err(_) => 50,
+            Ok(v) => v.trim().parse().unwrap_or_else(|_| {
+                log::warn!(target: "worker", "GRADHUB_SPIN_US={v:?} is not a number of microseconds; using 50");
+                50
+            }),
+        };
         Duration::from_micros(us)
     })
 }

@@ -67,8 +67,7 @@ pub fn read_control<R: Read>(r: &mut R, namespace: u32) -> Result<Control, ReadE
             }
             Some(Frame::Header(h)) => rx.receive_owned(h),
             Some(Frame::Message(h, payload)) => return Ok(Control::decode(&h, &payload)?),
-            // Never: nothing is received into caller memory here.
-            Some(Frame::Payload(..)) => return Err(ReadError::TimedOut),
+            Some(Frame::Payload(..)) => return Err(ReadError::Internal("a control payload in caller memory".into())),
         }
     }
 }

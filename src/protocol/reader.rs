@@ -25,6 +25,9 @@ pub enum ReadError {
     Io(#[from] io::Error),
     #[error("bad frame: {0}")]
     Protocol(#[from] ProtocolError),
+    /// A caller broke the reader's contract (a bug, not the peer's fault).
+    #[error("internal: {0}")]
+    Internal(String),
 }
 
 /// Outcome of one nonblocking read or write attempt.
@@ -78,6 +81,9 @@ pub enum Frame<T> {
 
 enum ReadState<T> {
     Header { got: usize },
+    /// A header with a payload was returned; the caller has not said where
+    /// the payload goes yet (reading on would take it for the next header).
+    Unclaimed { hdr: Header },
     Into { hdr: Header, target: T, got: usize },
     Owned { hdr: Header, buf: Vec<u8>, got: usize },
 }
@@ -107,7 +113,8 @@ impl<T: Copy> FrameReader<T> {
         self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0 };
     }
 
-    /// Forget any partial frame; returns the destination being filled, if any.
+    /// Forget any partial frame (the connection is closing); returns the
+    /// destination being filled, if any.
     pub fn reset(&mut self) -> Option<T> {
         let old = std::mem::replace(&mut self.state, ReadState::Header { got: 0 });
         match old {
@@ -134,12 +141,18 @@ impl<T: Copy> FrameReader<T> {
                 let len = hdr.payload_len as usize;
                 let whole: &mut [u8] = if len == 0 { &mut [] } else { dst(*target) };
                 if whole.len() != len {
-                    return Err(ReadError::Io(io::Error::other(format!(
-                        "internal: a {}-byte destination for a {len}-byte payload",
+                    return Err(ReadError::Internal(format!(
+                        "a {}-byte destination for a {len}-byte payload",
                         whole.len()
-                    ))));
+                    )));
                 }
                 fill(&mut r, whole, got, false)?
+            }
+            ReadState::Unclaimed { hdr } => {
+                return Err(ReadError::Internal(format!(
+                    "the {}-byte payload of a {:?} frame was neither received nor refused",
+                    hdr.payload_len, hdr.msg_type
+                )))
             }
             ReadState::Owned { hdr, buf, got } => loop {
                 // Grow with the data actually received, not with what the
@@ -160,9 +173,16 @@ impl<T: Copy> FrameReader<T> {
             return Ok(None);
         }
         let frame = match std::mem::replace(&mut self.state, ReadState::Header { got: 0 }) {
-            ReadState::Header { .. } => Frame::Header(Header::decode(&self.head, max_payload)?),
+            ReadState::Header { .. } => {
+                let hdr = Header::decode(&self.head, max_payload)?;
+                if hdr.payload_len > 0 {
+                    self.state = ReadState::Unclaimed { hdr };
+                }
+                Frame::Header(hdr)
+            }
             ReadState::Into { hdr, target, .. } => Frame::Payload(hdr, target),
             ReadState::Owned { hdr, buf, .. } => Frame::Message(hdr, buf),
+            ReadState::Unclaimed { .. } => unreachable!("returned above"),
         };
         Ok(Some(frame))
     }

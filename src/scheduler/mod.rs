@@ -93,7 +93,7 @@ pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, Schedule
         return Err(SchedulerError::Config("partition size must be at least 4 bytes".into()));
     }
     // Every member waits this long for a heartbeat: it must span a few of them.
-    if cfg.peer_timeout_ms < 2 * cfg.heartbeat_ms.max(10) {
+    if cfg.peer_timeout_ms < cfg.heartbeat_ms.max(10).saturating_mul(2) {
         return Err(SchedulerError::Config(format!(
             "peer timeout ({} ms) must be at least twice the heartbeat period ({} ms)",
             cfg.peer_timeout_ms, cfg.heartbeat_ms

@@ -407,6 +407,9 @@ impl ServerThread {
         match hdr.msg_type {
             MsgType::DataHello => {
                 let r = hdr.key;
+                if hdr.payload_len != 0 {
+                    return Err(format!("DataHello with a {}-byte payload", hdr.payload_len).into());
+                }
                 if conn.rank.is_some() {
                     return Err("second DataHello on one connection".into());
                 }
@@ -564,6 +567,7 @@ impl ServerThread {
     /// Every worker pushed: finalize and send the result to everyone.
     fn finish_round(&mut self, idx: usize) {
         let nw = self.cfg.num_workers;
+        let who = self.who();
         let ch = &mut self.chunks[idx];
         let parity = (ch.round & 1) as usize;
         let scale = if ch.flags & FLAG_AVERAGE != 0 { 1.0 / nw as f32 } else { 1.0 };
@@ -592,7 +596,7 @@ impl ServerThread {
         if ch.stall_reported {
             let name = self.names.get(&ch.key).map(String::as_str).unwrap_or("?");
             log::info!(
-                target: &format!("server {}/t{}", self.cfg.server, self.cfg.thread),
+                target: &who,
                 "stall resolved: tensor '{name}' chunk {} round {round} complete",
                 ch.chunk
             );

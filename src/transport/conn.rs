@@ -20,7 +20,7 @@ use mio::net::TcpStream;
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
 
-use crate::protocol::{Frame, FrameReader, Header, ProtocolError, ReadError};
+use crate::protocol::{Frame, FrameReader, Header, ProtocolError, ReadError, HEADER_LEN};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnError {
@@ -73,19 +73,34 @@ fn write_nb<W: Write>(mut w: W, head: &[u8], payload: &[u8]) -> io::Result<Wrote
 /// item from which the payload is looked up when it is written.
 pub struct Outgoing<I> {
     pub item: I,
-    head: Vec<u8>,
+    head: Head,
     sent: usize,
+}
+
+/// A header inline (no allocation per chunk on the hot path), or whole frames.
+enum Head {
+    Header([u8; HEADER_LEN]),
+    Bytes(Vec<u8>),
+}
+
+impl Head {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Head::Header(h) => h,
+            Head::Bytes(b) => b,
+        }
+    }
 }
 
 impl<I> Outgoing<I> {
     /// A frame whose payload is the item's (see `Connection::pump`).
     pub fn frame(item: I, hdr: &Header) -> Self {
-        Outgoing { item, head: hdr.encode().to_vec(), sent: 0 }
+        Outgoing { item, head: Head::Header(hdr.encode()), sent: 0 }
     }
     /// Frames encoded in full, header(s) and payload(s) (batched acks,
     /// notices, control frames); the item's payload must be empty.
     pub fn encoded(item: I, bytes: Vec<u8>) -> Self {
-        Outgoing { item, head: bytes, sent: 0 }
+        Outgoing { item, head: Head::Bytes(bytes), sent: 0 }
     }
 }
 
@@ -166,12 +181,10 @@ impl Connection {
             }
             let Some(cur) = tx.cur.as_mut() else { break false };
             let body = payload(&cur.item);
-            let total = cur.head.len() + body.len();
-            let (head, body) = if cur.sent < cur.head.len() {
-                (&cur.head[cur.sent..], body)
-            } else {
-                (&[][..], &body[cur.sent - cur.head.len()..])
-            };
+            let head = cur.head.bytes();
+            let total = head.len() + body.len();
+            let (head, body) =
+                if cur.sent < head.len() { (&head[cur.sent..], body) } else { (&[][..], &body[cur.sent - head.len()..]) };
             match write_nb(&self.stream, head, body)? {
                 Wrote::Moved(n) => {
                     cur.sent += n;
@@ -201,7 +214,7 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{MsgType, HEADER_LEN};
+    use crate::protocol::MsgType;
     use std::time::{Duration, Instant};
 
     /// A registered nonblocking connection and the blocking std peer writing to it.

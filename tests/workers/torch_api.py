@@ -53,21 +53,23 @@ y = mine((6,))
 h = hvd.allreduce_async_(y, op=hvd.Average, name="async_inplace")
 assert hvd.synchronize(h) is y
 close(y, sum(everyone((6,))) / n)
-# Completion callbacks (the DDP hook's path), once the core has them.
-if hasattr(gradhub._core.Handle, "add_done_callback"):
-    got, ready = [], threading.Event()
+# Completion callbacks (the DDP hook's path).
+got, ready = [], threading.Event()
 
-    def on_done(handle):
-        got.append(handle.wait())
-        ready.set()
 
-    h = hvd.allreduce_async(mine((8,)), op=hvd.Sum, name="callback")
-    h.add_done_callback(on_done)
-    assert ready.wait(60)
-    close(got[0], sum(everyone((8,))))
-    again = threading.Event()
-    h.add_done_callback(lambda handle: again.set() if handle is h else None)  # already done
-    assert again.wait(60)
+def on_done(handle):
+    got.append(handle.wait())
+    ready.set()
+
+
+h = hvd.allreduce_async(mine((8,)), op=hvd.Sum, name="callback")
+h.add_done_callback(on_done)
+assert ready.wait(60)
+close(got[0], sum(everyone((8,))))
+# Already done: called at once, on this thread.
+seen = []
+h.add_done_callback(lambda handle: seen.append((handle is h, threading.current_thread() is threading.main_thread())))
+assert seen == [(True, True)], seen
 
 # Compression round trip: fp16 / bf16 error bounds.
 v = torch.randn(1000, generator=torch.Generator().manual_seed(r)) * 10

@@ -95,11 +95,20 @@ def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
     raise TypeError(f"cannot reduce tensors of dtype {dtype}")
 
 
-def _wire_spec(tensor: torch.Tensor, compression=Compression.none) -> tuple[int, str]:
+def _wire_spec(tensor: torch.Tensor, compression=Compression.none) -> tuple[int, str] | None:
     """(numel, dtype name) that `_push_pull_async(tensor, ..., compression)`
-    sends, for declaring it ahead of its first reduction."""
-    comp, _ = compression.compress(tensor.detach())
-    return comp.numel(), _WIRE_NAMES[_wire_dtype(comp.dtype)]
+    sends, for declaring it ahead of its first reduction; None when only
+    running the compressor would tell (a user-defined one: it is not called
+    here, so it sees exactly the tensors it compresses)."""
+    from .compression import NoneCompressor, _CastCompressor
+
+    if isinstance(compression, type) and issubclass(compression, NoneCompressor):
+        dtype = tensor.dtype
+    elif isinstance(compression, type) and issubclass(compression, _CastCompressor):
+        dtype = compression.wire_dtype if tensor.dtype.is_floating_point else tensor.dtype
+    else:
+        return None
+    return tensor.numel(), _WIRE_NAMES[_wire_dtype(dtype)]
 
 
 def _check_inplace(tensor: torch.Tensor, what: str):

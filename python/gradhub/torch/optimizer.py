@@ -100,8 +100,9 @@ class _DistributedOptimizer:
         approximates the order gradients become ready, which is the order the
         tensors used to be declared in on first use (it sets their keys, the
         tie-break between equal priorities)."""
-        return [(self._gh_push_name(p), _wire_spec(p, self._gh_compression))
-                for p in reversed(self._gh_params) if p.requires_grad]
+        specs = [(self._gh_push_name(p), _wire_spec(p, self._gh_compression))
+                 for p in reversed(self._gh_params) if p.requires_grad]
+        return [(name, spec) for name, spec in specs if spec is not None]
 
     def _gh_push_name(self, p) -> str:
         return f"allreduce.{self._gh_names[id(p)]}"
