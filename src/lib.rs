@@ -34,7 +34,23 @@ pub const DEFAULT_PARTITION_BYTES: u32 = 256 << 10;
 /// Default per-connection credit (bytes in flight). See docs/benchmarks.md.
 pub const DEFAULT_CREDIT_BYTES: usize = 512 << 10;
 
-/// This machine's host name (used to compute local ranks).
+/// This member's host identity: which workers share a machine (and its
+/// memory). `GRADHUB_HOST_ID` if set; else the host name and the network
+/// namespace, so hosts emulated as namespaces on one machine count as
+/// separate hosts, as they are for the network.
+pub fn host_id() -> String {
+    if let Ok(id) = std::env::var("GRADHUB_HOST_ID") {
+        if !id.trim().is_empty() {
+            return id.trim().to_string();
+        }
+    }
+    match std::fs::read_link("/proc/self/ns/net") {
+        Ok(ns) => format!("{} {}", hostname(), ns.display()),
+        Err(_) => hostname(),
+    }
+}
+
+/// This machine's host name.
 pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())

@@ -254,7 +254,8 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0))]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         scheduler: String,
@@ -264,6 +265,8 @@ impl PyClient {
         namespace: u32,
         credit_bytes: usize,
         connect_timeout: f64,
+        local_rank: i32,
+        local_size: i32,
     ) -> PyResult<Self> {
         let cfg = ClientConfig {
             scheduler,
@@ -273,6 +276,8 @@ impl PyClient {
             namespace,
             credit_bytes,
             connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
+            local_rank,
+            local_size,
         };
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })

@@ -63,13 +63,15 @@ def test_torchrun_environment_embeds_scheduler_and_servers():
     procs = []
     cfg = '{"sizes": [1, 5000, 300000], "dtypes": ["float32", "float16"], "rounds": 2}'
     for rank in range(4):
+        # Two "nodes" on one machine: each process says which node it is on.
         env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, WORLD_SIZE=4, RANK=rank,
-                      LOCAL_RANK=rank % 2, LOCAL_WORLD_SIZE=2, GH_TEST=cfg)
+                      LOCAL_RANK=rank % 2, LOCAL_WORLD_SIZE=2, GRADHUB_HOST_ID=f"node{rank // 2}", GH_TEST=cfg)
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / "check_sums.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = [p.communicate(timeout=120)[0].decode() for p in procs]
     for r, (p, o) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"PASS {r}" in o, o
+        assert f"LOCAL {r % 2} of 2" in o, o
 
 
 def test_role_from_environment_runs_that_role():
@@ -88,3 +90,15 @@ def test_role_from_environment_runs_that_role():
     assert all(p.returncode == 0 for p in procs), outs
     assert "PASS 0" in outs[2] and "PASS 1" in outs[3]
     assert "job complete" in outs[0] and "job complete" in outs[1]
+
+
+def test_launch_gives_local_ranks_and_a_wrong_local_size_is_an_error():
+    rc, out = run_launch(3, 1, "check_sums.py", {"sizes": [10], "dtypes": ["float32"], "rounds": 1})
+    assert_all_passed(rc, out, 3)
+    for r in range(3):
+        assert f"[worker {r}] LOCAL {r} of 3" in out, out[-3000:]
+    # A local size that does not match the workers on this host fails init()
+    # on every worker with a message naming the host, instead of a silent slowdown.
+    rc, out = run_launch(3, 1, "check_sums.py", {"sizes": [10]}, env={"GRADHUB_LOCAL_SIZE": "2"}, timeout=120)
+    assert rc != 0, out[-3000:]
+    assert "was told its host has 2 workers, but 3 registered from host" in out, out[-3000:]

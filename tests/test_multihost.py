@@ -78,5 +78,7 @@ def test_job_across_emulated_hosts(hosts):
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     for r in range(3):
         assert f"PASS {r}" in outs[3 + r]
+        # One worker per host: hosts are told apart by network namespace too.
+        assert "LOCAL 0 of 1" in outs[3 + r], outs[3 + r]
     for i, (_, ip) in enumerate(server_hosts):
         assert f"on {ip} ports" in outs[1 + i], outs[1 + i]

@@ -96,6 +96,8 @@ class Client:
         namespace: int = 0,
         credit_bytes: int = 524288,  # DEFAULT_CREDIT_BYTES
         connect_timeout: float = 60.0,
+        local_rank: int = -1,
+        local_size: int = -1,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

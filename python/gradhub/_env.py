@@ -98,7 +98,9 @@ def worker_env() -> WorkerEnv:
         port = get_int("GRADHUB_SCHEDULER_PORT") or (get_int("MASTER_PORT", 29500) + 1)
         scheduler = f"{os.environ['MASTER_ADDR']}:{port}"
     num_workers = get_int("GRADHUB_NUM_WORKERS", get_int("WORLD_SIZE", 0))
-    local_size = get_int("LOCAL_WORLD_SIZE")
+    # Checked by the scheduler against the host identities (GRADHUB_HOST_ID, or
+    # host name and network namespace) of every worker that registered.
+    local_size = get_int("GRADHUB_LOCAL_SIZE", get_int("LOCAL_WORLD_SIZE"))
     default_servers = 0
     if torchrun and num_workers and local_size:
         default_servers = max(1, num_workers // local_size)  # one per node
@@ -107,7 +109,7 @@ def worker_env() -> WorkerEnv:
         rank=get_int("GRADHUB_RANK", get_int("RANK", -1)),
         num_workers=num_workers,
         num_servers=get_int("GRADHUB_NUM_SERVERS", default_servers),
-        local_rank=get_int("LOCAL_RANK"),
+        local_rank=get_int("GRADHUB_LOCAL_RANK", get_int("LOCAL_RANK")),
         local_size=local_size,
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         credit_bytes=get_int("GRADHUB_CREDIT_BYTES"),

@@ -20,8 +20,6 @@ from .buffers import describe, get_buffer, is_torch_tensor, stage
 
 _lock = threading.Lock()
 _client: _core.Client | None = None
-_local_rank: int | None = None
-_local_size: int | None = None
 _embedded = None  # roles.Embedded: in-process scheduler / server (torchrun mode)
 _names = itertools.count()
 _names_lock = threading.Lock()
@@ -42,7 +40,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
 
     BytePS style: started with GRADHUB_ROLE=server or scheduler, the same
     script runs that role here and exits when the job ends."""
-    global _client, _local_rank, _local_size, _embedded
+    global _client, _embedded
     role = _env.role()
     if role != "worker":
         from . import roles
@@ -73,11 +71,13 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
         kwargs = {}
         if env.credit_bytes is not None:
             kwargs["credit_bytes"] = env.credit_bytes
+        # A local rank/size the launcher gave is checked by the scheduler
+        # against the hosts that registered (a wrong one fails init()).
         _client = _core.Client(env.scheduler, rank=env.rank, num_workers=env.num_workers,
                                num_servers=env.num_servers, namespace=env.namespace,
-                               connect_timeout=env.connect_timeout, **kwargs)
-        _local_rank = env.local_rank
-        _local_size = env.local_size
+                               connect_timeout=env.connect_timeout,
+                               local_rank=-1 if env.local_rank is None else env.local_rank,
+                               local_size=-1 if env.local_size is None else env.local_size, **kwargs)
     atexit.register(shutdown)
 
 
@@ -107,13 +107,13 @@ def size() -> int:
 
 
 def local_rank() -> int:
-    c = _require()
-    return c.local_rank if _local_rank is None else _local_rank
+    """This worker's rank among the workers on its host (checked by the scheduler)."""
+    return _require().local_rank
 
 
 def local_size() -> int:
-    c = _require()
-    return c.local_size if _local_size is None else _local_size
+    """The number of workers on this worker's host."""
+    return _require().local_size
 
 
 class Handle:

@@ -28,6 +28,11 @@ environment (flags win over variables):
                            which tells every member
   GRADHUB_LOG              log level of every role: error, warn, info (default)
                            or debug
+  GRADHUB_LOCAL_RANK/SIZE  a worker's rank among its host's workers and their
+                           number (default: torchrun's LOCAL_RANK and
+                           LOCAL_WORLD_SIZE); checked by the scheduler
+  GRADHUB_HOST_ID          which workers share a machine (default: host name
+                           and network namespace)
 """
 
 

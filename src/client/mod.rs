@@ -35,6 +35,11 @@ pub struct ClientConfig {
     /// Max bytes in flight per server-thread connection.
     pub credit_bytes: usize,
     pub connect_timeout: Duration,
+    /// This worker's local rank and the number of workers on its host, as
+    /// the launcher says (-1: not given, the scheduler assigns them by rank
+    /// order among workers with the same `crate::host_id`).
+    pub local_rank: i32,
+    pub local_size: i32,
 }
 
 impl Default for ClientConfig {
@@ -47,6 +52,8 @@ impl Default for ClientConfig {
             namespace: 0,
             credit_bytes: crate::DEFAULT_CREDIT_BYTES,
             connect_timeout: Duration::from_secs(60),
+            local_rank: -1,
+            local_size: -1,
         }
     }
 }
@@ -230,20 +237,24 @@ impl Client {
         crate::logging::init();
         let setup = |what: &str, e: std::io::Error| ClientError::Setup(format!("{what}: {e}"));
         let ns = cfg.namespace;
-        let hostname = crate::hostname();
         let session = Joining::connect(&cfg.scheduler, cfg.connect_timeout, ns)?.register(Register {
             role: Role::Worker,
             requested_rank: cfg.rank,
-            hostname: hostname.clone(),
+            hostname: crate::host_id(),
             addr: String::new(),
             ports: Vec::new(),
             colocated: false,
             num_workers: cfg.num_workers,
             num_servers: cfg.num_servers,
+            local_rank: cfg.local_rank,
+            local_size: cfg.local_size,
         })?;
         let w = session.welcome.clone();
-        let local_rank = w.worker_hosts.iter().take(w.rank as usize).filter(|h| **h == hostname).count() as u32;
-        let local_size = w.worker_hosts.iter().filter(|h| **h == hostname).count() as u32;
+        let me = w.rank as usize;
+        let (Some(host), Some(&local_rank)) = (w.worker_hosts.get(me), w.worker_local_ranks.get(me)) else {
+            return Err(ClientError::Setup(format!("the Welcome has no host for worker {me}")));
+        };
+        let local_size = w.worker_hosts.iter().filter(|h| *h == host).count() as u32;
 
         // One data connection per server thread, in slot order.
         let mut conns = Vec::new();

@@ -43,6 +43,8 @@ pub struct Register {
     pub role: Role,
     /// Requested rank, or -1 for "assign me one".
     pub requested_rank: i32,
+    /// The member's host identity (`crate::host_id`): workers with the same
+    /// one share a machine.
     pub hostname: String,
     /// Address peers should use to reach this member (servers only).
     pub addr: String,
@@ -52,6 +54,11 @@ pub struct Register {
     /// The job size this member was configured with; checked by the scheduler.
     pub num_workers: u32,
     pub num_servers: u32,
+    /// Workers: the local rank and the number of workers on this host the
+    /// launcher says this worker has (-1: not given); checked by the
+    /// scheduler against the host identities of everyone who registered.
+    pub local_rank: i32,
+    pub local_size: i32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,8 +79,11 @@ pub struct Welcome {
     /// A peer silent for this long is lost: the same for every role.
     pub peer_timeout_ms: u32,
     pub servers: Vec<ServerInfo>,
-    /// Hostname of each worker, by rank (for local_rank/local_size).
+    /// Host identity of each worker, by rank.
     pub worker_hosts: Vec<String>,
+    /// Local rank of each worker on its host, by rank (checked or assigned
+    /// by the scheduler); the local size is the count of equal hosts.
+    pub worker_local_ranks: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -217,6 +227,7 @@ impl Control {
                     w.u16(p);
                 }
                 w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
+                w.i32(m.local_rank).i32(m.local_size);
             }
             Control::Welcome(m) => {
                 w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
@@ -232,6 +243,10 @@ impl Control {
                 w.u32(m.worker_hosts.len() as u32);
                 for h in &m.worker_hosts {
                     w.str(h);
+                }
+                w.u32(m.worker_local_ranks.len() as u32);
+                for &l in &m.worker_local_ranks {
+                    w.u32(l);
                 }
             }
             Control::Declare { req, entries } => {
@@ -293,6 +308,8 @@ impl Control {
                 let colocated = r.u8("colocated")? != 0;
                 let num_workers = r.u32("num_workers")?;
                 let num_servers = r.u32("num_servers")?;
+                let local_rank = r.i32("local_rank")?;
+                let local_size = r.i32("local_size")?;
                 Control::Register(Register {
                     role,
                     requested_rank,
@@ -302,6 +319,8 @@ impl Control {
                     colocated,
                     num_workers,
                     num_servers,
+                    local_rank,
+                    local_size,
                 })
             }
             MsgType::Welcome => {
@@ -322,7 +341,12 @@ impl Control {
                     servers.push(ServerInfo { rank, addr, ports, colocated });
                 }
                 let nw = r.count("worker_hosts", 4)?;
-                let worker_hosts = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;
+                let worker_hosts: Vec<String> = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;
+                let nl = r.count("worker_local_ranks", 4)?;
+                let worker_local_ranks: Vec<u32> = (0..nl).map(|_| r.u32("local rank")).collect::<Result<_, _>>()?;
+                if nl != nw {
+                    return Err(ProtocolError::BadPayload(format!("{nl} local ranks for {nw} workers")));
+                }
                 Control::Welcome(Welcome {
                     rank,
                     num_workers,
@@ -332,6 +356,7 @@ impl Control {
                     peer_timeout_ms,
                     servers,
                     worker_hosts,
+                    worker_local_ranks,
                 })
             }
             MsgType::Declare => {

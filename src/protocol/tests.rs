@@ -66,6 +66,8 @@ fn sample_controls() -> Vec<Control> {
             colocated: false,
             num_workers: 8,
             num_servers: 2,
+            local_rank: 3,
+            local_size: 4,
         }),
         Control::Register(Register {
             role: Role::Server,
@@ -76,6 +78,8 @@ fn sample_controls() -> Vec<Control> {
             colocated: true,
             num_workers: u32::MAX,
             num_servers: 0,
+            local_rank: -1,
+            local_size: -1,
         }),
         Control::Register(Register {
             role: Role::Worker,
@@ -86,6 +90,8 @@ fn sample_controls() -> Vec<Control> {
             colocated: true,
             num_workers: 1,
             num_servers: 1,
+            local_rank: i32::MIN,
+            local_size: i32::MAX,
         }),
         Control::Welcome(Welcome {
             rank: 3,
@@ -100,6 +106,7 @@ fn sample_controls() -> Vec<Control> {
                 ServerInfo { rank: u32::MAX, addr: String::new(), ports: vec![u16::MAX], colocated: false },
             ],
             worker_hosts: vec!["a".into(), "a".into(), "日本語ホスト".into(), String::new()],
+            worker_local_ranks: vec![0, 1, 0, u32::MAX],
         }),
         Control::Welcome(Welcome {
             rank: 0,
@@ -110,6 +117,7 @@ fn sample_controls() -> Vec<Control> {
             peer_timeout_ms: 1,
             servers: vec![],
             worker_hosts: vec![],
+            worker_local_ranks: vec![],
         }),
         Control::Declare {
             req: 7,

@@ -111,11 +111,23 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         .collect();
     servers.sort_by_key(|s| s.rank);
     let mut hosts = vec![String::new(); cfg.num_workers as usize];
+    let mut claims = vec![(-1, -1); cfg.num_workers as usize];
     for ((r, rank), g) in assigned.iter().zip(regs.iter()) {
         if *r == Role::Worker {
             hosts[*rank as usize] = g.reg.hostname.clone();
+            claims[*rank as usize] = (g.reg.local_rank, g.reg.local_size);
         }
     }
+    let local_ranks = match local_ranks(&hosts, &claims) {
+        Ok(l) => l,
+        Err(msg) => {
+            // Put the registrations back: the failure reaches them there.
+            st.joining = regs.into_iter().map(Some).collect();
+            shared.fail(st, None, msg.clone());
+            shared.reject_joining(st, &msg);
+            return;
+        }
+    };
     st.placer = Some(Placer::new(&servers, cfg.num_workers as usize));
     for ((role, rank), g) in assigned.iter().zip(regs) {
         let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });
@@ -128,6 +140,7 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             peer_timeout_ms: cfg.peer_timeout_ms,
             servers: servers.clone(),
             worker_hosts: hosts.clone(),
+            worker_local_ranks: local_ranks.clone(),
         });
         if !member.send(&welcome, cfg.namespace) {
             log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
@@ -137,6 +150,57 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
     }
     st.assigned = Some(assigned);
     log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
+}
+
+/// Each worker's local rank on its host (workers with the same host
+/// identity), by rank. Workers whose launcher gave a local rank and size
+/// must agree with what registered: the size is the number of workers with
+/// that host identity, and the host's local ranks are 0..size, each once.
+/// A host whose workers gave none gets them in rank order. A wrong setting
+/// is an error here, not a silent slowdown (or wrong sharing) later.
+pub(super) fn local_ranks(hosts: &[String], claims: &[(i32, i32)]) -> Result<Vec<u32>, String> {
+    let mut out = vec![0u32; hosts.len()];
+    let mut by_host: Vec<(&String, Vec<usize>)> = Vec::new();
+    for (rank, h) in hosts.iter().enumerate() {
+        match by_host.iter_mut().find(|(k, _)| *k == h) {
+            Some((_, v)) => v.push(rank),
+            None => by_host.push((h, vec![rank])),
+        }
+    }
+    for (host, ranks) in by_host {
+        let size = ranks.len();
+        let given: Vec<usize> = ranks.iter().copied().filter(|&r| claims[r].0 >= 0 || claims[r].1 >= 0).collect();
+        if given.is_empty() {
+            for (l, &r) in ranks.iter().enumerate() {
+                out[r] = l as u32;
+            }
+            continue;
+        }
+        if given.len() != size {
+            let missing: Vec<usize> = ranks.iter().copied().filter(|r| !given.contains(r)).collect();
+            return Err(format!(
+                "host {host}: workers {given:?} were given a local rank and size but workers {missing:?} were not \
+                 (set GRADHUB_LOCAL_RANK/GRADHUB_LOCAL_SIZE, or torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE, for all or none)"
+            ));
+        }
+        let mut seen = vec![None; size];
+        for &r in &ranks {
+            let (l, n) = claims[r];
+            if n != size as i32 {
+                return Err(format!(
+                    "worker {r} was told its host has {n} workers, but {size} registered from host {host} (workers {ranks:?})"
+                ));
+            }
+            if l < 0 || l >= n {
+                return Err(format!("worker {r} was given local rank {l}, outside 0..{n}"));
+            }
+            if let Some(other) = seen[l as usize].replace(r) {
+                return Err(format!("workers {other} and {r} on host {host} were both given local rank {l}"));
+            }
+            out[r] = l as u32;
+        }
+    }
+    Ok(out)
 }
 
 /// Requested ranks are honoured (and must be unique); the rest are filled in join order.
@@ -218,5 +282,48 @@ pub(super) fn lost_reason(cfg: &SchedulerConfig, me: &Member, e: &ReadError) -> 
         }
         ReadError::Closed | ReadError::ClosedMidFrame => format!("{} disconnected", me.describe()),
         _ => format!("{} connection failed: {e}", me.describe()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::local_ranks;
+
+    fn hosts(h: &[&str]) -> Vec<String> {
+        h.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn local_ranks_follow_rank_order_when_not_given() {
+        let h = hosts(&["a", "b", "a", "a", "b"]);
+        assert_eq!(local_ranks(&h, &[(-1, -1); 5]).unwrap(), vec![0, 0, 1, 2, 1]);
+    }
+
+    #[test]
+    fn given_local_ranks_are_kept_when_they_agree_with_the_hosts() {
+        // torchrun on 2 nodes x 2, ranks registered in any order: kept as given.
+        let h = hosts(&["n0", "n0", "n1", "n1"]);
+        let c = [(1, 2), (0, 2), (0, 2), (1, 2)];
+        assert_eq!(local_ranks(&h, &c).unwrap(), vec![1, 0, 0, 1]);
+        // One host given, another not: each host on its own terms.
+        let c = [(0, 2), (1, 2), (-1, -1), (-1, -1)];
+        assert_eq!(local_ranks(&h, &c).unwrap(), vec![0, 1, 0, 1]);
+    }
+
+    #[test]
+    fn wrong_local_settings_are_errors_naming_the_worker_and_host() {
+        let h = hosts(&["n0", "n0", "n0"]);
+        // Told 2 per host, 3 registered from it (e.g. hosts that all look alike).
+        let e = local_ranks(&h, &[(0, 2), (1, 2), (0, 2)]).unwrap_err();
+        assert!(e.contains("worker 0") && e.contains("2 workers") && e.contains("3 registered") && e.contains("n0"), "{e}");
+        // Two workers with the same local rank.
+        let e = local_ranks(&h, &[(0, 3), (1, 3), (1, 3)]).unwrap_err();
+        assert!(e.contains("workers 1 and 2") && e.contains("local rank 1"), "{e}");
+        // Out of range.
+        let e = local_ranks(&h, &[(0, 3), (1, 3), (3, 3)]).unwrap_err();
+        assert!(e.contains("worker 2") && e.contains("local rank 3"), "{e}");
+        // Given for some workers of a host only.
+        let e = local_ranks(&h, &[(0, 3), (-1, -1), (2, 3)]).unwrap_err();
+        assert!(e.contains("[0, 2]") && e.contains("[1]"), "{e}");
     }
 }

@@ -89,12 +89,14 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let mut session = joining.register(Register {
         role: Role::Server,
         requested_rank: cfg.rank,
-        hostname: crate::hostname(),
+        hostname: crate::host_id(),
         addr: advertise.clone(),
         ports: ports.clone(),
         colocated: cfg.colocated,
         num_workers: cfg.num_workers,
         num_servers: cfg.num_servers,
+        local_rank: -1,
+        local_size: -1,
     })?;
     let welcome = session.welcome.clone();
     let rank = welcome.rank;

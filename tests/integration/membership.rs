@@ -312,3 +312,44 @@ fn garbage_instead_of_register_is_rejected() {
     }
     job.finish();
 }
+
+/// A worker's registration with a local rank and size, as a launcher gives them.
+fn local_worker_reg(rank: i32, host: &str, nw: u32, ns: u32, local: (i32, i32)) -> gradhub::protocol::Register {
+    let mut r = worker_reg(rank, host, nw, ns);
+    (r.local_rank, r.local_size) = local;
+    r
+}
+
+#[test]
+fn local_ranks_come_from_the_hosts_and_agree_with_the_launcher() {
+    // 3 workers: two on host "a" (launcher-given local ranks, not in rank order), one on "b" (none given).
+    let h = start(sched_config(3, 1));
+    let mut w0 = Member::register(h.addr, local_worker_reg(0, "a", 3, 1, (1, 2)));
+    let mut w1 = Member::register(h.addr, worker_reg(1, "b", 3, 1));
+    let mut w2 = Member::register(h.addr, local_worker_reg(2, "a", 3, 1, (0, 2)));
+    let mut s = Member::register(h.addr, server_reg(-1, "127.0.0.1", vec![1], false, 3, 1));
+    for m in [&mut w0, &mut w1, &mut w2, &mut s] {
+        let w = m.welcome();
+        assert_eq!(w.worker_hosts, vec!["a".to_string(), "b".into(), "a".into()]);
+        assert_eq!(w.worker_local_ranks, vec![1, 0, 0]);
+    }
+    let job = FakeJob { addr: h.addr, sched: Some(h), workers: vec![w0, w1, w2], servers: vec![s], welcomes: vec![] };
+    job.finish();
+}
+
+#[test]
+fn a_wrong_local_size_fails_the_job_naming_the_host() {
+    // The launcher says 2 workers per host, but 3 register from host "a"
+    // (e.g. GRADHUB_LOCAL_SIZE copied from another machine): every member is told.
+    let h = start(sched_config(3, 1));
+    let mut ws: Vec<Member> =
+        (0..3).map(|r| Member::register(h.addr, local_worker_reg(r, "a", 3, 1, (r % 2, 2)))).collect();
+    let mut s = Member::register(h.addr, server_reg(-1, "127.0.0.1", vec![1], false, 3, 1));
+    for m in ws.iter_mut().chain([&mut s]) {
+        let e = m.error();
+        assert_contains(&e, &["2 workers", "3 registered", "host a"]);
+        m.expect_no_welcome();
+    }
+    let err = wait_scheduler(h).expect_err("the job must fail");
+    assert_contains(&err, &["host a"]);
+}

@@ -37,7 +37,8 @@ impl FakeScheduler {
             stall_ms: 60_000,
             peer_timeout_ms,
             servers: Vec::new(),
-            worker_hosts: vec![gradhub::hostname()],
+            worker_hosts: vec![gradhub::host_id()],
+            worker_local_ranks: vec![0],
         };
         write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
         s

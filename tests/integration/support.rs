@@ -97,6 +97,8 @@ pub fn worker_reg(rank: i32, host: &str, nw: u32, ns: u32) -> Register {
         colocated: false,
         num_workers: nw,
         num_servers: ns,
+        local_rank: -1,
+        local_size: -1,
     }
 }
 
@@ -110,6 +112,8 @@ pub fn server_reg(rank: i32, addr: &str, ports: Vec<u16>, colocated: bool, nw: u
         colocated,
         num_workers: nw,
         num_servers: ns,
+        local_rank: -1,
+        local_size: -1,
     }
 }
 

@@ -11,6 +11,7 @@ from common import CONFIG, check, data
 
 gradhub.init()
 r, n = gradhub.rank(), gradhub.size()
+print(f"LOCAL {gradhub.local_rank()} of {gradhub.local_size()}", flush=True)
 sizes = CONFIG.get("sizes", [1, 2, 3, 17, 1000, 262_147])
 dtypes = CONFIG.get("dtypes", ["float32", "float16", "bfloat16"])
 rounds = CONFIG.get("rounds", 2)

@@ -15,6 +15,8 @@ if os.environ.get("GRADHUB_SCHEDULER"):
 
     gradhub.init()
     assert gradhub.rank() == rank
+    # Each emulated host is its own network namespace: one worker per host.
+    assert (gradhub.local_rank(), gradhub.local_size()) == (0, 1), (gradhub.local_rank(), gradhub.local_size())
     a = np.full(100_000, float(rank + 1), dtype=np.float32)
     gradhub.push_pull(a, name="x")
     assert np.all(a == expected), a[:4]
