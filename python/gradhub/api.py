@@ -16,7 +16,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from . import _core, _env
-from .buffers import describe, get_buffer, is_torch_tensor, stage
+from .buffers import describe, get_buffer, is_torch_tensor, stage, validate
 
 _lock = threading.Lock()
 _client: _core.Client | None = None
@@ -211,6 +211,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
         raise ValueError(f"root_rank {root_rank} out of range for {c.size} workers")
     if name is None:
         name = auto_name("broadcast")
+    validate(tensor, dtype)  # reject bad input before touching the caller's data
     if c.rank != root_rank:
         if is_torch_tensor(tensor):
             tensor.zero_()

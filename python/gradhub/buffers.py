@@ -40,13 +40,8 @@ def get_buffer(x: Any, dtype: str | None = None) -> Buffer:
             raise ValueError("gradhub needs a C-contiguous array (use np.ascontiguousarray and copy back)")
         if not x.flags.writeable:
             raise ValueError("gradhub works in place and needs a writable array")
-        dt = dtype
-        if dt is None:
-            dt = _NUMPY_DTYPES.get(x.dtype) or ("bfloat16" if x.dtype.name == "bfloat16" else None)
-        elif dt == "bfloat16" and x.dtype.itemsize != 2:
-            raise ValueError("dtype='bfloat16' needs a 2-byte element array (e.g. uint16 bit patterns)")
-        if dt is None:
-            raise TypeError(f"unsupported array dtype {x.dtype} (use float32, float16 or bfloat16)")
+        own = _NUMPY_DTYPES.get(x.dtype) or ("bfloat16" if x.dtype.name == "bfloat16" else None)
+        dt = _check_override(dtype, own, str(x.dtype), x.dtype.itemsize)
         return Buffer(x.ctypes.data, x.nbytes, dt, x)
     if is_torch_tensor(x):
         if x.device.type != "cpu":
@@ -65,10 +60,36 @@ def _check_tensor(x: Any, dtype: str | None) -> str:
             "gradhub works in place and cannot modify a tensor that requires grad; "
             "pass tensor.detach() or a gradient (param.grad)"
         )
-    dt = dtype or _TORCH_DTYPES.get(str(x.dtype))
-    if dt is None:
-        raise TypeError(f"unsupported tensor dtype {x.dtype} (use float32, float16 or bfloat16)")
-    return dt
+    return _check_override(dtype, _TORCH_DTYPES.get(str(x.dtype)), str(x.dtype), x.element_size())
+
+
+def _check_override(dtype: str | None, own: str | None, name: str, itemsize: int) -> str:
+    """The wire dtype of a buffer whose own element type is `own` (None:
+    not a supported float). `dtype=` may only restate it, or say that
+    2-byte raw elements (e.g. uint16) hold bfloat16 bits: anything else
+    would sum the bits as garbage."""
+    if dtype is None:
+        if own is None:
+            raise TypeError(f"unsupported dtype {name} (use float32, float16 or bfloat16)")
+        return own
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: use 'float32', 'float16' or 'bfloat16'")
+    if dtype == own:
+        return dtype
+    if dtype == "bfloat16" and own is None and itemsize == 2:
+        return dtype
+    raise ValueError(f"dtype={dtype!r} does not match the data's {name}"
+                     + (" (dtype='bfloat16' takes 2-byte raw elements, e.g. uint16 bit patterns)"
+                        if dtype == "bfloat16" else ""))
+
+
+def validate(x: Any, dtype: str | None = None) -> None:
+    """Raise what an in-place operation on `x` would raise, without staging
+    or touching it."""
+    if is_torch_tensor(x) and x.device.type == "cuda":
+        _check_tensor(x, dtype)
+    else:
+        get_buffer(x, dtype)
 
 
 def stage(x: Any, dtype: str | None = None) -> Any:

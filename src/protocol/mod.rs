@@ -55,12 +55,22 @@ pub enum ProtocolError {
     WrongNamespace { got: u32, want: u32 },
 }
 
+/// The largest message a peer may send before it has registered: a
+/// Register is a few hundred bytes, so a stranger cannot make the scheduler
+/// buffer more than this.
+pub const MAX_REGISTER_PAYLOAD: u32 = 64 << 10;
+
 /// Read one control message from a blocking stream (with the one frame
 /// reader). A read timeout on the stream gives `ReadError::TimedOut`.
 pub fn read_control<R: Read>(r: &mut R, namespace: u32) -> Result<Control, ReadError> {
+    read_control_limited(r, namespace, MAX_CONTROL_PAYLOAD)
+}
+
+/// `read_control` with a smaller payload limit (before registration).
+pub fn read_control_limited<R: Read>(r: &mut R, namespace: u32, max_payload: u32) -> Result<Control, ReadError> {
     let mut rx = FrameReader::<()>::default();
     loop {
-        match rx.read_from(&mut *r, MAX_CONTROL_PAYLOAD, |()| &mut [])? {
+        match rx.read_from(&mut *r, max_payload, |()| &mut [])? {
             None => return Err(ReadError::TimedOut),
             Some(Frame::Header(h)) if h.namespace != namespace => {
                 return Err(ProtocolError::WrongNamespace { got: h.namespace, want: namespace }.into())

@@ -113,6 +113,11 @@ impl<T: Copy> FrameReader<T> {
         self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0 };
     }
 
+    /// Part of a frame has arrived and the rest has not.
+    pub fn in_frame(&self) -> bool {
+        !matches!(self.state, ReadState::Header { got: 0 })
+    }
+
     /// Forget any partial frame (the connection is closing); returns the
     /// destination being filled, if any.
     pub fn reset(&mut self) -> Option<T> {

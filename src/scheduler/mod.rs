@@ -18,11 +18,13 @@ mod state;
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::protocol::{read_control, write_control, Control, Role};
+use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
+use crate::transport::DeadlineReader;
 use declarations::{declare, install, report_declaration_stalls};
 use membership::{check_registration, enter_barrier, join, lost_reason, say_goodbye};
 use state::{Member, Shared, State};
@@ -102,7 +104,8 @@ pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, Schedule
     let listener = TcpListener::bind(&cfg.bind).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     listener.set_nonblocking(true).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
-    let shared = Arc::new(Shared { cfg, state: Mutex::new(State::default()), cv: Condvar::new() });
+    let shared =
+        Arc::new(Shared { cfg, state: Mutex::new(State::default()), cv: Condvar::new(), pending: AtomicUsize::new(0) });
     let join = thread::Builder::new()
         .name("gradhub-scheduler".into())
         .spawn(move || accept_loop(shared, listener))
@@ -124,6 +127,7 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), Schedul
         let shared = shared.clone();
         thread::spawn(move || heartbeat_loop(shared))
     };
+    let (mut refused, mut last_refusal_log) = (0u64, Instant::now() - Duration::from_secs(1));
     loop {
         {
             let mut st = shared.lock();
@@ -144,10 +148,32 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), Schedul
         }
         match listener.accept() {
             Ok((stream, peer)) => {
+                // Connections not registered yet hold a thread each: bounded.
+                let pending = shared.pending.fetch_add(1, Ordering::SeqCst);
+                if pending >= pending_cap(&shared.cfg) {
+                    shared.pending.fetch_sub(1, Ordering::SeqCst);
+                    refused += 1;
+                    if last_refusal_log.elapsed() >= Duration::from_secs(1) {
+                        log::warn!(
+                            target: "scheduler",
+                            "refused {refused} connection(s) (latest from {peer}): {pending} are already registering"
+                        );
+                        (refused, last_refusal_log) = (0, Instant::now());
+                    }
+                    drop(stream);
+                    continue;
+                }
                 let shared = shared.clone();
-                let _ = thread::Builder::new()
-                    .name("gradhub-sched-conn".into())
-                    .spawn(move || member_thread(shared, stream, peer));
+                let spawned = thread::Builder::new().name("gradhub-sched-conn".into()).spawn({
+                    let shared = shared.clone();
+                    move || {
+                        member_thread(&shared, stream, peer);
+                    }
+                });
+                if let Err(e) = spawned {
+                    shared.pending.fetch_sub(1, Ordering::SeqCst);
+                    log::warn!(target: "scheduler", "cannot serve {peer}: {e}");
+                }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(20)),
             Err(e) => log::warn!(target: "scheduler", "accept failed: {e}"),
@@ -184,48 +210,68 @@ fn heartbeat_loop(shared: Arc<Shared>) {
     }
 }
 
-fn member_thread(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) {
+/// At most this many connections may be registering at once (each holds a
+/// thread until it has registered or its peer timeout passed).
+fn pending_cap(cfg: &SchedulerConfig) -> usize {
+    2 * (cfg.num_workers + cfg.num_servers) as usize + 16
+}
+
+/// Serve one connection: its registration (counted in `pending` until it is
+/// done), then, for a member, its messages.
+fn member_thread(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
+    let registered = register_member(shared, stream, peer);
+    shared.pending.fetch_sub(1, Ordering::SeqCst);
+    if let Some((me, stream)) = registered {
+        serve_member(shared, &me, stream);
+    }
+}
+
+fn register_member(shared: &Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) -> Option<(Arc<Member>, TcpStream)> {
     let ns = shared.cfg.namespace;
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let timeout = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
-    let _ = stream.set_read_timeout(Some(timeout));
     let _ = stream.set_write_timeout(Some(timeout));
-    let reg = match read_control(&mut stream, ns) {
+    // Before it has registered, a peer gets a small frame and the peer
+    // timeout for its whole Register, so a stranger can hold neither memory
+    // nor this thread.
+    let first = read_control_limited(&mut DeadlineReader::new(&stream, timeout), ns, MAX_REGISTER_PAYLOAD);
+    let _ = stream.set_read_timeout(Some(timeout));
+    let reg = match first {
         Ok(Control::Register(r)) => r,
         Ok(other) => {
             let message = format!("expected Register, got {:?}", other.msg_type());
             log::warn!(target: "scheduler", "rejecting {peer}: {message}");
             let _ = write_control(&mut stream, &Control::Error { message }, ns);
-            return;
+            return None;
         }
         Err(e) => {
             log::warn!(target: "scheduler", "rejecting {peer}: bad registration: {e}");
             let _ = write_control(&mut stream, &Control::Error { message: format!("bad registration: {e}") }, ns);
-            return;
+            return None;
         }
     };
     if let Err(why) = check_registration(&shared.cfg, &reg) {
         log::warn!(target: "scheduler", "rejecting {} at {peer}: {why}", reg.role.name());
         let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
-        return;
+        return None;
     }
     // The member's writer: a clone, so this thread keeps reading from `stream`.
     let writer = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
             log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
-            return;
+            return None;
         }
     };
     let me = match join(&shared, reg, peer, writer) {
         Ok(m) => m,
         Err(why) => {
             let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
-            return;
+            return None;
         }
     };
-    serve_member(&shared, &me, stream);
+    Some((me, stream))
 }
 
 fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {

@@ -58,6 +58,8 @@ pub(super) struct Shared {
     pub cfg: SchedulerConfig,
     pub state: Mutex<State>,
     pub cv: Condvar,
+    /// Connections accepted and not yet registered (or refused).
+    pub pending: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {

@@ -128,6 +128,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             namespace: ns,
             partition_bytes: welcome.partition_bytes,
             stall: Duration::from_millis(welcome.stall_ms as u64),
+            peer_timeout: Duration::from_millis(welcome.peer_timeout_ms as u64),
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()

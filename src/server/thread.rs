@@ -44,6 +44,10 @@ pub struct ThreadConfig {
     pub namespace: u32,
     pub partition_bytes: u32,
     pub stall: Duration,
+    /// A connection that has not said DataHello, or has sent part of a frame
+    /// and nothing more, for this long is closed (a broken or hostile peer
+    /// must not hold a connection forever).
+    pub peer_timeout: Duration,
 }
 
 enum ChunkBuf {
@@ -129,6 +133,10 @@ struct Conn {
     results: BinaryHeap<TxItem>,
     /// Advisory frames (stall notices), sent between results.
     notices: VecDeque<Vec<u8>>,
+    /// When the connection was accepted, and when its last frame (or frame
+    /// part) arrived whole: see `ThreadConfig::peer_timeout`.
+    accepted: Instant,
+    last_frame: Instant,
     /// Received frames (headers) not yet written: sent before anything else,
     /// batched into one write per readable event. Bounded by the pushes a
     /// worker may have unacknowledged (its credit plus preempting chunks).
@@ -197,7 +205,7 @@ impl ServerThread {
 
     pub fn run(mut self) {
         let mut events = Events::with_capacity(256);
-        let tick = (self.cfg.stall / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let tick = (self.cfg.stall.min(self.cfg.peer_timeout) / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         loop {
             if let Err(e) = self.poll.poll(&mut events, Some(tick)) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
@@ -245,6 +253,7 @@ impl ServerThread {
                 }
             }
             self.check_stalls();
+            self.close_idle();
         }
     }
 
@@ -275,6 +284,8 @@ impl ServerThread {
                             results: BinaryHeap::new(),
                             notices: VecDeque::new(),
                             acks: Vec::new(),
+                            accepted: Instant::now(),
+                            last_frame: Instant::now(),
                         },
                     );
                 }
@@ -386,6 +397,9 @@ impl ServerThread {
                     &mut bytes_mut(scratch)[..d.len]
                 }
             })?;
+            if frame.is_some() {
+                conn.last_frame = Instant::now();
+            }
             match frame {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(t, hdr)?,
@@ -653,6 +667,28 @@ impl ServerThread {
         };
         conn.link.pump(self.poll.registry(), &mut conn.tx, next, payload)?;
         Ok(())
+    }
+
+    /// Close connections that never said who they are, or stopped in the
+    /// middle of a frame, for longer than the peer timeout.
+    fn close_idle(&mut self) {
+        let limit = self.cfg.peer_timeout;
+        let late: Vec<(usize, String)> = self
+            .conns
+            .iter()
+            .filter_map(|(&t, c)| {
+                if c.rank.is_none() && c.accepted.elapsed() > limit {
+                    Some((t, format!("no DataHello within {:.1}s", limit.as_secs_f64())))
+                } else if c.rx.in_frame() && c.last_frame.elapsed() > limit {
+                    Some((t, format!("a frame stalled half-received for over {:.1}s", limit.as_secs_f64())))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        for (t, why) in late {
+            self.close(t, &why);
+        }
     }
 
     /// Report rounds that have waited too long: which ranks did not push.

@@ -49,6 +49,31 @@ pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
     }
 }
 
+/// Reads from a blocking stream until a deadline, however the bytes
+/// trickle in: a peer sending one byte a second cannot hold a thread past
+/// it (a read timeout alone restarts with every byte).
+pub struct DeadlineReader<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl<'a> DeadlineReader<'a> {
+    pub fn new(stream: &'a TcpStream, within: Duration) -> DeadlineReader<'a> {
+        DeadlineReader { stream, until: Instant::now() + within }
+    }
+}
+
+impl io::Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        io::Read::read(&mut &*self.stream, buf)
+    }
+}
+
 /// Types whose every bit pattern is valid, so their memory may be filled
 /// straight from the network or viewed as another such type.
 pub trait Plain: Copy {}

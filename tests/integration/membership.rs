@@ -353,3 +353,69 @@ fn a_wrong_local_size_fails_the_job_naming_the_host() {
     let err = wait_scheduler(h).expect_err("the job must fail");
     assert_contains(&err, &["host a"]);
 }
+
+#[test]
+fn strangers_cannot_hold_the_scheduler_before_registering() {
+    use gradhub::protocol::{Header, MsgType};
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+
+    let mut cfg = sched_config(1, 1);
+    cfg.peer_timeout_ms = 600;
+    let h = start(cfg);
+    // A frame too large for a Register: refused at its header.
+    let mut big = TcpStream::connect(h.addr).unwrap();
+    big.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    let mut hdr = Header::new(MsgType::Register);
+    hdr.namespace = NS;
+    hdr.payload_len = 1 << 20;
+    big.write_all(&hdr.encode()).unwrap();
+    let mut reply = Vec::new();
+    let _ = big.read_to_end(&mut reply);
+    assert!(String::from_utf8_lossy(&reply).contains("exceeds"), "{:?}", String::from_utf8_lossy(&reply));
+    // A registration trickling in one byte at a time: cut off after the peer timeout.
+    let mut slow = TcpStream::connect(h.addr).unwrap();
+    slow.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    let start_slow = Instant::now();
+    let trickle = std::thread::spawn({
+        let mut s = slow.try_clone().unwrap();
+        move || {
+            for b in hdr.encode() {
+                if s.write_all(&[b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    });
+    let mut buf = Vec::new();
+    let _ = slow.read_to_end(&mut buf);
+    let took = start_slow.elapsed();
+    assert!(took < Duration::from_secs(3), "a trickling registration held its connection for {took:?}");
+    let _ = trickle.join();
+    // Many idle connections: beyond the cap (2 x members + 16) they are
+    // closed at once, without a thread each; the rest time out.
+    let idle: Vec<TcpStream> = (0..60).map(|_| TcpStream::connect(h.addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut closed_at_once = 0;
+    for mut s in idle {
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        if matches!(s.read(&mut [0u8; 1]), Ok(0)) {
+            closed_at_once += 1;
+        }
+    }
+    assert!(closed_at_once >= 60 - (2 * 2 + 16), "only {closed_at_once} of 60 idle connections were refused");
+    // Once they have timed out, the real members join and the job runs.
+    std::thread::sleep(Duration::from_millis(800));
+    let mut w = Member::register(h.addr, worker_reg(0, "h", 1, 1));
+    let mut s = Member::register(h.addr, server_reg(0, "127.0.0.1", vec![1], false, 1, 1));
+    assert_eq!(w.welcome().rank, 0);
+    assert_eq!(s.welcome().rank, 0);
+    w.start_heartbeat(Duration::from_millis(100));
+    s.start_heartbeat(Duration::from_millis(100));
+    w.send(&Control::Goodbye).unwrap();
+    assert!(matches!(s.recv(), Control::Shutdown));
+    w.stop_heartbeat();
+    s.stop_heartbeat();
+    assert_eq!(wait_scheduler(h), Ok(()));
+}

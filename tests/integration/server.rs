@@ -423,3 +423,39 @@ fn server_fails_and_tells_its_workers_when_a_worker_is_lost() {
     assert_contains(&err, &["worker 1"]);
     assert!(job.job.wait().expect_err("the job must fail").contains("worker 1"));
 }
+
+#[test]
+fn connections_that_never_say_hello_or_stall_mid_frame_are_closed() {
+    // A short peer timeout (the server learns it from Welcome).
+    let mut job = data_job(2, 1, |c| c.peer_timeout_ms = 600);
+    for w in &mut job.workers {
+        w.start_heartbeat(Duration::from_millis(100));
+    }
+    let specs = job.declare(0, &[("t", 64, DType::F32)]);
+    let mut w0 = job.conn(0, 0);
+    // Silent: connected, never says who it is.
+    let mut silent = job.raw(0);
+    // Slow: says hello as rank 1, then 10 bytes of a push header, then nothing.
+    let mut slow = job.conn(0, 1);
+    slow.send_raw(&push_header(&specs[0], 0, 0, 0, 256).encode()[..10]);
+    let start = Instant::now();
+    let e = silent.expect_error("no DataHello");
+    assert_contains(&e, &["0.6s"]);
+    silent.expect_closed();
+    let e = slow.expect_error("stalled half-received");
+    assert_contains(&e, &["0.6s"]);
+    assert!(start.elapsed() < Duration::from_secs(5), "closed after {:?}", start.elapsed());
+    // Idle between rounds for longer than the timeout is fine: worker 0 is
+    // kept, worker 1 reconnects, and the round completes.
+    std::thread::sleep(Duration::from_millis(900));
+    let mut w1 = job.conn(0, 1);
+    w0.push(&specs[0], 0, 0, 0, &f32_bytes(&[2.5; 64]));
+    w1.push(&specs[0], 0, 0, 0, &f32_bytes(&[1.0; 64]));
+    w0.expect_received(&specs[0], 0, 0);
+    assert_eq!(bytes_f32(&w0.expect_result(&specs[0], 0, 0)), vec![3.5; 64]);
+    assert_eq!(bytes_f32(&w1.expect_result(&specs[0], 0, 0)), vec![3.5; 64]);
+    for w in &mut job.workers {
+        w.stop_heartbeat();
+    }
+    job.finish();
+}

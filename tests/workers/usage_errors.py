@@ -37,6 +37,20 @@ ro = np.zeros(4, np.float32)
 ro.flags.writeable = False
 expect(ValueError, "writable", lambda: gradhub.push_pull(ro, name="ro"))
 expect(ValueError, "root_rank", lambda: gradhub.broadcast(np.zeros(4, np.float32), root_rank=n))
+# dtype= must describe the data: int32 bits summed as float32 would be garbage.
+expect(ValueError, "does not match the data's int32",
+       lambda: gradhub.push_pull(np.arange(4, dtype=np.int32), name="lie", dtype="float32"))
+expect(ValueError, "does not match the data's float32",
+       lambda: gradhub.push_pull(np.zeros(4, np.float32), name="lie16", dtype="float16"))
+expect(ValueError, "2-byte raw elements",
+       lambda: gradhub.push_pull(np.zeros(4, np.uint32), name="liebf", dtype="bfloat16"))
+# A broadcast of a bad array is refused before it zeroes anything (non-roots zero their copy).
+bad = np.arange(8, dtype=np.float64)
+expect(TypeError, "float64", lambda: gradhub.broadcast(bad, root_rank=0))
+assert np.array_equal(bad, np.arange(8, dtype=np.float64)), bad
+bad32 = np.arange(8, dtype=np.int32)
+expect(ValueError, "does not match", lambda: gradhub.broadcast(bad32, root_rank=0, dtype="float32"))
+assert np.array_equal(bad32, np.arange(8, dtype=np.int32)), bad32
 
 # Same name twice in flight.
 z = np.ones(10, np.float32)
