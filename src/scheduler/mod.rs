@@ -163,12 +163,9 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), Schedul
                     drop(stream);
                     continue;
                 }
-                let shared = shared.clone();
                 let spawned = thread::Builder::new().name("gradhub-sched-conn".into()).spawn({
                     let shared = shared.clone();
-                    move || {
-                        member_thread(&shared, stream, peer);
-                    }
+                    move || member_thread(&shared, stream, peer)
                 });
                 if let Err(e) = spawned {
                     shared.pending.fetch_sub(1, Ordering::SeqCst);
