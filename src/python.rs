@@ -379,9 +379,17 @@ impl PyClient {
         py.detach(move || c.barrier()).map_err(py_err)
     }
 
+    /// Leave the job; with operations still in flight this fails the job
+    /// for everyone (naming them) instead of leaving them waiting.
     fn shutdown(&self, py: Python<'_>) {
         let c = self.inner.clone();
         py.detach(move || c.shutdown())
+    }
+
+    /// Leave the job because this worker failed: every member is told `reason`.
+    fn abort(&self, py: Python<'_>, reason: String) {
+        let c = self.inner.clone();
+        py.detach(move || c.abort(&reason))
     }
 
     /// The job's failure message, if it has failed.

@@ -48,6 +48,23 @@ def test_worker_killed_is_reported_to_the_others(cluster_factory, tmp_path):
     assert c.procs["server0"].wait(timeout=20) == 1
 
 
+@pytest.mark.parametrize("how", ["exception", "shutdown"])
+def test_a_worker_that_fails_is_not_a_worker_that_finished(cluster_factory, tmp_path, how):
+    # An unhandled exception, or shutdown() with an operation in flight, used to
+    # send the same goodbye as a clean exit: the others waited forever.
+    c = cluster_factory(2, 1)
+    cfg = {"hold_exits": how}
+    c.start_worker(0, "hold.py", cfg)
+    c.start_worker(1, "hold.py", cfg)
+    c.wait_for("worker0", "WAITING")
+    line = wait_line(c, "worker0", "RAISED", timeout=20)
+    want = "ZeroDivisionError: a bug in the training script" if how == "exception" else "operations in flight: never_matched"
+    assert "worker 1" in line and want in line, line
+    assert c.procs["worker1"].wait(timeout=20) == (1 if how == "exception" else 0)
+    assert c.procs["scheduler"].wait(timeout=20) == 1
+    assert c.procs["server0"].wait(timeout=20) == 1
+
+
 def test_silent_peer_detected_by_heartbeat(cluster_factory, tmp_path):
     c = cluster_factory(2, 2, GRADHUB_PEER_TIMEOUT=2)
     cfg = {"go_file": str(tmp_path / "never")}

@@ -141,6 +141,10 @@ class Client:
     ) -> None:
         """Run an optimizer ("sgd" or "adamw") on the servers for float32 tensor `name`."""
     def barrier(self) -> None: ...
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Leave the job; with operations still in flight this fails the job
+        for everyone (naming them) instead of leaving them waiting."""
+    def abort(self, reason: str) -> None:
+        """Leave the job because this worker failed: every member is told `reason`."""
     def failure(self) -> str | None:
         """The job's failure message, if it has failed."""

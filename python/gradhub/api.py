@@ -21,6 +21,8 @@ from .buffers import describe, get_buffer, is_torch_tensor, stage, validate
 _lock = threading.Lock()
 _client: _core.Client | None = None
 _embedded = None  # roles.Embedded: in-process scheduler / server (torchrun mode)
+_exit_error: str | None = None  # an unhandled exception, seen on the way out
+_hook_installed = False
 _names = itertools.count()
 _names_lock = threading.Lock()
 
@@ -73,6 +75,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             kwargs["credit_bytes"] = env.credit_bytes
         # A local rank/size the launcher gave is checked by the scheduler
         # against the hosts that registered (a wrong one fails init()).
+        _install_exit_hook()
         _client = _core.Client(env.scheduler, rank=env.rank, num_workers=env.num_workers,
                                num_servers=env.num_servers, namespace=env.namespace,
                                connect_timeout=env.connect_timeout,
@@ -81,19 +84,42 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
     atexit.register(shutdown)
 
 
+def _install_exit_hook() -> None:
+    """Remember an unhandled exception (Ctrl-C included): the exit-time
+    shutdown then fails the job for everyone, naming it, instead of saying a
+    clean goodbye that would leave the other workers waiting for this one."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    previous = sys.excepthook
+
+    def hook(tp, value, tb):
+        global _exit_error
+        _exit_error = f"exited on an unhandled {tp.__name__}: {value}"
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
+    _hook_installed = True
+
+
 def is_initialized() -> bool:
     return _client is not None
 
 
 def shutdown() -> None:
-    """Leave the job. Safe to call twice."""
+    """Leave the job. Safe to call twice. Leaving with operations in flight,
+    or after an unhandled exception, fails the job for every worker (naming
+    this one and why) rather than leaving them waiting for its pushes."""
     global _client, _embedded
     with _lock:
         c, _client = _client, None
         emb, _embedded = _embedded, None
     if c is None:
         return
-    c.shutdown()
+    if _exit_error is not None:
+        c.abort(_exit_error)
+    else:
+        c.shutdown()
     if emb is not None:
         emb.wait()
 

@@ -445,11 +445,42 @@ impl Client {
 
     /// Leave the job cleanly. In-flight operations are failed.
     pub fn shutdown(&self) {
+        self.leave(None)
+    }
+
+    /// Leave the job because this worker failed (an exception, a signal):
+    /// every member is told, with `reason`, instead of waiting for this
+    /// worker's pushes forever.
+    pub fn abort(&self, reason: &str) {
+        self.leave(Some(format!("worker {} failed: {reason}", self.rank)))
+    }
+
+    /// With nothing in flight and no failure this is a clean goodbye. A
+    /// worker that leaves with operations in flight (others may be waiting
+    /// for its pushes) fails the job instead, naming them.
+    fn leave(&self, failure: Option<String>) {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
+        let failure = failure.or_else(|| {
+            let t = self.shared.table();
+            if t.in_flight.is_empty() {
+                return None;
+            }
+            let mut names: Vec<&str> = t.in_flight.iter().map(String::as_str).collect();
+            names.sort_unstable();
+            Some(format!("worker {} shut down with operations in flight: {}", self.rank, names.join(", ")))
+        });
         self.shared.closing.store(true, Ordering::SeqCst);
-        self.shared.session.close(true);
+        match &failure {
+            // The job has not failed already: tell everyone why this worker goes.
+            Some(msg) if self.shared.failure().is_none() => {
+                let _ = self.shared.send_ctrl(&Control::Error { message: msg.clone() });
+                self.shared.session.close(false);
+            }
+            Some(_) => self.shared.session.close(false),
+            None => self.shared.session.close(true),
+        }
         self.shared.io.stop();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {

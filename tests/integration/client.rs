@@ -523,8 +523,15 @@ fn shutdown_fails_the_operations_in_flight() {
     let e = r.expect_err("the op cannot have succeeded").to_string();
     assert!(!e.contains("did not complete"), "shutdown left the op in flight: {e}");
     assert_contains(&e, &["shut down"]);
+    // Worker 1 would wait for worker 0's push forever: the job fails instead,
+    // naming worker 0 and the operation it left behind.
     shutdown_all(clients);
-    job.finish_ok();
+    let mut job = job;
+    for r in job.server_results() {
+        assert!(r.is_err(), "the server must end with the job's failure");
+    }
+    let err = job.wait().expect_err("the job must fail");
+    assert_contains(&err, &["worker 0", "shut down with operations in flight: x"]);
 }
 
 #[test]

@@ -29,6 +29,12 @@ if CONFIG.get("declare"):
     gradhub.declare([("x", x)])
 print("READY", r, flush=True)
 try:
+    if r == hold_rank and CONFIG.get("hold_exits") == "exception":
+        raise ZeroDivisionError("a bug in the training script")
+    if r == hold_rank and CONFIG.get("hold_exits") == "shutdown":
+        h = gradhub.push_pull_async(np.ones(10, np.float32), name="never_matched")
+        gradhub.shutdown()
+        sys.exit(0)
     if r == hold_rank:
         deadline = time.monotonic() + 120
         while go_file and not os.path.exists(go_file) and time.monotonic() < deadline:
