@@ -98,11 +98,7 @@ impl<T: Copy + Default> Buf<T> {
         let slack = 128 / std::mem::size_of::<T>();
         let storage = vec![value; len + slack];
         let start = (64 - storage.as_ptr() as usize % 64) % 64 / std::mem::size_of::<T>();
-        Buf {
-            storage,
-            start,
-            len,
-        }
+        Buf { storage, start, len }
     }
     /// The first `n` elements, starting `skew` bytes past the cache-line boundary.
     fn at(&mut self, n: usize, skew: usize) -> &mut [T] {
@@ -134,24 +130,12 @@ type Op = (&'static str, usize, fn(&Kernels, &mut Bufs, usize));
 
 /// add_f32 aside, one row per (op, level); the usize is traffic in bytes per element.
 const OPS: [Op; 7] = [
-    ("add_f16", 10, |k, b, n| {
-        k.add_f16(b.acc.at(n, 0), b.src16.at(n, 0))
-    }),
-    ("add_bf16", 10, |k, b, n| {
-        k.add_bf16(b.acc.at(n, 0), b.src16.at(n, 0))
-    }),
-    ("widen_f16", 6, |k, b, n| {
-        k.widen_f16(b.acc.at(n, 0), b.src16.at(n, 0))
-    }),
-    ("widen_bf16", 6, |k, b, n| {
-        k.widen_bf16(b.acc.at(n, 0), b.src16.at(n, 0))
-    }),
-    ("narrow_f16", 6, |k, b, n| {
-        k.narrow_f16(b.dst16.at(n, 0), b.src.at(n, 0), 0.5)
-    }),
-    ("narrow_bf16", 6, |k, b, n| {
-        k.narrow_bf16(b.dst16.at(n, 0), b.src.at(n, 0), 0.5)
-    }),
+    ("add_f16", 10, |k, b, n| k.add_f16(b.acc.at(n, 0), b.src16.at(n, 0))),
+    ("add_bf16", 10, |k, b, n| k.add_bf16(b.acc.at(n, 0), b.src16.at(n, 0))),
+    ("widen_f16", 6, |k, b, n| k.widen_f16(b.acc.at(n, 0), b.src16.at(n, 0))),
+    ("widen_bf16", 6, |k, b, n| k.widen_bf16(b.acc.at(n, 0), b.src16.at(n, 0))),
+    ("narrow_f16", 6, |k, b, n| k.narrow_f16(b.dst16.at(n, 0), b.src.at(n, 0), 0.5)),
+    ("narrow_bf16", 6, |k, b, n| k.narrow_bf16(b.dst16.at(n, 0), b.src.at(n, 0), 0.5)),
     ("scale_f32", 8, |k, b, n| k.scale_f32(b.acc.at(n, 0), 1.0)),
 ];
 
@@ -161,23 +145,15 @@ fn pass(plan: &Plan, b: &mut Bufs, levels: &[Kernels], baselines: &[XorFn]) -> V
     for &size in &SIZES {
         let n = size / 4;
         let base = (baselines.iter())
-            .map(|f| {
-                gbps(plan, 12 * n, || {
-                    f(black_box(b.xa.at(n, 0)), black_box(b.xb.at(n, 0)))
-                })
-            })
+            .map(|f| gbps(plan, 12 * n, || f(black_box(b.xa.at(n, 0)), black_box(b.xb.at(n, 0)))))
             .fold(0.0, f64::max);
         out.push(base);
         for k in levels {
-            out.push(gbps(plan, 12 * n, || {
-                k.add_f32(black_box(b.acc.at(n, 0)), black_box(b.src.at(n, 0)))
-            }));
+            out.push(gbps(plan, 12 * n, || k.add_f32(black_box(b.acc.at(n, 0)), black_box(b.src.at(n, 0)))));
         }
         // The dispatched free function on buffers 16 B past a cache line (what a plain large
         // Vec<f32> gives), against the same aligned baseline.
-        out.push(gbps(plan, 12 * n, || {
-            kernels::add_f32(black_box(b.acc.at(n, 16)), black_box(b.src.at(n, 16)))
-        }));
+        out.push(gbps(plan, 12 * n, || kernels::add_f32(black_box(b.acc.at(n, 16)), black_box(b.src.at(n, 16)))));
     }
     for (_, bytes, op) in OPS {
         for k in levels {
@@ -191,24 +167,16 @@ fn pass(plan: &Plan, b: &mut Bufs, levels: &[Kernels], baselines: &[XorFn]) -> V
 }
 
 fn main() {
-    let quick = std::env::var("GRADHUB_BENCH_QUICK").is_ok_and(|v| v != "0")
-        || std::env::args().any(|a| a == "--quick");
+    let quick =
+        std::env::var("GRADHUB_BENCH_QUICK").is_ok_and(|v| v != "0") || std::env::args().any(|a| a == "--quick");
     // Many short repetitions rather than a few long ones: on 2 shared vCPUs a 30 ms window is
     // rarely free of other processes, a 2 ms one often is, and best-of keeps the free ones.
     // ~110 cells (4 sizes x (3 baselines + 3 levels x 8 ops + 1)); totals are about 25 s full
     // and 3 s quick on the dev VM.
     let plan = if quick {
-        Plan {
-            passes: 2,
-            reps: 6,
-            rep_time: Duration::from_millis(1),
-        }
+        Plan { passes: 2, reps: 6, rep_time: Duration::from_millis(1) }
     } else {
-        Plan {
-            passes: 3,
-            reps: 30,
-            rep_time: Duration::from_millis(2),
-        }
+        Plan { passes: 3, reps: 30, rep_time: Duration::from_millis(2) }
     };
     let started = Instant::now();
     let levels = kernels::available();
@@ -240,10 +208,7 @@ fn main() {
         plan.rep_time.as_millis()
     );
     let names: Vec<_> = levels.iter().map(|k| k.level()).collect();
-    println!(
-        "levels available: {}; dispatch picked: {picked} (marked *)",
-        names.join(", ")
-    );
+    println!("levels available: {}; dispatch picked: {picked} (marked *)", names.join(", "));
     println!("GB/s of memory traffic; size = bytes per f32 operand (n = size / 4 elements)\n");
     let mark = |k: &Kernels| if k.level() == picked { "*" } else { " " };
 
@@ -278,8 +243,5 @@ fn main() {
             println!();
         }
     }
-    println!(
-        "\ntotal bench time {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
+    println!("\ntotal bench time {:.1} s", started.elapsed().as_secs_f64());
 }

@@ -66,7 +66,8 @@ fn run_callback(f: Py<PyAny>, err: Option<String>) {
 }
 
 fn dtype_of(s: &str) -> PyResult<DType> {
-    DType::from_name(s).ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
+    DType::from_name(s)
+        .ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -111,7 +112,14 @@ fn run_scheduler(
     namespace: u32,
 ) -> PyResult<()> {
     let cfg = scheduler_config(
-        bind, num_workers, num_servers, partition_bytes, heartbeat_ms, peer_timeout_ms, stall_ms, join_timeout_ms,
+        bind,
+        num_workers,
+        num_servers,
+        partition_bytes,
+        heartbeat_ms,
+        peer_timeout_ms,
+        stall_ms,
+        join_timeout_ms,
         namespace,
     );
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
@@ -155,7 +163,14 @@ fn start_scheduler(
     namespace: u32,
 ) -> PyResult<SchedulerHandle> {
     let cfg = scheduler_config(
-        bind, num_workers, num_servers, partition_bytes, heartbeat_ms, peer_timeout_ms, stall_ms, join_timeout_ms,
+        bind,
+        num_workers,
+        num_servers,
+        partition_bytes,
+        heartbeat_ms,
+        peer_timeout_ms,
+        stall_ms,
+        join_timeout_ms,
         namespace,
     );
     let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
@@ -331,7 +346,8 @@ impl PyClient {
         owner: Py<PyAny>,
         init: bool,
     ) -> PyResult<PyHandle> {
-        let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 } | if init { crate::protocol::FLAG_INIT } else { 0 };
+        let flags =
+            if average { crate::protocol::FLAG_AVERAGE } else { 0 } | if init { crate::protocol::FLAG_INIT } else { 0 };
         let dtype = dtype_of(dtype)?;
         if ptr == 0 && nbytes > 0 {
             return Err(PyValueError::new_err("null buffer"));

@@ -87,7 +87,12 @@ enum SendItem {
     /// A control frame with a payload of its own (DataHello, OptConfig): not
     /// a push, so it takes no credit and expects no result; control frames go
     /// out in the order they were queued, before every push.
-    Control { seq: u64, key: u32, msg_type: MsgType, payload: Vec<u8> },
+    Control {
+        seq: u64,
+        key: u32,
+        msg_type: MsgType,
+        payload: Vec<u8>,
+    },
 }
 
 impl SendItem {
@@ -378,7 +383,8 @@ impl Io {
                     touched.push(slot);
                 }
             }
-            ops.active.insert(key, Active { op: s.op, spec: s.spec, ptr: s.ptr, round, got: vec![false; n], remaining: n });
+            ops.active
+                .insert(key, Active { op: s.op, spec: s.spec, ptr: s.ptr, round, got: vec![false; n], remaining: n });
         }
         for slot in touched {
             if let Err(why) = self.pump(slot) {
@@ -498,12 +504,7 @@ pub struct IoThread {
 impl IoThread {
     pub fn new(poll: Poll, shared: Arc<Shared>) -> IoThread {
         let n = shared.io.conns.len();
-        IoThread {
-            poll,
-            shared,
-            rx: (0..n).map(|_| FrameReader::default()).collect(),
-            failed: false,
-        }
+        IoThread { poll, shared, rx: (0..n).map(|_| FrameReader::default()).collect(), failed: false }
     }
 
     fn fail(&mut self, msg: String, job_failed: bool) {
@@ -581,7 +582,10 @@ impl IoThread {
     fn on_header(&mut self, i: usize, hdr: Header) -> Result<(), ConnError> {
         let io = &self.shared.io;
         if hdr.namespace != io.namespace {
-            return Err(ConnError::Invalid(format!("frame for namespace {} (this job is {})", hdr.namespace, io.namespace)));
+            return Err(ConnError::Invalid(format!(
+                "frame for namespace {} (this job is {})",
+                hdr.namespace, io.namespace
+            )));
         }
         match hdr.msg_type {
             MsgType::Result => {
@@ -592,7 +596,10 @@ impl IoThread {
                     .ok_or_else(|| format!("result for key {} which has no push_pull in flight", hdr.key))?;
                 let c = hdr.chunk as usize;
                 if c >= a.spec.num_chunks() || a.spec.slots[c] as usize != i {
-                    return Err(ConnError::Invalid(format!("result for tensor '{}' chunk {c} on the wrong connection", a.spec.name)));
+                    return Err(ConnError::Invalid(format!(
+                        "result for tensor '{}' chunk {c} on the wrong connection",
+                        a.spec.name
+                    )));
                 }
                 if hdr.round != a.round || a.got[c] {
                     return Err(ConnError::Invalid(format!(
@@ -625,7 +632,10 @@ impl IoThread {
                     return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
                 }
                 if !io.conns[i].send().unreceived.remove(hdr.key, hdr.chunk) {
-                    return Err(ConnError::Invalid(format!("Received for key {} chunk {}, which is not in flight here", hdr.key, hdr.chunk)));
+                    return Err(ConnError::Invalid(format!(
+                        "Received for key {} chunk {}, which is not in flight here",
+                        hdr.key, hdr.chunk
+                    )));
                 }
                 io.pump(i)
             }

@@ -270,7 +270,8 @@ impl Client {
 
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
-        let io = Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit).map_err(|e| setup("data connections", e))?;
+        let io =
+            Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit).map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
             table: Mutex::new(Table::default()),
@@ -370,7 +371,10 @@ impl Client {
             return Err(ClientError::Usage("push_pull needs a float32, float16 or bfloat16 tensor".into()));
         }
         if nbytes % dtype.size() != 0 {
-            return Err(ClientError::Usage(format!("{nbytes} bytes is not a whole number of {} elements", dtype.name())));
+            return Err(ClientError::Usage(format!(
+                "{nbytes} bytes is not a whole number of {} elements",
+                dtype.name()
+            )));
         }
         let numel = (nbytes / dtype.size()) as u64;
         if flags & !(crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT) != 0 {
@@ -395,7 +399,14 @@ impl Client {
         }
         // First use: declare it asynchronously; the op runs when every worker declared it.
         let first = !t.parked.contains_key(name);
-        t.parked.entry(name.to_string()).or_default().push(Parked { op: op.clone(), numel, dtype, ptr, priority, flags });
+        t.parked.entry(name.to_string()).or_default().push(Parked {
+            op: op.clone(),
+            numel,
+            dtype,
+            ptr,
+            priority,
+            flags,
+        });
         if first {
             let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
             t.waiters.insert(req, Waiter::Async(vec![name.to_string()]));
@@ -412,17 +423,26 @@ impl Client {
     /// its rounds return updated parameters instead of sums. Declares the
     /// tensor if needed. The parameters must be set with an init round
     /// (FLAG_INIT) before the first gradient round.
-    pub fn set_server_optimizer(&self, name: &str, numel: u64, cfg: crate::protocol::OptConfig) -> Result<(), ClientError> {
+    pub fn set_server_optimizer(
+        &self,
+        name: &str,
+        numel: u64,
+        cfg: crate::protocol::OptConfig,
+    ) -> Result<(), ClientError> {
         self.declare(vec![DeclEntry { name: name.to_string(), numel, dtype: DType::F32 }])?;
-        let spec = self.shared.table().specs.get(name).cloned().ok_or_else(|| ClientError::Failed(format!("tensor '{name}' is not declared")))?;
+        let spec = self
+            .shared
+            .table()
+            .specs
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ClientError::Failed(format!("tensor '{name}' is not declared")))?;
         let mut slots: Vec<u32> = spec.slots.clone();
         slots.sort_unstable();
         slots.dedup();
         let payload = cfg.encode();
         for slot in slots {
-            self.shared
-                .io
-                .send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())?;
+            self.shared.io.send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())?;
         }
         Ok(())
     }

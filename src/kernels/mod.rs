@@ -152,16 +152,9 @@ fn select(forced: Option<&str>) -> Kernels {
     // the rest of the server, so AVX-512 is only preferred where VBMI2 marks a newer core
     // (Ice Lake / Zen 4 and later, which barely throttle). GRADHUB_KERNELS overrides this.
     #[cfg(target_arch = "x86_64")]
-    let preference: &[&str] = if is_x86_feature_detected!("avx512vbmi2") {
-        &["avx512", "avx2"]
-    } else {
-        &["avx2", "avx512"]
-    };
+    let preference: &[&str] =
+        if is_x86_feature_detected!("avx512vbmi2") { &["avx512", "avx2"] } else { &["avx2", "avx512"] };
     #[cfg(not(target_arch = "x86_64"))]
     let preference: &[&str] = &[];
-    preference
-        .iter()
-        .find_map(|name| levels.iter().find(|k| k.level == *name))
-        .copied()
-        .unwrap_or(Kernels::PORTABLE)
+    preference.iter().find_map(|name| levels.iter().find(|k| k.level == *name)).copied().unwrap_or(Kernels::PORTABLE)
 }

@@ -60,8 +60,8 @@ const SPECIAL_F32_BITS: &[u32] = &[
 
 /// Raw f16/bf16 patterns: zeros, subnormals, max, inf, quiet/signalling NaN, both signs.
 const SPECIAL_U16: &[u16] = &[
-    0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x0400, 0x7bff, 0x7c00, 0xfc00, 0x7e00, 0x7c01, 0xfe00,
-    0x7f80, 0xff80, 0x7fc0, 0x7f81, 0x0080, 0x007f, 0x7f7f,
+    0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x0400, 0x7bff, 0x7c00, 0xfc00, 0x7e00, 0x7c01, 0xfe00, 0x7f80, 0xff80,
+    0x7fc0, 0x7f81, 0x0080, 0x007f, 0x7f7f,
 ];
 
 fn f32_data(rng: &mut Rng, n: usize) -> Vec<f32> {
@@ -93,18 +93,8 @@ fn lengths() -> impl Iterator<Item = usize> {
 fn same_f32(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let ok = if w.is_nan() {
-            g.is_nan()
-        } else {
-            g.to_bits() == w.to_bits()
-        };
-        assert!(
-            ok,
-            "{what}: [{i}] of {}: got {g:e} ({:#x}), want {w:e} ({:#x})",
-            got.len(),
-            g.to_bits(),
-            w.to_bits()
-        );
+        let ok = if w.is_nan() { g.is_nan() } else { g.to_bits() == w.to_bits() };
+        assert!(ok, "{what}: [{i}] of {}: got {g:e} ({:#x}), want {w:e} ({:#x})", got.len(), g.to_bits(), w.to_bits());
     }
 }
 
@@ -112,11 +102,7 @@ fn same_u16(got: &[u16], want: &[u16], is_nan: fn(u16) -> bool, what: &str) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let ok = if is_nan(*w) { is_nan(*g) } else { g == w };
-        assert!(
-            ok,
-            "{what}: [{i}] of {}: got {g:#06x}, want {w:#06x}",
-            got.len()
-        );
+        assert!(ok, "{what}: [{i}] of {}: got {g:#06x}, want {w:#06x}", got.len());
     }
 }
 
@@ -147,11 +133,7 @@ fn check(k: &Kernels, offset: usize) {
 
         let mut got = a.to_vec();
         k.add_f16(&mut got, h);
-        let want: Vec<f32> = a
-            .iter()
-            .zip(h)
-            .map(|(x, &y)| x + f16::from_bits(y).to_f32())
-            .collect();
+        let want: Vec<f32> = a.iter().zip(h).map(|(x, &y)| x + f16::from_bits(y).to_f32()).collect();
         same_f32(&got, &want, &what("add_f16"));
 
         let mut got = vec![0.0; n];
@@ -161,33 +143,19 @@ fn check(k: &Kernels, offset: usize) {
 
         let mut got = a.to_vec();
         k.add_bf16(&mut got, h);
-        let want: Vec<f32> = a
-            .iter()
-            .zip(h)
-            .map(|(x, &y)| x + bf16::from_bits(y).to_f32())
-            .collect();
+        let want: Vec<f32> = a.iter().zip(h).map(|(x, &y)| x + bf16::from_bits(y).to_f32()).collect();
         same_f32(&got, &want, &what("add_bf16"));
 
         for &s in SCALES {
             let mut got = vec![0; n];
             k.narrow_f16(&mut got, a, s);
             let want: Vec<u16> = a.iter().map(|&x| f16::from_f32(x * s).to_bits()).collect();
-            same_u16(
-                &got,
-                &want,
-                |x| f16::from_bits(x).is_nan(),
-                &what(&format!("narrow_f16 x{s}")),
-            );
+            same_u16(&got, &want, |x| f16::from_bits(x).is_nan(), &what(&format!("narrow_f16 x{s}")));
 
             let mut got = vec![0; n];
             k.narrow_bf16(&mut got, a, s);
             let want: Vec<u16> = a.iter().map(|&x| bf16::from_f32(x * s).to_bits()).collect();
-            same_u16(
-                &got,
-                &want,
-                |x| bf16::from_bits(x).is_nan(),
-                &what(&format!("narrow_bf16 x{s}")),
-            );
+            same_u16(&got, &want, |x| bf16::from_bits(x).is_nan(), &what(&format!("narrow_bf16 x{s}")));
 
             let mut got = a.to_vec();
             k.scale_f32(&mut got, s);
@@ -220,68 +188,32 @@ fn dispatched_free_functions_match_reference() {
         let h = u16_data(&mut rng, n);
         let mut got = a.clone();
         add_f32(&mut got, &a);
-        same_f32(
-            &got,
-            &a.iter().map(|x| x + x).collect::<Vec<_>>(),
-            "add_f32",
-        );
+        same_f32(&got, &a.iter().map(|x| x + x).collect::<Vec<_>>(), "add_f32");
         let mut got = a.clone();
         add_f16(&mut got, &h);
-        same_f32(
-            &got,
-            &a.iter()
-                .zip(&h)
-                .map(|(x, &y)| x + f16::from_bits(y).to_f32())
-                .collect::<Vec<_>>(),
-            "add_f16",
-        );
+        same_f32(&got, &a.iter().zip(&h).map(|(x, &y)| x + f16::from_bits(y).to_f32()).collect::<Vec<_>>(), "add_f16");
         let mut got = a.clone();
         add_bf16(&mut got, &h);
         same_f32(
             &got,
-            &a.iter()
-                .zip(&h)
-                .map(|(x, &y)| x + bf16::from_bits(y).to_f32())
-                .collect::<Vec<_>>(),
+            &a.iter().zip(&h).map(|(x, &y)| x + bf16::from_bits(y).to_f32()).collect::<Vec<_>>(),
             "add_bf16",
         );
         let mut got = vec![0.0; n];
         widen_f16(&mut got, &h);
-        same_f32(
-            &got,
-            &h.iter()
-                .map(|&y| f16::from_bits(y).to_f32())
-                .collect::<Vec<_>>(),
-            "widen_f16",
-        );
+        same_f32(&got, &h.iter().map(|&y| f16::from_bits(y).to_f32()).collect::<Vec<_>>(), "widen_f16");
         widen_bf16(&mut got, &h);
-        same_f32(
-            &got,
-            &h.iter()
-                .map(|&y| bf16::from_bits(y).to_f32())
-                .collect::<Vec<_>>(),
-            "widen_bf16",
-        );
+        same_f32(&got, &h.iter().map(|&y| bf16::from_bits(y).to_f32()).collect::<Vec<_>>(), "widen_bf16");
         let mut got = vec![0; n];
         narrow_f16(&mut got, &a, 0.5);
-        let want: Vec<u16> = a
-            .iter()
-            .map(|&x| f16::from_f32(x * 0.5).to_bits())
-            .collect();
+        let want: Vec<u16> = a.iter().map(|&x| f16::from_f32(x * 0.5).to_bits()).collect();
         same_u16(&got, &want, |x| f16::from_bits(x).is_nan(), "narrow_f16");
         narrow_bf16(&mut got, &a, 0.5);
-        let want: Vec<u16> = a
-            .iter()
-            .map(|&x| bf16::from_f32(x * 0.5).to_bits())
-            .collect();
+        let want: Vec<u16> = a.iter().map(|&x| bf16::from_f32(x * 0.5).to_bits()).collect();
         same_u16(&got, &want, |x| bf16::from_bits(x).is_nan(), "narrow_bf16");
         let mut got = a.clone();
         scale_f32(&mut got, 0.25);
-        same_f32(
-            &got,
-            &a.iter().map(|x| x * 0.25).collect::<Vec<_>>(),
-            "scale_f32",
-        );
+        same_f32(&got, &a.iter().map(|x| x * 0.25).collect::<Vec<_>>(), "scale_f32");
     }
 }
 

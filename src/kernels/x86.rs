@@ -252,10 +252,7 @@ mod avx512 {
         assert_eq!(src.len(), n, "add_f32: length mismatch");
         let (a, s) = (acc.as_mut_ptr(), src.as_ptr());
         blocks(a, n, |i, m| {
-            let v = _mm512_add_ps(
-                _mm512_maskz_loadu_ps(m, a.add(i)),
-                _mm512_maskz_loadu_ps(m, s.add(i)),
-            );
+            let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a.add(i)), _mm512_maskz_loadu_ps(m, s.add(i)));
             _mm512_mask_storeu_ps(a.add(i), m, v);
         });
     }
@@ -286,10 +283,7 @@ mod avx512 {
         assert_eq!(src.len(), n, "add_f16: length mismatch");
         let a = acc.as_mut_ptr();
         blocks(a, n, |i, m| {
-            let v = _mm512_add_ps(
-                _mm512_maskz_loadu_ps(m, a.add(i)),
-                load_f16(m, src.as_ptr().add(i)),
-            );
+            let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a.add(i)), load_f16(m, src.as_ptr().add(i)));
             _mm512_mask_storeu_ps(a.add(i), m, v);
         });
     }
@@ -299,11 +293,7 @@ mod avx512 {
         let n = dst.len();
         assert_eq!(src.len(), n, "widen_bf16: length mismatch");
         blocks(dst.as_ptr(), n, |i, m| {
-            _mm512_mask_storeu_ps(
-                dst.as_mut_ptr().add(i),
-                m,
-                load_bf16(m, src.as_ptr().add(i)),
-            );
+            _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), m, load_bf16(m, src.as_ptr().add(i)));
         });
     }
 
@@ -313,10 +303,7 @@ mod avx512 {
         assert_eq!(src.len(), n, "add_bf16: length mismatch");
         let a = acc.as_mut_ptr();
         blocks(a, n, |i, m| {
-            let v = _mm512_add_ps(
-                _mm512_maskz_loadu_ps(m, a.add(i)),
-                load_bf16(m, src.as_ptr().add(i)),
-            );
+            let v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a.add(i)), load_bf16(m, src.as_ptr().add(i)));
             _mm512_mask_storeu_ps(a.add(i), m, v);
         });
     }
@@ -338,11 +325,7 @@ mod avx512 {
         let n = dst.len();
         assert_eq!(src.len(), n, "narrow_bf16: length mismatch");
         let k = _mm512_set1_ps(scale);
-        let (one, bias, quiet) = (
-            _mm512_set1_epi32(1),
-            _mm512_set1_epi32(0x7fff),
-            _mm512_set1_epi32(0x40),
-        );
+        let (one, bias, quiet) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff), _mm512_set1_epi32(0x40));
         blocks(src.as_ptr(), n, |i, m| {
             let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src.as_ptr().add(i)), k);
             let x = _mm512_castps_si512(v);
@@ -351,11 +334,7 @@ mod avx512 {
             let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, _mm512_add_epi32(bias, lsb)));
             let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
             let r = _mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(hi, quiet));
-            _mm256_mask_storeu_epi16(
-                dst.as_mut_ptr().add(i) as *mut i16,
-                m,
-                _mm512_cvtepi32_epi16(r),
-            );
+            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, m, _mm512_cvtepi32_epi16(r));
         });
     }
 
@@ -364,11 +343,7 @@ mod avx512 {
         let n = buf.len();
         let (b, k) = (buf.as_mut_ptr(), _mm512_set1_ps(scale));
         blocks(b, n, |i, m| {
-            _mm512_mask_storeu_ps(
-                b.add(i),
-                m,
-                _mm512_mul_ps(_mm512_maskz_loadu_ps(m, b.add(i)), k),
-            );
+            _mm512_mask_storeu_ps(b.add(i), m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, b.add(i)), k));
         });
     }
 }

@@ -87,26 +87,20 @@ impl<'a> Reader<'a> {
     pub fn str(&mut self, field: &'static str) -> Result<String, ProtocolError> {
         let n = self.u32(field)? as usize;
         let b = self.take(n, field)?;
-        String::from_utf8(b.to_vec())
-            .map_err(|_| ProtocolError::BadPayload(format!("{field} is not valid UTF-8")))
+        String::from_utf8(b.to_vec()).map_err(|_| ProtocolError::BadPayload(format!("{field} is not valid UTF-8")))
     }
     /// A length prefix for a list, bounded so a corrupt count cannot make us
     /// allocate: every element takes at least `min_elem_bytes` on the wire.
     pub fn count(&mut self, field: &'static str, min_elem_bytes: usize) -> Result<usize, ProtocolError> {
         let n = self.u32(field)? as usize;
         if n.saturating_mul(min_elem_bytes.max(1)) > self.buf.len() - self.pos {
-            return Err(ProtocolError::BadPayload(format!(
-                "{field}: count {n} exceeds the remaining payload"
-            )));
+            return Err(ProtocolError::BadPayload(format!("{field}: count {n} exceeds the remaining payload")));
         }
         Ok(n)
     }
     pub fn finish(&self, what: &'static str) -> Result<(), ProtocolError> {
         if self.pos != self.buf.len() {
-            return Err(ProtocolError::BadPayload(format!(
-                "{what}: {} trailing bytes",
-                self.buf.len() - self.pos
-            )));
+            return Err(ProtocolError::BadPayload(format!("{what}: {} trailing bytes", self.buf.len() - self.pos)));
         }
         Ok(())
     }

@@ -173,7 +173,9 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
     }
     // numel * elem fits (checked above), so the largest real chunk does too.
     if chunk_elems.min(numel) * elem > u32::MAX as u64 {
-        return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': chunks of {chunk_elems} elements are too large")));
+        return Err(ProtocolError::BadPayload(format!(
+            "tensor spec '{name}': chunks of {chunk_elems} elements are too large"
+        )));
     }
     if chunk_elems == 0 || numel.div_ceil(chunk_elems) != n as u64 {
         return Err(ProtocolError::BadPayload(format!(
@@ -401,12 +403,8 @@ impl Control {
                 let missing = (0..n).map(|_| r.u32("rank")).collect::<Result<_, _>>()?;
                 Control::DeclareStall { name, missing, waited_ms }
             }
-            MsgType::Error => {
-                return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() })
-            }
-            other => {
-                return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection")))
-            }
+            MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),
+            other => return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection"))),
         };
         r.finish(match h.msg_type {
             MsgType::Register => "Register",

@@ -80,12 +80,24 @@ pub enum Frame<T> {
 }
 
 enum ReadState<T> {
-    Header { got: usize },
+    Header {
+        got: usize,
+    },
     /// A header with a payload was returned; the caller has not said where
     /// the payload goes yet (reading on would take it for the next header).
-    Unclaimed { hdr: Header },
-    Into { hdr: Header, target: T, got: usize },
-    Owned { hdr: Header, buf: Vec<u8>, got: usize },
+    Unclaimed {
+        hdr: Header,
+    },
+    Into {
+        hdr: Header,
+        target: T,
+        got: usize,
+    },
+    Owned {
+        hdr: Header,
+        buf: Vec<u8>,
+        got: usize,
+    },
 }
 
 /// Read state of one connection or stream; `T` names a caller-owned

@@ -137,7 +137,7 @@ pub(super) fn report_declaration_stalls(shared: &Shared) {
         reports.push((name.clone(), missing, waiting, d.since.elapsed()));
     }
     for (name, missing, waiting, waited) in reports {
-        log::warn!(target: "scheduler", 
+        log::warn!(target: "scheduler",
             "stall: tensor '{name}' has waited {:.1}s for worker rank(s) {missing:?} to declare it (push_pull it)",
             waited.as_secs_f64()
         );
@@ -152,8 +152,7 @@ pub(super) fn report_declaration_stalls(shared: &Shared) {
 /// Send the specs to every server, wait for all acks, then answer workers.
 pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
     let ns = shared.cfg.namespace;
-    let servers: Vec<Arc<Member>> =
-        shared.lock().members.iter().filter(|m| m.role == Role::Server).cloned().collect();
+    let servers: Vec<Arc<Member>> = shared.lock().members.iter().filter(|m| m.role == Role::Server).cloned().collect();
     let msg = Control::ServerDeclare { batch, specs: specs.clone() };
     for s in &servers {
         s.send(&msg, ns);

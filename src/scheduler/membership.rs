@@ -315,7 +315,10 @@ mod tests {
         let h = hosts(&["n0", "n0", "n0"]);
         // Told 2 per host, 3 registered from it (e.g. hosts that all look alike).
         let e = local_ranks(&h, &[(0, 2), (1, 2), (0, 2)]).unwrap_err();
-        assert!(e.contains("worker 0") && e.contains("2 workers") && e.contains("3 registered") && e.contains("n0"), "{e}");
+        assert!(
+            e.contains("worker 0") && e.contains("2 workers") && e.contains("3 registered") && e.contains("n0"),
+            "{e}"
+        );
         // Two workers with the same local rank.
         let e = local_ranks(&h, &[(0, 3), (1, 3), (1, 3)]).unwrap_err();
         assert!(e.contains("workers 1 and 2") && e.contains("local rank 1"), "{e}");

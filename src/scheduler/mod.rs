@@ -79,9 +79,7 @@ pub struct SchedulerHandle {
 
 impl SchedulerHandle {
     pub fn wait(self) -> Result<(), SchedulerError> {
-        self.join
-            .join()
-            .unwrap_or_else(|_| Err(SchedulerError::JobFailed("scheduler thread panicked".into())))
+        self.join.join().unwrap_or_else(|_| Err(SchedulerError::JobFailed("scheduler thread panicked".into())))
     }
 }
 

@@ -53,7 +53,10 @@ pub struct ThreadConfig {
 enum ChunkBuf {
     F32([Vec<f32>; 2]),
     /// f16/bf16 are accumulated in f32 and narrowed once per round.
-    Half { acc: Vec<f32>, out: [Vec<u16>; 2] },
+    Half {
+        acc: Vec<f32>,
+        out: [Vec<u16>; 2],
+    },
 }
 
 struct Chunk {
@@ -205,7 +208,8 @@ impl ServerThread {
 
     pub fn run(mut self) {
         let mut events = Events::with_capacity(256);
-        let tick = (self.cfg.stall.min(self.cfg.peer_timeout) / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let tick =
+            (self.cfg.stall.min(self.cfg.peer_timeout) / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         loop {
             if let Err(e) = self.poll.poll(&mut events, Some(tick)) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
@@ -428,7 +432,10 @@ impl ServerThread {
                     return Err("second DataHello on one connection".into());
                 }
                 if r >= self.cfg.num_workers {
-                    return Err(ConnError::Invalid(format!("worker rank {r} out of range (job has {} workers)", self.cfg.num_workers)));
+                    return Err(ConnError::Invalid(format!(
+                        "worker rank {r} out of range (job has {} workers)",
+                        self.cfg.num_workers
+                    )));
                 }
                 if self.worker_conn[r as usize].is_some() {
                     return Err(ConnError::Invalid(format!("worker rank {r} is already connected")));
@@ -469,7 +476,10 @@ impl ServerThread {
                     )));
                 }
                 if ch.pushed[rank as usize] {
-                    return Err(ConnError::Invalid(format!("tensor '{name}' chunk {}: worker {rank} pushed twice in round {}", hdr.chunk, ch.round)));
+                    return Err(ConnError::Invalid(format!(
+                        "tensor '{name}' chunk {}: worker {rank} pushed twice in round {}",
+                        hdr.chunk, ch.round
+                    )));
                 }
                 if ch.count > 0 && hdr.flags != ch.flags {
                     return Err(ConnError::Invalid(format!(
@@ -500,9 +510,20 @@ impl ServerThread {
             MsgType::OptConfig => {
                 conn.rank.ok_or("OptConfig before DataHello")?;
                 match self.keys_here.get(&hdr.key) {
-                    None => return Err(ConnError::Invalid(format!("OptConfig for key {} which has no chunk on this thread", hdr.key))),
+                    None => {
+                        return Err(ConnError::Invalid(format!(
+                            "OptConfig for key {} which has no chunk on this thread",
+                            hdr.key
+                        )))
+                    }
                     Some(DType::F32) => {}
-                    Some(d) => return Err(ConnError::Invalid(format!("a server-side optimizer needs float32 tensors, key {} is {}", hdr.key, d.name()))),
+                    Some(d) => {
+                        return Err(ConnError::Invalid(format!(
+                            "a server-side optimizer needs float32 tensors, key {} is {}",
+                            hdr.key,
+                            d.name()
+                        )))
+                    }
                 }
                 if hdr.payload_len as usize != crate::protocol::optim::OPT_CONFIG_LEN {
                     return Err(ConnError::Invalid(format!("OptConfig payload of {} bytes", hdr.payload_len)));
@@ -728,8 +749,7 @@ impl ServerThread {
             h.chunk = first.chunk;
             h.round = round;
             h.payload_len = payload.len() as u32;
-            let pushed: Vec<usize> =
-                first.pushed.iter().enumerate().filter(|(_, &p)| p).map(|(r, _)| r).collect();
+            let pushed: Vec<usize> = first.pushed.iter().enumerate().filter(|(_, &p)| p).map(|(r, _)| r).collect();
             let frame = [&h.encode()[..], &payload].concat();
             for r in pushed {
                 let Some(t) = self.worker_conn[r] else { continue };

@@ -183,8 +183,11 @@ impl Connection {
             let body = payload(&cur.item);
             let head = cur.head.bytes();
             let total = head.len() + body.len();
-            let (head, body) =
-                if cur.sent < head.len() { (&head[cur.sent..], body) } else { (&[][..], &body[cur.sent - head.len()..]) };
+            let (head, body) = if cur.sent < head.len() {
+                (&head[cur.sent..], body)
+            } else {
+                (&[][..], &body[cur.sent - head.len()..])
+            };
             match write_nb(&self.stream, head, body)? {
                 Wrote::Moved(n) => {
                     cur.sent += n;
@@ -305,7 +308,10 @@ mod tests {
         let (_poll, c, mut peer) = pair();
         peer.write_all(&header(MsgType::Push, 2 << 20).encode()).unwrap();
         let mut rx = FrameReader::<()>::default();
-        assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Read(ReadError::Protocol(ProtocolError::PayloadTooLarge { .. })))));
+        assert!(matches!(
+            next(&c, &mut rx, &mut []),
+            Err(ConnError::Read(ReadError::Protocol(ProtocolError::PayloadTooLarge { .. })))
+        ));
     }
 
     #[test]

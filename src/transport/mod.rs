@@ -4,8 +4,8 @@
 
 mod conn;
 
-pub use conn::{ConnError, Connection, FrameWriter, Outgoing};
 pub use crate::protocol::{Frame, FrameReader};
+pub use conn::{ConnError, Connection, FrameWriter, Outgoing};
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};

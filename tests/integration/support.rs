@@ -162,9 +162,7 @@ impl Member {
             self.reader.set_read_timeout(Some(left)).unwrap();
             match read_control(&mut self.reader, NS) {
                 Ok(Control::Heartbeat) if Instant::now() < deadline => continue,
-                Ok(Control::Heartbeat) => {
-                    return Err(ReadError::TimedOut)
-                }
+                Ok(Control::Heartbeat) => return Err(ReadError::TimedOut),
                 other => return other,
             }
         }
