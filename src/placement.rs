@@ -160,7 +160,7 @@ mod tests {
         // n=4, k=1: M_cpu/M_gpu = 6/3 = 2, so server 0 gets twice each colocated one.
         let s = servers(&[false, true, true, true, true], 2);
         let mut p = Placer::new(&s, 4);
-        p.place(std::iter::repeat(1000u64).take(6000));
+        p.place(std::iter::repeat_n(1000u64, 6000));
         let per_server: Vec<u64> = p.loads().chunks(2).map(|c| c.iter().sum()).collect();
         let unit = per_server[1] as f64;
         assert!((per_server[0] as f64 / unit - 2.0).abs() < 0.01, "{per_server:?}");

@@ -370,7 +370,7 @@ impl Client {
         if dtype == DType::None {
             return Err(ClientError::Usage("push_pull needs a float32, float16 or bfloat16 tensor".into()));
         }
-        if nbytes % dtype.size() != 0 {
+        if !nbytes.is_multiple_of(dtype.size()) {
             return Err(ClientError::Usage(format!(
                 "{nbytes} bytes is not a whole number of {} elements",
                 dtype.name()

@@ -259,7 +259,7 @@ fn register_member(shared: &Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
             return None;
         }
     };
-    let me = match join(&shared, reg, peer, writer) {
+    let me = match join(shared, reg, peer, writer) {
         Ok(m) => m,
         Err(why) => {
             let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);

@@ -19,6 +19,9 @@ impl OptState {
     }
 
     /// One update with gradient `g` (already averaged).
+    // Indexing: parameter, gradient and both moments advance in lockstep,
+    // as in torch.optim's single-tensor loops.
+    #[allow(clippy::needless_range_loop)]
     pub fn update(&mut self, cfg: &OptConfig, g: &[f32]) {
         let n = self.param.len();
         assert_eq!(g.len(), n, "gradient and parameter lengths differ");

@@ -146,6 +146,9 @@ struct Conn {
     acks: Vec<u8>,
 }
 
+/// A round waiting too long: its chunk indices here, the missing ranks, how long.
+type StalledRound = (Vec<usize>, Vec<u32>, Duration);
+
 /// Unsent bytes the kernel may hold per data connection before the socket
 /// stops being writable (TCP_NOTSENT_LOWAT): results queue in our priority
 /// heap instead, so an urgent result never waits behind a deep socket
@@ -716,7 +719,7 @@ impl ServerThread {
     fn check_stalls(&mut self) {
         let now = Instant::now();
         // (key, round) -> (chunk indices, missing ranks, waited)
-        let mut by_key: HashMap<(u32, u32), (Vec<usize>, Vec<u32>, Duration)> = HashMap::new();
+        let mut by_key: HashMap<(u32, u32), StalledRound> = HashMap::new();
         for (i, ch) in self.chunks.iter_mut().enumerate() {
             let Some(start) = ch.started else { continue };
             let waited = now - start;
