@@ -605,7 +605,6 @@ impl ServerThread {
     /// Every worker pushed: finalize and send the result to everyone.
     fn finish_round(&mut self, idx: usize) {
         let nw = self.cfg.num_workers;
-        let who = self.who();
         let ch = &mut self.chunks[idx];
         let parity = (ch.round & 1) as usize;
         let scale = if ch.flags & FLAG_AVERAGE != 0 { 1.0 / nw as f32 } else { 1.0 };
@@ -633,6 +632,8 @@ impl ServerThread {
         let (round, priority) = (ch.round, ch.priority);
         if ch.stall_reported {
             let name = self.names.get(&ch.key).map(String::as_str).unwrap_or("?");
+            // Formatted here only: this function runs for every chunk of every round.
+            let who = format!("server {}/t{}", self.cfg.server, self.cfg.thread);
             log::info!(
                 target: &who,
                 "stall resolved: tensor '{name}' chunk {} round {round} complete",

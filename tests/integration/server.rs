@@ -278,6 +278,15 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     c.hello(1);
     c.expect_error("second DataHello");
 
+    // A DataHello that claims a payload: refused, not read as the next frame.
+    let mut c = job.raw(0);
+    let mut h = Header::new(MsgType::DataHello);
+    h.namespace = NS;
+    h.key = 1;
+    h.payload_len = 8;
+    c.send_header(&h);
+    c.expect_error("DataHello with a 8-byte payload");
+
     // A duplicate push in a round: the first one counts, the connection is closed.
     let v0: Vec<f32> = (0..64).map(|i| i as f32).collect();
     let v1: Vec<f32> = (0..64).map(|i| 100.0 - i as f32 * 3.0).collect();
