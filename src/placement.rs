@@ -1,4 +1,4 @@
-//! Which server thread owns which chunk.
+//! Which server thread owns which chunk, and which worker pushes it.
 //!
 //! Every chunk of every tensor goes to one *slot* (a server thread). Slots are
 //! numbered server by server: slot = first_slot(server) + thread. The
@@ -97,6 +97,86 @@ impl Placer {
     }
 }
 
+/// Which worker pushes which chunk (BytePS §4.2's intra-machine stage).
+///
+/// Workers that share a host (same host identity) first sum each chunk in
+/// shared memory; then one of them, the chunk's *owner* on that host, pushes
+/// the host's sum and receives the result for all of them. Owners rotate
+/// with (key + chunk), so each of a host's W workers pushes about 1/W of
+/// every tensor and a host's link carries what one worker per host would.
+/// Every member computes this from the Welcome, so a server knows whose
+/// push to expect for each chunk without being told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostLayout {
+    /// Index of each worker's host, by rank.
+    host_of: Vec<usize>,
+    /// Each host's workers, by local rank.
+    hosts: Vec<Vec<u32>>,
+}
+
+impl HostLayout {
+    /// From the Welcome's host identities and local ranks. With `reduce`
+    /// off every worker is its own host: each pushes every chunk itself.
+    pub fn new(worker_hosts: &[String], local_ranks: &[u32], reduce: bool) -> Result<HostLayout, String> {
+        if worker_hosts.len() != local_ranks.len() {
+            return Err(format!("{} host names for {} local ranks", worker_hosts.len(), local_ranks.len()));
+        }
+        let n = worker_hosts.len();
+        if !reduce {
+            return Ok(HostLayout { host_of: (0..n).collect(), hosts: (0..n as u32).map(|r| vec![r]).collect() });
+        }
+        let mut names: Vec<&String> = Vec::new();
+        let mut host_of = Vec::with_capacity(n);
+        for h in worker_hosts {
+            let i = names.iter().position(|x| *x == h).unwrap_or_else(|| {
+                names.push(h);
+                names.len() - 1
+            });
+            host_of.push(i);
+        }
+        let mut hosts: Vec<Vec<Option<u32>>> =
+            names.iter().map(|name| vec![None; worker_hosts.iter().filter(|h| h == name).count()]).collect();
+        for (rank, (&h, &l)) in host_of.iter().zip(local_ranks).enumerate() {
+            let size = hosts[h].len();
+            let slot = hosts[h]
+                .get_mut(l as usize)
+                .ok_or_else(|| format!("worker {rank} has local rank {l} on host {} of {size} workers", names[h]))?;
+            if let Some(other) = slot.replace(rank as u32) {
+                return Err(format!("workers {other} and {rank} share local rank {l} on host {}", names[h]));
+            }
+        }
+        // Every slot is filled: as many ranks as slots, and none twice.
+        let hosts = hosts.into_iter().map(|h| h.into_iter().flatten().collect()).collect();
+        Ok(HostLayout { host_of, hosts })
+    }
+
+    pub fn num_hosts(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// The workers on `rank`'s host, by local rank (`rank` included).
+    pub fn host_workers(&self, rank: u32) -> &[u32] {
+        self.host_of.get(rank as usize).map_or(&[], |&h| &self.hosts[h])
+    }
+
+    /// The worker that pushes chunk `chunk` of tensor `key` for `rank`'s host.
+    pub fn owner(&self, rank: u32, key: u32, chunk: u32) -> u32 {
+        let w = self.host_workers(rank);
+        w.get(owner_index(w.len(), key, chunk)).copied().unwrap_or(rank)
+    }
+
+    /// The workers whose pushes make up a round of this chunk, one per host.
+    pub fn pushers(&self, key: u32, chunk: u32) -> Vec<u32> {
+        self.hosts.iter().map(|w| w[owner_index(w.len(), key, chunk)]).collect()
+    }
+}
+
+/// The local rank, among `local_size` workers, that owns a chunk: rotating
+/// with (key + chunk) spreads every tensor evenly over a host's workers.
+pub fn owner_index(local_size: usize, key: u32, chunk: u32) -> usize {
+    (key as usize + chunk as usize) % local_size.max(1)
+}
+
 /// Split a tensor of `numel` elements of `elem_size` bytes into chunks of at
 /// most `partition_bytes` (at least one element each). Returns elements per chunk.
 pub fn chunk_elems(partition_bytes: u32, elem_size: usize) -> u64 {
@@ -167,6 +247,46 @@ mod tests {
         for &l in &per_server[1..] {
             assert!((l as f64 / unit - 1.0).abs() < 0.01, "{per_server:?}");
         }
+    }
+
+    fn layout(hosts: &[&str], local: &[u32], reduce: bool) -> Result<HostLayout, String> {
+        let h: Vec<String> = hosts.iter().map(|s| s.to_string()).collect();
+        HostLayout::new(&h, local, reduce)
+    }
+
+    #[test]
+    fn host_layout_rotates_owners_within_each_host() {
+        // Uneven hosts: a (ranks 0, 2, 3), b (rank 1); local ranks not in rank order.
+        let l = layout(&["a", "b", "a", "a"], &[1, 0, 0, 2], true).unwrap();
+        assert_eq!(l.num_hosts(), 2);
+        assert_eq!(l.host_workers(0), &[2, 0, 3]);
+        assert_eq!(l.host_workers(1), &[1]);
+        let mut pushed = [0usize; 4];
+        for key in 0..5 {
+            for chunk in 0..6 {
+                let p = l.pushers(key, chunk);
+                // One pusher per host, and it is the owner every worker of that host computes.
+                assert_eq!(p.len(), 2);
+                for r in 0..4 {
+                    assert!(p.contains(&l.owner(r, key, chunk)));
+                }
+                assert_eq!(l.owner(0, key, chunk), l.owner(3, key, chunk));
+                assert_eq!(l.owner(1, key, chunk), 1);
+                for r in p {
+                    pushed[r as usize] += 1;
+                }
+            }
+        }
+        // Host a's 30 chunks split evenly over its three workers; b pushes all.
+        assert_eq!(pushed, [10, 30, 10, 10]);
+        // Off: every worker is its own host.
+        let off = layout(&["a", "b", "a", "a"], &[1, 0, 0, 2], false).unwrap();
+        assert_eq!(off.pushers(3, 1), vec![0, 1, 2, 3]);
+        assert_eq!(off.owner(2, 3, 1), 2);
+        // Inconsistent local ranks are refused, not guessed.
+        assert!(layout(&["a", "a"], &[0, 0], true).unwrap_err().contains("share local rank 0"));
+        assert!(layout(&["a", "a"], &[0, 2], true).unwrap_err().contains("local rank 2"));
+        assert!(layout(&["a"], &[0, 1], true).is_err());
     }
 
     #[test]

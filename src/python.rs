@@ -81,6 +81,7 @@ fn scheduler_config(
     stall_ms: u32,
     join_timeout_ms: u32,
     namespace: u32,
+    host_reduce: bool,
 ) -> SchedulerConfig {
     SchedulerConfig {
         bind,
@@ -92,12 +93,13 @@ fn scheduler_config(
         stall_ms,
         join_timeout_ms,
         namespace,
+        host_reduce,
     }
 }
 
 /// Run a scheduler until the job ends (blocking, without the GIL).
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true))]
 #[allow(clippy::too_many_arguments)]
 fn run_scheduler(
     py: Python<'_>,
@@ -110,6 +112,7 @@ fn run_scheduler(
     stall_ms: u32,
     join_timeout_ms: u32,
     namespace: u32,
+    host_reduce: bool,
 ) -> PyResult<()> {
     let cfg = scheduler_config(
         bind,
@@ -121,6 +124,7 @@ fn run_scheduler(
         stall_ms,
         join_timeout_ms,
         namespace,
+        host_reduce,
     );
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
 }
@@ -149,7 +153,7 @@ impl SchedulerHandle {
 }
 
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true))]
 #[allow(clippy::too_many_arguments)]
 fn start_scheduler(
     bind: String,
@@ -161,6 +165,7 @@ fn start_scheduler(
     stall_ms: u32,
     join_timeout_ms: u32,
     namespace: u32,
+    host_reduce: bool,
 ) -> PyResult<SchedulerHandle> {
     let cfg = scheduler_config(
         bind,
@@ -172,6 +177,7 @@ fn start_scheduler(
         stall_ms,
         join_timeout_ms,
         namespace,
+        host_reduce,
     );
     let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
@@ -293,6 +299,8 @@ impl PyClient {
             connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
             local_rank,
             local_size,
+            // GRADHUB_HOST_ID, read by crate::host_id.
+            host: None,
         };
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })

@@ -28,6 +28,7 @@ def run_scheduler(
     stall_ms: int = 30000,
     join_timeout_ms: int = 300000,
     namespace: int = 0,
+    host_reduce: bool = True,
 ) -> None:
     """Run a scheduler until the job ends (blocking, without the GIL)."""
 
@@ -41,6 +42,7 @@ def start_scheduler(
     stall_ms: int = 30000,
     join_timeout_ms: int = 300000,
     namespace: int = 0,
+    host_reduce: bool = True,
 ) -> SchedulerHandle:
     """Start a scheduler on a background thread of this process."""
 

@@ -136,6 +136,7 @@ class SchedulerEnv:
     stall_seconds: float
     peer_timeout: float
     namespace: int
+    host_reduce: bool              # GRADHUB_HOST_REDUCE: workers sharing a host sum there first
 
 
 def scheduler_env() -> SchedulerEnv:
@@ -147,6 +148,7 @@ def scheduler_env() -> SchedulerEnv:
         stall_seconds=get_float("GRADHUB_STALL_SECONDS", 30.0),
         peer_timeout=get_float("GRADHUB_PEER_TIMEOUT", 10.0),
         namespace=get_int("GRADHUB_NAMESPACE", 0),
+        host_reduce=get_flag("GRADHUB_HOST_REDUCE", True),
     )
 
 

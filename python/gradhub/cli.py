@@ -33,6 +33,8 @@ environment (flags win over variables):
                            LOCAL_WORLD_SIZE); checked by the scheduler
   GRADHUB_HOST_ID          which workers share a machine (default: host name
                            and network namespace)
+  GRADHUB_HOST_REDUCE=0    workers that share a machine do not sum there
+                           first (scheduler; default on)
 """
 
 
@@ -44,6 +46,9 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
     p.add_argument("--peer-timeout", type=float, default=env.peer_timeout,
                    help="seconds without a heartbeat before any member is declared dead; the scheduler tells "
                    "every member (GRADHUB_PEER_TIMEOUT; default 10)")
+    p.add_argument("--no-host-reduce", dest="host_reduce", action="store_false", default=env.host_reduce,
+                   help="workers that share a machine each push everything themselves instead of summing in "
+                   "shared memory first and pushing one share each (GRADHUB_HOST_REDUCE=0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_scheduler(args) -> int:
     e = _env.scheduler_env()
     return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
-                               args.peer_timeout, e.namespace, scheduler=e.scheduler)
+                               args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce)
 
 
 def _run_server(args) -> int:

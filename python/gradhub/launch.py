@@ -83,6 +83,8 @@ def launch(args, command: list[str]) -> int:
     timing = ["--stall-seconds", str(args.stall_seconds), "--peer-timeout", str(args.peer_timeout)]
     if args.partition_bytes:
         timing += ["--partition-bytes", str(args.partition_bytes)]
+    if not args.host_reduce:
+        timing.append("--no-host-reduce")
     procs: list[Proc] = []
     procs.append(Proc("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"] + timing,
                       {**base, "GRADHUB_ROLE": "scheduler"}))

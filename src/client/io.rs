@@ -31,6 +31,11 @@
 //! without any other worker's help, and the first unfinished chunk of the
 //! job has no unreturned chunk before it, so every worker can send it.
 //!
+//! With several workers on a host (`host`), a worker pushes only the chunks
+//! it owns there, from the host's sum in shared memory, and takes the other
+//! chunks' results from the shared memory once their owners publish them;
+//! doorbells wake this thread for both. Everything above holds per pusher.
+//!
 //! Locks: `ops` before a connection's `send`, never the reverse; the client's
 //! table lock is only taken inside `ops` (completing an op), never around it.
 
@@ -39,14 +44,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use mio::net::TcpStream;
-use mio::{Events, Poll, Token, Waker};
+use mio::{Events, Interest, Poll, Token, Waker};
 
+use super::host::{HostStage, Staging};
 use super::op::Op;
 use super::{ClientError, Shared};
+use crate::placement::HostLayout;
 use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec};
 use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
 pub const WAKER: Token = Token(usize::MAX);
+/// This worker's doorbell (host stage): a local peer published something.
+pub const DOORBELL: Token = Token(usize::MAX - 1);
 
 /// Raw pointer to the caller's buffer. The op's keepalive owns the memory
 /// until the op completes; an op is completed only after every queued send
@@ -214,8 +223,20 @@ struct Active {
     spec: Arc<TensorSpec>,
     ptr: BufPtr,
     round: u32,
+    priority: i32,
+    flags: u16,
     got: Vec<bool>,
     remaining: usize,
+    /// Set when the host's workers sum this tensor together first.
+    host: Option<HostRound>,
+}
+
+/// A round through the host stage: which chunks this worker pushes (for
+/// the host, from `staging`), and which of those it has queued.
+struct HostRound {
+    staging: Arc<Staging>,
+    owned: Vec<bool>,
+    pushed: Vec<bool>,
 }
 
 #[derive(Default)]
@@ -251,12 +272,24 @@ pub struct Io {
     waker: Waker,
     stop: AtomicBool,
     fail_requested: Mutex<Option<String>>,
+    /// This worker's rank, and who pushes what.
+    rank: u32,
+    layout: Arc<HostLayout>,
+    /// Present when other workers share this host (and host reduction is on).
+    pub host: Option<HostStage>,
+}
+
+/// Where the chunks of a submission come from and go to.
+struct ChunkSrc {
+    ptr: *const u8,
+    len: usize,
 }
 
 impl Io {
     /// Registers the connections with `poll` (owned by the I/O thread).
     /// Registers the connections and sends each its DataHello (this
     /// worker's `rank`) before anything else.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         poll: &Poll,
         streams: Vec<(TcpStream, String)>,
@@ -264,7 +297,12 @@ impl Io {
         credit: usize,
         namespace: u32,
         max_payload: u32,
+        layout: Arc<HostLayout>,
+        mut host: Option<HostStage>,
     ) -> std::io::Result<Io> {
+        if let Some(h) = &mut host {
+            poll.registry().register(&mut h.doorbell.sock, DOORBELL, Interest::READABLE)?;
+        }
         let n = streams.len();
         let mut conns = Vec::with_capacity(n);
         for (i, (s, desc)) in streams.into_iter().enumerate() {
@@ -285,6 +323,9 @@ impl Io {
             waker: Waker::new(poll.registry(), WAKER)?,
             stop: AtomicBool::new(false),
             fail_requested: Mutex::new(None),
+            rank,
+            layout,
+            host,
         };
         for (i, c) in io.conns.iter().enumerate() {
             io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
@@ -302,6 +343,9 @@ impl Io {
         let shares = {
             let mut placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
             for (c, &slot) in spec.slots.iter().enumerate() {
+                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
+                    continue; // another worker on this host pushes it
+                }
                 let (lo, hi) = spec.chunk_range(c);
                 if let Some(b) = placed.get_mut(slot as usize) {
                     *b += ((hi - lo) * spec.dtype.size()) as u64;
@@ -330,8 +374,96 @@ impl Io {
         let _ = self.waker.wake();
     }
 
-    /// Queue every chunk of a push_pull and start sending from this thread.
+    /// Start a push_pull: queue its chunks and start sending from this
+    /// thread; through the host stage, first add them to the host's sums.
     pub fn submit(&self, s: Submission, shared: &Shared) {
+        let round = match self.admit(&s) {
+            Ok(Some(round)) => round,
+            Ok(None) => return shared.finish_op(&s.op, None),
+            Err(e) => return shared.finish_op(&s.op, Some(e)),
+        };
+        let n = s.spec.num_chunks();
+        let es = s.spec.dtype.size();
+        let (spec, base) = (s.spec.clone(), s.ptr);
+        let chunk_src = move |c: usize| {
+            let (a, b) = spec.chunk_range(c);
+            // SAFETY: a..b lies within the buffer of numel elements the caller passed.
+            ChunkSrc { ptr: unsafe { base.0.add(a * es) }, len: (b - a) * es }
+        };
+        let Some(h) = &self.host else {
+            let all: Vec<usize> = (0..n).collect();
+            self.start(s, round, None, &all, chunk_src, shared);
+            return;
+        };
+        let staging = match h.staging(&s.spec) {
+            Ok(st) => st,
+            Err(e) => return shared.finish_op(&s.op, Some(e)),
+        };
+        let key = s.spec.key;
+        let owned: Vec<bool> = (0..n).map(|c| self.layout.owner(self.rank, key, c as u32) == self.rank).collect();
+        // Contributions happen before the op is visible to the I/O thread
+        // (the caller's buffer is read here, and only that thread may
+        // complete an op); whatever completes meanwhile is picked up by
+        // the ring to ourselves below.
+        let (mut ready, mut ring) = (Vec::new(), 0u64);
+        let abort = || shared.failure();
+        let contributed = h.contribute(&staging, s.ptr.0, round, s.flags, self.rank == 0, &abort, &mut |c| {
+            if c.complete {
+                if owned[c.chunk] {
+                    ready.push(c.chunk);
+                } else {
+                    ring |= 1 << crate::placement::owner_index(h.workers.len(), key, c.chunk as u32);
+                }
+            }
+        });
+        if let Err(e) = contributed {
+            // Other workers of this host may be waiting for this sum: the job cannot go on.
+            let msg = format!("worker {}: summing tensor '{}' on its host failed: {e}", self.rank, s.spec.name);
+            shared.fail_job(msg.clone());
+            return shared.finish_op(&s.op, Some(msg));
+        }
+        let hr = HostRound { staging: staging.clone(), owned, pushed: vec![false; n] };
+        let wire = |c: usize| {
+            let (ptr, len) = staging.wire(c, round);
+            ChunkSrc { ptr, len }
+        };
+        if self.start(s, round, Some(hr), &ready, wire, shared) {
+            h.bells.ring_mask(ring | 1 << h.local);
+        }
+    }
+
+    /// Check a submission can start; its round, or None if it is empty.
+    fn admit(&self, s: &Submission) -> Result<Option<u32>, String> {
+        let mut ops = self.ops();
+        if let Some(f) = &ops.failed {
+            return Err(f.clone());
+        }
+        let key = s.spec.key;
+        if ops.active.contains_key(&key) {
+            return Err(format!("tensor '{}' is already in flight", s.spec.name));
+        }
+        let round = *ops.rounds.entry(key).or_insert(0);
+        if s.spec.num_chunks() == 0 {
+            ops.rounds.insert(key, round.wrapping_add(1));
+            return Ok(None);
+        }
+        if let Some(&bad) = s.spec.slots.iter().find(|&&slot| slot as usize >= self.conns.len()) {
+            return Err(format!("tensor '{}' placed on unknown slot {bad}", s.spec.name));
+        }
+        Ok(Some(round))
+    }
+
+    /// Make the op active and queue the chunks `push` (their bytes from
+    /// `src`). Returns false if the job had failed meanwhile.
+    fn start(
+        &self,
+        s: Submission,
+        round: u32,
+        host: Option<HostRound>,
+        push: &[usize],
+        src: impl Fn(usize) -> ChunkSrc,
+        shared: &Shared,
+    ) -> bool {
         let key = s.spec.key;
         let n = s.spec.num_chunks();
         let mut touched = Vec::new();
@@ -341,52 +473,56 @@ impl Io {
                 let f = f.clone();
                 drop(ops);
                 shared.finish_op(&s.op, Some(f));
-                return;
+                return false;
             }
-            if ops.active.contains_key(&key) {
-                drop(ops);
-                shared.finish_op(&s.op, Some(format!("tensor '{}' is already in flight", s.spec.name)));
-                return;
-            }
-            let round = *ops.rounds.entry(key).or_insert(0);
-            if n == 0 {
-                ops.rounds.insert(key, round.wrapping_add(1));
-                drop(ops);
-                shared.finish_op(&s.op, None);
-                return;
-            }
-            if let Some(&bad) = s.spec.slots.iter().find(|&&slot| slot as usize >= self.conns.len()) {
-                drop(ops);
-                shared.finish_op(&s.op, Some(format!("tensor '{}' placed on unknown slot {bad}", s.spec.name)));
-                return;
-            }
-            let es = s.spec.dtype.size();
+            let mut a = Active {
+                op: s.op,
+                spec: s.spec,
+                ptr: s.ptr,
+                round,
+                priority: s.priority,
+                flags: s.flags,
+                got: vec![false; n],
+                remaining: n,
+                host,
+            };
             // Items go on the queues while `ops` is held, so a concurrent
             // failure either sees them (and drops them) or runs before them.
-            for c in 0..n {
-                let slot = s.spec.slots[c] as usize;
-                let (a, b) = s.spec.chunk_range(c);
-                ops.seq += 1;
-                self.conns[slot].send().heap.push(SendItem::Chunk(ChunkSend {
-                    priority: s.priority,
-                    seq: ops.seq,
-                    key,
-                    chunk: c as u32,
-                    round,
-                    flags: s.flags,
-                    dtype: s.spec.dtype,
-                    // SAFETY: a..b lies within the buffer of numel elements the caller passed.
-                    ptr: unsafe { s.ptr.0.add(a * es) },
-                    len: (b - a) * es,
-                }));
+            for &c in push {
+                if let Some(h) = &mut a.host {
+                    h.pushed[c] = true;
+                }
+                let slot = self.queue_chunk(&mut ops.seq, &a, c, src(c));
                 if !touched.contains(&slot) {
                     touched.push(slot);
                 }
             }
-            ops.active
-                .insert(key, Active { op: s.op, spec: s.spec, ptr: s.ptr, round, got: vec![false; n], remaining: n });
+            ops.active.insert(key, a);
         }
-        for slot in touched {
+        self.pump_all(&touched);
+        true
+    }
+
+    /// Put chunk `c` of an active op on its connection's queue.
+    fn queue_chunk(&self, seq: &mut u64, a: &Active, c: usize, src: ChunkSrc) -> usize {
+        let slot = a.spec.slots[c] as usize;
+        *seq += 1;
+        self.conns[slot].send().heap.push(SendItem::Chunk(ChunkSend {
+            priority: a.priority,
+            seq: *seq,
+            key: a.spec.key,
+            chunk: c as u32,
+            round: a.round,
+            flags: a.flags,
+            dtype: a.spec.dtype,
+            ptr: src.ptr,
+            len: src.len,
+        }));
+        slot
+    }
+
+    fn pump_all(&self, slots: &[usize]) {
+        for &slot in slots {
             if let Err(why) = self.pump(slot) {
                 self.request_fail(format!("{}: {why}", self.conns[slot].desc()));
                 return;
@@ -499,12 +635,14 @@ pub struct IoThread {
     shared: Arc<Shared>,
     rx: Vec<FrameReader<ResultDest>>,
     failed: bool,
+    /// Local workers to ring once the current event is handled (host stage).
+    bells: u64,
 }
 
 impl IoThread {
     pub fn new(poll: Poll, shared: Arc<Shared>) -> IoThread {
         let n = shared.io.conns.len();
-        IoThread { poll, shared, rx: (0..n).map(|_| FrameReader::default()).collect(), failed: false }
+        IoThread { poll, shared, rx: (0..n).map(|_| FrameReader::default()).collect(), failed: false, bells: 0 }
     }
 
     fn fail(&mut self, msg: String, job_failed: bool) {
@@ -539,6 +677,10 @@ impl IoThread {
             }
             for ev in events.iter() {
                 let i = ev.token().0;
+                if ev.token() == DOORBELL && !self.failed {
+                    self.scan_host();
+                    continue;
+                }
                 if ev.token() == WAKER || self.failed || i >= self.rx.len() {
                     continue;
                 }
@@ -559,7 +701,69 @@ impl IoThread {
                     let msg = format!("{}: {why}", self.shared.io.conns[i].desc());
                     self.fail(msg, true);
                 }
+                self.ring_pending();
             }
+        }
+    }
+
+    fn ring_pending(&mut self) {
+        if let (Some(h), bells) = (&self.shared.io.host, std::mem::take(&mut self.bells)) {
+            if bells != 0 {
+                h.bells.ring_mask(bells);
+            }
+        }
+    }
+
+    /// A local worker rang: push the owned chunks whose host sums are
+    /// complete, copy out the results other owners published.
+    fn scan_host(&mut self) {
+        let shared = self.shared.clone();
+        let io = &shared.io;
+        let Some(h) = &io.host else { return };
+        h.doorbell.drain();
+        let mut touched = Vec::new();
+        let mut copies = Vec::new();
+        {
+            let mut guard = io.ops();
+            let ops = &mut *guard;
+            for a in ops.active.values_mut() {
+                let Some(hr) = &a.host else { continue };
+                let mut push = Vec::new();
+                for c in 0..a.got.len() {
+                    if a.got[c] {
+                        continue;
+                    }
+                    if hr.owned[c] {
+                        if !hr.pushed[c] && hr.staging.ready(c, a.round) {
+                            push.push(c);
+                        }
+                    } else if hr.staging.has_result(c, a.round) {
+                        let (src, len) = hr.staging.wire(c, a.round);
+                        let (start, _) = a.spec.chunk_range(c);
+                        // SAFETY: start is within the tensor.
+                        let dst = unsafe { a.ptr.0.add(start * a.spec.dtype.size()) };
+                        copies.push((a.spec.key, c, src, dst, len));
+                    }
+                }
+                let staging = hr.staging.clone();
+                for c in push {
+                    let (ptr, len) = staging.wire(c, a.round);
+                    let slot = io.queue_chunk(&mut ops.seq, a, c, ChunkSrc { ptr, len });
+                    if let Some(hr) = &mut a.host {
+                        hr.pushed[c] = true;
+                    }
+                    if !touched.contains(&slot) {
+                        touched.push(slot);
+                    }
+                }
+            }
+        }
+        io.pump_all(&touched);
+        for (key, c, src, dst, len) in copies {
+            // SAFETY: the published result in shared memory, into the
+            // caller's buffer of an active op (only this thread completes it).
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            self.mark_got(key, c);
         }
     }
 
@@ -617,9 +821,21 @@ impl IoThread {
                         a.spec.dtype.name()
                     )));
                 }
-                let (start, _) = a.spec.chunk_range(c);
-                // SAFETY: start is within the tensor.
-                let dst = unsafe { a.ptr.0.add(start * a.spec.dtype.size()) };
+                let dst = match &a.host {
+                    // A chunk this worker pushes for its host: into the shared buffer.
+                    Some(h) if h.owned[c] => h.staging.wire(c, a.round).0,
+                    Some(_) => {
+                        return Err(ConnError::Invalid(format!(
+                            "result for tensor '{}' chunk {c}, which another worker of this host pushes",
+                            a.spec.name
+                        )))
+                    }
+                    None => {
+                        let (start, _) = a.spec.chunk_range(c);
+                        // SAFETY: start is within the tensor.
+                        unsafe { a.ptr.0.add(start * a.spec.dtype.size()) }
+                    }
+                };
                 drop(ops);
                 self.rx[i].receive_into(hdr, ResultDest { key: hdr.key, chunk: c, dst, len });
                 Ok(())
@@ -677,9 +893,32 @@ impl IoThread {
             st.unreceived.remove(key, chunk as u32);
             st.unreturned.remove(key, chunk as u32);
         }
+        if let Some(h) = &io.host {
+            let ops = io.ops();
+            if let Some(hr) = ops.active.get(&key).and_then(|a| a.host.as_ref().map(|hr| (a, hr))) {
+                let (a, hr) = hr;
+                // The result is in the shared buffer: take a copy, let the others take theirs.
+                let (src, len) = hr.staging.wire(chunk, a.round);
+                let (start, _) = a.spec.chunk_range(chunk);
+                // SAFETY: both ranges are this chunk's; the op is active and
+                // only this thread completes it.
+                unsafe { std::ptr::copy_nonoverlapping(src, a.ptr.0.add(start * a.spec.dtype.size()), len) };
+                hr.staging.publish(chunk, a.round);
+                self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
+            }
+        }
+        self.mark_got(key, chunk);
+        // Outstanding room came back: keep the connection busy.
+        self.shared.io.pump(i)
+    }
+
+    /// Chunk `chunk`'s result is in the caller's buffer; complete the op
+    /// with its last chunk.
+    fn mark_got(&mut self, key: u32, chunk: usize) {
+        let io = &self.shared.io;
         let done = {
             let mut ops = io.ops();
-            let Some(a) = ops.active.get_mut(&key) else { return Ok(()) };
+            let Some(a) = ops.active.get_mut(&key) else { return };
             a.got[chunk] = true;
             a.remaining -= 1;
             let finished = if a.remaining == 0 { ops.active.remove(&key) } else { None };
@@ -691,8 +930,6 @@ impl IoThread {
         if let Some(a) = done {
             self.shared.finish_op(&a.op, None);
         }
-        // Outstanding room came back: keep the connection busy.
-        io.pump(i)
     }
 }
 

@@ -4,8 +4,10 @@
 //!
 //! Threads: the caller's thread (submits, waits on handles), one I/O thread
 //! (all data connections, see `io`), one control thread (scheduler messages:
-//! declarations, barriers, peer failures) and a heartbeat thread.
+//! declarations, barriers, peer failures) and a heartbeat thread. Workers
+//! that share a host sum there first (`host`).
 
+mod host;
 mod io;
 mod op;
 
@@ -20,9 +22,11 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use mio::Poll;
 
+use crate::placement::HostLayout;
 use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError, SessionSender};
 use crate::transport::{connect_retry, join_host_port};
+use host::HostStage;
 use io::{BufPtr, Io, IoThread, Submission};
 
 #[derive(Debug, Clone)]
@@ -40,6 +44,9 @@ pub struct ClientConfig {
     /// order among workers with the same `crate::host_id`).
     pub local_rank: i32,
     pub local_size: i32,
+    /// This worker's host identity (default `crate::host_id()`): workers
+    /// with the same one share memory and sum there first.
+    pub host: Option<String>,
 }
 
 impl Default for ClientConfig {
@@ -54,6 +61,7 @@ impl Default for ClientConfig {
             connect_timeout: Duration::from_secs(60),
             local_rank: -1,
             local_size: -1,
+            host: None,
         }
     }
 }
@@ -142,6 +150,15 @@ impl Shared {
             let _ = tx.send(Err(msg.clone()));
         }
         self.io.request_fail(msg);
+    }
+
+    /// This worker found the job cannot go on (e.g. its host's sum failed):
+    /// tell every member, through the scheduler, then fail locally.
+    pub(crate) fn fail_job(&self, msg: String) {
+        if self.failure().is_none() {
+            let _ = self.send_ctrl(&Control::Error { message: msg.clone() });
+        }
+        self.set_failure(msg);
     }
 
     pub(crate) fn finish_op(&self, op: &Op, error: Option<String>) {
@@ -240,7 +257,7 @@ impl Client {
         let session = Joining::connect(&cfg.scheduler, cfg.connect_timeout, ns)?.register(Register {
             role: Role::Worker,
             requested_rank: cfg.rank,
-            hostname: crate::host_id(),
+            hostname: cfg.host.clone().unwrap_or_else(crate::host_id),
             addr: String::new(),
             ports: Vec::new(),
             colocated: false,
@@ -255,6 +272,24 @@ impl Client {
             return Err(ClientError::Setup(format!("the Welcome has no host for worker {me}")));
         };
         let local_size = w.worker_hosts.iter().filter(|h| *h == host).count() as u32;
+        let layout = HostLayout::new(&w.worker_hosts, &w.worker_local_ranks, w.host_reduce)
+            .map_err(|e| ClientError::Setup(format!("the scheduler's host layout: {e}")))?;
+        let host_stage = match layout.host_workers(w.rank) {
+            local if local.len() > 1 => {
+                let stage = HostStage::join(w.job_id, host, local.to_vec(), w.rank, cfg.connect_timeout)
+                    .map_err(ClientError::Setup)?;
+                log::info!(
+                    target: "worker",
+                    "worker {}: {} workers on this host ({:?}) sum there first; this one pushes 1/{} of each tensor",
+                    w.rank,
+                    local.len(),
+                    local,
+                    local.len()
+                );
+                Some(stage)
+            }
+            _ => None,
+        };
 
         // One data connection per server thread, in slot order.
         let mut conns = Vec::new();
@@ -270,8 +305,8 @@ impl Client {
 
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
-        let io =
-            Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit).map_err(|e| setup("data connections", e))?;
+        let io = Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage)
+            .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
             table: Mutex::new(Table::default()),
@@ -505,6 +540,9 @@ impl Client {
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
         for t in threads {
             let _ = t.join();
+        }
+        if let Some(h) = &self.shared.io.host {
+            h.cleanup();
         }
         // Anything still pending can no longer complete.
         let parked = std::mem::take(&mut self.shared.table().parked);

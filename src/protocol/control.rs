@@ -84,6 +84,12 @@ pub struct Welcome {
     /// Local rank of each worker on its host, by rank (checked or assigned
     /// by the scheduler); the local size is the count of equal hosts.
     pub worker_local_ranks: Vec<u32>,
+    /// Random per job: names what colocated workers share (memory segments,
+    /// doorbells), so two jobs on one host never meet.
+    pub job_id: u64,
+    /// Workers that share a host sum their gradients there first and push
+    /// one share each (see `placement::HostLayout`).
+    pub host_reduce: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -250,6 +256,7 @@ impl Control {
                 for &l in &m.worker_local_ranks {
                     w.u32(l);
                 }
+                w.u64(m.job_id).u8(m.host_reduce as u8);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -349,6 +356,8 @@ impl Control {
                 if nl != nw {
                     return Err(ProtocolError::BadPayload(format!("{nl} local ranks for {nw} workers")));
                 }
+                let job_id = r.u64("job_id")?;
+                let host_reduce = r.u8("host_reduce")? != 0;
                 Control::Welcome(Welcome {
                     rank,
                     num_workers,
@@ -359,6 +368,8 @@ impl Control {
                     servers,
                     worker_hosts,
                     worker_local_ranks,
+                    job_id,
+                    host_reduce,
                 })
             }
             MsgType::Declare => {

@@ -107,6 +107,8 @@ fn sample_controls() -> Vec<Control> {
             ],
             worker_hosts: vec!["a".into(), "a".into(), "日本語ホスト".into(), String::new()],
             worker_local_ranks: vec![0, 1, 0, u32::MAX],
+            job_id: u64::MAX,
+            host_reduce: true,
         }),
         Control::Welcome(Welcome {
             rank: 0,
@@ -118,6 +120,8 @@ fn sample_controls() -> Vec<Control> {
             servers: vec![],
             worker_hosts: vec![],
             worker_local_ranks: vec![],
+            job_id: 0,
+            host_reduce: false,
         }),
         Control::Declare {
             req: 7,

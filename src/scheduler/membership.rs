@@ -129,6 +129,7 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         }
     };
     st.placer = Some(Placer::new(&servers, cfg.num_workers as usize));
+    let job_id = random_job_id();
     for ((role, rank), g) in assigned.iter().zip(regs) {
         let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });
         let welcome = Control::Welcome(Welcome {
@@ -141,6 +142,8 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             servers: servers.clone(),
             worker_hosts: hosts.clone(),
             worker_local_ranks: local_ranks.clone(),
+            job_id,
+            host_reduce: cfg.host_reduce,
         });
         if !member.send(&welcome, cfg.namespace) {
             log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
@@ -150,6 +153,17 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
     }
     st.assigned = Some(assigned);
     log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
+}
+
+/// A job identifier no other job on the same hosts will have: std's
+/// `RandomState` is seeded from the OS's random source, mixed with the
+/// time and process id. (Unique, not secret: nothing is protected by it.)
+fn random_job_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 /// Each worker's local rank on its host (workers with the same host

@@ -44,6 +44,9 @@ pub struct SchedulerConfig {
     /// Registration must complete within this time.
     pub join_timeout_ms: u32,
     pub namespace: u32,
+    /// Workers on one host sum there first (see `placement::HostLayout`);
+    /// off: every worker pushes everything itself, as with one per host.
+    pub host_reduce: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -58,6 +61,7 @@ impl Default for SchedulerConfig {
             stall_ms: 30_000,
             join_timeout_ms: 300_000,
             namespace: 0,
+            host_reduce: true,
         }
     }
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 use crossbeam_channel::bounded;
 use mio::{Poll, Waker};
 
+use crate::placement::HostLayout;
 use crate::protocol::{Control, Register, Role};
 use crate::session::{Joining, Session, SessionError};
 use thread::{ServerThread, ThreadCmd, ThreadConfig};
@@ -110,6 +111,13 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         threads
     );
 
+    let layout = HostLayout::new(&welcome.worker_hosts, &welcome.worker_local_ranks, welcome.host_reduce)
+        .map_err(|e| ServerError::Setup(format!("the scheduler's host layout: {e}")))?;
+    let layout = std::sync::Arc::new(layout);
+    if layout.num_hosts() < welcome.num_workers as usize {
+        log::info!(target: &who, "{} workers on {} hosts: one push per host and chunk", welcome.num_workers, layout.num_hosts());
+    }
+
     // Spawn the shared-nothing threads.
     let mut cmd_txs = Vec::with_capacity(threads);
     let mut wakers: Vec<Waker> = Vec::with_capacity(threads);
@@ -125,6 +133,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             thread: t as u32,
             slot: first_slot + t as u32,
             num_workers: welcome.num_workers,
+            layout: layout.clone(),
             namespace: ns,
             partition_bytes: welcome.partition_bytes,
             stall: Duration::from_millis(welcome.stall_ms as u64),

@@ -4,13 +4,16 @@
 //!
 //! Per chunk and round: the first push is received straight into the
 //! accumulation buffer (f32), later pushes land in a per-connection scratch
-//! buffer and are added with the vectorized kernel. When every worker has
-//! pushed, the sum goes back to every worker on the same connections, without
-//! a pull request (fused push-pull). Results are double-buffered by round
-//! parity: a worker can only push round r+2 after every worker received round
+//! buffer and are added with the vectorized kernel. When every pusher has
+//! pushed, the sum goes back to the pushers on the same connections, without
+//! a pull request (fused push-pull). A chunk's pushers are one worker per
+//! host (`HostLayout`: that worker pushes its host's sum), or every worker
+//! when hosts do not reduce first. Results are double-buffered by round
+//! parity: a pusher can only push round r+2 after every pusher received round
 //! r, so the buffer of round r is never overwritten while it is being sent.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
@@ -19,6 +22,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::optimizer::OptState;
 use crate::kernels;
+use crate::placement::HostLayout;
 use crate::protocol::{
     encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
 };
@@ -41,6 +45,8 @@ pub struct ThreadConfig {
     pub thread: u32,
     pub slot: u32,
     pub num_workers: u32,
+    /// Who pushes which chunk.
+    pub layout: Arc<HostLayout>,
     pub namespace: u32,
     pub partition_bytes: u32,
     pub stall: Duration,
@@ -65,6 +71,10 @@ struct Chunk {
     dtype: DType,
     elems: usize,
     round: u32,
+    /// The workers that push this chunk (one per host), by rank.
+    pushers: Vec<u32>,
+    /// Init rounds keep the push of the pusher for rank 0's host.
+    init_from: u32,
     pushed: Vec<bool>,
     count: u32,
     flags: u16,
@@ -327,6 +337,8 @@ impl ServerThread {
                     dtype: s.dtype,
                     elems,
                     round: 0,
+                    pushers: self.cfg.layout.pushers(s.key, c as u32),
+                    init_from: self.cfg.layout.owner(0, s.key, c as u32),
                     pushed: vec![false; n],
                     count: 0,
                     flags: 0,
@@ -478,6 +490,13 @@ impl ServerThread {
                         hdr.chunk, hdr.round, ch.round
                     )));
                 }
+                if !ch.pushers.contains(&rank) {
+                    return Err(ConnError::Invalid(format!(
+                        "tensor '{name}' chunk {}: worker {rank} pushed, but worker {} pushes it for that host",
+                        hdr.chunk,
+                        self.cfg.layout.owner(rank, hdr.key, hdr.chunk)
+                    )));
+                }
                 if ch.pushed[rank as usize] {
                     return Err(ConnError::Invalid(format!(
                         "tensor '{name}' chunk {}: worker {rank} pushed twice in round {}",
@@ -494,7 +513,7 @@ impl ServerThread {
                 if init && ch.dtype != DType::F32 {
                     return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
                 }
-                // Init rounds keep only worker 0's push, so nothing goes straight in.
+                // Init rounds keep only one push (rank 0's), so nothing goes straight in.
                 let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress && !init;
                 if direct {
                     self.chunks[idx].direct_in_progress = true;
@@ -548,7 +567,7 @@ impl ServerThread {
         let init = hdr.flags & FLAG_INIT != 0;
         match &mut ch.buf {
             ChunkBuf::F32(b) if init => {
-                if rank == 0 {
+                if rank as u32 == ch.init_from {
                     b[parity].copy_from_slice(&cast(&conn.scratch)[..n]);
                 }
             }
@@ -588,7 +607,8 @@ impl ServerThread {
         ch.count += 1;
         // The last push of a round is answered by the result itself (one
         // frame and one wake-up fewer on a small round trip).
-        if ch.count < self.cfg.num_workers {
+        let pushers = ch.pushers.len() as u32;
+        if ch.count < pushers {
             let mut ack = Header::new(MsgType::Received);
             ack.namespace = self.cfg.namespace;
             ack.key = hdr.key;
@@ -596,13 +616,13 @@ impl ServerThread {
             ack.round = hdr.round;
             conn.acks.extend_from_slice(&ack.encode());
         }
-        if ch.count == self.cfg.num_workers {
+        if ch.count == pushers {
             self.finish_round(idx);
         }
         Ok(())
     }
 
-    /// Every worker pushed: finalize and send the result to everyone.
+    /// Every pusher pushed: finalize and send the result to each of them.
     fn finish_round(&mut self, idx: usize) {
         let nw = self.cfg.num_workers;
         let ch = &mut self.chunks[idx];
@@ -611,7 +631,7 @@ impl ServerThread {
         let opt = self.opt_cfg.get(&ch.key);
         match &mut ch.buf {
             ChunkBuf::F32(b) if ch.flags & FLAG_INIT != 0 => {
-                // New parameters (worker 0's); fresh optimizer state.
+                // New parameters (rank 0's); fresh optimizer state.
                 ch.opt = Some(Box::new(OptState::new(&b[parity])));
             }
             ChunkBuf::F32(b) => {
@@ -645,8 +665,8 @@ impl ServerThread {
         ch.count = 0;
         ch.started = None;
         ch.stall_reported = false;
-        for r in 0..nw as usize {
-            let Some(t) = self.worker_conn[r] else { continue };
+        for i in 0..self.chunks[idx].pushers.len() {
+            let Some(t) = self.worker_conn[self.chunks[idx].pushers[i] as usize] else { continue };
             self.seq += 1;
             if let Some(c) = self.conns.get_mut(&t) {
                 c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round });
@@ -730,9 +750,9 @@ impl ServerThread {
             ch.stall_reported = true;
             let e = by_key.entry((ch.key, ch.round)).or_insert_with(|| (Vec::new(), Vec::new(), waited));
             e.0.push(i);
-            for (r, &p) in ch.pushed.iter().enumerate() {
-                if !p && !e.1.contains(&(r as u32)) {
-                    e.1.push(r as u32);
+            for &r in &ch.pushers {
+                if !ch.pushed[r as usize] && !e.1.contains(&r) {
+                    e.1.push(r);
                 }
             }
         }

@@ -1,8 +1,10 @@
 //! Everything between a role and its sockets: the one framed, nonblocking
 //! data connection both the worker and the server use (`conn`), connecting
-//! with retry, and byte views of numeric buffers.
+//! with retry, byte views of numeric buffers, and what colocated processes
+//! share (`shm`: memory segments and doorbells).
 
 mod conn;
+pub mod shm;
 
 pub use crate::protocol::{Frame, FrameReader};
 pub use conn::{ConnError, Connection, FrameWriter, Outgoing};

@@ -16,12 +16,24 @@ struct DataJob {
     welcome: Welcome,
 }
 
+/// Fake workers, each on a host of its own.
 fn data_job(nw: u32, threads: usize, tweak: impl FnOnce(&mut gradhub::scheduler::SchedulerConfig)) -> DataJob {
+    let hosts: Vec<String> = (0..nw).map(|r| format!("h{r}")).collect();
+    data_job_on(&hosts, threads, tweak)
+}
+
+/// Fake worker `r` registers from host `hosts[r]`.
+fn data_job_on(
+    hosts: &[String],
+    threads: usize,
+    tweak: impl FnOnce(&mut gradhub::scheduler::SchedulerConfig),
+) -> DataJob {
+    let nw = hosts.len() as u32;
     let mut cfg = sched_config(nw, 1);
     tweak(&mut cfg);
     let job = real_job(cfg, &[(threads, false)]);
     let mut workers: Vec<Member> =
-        (0..nw).map(|r| Member::register(job.addr, worker_reg(r as i32, "h", nw, 1))).collect();
+        (0..nw).map(|r| Member::register(job.addr, worker_reg(r as i32, &hosts[r as usize], nw, 1))).collect();
     let welcomes: Vec<Welcome> = workers.iter_mut().map(|w| w.welcome()).collect();
     let welcome = welcomes.into_iter().next().unwrap();
     assert_eq!(welcome.servers.len(), 1);
@@ -466,5 +478,56 @@ fn connections_that_never_say_hello_or_stall_mid_frame_are_closed() {
     for w in &mut job.workers {
         w.stop_heartbeat();
     }
+    job.finish();
+}
+
+#[test]
+fn with_hosts_one_worker_per_host_pushes_each_chunk_and_alone_gets_its_result() {
+    // Hosts a (ranks 0, 1, 3) and b (rank 2): every chunk has two pushers.
+    let hosts: Vec<String> = ["a", "a", "b", "a"].iter().map(|h| h.to_string()).collect();
+    let mut job = data_job_on(&hosts, 1, |_| {});
+    let w = &job.welcome;
+    assert!(w.host_reduce);
+    let layout = gradhub::placement::HostLayout::new(&w.worker_hosts, &w.worker_local_ranks, true).unwrap();
+    // 1000 f32 in chunks of 256: four chunks, owned in turn by ranks 0, 1, 3 on host a.
+    let spec = job.declare(0, &[("g", 1000, DType::F32)]).remove(0);
+    assert_eq!(spec.num_chunks(), 4);
+    let mut conns: Vec<DataConn> = (0..4).map(|r| job.conn(0, r)).collect();
+    let host_sum: Vec<Vec<f32>> =
+        (0..2).map(|h| (0..1000).map(|i| (h * 1000 + i) as f32 * 0.5 - 3.0).collect()).collect();
+    let owners_a: Vec<u32> = (0..4).map(|c| layout.owner(0, spec.key, c)).collect();
+    assert!([0, 1, 3].iter().all(|r| owners_a.contains(r)), "owners {owners_a:?}");
+
+    let rounds: [(u32, u16, f32); 3] = [(0, 0, 1.0), (1, FLAG_AVERAGE, 0.25), (2, gradhub::protocol::FLAG_INIT, 0.0)];
+    for (round_no, flags, scale) in rounds {
+        for (c, &owner_a) in owners_a.iter().enumerate() {
+            let pushers = layout.pushers(spec.key, c as u32);
+            assert_eq!(pushers, vec![owner_a, 2]);
+            let (a, b) = spec.chunk_range(c);
+            for (i, &p) in pushers.iter().enumerate() {
+                let h = if p == 2 { 1 } else { 0 };
+                conns[p as usize].push(&spec, c, round_no, flags, &f32_bytes(&host_sum[h][a..b]));
+                if i == 0 {
+                    conns[p as usize].expect_received(&spec, c, round_no);
+                }
+            }
+            // Sums average over the job's 4 workers, not its 2 hosts; an init
+            // round keeps the push of rank 0's host.
+            let want: Vec<f32> = if flags == gradhub::protocol::FLAG_INIT {
+                host_sum[0][a..b].to_vec()
+            } else {
+                (a..b).map(|i| (host_sum[0][i] + host_sum[1][i]) * scale).collect()
+            };
+            for &p in &pushers {
+                assert_eq!(bytes_f32(&conns[p as usize].expect_result(&spec, c, round_no)), want, "chunk {c}");
+            }
+        }
+    }
+    // A worker pushing a chunk its host's owner pushes is refused, naming the owner.
+    let intruder = (0..4u32).find(|&r| r != 2 && r != owners_a[0]).unwrap();
+    conns[intruder as usize].push(&spec, 0, 3, 0, &f32_bytes(&host_sum[0][..256]));
+    let err = conns[intruder as usize].expect_error("pushes it for that host");
+    assert!(err.contains(&format!("worker {} pushes", owners_a[0])), "{err}");
+    drop(conns);
     job.finish();
 }

@@ -39,6 +39,8 @@ impl FakeScheduler {
             servers: Vec::new(),
             worker_hosts: vec![gradhub::host_id()],
             worker_local_ranks: vec![0],
+            job_id: 1,
+            host_reduce: false,
         };
         write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
         s

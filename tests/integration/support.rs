@@ -73,6 +73,7 @@ pub fn sched_config(num_workers: u32, num_servers: u32) -> SchedulerConfig {
         stall_ms: 30_000,
         join_timeout_ms: 20_000,
         namespace: NS,
+        host_reduce: true,
     }
 }
 

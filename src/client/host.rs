@@ -1,0 +1,380 @@
+//! The host stage (BytePS §4.2, intra-machine): workers that share a host
+//! sum each chunk in shared memory first; the chunk's owner on that host
+//! (`placement::HostLayout`) pushes the host's sum, receives the result and
+//! publishes it for the others, who copy it out. So a host's link carries
+//! one push and one result per chunk, whatever its number of workers.
+//!
+//! One segment per tensor holds, per chunk and round parity, a state block
+//! and the data (`Staging`). Contributions are made by the caller's thread
+//! at submit, under a per-chunk lock held for one chunk's add; the pushes
+//! and copy-outs are the I/O thread's (`io`), woken by doorbells.
+//!
+//! Parity double-buffering is safe for the server's reason: a worker
+//! contributes to round r+2 only after its round r+1 completed, which needs
+//! every local worker's round r+1 contribution, made after their round r
+//! completed (copy-out included), so nobody still reads round r's buffer.
+//!
+//! The GPU seam: with CUDA tensors this stage would be NCCL's reduce-scatter
+//! over the host's GPUs (`contribute`: each owner ends with its chunks'
+//! sums) and all-gather (`publish`/copy-out); the network stage, the
+//! ownership rule and the server do not change. Today CUDA tensors reach it
+//! through PyTorch's pinned host copies (`gradhub.api`).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::kernels;
+use crate::protocol::{DType, TensorSpec, FLAG_INIT};
+use crate::transport::shm::{Bells, Doorbell, Segment};
+
+/// Most workers one host may have with the host stage (ring masks are u64).
+pub const MAX_LOCAL_WORKERS: usize = 64;
+
+const LINE: usize = 64;
+// Words of a chunk's state block (one cache line per chunk and parity).
+const LOCK: usize = 0;
+/// round + 1 of the contributions the buffer holds (0: never used).
+const TAG: usize = 4;
+const COUNT: usize = 8;
+const FLAGS: usize = 12;
+/// = TAG once every local worker contributed (the sum is in `wire`).
+const READY: usize = 16;
+/// = TAG once the result is in `wire`.
+const RESULT: usize = 20;
+/// Header word: how many workers mapped the segment.
+const ATTACHED: usize = 0;
+
+fn tag(round: u32) -> u32 {
+    round.wrapping_add(1)
+}
+
+fn round_up(n: usize) -> usize {
+    n.div_ceil(LINE) * LINE
+}
+
+/// One tensor's shared buffers on this host.
+pub struct Staging {
+    seg: Segment,
+    dtype: DType,
+    chunk_elems: usize,
+    numel: usize,
+    num_chunks: usize,
+    /// Contributions that complete a sum: the host's workers.
+    local_size: u32,
+    /// Offsets of the f32 sum (halves only) and the wire buffer, by parity.
+    acc: [usize; 2],
+    wire: [usize; 2],
+}
+
+impl Staging {
+    fn layout(spec: &TensorSpec) -> (usize, [usize; 2], [usize; 2]) {
+        let n = spec.num_chunks();
+        let numel = spec.numel as usize;
+        let base = LINE + n * 2 * LINE;
+        let acc_bytes = if spec.dtype == DType::F32 { 0 } else { round_up(numel * 4) };
+        let wire_bytes = round_up(numel * spec.dtype.size());
+        let acc = [base, base + acc_bytes + wire_bytes];
+        let wire = [acc[0] + acc_bytes, acc[1] + acc_bytes];
+        // f32 sums are made in the wire buffer itself.
+        let acc = if spec.dtype == DType::F32 { wire } else { acc };
+        (base + 2 * (acc_bytes + wire_bytes), acc, wire)
+    }
+
+    fn word(&self, chunk: usize, round: u32, w: usize) -> &AtomicU32 {
+        self.seg.word(LINE + (chunk * 2 + (round & 1) as usize) * LINE + w)
+    }
+
+    fn range(&self, chunk: usize) -> (usize, usize) {
+        let a = chunk * self.chunk_elems;
+        (a, (a + self.chunk_elems).min(self.numel))
+    }
+
+    /// The wire bytes of a chunk in a round: what its owner pushes, and
+    /// where the result lands.
+    pub fn wire(&self, chunk: usize, round: u32) -> (*mut u8, usize) {
+        let (a, b) = self.range(chunk);
+        let es = self.dtype.size();
+        (self.seg.at(self.wire[(round & 1) as usize] + a * es), (b - a) * es)
+    }
+
+    /// Whether every local worker contributed this chunk for `round`.
+    pub fn ready(&self, chunk: usize, round: u32) -> bool {
+        self.word(chunk, round, READY).load(Ordering::Acquire) == tag(round)
+    }
+
+    /// Whether the owner published this chunk's result for `round`.
+    pub fn has_result(&self, chunk: usize, round: u32) -> bool {
+        self.word(chunk, round, RESULT).load(Ordering::Acquire) == tag(round)
+    }
+
+    /// The result is in `wire`: the other local workers may copy it out.
+    pub fn publish(&self, chunk: usize, round: u32) {
+        self.word(chunk, round, RESULT).store(tag(round), Ordering::Release);
+    }
+
+    /// Add this worker's chunk (`src`, the chunk's bytes in the caller's
+    /// buffer) to the host's sum for `round`. `write`: false for an init
+    /// round's non-source workers, which only count. Returns whether this
+    /// completed the sum (so the owner may push it).
+    fn contribute(
+        &self,
+        chunk: usize,
+        round: u32,
+        src: *const u8,
+        flags: u16,
+        write: bool,
+        abort: &dyn Fn() -> Option<String>,
+    ) -> Result<bool, String> {
+        let lock = self.word(chunk, round, LOCK);
+        let mut spins = 0u32;
+        while lock.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+            spins = spins.wrapping_add(1);
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                // The holder adds one chunk; it may be descheduled (or dead:
+                // then the job fails, and `abort` says so).
+                std::thread::yield_now();
+                if spins.is_multiple_of(1024) {
+                    if let Some(why) = abort() {
+                        return Err(why);
+                    }
+                }
+            }
+        }
+        let result = self.add_locked(chunk, round, src, flags, write);
+        lock.store(0, Ordering::Release);
+        result
+    }
+
+    fn add_locked(&self, chunk: usize, round: u32, src: *const u8, flags: u16, write: bool) -> Result<bool, String> {
+        let t = tag(round);
+        let (tag_w, count_w, flags_w) =
+            (self.word(chunk, round, TAG), self.word(chunk, round, COUNT), self.word(chunk, round, FLAGS));
+        let first = tag_w.load(Ordering::Relaxed) != t;
+        if first {
+            tag_w.store(t, Ordering::Relaxed);
+            count_w.store(0, Ordering::Relaxed);
+            flags_w.store(flags as u32, Ordering::Relaxed);
+        } else if flags_w.load(Ordering::Relaxed) != flags as u32 {
+            return Err(format!(
+                "workers on this host disagree on the round's flags (average/init): {:#x} and {flags:#x}",
+                flags_w.load(Ordering::Relaxed)
+            ));
+        }
+        if write {
+            let (a, b) = self.range(chunk);
+            let n = b - a;
+            let p = (round & 1) as usize;
+            // An init round has one writer, which overwrites.
+            let copy = first || flags & FLAG_INIT != 0;
+            // SAFETY: the chunk's acc range is inside the segment and ours
+            // under the lock; `src` is the chunk of the caller's buffer.
+            let acc = unsafe { std::slice::from_raw_parts_mut(self.seg.at(self.acc[p] + a * 4).cast::<f32>(), n) };
+            match self.dtype {
+                DType::F32 => {
+                    let src = aligned::<f32>(src, n);
+                    if copy {
+                        acc.copy_from_slice(&src);
+                    } else {
+                        kernels::add_f32(acc, &src);
+                    }
+                }
+                d => {
+                    let src = aligned::<u16>(src, n);
+                    match (d == DType::F16, copy) {
+                        (true, true) => kernels::widen_f16(acc, &src),
+                        (true, false) => kernels::add_f16(acc, &src),
+                        (false, true) => kernels::widen_bf16(acc, &src),
+                        (false, false) => kernels::add_bf16(acc, &src),
+                    }
+                }
+            }
+        }
+        let count = count_w.load(Ordering::Relaxed) + 1;
+        count_w.store(count, Ordering::Relaxed);
+        let done = count == self.local_size;
+        if done {
+            if self.dtype != DType::F32 {
+                let (a, b) = self.range(chunk);
+                let p = (round & 1) as usize;
+                // SAFETY: as above; acc and wire do not overlap for halves.
+                let (acc, wire) = unsafe {
+                    (
+                        std::slice::from_raw_parts(self.seg.at(self.acc[p] + a * 4).cast::<f32>(), b - a),
+                        std::slice::from_raw_parts_mut(self.seg.at(self.wire[p] + a * 2).cast::<u16>(), b - a),
+                    )
+                };
+                match self.dtype {
+                    DType::F16 => kernels::narrow_f16(wire, acc, 1.0),
+                    _ => kernels::narrow_bf16(wire, acc, 1.0),
+                }
+            }
+            self.word(chunk, round, READY).store(t, Ordering::Release);
+        }
+        Ok(done)
+    }
+}
+
+/// The caller's chunk as a slice of `T`, copied if the buffer is not
+/// aligned for `T` (a numpy view into bytes may not be).
+fn aligned<'a, T: Copy + Default>(src: *const u8, n: usize) -> std::borrow::Cow<'a, [T]>
+where
+    [T]: ToOwned<Owned = Vec<T>>,
+{
+    if (src as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        // SAFETY: aligned, and the caller's buffer holds n elements here.
+        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(src.cast::<T>(), n) })
+    } else {
+        let mut v = vec![T::default(); n];
+        // SAFETY: copying n elements' bytes into a buffer of n elements.
+        unsafe { std::ptr::copy_nonoverlapping(src, v.as_mut_ptr().cast::<u8>(), n * std::mem::size_of::<T>()) };
+        std::borrow::Cow::Owned(v)
+    }
+}
+
+/// This worker's part in its host's stage.
+pub struct HostStage {
+    job_id: u64,
+    /// Distinguishes hosts that share /dev/shm (emulated hosts, containers).
+    host_tag: u64,
+    /// The host's workers by local rank, and this worker's index in it.
+    pub workers: Vec<u32>,
+    pub local: usize,
+    /// Rings the host's workers, by local rank (this one included).
+    pub bells: Bells,
+    pub doorbell: Doorbell,
+    staging: Mutex<HashMap<u32, Arc<Staging>>>,
+    /// Segment names this worker opened, removed when it leaves.
+    opened: Mutex<Vec<PathBuf>>,
+}
+
+/// One of the host's chunks, as its stage sees it.
+pub struct Contribution {
+    pub chunk: usize,
+    /// Every local worker has contributed: its owner may push it.
+    pub complete: bool,
+}
+
+impl HostStage {
+    /// Meet the other workers of this host: each binds its doorbell, then
+    /// all map one rendezvous segment. Fails if they do not all arrive
+    /// within `timeout` (e.g. they share a host identity but not /dev/shm).
+    pub fn join(job_id: u64, host: &str, workers: Vec<u32>, rank: u32, timeout: Duration) -> Result<HostStage, String> {
+        let local = workers.iter().position(|&r| r == rank).ok_or("this worker is not on its host's list")?;
+        if workers.len() > MAX_LOCAL_WORKERS {
+            return Err(format!(
+                "{} workers on one host; the host stage handles up to {MAX_LOCAL_WORKERS} (set GRADHUB_HOST_REDUCE=0)",
+                workers.len()
+            ));
+        }
+        let host_tag = {
+            use std::hash::{DefaultHasher, Hash, Hasher};
+            let mut h = DefaultHasher::new();
+            host.hash(&mut h);
+            h.finish()
+        };
+        let doorbell =
+            Doorbell::bind(job_id, rank).map_err(|e| format!("cannot bind this worker's doorbell socket: {e}"))?;
+        let bells = Bells::new(job_id, &workers).map_err(|e| format!("doorbells: {e}"))?;
+        let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-join");
+        let seg = Segment::open(&name, LINE).map_err(|e| e.to_string())?;
+        seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let n = seg.word(ATTACHED).load(Ordering::Acquire) as usize;
+            if n >= workers.len() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                seg.unlink();
+                return Err(format!(
+                    "only {n} of the {} workers on host '{host}' (ranks {workers:?}) reached its shared memory \
+                     ({}) within {:.0}s. If they run in separate containers, give each its own GRADHUB_HOST_ID; \
+                     or turn host reduction off with GRADHUB_HOST_REDUCE=0",
+                    workers.len(),
+                    seg.path.display(),
+                    timeout.as_secs_f64()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Everyone has it mapped: the name is no longer needed.
+        seg.unlink();
+        Ok(HostStage {
+            job_id,
+            host_tag,
+            workers,
+            local,
+            bells,
+            doorbell,
+            staging: Mutex::new(HashMap::new()),
+            opened: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The tensor's shared buffers (opened on its first round here).
+    pub fn staging(&self, spec: &TensorSpec) -> Result<Arc<Staging>, String> {
+        let mut map = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(&spec.key) {
+            return Ok(s.clone());
+        }
+        let (len, acc, wire) = Staging::layout(spec);
+        let name = format!("gradhub-{:016x}-{:016x}-k{}", self.job_id, self.host_tag, spec.key);
+        let seg = Segment::open(&name, len).map_err(|e| format!("tensor '{}': {e}", spec.name))?;
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).push(seg.path.clone());
+        if seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 == self.workers.len() {
+            // The last to map it: nobody needs the name any more.
+            seg.unlink();
+        }
+        let s = Arc::new(Staging {
+            seg,
+            dtype: spec.dtype,
+            chunk_elems: spec.chunk_elems as usize,
+            numel: spec.numel as usize,
+            num_chunks: spec.num_chunks(),
+            local_size: self.workers.len() as u32,
+            acc,
+            wire,
+        });
+        map.insert(spec.key, s.clone());
+        Ok(s)
+    }
+
+    /// Add every chunk of this worker's buffer (`ptr`) to the host's sums
+    /// for `round`, in chunk order. `init_source`: for an init round,
+    /// whether this worker's values are the ones kept (rank 0's).
+    #[allow(clippy::too_many_arguments)]
+    pub fn contribute(
+        &self,
+        staging: &Staging,
+        ptr: *const u8,
+        round: u32,
+        flags: u16,
+        init_source: bool,
+        abort: &dyn Fn() -> Option<String>,
+        done: &mut dyn FnMut(Contribution),
+    ) -> Result<(), String> {
+        let write = flags & FLAG_INIT == 0 || init_source;
+        let es = staging.dtype.size();
+        for c in 0..staging.num_chunks {
+            let (a, _) = staging.range(c);
+            // SAFETY: chunk c starts inside the caller's buffer of numel elements.
+            let src = unsafe { ptr.add(a * es) };
+            let complete = staging.contribute(c, round, src, flags, write, abort)?;
+            done(Contribution { chunk: c, complete });
+        }
+        Ok(())
+    }
+
+    /// Remove the names of the segments this worker opened (their memory
+    /// goes when the last mapping does).
+    pub fn cleanup(&self) {
+        for p in self.opened.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
