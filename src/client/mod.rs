@@ -243,6 +243,8 @@ pub struct Client {
     pub local_size: u32,
     pub num_servers: u32,
     pub partition_bytes: u32,
+    /// The scheduler's identifier of this job (names its shared memory).
+    pub job_id: u64,
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     closed: AtomicBool,
@@ -337,6 +339,7 @@ impl Client {
             local_size,
             num_servers: w.servers.len() as u32,
             partition_bytes: w.partition_bytes,
+            job_id: w.job_id,
             shared,
             threads: Mutex::new(threads),
             closed: AtomicBool::new(false),

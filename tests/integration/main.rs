@@ -6,6 +6,7 @@
 //! - `server`: the server thread's data plane, driven by fake workers
 //! - `client`: `Client` setup, push_pull, declare, barrier, failures, shutdown
 //! - `session`: the member session: peer timeout from Welcome, lost scheduler
+//! - `host`: several workers per host: sums through shared memory, failures
 //!
 //! Every wait is bounded (see `support::IO_TIMEOUT`); tests only use the
 //! crate's public API.
@@ -14,6 +15,7 @@ mod support;
 
 mod client;
 mod declarations;
+mod host;
 mod membership;
 mod server;
 mod session;

@@ -14,7 +14,9 @@ buckets, gradhub partitions), so a run at rate R behaves like the full model
 at rate scale x R; compute times are not scaled.
 
 Config (JSON in GH_BENCH): model, scale, iters, warmup, system, rank, world,
-ddp_addr. Prints one line `RESULT {json}`.
+ddp_addr, and optionally host, local_rank, local_size, netdev (the host's
+shaped interface, whose byte counters are read at the start and end of the
+timed iterations). Prints one line `RESULT {json}`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 import torch
 import torch.nn as nn
 
+from .netns import link_counters
 from .profiles import get as get_profile
 
 
@@ -117,8 +120,11 @@ def main():
     x = torch.ones(1, requires_grad=True)
     times = []
     t_start = time.time()
+    dev = cfg.get("netdev")
+    net0 = link_counters(dev)
     for i in range(cfg.get("warmup", 3) + cfg.get("iters", 10)):
         if i == cfg.get("warmup", 3):
+            net0 = link_counters(dev)
             t_start = time.time()
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -127,6 +133,7 @@ def main():
         times.append(time.perf_counter() - t0)
     if system == "gradhub" and hasattr(opt, "finish"):
         opt.finish()
+    t_end, net1 = time.time(), link_counters(dev)
     times = times[cfg.get("warmup", 3):]
     res = {
         "rank": rank,
@@ -137,11 +144,14 @@ def main():
         "batch": profile.batch,
         "compute_per_iter": profile.time_per_batch,
         "iter_times": times,
-        "t_start": t_start, "t_end": time.time(),
+        "t_start": t_start, "t_end": t_end,
+        "host": cfg.get("host"), "local_rank": cfg.get("local_rank", 0), "local_size": cfg.get("local_size", 1),
         "params_scaled": sum(p.numel() for p in model.parameters()),
         "options": {k: os.environ.get(k) for k in ("GRADHUB_OVERLAP_FORWARD", "GRADHUB_OPTIMIZER_ON_SERVER",
-                                                   "GRADHUB_SCHEDULING") if os.environ.get(k)},
+                                                   "GRADHUB_SCHEDULING", "GRADHUB_HOST_REDUCE") if os.environ.get(k)},
     }
+    if net0 and net1:
+        res["net"] = {"tx0": net0[0], "rx0": net0[1], "tx1": net1[0], "rx1": net1[1]}
     print("RESULT " + json.dumps(res), flush=True)
     if system == "gradhub":
         hvd.shutdown()

@@ -1,7 +1,9 @@
 """Communication only: each worker synchronizes `mbytes` of float32 gradients
 per iteration, as one tensor (gradhub push_pull, or gloo all_reduce for the
 DDP baseline). Config (JSON in GH_BENCH): system, mbytes, iters, warmup,
-rank, world, ddp_addr. Prints `RESULT {json}` with per-iteration times."""
+rank, world, ddp_addr, and optionally host, local_rank, netdev (whose byte
+counters are read at the start and end of the timed iterations). Prints
+`RESULT {json}` with per-iteration times."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import time
 
 import numpy as np
 
+from .netns import link_counters
+
 
 def main():
     cfg = json.loads(os.environ["GH_BENCH"])
@@ -18,6 +22,8 @@ def main():
     system = cfg["system"]
     times = []
     t_start = time.time()
+    dev = cfg.get("netdev")
+    net0 = net1 = None
     if system == "gradhub":
         import gradhub
 
@@ -25,11 +31,12 @@ def main():
         a = np.ones(n, dtype=np.float32)
         for i in range(cfg.get("warmup", 2) + cfg["iters"]):
             if i == cfg.get("warmup", 2):
+                net0 = link_counters(dev)
                 t_start = time.time()
             t0 = time.perf_counter()
             gradhub.push_pull(a, name="grad")
             times.append(time.perf_counter() - t0)
-        t_end = time.time()
+        t_end, net1 = time.time(), link_counters(dev)
         rank, world = gradhub.rank(), gradhub.size()
         gradhub.shutdown()
     else:
@@ -42,16 +49,19 @@ def main():
         t = torch.ones(n)
         for i in range(cfg.get("warmup", 2) + cfg["iters"]):
             if i == cfg.get("warmup", 2):
+                net0 = link_counters(dev)
                 t_start = time.time()
             t0 = time.perf_counter()
             dist.all_reduce(t)
             times.append(time.perf_counter() - t0)
-        t_end = time.time()
+        t_end, net1 = time.time(), link_counters(dev)
         dist.destroy_process_group()
     times = times[cfg.get("warmup", 2):]
-    print("RESULT " + json.dumps({"rank": rank, "world": world, "system": system, "bytes": n * 4,
-                                  "iter_times": times,
-                                  "t_start": t_start, "t_end": t_end}), flush=True)
+    res = {"rank": rank, "world": world, "system": system, "bytes": n * 4, "iter_times": times,
+           "t_start": t_start, "t_end": t_end, "host": cfg.get("host"), "local_rank": cfg.get("local_rank", 0)}
+    if net0 and net1:
+        res["net"] = {"tx0": net0[0], "rx0": net0[1], "tx1": net1[0], "rx1": net1[1]}
+    print("RESULT " + json.dumps(res), flush=True)
 
 
 if __name__ == "__main__":

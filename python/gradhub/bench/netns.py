@@ -72,6 +72,17 @@ def cleanup(prefix: str = PREFIX) -> list[str]:
     return removed
 
 
+def link_counters(dev: str | None) -> tuple[int, int] | None:
+    """(tx, rx) bytes of a network device in the caller's namespace (inside
+    an emulated host, its shaped eth0), or None if there is none."""
+    if not dev:
+        return None
+    try:
+        return tuple(int(open(f"/sys/class/net/{dev}/statistics/{c}_bytes").read()) for c in ("tx", "rx"))
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass
 class Host:
     name: str

@@ -24,6 +24,9 @@ VARIANTS = {
     "fifo": {"GRADHUB_SCHEDULING": "fifo"},
     "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
     "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
+    # The host stage off (read by the scheduler): every worker of a host
+    # pushes and pulls everything itself, as before issue 9.
+    "nohost": {"GRADHUB_HOST_REDUCE": "0"},
 }
 
 
@@ -52,6 +55,57 @@ def allreduce_time(n: int, model_bytes: float, rate_bps: float) -> float:
     return 2 * (n - 1) * model_bytes * 8 / (n * rate_bps)
 
 
+def host_link_bytes(hosts: int, k: int, model_bytes: float, workers_per_host: int = 1,
+                    host_reduce: bool = True) -> float:
+    """Bytes through one worker host's link per iteration, in each direction,
+    for a parameter-server job with the BytePS split (one colocated server per
+    worker host taking c = (n-k)/(n^2+kn-2k) of the model, k CPU-only servers
+    the rest; n = hosts).
+
+    Upload: pushes to every server but the host's own, (1-c)M, plus the own
+    server's results for the other hosts, (n-1)cM; download mirrors it. So
+    M(1 + (n-2)c) per direction: 2(n-1)/n M for k = 0, M for k >= n, and M
+    for n = 2 whatever k. Without the host stage each of the W workers of a
+    host pushes and pulls for itself: W times that."""
+    n = hosts
+    if n < 2:
+        return 0.0
+    k = max(0, k)
+    c = (n - k) / (n * n + k * n - 2 * k) if k < n else 0.0
+    per_host = model_bytes * (1 + (n - 2) * c)
+    return per_host * (1 if host_reduce else max(1, workers_per_host))
+
+
+def ring_host_link_bytes(hosts: int, workers_per_host: int, model_bytes: float) -> float:
+    """Bytes through one host's link per iteration and direction for a ring
+    all-reduce (gloo) over hosts x W processes ranked host by host (as
+    torchrun ranks them): each host has one outgoing and one incoming ring
+    edge, each carrying 2(N-1)/N M."""
+    n = hosts * workers_per_host
+    if hosts < 2:
+        return 0.0
+    return 2 * (n - 1) / n * model_bytes
+
+
+def _host_bytes(results: list[dict]) -> dict | None:
+    """Per worker host: bytes through its link per timed iteration (tx =
+    upload, rx = download), from the host's eth0 counters each worker read
+    at the start and end of its timed iterations; the median over the
+    host's workers."""
+    per: dict[str, dict[str, list[float]]] = {}
+    for r in results:
+        net = r.get("net")
+        if not net or not r.get("iter_times"):
+            continue
+        iters = len(r["iter_times"])
+        d = per.setdefault(r.get("host", str(r.get("rank"))), {"tx": [], "rx": []})
+        d["tx"].append((net["tx1"] - net["tx0"]) / iters)
+        d["rx"].append((net["rx1"] - net["rx0"]) / iters)
+    if not per:
+        return None
+    return {h: {"tx": statistics.median(d["tx"]), "rx": statistics.median(d["rx"])} for h, d in sorted(per.items())}
+
+
 def summarize(results: list[dict]) -> dict:
     """Combine per-worker RESULT records of one run."""
     if not results:
@@ -75,19 +129,37 @@ def summarize(results: list[dict]) -> dict:
     if "bytes" in r0:
         out["bytes"] = r0["bytes"]
         out["goodput_Bps"] = r0["bytes"] / out["iter_time_mean"]
+    if "params_scaled" in r0:
+        out["model_bytes"] = r0["params_scaled"] * 4
+    hb = _host_bytes(results)
+    if hb:
+        out["host_bytes"] = hb
+        out["host_tx_per_iter"] = statistics.mean(v["tx"] for v in hb.values())
+        out["host_rx_per_iter"] = statistics.mean(v["rx"] for v in hb.values())
     return out
 
 
 @dataclass
 class Layout:
-    workers: int
+    workers: int                # worker hosts
     cpu_servers: int = 0
     colocated: bool = True      # a server on every worker host
     server_threads: int = 1
+    workers_per_host: int = 1   # worker processes on each worker host
 
     @property
     def num_servers(self) -> int:
         return self.cpu_servers + (self.workers if self.colocated else 0)
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in the job, ranked host by host (as torchrun does)."""
+        return self.workers * self.workers_per_host
+
+    def worker_slots(self) -> list[tuple[int, str, int]]:
+        """(rank, host, local rank) of every worker process."""
+        w = self.workers_per_host
+        return [(h * w + l, f"w{h}", l) for h in range(self.workers) for l in range(w)]
 
     def host_names(self) -> list[str]:
         return [f"w{i}" for i in range(self.workers)] + [f"s{i}" for i in range(self.cpu_servers)]
@@ -102,10 +174,14 @@ class CpuSampler:
     """Samples machine-wide CPU use (/proc/stat) so the busy share of the
     measured window, not of process start-up, is reported."""
 
-    def __init__(self, period: float = 0.2):
+    def __init__(self, period: float = 0.2, netdevs: dict[str, str] | None = None):
         import threading
 
         self.samples: list[tuple[float, float, float]] = []  # (time, busy jiffies, total jiffies)
+        # Optionally the byte counters of some interfaces in this namespace
+        # (name -> device): (time, {name: (rx, tx)}).
+        self.netdevs = dict(netdevs or {})
+        self.net_samples: list[tuple[float, dict[str, tuple[int, int]]]] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, args=(period,), daemon=True)
         self._t.start()
@@ -117,11 +193,41 @@ class CpuSampler:
         idle = v[3] + (v[4] if len(v) > 4 else 0)
         return sum(v) - idle, sum(v)
 
+    def _read_net(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for name, dev in self.netdevs.items():
+            try:
+                out[name] = tuple(int(open(f"/sys/class/net/{dev}/statistics/{c}_bytes").read())
+                                  for c in ("rx", "tx"))
+            except (OSError, ValueError):
+                pass
+        return out
+
     def _run(self, period):
         while not self._stop.is_set():
             b, t = self._read()
-            self.samples.append((time.time(), b, t))
+            now = time.time()
+            self.samples.append((now, b, t))
+            if self.netdevs:
+                self.net_samples.append((now, self._read_net()))
             self._stop.wait(period)
+
+    def link_bytes(self, name: str, start: float, end: float) -> tuple[float, float] | None:
+        """(rx, tx) bytes of a sampled device between two wall-clock times,
+        interpolated linearly between samples."""
+        pts = [(t, d[name]) for t, d in self.net_samples if name in d]
+        if len(pts) < 2 or not pts[0][0] <= start < end <= pts[-1][0]:
+            return None
+
+        def at(x):
+            for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+                if t0 <= x <= t1:
+                    f = (x - t0) / max(t1 - t0, 1e-9)
+                    return tuple(a + f * (b - a) for a, b in zip(v0, v1))
+            return pts[-1][1]
+
+        a, b = at(start), at(end)
+        return b[0] - a[0], b[1] - a[1]
 
     def stop(self):
         self._stop.set()
@@ -156,11 +262,13 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         base["GLOO_SOCKET_IFNAME"] = "eth0"  # each emulated host talks through its veth
         py = sys.executable
         c0, t0 = _children_cpu(), time.monotonic()
-        sampler = CpuSampler()
+        # CPU-only server hosts' links, from the bridge-side veth (its rx is the host's upload).
+        sampler = CpuSampler(netdevs={h.name: h.veth for h in cluster.hosts.values() if h.name.startswith("s")}
+                             if cluster.rate_bps else None)
         if system == "gradhub":
             if layout.num_servers < 1:
                 raise ValueError("gradhub needs at least one server (colocated or CPU-only)")
-            base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.workers),
+            base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.num_workers),
                         GRADHUB_NUM_SERVERS=str(layout.num_servers))
             argv = [py, "-m", "gradhub", "scheduler", "--bind", f"{sched.ip}:{SCHED_PORT}"]
             if partition_bytes:
@@ -177,11 +285,15 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                 procs.append((f"server@{name}", subprocess.Popen(cluster.hosts[name].cmd(argv), env=base,
                                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
         workers = []
-        for r in range(layout.workers):
-            host = cluster.hosts[f"w{r}"]
-            wcfg = dict(cfg, system=system, rank=r, world=layout.workers,
-                        ddp_addr=f"{cluster.hosts['w0'].ip}:{GLOO_PORT}")
-            wenv = dict(base, GH_BENCH=json.dumps(wcfg), GRADHUB_RANK=str(r))
+        world, local = layout.num_workers, layout.workers_per_host
+        for r, hname, lr in layout.worker_slots():
+            host = cluster.hosts[hname]
+            wcfg = dict(cfg, system=system, rank=r, world=world, host=hname, local_rank=lr, local_size=local,
+                        ddp_addr=f"{cluster.hosts['w0'].ip}:{GLOO_PORT}", netdev="eth0")
+            # gradhub's and torch.distributed's (torchrun's) local-rank variables.
+            wenv = dict(base, GH_BENCH=json.dumps(wcfg), GRADHUB_RANK=str(r), GRADHUB_LOCAL_RANK=str(lr),
+                        GRADHUB_LOCAL_SIZE=str(local), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(lr),
+                        LOCAL_WORLD_SIZE=str(local))
             p = subprocess.Popen(host.cmd([py, "-m", module]), env=wenv, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
             procs.append((f"worker{r}", p))
@@ -223,6 +335,15 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         if end <= start:
             start, end = min(r["t_start"] for r in results), max(r["t_end"] for r in results)
         summary = summarize(results)
+        # CPU-only server hosts: bytes over the common window, per mean iteration.
+        servers = {}
+        for name in sampler.netdevs:
+            b = sampler.link_bytes(name, start, end)
+            if b is not None and end > start:
+                per = summary["iter_time_mean"] / (end - start)
+                servers[name] = {"tx": b[0] * per, "rx": b[1] * per}   # veth rx = the host's upload
+        if servers:
+            summary["server_host_bytes"] = servers
         summary.update(system=system, rate=rate, tc_drops=cluster.qdisc_drops(), busy_cores=sampler.busy_cores(start, end),
                        cpu_cores=os.cpu_count(), cpu_seconds_per_s=(_children_cpu() - c0) / wall, wall=wall,
                        layout=layout.__dict__, options=dict(env or {}), raw=results)

@@ -1,0 +1,258 @@
+//! The host stage: workers that share a host identity sum in shared memory
+//! and push one share each. Real scheduler, servers and clients; each
+//! client is put on a host by name (`ClientConfig::host`).
+
+use gradhub::client::Client;
+use gradhub::protocol::{DType, FLAG_AVERAGE, FLAG_INIT};
+use half::{bf16, f16};
+
+use crate::support::*;
+
+/// A job whose worker `r` runs on host `hosts[r]`; clients sorted by rank.
+fn host_job(hosts: &[&str], servers: &[(usize, bool)], reduce: bool) -> (RealJob, Vec<Client>) {
+    let (nw, ns) = (hosts.len() as u32, servers.len() as u32);
+    let mut cfg = sched_config(nw, ns);
+    cfg.host_reduce = reduce;
+    let job = real_job(cfg, servers);
+    let pending: Vec<_> = hosts
+        .iter()
+        .enumerate()
+        .map(|(r, h)| {
+            let mut c = client_config(job.addr, r as i32, nw, ns);
+            c.host = Some(h.to_string());
+            spawn_client(c)
+        })
+        .collect();
+    let clients: Vec<Client> = pending.into_iter().map(|p| p.join()).collect();
+    for (r, c) in clients.iter().enumerate() {
+        assert_eq!(c.rank, r as u32);
+        assert_eq!(c.local_size as usize, hosts.iter().filter(|h| **h == hosts[r]).count());
+    }
+    (job, clients)
+}
+
+fn finish(job: RealJob, clients: Vec<Client>) {
+    for c in &clients {
+        assert!(c.failure().is_none(), "worker {}: {:?}", c.rank, c.failure());
+        c.shutdown();
+    }
+    job.finish_ok();
+}
+
+/// Values every dtype holds exactly, and whose sums over a few workers it
+/// holds exactly too, so any order of summation gives the same bits.
+fn v(rank: u32, i: usize) -> f32 {
+    ((i % 16) as f32 - 8.0) * (rank + 1) as f32 * 0.5
+}
+
+/// Every worker runs rounds of tensors of several sizes (0 elements, part
+/// of a chunk, one chunk, many chunks over every server thread) in f32,
+/// f16 and bf16, plain and averaged, and checks each result element by
+/// element against the sum over all workers.
+fn exact_sums(hosts: &[&str], servers: &[(usize, bool)], reduce: bool) {
+    let nw = hosts.len() as u32;
+    let (job, clients) = host_job(hosts, servers, reduce);
+    let sizes = [0usize, 3, 256, 1000, 7001];
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || {
+                for &n in &sizes {
+                    let sum: Vec<f32> = (0..n).map(|i| (0..nw).map(|r| v(r, i)).sum()).collect();
+                    for round in 0..3 {
+                        let flags = if round == 1 { FLAG_AVERAGE } else { 0 };
+                        let scale = if round == 1 { 1.0 / nw as f32 } else { 1.0 };
+                        let mine: Vec<f32> = (0..n).map(|i| v(c.rank, i)).collect();
+                        let got = push_pull(c, &format!("f32-{n}"), mine, DType::F32, flags, round).unwrap();
+                        let want: Vec<f32> = sum.iter().map(|x| x * scale).collect();
+                        assert_eq!(got, want, "worker {} f32 size {n} round {round}", c.rank);
+
+                        let mine: Vec<u16> = (0..n).map(|i| f16::from_f32(v(c.rank, i)).to_bits()).collect();
+                        let got = push_pull(c, &format!("f16-{n}"), mine, DType::F16, flags, 0).unwrap();
+                        let want: Vec<u16> = sum.iter().map(|x| f16::from_f32(x * scale).to_bits()).collect();
+                        assert_eq!(got, want, "worker {} f16 size {n} round {round}", c.rank);
+
+                        let mine: Vec<u16> = (0..n).map(|i| bf16::from_f32(v(c.rank, i)).to_bits()).collect();
+                        let got = push_pull(c, &format!("bf16-{n}"), mine, DType::BF16, flags, 0).unwrap();
+                        let want: Vec<u16> = sum.iter().map(|x| bf16::from_f32(x * scale).to_bits()).collect();
+                        assert_eq!(got, want, "worker {} bf16 size {n} round {round}", c.rank);
+                    }
+                }
+            });
+        }
+    });
+    finish(job, clients);
+}
+
+#[test]
+fn two_workers_on_one_host() {
+    exact_sums(&["a", "a"], &[(2, false)], true);
+}
+
+#[test]
+fn three_workers_on_one_host_and_colocated_servers() {
+    exact_sums(&["a", "a", "a"], &[(1, true), (2, true)], true);
+}
+
+#[test]
+fn two_hosts_of_four_with_cpu_only_servers() {
+    exact_sums(&["a", "a", "a", "a", "b", "b", "b", "b"], &[(1, true), (1, true), (2, false)], true);
+}
+
+#[test]
+fn uneven_hosts_three_and_one() {
+    exact_sums(&["a", "b", "a", "a"], &[(2, true), (1, true)], true);
+}
+
+#[test]
+fn interleaved_hosts_and_a_lone_worker() {
+    exact_sums(&["b", "a", "c", "a", "b"], &[(1, false), (1, true)], true);
+}
+
+#[test]
+fn host_reduction_off_on_shared_hosts() {
+    exact_sums(&["a", "a", "b"], &[(2, false)], false);
+}
+
+#[test]
+fn init_round_keeps_rank_0s_values_through_the_host_stage() {
+    // Rank 0 shares host b with rank 2; host a's owners push values the server must ignore.
+    let (job, clients) = host_job(&["b", "a", "b", "a"], &[(2, false)], true);
+    let n = 3000;
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || {
+                let mine: Vec<f32> = (0..n).map(|i| v(c.rank, i) + 100.0 * c.rank as f32).collect();
+                let got = push_pull(c, "params", mine, DType::F32, FLAG_INIT, 0).unwrap();
+                let want: Vec<f32> = (0..n).map(|i| v(0, i)).collect();
+                assert_eq!(got, want, "worker {}", c.rank);
+                // The next (gradient) round sums as usual.
+                let mine: Vec<f32> = (0..n).map(|i| v(c.rank, i)).collect();
+                let got = push_pull(c, "params", mine, DType::F32, 0, 0).unwrap();
+                let want: Vec<f32> = (0..n).map(|i| (0..4).map(|r| v(r, i)).sum()).collect();
+                assert_eq!(got, want, "worker {}", c.rank);
+            });
+        }
+    });
+    finish(job, clients);
+}
+
+#[test]
+fn many_tensors_in_flight_with_priorities_on_shared_hosts() {
+    let (job, clients) = host_job(&["a", "a", "a", "b", "b"], &[(2, false), (1, true)], true);
+    let sizes: Vec<usize> = (0..24).map(|t| 1 + (t * 997) % 4000).collect();
+    std::thread::scope(|s| {
+        for c in &clients {
+            let sizes = &sizes;
+            s.spawn(move || {
+                for step in 0..4u32 {
+                    // Start every tensor, then wait for all: rounds overlap across tensors.
+                    let mut bufs: Vec<Vec<f32>> =
+                        sizes.iter().map(|&n| (0..n).map(|i| v(c.rank, i) * (step + 1) as f32).collect()).collect();
+                    let ops: Vec<_> = bufs
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(t, b)| {
+                            // SAFETY: the buffers outlive the ops (waited below).
+                            unsafe {
+                                c.push_pull(
+                                    b.as_mut_ptr().cast(),
+                                    b.len() * 4,
+                                    DType::F32,
+                                    &format!("t{t}"),
+                                    0,
+                                    (t % 5) as i32,
+                                    None,
+                                )
+                            }
+                            .unwrap()
+                        })
+                        .collect();
+                    for op in &ops {
+                        op.wait(Some(IO_TIMEOUT)).unwrap();
+                    }
+                    for (t, b) in bufs.iter().enumerate() {
+                        let want: Vec<f32> =
+                            (0..sizes[t]).map(|i| (0..5).map(|r| v(r, i)).sum::<f32>() * (step + 1) as f32).collect();
+                        assert_eq!(b, &want, "worker {} tensor {t} step {step}", c.rank);
+                    }
+                }
+            });
+        }
+    });
+    finish(job, clients);
+}
+
+#[test]
+fn workers_of_one_host_disagreeing_on_average_fail_the_job_for_everyone() {
+    let (mut job, clients) = host_job(&["a", "a", "b"], &[(1, false)], true);
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = clients
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let flags = if c.rank == 0 { FLAG_AVERAGE } else { 0 };
+                    push_pull(c, "g", vec![1.0f32; 2000], DType::F32, flags, 0).unwrap_err()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The host's workers say why; the other host's worker fails too (with
+    // the reason, or with the server closing on it when that came first).
+    for (r, e) in errors.iter().enumerate().take(2) {
+        assert!(e.contains("disagree"), "worker {r}: {e}");
+    }
+    assert!(errors[2].contains("push_pull 'g' failed"), "{}", errors[2]);
+    for c in &clients {
+        assert!(c.failure().is_some(), "worker {}", c.rank);
+    }
+    assert!(job.wait().unwrap_err().contains("disagree"));
+    drop(clients);
+}
+
+#[test]
+fn a_failing_worker_fails_its_host_peers_and_everyone_else() {
+    let (mut job, clients) = host_job(&["a", "a", "b"], &[(1, false)], true);
+    let (stay, gone) = (&clients[0], &clients[1]);
+    let other_host = &clients[2];
+    std::thread::scope(|s| {
+        let a = s.spawn(|| push_pull(stay, "g", vec![1.0f32; 5000], DType::F32, 0, 0).unwrap_err());
+        let b = s.spawn(|| push_pull(other_host, "g", vec![1.0f32; 5000], DType::F32, 0, 0).unwrap_err());
+        // Worker 1 never contributes: its host's sum cannot complete.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        gone.abort("test: gave up");
+        for e in [a.join().unwrap(), b.join().unwrap()] {
+            assert_contains(&e, &["worker 1 failed", "gave up"]);
+        }
+    });
+    assert!(job.wait().unwrap_err().contains("worker 1 failed"));
+    drop(clients);
+}
+
+#[test]
+fn shared_memory_names_are_removed_once_every_local_worker_mapped_them() {
+    let (job, clients) = host_job(&["a", "a", "a"], &[(1, false)], true);
+    let id = clients[0].job_id;
+    let ours = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(&format!("gradhub-{id:016x}-")))
+            .collect()
+    };
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || push_pull(c, "g", vec![2.0f32; 3000], DType::F32, 0, 0).unwrap());
+        }
+    });
+    // Every worker mapped the tensor's segment: its name is gone, the memory stays in use.
+    assert_eq!(ours(), Vec::<String>::new());
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || {
+                assert_eq!(push_pull(c, "g", vec![1.0f32; 3000], DType::F32, 0, 0).unwrap(), vec![3.0; 3000])
+            });
+        }
+    });
+    finish(job, clients);
+}
