@@ -82,3 +82,45 @@ def test_job_across_emulated_hosts(hosts):
         assert "LOCAL 0 of 1" in outs[3 + r], outs[3 + r]
     for i, (_, ip) in enumerate(server_hosts):
         assert f"on {ip} ports" in outs[1 + i], outs[1 + i]
+
+
+def test_several_workers_per_emulated_host(hosts):
+    """Hosts of 3 and 1 workers (each in its own network namespace, started
+    role by role), a colocated server on each and a CPU-only one: sums are
+    exact, and the 3 workers that share a host sum there first."""
+    sched_ns, sched_ip = hosts(0)
+    a, b, cpu = hosts(1), hosts(2), hosts(3)
+    port = 9556
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:{port}", GRADHUB_NUM_WORKERS=4, GRADHUB_NUM_SERVERS=3,
+                  GH_TEST='{"sizes": [1, 1000, 300001], "dtypes": ["float32", "float16", "bfloat16"], '
+                          '"rounds": 3}')
+    py = sys.executable
+    procs = [subprocess.Popen(["ip", "netns", "exec", sched_ns, py, "-m", "gradhub", "scheduler"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    for ns, colocated in ((a[0], True), (b[0], True), (cpu[0], False)):
+        argv = ["ip", "netns", "exec", ns, py, "-m", "gradhub", "server", "--threads", "1"]
+        if colocated:
+            argv.append("--colocated")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    # Ranks 0, 2, 3 on host a (local ranks given as a launcher would), rank 1 alone on b.
+    layout = [(a[0], {"GRADHUB_LOCAL_RANK": "0", "GRADHUB_LOCAL_SIZE": "3"}), (b[0], {}),
+              (a[0], {"GRADHUB_LOCAL_RANK": "1", "GRADHUB_LOCAL_SIZE": "3"}),
+              (a[0], {"GRADHUB_LOCAL_RANK": "2", "GRADHUB_LOCAL_SIZE": "3"})]
+    for r, (ns, local) in enumerate(layout):
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, py, str(WORKERS / "check_sums.py")],
+                                      env=dict(env, GRADHUB_RANK=str(r), **local),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outs = [p.communicate(timeout=180)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    for r in range(4):
+        assert f"PASS {r}" in outs[4 + r]
+    for r in (0, 2, 3):
+        assert "3 workers on this host" in outs[4 + r], outs[4 + r]
+    assert "workers on this host" not in outs[4 + 1]
+    # The servers expect one push per host and chunk.
+    assert "4 workers on 2 hosts" in outs[1]

@@ -94,6 +94,22 @@ class EmulatedModel(nn.Module):
         return x.sum()
 
 
+def param_error(model: nn.Module, steps: int) -> float:
+    """Largest relative deviation of any parameter from what `steps` SGD
+    steps on the averaged gradient give. Every worker's gradient is 1e-6
+    everywhere, so the average is too: a wrong sum (a worker counted twice or
+    not at all, a stale or misplaced chunk) shows up here."""
+    ref = torch.zeros(1, requires_grad=True)
+    o = torch.optim.SGD([ref], lr=1e-3, momentum=0.9)
+    for _ in range(steps):
+        ref.grad = torch.full((1,), 1e-6)
+        o.step()
+    want = float(ref.detach()[0])
+    with torch.no_grad():
+        worst = max(float((p.detach() - want).abs().max()) for p in model.parameters())
+    return worst / abs(want)
+
+
 def main():
     cfg = json.loads(os.environ["GH_BENCH"])
     torch.set_num_threads(1)
@@ -134,6 +150,7 @@ def main():
     if system == "gradhub" and hasattr(opt, "finish"):
         opt.finish()
     t_end, net1 = time.time(), link_counters(dev)
+    steps = len(times)
     times = times[cfg.get("warmup", 3):]
     res = {
         "rank": rank,
@@ -152,6 +169,7 @@ def main():
     }
     if net0 and net1:
         res["net"] = {"tx0": net0[0], "rx0": net0[1], "tx1": net1[0], "rx1": net1[1]}
+    res["param_error"] = param_error(model, steps)
     print("RESULT " + json.dumps(res), flush=True)
     if system == "gradhub":
         hvd.shutdown()

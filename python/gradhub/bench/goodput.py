@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -39,6 +40,7 @@ def main():
         t_end, net1 = time.time(), link_counters(dev)
         rank, world = gradhub.rank(), gradhub.size()
         gradhub.shutdown()
+        result = a
     else:
         import torch
         import torch.distributed as dist
@@ -56,11 +58,23 @@ def main():
             times.append(time.perf_counter() - t0)
         t_end, net1 = time.time(), link_counters(dev)
         dist.destroy_process_group()
+        result = t.numpy()
     times = times[cfg.get("warmup", 2):]
     res = {"rank": rank, "world": world, "system": system, "bytes": n * 4, "iter_times": times,
            "t_start": t_start, "t_end": t_end, "host": cfg.get("host"), "local_rank": cfg.get("local_rank", 0)}
     if net0 and net1:
         res["net"] = {"tx0": net0[0], "rx0": net0[1], "tx1": net1[0], "rx1": net1[1]}
+    # Summed in place every round from ones: world ** rounds everywhere.
+    rounds = cfg.get("warmup", 2) + cfg["iters"]
+    want = float(world) ** rounds
+    if np.isfinite(want) and want < 1e30:
+        lo, hi = float(result.min()), float(result.max())
+        res["sum_error"] = max(abs(lo - want), abs(hi - want)) / want
+        if res["sum_error"] > 1e-4:
+            print(f"WRONG SUM: rank {rank} expected {want:g} everywhere after {rounds} rounds, "
+                  f"found values from {lo:g} to {hi:g}", flush=True)
+            print("RESULT " + json.dumps(res), flush=True)
+            sys.exit(3)
     print("RESULT " + json.dumps(res), flush=True)
 
 

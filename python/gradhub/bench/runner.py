@@ -131,6 +131,9 @@ def summarize(results: list[dict]) -> dict:
         out["goodput_Bps"] = r0["bytes"] / out["iter_time_mean"]
     if "params_scaled" in r0:
         out["model_bytes"] = r0["params_scaled"] * 4
+    errs = [r[k] for r in results for k in ("param_error", "sum_error") if r.get(k) is not None]
+    if errs:
+        out["result_error"] = max(errs)   # relative deviation of the synchronized values from the exact ones
     hb = _host_bytes(results)
     if hb:
         out["host_bytes"] = hb
