@@ -13,6 +13,8 @@
 //! matters, so the weights are 2(n-1) and (n-k). (The formula assumes one
 //! colocated server per worker machine, BytePS's setting; with k >= n the
 //! colocated servers get no work, the paper's "use PS only" regime.)
+//! n counts the machines that push: with several workers per host and the
+//! host stage on, one per host (`HostLayout`), not the workers.
 
 use crate::protocol::ServerInfo;
 
@@ -58,6 +60,21 @@ impl Placer {
         }
         let load = vec![0; slots.len()];
         Placer { slots, weight, load }
+    }
+
+    /// Each server's share of the summation work, e.g. "server 0 (CPU-only) 75%, server 1 (colocated) 25%".
+    pub fn describe_shares(&self, servers: &[ServerInfo]) -> String {
+        let total: f64 = self.weight.iter().sum();
+        servers
+            .iter()
+            .map(|s| {
+                let w: f64 =
+                    self.slots.iter().zip(&self.weight).filter(|(sl, _)| sl.server == s.rank).map(|(_, w)| w).sum();
+                let kind = if s.colocated { "colocated" } else { "CPU-only" };
+                format!("server {} ({kind}) {:.0}%", s.rank, 100.0 * w / total.max(f64::MIN_POSITIVE))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     pub fn num_slots(&self) -> usize {

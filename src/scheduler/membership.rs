@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use super::state::{Member, Shared, State};
 use super::SchedulerConfig;
-use crate::placement::Placer;
+use crate::placement::{HostLayout, Placer};
 use crate::protocol::{Control, ReadError, Register, Role, ServerInfo, Welcome};
 
 pub(super) struct Registration {
@@ -128,7 +128,21 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             return;
         }
     };
-    st.placer = Some(Placer::new(&servers, cfg.num_workers as usize));
+    // What pushes is one worker per host (host stage) or every worker: the
+    // BytePS split counts those machines, not the workers on them.
+    let pushing = match HostLayout::new(&hosts, &local_ranks, cfg.host_reduce) {
+        Ok(l) => l.num_hosts(),
+        Err(_) => cfg.num_workers as usize, // not reached: local_ranks() checked the same
+    };
+    let placer = Placer::new(&servers, pushing);
+    log::info!(
+        target: "scheduler",
+        "{} workers on {pushing} pushing machines{}; summation shares per server: {}",
+        cfg.num_workers,
+        if cfg.host_reduce { "" } else { " (host reduction off)" },
+        placer.describe_shares(&servers)
+    );
+    st.placer = Some(placer);
     let job_id = random_job_id();
     for ((role, rank), g) in assigned.iter().zip(regs) {
         let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });

@@ -295,6 +295,36 @@ fn placement_gives_colocated_servers_nothing_when_cpu_servers_outnumber_workers(
 }
 
 #[test]
+fn placement_counts_hosts_not_workers_when_hosts_sum_first() {
+    // 4 workers on 2 hosts, 2 CPU-only and 2 colocated servers. With the host
+    // stage 2 machines push (n = 2 = k: PS only, colocated servers get
+    // nothing); without it 4 do (n = 4, k = 2: weights 6 and 2).
+    let hosts: Vec<String> = ["a", "a", "b", "b"].iter().map(|h| h.to_string()).collect();
+    let servers = [(1, false), (1, false), (1, true), (1, true)];
+    let tensors: Vec<(String, u64, DType)> = (0..40u64).map(|i| (format!("p{i}"), 100 + i * 53, DType::F32)).collect();
+    for reduce in [true, false] {
+        let mut cfg = sched_config(4, 4);
+        cfg.host_reduce = reduce;
+        let mut job = fake_job_on(cfg, &servers, &hosts);
+        let srvs: Vec<AckServer> = job.servers.drain(..).map(auto_ack).collect();
+        let specs = declare_everywhere(&mut job, &tensors);
+        let b = slot_bytes(&specs, 4);
+        let total: u64 = b.iter().sum();
+        let cpu_share = (b[0] + b[1]) as f64 / total as f64;
+        if reduce {
+            assert_eq!((b[2], b[3]), (0, 0), "colocated servers got bytes: {b:?}");
+        } else {
+            // 2 x 6 / (2 x 6 + 2 x 2) = 3/4 on the CPU-only servers.
+            assert!((cpu_share - 0.75).abs() < 0.03, "{b:?}");
+        }
+        for s in srvs {
+            job.servers.push(s.stop().0);
+        }
+        job.finish();
+    }
+}
+
+#[test]
 fn a_name_repeated_in_one_request_is_placed_and_installed_once() {
     let mut job = fake_job(sched_config(1, 1), &[(2, false)]);
     job.workers[0]

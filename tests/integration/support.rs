@@ -279,8 +279,15 @@ pub struct FakeJob {
 }
 
 /// `servers`: (threads, colocated) per server. Fake servers advertise
-/// 127.0.0.1 and made-up ports (nobody connects to them).
+/// 127.0.0.1 and made-up ports (nobody connects to them). Each fake worker
+/// is on a host of its own.
 pub fn fake_job(cfg: SchedulerConfig, servers: &[(usize, bool)]) -> FakeJob {
+    let hosts: Vec<String> = (0..cfg.num_workers).map(|r| format!("host{r}")).collect();
+    fake_job_on(cfg, servers, &hosts)
+}
+
+/// `fake_job` with fake worker `r` on host `hosts[r]`.
+pub fn fake_job_on(cfg: SchedulerConfig, servers: &[(usize, bool)], hosts: &[String]) -> FakeJob {
     let (nw, ns) = (cfg.num_workers, cfg.num_servers);
     assert_eq!(ns as usize, servers.len());
     let h = start(cfg);
@@ -293,7 +300,8 @@ pub fn fake_job(cfg: SchedulerConfig, servers: &[(usize, bool)]) -> FakeJob {
             Member::register(addr, server_reg(i as i32, "127.0.0.1", ports, colocated, nw, ns))
         })
         .collect();
-    let mut wrk: Vec<Member> = (0..nw).map(|r| Member::register(addr, worker_reg(r as i32, "host", nw, ns))).collect();
+    let mut wrk: Vec<Member> =
+        (0..nw).map(|r| Member::register(addr, worker_reg(r as i32, &hosts[r as usize], nw, ns))).collect();
     let mut welcomes = Vec::new();
     for (i, m) in wrk.iter_mut().enumerate() {
         let w = m.welcome();

@@ -16,15 +16,29 @@ import json
 import sys
 
 from . import netns, profiles
-from .runner import VARIANTS, Layout, allreduce_time, byteps_optimum_time, run_job, variant_env
+from .runner import (VARIANTS, Layout, allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes, run_job,
+                     variant_env)
 
 
 def _add_cluster_args(p):
     p.add_argument("--workers", type=int, default=4, help="worker hosts (default 4)")
+    p.add_argument("--workers-per-host", type=int, default=1, metavar="W",
+                   help="worker processes on each worker host (default 1); they share the host's network "
+                        "namespace, so gradhub's host stage sums their gradients in shared memory first")
     p.add_argument("--cpu-servers", type=int, default=0, help="CPU-only server hosts, k (default 0)")
     p.add_argument("--no-colocated", action="store_true", help="no server on the worker hosts")
     p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
     p.add_argument("--rate", default="1gbit", help="per-host rate in each direction, tc syntax (default 1gbit)")
+
+
+def _add_compare_args(p):
+    p.add_argument("--host-reduce", choices=("on", "off", "both"), default="on",
+                   help="gradhub runs with the host stage on (default), off (GRADHUB_HOST_REDUCE=0 for the "
+                        "scheduler), or both, side by side")
+    p.add_argument("--trials", type=int, default=1,
+                   help="run every configuration this many times, interleaved, and report the median "
+                        "(by iteration time; default 1)")
+    p.add_argument("--json", help="append results to this JSON-lines file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-servers", action="store_true",
                    help="start no gradhub scheduler or servers (e.g. to run a torch.distributed baseline)")
     c.add_argument("--partition-bytes", type=int, help="chunk size for the job (default: the scheduler's)")
+    c.add_argument("--no-host-reduce", action="store_true",
+                   help="turn gradhub's host stage off (GRADHUB_HOST_REDUCE=0 for the scheduler)")
     c.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     t = sub.add_parser("train", help="emulated training (sleep as compute) under gradhub, DDP/gloo and no sync")
     _add_cluster_args(t)
@@ -72,15 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iters", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
-    t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server)")
-    t.add_argument("--json", help="append results to this JSON-lines file")
+    t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server; nohost = host stage off)")
+    _add_compare_args(t)
     g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
     _add_cluster_args(g)
     g.add_argument("--k", default="0", help="comma list of CPU-only server counts to try (default 0)")
     g.add_argument("--mbytes", type=float, default=64.0, help="bytes synchronized per iteration, MB (default 64)")
     g.add_argument("--iters", type=int, default=5)
     g.add_argument("--no-ddp", action="store_true", help="skip the gloo all-reduce baseline")
-    g.add_argument("--json", help="append results to this JSON-lines file")
+    _add_compare_args(g)
     w = sub.add_parser("sweep", help="ad hoc bandwidth sweeps and k sweep, with PNG plots and JSON")
     w.add_argument("--models", default="vgg19,resnet50", help="comma list of profiles")
     w.add_argument("--rates", default="250mbit,500mbit,1gbit,2gbit", help="comma list of per-host rates")
@@ -116,70 +132,155 @@ def _emit(args, rec):
             f.write(json.dumps(rec) + "\n")
 
 
+def _host_variants(variant: str, host_reduce: str) -> list[str]:
+    """The gradhub variant(s) to run for one --variants entry under --host-reduce."""
+    off = "+".join(x for x in [variant, "nohost"] if x)
+    if "nohost" in variant.split("+"):
+        return [variant]
+    return {"on": [variant], "off": [off], "both": [variant, off]}[host_reduce]
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The trial with the median mean iteration time, with every trial's key figures."""
+    ordered = sorted(runs, key=lambda r: r["iter_time_mean"])
+    res = dict(ordered[len(ordered) // 2])
+    res["trials"] = [{k: r.get(k) for k in ("iter_time_mean", "samples_per_s", "goodput_Bps", "busy_cores",
+                                            "host_tx_per_iter", "host_rx_per_iter", "tc_drops", "result_error")
+                      if r.get(k) is not None} for r in runs]
+    return res
+
+
+def _mb(x) -> str:
+    return f"{x / 1e6:7.1f}" if x is not None else f"{'-':>7s}"
+
+
+def _host_cols(res: dict, theory: float | None) -> str:
+    """Host link bytes per iteration (upload/download, mean over worker hosts) next to the theory."""
+    tx, rx = res.get("host_tx_per_iter"), res.get("host_rx_per_iter")
+    if tx is None:
+        return ""
+    share = f"{max(tx, rx) / theory:6.2f}" if theory else f"{'':6s}"
+    return f" {_mb(tx)} {_mb(rx)} {_mb(theory)} {share}"
+
+
+def _check(res: dict, label: str) -> str:
+    err = res.get("result_error")
+    if err is not None and err > 1e-3:
+        print(f"gradhub bench: WARNING {label}: synchronized values deviate from the exact ones by "
+              f"{err:.3g} (relative)", file=sys.stderr, flush=True)
+        return "  WRONG VALUES"
+    return ""
+
+
+def _layout(args, k=None, colocated=None) -> Layout:
+    return Layout(args.workers, args.cpu_servers if k is None else k,
+                  (not args.no_colocated) if colocated is None else colocated, args.server_threads,
+                  args.workers_per_host)
+
+
+def gradhub_host_bytes(layout: Layout, model_bytes: float, host_reduce: bool) -> float:
+    """Theoretical bytes per worker host's link per iteration and direction (BytePS split)."""
+    return host_link_bytes(layout.workers, layout.cpu_servers, model_bytes, layout.workers_per_host, host_reduce,
+                           colocated=layout.colocated)
+
+
 def cmd_train(args) -> int:
-    layout = Layout(args.workers, args.cpu_servers, not args.no_colocated, args.server_threads)
+    layout = _layout(args)
     prof = profiles.get(args.model)
     cfg = {"model": args.model, "scale": args.scale, "iters": args.iters, "warmup": args.warmup}
     partition = max(4096, int(256 * 1024 / args.scale))
+    W = args.workers_per_host
     print(f"{prof.name}: {prof.num_params / 1e6:.1f} M params ({prof.num_params * 4 / 1e6 / args.scale:.1f} MB "
           f"after /{args.scale:g}), {prof.time_per_batch * 1e3:.0f} ms compute per batch of {prof.batch}; "
-          f"{args.workers} workers, {args.cpu_servers} CPU-only servers, colocated={layout.colocated}, "
-          f"rate {args.rate} (= {args.rate} x {args.scale:g} for the full model)")
-    print(f"{'run':28s} {'samples/s':>10s} {'eff':>6s} {'p50 ms':>8s} {'p90 ms':>8s} {'cores':>6s} {'vs ddp':>7s}")
-    rows = []
-    ddp = None
+          f"{args.workers} worker hosts x {W} workers, {args.cpu_servers} CPU-only servers, "
+          f"colocated={layout.colocated}, rate {args.rate} (= {args.rate} x {args.scale:g} for the full model)"
+          + (f"; median of {args.trials} interleaved trials" if args.trials > 1 else ""))
+    print(f"{'run':28s} {'samples/s':>10s} {'eff':>6s} {'p50 ms':>8s} {'p90 ms':>8s} {'cores':>6s} {'vs ddp':>7s}"
+          f" {'up MB':>7s} {'down MB':>7s} {'theo MB':>7s} {'/theo':>6s}   (per host link and iteration)")
+    runs = []   # (label, system, variant)
     for system in [s.strip() for s in args.systems.split(",") if s.strip()]:
-        variants = [v.strip() for v in args.variants.split(",")] if system == "gradhub" else [""]
-        for v in variants:
-            try:
-                env = variant_env(v)
-            except ValueError as e:
-                print(f"gradhub bench: {e}", file=sys.stderr)
-                return 2
-            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=env,
+        if system != "gradhub":
+            runs.append((system, system, ""))
+            continue
+        for v in [v.strip() for v in args.variants.split(",")]:
+            for hv in _host_variants(v, args.host_reduce):
+                try:
+                    variant_env(hv)
+                except ValueError as e:
+                    print(f"gradhub bench: {e}", file=sys.stderr)
+                    return 2
+                runs.append((f"gradhub/{hv}" if hv else "gradhub", system, hv))
+    trials: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
+    for t in range(max(1, args.trials)):
+        for label, system, v in runs:
+            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=variant_env(v),
                           partition_bytes=partition)
-            label = system + (f"/{v}" if v else "")
-            if system == "ddp":
-                ddp = res["samples_per_s"]
-            ratio = f"{res['samples_per_s'] / ddp:7.2f}" if ddp and system == "gradhub" else f"{'':7s}"
-            cores = res["busy_cores"]
-            print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
-                  f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
-                  f"{cores if cores is not None else float('nan'):6.2f} {ratio}", flush=True)
-            res.update(kind="train", label=label, model=args.model, scale=args.scale)
             res.pop("raw", None)
-            rows.append(res)
-            _emit(args, res)
+            trials[label].append(res)
+            if args.trials > 1:
+                print(f"  trial {t + 1}: {label:26s} {res['samples_per_s']:10.1f} samples/s, "
+                      f"cores {res['busy_cores'] or float('nan'):.2f}", flush=True)
+    ddp = None
+    for label, system, v in runs:
+        res = _median_run(trials[label])
+        if system == "ddp":
+            ddp = res["samples_per_s"]
+        M = res.get("model_bytes", 0)
+        host_reduce = "nohost" not in v.split("+")
+        theory = {"none": 0.0, "ddp": ring_host_link_bytes(layout.workers, W, M)}.get(
+            system, gradhub_host_bytes(layout, M, host_reduce))
+        ratio = f"{res['samples_per_s'] / ddp:7.2f}" if ddp and system == "gradhub" else f"{'':7s}"
+        cores = res["busy_cores"]
+        print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
+              f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
+              f"{cores if cores is not None else float('nan'):6.2f} {ratio}{_host_cols(res, theory)}"
+              f"{_check(res, label)}", flush=True)
+        res.update(kind="train", label=label, model=args.model, scale=args.scale, variant=v,
+                   host_reduce=host_reduce, host_bytes_theory=theory, workers_per_host=W,
+                   vs_ddp=res["samples_per_s"] / ddp if ddp and system == "gradhub" else None)
+        _emit(args, res)
     return 0
 
 
 def cmd_goodput(args) -> int:
     mbytes = args.mbytes
     rate = netns.parse_rate(args.rate)
-    n = args.workers
-    print(f"goodput: {n} workers, {mbytes:g} MB per iteration, {args.rate} per host")
-    print(f"{'config':22s} {'time ms':>9s} {'goodput GB/s':>13s} {'optimum ms':>11s} {'of optimum':>11s} {'cores':>6s}")
+    n, W = args.workers, args.workers_per_host
+    M = mbytes * 1e6
+    print(f"goodput: {n} worker hosts x {W} workers, {mbytes:g} MB per iteration, {args.rate} per host"
+          + (f"; median of {args.trials} interleaved trials" if args.trials > 1 else ""))
+    print(f"{'config':26s} {'time ms':>9s} {'goodput GB/s':>13s} {'optimum ms':>11s} {'of optimum':>11s} "
+          f"{'cores':>6s} {'up MB':>7s} {'down MB':>7s} {'theo MB':>7s} {'/theo':>6s}")
+    runs = []   # (label, layout, system, env, host_reduce, k)
     for k in [int(x) for x in args.k.split(",")]:
-        layout = Layout(n, k, not args.no_colocated, args.server_threads)
-        res = run_job(layout, args.rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": args.iters}, "gradhub")
-        t_opt = byteps_optimum_time(n, k, mbytes * 1e6, rate) if layout.colocated else None
-        t = res["iter_time_mean"]
-        share = f"{t_opt / t:11.2f}" if t_opt else f"{'':11s}"
-        print(f"{'gradhub k=' + str(k):22s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} "
-              f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}  drops {res['tc_drops']}",
-              flush=True)
-        res.update(kind="goodput", k=k, optimum_time=t_opt, mbytes=mbytes)
-        res.pop("raw", None)
-        _emit(args, res)
+        for hr in {"on": [True], "off": [False], "both": [True, False]}[args.host_reduce]:
+            label = f"gradhub k={k}" + ("" if hr else " nohost")
+            runs.append((label, _layout(args, k=k), "gradhub", {} if hr else variant_env("nohost"), hr, k))
     if not args.no_ddp:
-        layout = Layout(n, 0, False)
-        res = run_job(layout, args.rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": args.iters}, "ddp")
+        runs.append(("gloo all-reduce", _layout(args, k=0, colocated=False), "ddp", {}, None, None))
+    trials: dict[str, list[dict]] = {r[0]: [] for r in runs}
+    for _ in range(max(1, args.trials)):
+        for label, layout, system, env, hr, k in runs:
+            res = run_job(layout, args.rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": args.iters},
+                          system, env=env)
+            res.pop("raw", None)
+            trials[label].append(res)
+    for label, layout, system, env, hr, k in runs:
+        res = _median_run(trials[label])
         t = res["iter_time_mean"]
-        t_ring = allreduce_time(n, mbytes * 1e6, rate)
-        print(f"{'gloo all-reduce':22s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} {t_ring * 1e3:11.1f} "
-              f"{t_ring / t:11.2f} {res['busy_cores'] or float('nan'):6.2f}  (vs ring optimum)", flush=True)
-        res.update(kind="goodput", k=None, optimum_time=t_ring, mbytes=mbytes)
-        res.pop("raw", None)
+        if system == "ddp":
+            t_opt = allreduce_time(n * W, M, rate)   # each host link carries one ring edge each way
+            theory = ring_host_link_bytes(n, W, M)
+        else:
+            t_opt = byteps_optimum_time(n, k, M, rate) if layout.colocated else None
+            theory = gradhub_host_bytes(layout, M, hr)
+        share = f"{t_opt / t:11.2f}" if t_opt else f"{'':11s}"
+        print(f"{label:26s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} "
+              f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}"
+              f"{_host_cols(res, theory)}  drops {res['tc_drops']}"
+              + ("  (vs ring optimum)" if system == "ddp" else "") + _check(res, label), flush=True)
+        res.update(kind="goodput", label=label, k=k, optimum_time=t_opt, mbytes=mbytes, host_reduce=hr,
+                   host_bytes_theory=theory, workers_per_host=W, share_of_optimum=t_opt / t if t_opt else None)
         _emit(args, res)
     return 0
 
@@ -190,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         ap.print_help()
         return 2
+    if getattr(args, "workers_per_host", 1) < 1:
+        ap.error("--workers-per-host must be at least 1")
     if args.cmd in ("core", "torch-options"):
         from .checkout import CheckoutError
 
@@ -211,13 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         if not cmd:
             ap.error("cluster needs a worker command after --")
         if args.no_servers:
-            layout = Layout(args.workers, 0, False)
+            layout = Layout(args.workers, 0, False, workers_per_host=args.workers_per_host)
         else:
-            layout = Layout(args.workers, args.cpu_servers, not args.no_colocated, args.server_threads)
+            layout = _layout(args)
             if layout.num_servers == 0:
                 ap.error("--no-colocated needs --cpu-servers >= 1 (or use --no-servers)")
         try:
-            return run_cluster(layout, args.rate, cmd, args.partition_bytes)
+            return run_cluster(layout, args.rate, cmd, args.partition_bytes, host_reduce=not args.no_host_reduce)
         except netns.ClusterError as e:
             print(f"gradhub bench: {e}", file=sys.stderr)
             return 2

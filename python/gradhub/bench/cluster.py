@@ -3,9 +3,10 @@
 Builds the hosts (network namespaces, rate-limited veths), starts the
 scheduler on its own unshaped host, one server per server host (CPU-only
 hosts, plus the worker hosts unless --no-colocated), and the given command
-once per worker host, supervised like `gradhub launch`: output is prefixed
-with role@host, the first failure stops the job, and the emulated cluster is
-removed afterwards, also on Ctrl-C.
+once per worker process (--workers-per-host of them on each worker host,
+ranked host by host, with LOCAL_RANK/GRADHUB_LOCAL_RANK set), supervised
+like `gradhub launch`: output is prefixed with role@host, the first failure
+stops the job, and the emulated cluster is removed afterwards, also on Ctrl-C.
 
 The worker environment carries both gradhub's variables and torch.distributed's
 (RANK, WORLD_SIZE, MASTER_ADDR/PORT on worker 0's host, GLOO_SOCKET_IFNAME), so
@@ -36,13 +37,15 @@ def layout_summary(layout: Layout) -> str:
 
 
 def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_bytes: int | None = None,
-                extra_env: dict[str, str] | None = None) -> int:
+                extra_env: dict[str, str] | None = None, host_reduce: bool = True) -> int:
     if layout.workers < 1:
         print("gradhub bench cluster: need at least one worker host", file=sys.stderr)
         return 2
     with EmulatedCluster(layout.host_names(), rate) as cluster:
         sched = cluster.hosts["sched"]
-        print(f"gradhub bench cluster: {layout_summary(layout)}, {rate or 'unshaped'} per host; "
+        print(f"gradhub bench cluster: {layout_summary(layout)}, {rate or 'unshaped'} per host"
+              + (f", {layout.workers_per_host} workers per host" if layout.workers_per_host > 1 else "")
+              + ("" if host_reduce or not layout.num_servers else ", host stage off") + "; "
               + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts.values()), flush=True)
         py = [sys.executable, "-m", "gradhub"]
         base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
@@ -50,9 +53,11 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
         base["PYTHONUNBUFFERED"] = "1"
         procs: list[Proc] = []
         if layout.num_servers:
-            base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.workers),
+            base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.num_workers),
                         GRADHUB_NUM_SERVERS=str(layout.num_servers))
             argv = py + ["scheduler", "--bind", f"{sched.ip}:{SCHED_PORT}"]
+            if not host_reduce:
+                argv.append("--no-host-reduce")
             if partition_bytes:
                 argv += ["--partition-bytes", str(partition_bytes)]
             procs.append(Proc("scheduler@sched", sched.cmd(argv), {**base, "GRADHUB_ROLE": "scheduler"}))
@@ -67,10 +72,12 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
                 procs.append(Proc(f"server@{name}", cluster.hosts[name].cmd(argv), {**base, "GRADHUB_ROLE": "server"}))
         workers = []
         master = cluster.hosts["w0"].ip
-        for r in range(layout.workers):
+        W = layout.workers_per_host
+        for r, host, lr in layout.worker_slots():
             env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(r), "RANK": str(r),
-                   "WORLD_SIZE": str(layout.workers), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "WORLD_SIZE": str(layout.num_workers), "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(W),
+                   "GRADHUB_LOCAL_RANK": str(lr), "GRADHUB_LOCAL_SIZE": str(W),
                    "MASTER_ADDR": master, "MASTER_PORT": str(GLOO_PORT), "GLOO_SOCKET_IFNAME": "eth0"}
-            workers.append(Proc(f"worker {r}@w{r}", cluster.hosts[f"w{r}"].cmd(command), env))
+            workers.append(Proc(f"worker {r}@{host}", cluster.hosts[host].cmd(command), env))
         procs += workers
         return supervise(procs, workers, "gradhub bench cluster")

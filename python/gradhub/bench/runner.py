@@ -56,7 +56,7 @@ def allreduce_time(n: int, model_bytes: float, rate_bps: float) -> float:
 
 
 def host_link_bytes(hosts: int, k: int, model_bytes: float, workers_per_host: int = 1,
-                    host_reduce: bool = True) -> float:
+                    host_reduce: bool = True, colocated: bool = True) -> float:
     """Bytes through one worker host's link per iteration, in each direction,
     for a parameter-server job with the BytePS split (one colocated server per
     worker host taking c = (n-k)/(n^2+kn-2k) of the model, k CPU-only servers
@@ -66,12 +66,13 @@ def host_link_bytes(hosts: int, k: int, model_bytes: float, workers_per_host: in
     server's results for the other hosts, (n-1)cM; download mirrors it. So
     M(1 + (n-2)c) per direction: 2(n-1)/n M for k = 0, M for k >= n, and M
     for n = 2 whatever k. Without the host stage each of the W workers of a
-    host pushes and pulls for itself: W times that."""
+    host pushes and pulls for itself: W times that. Without colocated
+    servers (c = 0) a host pushes and pulls M."""
     n = hosts
-    if n < 2:
+    if n < 2 and colocated and k == 0:
         return 0.0
     k = max(0, k)
-    c = (n - k) / (n * n + k * n - 2 * k) if k < n else 0.0
+    c = (n - k) / (n * n + k * n - 2 * k) if colocated and k < n else 0.0
     per_host = model_bytes * (1 + (n - 2) * c)
     return per_host * (1 if host_reduce else max(1, workers_per_host))
 
