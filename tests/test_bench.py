@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from gradhub.bench import netns, profiles
-from gradhub.bench.runner import allreduce_time, byteps_optimum_time, summarize
+from gradhub.bench.runner import (Layout, allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes,
+                                  summarize)
 from conftest import job_env
 
 # Published parameter counts (torchvision for the CNNs, Hugging Face for the transformers).
@@ -63,6 +64,40 @@ def test_byteps_optimum_formula():
     assert byteps_optimum_time(4, 2, M, B) == pytest.approx(1.2 * M * 8 / B)
 
 
+def test_host_link_bytes_formula():
+    M = 100e6
+    for n in (2, 3, 4, 8):
+        # k = 0: each host sends and receives 2(n-1)/n of the model, as a ring all-reduce's link does.
+        assert host_link_bytes(n, 0, M) == pytest.approx(2 * (n - 1) / n * M)
+        # Only CPU-only servers (k >= n, or none colocated): push M, pull M.
+        assert host_link_bytes(n, n, M) == pytest.approx(M)
+        assert host_link_bytes(n, n + 2, M) == pytest.approx(M)
+        assert host_link_bytes(n, 2, M, colocated=False) == pytest.approx(M)
+        # Without the host stage every one of a host's W workers pushes and pulls for itself.
+        assert host_link_bytes(n, 1, M, workers_per_host=4, host_reduce=False) == \
+            pytest.approx(4 * host_link_bytes(n, 1, M, workers_per_host=4))
+    # Two hosts: M per direction whatever k; n = 4, k = 2: c = 2/20, M (1 + 2 c) = 1.2 M.
+    assert [host_link_bytes(2, k, M) for k in range(4)] == pytest.approx([M] * 4)
+    assert host_link_bytes(4, 2, M) == pytest.approx(1.2 * M)
+    assert host_link_bytes(1, 0, M) == 0.0
+    # gloo's ring over 2 hosts x 4 processes ranked host by host: one ring edge per host and direction.
+    assert ring_host_link_bytes(2, 4, M) == pytest.approx(2 * 7 / 8 * M)
+    lay = Layout(2, 1, True, 1, 3)
+    assert lay.num_workers == 6 and lay.num_servers == 3
+    assert lay.worker_slots() == [(0, "w0", 0), (1, "w0", 1), (2, "w0", 2), (3, "w1", 0), (4, "w1", 1), (5, "w1", 2)]
+
+
+def test_summarize_host_bytes_per_iteration():
+    net = lambda tx, rx: {"tx0": 1000, "rx0": 2000, "tx1": 1000 + tx, "rx1": 2000 + rx}
+    rs = [{"iter_times": [0.1] * 4, "host": "w0", "net": net(400, 800)},
+          {"iter_times": [0.1] * 4, "host": "w0", "net": net(440, 800)},
+          {"iter_times": [0.1] * 4, "host": "w1", "net": net(800, 400), "sum_error": 0.0}]
+    s = summarize(rs)
+    assert s["host_bytes"] == {"w0": {"tx": 105.0, "rx": 200.0}, "w1": {"tx": 200.0, "rx": 100.0}}
+    assert s["host_tx_per_iter"] == pytest.approx(152.5) and s["host_rx_per_iter"] == pytest.approx(150.0)
+    assert s["result_error"] == 0.0
+
+
 def test_summarize_aggregates_workers():
     rs = [
         {"iter_times": [0.1, 0.1, 0.1], "batch": 32, "compute_per_iter": 0.08},
@@ -109,6 +144,66 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
                        timeout=600, env=job_env())
     assert g.returncode == 0, g.stdout + g.stderr
     assert "gradhub k=1" in g.stdout and "gloo all-reduce" in g.stdout
+
+
+def test_two_workers_per_host_host_stage_halves_the_host_link_bytes(tmp_path):
+    """2 emulated hosts x 2 workers: with the host stage a host's link carries
+    what one worker would send (the theoretical figure), without it twice that,
+    and gloo's ring 2(N-1)/N of the tensor; every sum is exact."""
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "gp.jsonl"
+    M = 8e6
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "goodput", "--workers", "2", "--workers-per-host",
+                        "2", "--k", "0", "--mbytes", "8", "--iters", "3", "--rate", "1gbit", "--host-reduce", "both",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["label"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == ["gloo all-reduce", "gradhub k=0", "gradhub k=0 nohost"], p.stdout
+    on, off, gloo = rows["gradhub k=0"], rows["gradhub k=0 nohost"], rows["gloo all-reduce"]
+    assert on["workers"] == off["workers"] == gloo["workers"] == 4
+    assert on["host_bytes_theory"] == pytest.approx(M)             # 2 hosts: M per direction
+    assert off["host_bytes_theory"] == pytest.approx(2 * M)
+    assert gloo["host_bytes_theory"] == pytest.approx(1.5 * M)     # 2(N-1)/N, N = 4
+    for r in (on, off, gloo):
+        assert r["result_error"] == 0.0, r["label"]                # exact sums (powers of 4)
+        assert set(r["host_bytes"]) == {"w0", "w1"}
+        for host, b in r["host_bytes"].items():
+            for way in ("tx", "rx"):
+                # Payload plus TCP/IP and frame headers, ACKs of the other direction.
+                assert 0.95 <= b[way] / r["host_bytes_theory"] <= 1.15, (r["label"], host, b)
+    assert max(on["host_tx_per_iter"], on["host_rx_per_iter"]) < 0.6 * min(off["host_tx_per_iter"],
+                                                                           off["host_rx_per_iter"])
+    assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_train_two_workers_per_host_exact_updates(tmp_path):
+    """Emulated training with 2 x 2 workers, host stage on and off: every
+    parameter ends where exact averaging puts it, and the host stage's link
+    bytes are those of one worker per host. (DDP on this layout: the goodput
+    test above.)"""
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "tr.jsonl"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "train", "--model", "alexnet", "--workers", "2",
+                        "--workers-per-host", "2", "--scale", "64", "--iters", "3", "--warmup", "1",
+                        "--systems", "gradhub", "--host-reduce", "both", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["label"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == ["gradhub/priority", "gradhub/priority+nohost"], p.stdout
+    M = rows["gradhub/priority"]["model_bytes"]
+    assert M == pytest.approx(profiles.get("alexnet").num_params * 4 / 64, rel=1e-3)
+    for r in rows.values():
+        assert r["workers"] == 4 and r["samples_per_s"] > 0
+        assert r["result_error"] < 1e-4, r["label"]
+        assert r["busy_cores"] is None or 0 <= r["busy_cores"] <= 2.5
+    on, off = rows["gradhub/priority"], rows["gradhub/priority+nohost"]
+    assert on["host_bytes_theory"] == pytest.approx(M) and off["host_bytes_theory"] == pytest.approx(2 * M)
+    assert 0.9 <= on["host_tx_per_iter"] / M <= 1.3 and 0.9 <= on["host_rx_per_iter"] / M <= 1.3
+    assert on["host_tx_per_iter"] < 0.75 * off["host_tx_per_iter"]
 
 
 @pytest.mark.parametrize("extra", [["--cpu-servers", "1"], ["--no-servers"]], ids=["k1", "no-servers"])
