@@ -440,6 +440,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GradhubError", m.py().get_type::<GradhubError>())?;
     m.add("GradhubTimeoutError", m.py().get_type::<GradhubTimeoutError>())?;
     m.add("DEFAULT_PARTITION_BYTES", crate::DEFAULT_PARTITION_BYTES)?;
+    m.add("PROTOCOL_VERSION", crate::protocol::VERSION)?;
     m.add("DEFAULT_CREDIT_BYTES", crate::DEFAULT_CREDIT_BYTES)?;
     Ok(())
 }

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_all_passed, free_port, run_launch
+from gradhub._core import PROTOCOL_VERSION
 
 
 def wait_line(cluster, name, text, timeout=30):
@@ -81,25 +82,29 @@ def test_silent_peer_detected_by_heartbeat(cluster_factory, tmp_path):
         os.kill(c.procs["server0"].pid, signal.SIGCONT)
 
 
-@pytest.mark.parametrize("declared", [True, False])
-def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared):
-    # Declared ahead: the server sees a round with a missing push. Not declared:
-    # the scheduler sees a tensor that one worker never asked for.
+@pytest.mark.parametrize("declared,host_reduce", [(True, "1"), (True, "0"), (False, "1")])
+def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared, host_reduce):
+    # Declared ahead: the round waits for a push (the server reports it) or,
+    # with the three workers summing on their host first, for a contribution
+    # (the waiting workers report it). Not declared: the scheduler sees a
+    # tensor that one worker never asked for.
     go = tmp_path / "go"
-    c = cluster_factory(3, 1, GRADHUB_STALL_SECONDS=1)
+    c = cluster_factory(3, 1, GRADHUB_STALL_SECONDS=1, GRADHUB_HOST_REDUCE=host_reduce)
     cfg = {"go_file": str(go), "timeout": 3, "hold_rank": 2, "size": 1000, "declare": declared}
     for r in range(3):
         c.start_worker(r, "hold.py", cfg)
     line = wait_line(c, "worker0", "TIMEOUT", timeout=30)
     assert "rank(s) [2]" in line and "'x'" in line, line
-    who = "server0" if declared else "scheduler"
+    who = "scheduler" if not declared else "server0" if host_reduce == "0" else "worker0"
     c.wait_for(who, "stall: tensor 'x'")
     assert "worker rank(s) [2]" in c.log(who)
+    if who == "worker0":
+        assert "of this host" in line, line
     go.write_text("go")
     for r in range(3):
         c.wait_for(f"worker{r}", "PASS")
     if declared:
-        c.wait_for("server0", "stall resolved")
+        c.wait_for(who, "stall resolved")
 
 
 def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, tmp_path):
@@ -128,12 +133,12 @@ def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, t
                 pass
         return b"".join(chunks)
 
-    def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=2):
+    def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=PROTOCOL_VERSION):
         return struct.pack("<HBBHBBIIIIiI", magic, ver, mtype, flags, dtype, 0, 0, key, chunk, rnd, 0, plen)
 
     rng = np.random.default_rng(0)
     send(rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())                     # random bytes
-    reply = send(header(2, ver=2, magic=0x1234))                                   # bad magic
+    reply = send(header(2, magic=0x1234))                                          # bad magic
     assert b"bad magic" in reply
     reply = send(header(1, key=0))                                                 # duplicate worker rank
     assert b"already connected" in reply

@@ -10,6 +10,7 @@ same names.
 from collections.abc import Callable
 
 DEFAULT_PARTITION_BYTES: int
+PROTOCOL_VERSION: int  # the wire protocol this build speaks (frame header byte 2)
 DEFAULT_CREDIT_BYTES: int
 
 class GradhubError(RuntimeError):

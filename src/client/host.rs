@@ -44,6 +44,9 @@ const FLAGS: usize = 12;
 const READY: usize = 16;
 /// = TAG once the result is in `wire`.
 const RESULT: usize = 20;
+/// Which local workers contributed (bit = local rank; low and high words).
+const MASK_LO: usize = 24;
+const MASK_HI: usize = 28;
 /// Header word: how many workers mapped the segment.
 const ATTACHED: usize = 0;
 
@@ -53,6 +56,15 @@ fn tag(round: u32) -> u32 {
 
 fn round_up(n: usize) -> usize {
     n.div_ceil(LINE) * LINE
+}
+
+/// One worker's contribution to a round: its flags, whether its values
+/// count (an init round keeps only rank 0's), and its local rank.
+#[derive(Clone, Copy)]
+struct Part {
+    flags: u16,
+    write: bool,
+    local: usize,
 }
 
 /// One tensor's shared buffers on this host.
@@ -110,6 +122,25 @@ impl Staging {
         self.word(chunk, round, RESULT).load(Ordering::Acquire) == tag(round)
     }
 
+    /// The local workers (bit = local rank) whose contribution some chunk of
+    /// `round` still waits for (0: every sum is complete).
+    pub fn missing(&self, round: u32) -> u64 {
+        let all = if self.local_size >= 64 { u64::MAX } else { (1u64 << self.local_size) - 1 };
+        let mut missing = 0;
+        for c in 0..self.num_chunks {
+            if self.ready(c, round) {
+                continue;
+            }
+            if self.word(c, round, TAG).load(Ordering::Acquire) != tag(round) {
+                return all; // nobody has contributed to this chunk yet
+            }
+            let lo = self.word(c, round, MASK_LO).load(Ordering::Relaxed) as u64;
+            let hi = self.word(c, round, MASK_HI).load(Ordering::Relaxed) as u64;
+            missing |= all & !(lo | hi << 32);
+        }
+        missing
+    }
+
     /// The result is in `wire`: the other local workers may copy it out.
     pub fn publish(&self, chunk: usize, round: u32) {
         self.word(chunk, round, RESULT).store(tag(round), Ordering::Release);
@@ -124,8 +155,7 @@ impl Staging {
         chunk: usize,
         round: u32,
         src: *const u8,
-        flags: u16,
-        write: bool,
+        part: Part,
         abort: &dyn Fn() -> Option<String>,
     ) -> Result<bool, String> {
         let lock = self.word(chunk, round, LOCK);
@@ -145,12 +175,13 @@ impl Staging {
                 }
             }
         }
-        let result = self.add_locked(chunk, round, src, flags, write);
+        let result = self.add_locked(chunk, round, src, part);
         lock.store(0, Ordering::Release);
         result
     }
 
-    fn add_locked(&self, chunk: usize, round: u32, src: *const u8, flags: u16, write: bool) -> Result<bool, String> {
+    fn add_locked(&self, chunk: usize, round: u32, src: *const u8, part: Part) -> Result<bool, String> {
+        let Part { flags, write, local } = part;
         let t = tag(round);
         let (tag_w, count_w, flags_w) =
             (self.word(chunk, round, TAG), self.word(chunk, round, COUNT), self.word(chunk, round, FLAGS));
@@ -159,6 +190,8 @@ impl Staging {
             tag_w.store(t, Ordering::Relaxed);
             count_w.store(0, Ordering::Relaxed);
             flags_w.store(flags as u32, Ordering::Relaxed);
+            self.word(chunk, round, MASK_LO).store(0, Ordering::Relaxed);
+            self.word(chunk, round, MASK_HI).store(0, Ordering::Relaxed);
         } else if flags_w.load(Ordering::Relaxed) != flags as u32 {
             return Err(format!(
                 "workers on this host disagree on the round's flags (average/init): {:#x} and {flags:#x}",
@@ -194,6 +227,9 @@ impl Staging {
                 }
             }
         }
+        let bit = 1u64 << local;
+        self.word(chunk, round, MASK_LO).fetch_or(bit as u32, Ordering::Relaxed);
+        self.word(chunk, round, MASK_HI).fetch_or((bit >> 32) as u32, Ordering::Relaxed);
         let count = count_w.load(Ordering::Relaxed) + 1;
         count_w.store(count, Ordering::Relaxed);
         let done = count == self.local_size;
@@ -358,13 +394,13 @@ impl HostStage {
         abort: &dyn Fn() -> Option<String>,
         done: &mut dyn FnMut(Contribution),
     ) -> Result<(), String> {
-        let write = flags & FLAG_INIT == 0 || init_source;
+        let part = Part { flags, write: flags & FLAG_INIT == 0 || init_source, local: self.local };
         let es = staging.dtype.size();
         for c in 0..staging.num_chunks {
             let (a, _) = staging.range(c);
             // SAFETY: chunk c starts inside the caller's buffer of numel elements.
             let src = unsafe { ptr.add(a * es) };
-            let complete = staging.contribute(c, round, src, flags, write, abort)?;
+            let complete = staging.contribute(c, round, src, part, abort)?;
             done(Contribution { chunk: c, complete });
         }
         Ok(())

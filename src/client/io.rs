@@ -42,6 +42,7 @@
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -237,6 +238,9 @@ struct HostRound {
     staging: Arc<Staging>,
     owned: Vec<bool>,
     pushed: Vec<bool>,
+    /// When this worker contributed, and whether a stall was reported.
+    since: std::time::Instant,
+    stall_reported: bool,
 }
 
 #[derive(Default)]
@@ -277,6 +281,8 @@ pub struct Io {
     layout: Arc<HostLayout>,
     /// Present when other workers share this host (and host reduction is on).
     pub host: Option<HostStage>,
+    /// A host-stage round waiting longer than this is reported (as servers do).
+    stall: std::time::Duration,
 }
 
 /// Where the chunks of a submission come from and go to.
@@ -299,6 +305,7 @@ impl Io {
         max_payload: u32,
         layout: Arc<HostLayout>,
         mut host: Option<HostStage>,
+        stall: std::time::Duration,
     ) -> std::io::Result<Io> {
         if let Some(h) = &mut host {
             poll.registry().register(&mut h.doorbell.sock, DOORBELL, Interest::READABLE)?;
@@ -326,6 +333,7 @@ impl Io {
             rank,
             layout,
             host,
+            stall,
         };
         for (i, c) in io.conns.iter().enumerate() {
             io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
@@ -422,7 +430,13 @@ impl Io {
             shared.fail_job(msg.clone());
             return shared.finish_op(&s.op, Some(msg));
         }
-        let hr = HostRound { staging: staging.clone(), owned, pushed: vec![false; n] };
+        let hr = HostRound {
+            staging: staging.clone(),
+            owned,
+            pushed: vec![false; n],
+            since: std::time::Instant::now(),
+            stall_reported: false,
+        };
         let wire = |c: usize| {
             let (ptr, len) = staging.wire(c, round);
             ChunkSrc { ptr, len }
@@ -657,8 +671,14 @@ impl IoThread {
 
     pub fn run(mut self) {
         let mut events = Events::with_capacity(256);
+        // Only the host stage has rounds to watch here (servers watch theirs).
+        let io = &self.shared.io;
+        let tick = io.host.as_ref().map(|_| (io.stall / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
         loop {
-            if let Err(e) = self.poll.poll(&mut events, None) {
+            if tick.is_some() && !self.failed {
+                self.check_host_stalls();
+            }
+            if let Err(e) = self.poll.poll(&mut events, tick) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
@@ -711,6 +731,36 @@ impl IoThread {
             if bells != 0 {
                 h.bells.ring_mask(bells);
             }
+        }
+    }
+
+    /// Report host-stage rounds that have waited too long for a local
+    /// worker's contribution: logged once, and quoted by a timed-out wait.
+    fn check_host_stalls(&mut self) {
+        let io = &self.shared.io;
+        let Some(h) = &io.host else { return };
+        let mut ops = io.ops();
+        for a in ops.active.values_mut() {
+            let Some(hr) = &mut a.host else { continue };
+            let waited = hr.since.elapsed();
+            if hr.stall_reported || waited < io.stall {
+                continue;
+            }
+            let missing = hr.staging.missing(a.round);
+            if missing == 0 {
+                continue; // the host's sums are complete: servers watch the rest
+            }
+            hr.stall_reported = true;
+            let ranks: Vec<u32> =
+                h.workers.iter().enumerate().filter(|(l, _)| missing >> l & 1 == 1).map(|(_, &r)| r).collect();
+            let msg = format!(
+                "tensor '{}' round {} has waited {:.1}s for worker rank(s) {ranks:?} of this host to push_pull it",
+                a.spec.name,
+                a.round,
+                waited.as_secs_f64()
+            );
+            log::warn!(target: &format!("worker {}", io.rank), "stall: {msg}");
+            a.op.set_stall(msg);
         }
     }
 
@@ -928,6 +978,9 @@ impl IoThread {
             finished
         };
         if let Some(a) = done {
+            if a.host.as_ref().is_some_and(|h| h.stall_reported) {
+                log::info!(target: &format!("worker {}", io.rank), "stall resolved: tensor '{}' round {} complete", a.spec.name, a.round);
+            }
             self.shared.finish_op(&a.op, None);
         }
     }

@@ -307,7 +307,8 @@ impl Client {
 
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
-        let io = Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage)
+        let stall = Duration::from_millis(w.stall_ms as u64);
+        let io = Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage, stall)
             .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),

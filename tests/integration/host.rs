@@ -3,7 +3,7 @@
 //! client is put on a host by name (`ClientConfig::host`).
 
 use gradhub::client::Client;
-use gradhub::protocol::{DType, FLAG_AVERAGE, FLAG_INIT};
+use gradhub::protocol::{DType, DeclEntry, FLAG_AVERAGE, FLAG_INIT};
 use half::{bf16, f16};
 
 use crate::support::*;
@@ -254,5 +254,43 @@ fn shared_memory_names_are_removed_once_every_local_worker_mapped_them() {
             });
         }
     });
+    finish(job, clients);
+}
+
+#[test]
+fn a_round_waiting_for_a_local_worker_is_reported_naming_it() {
+    let mut cfg = sched_config(3, 1);
+    cfg.stall_ms = 300;
+    let job = real_job(cfg, &[(1, false)]);
+    let pending: Vec<_> = (0..3)
+        .map(|r| {
+            let mut c = client_config(job.addr, r, 3, 1);
+            c.host = Some("a".into());
+            spawn_client(c)
+        })
+        .collect();
+    let clients: Vec<Client> = pending.into_iter().map(|p| p.join()).collect();
+    // Declared by everyone, so the scheduler has nothing to report.
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || c.declare(vec![DeclEntry { name: "x".into(), numel: 3000, dtype: DType::F32 }]).unwrap());
+        }
+    });
+    let mut bufs: Vec<Vec<f32>> = (0..3).map(|r| vec![r as f32; 3000]).collect();
+    let start = |c: &Client, b: &mut Vec<f32>| {
+        // SAFETY: the buffers outlive the ops (waited below).
+        unsafe { c.push_pull(b.as_mut_ptr().cast(), b.len() * 4, DType::F32, "x", 0, 0, None) }.unwrap()
+    };
+    let (b0, rest) = bufs.split_first_mut().unwrap();
+    let (b1, rest) = rest.split_first_mut().unwrap();
+    let ops = [start(&clients[0], b0), start(&clients[1], b1)];
+    // Worker 2 has not started its round: the host's sums wait for it.
+    let err = ops[0].wait(Some(std::time::Duration::from_millis(1500))).unwrap_err().to_string();
+    assert_contains(&err, &["did not complete", "'x'", "rank(s) [2] of this host"]);
+    let op2 = start(&clients[2], &mut rest[0]);
+    for op in ops.iter().chain([&op2]) {
+        op.wait(Some(IO_TIMEOUT)).unwrap();
+    }
+    assert!(bufs.iter().all(|b| b.iter().all(|&x| x == 3.0)));
     finish(job, clients);
 }

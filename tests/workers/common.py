@@ -57,11 +57,14 @@ def check(result: np.ndarray, n: int, size: int, dtype: str, seed: int, integer:
             tol = 1e-5 * n
             ok = np.allclose(got, ref, rtol=1e-6 * n, atol=tol)
     else:
-        # Accumulated in f32 on the server, rounded once to the 16-bit type:
-        # within one rounding of that type (relative eps 2^-11 / 2^-8), plus
-        # a little for the f32 accumulation order.
+        # Accumulated in f32 and rounded to the 16-bit type once per level:
+        # the sum of the workers that share a host (host stage, which pushes
+        # it in the tensor's dtype), then the server's sum of the hosts. These
+        # tests run every worker on one host, so the host's sum is the total:
+        # within two roundings of the type (relative eps 2^-11 / 2^-8), plus a
+        # little for the f32 accumulation order.
         eps = 2.0**-11 if dtype == "float16" else 2.0**-8
-        tol = np.abs(ref) * eps * 1.01 + 1e-6 * n
+        tol = np.abs(ref) * eps * 2.02 + 1e-6 * n
         ok = bool(np.all(np.abs(got - ref) <= tol))
     if not ok:
         bad = np.flatnonzero(~np.isclose(got, ref, rtol=0, atol=np.max(tol) if np.ndim(tol) else tol))[:5]
