@@ -414,3 +414,147 @@ impl HostStage {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    fn job_id() -> u64 {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    }
+
+    /// The stages of `n` workers of one host, joined concurrently.
+    fn stages(n: u32) -> Vec<HostStage> {
+        let id = job_id();
+        let ranks: Vec<u32> = (0..n).collect();
+        let hs: Vec<_> = (0..n)
+            .map(|r| {
+                let ranks = ranks.clone();
+                std::thread::spawn(move || HostStage::join(id, "h", ranks, r, Duration::from_secs(10)).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn spec(numel: u64, dtype: DType) -> TensorSpec {
+        let chunk_elems = 100;
+        let n = numel.div_ceil(chunk_elems) as usize;
+        TensorSpec { key: 3, name: "t".into(), numel, dtype, chunk_elems, slots: vec![0; n] }
+    }
+
+    #[test]
+    fn sums_complete_with_the_last_contribution_and_rounds_alternate_buffers() {
+        let st = stages(3);
+        let sp = spec(250, DType::F32);
+        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+        let never = || None;
+        for round in 0..4u32 {
+            let mut completed = Vec::new();
+            for (l, h) in st.iter().enumerate() {
+                let v: Vec<f32> = (0..250).map(|i| (i as f32 + 1.0) * (l + 1) as f32 + round as f32).collect();
+                assert_eq!(seg[l].missing(round), if l == 0 { 0b111 } else { 0b111 & !((1 << l) - 1) });
+                h.contribute(&seg[l], v.as_ptr().cast(), round, 0, l == 0, &never, &mut |c| {
+                    if c.complete {
+                        completed.push((l, c.chunk));
+                    }
+                })
+                .unwrap();
+            }
+            // Only the last worker's contributions complete the three chunks.
+            assert_eq!(completed, vec![(2, 0), (2, 1), (2, 2)], "round {round}");
+            assert_eq!(seg[0].missing(round), 0);
+            for c in 0..3 {
+                assert!(seg[1].ready(c, round) && !seg[1].has_result(c, round));
+                let (p, len) = seg[0].wire(c, round);
+                let (a, b) = (c * 100, (c * 100 + 100).min(250));
+                assert_eq!(len, (b - a) * 4);
+                // SAFETY: the chunk's wire bytes, f32-aligned in the mapping.
+                let got = unsafe { std::slice::from_raw_parts(p.cast::<f32>(), b - a) };
+                let want: Vec<f32> = (a..b).map(|i| (i as f32 + 1.0) * 6.0 + 3.0 * round as f32).collect();
+                assert_eq!(got, &want[..]);
+                seg[0].publish(c, round);
+                assert!(seg[2].has_result(c, round) && !seg[2].has_result(c, round + 1));
+            }
+        }
+        for h in &st {
+            h.cleanup();
+        }
+    }
+
+    #[test]
+    fn halves_are_summed_in_f32_and_rounded_once_per_host() {
+        let st = stages(2);
+        let sp = spec(10, DType::F16);
+        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+        // 2048 + 1 + 1 in f16 steps would stay 2048; summed in f32 it is 2050.
+        let a: Vec<u16> = (0..10).map(|i| f16::from_f32(if i == 0 { 2048.0 } else { i as f32 }).to_bits()).collect();
+        let b: Vec<u16> = (0..10).map(|i| f16::from_f32(if i == 0 { 2.0 } else { 0.5 }).to_bits()).collect();
+        let never = || None;
+        st[0].contribute(&seg[0], a.as_ptr().cast(), 0, 0, true, &never, &mut |_| {}).unwrap();
+        st[1].contribute(&seg[1], b.as_ptr().cast(), 0, 0, false, &never, &mut |_| {}).unwrap();
+        let (p, len) = seg[0].wire(0, 0);
+        assert_eq!(len, 20);
+        // SAFETY: the chunk's wire bytes, u16-aligned.
+        let got: Vec<f32> = unsafe { std::slice::from_raw_parts(p.cast::<u16>(), 10) }
+            .iter()
+            .map(|&x| f16::from_bits(x).to_f32())
+            .collect();
+        assert_eq!(got[0], 2050.0);
+        assert_eq!(&got[1..4], &[1.5, 2.5, 3.5]);
+        for h in &st {
+            h.cleanup();
+        }
+    }
+
+    #[test]
+    fn disagreeing_flags_and_init_rounds() {
+        let st = stages(2);
+        let sp = spec(150, DType::F32);
+        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+        let never = || None;
+        let x = vec![5.0f32; 150];
+        let y = vec![7.0f32; 150];
+        // Init: only the source's values are kept, whoever comes first.
+        st[1].contribute(&seg[1], y.as_ptr().cast(), 0, FLAG_INIT, false, &never, &mut |_| {}).unwrap();
+        st[0].contribute(&seg[0], x.as_ptr().cast(), 0, FLAG_INIT, true, &never, &mut |_| {}).unwrap();
+        // SAFETY: chunk 0's wire bytes.
+        assert!(unsafe { std::slice::from_raw_parts(seg[0].wire(0, 0).0.cast::<f32>(), 100) }
+            .iter()
+            .all(|&v| v == 5.0));
+        // Round 1: the second contributor asks for an average, the first did not.
+        st[0].contribute(&seg[0], x.as_ptr().cast(), 1, 0, true, &never, &mut |_| {}).unwrap();
+        let err = st[1]
+            .contribute(&seg[1], y.as_ptr().cast(), 1, crate::protocol::FLAG_AVERAGE, false, &never, &mut |_| {})
+            .unwrap_err();
+        assert!(err.contains("disagree"), "{err}");
+        for h in &st {
+            h.cleanup();
+        }
+    }
+
+    #[test]
+    fn a_worker_that_never_arrives_is_a_clear_error() {
+        let err = HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, Duration::from_millis(200)).err().unwrap();
+        assert!(err.contains("only 1 of the 2 workers") && err.contains("GRADHUB_HOST_ID"), "{err}");
+    }
+
+    #[test]
+    fn a_lock_held_by_a_lost_worker_gives_way_to_the_jobs_failure() {
+        let st = stages(2);
+        let sp = spec(10, DType::F32);
+        let seg = st[0].staging(&sp).unwrap();
+        // A worker that died holding chunk 0's lock.
+        seg.word(0, 0, LOCK).store(1, Ordering::Release);
+        let failed = || Some("worker 1 was lost".to_string());
+        let x = [1.0f32; 10];
+        let err = st[0].contribute(&seg, x.as_ptr().cast(), 0, 0, true, &failed, &mut |_| {}).unwrap_err();
+        assert_eq!(err, "worker 1 was lost");
+        for h in &st {
+            h.cleanup();
+        }
+    }
+}
