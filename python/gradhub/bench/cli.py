@@ -16,8 +16,8 @@ import json
 import sys
 
 from . import netns, profiles
-from .runner import (VARIANTS, Layout, allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes, run_job,
-                     variant_env)
+from .runner import (VARIANTS, Layout, allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes,
+                     run_job, server_link_bytes, variant_env)
 
 
 def _add_cluster_args(p):
@@ -163,6 +163,20 @@ def _host_cols(res: dict, theory: float | None) -> str:
     return f" {_mb(tx)} {_mb(rx)} {_mb(theory)} {share}"
 
 
+def _server_lines(res: dict, theory: float | None) -> str:
+    """CPU-only server hosts' links (sampled bridge-side counters, per mean
+    iteration) and the scheduler's placement, printed under a run."""
+    out = ""
+    sb = res.get("server_host_bytes")
+    if sb:
+        cells = ", ".join(f"{h} {v['tx'] / 1e6:.1f}/{v['rx'] / 1e6:.1f}" for h, v in sorted(sb.items()))
+        out += f"\n    CPU-only server links, up/down MB per iteration: {cells}" + \
+               (f" (theory {theory / 1e6:.1f})" if theory else "")
+    if res.get("server_shares"):
+        out += f"\n    placement: {res['server_shares']}"
+    return out
+
+
 def _check(res: dict, label: str) -> str:
     err = res.get("result_error")
     if err is not None and err > 1e-3:
@@ -229,14 +243,17 @@ def cmd_train(args) -> int:
         host_reduce = "nohost" not in v.split("+")
         theory = {"none": 0.0, "ddp": ring_host_link_bytes(layout.workers, W, M)}.get(
             system, gradhub_host_bytes(layout, M, host_reduce))
+        s_theory = server_link_bytes(layout.workers, layout.cpu_servers, M, W, host_reduce, layout.colocated) \
+            if system == "gradhub" else None
         ratio = f"{res['samples_per_s'] / ddp:7.2f}" if ddp and system == "gradhub" else f"{'':7s}"
         cores = res["busy_cores"]
         print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
               f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
               f"{cores if cores is not None else float('nan'):6.2f} {ratio}{_host_cols(res, theory)}"
-              f"{_check(res, label)}", flush=True)
+              f"{_check(res, label)}{_server_lines(res, s_theory)}", flush=True)
         res.update(kind="train", label=label, model=args.model, scale=args.scale, variant=v,
-                   host_reduce=host_reduce, host_bytes_theory=theory, workers_per_host=W,
+                   host_reduce=host_reduce, host_bytes_theory=theory, server_bytes_theory=s_theory,
+                   workers_per_host=W,
                    vs_ddp=res["samples_per_s"] / ddp if ddp and system == "gradhub" else None)
         _emit(args, res)
     return 0
@@ -274,13 +291,15 @@ def cmd_goodput(args) -> int:
         else:
             t_opt = byteps_optimum_time(n, k, M, rate) if layout.colocated else None
             theory = gradhub_host_bytes(layout, M, hr)
+        s_theory = server_link_bytes(n, k, M, W, hr, layout.colocated) if system == "gradhub" else None
         share = f"{t_opt / t:11.2f}" if t_opt else f"{'':11s}"
         print(f"{label:26s} {t * 1e3:9.1f} {res['goodput_Bps'] / 1e9:13.3f} "
               f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}"
               f"{_host_cols(res, theory)}  drops {res['tc_drops']}"
-              + ("  (vs ring optimum)" if system == "ddp" else "") + _check(res, label), flush=True)
+              + ("  (vs ring optimum)" if system == "ddp" else "") + _check(res, label)
+              + _server_lines(res, s_theory), flush=True)
         res.update(kind="goodput", label=label, k=k, optimum_time=t_opt, mbytes=mbytes, host_reduce=hr,
-                   host_bytes_theory=theory, workers_per_host=W, share_of_optimum=t_opt / t if t_opt else None)
+                   host_bytes_theory=theory, server_bytes_theory=s_theory, workers_per_host=W, share_of_optimum=t_opt / t if t_opt else None)
         _emit(args, res)
     return 0
 

@@ -55,26 +55,50 @@ def allreduce_time(n: int, model_bytes: float, rate_bps: float) -> float:
     return 2 * (n - 1) * model_bytes * 8 / (n * rate_bps)
 
 
+def server_shares(hosts: int, k: int, workers_per_host: int = 1, host_reduce: bool = True,
+                  colocated: bool = True) -> tuple[float, float]:
+    """(c, s): the share of the model each colocated and each CPU-only server
+    sums, by BytePS's split as the scheduler places it (weights n-k and
+    2(n-1), n = the machines that push: hosts with the host stage, every
+    worker without it): c = (n-k)/(n^2+kn-2k) when n = hosts."""
+    n = hosts * (1 if host_reduce else max(1, workers_per_host))
+    w_gpu = max(n - k, 0) if colocated else 0
+    w_cpu = 2 * (n - 1)
+    total = (hosts if colocated else 0) * w_gpu + k * w_cpu
+    if total <= 0:  # e.g. one pushing machine: spread evenly
+        m = (hosts if colocated else 0) + k
+        return (1 / m if colocated else 0.0), (1 / m if k else 0.0)
+    return w_gpu / total, (w_cpu / total if k else 0.0)
+
+
 def host_link_bytes(hosts: int, k: int, model_bytes: float, workers_per_host: int = 1,
                     host_reduce: bool = True, colocated: bool = True) -> float:
     """Bytes through one worker host's link per iteration, in each direction,
-    for a parameter-server job with the BytePS split (one colocated server per
-    worker host taking c = (n-k)/(n^2+kn-2k) of the model, k CPU-only servers
-    the rest; n = hosts).
+    for a parameter-server job: one colocated server per worker host summing
+    c of the model, k CPU-only servers the rest (`server_shares`).
 
     Upload: pushes to every server but the host's own, (1-c)M, plus the own
     server's results for the other hosts, (n-1)cM; download mirrors it. So
-    M(1 + (n-2)c) per direction: 2(n-1)/n M for k = 0, M for k >= n, and M
-    for n = 2 whatever k. Without the host stage each of the W workers of a
-    host pushes and pulls for itself: W times that. Without colocated
-    servers (c = 0) a host pushes and pulls M."""
-    n = hosts
-    if n < 2 and colocated and k == 0:
+    M(1 + (n-2)c) per direction (n = hosts): 2(n-1)/n M for k = 0, M for
+    k >= n, and M for n = 2 whatever k. Without the host stage each of the W
+    workers of a host pushes and pulls for itself: W M(1 + (n-2)c), with c
+    from the split over all n W workers. Without colocated servers (c = 0)
+    a host pushes and pulls M (W M without the stage)."""
+    if hosts < 1 or (hosts == 1 and colocated and k == 0):
         return 0.0
-    k = max(0, k)
-    c = (n - k) / (n * n + k * n - 2 * k) if colocated and k < n else 0.0
-    per_host = model_bytes * (1 + (n - 2) * c)
+    c, _ = server_shares(hosts, k, workers_per_host, host_reduce, colocated)
+    per_host = model_bytes * (1 + (hosts - 2) * c)
     return per_host * (1 if host_reduce else max(1, workers_per_host))
+
+
+def server_link_bytes(hosts: int, k: int, model_bytes: float, workers_per_host: int = 1,
+                      host_reduce: bool = True, colocated: bool = True) -> float:
+    """Bytes through one CPU-only server's link per iteration and direction:
+    each pushing machine sends it s M and gets s M back."""
+    if k < 1:
+        return 0.0
+    _, s = server_shares(hosts, k, workers_per_host, host_reduce, colocated)
+    return hosts * (1 if host_reduce else max(1, workers_per_host)) * s * model_bytes
 
 
 def ring_host_link_bytes(hosts: int, workers_per_host: int, model_bytes: float) -> float:
@@ -267,8 +291,8 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         py = sys.executable
         c0, t0 = _children_cpu(), time.monotonic()
         # CPU-only server hosts' links, from the bridge-side veth (its rx is the host's upload).
-        sampler = CpuSampler(netdevs={h.name: h.veth for h in cluster.hosts.values() if h.name.startswith("s")}
-                             if cluster.rate_bps else None)
+        devs = {h.name: h.veth for h in cluster.hosts.values() if h.name.startswith("s") and h.name != "sched"}
+        sampler = CpuSampler(period=0.05, netdevs=devs) if devs and cluster.rate_bps else CpuSampler()
         if system == "gradhub":
             if layout.num_servers < 1:
                 raise ValueError("gradhub needs at least one server (colocated or CPU-only)")
@@ -323,13 +347,18 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                 if not lines:
                     raise RuntimeError(f"{name} printed no RESULT:\n{text[-3000:]}")
                 results.append(json.loads(lines[-1][7:]))
+        shares = None
         for name, p in procs:
             if not name.startswith("worker"):
                 try:
-                    p.communicate(timeout=30)
+                    text = (p.communicate(timeout=30)[0] or b"").decode(errors="replace")
                 except subprocess.TimeoutExpired:
                     p.kill()
-                    p.communicate()
+                    text = (p.communicate()[0] or b"").decode(errors="replace")
+                if name == "scheduler":
+                    # The placement the scheduler chose (logged by builds that have it).
+                    shares = next((l.split("summation shares per server:", 1)[1].strip() for l in text.splitlines()
+                                   if "summation shares per server:" in l), None)
         wall = time.monotonic() - t0
         sampler.stop()
         # The window all workers were measuring; if they never overlapped
@@ -348,6 +377,8 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                 servers[name] = {"tx": b[0] * per, "rx": b[1] * per}   # veth rx = the host's upload
         if servers:
             summary["server_host_bytes"] = servers
+        if shares:
+            summary["server_shares"] = shares
         summary.update(system=system, rate=rate, tc_drops=cluster.qdisc_drops(), busy_cores=sampler.busy_cores(start, end),
                        cpu_cores=os.cpu_count(), cpu_seconds_per_s=(_children_cpu() - c0) / wall, wall=wall,
                        layout=layout.__dict__, options=dict(env or {}), raw=results)
