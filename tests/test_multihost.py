@@ -15,6 +15,24 @@ BRIDGE = f"ghbr{SUFFIX}"
 SUBNET = "10.213.{}.{}"
 
 
+def in_ns(ns: str, argv: list[str], env: dict) -> subprocess.Popen:
+    """Start `argv` in network namespace `ns`, output captured."""
+    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+
+
+def run_all(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Every process's output; all must exit 0 (any left running is killed)."""
+    try:
+        outs = [p.communicate(timeout=timeout)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    return outs
+
+
 def sh(*args, check=True):
     return subprocess.run(list(args), capture_output=True, text=True, check=check)
 
@@ -69,13 +87,7 @@ def test_job_across_emulated_hosts(hosts):
         procs.append(subprocess.Popen(["ip", "netns", "exec", ns, py, str(WORKERS / "check_sums.py")],
                                       env=dict(env, GRADHUB_RANK=str(r)),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    outs = run_all(procs, timeout=120)
     for r in range(3):
         assert f"PASS {r}" in outs[3 + r]
         # One worker per host: hosts are told apart by network namespace too.
@@ -95,28 +107,16 @@ def test_several_workers_per_emulated_host(hosts):
                   GH_TEST='{"sizes": [1, 1000, 300001], "dtypes": ["float32", "float16", "bfloat16"], '
                           '"rounds": 3}')
     py = sys.executable
-    procs = [subprocess.Popen(["ip", "netns", "exec", sched_ns, py, "-m", "gradhub", "scheduler"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    procs = [in_ns(sched_ns, [py, "-m", "gradhub", "scheduler"], env)]
     for ns, colocated in ((a[0], True), (b[0], True), (cpu[0], False)):
-        argv = ["ip", "netns", "exec", ns, py, "-m", "gradhub", "server", "--threads", "1"]
-        if colocated:
-            argv.append("--colocated")
-        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(in_ns(ns, [py, "-m", "gradhub", "server", "--threads", "1"] + ["--colocated"] * colocated, env))
     # Ranks 0, 2, 3 on host a (local ranks given as a launcher would), rank 1 alone on b.
     layout = [(a[0], {"GRADHUB_LOCAL_RANK": "0", "GRADHUB_LOCAL_SIZE": "3"}), (b[0], {}),
               (a[0], {"GRADHUB_LOCAL_RANK": "1", "GRADHUB_LOCAL_SIZE": "3"}),
               (a[0], {"GRADHUB_LOCAL_RANK": "2", "GRADHUB_LOCAL_SIZE": "3"})]
     for r, (ns, local) in enumerate(layout):
-        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, py, str(WORKERS / "check_sums.py")],
-                                      env=dict(env, GRADHUB_RANK=str(r), **local),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outs = [p.communicate(timeout=180)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+        procs.append(in_ns(ns, [py, str(WORKERS / "check_sums.py")], dict(env, GRADHUB_RANK=str(r), **local)))
+    outs = run_all(procs, timeout=180)
     for r in range(4):
         assert f"PASS {r}" in outs[4 + r]
     for r in (0, 2, 3):
