@@ -223,6 +223,24 @@ def test_bench_cluster_runs_a_command_on_every_host(extra):
     assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+def test_bench_cluster_workers_per_host_local_ranks():
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    code = ("import os\nprint('ENV', *(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',"
+            " 'GRADHUB_LOCAL_RANK', 'GRADHUB_LOCAL_SIZE')), os.readlink('/proc/self/ns/net'))")
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "cluster", "--workers", "2", "--workers-per-host",
+                        "2", "--no-servers", "--", sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    seen = sorted(re.findall(r"\[worker (\d)@(w\d)\] ENV (\d) 4 (\d) 2 (\d) 2 (\S+)", p.stdout))
+    assert [(r, h, lr) for r, h, rr, lr, glr, ns in seen if r == rr and lr == glr] == \
+        [("0", "w0", "0"), ("1", "w0", "1"), ("2", "w1", "0"), ("3", "w1", "1")], p.stdout
+    # Ranks 0-1 share w0's network namespace, 2-3 w1's.
+    ns = [x[-1] for x in seen]
+    assert ns[0] == ns[1] != ns[2] == ns[3], p.stdout
+
+
 def test_bench_cluster_stops_the_job_when_a_worker_fails():
     reason = netns.check_available()
     if reason:
