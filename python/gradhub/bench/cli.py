@@ -250,7 +250,7 @@ def cmd_train(args) -> int:
         print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
               f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
               f"{cores if cores is not None else float('nan'):6.2f} {ratio}{_host_cols(res, theory)}"
-              f"{_check(res, label)}{_server_lines(res, s_theory)}", flush=True)
+              f"{_check(res, label)}{_server_lines(res, s_theory) if system == 'gradhub' else ''}", flush=True)
         res.update(kind="train", label=label, model=args.model, scale=args.scale, variant=v,
                    host_reduce=host_reduce, host_bytes_theory=theory, server_bytes_theory=s_theory,
                    workers_per_host=W,
@@ -297,7 +297,7 @@ def cmd_goodput(args) -> int:
               f"{(t_opt or 0) * 1e3:11.1f} {share} {res['busy_cores'] or float('nan'):6.2f}"
               f"{_host_cols(res, theory)}  drops {res['tc_drops']}"
               + ("  (vs ring optimum)" if system == "ddp" else "") + _check(res, label)
-              + _server_lines(res, s_theory), flush=True)
+              + (_server_lines(res, s_theory) if system == "gradhub" else ""), flush=True)
         res.update(kind="goodput", label=label, k=k, optimum_time=t_opt, mbytes=mbytes, host_reduce=hr,
                    host_bytes_theory=theory, server_bytes_theory=s_theory, workers_per_host=W, share_of_optimum=t_opt / t if t_opt else None)
         _emit(args, res)

@@ -15,8 +15,9 @@ at rate scale x R; compute times are not scaled.
 
 Config (JSON in GH_BENCH): model, scale, iters, warmup, system, rank, world,
 ddp_addr, and optionally host, local_rank, local_size, netdev (the host's
-shaped interface, whose byte counters are read at the start and end of the
-timed iterations). Prints one line `RESULT {json}`.
+shaped interface, whose byte counters are read at the start of the first
+timed iteration and of one extra, untimed one). Prints one line
+`RESULT {json}`.
 """
 
 from __future__ import annotations
@@ -137,11 +138,18 @@ def main():
     times = []
     t_start = time.time()
     dev = cfg.get("netdev")
-    net0 = link_counters(dev)
-    for i in range(cfg.get("warmup", 3) + cfg.get("iters", 10)):
-        if i == cfg.get("warmup", 3):
+    warmup, iters = cfg.get("warmup", 3), cfg.get("iters", 10)
+    net0 = net1 = None
+    # The link's counters are read at the start of the first timed iteration
+    # and at the start of one more, untimed, iteration: the same point of the
+    # cycle, so traffic still in flight (forward overlap) counts once.
+    extra = 1 if dev else 0
+    for i in range(warmup + iters + extra):
+        if i == warmup:
             net0 = link_counters(dev)
             t_start = time.time()
+        if i == warmup + iters:
+            net1, t_end = link_counters(dev), time.time()
         t0 = time.perf_counter()
         opt.zero_grad()
         model(x).backward()
@@ -149,9 +157,10 @@ def main():
         times.append(time.perf_counter() - t0)
     if system == "gradhub" and hasattr(opt, "finish"):
         opt.finish()
-    t_end, net1 = time.time(), link_counters(dev)
+    if not extra:
+        t_end = time.time()
     steps = len(times)
-    times = times[cfg.get("warmup", 3):]
+    times = times[warmup:warmup + iters]
     res = {
         "rank": rank,
         "world": world,
