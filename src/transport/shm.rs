@@ -77,14 +77,6 @@ impl Segment {
         Ok(Segment { ptr: ptr.cast(), len, path })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// Start of the mapping plus `offset` (`offset` <= len).
     pub fn at(&self, offset: usize) -> *mut u8 {
         assert!(offset <= self.len, "segment offset {offset} beyond {}", self.len);
@@ -167,5 +159,44 @@ impl Bells {
             self.ring(i);
             mask &= mask - 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn processes_opening_one_name_share_it_and_a_wrong_size_is_refused() {
+        let name = format!("gradhub-test-{}-seg", std::process::id());
+        let a = Segment::open(&name, 4096).unwrap();
+        let b = Segment::open(&name, 4096).unwrap();
+        // A new segment reads as zeros; a store through one mapping shows in the other.
+        assert_eq!(b.word(64).load(Ordering::Acquire), 0);
+        a.word(64).store(7, Ordering::Release);
+        assert_eq!(b.word(64).load(Ordering::Acquire), 7);
+        let err = Segment::open(&name, 8192).err().unwrap().to_string();
+        assert!(err.contains("has 4096 bytes, expected 8192"), "{err}");
+        a.unlink();
+        assert!(!a.path.exists());
+        // Unlinked: the mappings still work, a new open gets a fresh segment.
+        assert_eq!(b.word(64).load(Ordering::Acquire), 7);
+        let c = Segment::open(&name, 4096).unwrap();
+        assert_eq!(c.word(64).load(Ordering::Acquire), 0);
+        c.unlink();
+    }
+
+    #[test]
+    fn a_ring_reaches_the_doorbell_and_a_gone_peer_is_not_an_error() {
+        let job = 0x5eed_0000_0000_0000 | std::process::id() as u64;
+        let bell = Doorbell::bind(job, 1).unwrap();
+        // Member 2 never bound its doorbell: ringing it is silently a no-op.
+        let bells = Bells::new(job, &[1, 2]).unwrap();
+        bells.ring_mask(0b11);
+        let mut b = [0u8; 4];
+        assert_eq!(bell.sock.recv(&mut b).unwrap(), 1);
+        bell.drain();
+        assert!(bell.sock.recv(&mut b).is_err(), "drain leaves nothing pending");
     }
 }
