@@ -11,12 +11,15 @@
 //! - `scheduler`: rendezvous, declarations, liveness
 //! - `server`: the summation service (shared-nothing threads)
 //! - `client`: the worker's communication service (priority + credit)
+//! - `host`: what a host's workers and its server share (host-stage sums,
+//!   pushes by reference)
 //! - `error`: the one error type of the entry points (for the bindings)
 //! - `logging`: one log format for every role (`GRADHUB_LOG`)
 //! - `python` (feature "python"): the PyO3 extension `gradhub._core`
 
 pub mod client;
 pub mod error;
+pub(crate) mod host;
 pub mod kernels;
 pub mod logging;
 pub mod placement;

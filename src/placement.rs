@@ -213,6 +213,7 @@ mod tests {
                 addr: format!("10.0.0.{i}"),
                 ports: (0..threads as u16).map(|p| 9000 + p).collect(),
                 colocated: c,
+                host: format!("h{i}"),
             })
             .collect()
     }

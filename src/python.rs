@@ -212,6 +212,8 @@ fn run_server(
         num_servers,
         namespace,
         connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
+        // GRADHUB_HOST_ID, read by crate::host_id.
+        host: None,
     };
     py.detach(|| server::run_server(cfg)).map_err(py_err)
 }
@@ -275,7 +277,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1))]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -288,6 +290,7 @@ impl PyClient {
         connect_timeout: f64,
         local_rank: i32,
         local_size: i32,
+        server_shm: bool,
     ) -> PyResult<Self> {
         let cfg = ClientConfig {
             scheduler,
@@ -301,6 +304,7 @@ impl PyClient {
             local_size,
             // GRADHUB_HOST_ID, read by crate::host_id.
             host: None,
+            server_shm,
         };
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })

@@ -101,6 +101,7 @@ class Client:
         connect_timeout: float = 60.0,
         local_rank: int = -1,
         local_size: int = -1,
+        server_shm: bool = True,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

@@ -84,6 +84,7 @@ class WorkerEnv:
     namespace: int
     credit_bytes: int | None
     connect_timeout: float
+    server_shm: bool               # GRADHUB_SERVER_SHM: push to a server on this host through shared memory
     torchrun: bool
     # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
     # servers inside the worker processes (see gradhub.api).
@@ -114,6 +115,7 @@ def worker_env() -> WorkerEnv:
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         credit_bytes=get_int("GRADHUB_CREDIT_BYTES"),
         connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
+        server_shm=get_flag("GRADHUB_SERVER_SHM", True),
         torchrun=torchrun,
         embedded=embedded,
     )

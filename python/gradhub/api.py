@@ -78,7 +78,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
         _install_exit_hook()
         _client = _core.Client(env.scheduler, rank=env.rank, num_workers=env.num_workers,
                                num_servers=env.num_servers, namespace=env.namespace,
-                               connect_timeout=env.connect_timeout,
+                               connect_timeout=env.connect_timeout, server_shm=env.server_shm,
                                local_rank=-1 if env.local_rank is None else env.local_rank,
                                local_size=-1 if env.local_size is None else env.local_size, **kwargs)
     atexit.register(shutdown)

@@ -40,16 +40,16 @@
 //! table lock is only taken inside `ops` (completing an op), never around it.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
 
-use super::host::{HostStage, Staging};
 use super::op::Op;
 use super::{ClientError, Shared};
+use crate::host::{HostStage, Staging};
 use crate::placement::HostLayout;
 use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec};
 use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
@@ -86,6 +86,9 @@ struct ChunkSend {
     dtype: DType,
     ptr: *const u8,
     len: usize,
+    /// The data is in the host's shared segment, which the server maps:
+    /// send only the header (PushRef).
+    by_ref: bool,
 }
 
 /// Something waiting to be sent on a connection. Strict total order,
@@ -283,6 +286,12 @@ pub struct Io {
     pub host: Option<HostStage>,
     /// A host-stage round waiting longer than this is reported (as servers do).
     stall: std::time::Duration,
+    /// By connection: its server shares this host's memory, so the host's
+    /// sums go to it by reference.
+    by_ref: Vec<bool>,
+    /// Chunks pushed by reference and through sockets, since the start.
+    pub pushed_by_ref: AtomicU64,
+    pub pushed_by_socket: AtomicU64,
 }
 
 /// Where the chunks of a submission come from and go to.
@@ -306,6 +315,7 @@ impl Io {
         layout: Arc<HostLayout>,
         mut host: Option<HostStage>,
         stall: std::time::Duration,
+        by_ref: Vec<bool>,
     ) -> std::io::Result<Io> {
         if let Some(h) = &mut host {
             poll.registry().register(&mut h.doorbell.sock, DOORBELL, Interest::READABLE)?;
@@ -332,8 +342,11 @@ impl Io {
             fail_requested: Mutex::new(None),
             rank,
             layout,
+            by_ref: if host.is_some() { by_ref } else { vec![false; n] },
             host,
             stall,
+            pushed_by_ref: AtomicU64::new(0),
+            pushed_by_socket: AtomicU64::new(0),
         };
         for (i, c) in io.conns.iter().enumerate() {
             io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
@@ -531,6 +544,7 @@ impl Io {
             dtype: a.spec.dtype,
             ptr: src.ptr,
             len: src.len,
+            by_ref: a.host.is_some() && self.by_ref[slot],
         }));
         slot
     }
@@ -577,7 +591,7 @@ impl Io {
             let order = item.order();
             match item {
                 SendItem::Chunk(ch) => {
-                    let h = Header {
+                    let mut h = Header {
                         msg_type: MsgType::Push,
                         flags: ch.flags,
                         dtype: ch.dtype,
@@ -590,6 +604,13 @@ impl Io {
                     };
                     unreceived.insert(ch.key, ch.chunk, order, ch.len);
                     unreturned.insert(ch.key, ch.chunk, order, ch.len);
+                    if ch.by_ref {
+                        self.pushed_by_ref.fetch_add(1, Ordering::Relaxed);
+                        h.msg_type = MsgType::PushRef;
+                        h.payload_len = 0;
+                        return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
+                    }
+                    self.pushed_by_socket.fetch_add(1, Ordering::Relaxed);
                     Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
                 }
                 SendItem::Control { key, msg_type, payload, .. } => {
@@ -842,7 +863,8 @@ impl IoThread {
             )));
         }
         match hdr.msg_type {
-            MsgType::Result => {
+            MsgType::Result | MsgType::ResultRef => {
+                let by_ref = hdr.msg_type == MsgType::ResultRef;
                 let ops = io.ops();
                 let a = ops
                     .active
@@ -862,9 +884,16 @@ impl IoThread {
                     )));
                 }
                 let len = a.spec.chunk_bytes(c);
-                if hdr.payload_len as usize != len || hdr.dtype != a.spec.dtype {
+                let sent = if by_ref { 0 } else { len };
+                if by_ref && !(io.by_ref[i] && a.host.as_ref().is_some_and(|h| h.owned[c])) {
                     return Err(ConnError::Invalid(format!(
-                        "result for tensor '{}' chunk {c}: {} bytes of {}, expected {len} bytes of {}",
+                        "result by reference for tensor '{}' chunk {c}, which this worker did not push by reference",
+                        a.spec.name
+                    )));
+                }
+                if hdr.payload_len as usize != sent || hdr.dtype != a.spec.dtype {
+                    return Err(ConnError::Invalid(format!(
+                        "result for tensor '{}' chunk {c}: {} bytes of {}, expected {sent} bytes of {}",
                         a.spec.name,
                         hdr.payload_len,
                         hdr.dtype.name(),
@@ -887,6 +916,10 @@ impl IoThread {
                     }
                 };
                 drop(ops);
+                if by_ref {
+                    // Already in the shared buffer.
+                    return self.chunk_done(i, hdr.key, c);
+                }
                 self.rx[i].receive_into(hdr, ResultDest { key: hdr.key, chunk: c, dst, len });
                 Ok(())
             }

@@ -7,7 +7,6 @@
 //! declarations, barriers, peer failures) and a heartbeat thread. Workers
 //! that share a host sum there first (`host`).
 
-mod host;
 mod io;
 mod op;
 
@@ -22,11 +21,11 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use mio::Poll;
 
+use crate::host::HostStage;
 use crate::placement::HostLayout;
 use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError, SessionSender};
 use crate::transport::{connect_retry, join_host_port};
-use host::HostStage;
 use io::{BufPtr, Io, IoThread, Submission};
 
 #[derive(Debug, Clone)]
@@ -47,6 +46,9 @@ pub struct ClientConfig {
     /// This worker's host identity (default `crate::host_id()`): workers
     /// with the same one share memory and sum there first.
     pub host: Option<String>,
+    /// Push the host's sums to a server on this host by reference, through
+    /// shared memory (host stage only), instead of over loopback TCP.
+    pub server_shm: bool,
 }
 
 impl Default for ClientConfig {
@@ -62,6 +64,7 @@ impl Default for ClientConfig {
             local_rank: -1,
             local_size: -1,
             host: None,
+            server_shm: true,
         }
     }
 }
@@ -276,9 +279,11 @@ impl Client {
         let local_size = w.worker_hosts.iter().filter(|h| *h == host).count() as u32;
         let layout = HostLayout::new(&w.worker_hosts, &w.worker_local_ranks, w.host_reduce)
             .map_err(|e| ClientError::Setup(format!("the scheduler's host layout: {e}")))?;
+        // Servers on this host map the host stage's segments too.
+        let servers_here = w.servers.iter().filter(|s| &s.host == host).count();
         let host_stage = match layout.host_workers(w.rank) {
             local if local.len() > 1 => {
-                let stage = HostStage::join(w.job_id, host, local.to_vec(), w.rank, cfg.connect_timeout)
+                let stage = HostStage::join(w.job_id, host, local.to_vec(), servers_here, w.rank, cfg.connect_timeout)
                     .map_err(ClientError::Setup)?;
                 log::info!(
                     target: "worker",
@@ -295,8 +300,10 @@ impl Client {
 
         // One data connection per server thread, in slot order.
         let mut conns = Vec::new();
+        let mut by_ref = Vec::new();
         for s in &w.servers {
             for (t, &port) in s.ports.iter().enumerate() {
+                by_ref.push(cfg.server_shm && &s.host == host);
                 let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
                 let stream = connect_retry(&addr, cfg.connect_timeout).map_err(|e| setup(&desc, e))?;
@@ -308,8 +315,9 @@ impl Client {
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
         let stall = Duration::from_millis(w.stall_ms as u64);
-        let io = Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage, stall)
-            .map_err(|e| setup("data connections", e))?;
+        let io =
+            Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage, stall, by_ref)
+                .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
             table: Mutex::new(Table::default()),
@@ -559,6 +567,13 @@ impl Client {
 
     pub fn failure(&self) -> Option<String> {
         self.shared.failure()
+    }
+
+    /// Chunks this worker pushed so far: (by reference through shared
+    /// memory, through a socket).
+    pub fn pushed_chunks(&self) -> (u64, u64) {
+        let io = &self.shared.io;
+        (io.pushed_by_ref.load(Ordering::Relaxed), io.pushed_by_socket.load(Ordering::Relaxed))
     }
 }
 

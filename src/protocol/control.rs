@@ -67,6 +67,8 @@ pub struct ServerInfo {
     pub addr: String,
     pub ports: Vec<u16>,
     pub colocated: bool,
+    /// Host identity: workers with the same one share memory with it.
+    pub host: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -246,7 +248,7 @@ impl Control {
                     for &p in &s.ports {
                         w.u16(p);
                     }
-                    w.u8(s.colocated as u8);
+                    w.u8(s.colocated as u8).str(&s.host);
                 }
                 w.u32(m.worker_hosts.len() as u32);
                 for h in &m.worker_hosts {
@@ -339,7 +341,7 @@ impl Control {
                 let heartbeat_ms = r.u32("heartbeat_ms")?;
                 let stall_ms = r.u32("stall_ms")?;
                 let peer_timeout_ms = r.u32("peer_timeout_ms")?;
-                let ns = r.count("servers", 13)?;
+                let ns = r.count("servers", 17)?;
                 let mut servers = Vec::with_capacity(ns);
                 for _ in 0..ns {
                     let rank = r.u32("server rank")?;
@@ -347,7 +349,8 @@ impl Control {
                     let np = r.count("server ports", 2)?;
                     let ports = (0..np).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
                     let colocated = r.u8("colocated")? != 0;
-                    servers.push(ServerInfo { rank, addr, ports, colocated });
+                    let host = r.str("server host")?;
+                    servers.push(ServerInfo { rank, addr, ports, colocated, host });
                 }
                 let nw = r.count("worker_hosts", 4)?;
                 let worker_hosts: Vec<String> = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;

@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 3;
+pub const VERSION: u8 = 4;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -45,6 +45,8 @@ msg_types! {
     Error = 5, "either direction: a fatal problem, UTF-8 text; the sender closes the connection";
     OptConfig = 6, "worker -> server thread: run this optimizer on the key's chunks (payload: OptConfig)";
     Received = 7, "server thread -> worker: a push arrived whole (header only); returns the worker's credit for it";
+    PushRef = 8, "worker -> server thread on its host: a Push whose data is in the host's shared segment (no payload)";
+    ResultRef = 9, "server thread -> worker on its host: a Result written into the host's shared segment (no payload)";
     Register = 16, "member -> scheduler: join the job";
     Welcome = 17, "scheduler -> member: rank and cluster map";
     Declare = 18, "worker -> scheduler: batch of tensor declarations";

@@ -7,8 +7,10 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 21] = [
+const ALL_MSG_TYPES: [MsgType; 23] = [
     MsgType::DataHello,
+    MsgType::PushRef,
+    MsgType::ResultRef,
     MsgType::OptConfig,
     MsgType::Received,
     MsgType::Push,
@@ -32,8 +34,16 @@ const ALL_MSG_TYPES: [MsgType; 21] = [
 ];
 
 /// Data-plane types; every other MsgType is a Control message.
-const DATA_TYPES: [MsgType; 6] =
-    [MsgType::DataHello, MsgType::Push, MsgType::Result, MsgType::Stall, MsgType::OptConfig, MsgType::Received];
+const DATA_TYPES: [MsgType; 8] = [
+    MsgType::DataHello,
+    MsgType::Push,
+    MsgType::Result,
+    MsgType::Stall,
+    MsgType::OptConfig,
+    MsgType::Received,
+    MsgType::PushRef,
+    MsgType::ResultRef,
+];
 
 const ALL_DTYPES: [DType; 4] = [DType::None, DType::F32, DType::F16, DType::BF16];
 
@@ -101,9 +111,27 @@ fn sample_controls() -> Vec<Control> {
             stall_ms: 30_000,
             peer_timeout_ms: 10_000,
             servers: vec![
-                ServerInfo { rank: 0, addr: "10.0.0.1".into(), ports: vec![40000, 40001, 40002], colocated: true },
-                ServerInfo { rank: 1, addr: "host-β.example".into(), ports: vec![], colocated: false },
-                ServerInfo { rank: u32::MAX, addr: String::new(), ports: vec![u16::MAX], colocated: false },
+                ServerInfo {
+                    rank: 0,
+                    addr: "10.0.0.1".into(),
+                    ports: vec![40000, 40001, 40002],
+                    colocated: true,
+                    host: "h0".into(),
+                },
+                ServerInfo {
+                    rank: 1,
+                    addr: "host-β.example".into(),
+                    ports: vec![],
+                    colocated: false,
+                    host: "β".into(),
+                },
+                ServerInfo {
+                    rank: u32::MAX,
+                    addr: String::new(),
+                    ports: vec![u16::MAX],
+                    colocated: false,
+                    host: String::new(),
+                },
             ],
             worker_hosts: vec!["a".into(), "a".into(), "日本語ホスト".into(), String::new()],
             worker_local_ranks: vec![0, 1, 0, u32::MAX],

@@ -107,6 +107,7 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             addr: g.reg.addr.clone(),
             ports: g.reg.ports.clone(),
             colocated: g.reg.colocated,
+            host: g.reg.hostname.clone(),
         })
         .collect();
     servers.sort_by_key(|s| s.rank);

@@ -1,18 +1,22 @@
 //! The summation server process: registers with the scheduler, starts one
 //! shared-nothing thread per configured core (each with its own listening
 //! port), installs tensor specs on its threads when the scheduler says so,
-//! and exits when the job ends.
+//! and exits when the job ends. On a host whose workers sum there first,
+//! it maps their shared segments so they can push to it by reference.
 
 mod optimizer;
 mod thread;
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crossbeam_channel::bounded;
 use mio::{Poll, Waker};
 
+use crate::host::{host_tag, Staging};
 use crate::placement::HostLayout;
-use crate::protocol::{Control, Register, Role};
+use crate::protocol::{Control, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError};
 use thread::{ServerThread, ThreadCmd, ThreadConfig};
 
@@ -34,6 +38,9 @@ pub struct ServerConfig {
     pub num_servers: u32,
     pub namespace: u32,
     pub connect_timeout: Duration,
+    /// This server's host identity (default `crate::host_id()`): workers
+    /// with the same one share memory with it.
+    pub host: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +57,7 @@ impl Default for ServerConfig {
             num_servers: 0,
             namespace: 0,
             connect_timeout: Duration::from_secs(60),
+            host: None,
         }
     }
 }
@@ -87,10 +95,11 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         None => joining.local_ip()?.to_string(),
     };
     let ns = cfg.namespace;
+    let host = cfg.host.clone().unwrap_or_else(crate::host_id);
     let mut session = joining.register(Register {
         role: Role::Server,
         requested_rank: cfg.rank,
-        hostname: crate::host_id(),
+        hostname: host.clone(),
         addr: advertise.clone(),
         ports: ports.clone(),
         colocated: cfg.colocated,
@@ -117,6 +126,17 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     if layout.num_hosts() < welcome.num_workers as usize {
         log::info!(target: &who, "{} workers on {} hosts: one push per host and chunk", welcome.num_workers, layout.num_hosts());
     }
+    // Workers of this host that sum here first may push by reference.
+    let local: Vec<bool> = (0..welcome.num_workers)
+        .map(|r| welcome.worker_hosts[r as usize] == host && layout.host_workers(r).len() > 1)
+        .collect();
+    let mut segments = Segments { job_id: welcome.job_id, host_tag: host_tag(&host), mappers: 0, open: HashMap::new() };
+    if let Some(r) = local.iter().position(|&l| l) {
+        let servers_here = welcome.servers.iter().filter(|s| s.host == host).count();
+        segments.mappers = layout.host_workers(r as u32).len() + servers_here;
+        log::info!(target: &who, "workers {:?} share this host: they push by reference through shared memory", layout.host_workers(r as u32));
+    }
+    let local = Arc::new(local);
 
     // Spawn the shared-nothing threads.
     let mut cmd_txs = Vec::with_capacity(threads);
@@ -134,6 +154,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             slot: first_slot + t as u32,
             num_workers: welcome.num_workers,
             layout: layout.clone(),
+            local: local.clone(),
             namespace: ns,
             partition_bytes: welcome.partition_bytes,
             stall: Duration::from_millis(welcome.stall_ms as u64),
@@ -149,7 +170,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         joins.push(j);
     }
 
-    let result = control_loop(&mut session, &cmd_txs, &wakers);
+    let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments);
     drop(session);
     for (tx, w) in cmd_txs.iter().zip(&wakers) {
         let _ = tx.send(match &result {
@@ -161,6 +182,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     for j in joins {
         let _ = j.join();
     }
+    segments.cleanup();
     match &result {
         Ok(()) => log::info!(target: &who, "job complete, exiting"),
         Err(e) => log::error!(target: &who, "{e}"),
@@ -173,15 +195,17 @@ fn control_loop(
     session: &mut Session,
     cmd_txs: &[crossbeam_channel::Sender<ThreadCmd>],
     wakers: &[Waker],
+    segments: &mut Segments,
 ) -> Result<(), ServerError> {
     let sender = session.sender();
     let exited = || ServerError::JobFailed("a server thread exited".into());
     loop {
         match session.recv()? {
             Control::ServerDeclare { batch, specs } => {
+                let shm = segments.map(&specs).map_err(ServerError::Setup)?;
                 let (ack_tx, ack_rx) = bounded(cmd_txs.len());
                 for (tx, w) in cmd_txs.iter().zip(wakers) {
-                    tx.send(ThreadCmd::Declare(specs.clone(), ack_tx.clone())).map_err(|_| exited())?;
+                    tx.send(ThreadCmd::Declare(specs.clone(), shm.clone(), ack_tx.clone())).map_err(|_| exited())?;
                     let _ = w.wake();
                 }
                 for _ in cmd_txs {
@@ -197,6 +221,44 @@ fn control_loop(
             other => {
                 log::warn!(target: &format!("server {}", session.welcome.rank), "ignoring {}", crate::session::unexpected(&other));
             }
+        }
+    }
+}
+
+/// The shared segments of this host's tensors, mapped when they are
+/// declared (before any worker uses them), when workers here push by
+/// reference (`mappers` > 0).
+struct Segments {
+    job_id: u64,
+    host_tag: u64,
+    mappers: usize,
+    open: HashMap<u32, Arc<Staging>>,
+}
+
+impl Segments {
+    fn map(&mut self, specs: &[TensorSpec]) -> Result<Vec<(u32, Arc<Staging>)>, String> {
+        if self.mappers == 0 {
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::with_capacity(specs.len());
+        for s in specs {
+            let st = match self.open.get(&s.key) {
+                Some(st) => st.clone(),
+                None => {
+                    let st = Arc::new(Staging::open(self.job_id, self.host_tag, s, self.mappers)?);
+                    self.open.insert(s.key, st.clone());
+                    st
+                }
+            };
+            out.push((s.key, st));
+        }
+        Ok(out)
+    }
+
+    /// Remove the names (in case a worker never came to map them).
+    fn cleanup(&self) {
+        for st in self.open.values() {
+            let _ = std::fs::remove_file(st.path());
         }
     }
 }

@@ -11,6 +11,11 @@
 //! when hosts do not reduce first. Results are double-buffered by round
 //! parity: a pusher can only push round r+2 after every pusher received round
 //! r, so the buffer of round r is never overwritten while it is being sent.
+//!
+//! A worker on this server's own host pushes by reference (`PushRef`): the
+//! chunk is read from the host's shared segment (`crate::host::Staging`)
+//! and its result written back there (`ResultRef`), instead of both
+//! crossing the loopback socket.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -21,6 +26,7 @@ use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::optimizer::OptState;
+use crate::host::Staging;
 use crate::kernels;
 use crate::placement::HostLayout;
 use crate::protocol::{
@@ -34,7 +40,9 @@ const FIRST_CONN: usize = 2;
 
 pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours.
-    Declare(Vec<TensorSpec>, Sender<()>),
+    /// With the tensors' shared segments when workers on this host push by
+    /// reference.
+    Declare(Vec<TensorSpec>, Vec<(u32, Arc<Staging>)>, Sender<()>),
     Stop,
     /// The job failed: tell every connected worker why, then exit.
     Abort(String),
@@ -47,6 +55,9 @@ pub struct ThreadConfig {
     pub num_workers: u32,
     /// Who pushes which chunk.
     pub layout: Arc<HostLayout>,
+    /// By rank: the worker shares this server's host and its stage, so it
+    /// may push by reference.
+    pub local: Arc<Vec<bool>>,
     pub namespace: u32,
     pub partition_bytes: u32,
     pub stall: Duration,
@@ -76,6 +87,8 @@ struct Chunk {
     /// Init rounds keep the push of the pusher for rank 0's host.
     init_from: u32,
     pushed: Vec<bool>,
+    /// By rank: this round's push came by reference (so does the result).
+    by_ref: Vec<bool>,
     count: u32,
     flags: u16,
     priority: i32,
@@ -106,6 +119,7 @@ struct TxItem {
     seq: u64,
     chunk: usize,
     round: u32,
+    by_ref: bool,
 }
 impl Ord for TxItem {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
@@ -183,6 +197,8 @@ pub struct ServerThread {
     opt_cfg: HashMap<u32, OptConfig>,
     /// dtype of every key with at least one chunk on this thread.
     keys_here: HashMap<u32, DType>,
+    /// Shared segments of this host's tensors (see `ThreadCmd::Declare`).
+    shm: HashMap<u32, Arc<Staging>>,
 }
 
 type ConnResult = Result<(), ConnError>;
@@ -205,6 +221,7 @@ impl ServerThread {
             pool: Vec::new(),
             opt_cfg: HashMap::new(),
             keys_here: HashMap::new(),
+            shm: HashMap::new(),
         }
     }
 
@@ -255,8 +272,9 @@ impl ServerThread {
             }
             while let Ok(cmd) = self.cmds.try_recv() {
                 match cmd {
-                    ThreadCmd::Declare(specs, ack) => {
+                    ThreadCmd::Declare(specs, shm, ack) => {
                         self.install(&specs);
+                        self.shm.extend(shm);
                         let _ = ack.send(());
                     }
                     ThreadCmd::Stop => return,
@@ -340,6 +358,7 @@ impl ServerThread {
                     pushers: self.cfg.layout.pushers(s.key, c as u32),
                     init_from: self.cfg.layout.owner(0, s.key, c as u32),
                     pushed: vec![false; n],
+                    by_ref: vec![false; n],
                     count: 0,
                     flags: 0,
                     priority: 0,
@@ -460,61 +479,21 @@ impl ServerThread {
                 Ok(())
             }
             MsgType::Push => {
-                let rank = conn.rank.ok_or("Push before DataHello")?;
-                let &idx = self.index.get(&(hdr.key, hdr.chunk)).ok_or_else(|| {
-                    format!(
-                        "key {} chunk {} is not owned by this server thread (undeclared or misrouted)",
-                        hdr.key, hdr.chunk
-                    )
-                })?;
+                let (idx, _) = self.check_push(t, &hdr)?;
                 let ch = &self.chunks[idx];
-                let name = self.names.get(&hdr.key).map(String::as_str).unwrap_or("?");
-                if hdr.dtype != ch.dtype {
-                    return Err(ConnError::Invalid(format!(
-                        "tensor '{name}' chunk {}: dtype {} but it was declared {}",
-                        hdr.chunk,
-                        hdr.dtype.name(),
-                        ch.dtype.name()
-                    )));
-                }
                 let want = ch.elems * ch.dtype.size();
                 if hdr.payload_len as usize != want {
                     return Err(ConnError::Invalid(format!(
-                        "tensor '{name}' chunk {}: payload of {} bytes, expected {want}",
-                        hdr.chunk, hdr.payload_len
-                    )));
-                }
-                if hdr.round != ch.round {
-                    return Err(ConnError::Invalid(format!(
-                        "tensor '{name}' chunk {}: push for round {} but the chunk is at round {}",
-                        hdr.chunk, hdr.round, ch.round
-                    )));
-                }
-                if !ch.pushers.contains(&rank) {
-                    return Err(ConnError::Invalid(format!(
-                        "tensor '{name}' chunk {}: worker {rank} pushed, but worker {} pushes it for that host",
+                        "tensor '{}' chunk {}: payload of {} bytes, expected {want}",
+                        self.name(hdr.key),
                         hdr.chunk,
-                        self.cfg.layout.owner(rank, hdr.key, hdr.chunk)
+                        hdr.payload_len
                     )));
-                }
-                if ch.pushed[rank as usize] {
-                    return Err(ConnError::Invalid(format!(
-                        "tensor '{name}' chunk {}: worker {rank} pushed twice in round {}",
-                        hdr.chunk, ch.round
-                    )));
-                }
-                if ch.count > 0 && hdr.flags != ch.flags {
-                    return Err(ConnError::Invalid(format!(
-                        "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
-                        ch.round
-                    )));
-                }
-                let init = hdr.flags & FLAG_INIT != 0;
-                if init && ch.dtype != DType::F32 {
-                    return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
                 }
                 // Init rounds keep only one push (rank 0's), so nothing goes straight in.
+                let init = hdr.flags & FLAG_INIT != 0;
                 let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress && !init;
+                let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
                 if direct {
                     self.chunks[idx].direct_in_progress = true;
                 } else if conn.scratch.len() * 4 < want {
@@ -528,6 +507,28 @@ impl ServerThread {
                 }
                 conn.rx.receive_into(hdr, Dest { chunk: idx, direct, parity: (hdr.round & 1) as usize, len: want });
                 Ok(())
+            }
+            MsgType::PushRef => {
+                let (idx, rank) = self.check_push(t, &hdr)?;
+                if hdr.payload_len != 0 {
+                    return Err(format!("PushRef with a {}-byte payload", hdr.payload_len).into());
+                }
+                let Some(st) = self.shm.get(&hdr.key).filter(|_| self.cfg.local[rank as usize]).cloned() else {
+                    return Err(ConnError::Invalid(format!(
+                        "worker {rank} pushed tensor '{}' by reference, but does not share memory with this server",
+                        self.name(hdr.key)
+                    )));
+                };
+                let (ptr, len) = st.wire(hdr.chunk as usize, hdr.round);
+                let ch = &self.chunks[idx];
+                if len != ch.elems * ch.dtype.size() || !(ptr as usize).is_multiple_of(ch.dtype.size()) {
+                    return Err(
+                        format!("internal: shared chunk of {len} bytes at {ptr:?} for {} elements", ch.elems).into()
+                    );
+                }
+                // The owner's chunk of this round in the segment, which it
+                // leaves alone until our result comes back.
+                self.add_push(t, hdr, idx, false, Some(ptr))
             }
             MsgType::OptConfig => {
                 conn.rank.ok_or("OptConfig before DataHello")?;
@@ -557,7 +558,65 @@ impl ServerThread {
         }
     }
 
+    /// Checks common to both kinds of push; returns the chunk's index and the pusher.
+    fn check_push(&self, t: usize, hdr: &Header) -> Result<(usize, u32), ConnError> {
+        let conn = self.conns.get(&t).ok_or("internal: no connection")?;
+        let rank = conn.rank.ok_or("Push before DataHello")?;
+        let &idx = self.index.get(&(hdr.key, hdr.chunk)).ok_or_else(|| {
+            format!("key {} chunk {} is not owned by this server thread (undeclared or misrouted)", hdr.key, hdr.chunk)
+        })?;
+        let ch = &self.chunks[idx];
+        let name = self.name(hdr.key);
+        if hdr.dtype != ch.dtype {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: dtype {} but it was declared {}",
+                hdr.chunk,
+                hdr.dtype.name(),
+                ch.dtype.name()
+            )));
+        }
+        if hdr.round != ch.round {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: push for round {} but the chunk is at round {}",
+                hdr.chunk, hdr.round, ch.round
+            )));
+        }
+        if !ch.pushers.contains(&rank) {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: worker {rank} pushed, but worker {} pushes it for that host",
+                hdr.chunk,
+                self.cfg.layout.owner(rank, hdr.key, hdr.chunk)
+            )));
+        }
+        if ch.pushed[rank as usize] {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: worker {rank} pushed twice in round {}",
+                hdr.chunk, ch.round
+            )));
+        }
+        if ch.count > 0 && hdr.flags != ch.flags {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
+                ch.round
+            )));
+        }
+        if hdr.flags & FLAG_INIT != 0 && ch.dtype != DType::F32 {
+            return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
+        }
+        Ok((idx, rank))
+    }
+
+    fn name(&self, key: u32) -> &str {
+        self.names.get(&key).map(String::as_str).unwrap_or("?")
+    }
+
     fn on_push_complete(&mut self, t: usize, hdr: Header, idx: usize, direct: bool) -> ConnResult {
+        self.add_push(t, hdr, idx, direct, None)
+    }
+
+    /// Add a push to its chunk's sum: from `shared` (by reference), else
+    /// from the connection's scratch buffer, or already in place (`direct`).
+    fn add_push(&mut self, t: usize, hdr: Header, idx: usize, direct: bool, shared: Option<*const u8>) -> ConnResult {
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         let rank = conn.rank.ok_or("internal: no rank")? as usize;
         let ch = &mut self.chunks[idx];
@@ -565,10 +624,22 @@ impl ServerThread {
         let n = ch.elems;
         let first = ch.count == 0;
         let init = hdr.flags & FLAG_INIT != 0;
+        let src: *const u8 = match shared {
+            Some(p) => p,
+            // Unused when direct; else the push was received into it.
+            None => conn.scratch.as_ptr().cast(),
+        };
+        if shared.is_none() && !direct && conn.scratch.len() * 4 < n * ch.dtype.size() {
+            return Err("internal: push data missing".into());
+        }
+        // SAFETY: n elements, aligned (checked for shared chunks; scratch is
+        // u32); only called when the push's data is there (not `direct`).
+        let f32s = || unsafe { std::slice::from_raw_parts(src.cast::<f32>(), n) };
+        let u16s = || unsafe { std::slice::from_raw_parts(src.cast::<u16>(), n) };
         match &mut ch.buf {
             ChunkBuf::F32(b) if init => {
                 if rank as u32 == ch.init_from {
-                    b[parity].copy_from_slice(&cast(&conn.scratch)[..n]);
+                    b[parity].copy_from_slice(f32s());
                 }
             }
             ChunkBuf::F32(b) => {
@@ -580,15 +651,24 @@ impl ServerThread {
                     }
                 } else if ch.direct_in_progress {
                     // The accumulator is still being filled from the network.
-                    ch.deferred.push(std::mem::take(&mut conn.scratch));
+                    let parked = match shared {
+                        Some(_) => {
+                            let mut v = self.pool.pop().unwrap_or_default();
+                            v.resize(n, 0);
+                            bytes_mut(&mut v)[..n * 4].copy_from_slice(bytes(f32s()));
+                            v
+                        }
+                        None => std::mem::take(&mut conn.scratch),
+                    };
+                    ch.deferred.push(parked);
                 } else if first {
-                    b[parity].copy_from_slice(&cast(&conn.scratch)[..n]);
+                    b[parity].copy_from_slice(f32s());
                 } else {
-                    kernels::add_f32(&mut b[parity], &cast(&conn.scratch)[..n]);
+                    kernels::add_f32(&mut b[parity], f32s());
                 }
             }
             ChunkBuf::Half { acc, .. } => {
-                let src: &[u16] = &cast(&conn.scratch)[..n];
+                let src = u16s();
                 match (ch.dtype, first) {
                     (DType::F16, true) => kernels::widen_f16(acc, src),
                     (DType::F16, false) => kernels::add_f16(acc, src),
@@ -604,6 +684,7 @@ impl ServerThread {
         }
         ch.priority = ch.priority.max(hdr.priority);
         ch.pushed[rank] = true;
+        ch.by_ref[rank] = shared.is_some();
         ch.count += 1;
         // The last push of a round is answered by the result itself (one
         // frame and one wake-up fewer on a small round trip).
@@ -666,10 +747,12 @@ impl ServerThread {
         ch.started = None;
         ch.stall_reported = false;
         for i in 0..self.chunks[idx].pushers.len() {
-            let Some(t) = self.worker_conn[self.chunks[idx].pushers[i] as usize] else { continue };
+            let r = self.chunks[idx].pushers[i] as usize;
+            let Some(t) = self.worker_conn[r] else { continue };
             self.seq += 1;
+            let by_ref = self.chunks[idx].by_ref[r];
             if let Some(c) = self.conns.get_mut(&t) {
-                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round });
+                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref });
             }
             if let Err(why) = self.flush(t) {
                 self.close(t, &why.to_string());
@@ -682,6 +765,7 @@ impl ServerThread {
     fn flush(&mut self, t: usize) -> ConnResult {
         let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
         let chunks = &self.chunks;
+        let shm = &self.shm;
         let ns = self.cfg.namespace;
         let (acks, notices, results) = (&mut conn.acks, &mut conn.notices, &mut conn.results);
         let next = || {
@@ -693,7 +777,8 @@ impl ServerThread {
             }
             let item = results.pop()?;
             let ch = &chunks[item.chunk];
-            let h = Header {
+            let parity = (item.round & 1) as usize;
+            let mut h = Header {
                 msg_type: MsgType::Result,
                 flags: 0,
                 dtype: ch.dtype,
@@ -704,7 +789,19 @@ impl ServerThread {
                 priority: item.priority,
                 payload_len: (ch.elems * ch.dtype.size()) as u32,
             };
-            Some(Outgoing::frame(Carry::Result { chunk: item.chunk, parity: (item.round & 1) as usize }, &h))
+            if item.by_ref {
+                if let Some(st) = shm.get(&ch.key) {
+                    let src = ch.result_bytes(parity);
+                    let (dst, len) = st.wire(ch.chunk as usize, item.round);
+                    // SAFETY: the pusher's chunk of this round in the segment:
+                    // it waits for this frame before touching it again.
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len.min(src.len())) };
+                    h.msg_type = MsgType::ResultRef;
+                    h.payload_len = 0;
+                    return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
+                }
+            }
+            Some(Outgoing::frame(Carry::Result { chunk: item.chunk, parity }, &h))
         };
         let payload = |c: &Carry| match *c {
             Carry::Result { chunk, parity } => chunks[chunk].result_bytes(parity),

@@ -9,17 +9,47 @@ use half::{bf16, f16};
 use crate::support::*;
 
 /// A job whose worker `r` runs on host `hosts[r]`; clients sorted by rank.
+/// Colocated servers go to the workers' hosts in order of first appearance
+/// (so their host's owners push to them by reference); CPU-only servers
+/// run on hosts of their own.
 fn host_job(hosts: &[&str], servers: &[(usize, bool)], reduce: bool) -> (RealJob, Vec<Client>) {
+    host_job_shm(hosts, servers, reduce, true)
+}
+
+fn server_hosts(hosts: &[&str], servers: &[(usize, bool)]) -> Vec<Option<String>> {
+    let mut distinct: Vec<&str> = Vec::new();
+    for h in hosts {
+        if !distinct.contains(h) {
+            distinct.push(h);
+        }
+    }
+    let mut next = 0;
+    servers
+        .iter()
+        .enumerate()
+        .map(|(i, &(_, colocated))| {
+            Some(if colocated {
+                next += 1;
+                distinct[(next - 1) % distinct.len()].to_string()
+            } else {
+                format!("cpu-{i}")
+            })
+        })
+        .collect()
+}
+
+fn host_job_shm(hosts: &[&str], servers: &[(usize, bool)], reduce: bool, shm: bool) -> (RealJob, Vec<Client>) {
     let (nw, ns) = (hosts.len() as u32, servers.len() as u32);
     let mut cfg = sched_config(nw, ns);
     cfg.host_reduce = reduce;
-    let job = real_job(cfg, servers);
+    let job = real_job_on(cfg, servers, &server_hosts(hosts, servers));
     let pending: Vec<_> = hosts
         .iter()
         .enumerate()
         .map(|(r, h)| {
             let mut c = client_config(job.addr, r as i32, nw, ns);
             c.host = Some(h.to_string());
+            c.server_shm = shm;
             spawn_client(c)
         })
         .collect();
@@ -49,9 +79,16 @@ fn v(rank: u32, i: usize) -> f32 {
 /// of a chunk, one chunk, many chunks over every server thread) in f32,
 /// f16 and bf16, plain and averaged, and checks each result element by
 /// element against the sum over all workers.
+///
+/// Owners push to a server on their own host by reference (unless `shm`
+/// is off), to every other server through sockets.
 fn exact_sums(hosts: &[&str], servers: &[(usize, bool)], reduce: bool) {
+    exact_sums_shm(hosts, servers, reduce, true)
+}
+
+fn exact_sums_shm(hosts: &[&str], servers: &[(usize, bool)], reduce: bool, shm: bool) {
     let nw = hosts.len() as u32;
-    let (job, clients) = host_job(hosts, servers, reduce);
+    let (job, clients) = host_job_shm(hosts, servers, reduce, shm);
     let sizes = [0usize, 3, 256, 1000, 7001];
     std::thread::scope(|s| {
         for c in &clients {
@@ -80,7 +117,25 @@ fn exact_sums(hosts: &[&str], servers: &[(usize, bool)], reduce: bool) {
             });
         }
     });
+    let placed = server_hosts(hosts, servers);
+    for h in hosts {
+        let on_h: Vec<&Client> = clients.iter().filter(|c| hosts[c.rank as usize] == *h).collect();
+        let by_ref: u64 = on_h.iter().map(|c| c.pushed_chunks().0).sum();
+        let by_socket: u64 = on_h.iter().map(|c| c.pushed_chunks().1).sum();
+        let shares = placed.iter().any(|p| p.as_deref() == Some(*h));
+        if shm && reduce && on_h.len() > 1 && shares {
+            assert!(by_ref > 0, "host {h}: no push by reference ({by_socket} through sockets)");
+        } else {
+            assert_eq!(by_ref, 0, "host {h}: pushed by reference without a server sharing its memory");
+        }
+        assert!(by_ref + by_socket > 0, "host {h} pushed nothing");
+    }
     finish(job, clients);
+}
+
+#[test]
+fn server_shm_off_pushes_through_sockets() {
+    exact_sums_shm(&["a", "a", "a", "b", "b"], &[(1, true), (2, true)], true, false);
 }
 
 #[test]
@@ -230,8 +285,9 @@ fn a_failing_worker_fails_its_host_peers_and_everyone_else() {
 }
 
 #[test]
-fn shared_memory_names_are_removed_once_every_local_worker_mapped_them() {
-    let (job, clients) = host_job(&["a", "a", "a"], &[(1, false)], true);
+fn shared_memory_names_are_removed_once_every_local_worker_and_server_mapped_them() {
+    // Server 1 shares host a: it maps the segments too, and counts.
+    let (job, clients) = host_job(&["a", "a", "a"], &[(1, false), (1, true)], true);
     let id = clients[0].job_id;
     let ours = || -> Vec<String> {
         std::fs::read_dir("/dev/shm")

@@ -290,6 +290,14 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     c.hello(1);
     c.expect_error("second DataHello");
 
+    // A push by reference from a worker that shares no memory with this server.
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| {
+        h.msg_type = MsgType::PushRef;
+        h.payload_len = 0;
+    }));
+    c.expect_error("does not share memory");
+
     // A DataHello that claims a payload: refused, not read as the next frame.
     let mut c = job.raw(0);
     let mut h = Header::new(MsgType::DataHello);

@@ -536,6 +536,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         num_servers: ns,
         namespace: NS,
         connect_timeout: IO_TIMEOUT,
+        host: None,
     }
 }
 
@@ -571,6 +572,11 @@ pub struct RealJob {
 }
 
 pub fn real_job(cfg: SchedulerConfig, servers: &[(usize, bool)]) -> RealJob {
+    real_job_on(cfg, servers, &[])
+}
+
+/// `real_job` with server i on host `hosts[i]` (default: this machine's identity).
+pub fn real_job_on(cfg: SchedulerConfig, servers: &[(usize, bool)], hosts: &[Option<String>]) -> RealJob {
     let (nw, ns) = (cfg.num_workers, cfg.num_servers);
     assert_eq!(ns as usize, servers.len());
     let h = start(cfg);
@@ -578,7 +584,11 @@ pub fn real_job(cfg: SchedulerConfig, servers: &[(usize, bool)]) -> RealJob {
     let servers = servers
         .iter()
         .enumerate()
-        .map(|(i, &(t, c))| spawn_server(server_config(addr, t, c, i as i32, nw, ns)))
+        .map(|(i, &(t, c))| {
+            let mut sc = server_config(addr, t, c, i as i32, nw, ns);
+            sc.host = hosts.get(i).cloned().flatten();
+            spawn_server(sc)
+        })
         .collect();
     RealJob { addr, sched: Some(h), servers }
 }

@@ -9,6 +9,12 @@
 //! at submit, under a per-chunk lock held for one chunk's add; the pushes
 //! and copy-outs are the I/O thread's (`io`), woken by doorbells.
 //!
+//! A server on the same host (same host identity) maps the segments too
+//! and takes the owners' pushes by reference (BytePS §6, shared memory for
+//! colocated processes): the push frame names the chunk, the server sums
+//! straight from `wire` and writes the result back there, so neither
+//! direction copies the data through the loopback socket.
+//!
 //! Parity double-buffering is safe for the server's reason: a worker
 //! contributes to round r+2 only after its round r+1 completed, which needs
 //! every local worker's round r+1 contribution, made after their round r
@@ -58,6 +64,14 @@ fn round_up(n: usize) -> usize {
     n.div_ceil(LINE) * LINE
 }
 
+/// Names what a host's processes share, from its host identity.
+pub fn host_tag(host: &str) -> u64 {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let mut h = DefaultHasher::new();
+    host.hash(&mut h);
+    h.finish()
+}
+
 /// One worker's contribution to a round: its flags, whether its values
 /// count (an init round keeps only rank 0's), and its local rank.
 #[derive(Clone, Copy)]
@@ -82,6 +96,34 @@ pub struct Staging {
 }
 
 impl Staging {
+    /// Map tensor `spec`'s segment on host `host_tag` of job `job_id`.
+    /// `mappers`: how many processes map it (the host's workers and its
+    /// servers); the last one removes the name, which nobody needs then.
+    pub fn open(job_id: u64, host_tag: u64, spec: &TensorSpec, mappers: usize) -> Result<Staging, String> {
+        let (len, acc, wire) = Staging::layout(spec);
+        let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-k{}", spec.key);
+        let seg = Segment::open(&name, len).map_err(|e| format!("tensor '{}': {e}", spec.name))?;
+        if seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 >= mappers {
+            seg.unlink();
+        }
+        Ok(Staging {
+            seg,
+            dtype: spec.dtype,
+            chunk_elems: spec.chunk_elems as usize,
+            numel: spec.numel as usize,
+            num_chunks: spec.num_chunks(),
+            local_size: 0,
+            acc,
+            wire,
+        })
+    }
+
+    /// The segment's name (removed by whoever maps it when leaving, in
+    /// case a mapper never came).
+    pub fn path(&self) -> &std::path::Path {
+        &self.seg.path
+    }
+
     fn layout(spec: &TensorSpec) -> (usize, [usize; 2], [usize; 2]) {
         let n = spec.num_chunks();
         let numel = spec.numel as usize;
@@ -277,6 +319,8 @@ pub struct HostStage {
     job_id: u64,
     /// Distinguishes hosts that share /dev/shm (emulated hosts, containers).
     host_tag: u64,
+    /// Processes that map each tensor segment: the workers and servers here.
+    mappers: usize,
     /// The host's workers by local rank, and this worker's index in it.
     pub workers: Vec<u32>,
     pub local: usize,
@@ -299,7 +343,15 @@ impl HostStage {
     /// Meet the other workers of this host: each binds its doorbell, then
     /// all map one rendezvous segment. Fails if they do not all arrive
     /// within `timeout` (e.g. they share a host identity but not /dev/shm).
-    pub fn join(job_id: u64, host: &str, workers: Vec<u32>, rank: u32, timeout: Duration) -> Result<HostStage, String> {
+    /// `servers`: how many server processes on this host map its segments.
+    pub fn join(
+        job_id: u64,
+        host: &str,
+        workers: Vec<u32>,
+        servers: usize,
+        rank: u32,
+        timeout: Duration,
+    ) -> Result<HostStage, String> {
         let local = workers.iter().position(|&r| r == rank).ok_or("this worker is not on its host's list")?;
         if workers.len() > MAX_LOCAL_WORKERS {
             return Err(format!(
@@ -307,12 +359,7 @@ impl HostStage {
                 workers.len()
             ));
         }
-        let host_tag = {
-            use std::hash::{DefaultHasher, Hash, Hasher};
-            let mut h = DefaultHasher::new();
-            host.hash(&mut h);
-            h.finish()
-        };
+        let host_tag = host_tag(host);
         let doorbell =
             Doorbell::bind(job_id, rank).map_err(|e| format!("cannot bind this worker's doorbell socket: {e}"))?;
         let bells = Bells::new(job_id, &workers).map_err(|e| format!("doorbells: {e}"))?;
@@ -343,6 +390,7 @@ impl HostStage {
         Ok(HostStage {
             job_id,
             host_tag,
+            mappers: workers.len() + servers,
             workers,
             local,
             bells,
@@ -358,24 +406,10 @@ impl HostStage {
         if let Some(s) = map.get(&spec.key) {
             return Ok(s.clone());
         }
-        let (len, acc, wire) = Staging::layout(spec);
-        let name = format!("gradhub-{:016x}-{:016x}-k{}", self.job_id, self.host_tag, spec.key);
-        let seg = Segment::open(&name, len).map_err(|e| format!("tensor '{}': {e}", spec.name))?;
-        self.opened.lock().unwrap_or_else(|e| e.into_inner()).push(seg.path.clone());
-        if seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 == self.workers.len() {
-            // The last to map it: nobody needs the name any more.
-            seg.unlink();
-        }
-        let s = Arc::new(Staging {
-            seg,
-            dtype: spec.dtype,
-            chunk_elems: spec.chunk_elems as usize,
-            numel: spec.numel as usize,
-            num_chunks: spec.num_chunks(),
-            local_size: self.workers.len() as u32,
-            acc,
-            wire,
-        });
+        let mut st = Staging::open(self.job_id, self.host_tag, spec, self.mappers)?;
+        st.local_size = self.workers.len() as u32;
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).push(st.path().to_path_buf());
+        let s = Arc::new(st);
         map.insert(spec.key, s.clone());
         Ok(s)
     }
@@ -434,7 +468,7 @@ mod tests {
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 let ranks = ranks.clone();
-                std::thread::spawn(move || HostStage::join(id, "h", ranks, r, Duration::from_secs(10)).unwrap())
+                std::thread::spawn(move || HostStage::join(id, "h", ranks, 0, r, Duration::from_secs(10)).unwrap())
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -538,7 +572,7 @@ mod tests {
 
     #[test]
     fn a_worker_that_never_arrives_is_a_clear_error() {
-        let err = HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, Duration::from_millis(200)).err().unwrap();
+        let err = HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, 0, Duration::from_millis(200)).err().unwrap();
         assert!(err.contains("only 1 of the 2 workers") && err.contains("GRADHUB_HOST_ID"), "{err}");
     }
 
