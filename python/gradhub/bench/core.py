@@ -7,6 +7,9 @@ to its baseline measured in the same run:
   priority   a small high-priority push_pull issued after a big low-priority
              one: completion time of each
   sweep      goodput over partition size x credit (how the defaults were chosen)
+  host       push_pull of a large f32 tensor by W worker processes and one
+             colocated server on this host: host stage off, on with the
+             server over loopback TCP, on with pushes by reference
 
 CPU use (user+sys seconds per wall second, summed over all processes of the
 run; 2.0 = both cores of this machine busy) is printed beside every figure.
@@ -15,7 +18,7 @@ The TCP baselines are a compiled program (examples/tcp_baseline.rs), so the
 comparison is about protocol, not interpreter: this is a developer benchmark
 that needs the source checkout and cargo, which builds the program on first use.
 
-Usage: gradhub bench core [transport|latency|priority|sweep|all] [--quick] [--json FILE]
+Usage: gradhub bench core [transport|latency|priority|sweep|host|all] [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -289,12 +292,98 @@ def bench_sweep(args, out):
     out["sweep"] = res
 
 
-BENCHMARKS = ("transport", "latency", "priority", "sweep")
+def _host_worker(port: int, rank: int, workers: int, nbytes: int, reps: int, server_shm: bool) -> None:
+    """One worker of `bench_host` (a child process): rank 0 prints "go"
+    before its timed loop and the times (and its CPU) after."""
+    c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=1, server_shm=server_shm)
+    a = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+    for _ in range(2):  # declare + warm up (first touch of every buffer)
+        c.push_pull_async(a.ctypes.data, a.nbytes, "float32", "t", False, 0, a).wait()
+    print("go", flush=True)
+    times, c0 = [], self_cpu()
+    for _ in range(reps):
+        a.fill(rank + 1)
+        t0 = time.perf_counter()
+        c.push_pull_async(a.ctypes.data, a.nbytes, "float32", "t", False, 0, a).wait()
+        times.append(time.perf_counter() - t0)
+    cpu = self_cpu() - c0
+    want = workers * (workers + 1) / 2
+    ok = bool(np.all(a == want))
+    print(json.dumps({"times": times, "cpu": cpu, "ok": ok}), flush=True)
+    c.shutdown()
+
+
+def host_push_pull(workers: int, nbytes: int, reps: int, reduce: bool, server_shm: bool) -> dict:
+    """W worker processes and one colocated server on this host: the best
+    time per push_pull (rank 0's), CPU per wall second over every process."""
+    port = _free_port()
+    sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, 1, _core.DEFAULT_PARTITION_BYTES, host_reduce=reduce)
+    server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
+                               "--threads", "1", "--colocated", "--advertise-addr", "127.0.0.1"],
+                              stderr=subprocess.DEVNULL)
+    code = (f"from gradhub.bench.core import _host_worker; "
+            f"_host_worker({port}, {{r}}, {workers}, {nbytes}, {reps}, {server_shm})")
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.DEVNULL) for r in range(workers)]
+    try:
+        lines = [p.stdout.readline().strip() for p in procs]
+        if any(line != "go" for line in lines):
+            raise RuntimeError(f"bench host: a worker failed to start ({lines})")
+        server0 = proc_cpu(server.pid)
+        res = [json.loads(p.stdout.readline()) for p in procs]
+        server_cpu = proc_cpu(server.pid) - server0
+        for p in procs:
+            p.wait(timeout=60)
+        sched.wait()
+        server.wait(timeout=30)
+    finally:
+        for p in [*procs, server]:
+            if p.poll() is None:
+                p.kill()
+    wall = sum(res[0]["times"])
+    # Each worker measures its own loop; the server is sampled from /proc around them.
+    cpu = (sum(r["cpu"] for r in res) + server_cpu) / wall
+    return {"best_s": min(res[0]["times"]), "median_s": statistics.median(res[0]["times"]), "cpu": cpu,
+            "ok": all(r["ok"] for r in res)}
+
+
+def bench_host(args, out):
+    workers, nbytes = 4, 32 << 20
+    reps = 5 if args.quick else 12
+    trials = 1 if args.quick else 3
+    modes = {"stage off": (False, False), "stage, server over TCP": (True, False),
+             "stage, server by reference": (True, True)}
+    best: dict[str, dict] = {}
+    for _ in range(trials):  # interleaved, so drift on a shared machine hits every mode
+        for name, (reduce, shm) in modes.items():
+            r = host_push_pull(workers, nbytes, reps, reduce, shm)
+            if name not in best or r["best_s"] < best[name]["best_s"]:
+                best[name] = r
+            if not r["ok"]:
+                raise RuntimeError(f"bench host: wrong sum with {name}")
+    # What the data must cross at least: every worker's tensor added once into the host's sum
+    # and the result copied back into every worker, at this machine's memory bandwidth.
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        np.copyto(b, a)
+    copy_gbps = 5 * nbytes / (time.perf_counter() - t0) / 1e9
+    print(f"host  32 MiB f32, {workers} workers + 1 colocated server on one host (best of {trials}x{reps})")
+    print(f"  memcpy (numpy, one core)            {copy_gbps:6.2f} GB/s")
+    base = best["stage off"]["best_s"]
+    for name, r in best.items():
+        print(f"  {name:<30}  {r['best_s'] * 1e3:7.1f} ms  (median {r['median_s'] * 1e3:6.1f})   "
+              f"cpu {r['cpu']:4.2f}   vs stage off {base / r['best_s']:5.2f}x")
+    out["host"] = {"workers": workers, "bytes": nbytes, "memcpy_GBps": copy_gbps, **best}
+
+
+BENCHMARKS = ("transport", "latency", "priority", "sweep", "host")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("which", nargs="*", default=["all"], metavar="BENCH",
-                    help="transport, latency, priority, sweep or all (default all)")
+                    help="transport, latency, priority, sweep, host or all (default all)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--json", help="write raw results to this file")
 

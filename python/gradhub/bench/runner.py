@@ -27,6 +27,9 @@ VARIANTS = {
     # The host stage off (read by the scheduler): every worker of a host
     # pushes and pulls everything itself, as before issue 9.
     "nohost": {"GRADHUB_HOST_REDUCE": "0"},
+    # Host stage on, but the owners push to their own host's server over
+    # loopback TCP instead of by reference through shared memory.
+    "noshm": {"GRADHUB_SERVER_SHM": "0"},
 }
 
 
