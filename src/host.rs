@@ -314,6 +314,44 @@ where
     }
 }
 
+/// Meet the host's other workers and its servers in shared memory, so that
+/// all of them map the same segments: fails if they do not all arrive
+/// within `timeout` (e.g. they share a host identity but not /dev/shm,
+/// which would otherwise leave each with segments of its own).
+pub fn rendezvous(job_id: u64, host: &str, workers: &[u32], servers: usize, timeout: Duration) -> Result<(), String> {
+    let name = format!("gradhub-{job_id:016x}-{:016x}-join", host_tag(host));
+    let seg = Segment::open(&name, LINE).map_err(|e| e.to_string())?;
+    seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel);
+    let expected = workers.len() + servers;
+    let deadline = Instant::now() + timeout;
+    loop {
+        let n = seg.word(ATTACHED).load(Ordering::Acquire) as usize;
+        if n >= expected {
+            break;
+        }
+        if Instant::now() >= deadline {
+            seg.unlink();
+            let servers = match servers {
+                0 => String::new(),
+                1 => " and its server".to_string(),
+                s => format!(" and its {s} servers"),
+            };
+            return Err(format!(
+                "only {n} of the {} workers (ranks {workers:?}){servers} on host '{host}' reached its shared memory \
+                 ({}) within {:.0}s. If they run in separate containers, give each its own GRADHUB_HOST_ID; \
+                 or turn host reduction off with GRADHUB_HOST_REDUCE=0",
+                workers.len(),
+                seg.path.display(),
+                timeout.as_secs_f64()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Everyone has it mapped: the name is no longer needed.
+    seg.unlink();
+    Ok(())
+}
+
 /// This worker's part in its host's stage.
 pub struct HostStage {
     job_id: u64,
@@ -363,30 +401,7 @@ impl HostStage {
         let doorbell =
             Doorbell::bind(job_id, rank).map_err(|e| format!("cannot bind this worker's doorbell socket: {e}"))?;
         let bells = Bells::new(job_id, &workers).map_err(|e| format!("doorbells: {e}"))?;
-        let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-join");
-        let seg = Segment::open(&name, LINE).map_err(|e| e.to_string())?;
-        seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel);
-        let deadline = Instant::now() + timeout;
-        loop {
-            let n = seg.word(ATTACHED).load(Ordering::Acquire) as usize;
-            if n >= workers.len() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                seg.unlink();
-                return Err(format!(
-                    "only {n} of the {} workers on host '{host}' (ranks {workers:?}) reached its shared memory \
-                     ({}) within {:.0}s. If they run in separate containers, give each its own GRADHUB_HOST_ID; \
-                     or turn host reduction off with GRADHUB_HOST_REDUCE=0",
-                    workers.len(),
-                    seg.path.display(),
-                    timeout.as_secs_f64()
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        // Everyone has it mapped: the name is no longer needed.
-        seg.unlink();
+        rendezvous(job_id, host, &workers, servers, timeout)?;
         Ok(HostStage {
             job_id,
             host_tag,
@@ -574,6 +589,23 @@ mod tests {
     fn a_worker_that_never_arrives_is_a_clear_error() {
         let err = HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, 0, Duration::from_millis(200)).err().unwrap();
         assert!(err.contains("only 1 of the 2 workers") && err.contains("GRADHUB_HOST_ID"), "{err}");
+    }
+
+    #[test]
+    fn a_server_that_does_not_share_the_workers_memory_is_a_clear_error() {
+        // Both workers arrive; the server that shares their host identity does not
+        // (e.g. another container): it would map segments of its own.
+        let id = job_id() ^ 2;
+        let t = Duration::from_millis(300);
+        let other = std::thread::spawn(move || rendezvous(id, "h", &[0, 1], 1, t));
+        let err = rendezvous(id, "h", &[0, 1], 1, t).unwrap_err();
+        assert!(err.contains("only 2 of the 2 workers (ranks [0, 1]) and its server on host 'h'"), "{err}");
+        assert!(other.join().unwrap().is_err());
+        // With it, everyone gets through.
+        let id = job_id() ^ 3;
+        let w = std::thread::spawn(move || rendezvous(id, "h", &[0], 1, Duration::from_secs(10)));
+        rendezvous(id, "h", &[0], 1, Duration::from_secs(10)).unwrap();
+        w.join().unwrap().unwrap();
     }
 
     #[test]

@@ -66,6 +66,28 @@ def test_a_worker_that_fails_is_not_a_worker_that_finished(cluster_factory, tmp_
     assert c.procs["server0"].wait(timeout=20) == 1
 
 
+@pytest.mark.parametrize("what,how,host_reduce", [
+    ("named", "shutdown", "1"), ("named", "exit1", "0"), ("unnamed", "shutdown", "0"), ("barrier", "shutdown", "1"),
+])
+def test_a_worker_that_left_fails_what_still_needs_it(cluster_factory, what, how, host_reduce):
+    # Uneven steps: worker 1 leaves cleanly (shutdown, or sys.exit(1) with
+    # nothing in flight) after 2 rounds; worker 0's third round (through the
+    # host stage or straight to the server, a named or a new tensor, or a
+    # barrier) used to wait forever for it.
+    c = cluster_factory(2, 1, GRADHUB_HOST_REDUCE=host_reduce)
+    cfg = {"what": what, "how": how, "steps": 3, "leave_steps": 2}
+    c.start_worker(0, "leave.py", cfg)
+    c.start_worker(1, "leave.py", cfg)
+    c.wait_for("worker1", "LEFT")
+    line = wait_line(c, "worker0", "RAISED", timeout=30)
+    assert "left the job" in line and "1" in line and "same collective operations" in line, line
+    assert "STEP 1" in c.log("worker0") and "STEP 2" not in c.log("worker0")
+    assert c.procs["worker1"].wait(timeout=20) == (1 if how == "exit1" else 0)
+    assert c.procs["worker0"].wait(timeout=20) == 3
+    assert c.procs["scheduler"].wait(timeout=20) == 1
+    assert c.procs["server0"].wait(timeout=20) == 1
+
+
 def test_silent_peer_detected_by_heartbeat(cluster_factory, tmp_path):
     c = cluster_factory(2, 2, GRADHUB_PEER_TIMEOUT=2)
     cfg = {"go_file": str(tmp_path / "never")}
@@ -94,7 +116,7 @@ def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared, ho
     for r in range(3):
         c.start_worker(r, "hold.py", cfg)
     line = wait_line(c, "worker0", "TIMEOUT", timeout=30)
-    assert "rank(s) [2]" in line and "'x'" in line, line
+    assert "rank(s) [2]" in line and "'x'" in line and "still running" in line, line
     who = "scheduler" if not declared else "server0" if host_reduce == "0" else "worker0"
     c.wait_for(who, "stall: tensor 'x'")
     assert "worker rank(s) [2]" in c.log(who)

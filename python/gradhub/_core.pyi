@@ -8,6 +8,7 @@ same names.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 DEFAULT_PARTITION_BYTES: int
 PROTOCOL_VERSION: int  # the wire protocol this build speaks (frame header byte 2)
@@ -17,7 +18,11 @@ class GradhubError(RuntimeError):
     """A gradhub job or operation failed."""
 
 class GradhubTimeoutError(TimeoutError):
-    """A gradhub operation did not finish in time."""
+    """A gradhub operation did not finish in time. It is not cancelled: its
+    tensor stays in use until it completes; `gradhub.push_pull` attaches the
+    operation as `handle` (a `gradhub.Handle`) to wait on it again."""
+
+    handle: Any
 
 def run_scheduler(
     bind: str,

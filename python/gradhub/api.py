@@ -16,6 +16,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from . import _core, _env
+from ._core import GradhubTimeoutError
 from .buffers import describe, get_buffer, is_torch_tensor, stage, validate
 
 _lock = threading.Lock()
@@ -222,8 +223,19 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
 
 def push_pull(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
               dtype: str | None = None, timeout: float | None = None):
-    """Sum (or average) `tensor` across all workers, in place; returns it."""
-    return push_pull_async(tensor, name=name, average=average, priority=priority, dtype=dtype).wait(timeout)
+    """Sum (or average) `tensor` across all workers, in place; returns it.
+
+    A `timeout` does not cancel the operation (the other workers' sums are
+    built from this worker's pushes): the GradhubTimeoutError carries the
+    operation as `.handle`, and the tensor stays in use, read and then
+    written by gradhub, until `handle.wait()` returns. Do not write to it
+    before then."""
+    h = push_pull_async(tensor, name=name, average=average, priority=priority, dtype=dtype)
+    try:
+        return h.wait(timeout)
+    except GradhubTimeoutError as e:
+        e.handle = h
+        raise
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str | None = None):

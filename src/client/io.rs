@@ -40,7 +40,7 @@
 //! table lock is only taken inside `ops` (completing an op), never around it.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -289,9 +289,21 @@ pub struct Io {
     /// By connection: its server shares this host's memory, so the host's
     /// sums go to it by reference.
     by_ref: Vec<bool>,
+    /// A worker that left the job (`NONE_LEFT`: none); see `Shared::on_peer_left`.
+    pub left: AtomicU32,
     /// Chunks pushed by reference and through sockets, since the start.
     pub pushed_by_ref: AtomicU64,
     pub pushed_by_socket: AtomicU64,
+}
+
+pub const NONE_LEFT: u32 = u32::MAX;
+
+/// Why something waiting for a worker that left can never complete.
+pub fn left_message(left: u32, me: u32, what: &str) -> String {
+    format!(
+        "worker {left} has left the job (it shut down or exited) while worker {me} still needs it for {what}: \
+         every worker must run the same collective operations"
+    )
 }
 
 /// Where the chunks of a submission come from and go to.
@@ -345,6 +357,7 @@ impl Io {
             by_ref: if host.is_some() { by_ref } else { vec![false; n] },
             host,
             stall,
+            left: AtomicU32::new(NONE_LEFT),
             pushed_by_ref: AtomicU64::new(0),
             pushed_by_socket: AtomicU64::new(0),
         };
@@ -352,6 +365,10 @@ impl Io {
             io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
         }
         Ok(io)
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.rank
     }
 
     /// Split the credit across connections in proportion to the bytes placed
@@ -457,6 +474,25 @@ impl Io {
         if self.start(s, round, Some(hr), &ready, wire, shared) {
             h.bells.ring_mask(ring | 1 << h.local);
         }
+        // A local worker left while this was being submitted: see `Shared::on_peer_left`.
+        let left = self.left.load(Ordering::Acquire);
+        if left != NONE_LEFT {
+            if let Some(name) = self.waits_for_local(left) {
+                shared.fail_job(left_message(left, self.rank, &format!("push_pull '{name}' on their host")));
+            }
+        }
+    }
+
+    /// An active round of this host's stage that still waits for worker
+    /// `rank`'s contribution (so, if it left, will never complete).
+    pub fn waits_for_local(&self, rank: u32) -> Option<String> {
+        let h = self.host.as_ref()?;
+        let local = h.workers.iter().position(|&r| r == rank)?;
+        let ops = self.ops();
+        ops.active
+            .values()
+            .find(|a| a.host.as_ref().is_some_and(|hr| hr.staging.missing(a.round) & (1 << local) != 0))
+            .map(|a| a.spec.name.clone())
     }
 
     /// Check a submission can start; its round, or None if it is empty.
@@ -948,7 +984,12 @@ impl IoThread {
 
     fn on_small(&mut self, i: usize, hdr: Header, buf: Vec<u8>) -> Result<(), ConnError> {
         if hdr.msg_type == MsgType::Error {
-            return Err(ConnError::Invalid(format!("server reported an error: {}", String::from_utf8_lossy(&buf))));
+            let msg = format!("server reported an error: {}", String::from_utf8_lossy(&buf));
+            // The server refused this worker (e.g. a round that can never
+            // complete): the scheduler may not know, so tell it.
+            let io = &self.shared.io;
+            self.shared.fail_job(format!("worker {}: {}: {msg}", io.rank, io.conns[i].desc()));
+            return Err(ConnError::Invalid(msg));
         }
         let s = decode_stall(&buf).map_err(|e| format!("bad stall report: {e}"))?;
         let io = &self.shared.io;

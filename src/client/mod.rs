@@ -104,6 +104,8 @@ struct Table {
     waiters: HashMap<u32, Waiter>,
     in_flight: HashSet<String>,
     barriers: HashMap<u32, Sender<Result<(), String>>>,
+    /// A worker that left cleanly while this one goes on (`PeerLeft`).
+    left: Option<u32>,
 }
 
 /// State shared by the caller, the control thread and the I/O thread.
@@ -124,6 +126,46 @@ impl Shared {
 
     fn failure(&self) -> Option<String> {
         self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A worker left cleanly (`PeerLeft`). It had nothing in flight, so it
+    /// took part in every operation that can still complete here; anything
+    /// waiting for it now (a declaration, a barrier, a host-stage
+    /// contribution; servers catch pushes, the scheduler declarations) or
+    /// started later never will, and
+    /// fails the job for everyone, naming it, instead of hanging.
+    fn on_peer_left(&self, rank: u32) {
+        let me = self.io.rank();
+        let mut waiting = {
+            let mut t = self.table();
+            t.left.get_or_insert(rank);
+            let mut w: Vec<String> = t.parked.keys().map(|n| format!("push_pull '{n}'")).collect();
+            if !t.barriers.is_empty() {
+                w.push("a barrier".into());
+            }
+            w
+        };
+        self.io.left.store(rank, Ordering::Release);
+        if let Some(name) = self.io.waits_for_local(rank) {
+            waiting.push(format!("push_pull '{name}' on their host"));
+        }
+        if waiting.is_empty() {
+            log::info!(target: &format!("worker {me}"), "worker {rank} has left the job");
+        } else {
+            waiting.sort();
+            self.fail_job(io::left_message(rank, me, &waiting.join(", ")));
+        }
+    }
+
+    /// Fails the job if a worker has left (see `on_peer_left`).
+    fn check_left(&self, t: &Table, what: &str) -> Result<(), ClientError> {
+        match t.left {
+            Some(r) => {
+                let msg = io::left_message(r, self.io.rank(), what);
+                Err(ClientError::Failed(msg))
+            }
+            None => Ok(()),
+        }
     }
 
     /// Record a job failure (first one wins) and fail everything waiting.
@@ -430,6 +472,11 @@ impl Client {
         let op = Arc::new(Op::new(name.to_string(), keepalive));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
+        if let Err(e) = self.shared.check_left(&t, &format!("push_pull '{name}'")) {
+            drop(t);
+            self.shared.fail_job(e.to_string());
+            return Err(e);
+        }
         if !t.in_flight.insert(name.to_string()) {
             return Err(ClientError::Usage(format!(
                 "tensor '{name}' is already being push_pulled; wait for its handle before starting another round"
@@ -499,7 +546,15 @@ impl Client {
         self.check_usable()?;
         let id = self.shared.next_barrier.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = bounded(1);
-        self.shared.table().barriers.insert(id, tx);
+        {
+            let mut t = self.shared.table();
+            if let Err(e) = self.shared.check_left(&t, "a barrier") {
+                drop(t);
+                self.shared.fail_job(e.to_string());
+                return Err(e);
+            }
+            t.barriers.insert(id, tx);
+        }
         if let Err(e) = self.shared.send_ctrl(&Control::Barrier { id }) {
             self.shared.set_failure(e.to_string());
         }
@@ -546,6 +601,8 @@ impl Client {
                 self.shared.session.close(false);
             }
             Some(_) => self.shared.session.close(false),
+            // The job failed: no goodbye, which would tell the scheduler this worker finished.
+            None if self.shared.failure().is_some() => self.shared.session.close(false),
             None => self.shared.session.close(true),
         }
         self.shared.io.stop();
@@ -619,6 +676,7 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 shared.set_failure(format!("{} {rank} was lost: {reason}", role.name()));
                 return;
             }
+            Ok(Control::PeerLeft { rank }) => shared.on_peer_left(rank),
             Ok(Control::Error { message }) => {
                 shared.set_failure(format!("scheduler: {message}"));
                 return;

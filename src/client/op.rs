@@ -155,6 +155,11 @@ impl Op {
                             msg.push_str("; ");
                             msg.push_str(s);
                         }
+                        // Not cancelled: the other workers' sums include this
+                        // one's pushes, so the tensor is still in use.
+                        msg.push_str(
+                            "; it is still running and its tensor stays in use until it completes (wait on it again)",
+                        );
                         return Err(OpError::Timeout(msg));
                     }
                     st = self.cv.wait_timeout(st, d - now).unwrap_or_else(|e| e.into_inner()).0;

@@ -133,19 +133,52 @@ impl TensorSpec {
 pub enum Control {
     Register(Register),
     Welcome(Welcome),
-    Declare { req: u32, entries: Vec<DeclEntry> },
-    Declared { req: u32, specs: Vec<TensorSpec> },
-    DeclareError { req: u32, message: String },
+    Declare {
+        req: u32,
+        entries: Vec<DeclEntry>,
+    },
+    Declared {
+        req: u32,
+        specs: Vec<TensorSpec>,
+    },
+    DeclareError {
+        req: u32,
+        message: String,
+    },
     Heartbeat,
-    PeerLost { role: Role, rank: u32, reason: String },
+    PeerLost {
+        role: Role,
+        rank: u32,
+        reason: String,
+    },
+    /// A worker left cleanly (its goodbye) while others go on: nothing it
+    /// did not take part in can complete any more.
+    PeerLeft {
+        rank: u32,
+    },
     Goodbye,
     Shutdown,
-    Barrier { id: u32 },
-    BarrierDone { id: u32 },
-    ServerDeclare { batch: u32, specs: Vec<TensorSpec> },
-    ServerDeclareAck { batch: u32 },
-    DeclareStall { name: String, missing: Vec<u32>, waited_ms: u64 },
-    Error { message: String },
+    Barrier {
+        id: u32,
+    },
+    BarrierDone {
+        id: u32,
+    },
+    ServerDeclare {
+        batch: u32,
+        specs: Vec<TensorSpec>,
+    },
+    ServerDeclareAck {
+        batch: u32,
+    },
+    DeclareStall {
+        name: String,
+        missing: Vec<u32>,
+        waited_ms: u64,
+    },
+    Error {
+        message: String,
+    },
 }
 
 fn put_spec(w: &mut Writer, s: &TensorSpec) {
@@ -215,6 +248,7 @@ impl Control {
             Control::DeclareError { .. } => MsgType::DeclareError,
             Control::Heartbeat => MsgType::Heartbeat,
             Control::PeerLost { .. } => MsgType::PeerLost,
+            Control::PeerLeft { .. } => MsgType::PeerLeft,
             Control::Goodbye => MsgType::Goodbye,
             Control::Shutdown => MsgType::Shutdown,
             Control::Barrier { .. } => MsgType::Barrier,
@@ -279,6 +313,9 @@ impl Control {
             }
             Control::Barrier { id } | Control::BarrierDone { id } => {
                 w.u32(*id);
+            }
+            Control::PeerLeft { rank } => {
+                w.u32(*rank);
             }
             Control::ServerDeclare { batch, specs } => {
                 w.u32(*batch);
@@ -404,6 +441,7 @@ impl Control {
                 Control::PeerLost { role, rank, reason: r.str("reason")? }
             }
             MsgType::Barrier => Control::Barrier { id: r.u32("id")? },
+            MsgType::PeerLeft => Control::PeerLeft { rank: r.u32("rank")? },
             MsgType::BarrierDone => Control::BarrierDone { id: r.u32("id")? },
             MsgType::ServerDeclare => {
                 let batch = r.u32("batch")?;

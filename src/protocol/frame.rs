@@ -61,6 +61,7 @@ msg_types! {
     ServerDeclare = 27, "scheduler -> server: install tensor specs before workers use them";
     ServerDeclareAck = 28, "server -> scheduler: specs installed";
     DeclareStall = 29, "scheduler -> worker: a tensor you declared waits for other workers to declare it";
+    PeerLeft = 30, "scheduler -> members: a worker left cleanly while others go on";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

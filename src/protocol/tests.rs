@@ -7,7 +7,8 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 23] = [
+const ALL_MSG_TYPES: [MsgType; 24] = [
+    MsgType::PeerLeft,
     MsgType::DataHello,
     MsgType::PushRef,
     MsgType::ResultRef,
@@ -178,6 +179,7 @@ fn sample_controls() -> Vec<Control> {
         Control::Heartbeat,
         Control::PeerLost { role: Role::Server, rank: 1, reason: "heartbeat timeout after 3000 ms".into() },
         Control::PeerLost { role: Role::Worker, rank: u32::MAX, reason: String::new() },
+        Control::PeerLeft { rank: 3 },
         Control::Goodbye,
         Control::Shutdown,
         Control::Barrier { id: 0 },

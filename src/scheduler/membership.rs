@@ -282,6 +282,14 @@ fn assign_ranks(cfg: &SchedulerConfig, joining: &[Option<Registration>]) -> Resu
 pub(super) fn enter_barrier(shared: &Shared, st: &mut State, rank: u32, id: u32) {
     let set = st.barriers.entry(id).or_default();
     set.insert(rank);
+    if let Some(gone) = st.said_goodbye.iter().find(|r| !set.contains(r)) {
+        let why = format!(
+            "worker {gone} left the job (shut down or exited) before barrier {id}, which worker {rank} entered: \
+             every worker must run the same collective operations"
+        );
+        shared.fail(st, None, why);
+        return;
+    }
     if set.len() == shared.cfg.num_workers as usize {
         st.barriers.remove(&id);
         for m in st.members.iter().filter(|m| m.role == Role::Worker) {
@@ -291,15 +299,37 @@ pub(super) fn enter_barrier(shared: &Shared, st: &mut State, rank: u32, id: u32)
 }
 
 /// A worker finished; when every worker has, the servers are told to exit.
+/// Before that, everyone still in the job is told it left (`PeerLeft`):
+/// whatever it did not take part in can never complete, and must fail
+/// rather than wait (e.g. a worker that runs more steps than the others).
 pub(super) fn say_goodbye(shared: &Shared, st: &mut State, rank: u32) {
     st.said_goodbye.insert(rank);
     let done = st.finished || st.failed.is_some();
-    if st.said_goodbye.len() == shared.cfg.num_workers as usize && !done {
+    if done {
+        return;
+    }
+    if st.said_goodbye.len() == shared.cfg.num_workers as usize {
         st.finished = true;
         for m in st.members.iter().filter(|m| m.role == Role::Server) {
             m.send(&Control::Shutdown, shared.cfg.namespace);
         }
         shared.cv.notify_all();
+        return;
+    }
+    if let Some(why) = super::declarations::waiting_on_departed(st) {
+        shared.fail(st, None, why);
+        return;
+    }
+    if let Some((id, _)) = st.barriers.iter().find(|(_, entered)| !entered.contains(&rank)) {
+        let why = format!(
+            "worker {rank} left the job (shut down or exited) while others wait in barrier {id}: \
+             every worker must run the same collective operations"
+        );
+        shared.fail(st, None, why);
+        return;
+    }
+    for m in st.members.iter().filter(|m| !(m.role == Role::Worker && st.said_goodbye.contains(&m.rank))) {
+        m.send(&Control::PeerLeft { rank }, shared.cfg.namespace);
     }
 }
 

@@ -133,7 +133,10 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let mut segments = Segments { job_id: welcome.job_id, host_tag: host_tag(&host), mappers: 0, open: HashMap::new() };
     if let Some(r) = local.iter().position(|&l| l) {
         let servers_here = welcome.servers.iter().filter(|s| s.host == host).count();
-        segments.mappers = layout.host_workers(r as u32).len() + servers_here;
+        let workers = layout.host_workers(r as u32);
+        segments.mappers = workers.len() + servers_here;
+        crate::host::rendezvous(welcome.job_id, &host, workers, servers_here, cfg.connect_timeout)
+            .map_err(ServerError::Setup)?;
         log::info!(target: &who, "workers {:?} share this host: they push by reference through shared memory", layout.host_workers(r as u32));
     }
     let local = Arc::new(local);
@@ -214,6 +217,12 @@ fn control_loop(
                 sender.send(&Control::ServerDeclareAck { batch })?;
             }
             Control::Shutdown => return Ok(()),
+            Control::PeerLeft { rank } => {
+                for (tx, w) in cmd_txs.iter().zip(wakers) {
+                    tx.send(ThreadCmd::Left(rank)).map_err(|_| exited())?;
+                    let _ = w.wake();
+                }
+            }
             Control::PeerLost { role, rank: r, reason } => {
                 return Err(ServerError::JobFailed(format!("{} {r} lost: {reason}", role.name())))
             }

@@ -44,6 +44,8 @@ pub enum ThreadCmd {
     /// reference.
     Declare(Vec<TensorSpec>, Vec<(u32, Arc<Staging>)>, Sender<()>),
     Stop,
+    /// Worker `rank` left the job cleanly while others go on.
+    Left(u32),
     /// The job failed: tell every connected worker why, then exit.
     Abort(String),
 }
@@ -197,6 +199,8 @@ pub struct ServerThread {
     opt_cfg: HashMap<u32, OptConfig>,
     /// dtype of every key with at least one chunk on this thread.
     keys_here: HashMap<u32, DType>,
+    /// By rank: the worker left the job cleanly (`ThreadCmd::Left`).
+    left: Vec<bool>,
     /// Shared segments of this host's tensors (see `ThreadCmd::Declare`).
     shm: HashMap<u32, Arc<Staging>>,
 }
@@ -222,6 +226,7 @@ impl ServerThread {
             opt_cfg: HashMap::new(),
             keys_here: HashMap::new(),
             shm: HashMap::new(),
+            left: vec![false; n],
         }
     }
 
@@ -278,6 +283,7 @@ impl ServerThread {
                         let _ = ack.send(());
                     }
                     ThreadCmd::Stop => return,
+                    ThreadCmd::Left(rank) => self.on_left(rank),
                     ThreadCmd::Abort(why) => {
                         let tokens: Vec<usize> = self.conns.keys().copied().collect();
                         for t in tokens {
@@ -594,6 +600,9 @@ impl ServerThread {
                 hdr.chunk, ch.round
             )));
         }
+        if let Some(why) = self.never_completes(ch) {
+            return Err(ConnError::Invalid(why));
+        }
         if ch.count > 0 && hdr.flags != ch.flags {
             return Err(ConnError::Invalid(format!(
                 "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
@@ -604,6 +613,41 @@ impl ServerThread {
             return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
         }
         Ok((idx, rank))
+    }
+
+    /// Why a chunk's current round can never complete: a pusher that has
+    /// not pushed it left the job. (A worker leaves with nothing in flight,
+    /// so every round it took part in is complete.)
+    fn never_completes(&self, ch: &Chunk) -> Option<String> {
+        let gone = ch.pushers.iter().find(|&&p| self.left[p as usize] && !ch.pushed[p as usize])?;
+        Some(format!(
+            "worker {gone} has left the job (it shut down or exited), so tensor '{}' round {} can never complete: \
+             every worker must run the same collective operations",
+            self.name(ch.key),
+            ch.round
+        ))
+    }
+
+    /// Worker `rank` left: the workers that pushed a round it never will
+    /// are told why (their connections close, which fails their job).
+    fn on_left(&mut self, rank: u32) {
+        let Some(l) = self.left.get_mut(rank as usize) else { return };
+        *l = true;
+        let mut close: Vec<(usize, String)> = Vec::new();
+        for ch in self.chunks.iter().filter(|c| c.count > 0) {
+            if let Some(why) = self.never_completes(ch) {
+                for (r, _) in ch.pushed.iter().enumerate().filter(|(_, &p)| p) {
+                    if let Some(t) = self.worker_conn[r] {
+                        if !close.iter().any(|(c, _)| *c == t) {
+                            close.push((t, why.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        for (t, why) in close {
+            self.close(t, &why);
+        }
     }
 
     fn name(&self, key: u32) -> &str {

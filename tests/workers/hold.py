@@ -42,12 +42,13 @@ try:
         gradhub.push_pull(x, name="x", timeout=60)
     else:
         print("WAITING", r, flush=True)
-        h = gradhub.push_pull_async(x, name="x")
         try:
-            h.wait(timeout)
+            gradhub.push_pull(x, name="x", timeout=timeout)
         except gradhub.GradhubTimeoutError as e:
+            # Not cancelled: the error carries the operation, still running.
             print("TIMEOUT:", e, flush=True)
-            h.wait(60)
+            assert not e.handle.done() and e.handle.name == "x"
+            assert e.handle.wait(60) is x
 except gradhub.GradhubError as e:
     print("RAISED:", e, flush=True)
     sys.exit(3)
