@@ -93,10 +93,6 @@ pub(super) fn declare(
         names.push(e.name);
     }
     st.pending.push(PendingReq { rank, req, names });
-    if let Some(why) = waiting_on_departed(st) {
-        shared.fail(st, None, why);
-        return None;
-    }
     let mut specs = Vec::new();
     for name in newly_complete {
         let key = st.next_key;
@@ -117,6 +113,10 @@ pub(super) fn declare(
         specs.push(spec);
     }
     answer_ready(shared, st);
+    if let Some(why) = waiting_on_departed(st) {
+        shared.fail(st, None, why);
+        return None;
+    }
     if specs.is_empty() {
         return None;
     }
@@ -125,24 +125,23 @@ pub(super) fn declare(
     Some((batch, specs))
 }
 
-/// A declaration that can never complete: a worker that left the job
-/// (goodbye) never declared it.
+/// A declaration a worker still waits for that can never complete: a
+/// worker that left the job (goodbye) never declared it.
 pub(super) fn waiting_on_departed(st: &State) -> Option<String> {
-    let mut names: Vec<&String> =
-        st.decls.iter().filter(|(_, d)| d.spec.is_none() && d.conflict.is_none()).map(|(n, _)| n).collect();
-    names.sort();
-    for name in names {
-        let d = &st.decls[name];
-        let mut gone: Vec<u32> = st.said_goodbye.iter().copied().filter(|&r| !d.declared_by[r as usize]).collect();
-        if gone.is_empty() {
-            continue;
+    for p in st.pending.iter().filter(|p| !st.said_goodbye.contains(&p.rank)) {
+        for name in &p.names {
+            let Some(d) = st.decls.get(name).filter(|d| d.spec.is_none() && d.conflict.is_none()) else { continue };
+            let mut gone: Vec<u32> = st.said_goodbye.iter().copied().filter(|&r| !d.declared_by[r as usize]).collect();
+            if gone.is_empty() {
+                continue;
+            }
+            gone.sort_unstable();
+            return Some(format!(
+                "worker(s) {gone:?} left the job (shut down or exited) without declaring tensor '{name}', \
+                 which worker {} waits for: every worker must run the same collective operations",
+                p.rank
+            ));
         }
-        gone.sort_unstable();
-        let waiting: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| d.declared_by[r as usize]).collect();
-        return Some(format!(
-            "worker(s) {gone:?} left the job (shut down or exited) without declaring tensor '{name}', \
-             which worker(s) {waiting:?} wait for: every worker must run the same collective operations"
-        ));
     }
     None
 }

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use gradhub::protocol::{Control, Role};
+use gradhub::protocol::{Control, DType, DeclEntry, Role};
 
 use crate::support::*;
 
@@ -244,7 +244,11 @@ fn join_timeout_fails_the_job_when_members_are_missing() {
 fn goodbye_from_every_worker_shuts_the_servers_down() {
     let mut job = fake_job(sched_config(2, 2), &[(1, false), (1, false)]);
     job.workers[0].send(&Control::Goodbye).unwrap();
-    // One goodbye is not the end of the job.
+    // One goodbye is not the end of the job: everyone still in it is told who left.
+    for s in &mut job.servers {
+        assert_eq!(s.recv(), Control::PeerLeft { rank: 0 });
+    }
+    assert_eq!(job.workers[1].recv(), Control::PeerLeft { rank: 0 });
     job.servers[0].expect_silence(Duration::from_millis(300));
     // A worker that said goodbye may disconnect: that is not a failure.
     let w0 = job.workers.remove(0);
@@ -418,4 +422,33 @@ fn strangers_cannot_hold_the_scheduler_before_registering() {
     w.stop_heartbeat();
     s.stop_heartbeat();
     assert_eq!(wait_scheduler(h), Ok(()));
+}
+
+#[test]
+fn a_declaration_or_barrier_that_needs_a_worker_that_left_fails_the_job() {
+    // Worker 0 waits for a declaration worker 1 never makes; worker 1 leaves.
+    let mut job = fake_job(sched_config(2, 1), &[(1, false)]);
+    let entries = vec![DeclEntry { name: "x".into(), numel: 10, dtype: DType::F32 }];
+    job.workers[0].send(&Control::Declare { req: 1, entries }).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    job.workers[1].send(&Control::Goodbye).unwrap();
+    let e = job.workers[0].error();
+    assert_contains(&e, &["worker(s) [1] left the job", "tensor 'x'", "worker 0 waits"]);
+    assert_contains(&job.wait().unwrap_err(), &["tensor 'x'"]);
+
+    // Worker 0 waits in a barrier worker 1 never enters.
+    let mut job = fake_job(sched_config(2, 1), &[(1, false)]);
+    job.workers[0].send(&Control::Barrier { id: 0 }).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    job.workers[1].send(&Control::Goodbye).unwrap();
+    assert_contains(&job.workers[0].error(), &["worker 1 left the job", "barrier 0"]);
+    assert!(job.wait().is_err());
+
+    // Worker 1 left first (worker 0 is told); worker 0 then enters a barrier.
+    let mut job = fake_job(sched_config(2, 1), &[(1, false)]);
+    job.workers[1].send(&Control::Goodbye).unwrap();
+    assert_eq!(job.workers[0].recv(), Control::PeerLeft { rank: 1 });
+    job.workers[0].send(&Control::Barrier { id: 0 }).unwrap();
+    assert_contains(&job.workers[0].error(), &["worker 1 left the job", "before barrier 0"]);
+    assert!(job.wait().is_err());
 }

@@ -327,6 +327,8 @@ impl FakeJob {
             loop {
                 match s.recv() {
                     Control::Shutdown => break,
+                    // Workers that said goodbye before the last one.
+                    Control::PeerLeft { .. } => {}
                     // Late installs are fine to ack.
                     Control::ServerDeclare { batch, .. } => s.send(&Control::ServerDeclareAck { batch }).unwrap(),
                     other => panic!("server expected Shutdown, got {other:?}"),
