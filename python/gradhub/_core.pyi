@@ -8,7 +8,6 @@ same names.
 """
 
 from collections.abc import Callable
-from typing import Any
 
 DEFAULT_PARTITION_BYTES: int
 PROTOCOL_VERSION: int  # the wire protocol this build speaks (frame header byte 2)
@@ -21,8 +20,6 @@ class GradhubTimeoutError(TimeoutError):
     """A gradhub operation did not finish in time. It is not cancelled: its
     tensor stays in use until it completes; `gradhub.push_pull` attaches the
     operation as `handle` (a `gradhub.Handle`) to wait on it again."""
-
-    handle: Any
 
 def run_scheduler(
     bind: str,

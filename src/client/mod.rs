@@ -472,6 +472,10 @@ impl Client {
         let op = Arc::new(Op::new(name.to_string(), keepalive));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
+        if let Some(s) = t.specs.get(name) {
+            // A usage error is reported as such, even after a worker left.
+            check_matches(s, numel, dtype)?;
+        }
         if let Err(e) = self.shared.check_left(&t, &format!("push_pull '{name}'")) {
             drop(t);
             self.shared.fail_job(e.to_string());
