@@ -150,7 +150,8 @@ impl Shared {
             waiting.push(format!("push_pull '{name}' on their host"));
         }
         if waiting.is_empty() {
-            log::info!(target: &format!("worker {me}"), "worker {rank} has left the job");
+            // Debug only: at the end of every job each worker hears of the others leaving.
+            log::debug!(target: &format!("worker {me}"), "worker {rank} has left the job");
         } else {
             waiting.sort();
             self.fail_job(io::left_message(rank, me, &waiting.join(", ")));
