@@ -42,7 +42,7 @@ def hosts():
     reason = netns_available()
     if reason:
         pytest.skip(reason)
-    made = []
+    made, veths = [], []
     sh("ip", "link", "add", BRIDGE, "type", "bridge")
     sh("ip", "link", "set", BRIDGE, "up")
 
@@ -52,6 +52,7 @@ def hosts():
         sh("ip", "netns", "add", ns)
         made.append(ns)
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        veths.append(veth)
         sh("ip", "link", "set", veth, "master", BRIDGE)
         sh("ip", "link", "set", veth, "up")
         sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
@@ -62,6 +63,10 @@ def hosts():
     try:
         yield add
     finally:
+        # Deleting a namespace frees its veth pair asynchronously; deleting our
+        # end first is synchronous, so the next test can reuse the names.
+        for veth in veths:
+            sh("ip", "link", "del", veth, check=False)
         for ns in made:
             sh("ip", "netns", "del", ns, check=False)
         sh("ip", "link", "del", BRIDGE, check=False)
