@@ -298,6 +298,14 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     }));
     c.expect_error("does not share memory");
 
+    // A push by reference that claims a payload: refused, not read as the next frame.
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| {
+        h.msg_type = MsgType::PushRef;
+        h.payload_len = 8;
+    }));
+    c.expect_error("PushRef with a 8-byte payload");
+
     // A DataHello that claims a payload: refused, not read as the next frame.
     let mut c = job.raw(0);
     let mut h = Header::new(MsgType::DataHello);
