@@ -429,6 +429,16 @@ impl HostStage {
         Ok(s)
     }
 
+    /// Unmap a released tensor's segment. Its name is normally gone already
+    /// (every mapper had mapped it before the tensor's first round completed).
+    pub fn forget(&self, key: u32) {
+        let st = self.staging.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        if let Some(st) = st {
+            let _ = std::fs::remove_file(st.path());
+            self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| p != st.path());
+        }
+    }
+
     /// Add every chunk of this worker's buffer (`ptr`) to the host's sums
     /// for `round`, in chunk order. `init_source`: for an init round,
     /// whether this worker's values are the ones kept (rank 0's).

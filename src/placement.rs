@@ -112,6 +112,16 @@ impl Placer {
             })
             .collect()
     }
+
+    /// Take back chunks placed earlier (their sizes and slots), so later
+    /// tensors fill the room they leave.
+    pub fn unplace(&mut self, chunk_bytes: impl IntoIterator<Item = u64>, slots: &[u32]) {
+        for (b, &slot) in chunk_bytes.into_iter().zip(slots) {
+            if let Some(l) = self.load.get_mut(slot as usize) {
+                *l = l.saturating_sub(b);
+            }
+        }
+    }
 }
 
 /// Which worker pushes which chunk (BytePS §4.2's intra-machine stage).

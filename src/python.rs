@@ -344,8 +344,21 @@ impl PyClient {
         py.detach(move || c.declare(entries)).map_err(py_err)
     }
 
+    /// Free named tensors (none in flight) here, and on the servers once
+    /// every worker released them.
+    fn release(&self, names: Vec<String>) -> PyResult<()> {
+        self.inner.release(&names).map_err(py_err)
+    }
+
+    /// Tensors this worker holds state for (declared, not released).
+    fn num_tensors(&self) -> usize {
+        self.inner.num_tensors()
+    }
+
     /// Start an in-place push_pull of raw memory. `owner` is kept alive until done.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false))]
+    /// `release_after`: free the tensor once this round completes (a
+    /// generated name, never used again).
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -357,9 +370,11 @@ impl PyClient {
         priority: i32,
         owner: Py<PyAny>,
         init: bool,
+        release_after: bool,
     ) -> PyResult<PyHandle> {
-        let flags =
-            if average { crate::protocol::FLAG_AVERAGE } else { 0 } | if init { crate::protocol::FLAG_INIT } else { 0 };
+        let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 }
+            | if init { crate::protocol::FLAG_INIT } else { 0 }
+            | if release_after { crate::client::RELEASE_AFTER } else { 0 };
         let dtype = dtype_of(dtype)?;
         if ptr == 0 && nbytes > 0 {
             return Err(PyValueError::new_err("null buffer"));

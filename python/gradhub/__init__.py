@@ -25,6 +25,7 @@ from .api import (  # noqa: F401
     push_pull,
     push_pull_async,
     rank,
+    release,
     shutdown,
     size,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "push_pull",
     "push_pull_async",
     "rank",
+    "release",
     "shutdown",
     "size",
 ]

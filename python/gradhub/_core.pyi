@@ -129,8 +129,14 @@ class Client:
         priority: int,
         owner: object,
         init: bool = False,
+        release_after: bool = False,
     ) -> Handle:
-        """Start an in-place push_pull of raw memory. `owner` is kept alive until done."""
+        """Start an in-place push_pull of raw memory. `owner` is kept alive until done.
+        `release_after`: free the tensor once this round completes."""
+    def release(self, names: list[str]) -> None:
+        """Free named tensors (none in flight): here, and on the servers once every worker released them."""
+    def num_tensors(self) -> int:
+        """Tensors this worker holds state for (declared, not released)."""
     def set_server_optimizer(
         self,
         name: str,

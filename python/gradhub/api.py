@@ -188,12 +188,20 @@ class Handle:
         return f"<gradhub.Handle {self.name!r} {'done' if self.done() else 'pending'}>"
 
 
-def auto_name(kind: str) -> str:
+AUTO_MARK = ".noname."
+
+
+def auto_name(kind: str, persistent: bool = False) -> str:
     """A name for an unnamed operation: `<kind>.noname.<n>`, numbered in call
     order by one counter shared by every layer (gradhub and gradhub.torch), so
-    unnamed calls never collide. The call order must be the same on every worker."""
+    unnamed calls never collide. The call order must be the same on every worker.
+
+    A push_pull whose name contains `.noname.` (this name, or one derived from
+    it) frees its tensor once its round completes: the name is never used
+    again, so nothing accumulates over many unnamed calls. `persistent=True`
+    gives a name for state reused across calls instead (`<kind>.auto.<n>`)."""
     with _names_lock:
-        return f"{kind}.noname.{next(_names)}"
+        return f"{kind}{'.auto.' if persistent else AUTO_MARK}{next(_names)}"
 
 
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
@@ -204,7 +212,10 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     bfloat16). CPU memory is used in place; a CUDA tensor is staged through
     pinned host memory and the result copied back by `wait()`.
     `name` identifies the tensor across workers; without one, names are
-    generated from the call order, which must then be the same on every worker.
+    generated from the call order, which must then be the same on every worker,
+    and the tensor's state is freed once the call completes. A name used again
+    with another shape or dtype is a new tensor (once the previous round of it
+    completed).
     Higher `priority` is sent first. `average=True` divides by the number of
     workers. `dtype="bfloat16"` lets a uint16 numpy array carry bfloat16 bits.
     `init=True` (float32 only) gives the servers the initial values of a tensor
@@ -217,7 +228,7 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     if name is None:
         name = auto_name("push_pull")
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
-                          init=bool(init))
+                          init=bool(init), release_after=AUTO_MARK in name)
     return Handle(h, tensor, host if host is not tensor else None)
 
 
@@ -273,6 +284,15 @@ def declare(tensors: Iterable[tuple[str, Any]] | dict) -> None:
         else:
             entries.append((name, *describe(t)))
     c.declare(entries)
+
+
+def release(*names: str) -> None:
+    """Free the state of named tensors this job no longer uses: at once on
+    this worker, on the servers and scheduler once every worker released
+    them. Like any collective, every worker must release the same names;
+    none may be in flight. Using a name again later declares a new tensor.
+    (Unnamed operations free theirs by themselves.)"""
+    _require().release([str(n) for n in names])
 
 
 def set_server_optimizer(name: str, numel: int, kind: str, lr: float, momentum: float = 0.0,

@@ -377,23 +377,34 @@ impl Io {
     /// give every server the same rate, while the BytePS split gives a
     /// CPU-only server up to 2(n-1)/(n-k) times a colocated one's bytes;
     /// with equal credits its links idle while the small shares finish.
-    pub fn note_placement(&self, spec: &TensorSpec) {
+    /// `placed`: the tensor was declared (true) or released (false).
+    pub fn note_placement(&self, spec: &TensorSpec, placed: bool) {
         let shares = {
-            let mut placed = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+            let mut bytes = self.placed.lock().unwrap_or_else(|e| e.into_inner());
             for (c, &slot) in spec.slots.iter().enumerate() {
                 if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
                     continue; // another worker on this host pushes it
                 }
                 let (lo, hi) = spec.chunk_range(c);
-                if let Some(b) = placed.get_mut(slot as usize) {
-                    *b += ((hi - lo) * spec.dtype.size()) as u64;
+                let n = ((hi - lo) * spec.dtype.size()) as u64;
+                if let Some(b) = bytes.get_mut(slot as usize) {
+                    *b = if placed { *b + n } else { b.saturating_sub(n) };
                 }
             }
-            placed.clone()
+            bytes.clone()
         };
         for (c, credit) in self.conns.iter().zip(split_credit(self.credit, &shares)) {
             c.send().credit = credit;
         }
+    }
+
+    /// Drop this worker's state of a released tensor (nothing of it in flight).
+    pub fn forget(&self, spec: &TensorSpec) {
+        self.ops().rounds.remove(&spec.key);
+        if let Some(h) = &self.host {
+            h.forget(spec.key);
+        }
+        self.note_placement(spec, false);
     }
 
     fn ops(&self) -> MutexGuard<'_, OpTable> {

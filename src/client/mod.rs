@@ -97,9 +97,16 @@ struct Parked {
     flags: u16,
 }
 
+/// A `push_pull` flag local to this worker (never on the wire): release
+/// the tensor once this round completes (see `Client::release`). For
+/// operations without a name, whose generated names are never used again.
+pub const RELEASE_AFTER: u16 = 0x8000;
+
 #[derive(Default)]
 struct Table {
     specs: HashMap<String, Arc<TensorSpec>>,
+    /// Names to release when their op completes (`RELEASE_AFTER`).
+    transient: HashSet<String>,
     parked: HashMap<String, Vec<Parked>>,
     waiters: HashMap<u32, Waiter>,
     in_flight: HashSet<String>,
@@ -208,10 +215,33 @@ impl Shared {
     }
 
     pub(crate) fn finish_op(&self, op: &Op, error: Option<String>) {
-        self.table().in_flight.remove(&op.name);
+        let release = {
+            let mut t = self.table();
+            t.in_flight.remove(&op.name);
+            // After a failure the job is over (or the tensor never existed).
+            match t.transient.remove(&op.name) && error.is_none() {
+                true => t.specs.remove(&op.name),
+                false => None,
+            }
+        };
+        if let Some(spec) = release {
+            self.release_specs(&[spec]);
+        }
         // Callbacks and the keepalive (e.g. a Python object) run outside our locks.
         if let Some(done) = op.complete(error) {
             done.run();
+        }
+    }
+
+    /// Forget tensors taken out of the table (nothing in flight) and tell
+    /// the scheduler, which frees them on the servers once every worker did.
+    fn release_specs(&self, specs: &[Arc<TensorSpec>]) {
+        for s in specs {
+            self.io.forget(s);
+        }
+        let keys = specs.iter().map(|s| s.key).collect();
+        if let Err(e) = self.send_ctrl(&Control::Release { keys }) {
+            self.set_failure(e.to_string());
         }
     }
 
@@ -227,7 +257,7 @@ impl Shared {
     fn on_declared(&self, specs: Vec<TensorSpec>) {
         let mut ready = Vec::new();
         for s in &specs {
-            self.io.note_placement(s);
+            self.io.note_placement(s, true);
         }
         {
             let mut t = self.table();
@@ -266,6 +296,25 @@ impl Shared {
             self.finish_op(&p.op, Some(message.clone()));
         }
     }
+}
+
+/// Take tensor `name` out of the table to declare it again with another
+/// shape; refused while a round of it is in flight.
+fn take_for_reshape(t: &mut Table, name: &str, numel: u64, dtype: DType) -> Result<Arc<TensorSpec>, ClientError> {
+    let Some(s) = t.specs.get(name) else {
+        return Err(ClientError::Usage(format!("tensor '{name}' is not declared")));
+    };
+    if t.in_flight.contains(name) {
+        return Err(ClientError::Usage(format!(
+            "tensor '{name}' has {} elements of {} and a round of it is in flight; it cannot change to {numel} \
+             elements of {} before that round completes",
+            s.numel,
+            s.dtype.name(),
+            dtype.name()
+        )));
+    }
+    t.transient.remove(name);
+    t.specs.remove(name).ok_or_else(|| ClientError::Usage(format!("tensor '{name}' is not declared")))
 }
 
 fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), ClientError> {
@@ -412,17 +461,25 @@ impl Client {
     /// until every worker has declared them (or a mismatch is found).
     pub fn declare(&self, entries: Vec<DeclEntry>) -> Result<(), ClientError> {
         self.check_usable()?;
-        let todo: Vec<DeclEntry> = {
-            let t = self.shared.table();
+        let (todo, stale) = {
+            let mut t = self.shared.table();
             let mut todo = Vec::new();
+            let mut stale = Vec::new();
             for e in entries {
                 match t.specs.get(&e.name) {
-                    Some(s) => check_matches(s, e.numel, e.dtype)?,
+                    Some(s) if check_matches(s, e.numel, e.dtype).is_ok() => {}
+                    Some(_) => {
+                        stale.push(take_for_reshape(&mut t, &e.name, e.numel, e.dtype)?);
+                        todo.push(e);
+                    }
                     None => todo.push(e),
                 }
             }
-            todo
+            (todo, stale)
         };
+        if !stale.is_empty() {
+            self.shared.release_specs(&stale);
+        }
         if todo.is_empty() {
             return Ok(());
         }
@@ -467,15 +524,19 @@ impl Client {
             )));
         }
         let numel = (nbytes / dtype.size()) as u64;
-        if flags & !(crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT) != 0 {
+        if flags & !(crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT | RELEASE_AFTER) != 0 {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
+        let (flags, release_after) = (flags & !RELEASE_AFTER, flags & RELEASE_AFTER != 0);
         let op = Arc::new(Op::new(name.to_string(), keepalive));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
-        if let Some(s) = t.specs.get(name) {
-            // A usage error is reported as such, even after a worker left.
-            check_matches(s, numel, dtype)?;
+        if t.specs.get(name).is_some_and(|s| check_matches(s, numel, dtype).is_err()) {
+            // Another shape: a new tensor under the same name (as Horovod allows).
+            let old = take_for_reshape(&mut t, name, numel, dtype)?;
+            drop(t);
+            self.shared.release_specs(&[old]);
+            t = self.shared.table();
         }
         if let Err(e) = self.shared.check_left(&t, &format!("push_pull '{name}'")) {
             drop(t);
@@ -486,6 +547,9 @@ impl Client {
             return Err(ClientError::Usage(format!(
                 "tensor '{name}' is already being push_pulled; wait for its handle before starting another round"
             )));
+        }
+        if release_after {
+            t.transient.insert(name.to_string());
         }
         if let Some(s) = t.specs.get(name).cloned() {
             // Checked against the spec above.
@@ -626,6 +690,41 @@ impl Client {
 
     pub fn failure(&self) -> Option<String> {
         self.shared.failure()
+    }
+
+    /// Free tensors this worker no longer uses: here at once, on the
+    /// servers once every worker released them. Using a name again later
+    /// declares a new tensor. Every worker must release the same names
+    /// (like any collective), none of them in flight.
+    pub fn release(&self, names: &[String]) -> Result<(), ClientError> {
+        self.check_usable()?;
+        let specs = {
+            let mut t = self.shared.table();
+            for n in names {
+                if t.in_flight.contains(n) {
+                    return Err(ClientError::Usage(format!(
+                        "tensor '{n}' is in flight; wait for its handle before releasing it"
+                    )));
+                }
+                if !t.specs.contains_key(n) {
+                    return Err(ClientError::Usage(format!("tensor '{n}' is not declared (or already released)")));
+                }
+            }
+            let mut specs = Vec::with_capacity(names.len());
+            for n in names {
+                if let Some(s) = t.specs.remove(n) {
+                    specs.push(s);
+                }
+            }
+            specs
+        };
+        self.shared.release_specs(&specs);
+        Ok(())
+    }
+
+    /// Tensors this worker holds state for (declared and not released).
+    pub fn num_tensors(&self) -> usize {
+        self.shared.table().specs.len()
     }
 
     /// Chunks this worker pushed so far: (by reference through shared

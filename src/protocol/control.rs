@@ -171,6 +171,14 @@ pub enum Control {
     ServerDeclareAck {
         batch: u32,
     },
+    /// A worker no longer uses these tensors (an unnamed operation's, or
+    /// `release`d by name): once every worker released one, servers free it.
+    Release {
+        keys: Vec<u32>,
+    },
+    ServerRelease {
+        keys: Vec<u32>,
+    },
     DeclareStall {
         name: String,
         missing: Vec<u32>,
@@ -256,6 +264,8 @@ impl Control {
             Control::ServerDeclare { .. } => MsgType::ServerDeclare,
             Control::ServerDeclareAck { .. } => MsgType::ServerDeclareAck,
             Control::DeclareStall { .. } => MsgType::DeclareStall,
+            Control::Release { .. } => MsgType::Release,
+            Control::ServerRelease { .. } => MsgType::ServerRelease,
             Control::Error { .. } => MsgType::Error,
         }
     }
@@ -323,6 +333,12 @@ impl Control {
             }
             Control::ServerDeclareAck { batch } => {
                 w.u32(*batch);
+            }
+            Control::Release { keys } | Control::ServerRelease { keys } => {
+                w.u32(keys.len() as u32);
+                for &k in keys {
+                    w.u32(k);
+                }
             }
             Control::DeclareStall { name, missing, waited_ms } => {
                 w.str(name).u64(*waited_ms).u32(missing.len() as u32);
@@ -454,6 +470,14 @@ impl Control {
                 let n = r.count("missing", 4)?;
                 let missing = (0..n).map(|_| r.u32("rank")).collect::<Result<_, _>>()?;
                 Control::DeclareStall { name, missing, waited_ms }
+            }
+            MsgType::Release | MsgType::ServerRelease => {
+                let n = r.count("keys", 4)?;
+                let keys = (0..n).map(|_| r.u32("key")).collect::<Result<_, _>>()?;
+                match h.msg_type {
+                    MsgType::Release => Control::Release { keys },
+                    _ => Control::ServerRelease { keys },
+                }
             }
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),
             other => return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection"))),

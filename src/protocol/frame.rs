@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 4;
+pub const VERSION: u8 = 5;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -62,6 +62,8 @@ msg_types! {
     ServerDeclareAck = 28, "server -> scheduler: specs installed";
     DeclareStall = 29, "scheduler -> worker: a tensor you declared waits for other workers to declare it";
     PeerLeft = 30, "scheduler -> members: a worker left cleanly while others go on";
+    Release = 31, "worker -> scheduler: this worker is done with these tensors (keys)";
+    ServerRelease = 32, "scheduler -> server: every worker released these tensors (keys): free them";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -130,6 +130,14 @@ impl<T: Copy> FrameReader<T> {
         !matches!(self.state, ReadState::Header { got: 0 })
     }
 
+    /// The destination of the payload being received, if any.
+    pub fn target(&self) -> Option<T> {
+        match self.state {
+            ReadState::Into { target, .. } => Some(target),
+            _ => None,
+        }
+    }
+
     /// Forget any partial frame (the connection is closing); returns the
     /// destination being filled, if any.
     pub fn reset(&mut self) -> Option<T> {

@@ -7,8 +7,10 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 24] = [
+const ALL_MSG_TYPES: [MsgType; 26] = [
     MsgType::PeerLeft,
+    MsgType::Release,
+    MsgType::ServerRelease,
     MsgType::DataHello,
     MsgType::PushRef,
     MsgType::ResultRef,
@@ -191,6 +193,9 @@ fn sample_controls() -> Vec<Control> {
         },
         Control::ServerDeclare { batch: 0, specs: vec![] },
         Control::ServerDeclareAck { batch: u32::MAX },
+        Control::Release { keys: vec![0, 7, u32::MAX] },
+        Control::Release { keys: vec![] },
+        Control::ServerRelease { keys: vec![3] },
         Control::DeclareStall { name: "layer1.weight".into(), missing: vec![1, 3, u32::MAX], waited_ms: 30_000 },
         Control::DeclareStall { name: "ß∂ƒ".into(), missing: vec![], waited_ms: u64::MAX },
         Control::DeclareStall { name: String::new(), missing: vec![0], waited_ms: 0 },

@@ -1,7 +1,8 @@
 //! Declarations: collect each worker's tensor declarations, check they
 //! agree, place each complete tensor once (so placement is identical on
 //! every worker), install it on every server and only then answer the
-//! workers; report tensors some workers never declare.
+//! workers; report tensors some workers never declare; free tensors every
+//! worker released.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +21,13 @@ pub(super) struct Decl {
     installed: bool,
     since: Instant,
     stall_reported: bool,
+}
+
+/// A released tensor: out of use by name (declaring the name again makes a
+/// new tensor), freed on the servers once every worker released it.
+pub(super) struct Retiring {
+    spec: TensorSpec,
+    released_by: Vec<bool>,
 }
 
 pub(super) struct PendingReq {
@@ -110,6 +118,7 @@ pub(super) fn declare(
         if let Some(d) = st.decls.get_mut(&name) {
             d.spec = Some(spec.clone());
         }
+        st.by_key.insert(key, name.clone());
         specs.push(spec);
     }
     answer_ready(shared, st);
@@ -123,6 +132,47 @@ pub(super) fn declare(
     let batch = st.next_batch;
     st.next_batch += 1;
     Some((batch, specs))
+}
+
+/// Worker `rank` is done with tensors `keys` (`Control::Release`). A
+/// worker releases a tensor only once its last round completed there, which
+/// means every worker pushed that round: nobody can push it again, so the
+/// name is free at once, and the servers free its chunks when the last
+/// worker (the last to receive the result) released it. Errors name a
+/// protocol violation (an unknown key, a second release).
+pub(super) fn release(shared: &Shared, st: &mut State, rank: u32, keys: Vec<u32>) -> Result<(), String> {
+    let n = shared.cfg.num_workers as usize;
+    let mut freed = Vec::new();
+    for key in keys {
+        if !st.retiring.contains_key(&key) {
+            let installed = st.by_key.get(&key).and_then(|name| st.decls.get(name)).is_some_and(|d| d.installed);
+            let spec = match st.by_key.remove(&key).and_then(|name| st.decls.remove(&name)).and_then(|d| d.spec) {
+                Some(spec) if installed => spec,
+                _ => return Err(format!("worker {rank} released tensor key {key}, which is not in use")),
+            };
+            st.retiring.insert(key, Retiring { spec, released_by: vec![false; n] });
+        }
+        let Some(r) = st.retiring.get_mut(&key) else { continue };
+        if std::mem::replace(&mut r.released_by[rank as usize], true) {
+            return Err(format!("worker {rank} released tensor '{}' twice", r.spec.name));
+        }
+        if r.released_by.iter().all(|&b| b) {
+            let Some(r) = st.retiring.remove(&key) else { continue };
+            let s = &r.spec;
+            if let Some(p) = st.placer.as_mut() {
+                p.unplace((0..s.num_chunks()).map(|c| s.chunk_bytes(c) as u64), &s.slots);
+            }
+            freed.push(key);
+        }
+    }
+    if !freed.is_empty() {
+        log::debug!(target: "scheduler", "freeing tensor keys {freed:?} on the servers");
+        let msg = Control::ServerRelease { keys: freed };
+        for m in st.members.iter().filter(|m| m.role == Role::Server) {
+            m.send(&msg, shared.cfg.namespace);
+        }
+    }
+    Ok(())
 }
 
 /// A declaration a worker still waits for that can never complete: a

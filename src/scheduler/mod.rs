@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
 use crate::transport::DeadlineReader;
-use declarations::{declare, install, report_declaration_stalls};
+use declarations::{declare, install, release, report_declaration_stalls};
 use membership::{check_registration, enter_barrier, join, lost_reason, say_goodbye};
 use state::{Member, Shared, State};
 
@@ -295,6 +295,13 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
                 shared.cv.notify_all();
             }
             Ok(Control::Barrier { id }) if me.role == Role::Worker => enter_barrier(shared, &mut st, me.rank, id),
+            Ok(Control::Release { keys }) if me.role == Role::Worker => {
+                if let Err(reason) = release(shared, &mut st, me.rank, keys) {
+                    me.send(&Control::Error { message: reason.clone() }, ns);
+                    shared.fail(&mut st, Some(me), reason);
+                    return;
+                }
+            }
             Ok(Control::Goodbye) if me.role == Role::Worker => say_goodbye(shared, &mut st, me.rank),
             Ok(Control::Error { message }) => {
                 let reason = format!("{} reported an error: {message}", me.describe());

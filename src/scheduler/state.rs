@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::declarations::{Decl, PendingReq};
+use super::declarations::{Decl, PendingReq, Retiring};
 use super::membership::Registration;
 use super::SchedulerConfig;
 use crate::placement::Placer;
@@ -45,6 +45,10 @@ pub(super) struct State {
     // Declarations.
     pub placer: Option<Placer>,
     pub decls: HashMap<String, Decl>,
+    /// The name of every placed tensor, by key (for `Release`).
+    pub by_key: HashMap<u32, String>,
+    /// Tensors some workers released and others not yet, by key.
+    pub retiring: HashMap<u32, Retiring>,
     pub next_key: u32,
     pub next_batch: u32,
     pub acks: HashMap<u32, u32>,

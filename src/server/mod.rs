@@ -216,6 +216,13 @@ fn control_loop(
                 }
                 sender.send(&Control::ServerDeclareAck { batch })?;
             }
+            Control::ServerRelease { keys } => {
+                segments.release(&keys);
+                for (tx, w) in cmd_txs.iter().zip(wakers) {
+                    tx.send(ThreadCmd::Release(keys.clone())).map_err(|_| exited())?;
+                    let _ = w.wake();
+                }
+            }
             Control::Shutdown => return Ok(()),
             Control::PeerLeft { rank } => {
                 for (tx, w) in cmd_txs.iter().zip(wakers) {
@@ -262,6 +269,16 @@ impl Segments {
             out.push((s.key, st));
         }
         Ok(out)
+    }
+
+    /// Drop this process's mappings of released tensors (each segment's
+    /// name is gone already: every worker here had mapped it).
+    fn release(&mut self, keys: &[u32]) {
+        for k in keys {
+            if let Some(st) = self.open.remove(k) {
+                let _ = std::fs::remove_file(st.path());
+            }
+        }
     }
 
     /// Remove the names (in case a worker never came to map them).

@@ -43,6 +43,8 @@ pub enum ThreadCmd {
     /// With the tensors' shared segments when workers on this host push by
     /// reference.
     Declare(Vec<TensorSpec>, Vec<(u32, Arc<Staging>)>, Sender<()>),
+    /// Every worker released these tensors (keys): free their chunks.
+    Release(Vec<u32>),
     Stop,
     /// Worker `rank` left the job cleanly while others go on.
     Left(u32),
@@ -197,8 +199,11 @@ pub struct ServerThread {
     pool: Vec<Vec<u32>>,
     /// Server-side optimizer per key (set by OptConfig frames).
     opt_cfg: HashMap<u32, OptConfig>,
-    /// dtype of every key with at least one chunk on this thread.
-    keys_here: HashMap<u32, DType>,
+    /// Every key with at least one chunk on this thread: its dtype and the
+    /// indices of its chunks in `chunks`.
+    keys_here: HashMap<u32, (DType, Vec<usize>)>,
+    /// Indices in `chunks` of released tensors' chunks, reused first.
+    free: Vec<usize>,
     /// By rank: the worker left the job cleanly (`ThreadCmd::Left`).
     left: Vec<bool>,
     /// Shared segments of this host's tensors (see `ThreadCmd::Declare`).
@@ -225,6 +230,7 @@ impl ServerThread {
             pool: Vec::new(),
             opt_cfg: HashMap::new(),
             keys_here: HashMap::new(),
+            free: Vec::new(),
             shm: HashMap::new(),
             left: vec![false; n],
         }
@@ -282,6 +288,7 @@ impl ServerThread {
                         self.shm.extend(shm);
                         let _ = ack.send(());
                     }
+                    ThreadCmd::Release(keys) => self.release(&keys),
                     ThreadCmd::Stop => return,
                     ThreadCmd::Left(rank) => self.on_left(rank),
                     ThreadCmd::Abort(why) => {
@@ -353,9 +360,7 @@ impl ServerThread {
                     DType::F32 => ChunkBuf::F32([vec![0.0; elems], vec![0.0; elems]]),
                     _ => ChunkBuf::Half { acc: vec![0.0; elems], out: [vec![0; elems], vec![0; elems]] },
                 };
-                self.index.insert((s.key, c as u32), self.chunks.len());
-                self.keys_here.insert(s.key, s.dtype);
-                self.chunks.push(Chunk {
+                let chunk = Chunk {
                     key: s.key,
                     chunk: c as u32,
                     dtype: s.dtype,
@@ -374,9 +379,62 @@ impl ServerThread {
                     deferred: Vec::new(),
                     buf,
                     opt: None,
-                });
+                };
+                let idx = match self.free.pop() {
+                    Some(i) => {
+                        self.chunks[i] = chunk;
+                        i
+                    }
+                    None => {
+                        self.chunks.push(chunk);
+                        self.chunks.len() - 1
+                    }
+                };
+                self.index.insert((s.key, c as u32), idx);
+                self.keys_here.entry(s.key).or_insert_with(|| (s.dtype, Vec::new())).1.push(idx);
             }
         }
+    }
+
+    /// Every worker released these tensors, so each of their rounds is
+    /// complete and its results were received: free their chunks (the
+    /// slots are reused by later tensors). A push for them now is an error
+    /// (an unknown key).
+    fn release(&mut self, keys: &[u32]) {
+        let mut freed = Vec::new();
+        for key in keys {
+            self.names.remove(key);
+            self.opt_cfg.remove(key);
+            self.shm.remove(key);
+            let Some((_, idxs)) = self.keys_here.remove(key) else { continue };
+            for idx in idxs {
+                let ch = &mut self.chunks[idx];
+                self.index.remove(&(ch.key, ch.chunk));
+                if ch.count > 0 {
+                    // Only a worker breaking the protocol can have pushed it.
+                    let who = format!("server {}/t{}", self.cfg.server, self.cfg.thread);
+                    log::warn!(target: &who, "tensor key {key} released with a partial round {}", ch.round);
+                }
+                ch.count = 0;
+                ch.started = None;
+                ch.buf = ChunkBuf::F32([Vec::new(), Vec::new()]);
+                ch.opt = None;
+                ch.deferred.clear();
+                freed.push(idx);
+            }
+        }
+        // A push arriving into a freed chunk breaks the protocol too; its
+        // destination must not be reused under it.
+        let stray: Vec<usize> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.rx.target().is_some_and(|d| freed.contains(&d.chunk)))
+            .map(|(&t, _)| t)
+            .collect();
+        for t in stray {
+            self.close(t, "push for a tensor every worker released");
+        }
+        self.free.extend(freed);
     }
 
     fn close(&mut self, t: usize, why: &str) {
@@ -538,7 +596,7 @@ impl ServerThread {
             }
             MsgType::OptConfig => {
                 conn.rank.ok_or("OptConfig before DataHello")?;
-                match self.keys_here.get(&hdr.key) {
+                match self.keys_here.get(&hdr.key).map(|k| k.0) {
                     None => {
                         return Err(ConnError::Invalid(format!(
                             "OptConfig for key {} which has no chunk on this thread",

@@ -292,8 +292,8 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
         width = t.element_size()
         buf = torch.zeros(total * row * width, dtype=torch.float32)
         buf[start * row * width:(start + t.shape[0]) * row * width] = _bytes_as_f32(t)
-    # Sizes differ between calls, so the tensor is declared per total size.
-    _api.push_pull(buf, name=f"{name}.data.{total}x{row}")
+    # The size may differ from the last call's: then the name is a new tensor.
+    _api.push_pull(buf, name=f"{name}.data")
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:
@@ -311,7 +311,7 @@ class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         r = _api.rank()
-        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad.{grad.shape[0]}", op=Sum).wait()
+        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=Sum).wait()
         start = sum(ctx.counts[:r])
         return g[start:start + ctx.counts[r]], None
 
@@ -346,7 +346,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None):
     n = int(size.item())
     if payload is None:
         payload = torch.zeros(n, dtype=torch.uint8)
-    data = broadcast(payload, root_rank, name=f"{name}.data.{n}")
+    data = broadcast(payload, root_rank, name=f"{name}.data")
     return pickle.loads(data.numpy().tobytes())
 
 

@@ -67,7 +67,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True):
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
-        self._gh_name = _api.auto_name("sync_batch_norm")
+        self._gh_name = _api.auto_name("sync_batch_norm", persistent=True)
 
     def _check_input_dim(self, x):
         if x.dim() < 2:
