@@ -57,3 +57,9 @@ def test_opposite_submission_orders_do_not_deadlock():
     rc, out = run_launch(2, 1, "cross_order.py", launch_args=["--partition-bytes", "65536"],
                          env={"GRADHUB_CREDIT_BYTES": 262144}, timeout=180)
     assert_all_passed(rc, out, 2)
+
+
+@pytest.mark.parametrize("launch_args", [[], ["--no-host-reduce"]], ids=["host-stage", "sockets"])
+def test_unnamed_calls_and_reused_names_keep_no_state_behind(launch_args):
+    rc, out = run_launch(3, 2, "state.py", launch_args=launch_args)
+    assert_all_passed(rc, out, 3)

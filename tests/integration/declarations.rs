@@ -344,3 +344,78 @@ fn a_name_repeated_in_one_request_is_placed_and_installed_once() {
     assert_eq!(specs[0], reply[0]);
     job.finish();
 }
+
+/// The next ServerDeclare a fake server gets, acknowledged; its specs.
+fn ack_install(s: &mut Member) -> Vec<TensorSpec> {
+    match s.recv() {
+        Control::ServerDeclare { batch, specs } => {
+            s.send(&Control::ServerDeclareAck { batch }).unwrap();
+            specs
+        }
+        other => panic!("expected ServerDeclare, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_tensor_is_freed_on_the_servers_once_every_worker_released_it_and_its_name_is_free_at_once() {
+    let mut job = fake_job(sched_config(2, 1), &[(2, false)]);
+    for w in &job.workers {
+        w.send(&Control::Declare { req: 1, entries: entries(&[("x", 1000, DType::F32), ("y", 8, DType::F32)]) })
+            .unwrap();
+    }
+    let installed = ack_install(&mut job.servers[0]);
+    let specs: Vec<Vec<TensorSpec>> = job.workers.iter_mut().map(|w| declared(w.recv(), 1)).collect();
+    assert_eq!(specs[0], specs[1]);
+    assert_eq!(installed.len(), 2);
+    let (x, y) = (specs[0][0].clone(), specs[0][1].clone());
+
+    // Worker 0 is done with x: the servers keep it (worker 1 may still be
+    // receiving its last result) ...
+    job.workers[0].send(&Control::Release { keys: vec![x.key] }).unwrap();
+    job.servers[0].expect_silence(Duration::from_millis(300));
+    // ... but the name is free: declaring it again is a new tensor, once
+    // every worker declared it.
+    job.workers[0].send(&Control::Declare { req: 2, entries: entries(&[("x", 10, DType::F16)]) }).unwrap();
+    job.servers[0].expect_silence(Duration::from_millis(300));
+    job.workers[1].send(&Control::Release { keys: vec![x.key] }).unwrap();
+    match job.servers[0].recv() {
+        Control::ServerRelease { keys } => assert_eq!(keys, vec![x.key]),
+        other => panic!("expected ServerRelease, got {other:?}"),
+    }
+    job.workers[1].send(&Control::Declare { req: 2, entries: entries(&[("x", 10, DType::F16)]) }).unwrap();
+    let again = ack_install(&mut job.servers[0]);
+    let new: Vec<TensorSpec> = job.workers.iter_mut().map(|w| declared(w.recv(), 2).remove(0)).collect();
+    assert_eq!(new[0], new[1]);
+    assert_eq!(again, vec![new[0].clone()]);
+    assert_eq!((new[0].numel, new[0].dtype), (10, DType::F16));
+    assert!(new[0].key != x.key && new[0].key != y.key, "a new tensor needs a new key: {new:?}");
+
+    // y is untouched: declaring it again answers at once with its spec.
+    let again_y = declared(job.workers[0].declare(3, &[("y", 8, DType::F32)]), 3);
+    assert_eq!(again_y, vec![y]);
+    job.finish();
+}
+
+#[test]
+fn releasing_a_tensor_twice_or_one_never_declared_fails_the_job_naming_the_worker() {
+    for case in ["twice", "unknown"] {
+        let mut job = fake_job(sched_config(2, 1), &[(1, false)]);
+        let srv: Vec<AckServer> = job.servers.drain(..).map(auto_ack).collect();
+        let x = declare_everywhere(&mut job, &[("x".into(), 100, DType::F32)]).remove(0);
+        let (key, want) = match case {
+            "twice" => {
+                job.workers[1].send(&Control::Release { keys: vec![x.key] }).unwrap();
+                (x.key, "worker 1 released tensor 'x' twice")
+            }
+            _ => (x.key + 100, "worker 1 released tensor key"),
+        };
+        job.workers[1].send(&Control::Release { keys: vec![key] }).unwrap();
+        assert_contains(&job.workers[1].error(), &[want]);
+        match job.workers[0].recv() {
+            Control::PeerLost { rank: 1, reason, .. } => assert_contains(&reason, &[want]),
+            other => panic!("{case}: worker 0 expected PeerLost, got {other:?}"),
+        }
+        assert_contains(&job.wait().unwrap_err(), &[want]);
+        drop(srv);
+    }
+}

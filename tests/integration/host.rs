@@ -2,7 +2,7 @@
 //! and push one share each. Real scheduler, servers and clients; each
 //! client is put on a host by name (`ClientConfig::host`).
 
-use gradhub::client::Client;
+use gradhub::client::{Client, RELEASE_AFTER};
 use gradhub::protocol::{DType, DeclEntry, FLAG_AVERAGE, FLAG_INIT};
 use half::{bf16, f16};
 
@@ -348,5 +348,58 @@ fn a_round_waiting_for_a_local_worker_is_reported_naming_it() {
         op.wait(Some(IO_TIMEOUT)).unwrap();
     }
     assert!(bufs.iter().all(|b| b.iter().all(|&x| x == 3.0)));
+    finish(job, clients);
+}
+
+#[test]
+fn unnamed_ops_and_reshaped_names_free_their_state_through_the_host_stage() {
+    // Server 1 shares host a (pushes by reference).
+    let (job, clients) = host_job(&["a", "a", "b"], &[(1, false), (1, true)], true);
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || {
+                for i in 0..40usize {
+                    // A generated name, used once: freed when the op completes.
+                    let n = 1 + (i * 733) % 3000;
+                    let mine: Vec<f32> = (0..n).map(|j| v(c.rank, j)).collect();
+                    let name = format!("push_pull.noname.{i}");
+                    let got = push_pull(c, &name, mine, DType::F32, RELEASE_AFTER, 0).unwrap();
+                    let want: Vec<f32> = (0..n).map(|j| (0..3).map(|r| v(r, j)).sum()).collect();
+                    assert_eq!(got, want, "worker {} op {i}", c.rank);
+                }
+                assert_eq!(c.num_tensors(), 0, "worker {} kept state of unnamed ops", c.rank);
+                // One name, three shapes: each change is a new tensor.
+                for (i, n) in [1000usize, 10, 1000].into_iter().enumerate() {
+                    let got = push_pull(c, "x", vec![(i + 1) as f32; n], DType::F32, 0, 0).unwrap();
+                    assert_eq!(got, vec![3.0 * (i + 1) as f32; n], "worker {} shape {n}", c.rank);
+                }
+                assert_eq!(c.num_tensors(), 1);
+                c.release(&["x".to_string()]).unwrap();
+                assert_eq!(c.num_tensors(), 0);
+                let e = c.release(&["x".to_string()]).unwrap_err().to_string();
+                assert_contains(&e, &["tensor 'x' is not declared"]);
+            });
+        }
+    });
+    finish(job, clients);
+}
+
+#[test]
+fn a_name_in_flight_can_be_neither_released_nor_reshaped() {
+    let (job, clients) = host_job(&["a", "b"], &[(1, false)], true);
+    let mut b = vec![1.0f32; 100];
+    // Worker 0 alone: the round cannot complete while worker 1 waits below.
+    // SAFETY: the buffer outlives the op (waited below).
+    let op = unsafe { clients[0].push_pull(b.as_mut_ptr().cast(), 400, DType::F32, "x", 0, 0, None) }.unwrap();
+    let e = clients[0].release(&["x".to_string()]).unwrap_err().to_string();
+    assert_contains(&e, &["tensor 'x' is in flight"]);
+    let mut small = vec![1.0f32; 10];
+    // SAFETY: refused, never used.
+    let e = unsafe { clients[0].push_pull(small.as_mut_ptr().cast(), 40, DType::F32, "x", 0, 0, None) };
+    let e = e.err().expect("a reshape in flight was accepted").to_string();
+    assert!(e.contains("already being push_pulled") || e.contains("in flight"), "{e}");
+    assert_eq!(push_pull(&clients[1], "x", vec![2.0f32; 100], DType::F32, 0, 0).unwrap(), vec![3.0; 100]);
+    op.wait(Some(IO_TIMEOUT)).unwrap();
+    assert_eq!(b, vec![3.0; 100]);
     finish(job, clients);
 }

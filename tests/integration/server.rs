@@ -547,3 +547,38 @@ fn with_hosts_one_worker_per_host_pushes_each_chunk_and_alone_gets_its_result() 
     drop(conns);
     job.finish();
 }
+
+#[test]
+fn a_released_tensor_is_freed_and_its_chunks_serve_the_next_tensors() {
+    let mut job = data_job(2, 2, |_| {});
+    let x = job.declare(0, &[("x", 600, DType::F32)]).remove(0);
+    let mut conns: Vec<Vec<DataConn>> = (0..2).map(|r| (0..2).map(|s| job.conn(s, r)).collect()).collect();
+    let ones = f32_bytes(&[1.0; 600]);
+    for res in round(&mut conns, &x, 0, 0, &[0, 1], &[ones.clone(), ones.clone()]) {
+        assert_eq!(bytes_f32(&res), vec![2.0; 600]);
+    }
+    for w in &job.workers {
+        w.send(&Control::Release { keys: vec![x.key] }).unwrap();
+    }
+    // Declared after the release on the same connections: once it is
+    // answered, every server thread has freed x (commands run in order).
+    let specs = job.declare(1, &[("y", 900, DType::F32), ("z", 300, DType::F16)]);
+    let (y, z) = (&specs[0], &specs[1]);
+    // The freed chunk buffers were reused, zeroed for the new tensors: exact sums again.
+    let vy: Vec<Vec<f32>> = (0..2).map(|r| (0..900).map(|i| (i * (r + 2)) as f32).collect()).collect();
+    let want_y: Vec<f32> = (0..900).map(|i| (i * 5) as f32).collect();
+    let py: Vec<Vec<u8>> = vy.iter().map(|v| f32_bytes(v)).collect();
+    for res in round(&mut conns, y, 0, 0, &[1, 0], &py) {
+        assert_eq!(bytes_f32(&res), want_y);
+    }
+    let hz: Vec<u8> = u16_bytes(&[f16::from_f32(0.5).to_bits(); 300]);
+    for res in round(&mut conns, z, 0, 0, &[0, 1], &[hz.clone(), hz]) {
+        assert!(bytes_u16(&res).iter().all(|&b| f16::from_bits(b) == f16::from_f32(1.0)));
+    }
+    // A push for the released tensor is refused like any unknown key.
+    let slot = x.slots[0] as usize;
+    conns[0][slot].push(&x, 0, 1, 0, &ones[..x.chunk_bytes(0)]);
+    conns[0][slot].expect_error("is not owned by this server thread");
+    drop(conns);
+    job.finish();
+}

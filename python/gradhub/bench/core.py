@@ -378,13 +378,116 @@ def bench_host(args, out):
     out["host"] = {"workers": workers, "bytes": nbytes, "memcpy_GBps": copy_gbps, **best}
 
 
-BENCHMARKS = ("transport", "latency", "priority", "sweep", "host")
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MB (from /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _state_worker(port: int, rank: int, workers: int, mode: str, calls: int, every: int) -> None:
+    """One worker of `bench_state` (a child process): `calls` push_pulls of
+    mixed small sizes, printing its progress (and its own memory) every
+    `every` calls, then its time per call."""
+    import gradhub
+    from gradhub import api
+
+    os.environ.update(GRADHUB_SCHEDULER=f"127.0.0.1:{port}", GRADHUB_NUM_WORKERS=str(workers),
+                      GRADHUB_NUM_SERVERS="1", GRADHUB_RANK=str(rank))
+    gradhub.init()
+    sizes = (1024, 256, 4096, 1000)  # 4 KiB, 1 KiB, 16 KiB, 4000 B
+    bufs = [np.zeros(n, np.float32) for n in sizes]
+    ok, t0 = True, time.perf_counter()
+    for i in range(calls):
+        a = bufs[i % len(sizes)]
+        a.fill(rank + 1)
+        if mode == "named":
+            gradhub.push_pull(a, name=f"metric.{i % len(sizes)}")
+        elif mode == "unnamed":
+            gradhub.push_pull(a)
+        else:  # "unique": what unnamed calls did before they freed their state
+            gradhub.push_pull(a, name=f"unique.{i}")
+        ok &= bool(a[0] == workers * (workers + 1) / 2)
+        if (i + 1) % every == 0:
+            print(json.dumps({"calls": i + 1, "rss": rss_mb(os.getpid()), "tensors": api._require().num_tensors()}),
+                  flush=True)
+    print(json.dumps({"per_call_s": (time.perf_counter() - t0) / calls, "ok": ok}), flush=True)
+    gradhub.shutdown()
+
+
+def state_run(mode: str, calls: int, every: int, workers: int = 2) -> dict:
+    """A scheduler, one server and `workers` worker processes on this host;
+    memory of each role as the calls go on."""
+    port = _free_port()
+    env = {**os.environ, "GRADHUB_LOG": "warn"}
+    sched = subprocess.Popen([sys.executable, "-m", "gradhub", "scheduler", "--bind", f"127.0.0.1:{port}",
+                              "--workers", str(workers), "--servers", "1"], stderr=subprocess.DEVNULL, env=env)
+    server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
+                               "--threads", "1", "--advertise-addr", "127.0.0.1"], stderr=subprocess.DEVNULL,
+                              env=env)
+    code = (f"from gradhub.bench.core import _state_worker; "
+            f"_state_worker({port}, {{r}}, {workers}, {mode!r}, {calls}, {every})")
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.DEVNULL, env=env) for r in range(workers)]
+    samples = []
+    try:
+        while True:
+            lines = [p.stdout.readline() for p in procs]
+            if any(not line for line in lines):
+                raise RuntimeError(f"bench state: a worker exited early ({mode})")
+            recs = [json.loads(line) for line in lines]
+            if "per_call_s" in recs[0]:
+                break
+            samples.append({"calls": recs[0]["calls"], "worker_mb": recs[0]["rss"],
+                            "worker_tensors": recs[0]["tensors"], "server_mb": rss_mb(server.pid),
+                            "scheduler_mb": rss_mb(sched.pid)})
+        for p in procs:
+            p.wait(timeout=60)
+        server.wait(timeout=30)
+        sched.wait(timeout=30)
+    finally:
+        for p in [*procs, server, sched]:
+            if p.poll() is None:
+                p.kill()
+    return {"mode": mode, "calls": calls, "samples": samples, "per_call_s": max(r["per_call_s"] for r in recs),
+            "ok": all(r["ok"] for r in recs)}
+
+
+def bench_state(args, out):
+    """Memory of every role over many small push_pulls (issue 10: bounded
+    state): unnamed calls free their tensors; the "unique" mode gives every
+    call a new name that is never released, which is what unnamed calls
+    did before; "named" reuses four names."""
+    calls = 2_000 if args.quick else args.calls
+    every = max(calls // 10, 1)
+    res = []
+    print(f"state  2 workers (one host) + 1 server, {calls} push_pulls of 1-16 KiB each; RSS in MB")
+    print(f"  {'mode':<8} {'calls':>8} {'worker':>8} {'tensors':>8} {'server':>8} {'scheduler':>9}")
+    for mode in ("named", "unnamed", "unique"):
+        n = min(calls, args.unique_calls) if mode == "unique" else calls
+        r = state_run(mode, n, max(n // 10, 1))
+        if not r["ok"]:
+            raise RuntimeError(f"bench state: wrong sum ({mode})")
+        for s in r["samples"]:
+            print(f"  {mode:<8} {s['calls']:8d} {s['worker_mb']:8.1f} {s['worker_tensors']:8d} "
+                  f"{s['server_mb']:8.1f} {s['scheduler_mb']:9.1f}", flush=True)
+        print(f"  {mode:<8} {r['per_call_s'] * 1e6:8.0f} us per call", flush=True)
+        res.append(r)
+    out["state"] = res
+
+
+BENCHMARKS = ("transport", "latency", "priority", "sweep", "host", "state")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("which", nargs="*", default=["all"], metavar="BENCH",
-                    help="transport, latency, priority, sweep, host or all (default all)")
+                    help="transport, latency, priority, sweep, host, state or all (default all)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--calls", type=int, default=100_000, help="state: push_pulls per mode (default 100000)")
+    ap.add_argument("--unique-calls", type=int, default=20_000,
+                    help="state: calls of the never-released mode, whose memory grows (default 20000)")
     ap.add_argument("--json", help="write raw results to this file")
 
 
