@@ -5,6 +5,7 @@
 //! timeout, which the scheduler tells every member in Welcome: a scheduler
 //! silent for that long is reported as lost, whatever the member's role.
 
+use std::io::Write;
 use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -74,6 +75,7 @@ impl Joining {
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let link = Arc::new(Link {
             writer: Mutex::new(writer),
+            later: Mutex::new(Vec::new()),
             namespace: ns,
             closing: AtomicBool::new(false),
             stop: Mutex::new(Some(stop_tx)),
@@ -99,8 +101,15 @@ impl Joining {
     }
 }
 
+/// Bytes of deferred messages (`send_later`) sent at once, without waiting
+/// for the next message.
+const SEND_LATER_BYTES: usize = 16 << 10;
+
 struct Link {
     writer: Mutex<TcpStream>,
+    /// Encoded messages that may wait (`send_later`): written in front of
+    /// the next message, in the same write. Locked inside `writer`.
+    later: Mutex<Vec<u8>>,
     namespace: u32,
     closing: AtomicBool,
     /// Dropped to stop the heartbeat thread.
@@ -110,7 +119,12 @@ struct Link {
 impl Link {
     fn send(&self, msg: &Control) -> Result<(), SessionError> {
         let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        write_control(&mut *w, msg, self.namespace).map_err(SessionError::Send)
+        let mut buf = std::mem::take(&mut *self.later.lock().unwrap_or_else(|e| e.into_inner()));
+        if buf.is_empty() {
+            return write_control(&mut *w, msg, self.namespace).map_err(SessionError::Send);
+        }
+        buf.extend_from_slice(&msg.encode(self.namespace));
+        w.write_all(&buf).map_err(SessionError::Send)
     }
 }
 
@@ -121,6 +135,21 @@ pub struct SessionSender(Arc<Link>);
 impl SessionSender {
     pub fn send(&self, msg: &Control) -> Result<(), SessionError> {
         self.0.send(msg)
+    }
+
+    /// Send `msg` with the next message (at the latest with the next
+    /// heartbeat), in order: one write and one wake-up of the scheduler for
+    /// both. For messages nobody waits for, e.g. `Release`.
+    pub fn send_later(&self, msg: &Control) -> Result<(), SessionError> {
+        let full = {
+            let mut later = self.0.later.lock().unwrap_or_else(|e| e.into_inner());
+            later.extend_from_slice(&msg.encode(self.0.namespace));
+            later.len() >= SEND_LATER_BYTES
+        };
+        match full {
+            true => self.0.send(&Control::Heartbeat),
+            false => Ok(()),
+        }
     }
 
     /// Say goodbye (workers) and close: stops the heartbeats and makes a

@@ -240,7 +240,7 @@ impl Shared {
             self.io.forget(s);
         }
         let keys = specs.iter().map(|s| s.key).collect();
-        if let Err(e) = self.send_ctrl(&Control::Release { keys }) {
+        if let Err(e) = self.session.send_later(&Control::Release { keys }) {
             self.set_failure(e.to_string());
         }
     }

@@ -165,14 +165,27 @@ pub(super) fn release(shared: &Shared, st: &mut State, rank: u32, keys: Vec<u32>
             freed.push(key);
         }
     }
-    if !freed.is_empty() {
-        log::debug!(target: "scheduler", "freeing tensor keys {freed:?} on the servers");
-        let msg = Control::ServerRelease { keys: freed };
-        for m in st.members.iter().filter(|m| m.role == Role::Server) {
-            m.send(&msg, shared.cfg.namespace);
-        }
+    st.to_free.extend(freed);
+    if st.to_free.len() >= FREE_BATCH {
+        free_on_servers(shared, st);
     }
     Ok(())
+}
+
+/// Released keys sent to the servers at once, without waiting for the next
+/// install or heartbeat (which take them along: one wake-up of a server for
+/// both, not one more per unnamed operation).
+const FREE_BATCH: usize = 1024;
+
+/// Tell the servers to free the tensors every worker released.
+pub(super) fn free_on_servers(shared: &Shared, st: &mut State) {
+    if st.to_free.is_empty() {
+        return;
+    }
+    let msg = Control::ServerRelease { keys: std::mem::take(&mut st.to_free) };
+    for m in st.members.iter().filter(|m| m.role == Role::Server) {
+        m.send(&msg, shared.cfg.namespace);
+    }
 }
 
 /// A declaration a worker still waits for that can never complete: a
@@ -227,10 +240,17 @@ pub(super) fn report_declaration_stalls(shared: &Shared) {
 /// Send the specs to every server, wait for all acks, then answer workers.
 pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
     let ns = shared.cfg.namespace;
-    let servers: Vec<Arc<Member>> = shared.lock().members.iter().filter(|m| m.role == Role::Server).cloned().collect();
-    let msg = Control::ServerDeclare { batch, specs: specs.clone() };
+    let (servers, free) = {
+        let mut st = shared.lock();
+        let servers: Vec<Arc<Member>> = st.members.iter().filter(|m| m.role == Role::Server).cloned().collect();
+        (servers, std::mem::take(&mut st.to_free))
+    };
+    let mut msgs = vec![Control::ServerDeclare { batch, specs: specs.clone() }];
+    if !free.is_empty() {
+        msgs.insert(0, Control::ServerRelease { keys: free });
+    }
     for s in &servers {
-        s.send(&msg, ns);
+        s.send_all(&msgs, ns);
     }
     let mut st = shared.lock();
     while st.acks.get(&batch).copied().unwrap_or(0) < shared.cfg.num_servers && st.failed.is_none() {

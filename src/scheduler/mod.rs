@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
 use crate::transport::DeadlineReader;
-use declarations::{declare, install, release, report_declaration_stalls};
+use declarations::{declare, free_on_servers, install, release, report_declaration_stalls};
 use membership::{check_registration, enter_barrier, join, lost_reason, say_goodbye};
 use state::{Member, Shared, State};
 
@@ -205,6 +205,7 @@ fn heartbeat_loop(shared: Arc<Shared>) {
             m.send(&Control::Heartbeat, shared.cfg.namespace);
         }
         report_declaration_stalls(&shared);
+        free_on_servers(&shared, &mut shared.lock());
         thread::sleep(period);
     }
 }

@@ -3,6 +3,7 @@
 //! with a condition variable for the threads waiting on either.
 
 use std::collections::{HashMap, HashSet};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -23,6 +24,14 @@ impl Member {
     pub fn send(&self, msg: &Control, ns: u32) -> bool {
         match self.writer.lock() {
             Ok(mut w) => write_control(&mut *w, msg, ns).is_ok(),
+            Err(_) => false,
+        }
+    }
+    /// Several messages in one write (one wake-up of the member).
+    pub fn send_all(&self, msgs: &[Control], ns: u32) -> bool {
+        let buf: Vec<u8> = msgs.iter().flat_map(|m| m.encode(ns)).collect();
+        match self.writer.lock() {
+            Ok(mut w) => w.write_all(&buf).is_ok(),
             Err(_) => false,
         }
     }
@@ -49,6 +58,9 @@ pub(super) struct State {
     pub by_key: HashMap<u32, String>,
     /// Tensors some workers released and others not yet, by key.
     pub retiring: HashMap<u32, Retiring>,
+    /// Tensors every worker released, not yet freed on the servers (sent
+    /// with the next install or heartbeat: see `declarations::release`).
+    pub to_free: Vec<u32>,
     pub next_key: u32,
     pub next_batch: u32,
     pub acks: HashMap<u32, u32>,
