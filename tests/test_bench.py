@@ -371,3 +371,29 @@ def test_bench_core_latency_quick(tmp_path):
     assert "TCP ping-pong, compiled client (baseline)" in p.stdout and "gradhub push_pull" in p.stdout
     lat = json.loads(out.read_text())["latency"]
     assert all(0 < lat[k] < 100_000 for k in ("tcp_rust_us", "tcp_python_us", "push_pull_us")), lat
+
+
+def test_bench_hostile_and_state_quick(tmp_path):
+    """A running job under 200 hostile connections keeps its sums, closes
+    them all and keeps its threads bounded; unnamed calls leave no tensors."""
+    from gradhub.bench import checkout
+
+    try:
+        checkout.checkout_root()
+    except checkout.CheckoutError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "core.json"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "core", "hostile", "state", "--quick",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    h = res["hostile"]
+    assert h["wrong"] == 0 and h["opened"] == h["connections"] == 200
+    assert h["closed"] == h["opened"], h
+    # 2 workers + 1 server: at most 2 x 3 + 16 connections register at once (one thread each).
+    assert max(s["scheduler_threads"] for s in h["samples"]) <= h["samples"][0]["scheduler_threads"] + 22, h
+    assert len({s["server_threads"] for s in h["samples"]}) == 1, h  # an event loop: no thread per connection
+    assert h["logs"]["server"]["closing"] >= 100
+    modes = {r["mode"]: r for r in res["state"]}
+    assert all(s["worker_tensors"] == 0 for s in modes["unnamed"]["samples"])
+    assert modes["unique"]["samples"][-1]["worker_tensors"] == modes["unique"]["calls"]
