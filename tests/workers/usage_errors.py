@@ -52,30 +52,31 @@ bad32 = np.arange(8, dtype=np.int32)
 expect(ValueError, "does not match", lambda: gradhub.broadcast(bad32, root_rank=0, dtype="float32"))
 assert np.array_equal(bad32, np.arange(8, dtype=np.int32)), bad32
 
+def while_in_flight(size, message, second):
+    """Rank 0 starts a push_pull of `size` elements named "twice" and, while it
+    is in flight, expects `second()` to raise ValueError with `message`; the
+    other ranks join the round late. The round still sums correctly."""
+    z = np.ones(size, np.float32)
+    if r == 0:
+        h = gradhub.push_pull_async(z, name="twice")
+        expect(ValueError, message, second)
+        h.wait(30)
+    else:
+        time.sleep(0.5)
+        gradhub.push_pull(z, name="twice", timeout=30)
+    assert np.all(z == n)
+
+
 # Same name twice in flight.
-z = np.ones(10, np.float32)
-if r == 0:
-    h = gradhub.push_pull_async(z, name="twice")
-    expect(ValueError, "already being push_pulled", lambda: gradhub.push_pull_async(np.ones(10, np.float32), name="twice"))
-    h.wait(30)
-else:
-    time.sleep(0.5)
-    gradhub.push_pull(z, name="twice", timeout=30)
-assert np.all(z == n)
+while_in_flight(10, "already being push_pulled",
+                lambda: gradhub.push_pull_async(np.ones(10, np.float32), name="twice"))
 
 # A name reused with another size is a new tensor, but not while a round of it is in flight.
 w = np.ones(11, np.float32)
 gradhub.push_pull(w, name="twice", timeout=30)
 assert np.all(w == n)
-w = np.ones(11, np.float32)
-if r == 0:
-    h = gradhub.push_pull_async(w, name="twice")
-    expect(ValueError, "cannot change to 12 elements", lambda: gradhub.push_pull(np.ones(12, np.float32), name="twice"))
-    h.wait(30)
-else:
-    time.sleep(0.5)
-    gradhub.push_pull(w, name="twice", timeout=30)
-assert np.all(w == n)
+while_in_flight(11, "cannot change to 12 elements",
+                lambda: gradhub.push_pull(np.ones(12, np.float32), name="twice"))
 
 # The job still works.
 y = np.full(1000, r + 1.0, np.float32)
