@@ -5,7 +5,11 @@
 //! one push and one result per chunk, whatever its number of workers.
 //!
 //! One segment per tensor holds, per chunk and round parity, a state block
-//! and the data (`Staging`). Contributions are made by the caller's thread
+//! and the host's sum (`wire`), plus one buffer for results (`Staging`).
+//! Results land apart from the sums so a sum stays intact until its round
+//! completes everywhere, and the last result stays until the next one
+//! arrives: after a server loss, the owner re-sends the one and restores
+//! the other (`scheduler::failover`). Contributions are made by the caller's thread
 //! at submit, under a per-chunk lock held for one chunk's add; the pushes
 //! and copy-outs are the I/O thread's (`io`), woken by doorbells.
 //!
@@ -90,9 +94,11 @@ pub struct Staging {
     num_chunks: usize,
     /// Contributions that complete a sum: the host's workers.
     local_size: u32,
-    /// Offsets of the f32 sum (halves only) and the wire buffer, by parity.
+    /// Offsets of the f32 sum (halves only) and the wire buffer, by parity,
+    /// and of the results.
     acc: [usize; 2],
     wire: [usize; 2],
+    result: usize,
 }
 
 impl Staging {
@@ -100,7 +106,7 @@ impl Staging {
     /// `mappers`: how many processes map it (the host's workers and its
     /// servers); the last one removes the name, which nobody needs then.
     pub fn open(job_id: u64, host_tag: u64, spec: &TensorSpec, mappers: usize) -> Result<Staging, String> {
-        let (len, acc, wire) = Staging::layout(spec);
+        let (len, acc, wire, result) = Staging::layout(spec);
         let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-k{}", spec.key);
         let seg = Segment::open(&name, len).map_err(|e| format!("tensor '{}': {e}", spec.name))?;
         if seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 >= mappers {
@@ -115,6 +121,7 @@ impl Staging {
             local_size: 0,
             acc,
             wire,
+            result,
         })
     }
 
@@ -124,7 +131,7 @@ impl Staging {
         &self.seg.path
     }
 
-    fn layout(spec: &TensorSpec) -> (usize, [usize; 2], [usize; 2]) {
+    fn layout(spec: &TensorSpec) -> (usize, [usize; 2], [usize; 2], usize) {
         let n = spec.num_chunks();
         let numel = spec.numel as usize;
         let base = LINE + n * 2 * LINE;
@@ -134,7 +141,8 @@ impl Staging {
         let wire = [acc[0] + acc_bytes, acc[1] + acc_bytes];
         // f32 sums are made in the wire buffer itself.
         let acc = if spec.dtype == DType::F32 { wire } else { acc };
-        (base + 2 * (acc_bytes + wire_bytes), acc, wire)
+        let result = base + 2 * (acc_bytes + wire_bytes);
+        (result + wire_bytes, acc, wire, result)
     }
 
     fn word(&self, chunk: usize, round: u32, w: usize) -> &AtomicU32 {
@@ -146,12 +154,20 @@ impl Staging {
         (a, (a + self.chunk_elems).min(self.numel))
     }
 
-    /// The wire bytes of a chunk in a round: what its owner pushes, and
-    /// where the result lands.
+    /// The wire bytes of a chunk in a round: the host's sum its owner pushes.
     pub fn wire(&self, chunk: usize, round: u32) -> (*mut u8, usize) {
         let (a, b) = self.range(chunk);
         let es = self.dtype.size();
         (self.seg.at(self.wire[(round & 1) as usize] + a * es), (b - a) * es)
+    }
+
+    /// Where a chunk's result lands (any round: a result is overwritten
+    /// only by the next round's, which needs every local worker to have
+    /// completed this one, copy-out included).
+    pub fn result(&self, chunk: usize) -> (*mut u8, usize) {
+        let (a, b) = self.range(chunk);
+        let es = self.dtype.size();
+        (self.seg.at(self.result + a * es), (b - a) * es)
     }
 
     /// Whether every local worker contributed this chunk for `round`.
@@ -183,7 +199,7 @@ impl Staging {
         missing
     }
 
-    /// The result is in `wire`: the other local workers may copy it out.
+    /// The result is in `result`: the other local workers may copy it out.
     pub fn publish(&self, chunk: usize, round: u32) {
         self.word(chunk, round, RESULT).store(tag(round), Ordering::Release);
     }
@@ -429,14 +445,19 @@ impl HostStage {
         Ok(s)
     }
 
-    /// Unmap a released tensor's segment. Its name is normally gone already
-    /// (every mapper had mapped it before the tensor's first round completed).
-    pub fn forget(&self, key: u32) {
-        let st = self.staging.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
-        if let Some(st) = st {
-            let _ = std::fs::remove_file(st.path());
-            self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| p != st.path());
-        }
+    /// The tensor's shared buffers, if it had a round here.
+    pub fn mapped(&self, key: u32) -> Option<Arc<Staging>> {
+        self.staging.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
+    }
+
+    /// Forget a released tensor's segment; it is unmapped when the
+    /// returned mapping goes. Its name is normally gone already (every
+    /// mapper had mapped it before the tensor's first round completed).
+    pub fn forget(&self, key: u32) -> Option<Arc<Staging>> {
+        let st = self.staging.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)?;
+        let _ = std::fs::remove_file(st.path());
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| p != st.path());
+        Some(st)
     }
 
     /// Add every chunk of this worker's buffer (`ptr`) to the host's sums

@@ -43,6 +43,8 @@ pub struct Placer {
     slots: Vec<Slot>,
     weight: Vec<f64>,
     load: Vec<u64>,
+    /// Slots of servers that were lost: never placed on again.
+    lost: Vec<bool>,
 }
 
 impl Placer {
@@ -59,7 +61,8 @@ impl Placer {
             }
         }
         let load = vec![0; slots.len()];
-        Placer { slots, weight, load }
+        let lost = vec![false; slots.len()];
+        Placer { slots, weight, load, lost }
     }
 
     /// Each server's share of the summation work, e.g. "server 0 (CPU-only) 75%, server 1 (colocated) 25%".
@@ -92,16 +95,20 @@ impl Placer {
 
     /// Place chunks of the given byte sizes, in order; returns their slots.
     pub fn place(&mut self, chunk_bytes: impl IntoIterator<Item = u64>) -> Vec<u32> {
+        // Servers with no share of the work (BytePS with k >= n) take
+        // chunks only when no other server is left.
+        let weighted = (0..self.slots.len()).any(|i| !self.lost[i] && self.weight[i] > 0.0);
         chunk_bytes
             .into_iter()
             .map(|b| {
-                let mut best = usize::MAX;
+                let mut best = 0;
                 let mut best_cost = f64::INFINITY;
                 for i in 0..self.slots.len() {
-                    if self.weight[i] <= 0.0 {
+                    if self.lost[i] || (weighted && self.weight[i] <= 0.0) {
                         continue;
                     }
-                    let cost = (self.load[i] + b) as f64 / self.weight[i];
+                    let w = if weighted { self.weight[i] } else { 1.0 };
+                    let cost = (self.load[i] + b) as f64 / w;
                     if cost < best_cost {
                         best_cost = cost;
                         best = i;
@@ -111,6 +118,31 @@ impl Placer {
                 best as u32
             })
             .collect()
+    }
+
+    /// Server `rank` was lost: its slots take no more chunks. Returns them
+    /// (by slot index); the caller places their chunks again.
+    pub fn remove_server(&mut self, rank: u32) -> Vec<u32> {
+        let mut gone = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if s.server == rank && !self.lost[i] {
+                self.lost[i] = true;
+                self.load[i] = 0;
+                gone.push(i as u32);
+            }
+        }
+        gone
+    }
+
+    /// Place again the chunks of `spec` that are on `gone` slots; returns
+    /// whether any moved.
+    pub fn replace(&mut self, spec: &mut crate::protocol::TensorSpec, gone: &[u32]) -> bool {
+        let moved: Vec<usize> = (0..spec.num_chunks()).filter(|&c| gone.contains(&spec.slots[c])).collect();
+        let slots = self.place(moved.iter().map(|&c| spec.chunk_bytes(c) as u64));
+        for (&c, s) in moved.iter().zip(slots) {
+            spec.slots[c] = s;
+        }
+        !moved.is_empty()
     }
 
     /// Take back chunks placed earlier (their sizes and slots), so later
@@ -261,6 +293,43 @@ mod tests {
         // Greedy least-loaded keeps the spread below one largest item.
         assert!(max - min <= 65536, "loads {loads:?}");
         assert_eq!(loads.iter().sum::<u64>(), sizes.iter().sum::<u64>());
+    }
+
+    #[test]
+    fn a_lost_servers_chunks_move_to_the_others_in_proportion() {
+        // Two CPU-only servers (2 threads each) and one colocated, 4 pushing machines.
+        let mut p = Placer::new(&servers(&[false, false, true], 2), 4);
+        let mut spec = crate::protocol::TensorSpec {
+            key: 0,
+            name: "w".into(),
+            numel: 600,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems: 10,
+            slots: Vec::new(),
+        };
+        spec.slots = p.place((0..60).map(|c| spec.chunk_bytes(c) as u64));
+        assert!(spec.slots.iter().any(|&s| s / 2 == 1), "server 1 got chunks");
+        let before = spec.slots.clone();
+        let gone = p.remove_server(1);
+        assert_eq!(gone, vec![2, 3]);
+        assert!(p.replace(&mut spec, &gone));
+        for (c, (&a, &b)) in before.iter().zip(&spec.slots).enumerate() {
+            assert!(b / 2 != 1, "chunk {c} still on the lost server");
+            if a / 2 != 1 {
+                assert_eq!(a, b, "chunk {c} was not on the lost server and must not move");
+            }
+        }
+        // The survivors keep their weights: CPU-only 2(n-1) = 6 vs colocated n-k = 2.
+        let bytes = |srv: u32| -> u64 {
+            p.loads().iter().enumerate().filter(|(i, _)| *i as u32 / 2 == srv).map(|(_, &l)| l).sum()
+        };
+        assert_eq!(bytes(1), 0);
+        assert_eq!(bytes(0) + bytes(2), 2400);
+        assert!(bytes(0) >= 2 * bytes(2), "{} vs {}", bytes(0), bytes(2));
+        assert!(!p.replace(&mut spec, &gone), "nothing left to move");
+        // Only zero-weight servers left: they take the chunks rather than nobody.
+        let mut q = Placer::new(&servers(&[true, true], 1), 1);
+        assert!(q.place([4, 4, 4, 4]).iter().all(|&s| s < 2));
     }
 
     #[test]

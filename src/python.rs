@@ -82,6 +82,7 @@ fn scheduler_config(
     join_timeout_ms: u32,
     namespace: u32,
     host_reduce: bool,
+    failover: bool,
 ) -> SchedulerConfig {
     SchedulerConfig {
         bind,
@@ -94,12 +95,13 @@ fn scheduler_config(
         join_timeout_ms,
         namespace,
         host_reduce,
+        failover,
     }
 }
 
 /// Run a scheduler until the job ends (blocking, without the GIL).
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true))]
 #[allow(clippy::too_many_arguments)]
 fn run_scheduler(
     py: Python<'_>,
@@ -113,6 +115,7 @@ fn run_scheduler(
     join_timeout_ms: u32,
     namespace: u32,
     host_reduce: bool,
+    failover: bool,
 ) -> PyResult<()> {
     let cfg = scheduler_config(
         bind,
@@ -125,6 +128,7 @@ fn run_scheduler(
         join_timeout_ms,
         namespace,
         host_reduce,
+        failover,
     );
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
 }
@@ -153,7 +157,7 @@ impl SchedulerHandle {
 }
 
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true))]
 #[allow(clippy::too_many_arguments)]
 fn start_scheduler(
     bind: String,
@@ -166,6 +170,7 @@ fn start_scheduler(
     join_timeout_ms: u32,
     namespace: u32,
     host_reduce: bool,
+    failover: bool,
 ) -> PyResult<SchedulerHandle> {
     let cfg = scheduler_config(
         bind,
@@ -178,6 +183,7 @@ fn start_scheduler(
         join_timeout_ms,
         namespace,
         host_reduce,
+        failover,
     );
     let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })

@@ -92,8 +92,8 @@ class Cluster:
         self.logs[name] = log
         return p
 
-    def start_worker(self, rank: int, script: str, config: dict | None = None) -> subprocess.Popen:
-        env = dict(self.env, GRADHUB_RANK=str(rank), GH_TEST=json.dumps(config or {}))
+    def start_worker(self, rank: int, script: str, config: dict | None = None, **env) -> subprocess.Popen:
+        env = dict(self.env, GRADHUB_RANK=str(rank), GH_TEST=json.dumps(config or {}), **env)
         return self._spawn(f"worker{rank}", [sys.executable, str(WORKERS / script)], env)
 
     def log(self, name: str) -> str:

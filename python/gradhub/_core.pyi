@@ -32,6 +32,7 @@ def run_scheduler(
     join_timeout_ms: int = 300000,
     namespace: int = 0,
     host_reduce: bool = True,
+    failover: bool = True,
 ) -> None:
     """Run a scheduler until the job ends (blocking, without the GIL)."""
 
@@ -46,6 +47,7 @@ def start_scheduler(
     join_timeout_ms: int = 300000,
     namespace: int = 0,
     host_reduce: bool = True,
+    failover: bool = True,
 ) -> SchedulerHandle:
     """Start a scheduler on a background thread of this process."""
 

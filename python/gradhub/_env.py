@@ -139,6 +139,7 @@ class SchedulerEnv:
     peer_timeout: float
     namespace: int
     host_reduce: bool              # GRADHUB_HOST_REDUCE: workers sharing a host sum there first
+    failover: bool                 # GRADHUB_FAILOVER: a lost server's chunks move to the others
 
 
 def scheduler_env() -> SchedulerEnv:
@@ -151,6 +152,7 @@ def scheduler_env() -> SchedulerEnv:
         peer_timeout=get_float("GRADHUB_PEER_TIMEOUT", 10.0),
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         host_reduce=get_flag("GRADHUB_HOST_REDUCE", True),
+        failover=get_flag("GRADHUB_FAILOVER", True),
     )
 
 

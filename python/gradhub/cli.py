@@ -35,6 +35,8 @@ environment (flags win over variables):
                            and network namespace)
   GRADHUB_HOST_REDUCE=0    workers that share a machine do not sum there
                            first (scheduler; default on)
+  GRADHUB_FAILOVER=0       losing a server fails the job instead of moving
+                           its chunks to the others (scheduler; default on)
 """
 
 
@@ -49,6 +51,9 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
     p.add_argument("--no-host-reduce", dest="host_reduce", action="store_false", default=env.host_reduce,
                    help="workers that share a machine each push everything themselves instead of summing in "
                    "shared memory first and pushing one share each (GRADHUB_HOST_REDUCE=0)")
+    p.add_argument("--no-failover", dest="failover", action="store_false", default=env.failover,
+                   help="fail the job when a server is lost, instead of moving its chunks to the other servers "
+                   "and going on (GRADHUB_FAILOVER=0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_scheduler(args) -> int:
     e = _env.scheduler_env()
     return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
-                               args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce)
+                               args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce,
+                               failover=args.failover)
 
 
 def _run_server(args) -> int:

@@ -85,6 +85,8 @@ def launch(args, command: list[str]) -> int:
         timing += ["--partition-bytes", str(args.partition_bytes)]
     if not args.host_reduce:
         timing.append("--no-host-reduce")
+    if not args.failover:
+        timing.append("--no-failover")
     procs: list[Proc] = []
     procs.append(Proc("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"] + timing,
                       {**base, "GRADHUB_ROLE": "scheduler"}))

@@ -40,7 +40,8 @@ def _native_sigint() -> None:
 
 def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None,
                   partition_bytes: int | None = None, stall_seconds: float = 30.0, peer_timeout: float = 10.0,
-                  namespace: int = 0, scheduler: str | None = None, host_reduce: bool = True) -> int:
+                  namespace: int = 0, scheduler: str | None = None, host_reduce: bool = True,
+                  failover: bool = True) -> int:
     """Run the job's scheduler until the job ends; returns an exit code
     (0 done, 1 the job failed, 2 bad settings). `bind` defaults to 0.0.0.0 and
     the port of `scheduler` (GRADHUB_SCHEDULER), or 9000."""
@@ -59,7 +60,7 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
     try:
         _core.run_scheduler(bind, num_workers, num_servers, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                             peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
-                            namespace=namespace, host_reduce=host_reduce)
+                            namespace=namespace, host_reduce=host_reduce, failover=failover)
     except _core.GradhubError as e:
         print(f"gradhub scheduler: {e}", file=sys.stderr)
         return 1
@@ -92,7 +93,7 @@ def default_server_threads() -> int:
 def scheduler_from_env() -> int:
     e = _env.scheduler_env()
     return run_scheduler(None, e.num_workers, e.num_servers, e.partition_bytes, e.stall_seconds, e.peer_timeout,
-                         e.namespace, scheduler=e.scheduler, host_reduce=e.host_reduce)
+                         e.namespace, scheduler=e.scheduler, host_reduce=e.host_reduce, failover=e.failover)
 
 
 def server_from_env() -> int:
@@ -126,7 +127,7 @@ class Embedded:
                 f"0.0.0.0:{port}", env.num_workers, env.num_servers,
                 s.partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                 peer_timeout_ms=int(s.peer_timeout * 1000), stall_ms=int(s.stall_seconds * 1000),
-                namespace=env.namespace, host_reduce=s.host_reduce)
+                namespace=env.namespace, host_reduce=s.host_reduce, failover=s.failover)
         if (env.local_rank or 0) == 0:
             threads = _env.server_env().threads or 1
 

@@ -36,13 +36,22 @@
 //! chunks' results from the shared memory once their owners publish them;
 //! doorbells wake this thread for both. Everything above holds per pusher.
 //!
+//! Failover (`scheduler::failover`): when a server is lost its connections
+//! go quiet here (`SendHalf::lost`) until the scheduler says where its
+//! chunks went, at most a few peer timeouts. Then this thread re-sends every
+//! push the lost server had not answered (a caller's buffer, or the host's
+//! sum, still holds it: results land apart, in `Kept` or the segment's
+//! result buffer, and are copied over once whole) and restores the last
+//! result it holds of each moved chunk, which other workers may have
+//! missed. Tensors released lately keep theirs a while (`Released`).
+//!
 //! Locks: `ops` before a connection's `send`, never the reverse; the client's
 //! table lock is only taken inside `ops` (completing an op), never around it.
 
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::net::TcpStream;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -97,13 +106,12 @@ struct ChunkSend {
 #[derive(PartialEq, Eq)]
 enum SendItem {
     Chunk(ChunkSend),
-    /// A control frame with a payload of its own (DataHello, OptConfig): not
-    /// a push, so it takes no credit and expects no result; control frames go
+    /// A frame with a payload of its own (DataHello, OptConfig, Restore):
+    /// not a push, so it takes no credit and expects no result; these go
     /// out in the order they were queued, before every push.
     Control {
         seq: u64,
-        key: u32,
-        msg_type: MsgType,
+        header: Header,
         payload: Vec<u8>,
     },
 }
@@ -204,6 +212,9 @@ struct SendHalf {
     unreturned: Window,
     /// This connection's credit (bytes); see `Io::note_placement`.
     credit: usize,
+    /// When the connection broke (its server lost, see `scheduler::failover`):
+    /// nothing is written to it any more.
+    lost: Option<Instant>,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
@@ -252,6 +263,47 @@ struct OpTable {
     rounds: HashMap<u32, u32>,
     seq: u64,
     failed: Option<String>,
+    /// By key, with failover on and no host stage: where results land.
+    kept: HashMap<u32, Kept>,
+    /// Specs that replaced others after a failover, by key (an op submitted
+    /// with the old one takes it).
+    respecs: HashMap<u32, Arc<TensorSpec>>,
+    /// Tensors released lately, still able to restore their last result.
+    released: VecDeque<Released>,
+}
+
+/// A tensor's last results (failover on, no host stage): each chunk's
+/// result lands here and is copied to the caller's buffer once whole, so
+/// the buffer holds this worker's push until then, and the last result
+/// stays until the next one arrives.
+struct Kept {
+    buf: Box<[u8]>,
+    /// The round of the result each chunk holds (`NO_ROUND`: none yet).
+    round: Vec<u32>,
+}
+
+const NO_ROUND: u32 = u32::MAX;
+
+/// A released tensor's means to restore its last results after a failover
+/// (another worker may still wait for one this worker received): kept for
+/// `RELEASED_FOR` peer timeouts, and `RELEASED_BYTES` at most.
+struct Released {
+    at: Instant,
+    spec: Arc<TensorSpec>,
+    last_round: Option<u32>,
+    kept: Option<Kept>,
+    staging: Option<Arc<Staging>>,
+}
+const RELEASED_FOR: u32 = 3;
+const RELEASED_BYTES: usize = 64 << 20;
+
+/// A failover to apply on the I/O thread: the lost server's connections,
+/// and the moved tensors' new specs, each with the worker's current spec
+/// of it if it has one (an active op's or a released tensor's are found there).
+pub struct FailoverNote {
+    pub lost: u32,
+    pub conns: Vec<usize>,
+    pub moved: Vec<(Arc<TensorSpec>, Option<Arc<TensorSpec>>)>,
 }
 
 /// Per-connection credits: `base` x (connections with bytes placed), split in
@@ -294,6 +346,12 @@ pub struct Io {
     /// Chunks pushed by reference and through sockets, since the start.
     pub pushed_by_ref: AtomicU64,
     pub pushed_by_socket: AtomicU64,
+    /// The job survives a lost server (`Welcome::failover`): keep results
+    /// apart (`Kept`) and wait for the failover when a connection breaks.
+    pub failover: bool,
+    pub peer_timeout: Duration,
+    /// Failovers for the I/O thread to apply.
+    notes: Mutex<Vec<FailoverNote>>,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -328,6 +386,7 @@ impl Io {
         mut host: Option<HostStage>,
         stall: std::time::Duration,
         by_ref: Vec<bool>,
+        failover: Option<Duration>,
     ) -> std::io::Result<Io> {
         if let Some(h) = &mut host {
             poll.registry().register(&mut h.doorbell.sock, DOORBELL, Interest::READABLE)?;
@@ -338,7 +397,9 @@ impl Io {
             let link = Connection::new(poll.registry(), s, Token(i), desc)?;
             let mut send = SendHalf { credit, ..Default::default() };
             // seq 0: ahead of every frame queued later.
-            send.heap.push(SendItem::Control { seq: 0, key: rank, msg_type: MsgType::DataHello, payload: Vec::new() });
+            let mut hello = Header::new(MsgType::DataHello);
+            (hello.namespace, hello.key) = (namespace, rank);
+            send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
             conns.push(Conn { link, send: Mutex::new(send) });
         }
         let io = Io {
@@ -360,6 +421,9 @@ impl Io {
             left: AtomicU32::new(NONE_LEFT),
             pushed_by_ref: AtomicU64::new(0),
             pushed_by_socket: AtomicU64::new(0),
+            failover: failover.is_some(),
+            peer_timeout: failover.unwrap_or_default(),
+            notes: Mutex::new(Vec::new()),
         };
         for (i, c) in io.conns.iter().enumerate() {
             io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
@@ -398,13 +462,40 @@ impl Io {
         }
     }
 
-    /// Drop this worker's state of a released tensor (nothing of it in flight).
-    pub fn forget(&self, spec: &TensorSpec) {
-        self.ops().rounds.remove(&spec.key);
-        if let Some(h) = &self.host {
-            h.forget(spec.key);
+    /// Drop this worker's state of a released tensor (nothing of it in
+    /// flight); with failover on, its last results stay a while (`Released`).
+    pub fn forget(&self, spec: &Arc<TensorSpec>) {
+        let staging = self.host.as_ref().and_then(|h| h.forget(spec.key));
+        {
+            let mut ops = self.ops();
+            let last_round = ops.rounds.remove(&spec.key).and_then(|r| r.checked_sub(1));
+            let kept = ops.kept.remove(&spec.key);
+            if self.failover {
+                ops.released.push_back(Released { at: Instant::now(), spec: spec.clone(), last_round, kept, staging });
+                self.prune_released(&mut ops);
+            }
         }
         self.note_placement(spec, false);
+    }
+
+    /// Drop released tensors' results once no failover can need them.
+    fn prune_released(&self, ops: &mut OpTable) {
+        let limit = self.peer_timeout * RELEASED_FOR;
+        let size = |r: &Released| r.spec.numel as usize * r.spec.dtype.size();
+        let mut bytes: usize = ops.released.iter().map(size).sum();
+        while let Some(r) = ops.released.front() {
+            if r.at.elapsed() < limit && bytes <= RELEASED_BYTES {
+                break;
+            }
+            bytes -= size(r);
+            ops.released.pop_front();
+        }
+    }
+
+    /// Hand a failover to the I/O thread (see `IoThread::apply_failover`).
+    pub fn fail_over(&self, note: FailoverNote) {
+        self.notes.lock().unwrap_or_else(|e| e.into_inner()).push(note);
+        let _ = self.waker.wake();
     }
 
     fn ops(&self) -> MutexGuard<'_, OpTable> {
@@ -549,9 +640,18 @@ impl Io {
                 shared.finish_op(&s.op, Some(f));
                 return false;
             }
+            // Submitted with a spec a failover replaced meanwhile.
+            let spec = match ops.respecs.get(&key) {
+                Some(r) if r.slots != s.spec.slots => r.clone(),
+                _ => s.spec,
+            };
+            if self.failover && host.is_none() && !ops.kept.contains_key(&key) {
+                let bytes = spec.numel as usize * spec.dtype.size();
+                ops.kept.insert(key, Kept { buf: vec![0u8; bytes].into(), round: vec![NO_ROUND; n] });
+            }
             let mut a = Active {
                 op: s.op,
-                spec: s.spec,
+                spec,
                 ptr: s.ptr,
                 round,
                 priority: s.priority,
@@ -615,7 +715,9 @@ impl Io {
                 return Err(ClientError::Failed(f.clone()));
             }
             ops.seq += 1;
-            c.send().heap.push(SendItem::Control { seq: ops.seq, key, msg_type, payload });
+            let mut header = Header::new(msg_type);
+            (header.namespace, header.key) = (self.namespace, key);
+            c.send().heap.push(SendItem::Control { seq: ops.seq, header, payload });
         }
         self.pump(slot).map_err(|e| ClientError::Failed(format!("{}: {e}", c.desc())))
     }
@@ -624,7 +726,23 @@ impl Io {
     fn pump(&self, i: usize) -> Result<(), ConnError> {
         let c = &self.conns[i];
         let mut guard = c.send();
-        let st = &mut *guard;
+        if guard.lost.is_some() {
+            return Ok(());
+        }
+        let result = self.pump_locked(i, &mut guard);
+        match result {
+            Err(e) if self.failover && broke(&e) => {
+                // The server may be lost: its chunks will move (or the wait times out).
+                log::warn!(target: &format!("worker {}", self.rank), "{}: {e}; waiting for the scheduler", c.desc());
+                guard.lost = Some(Instant::now());
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    fn pump_locked(&self, i: usize, st: &mut SendHalf) -> Result<(), ConnError> {
+        let c = &self.conns[i];
         let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
         let ns = self.namespace;
         let next = || {
@@ -660,12 +778,9 @@ impl Io {
                     self.pushed_by_socket.fetch_add(1, Ordering::Relaxed);
                     Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
                 }
-                SendItem::Control { key, msg_type, payload, .. } => {
-                    let mut h = Header::new(msg_type);
-                    h.namespace = ns;
-                    h.key = key;
-                    h.payload_len = payload.len() as u32;
-                    Some(Outgoing::encoded(Carry::Encoded, [&h.encode()[..], &payload].concat()))
+                SendItem::Control { mut header, payload, .. } => {
+                    header.payload_len = payload.len() as u32;
+                    Some(Outgoing::encoded(Carry::Encoded, [&header.encode()[..], &payload].concat()))
                 }
             }
         };
@@ -701,6 +816,57 @@ impl Io {
     }
 }
 
+/// Whether an error means the connection broke (its server may be lost),
+/// not that the server said or sent something wrong.
+fn broke(e: &ConnError) -> bool {
+    matches!(e, ConnError::Io(_) | ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame | ReadError::Io(_)))
+}
+
+/// Where this worker holds a tensor's last results (see `Kept`).
+struct Held<'a> {
+    spec: &'a TensorSpec,
+    kept: Option<&'a Kept>,
+    staging: Option<&'a Arc<Staging>>,
+}
+
+impl Io {
+    /// Queue a `Restore` of chunk `c`'s result of round `last`, if this
+    /// worker holds it (it pushes the chunk, and received that round).
+    fn queue_restore(&self, seq: &mut u64, from: &Held, c: usize, last: Option<u32>, touched: &mut Vec<usize>) -> bool {
+        let Some(round) = last else { return false };
+        let spec = from.spec;
+        let data: Vec<u8> = match (from.staging, from.kept) {
+            (Some(st), _) => {
+                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank || !st.has_result(c, round) {
+                    return false;
+                }
+                let (p, len) = st.result(c);
+                // SAFETY: the chunk's result in the host's segment, which the
+                // next round's result cannot overwrite before this worker's
+                // next round (it is this thread's to receive).
+                unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
+            }
+            (None, Some(k)) if k.round[c] == round => {
+                let (s, e) = spec.chunk_range(c);
+                let es = spec.dtype.size();
+                k.buf[s * es..e * es].to_vec()
+            }
+            _ => return false,
+        };
+        let slot = spec.slots[c] as usize;
+        let Some(conn) = self.conns.get(slot) else { return false };
+        let mut header = Header::new(MsgType::Restore);
+        (header.namespace, header.key, header.chunk, header.round, header.dtype) =
+            (self.namespace, spec.key, c as u32, round, spec.dtype);
+        *seq += 1;
+        conn.send().heap.push(SendItem::Control { seq: *seq, header, payload: data });
+        if !touched.contains(&slot) {
+            touched.push(slot);
+        }
+        true
+    }
+}
+
 /// Where an incoming result goes: chunk `chunk` of tensor `key`, `len`
 /// bytes at `dst` in the caller's buffer.
 #[derive(Clone, Copy)]
@@ -719,12 +885,15 @@ pub struct IoThread {
     failed: bool,
     /// Local workers to ring once the current event is handled (host stage).
     bells: u64,
+    /// By connection: its server was lost and taken over (never read again).
+    dead: Vec<bool>,
 }
 
 impl IoThread {
     pub fn new(poll: Poll, shared: Arc<Shared>) -> IoThread {
         let n = shared.io.conns.len();
-        IoThread { poll, shared, rx: (0..n).map(|_| FrameReader::default()).collect(), failed: false, bells: 0 }
+        let rx = (0..n).map(|_| FrameReader::default()).collect();
+        IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n] }
     }
 
     fn fail(&mut self, msg: String, job_failed: bool) {
@@ -739,12 +908,22 @@ impl IoThread {
 
     pub fn run(mut self) {
         let mut events = Events::with_capacity(256);
-        // Only the host stage has rounds to watch here (servers watch theirs).
+        // Only the host stage has rounds to watch here (servers watch
+        // theirs), and lost connections wait for a failover.
         let io = &self.shared.io;
-        let tick = io.host.as_ref().map(|_| (io.stall / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
+        let tick = match (&io.host, io.failover) {
+            (None, false) => None,
+            _ => Some(
+                (io.stall.min(io.peer_timeout.max(Duration::from_millis(200))) / 4)
+                    .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+            ),
+        };
         loop {
             if tick.is_some() && !self.failed {
-                self.check_host_stalls();
+                if self.shared.io.host.is_some() {
+                    self.check_host_stalls();
+                }
+                self.check_lost();
             }
             if let Err(e) = self.poll.poll(&mut events, tick) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
@@ -763,13 +942,19 @@ impl IoThread {
             if let Some(msg) = requested {
                 self.fail(msg, true);
             }
+            let notes = std::mem::take(&mut *self.shared.io.notes.lock().unwrap_or_else(|e| e.into_inner()));
+            for note in notes {
+                if !self.failed {
+                    self.apply_failover(note);
+                }
+            }
             for ev in events.iter() {
                 let i = ev.token().0;
                 if ev.token() == DOORBELL && !self.failed {
                     self.scan_host();
                     continue;
                 }
-                if ev.token() == WAKER || self.failed || i >= self.rx.len() {
+                if ev.token() == WAKER || self.failed || i >= self.rx.len() || self.dead[i] {
                     continue;
                 }
                 let mut res = Ok(());
@@ -778,6 +963,13 @@ impl IoThread {
                 }
                 if res.is_ok() && ev.is_writable() {
                     res = self.shared.io.pump(i);
+                }
+                if let Err(e) = &res {
+                    if self.shared.io.failover && broke(e) && self.shared.failure().is_none() {
+                        self.on_lost(i, e.to_string());
+                        self.ring_pending();
+                        continue;
+                    }
                 }
                 if let Err(why) = res {
                     let why = match why {
@@ -792,6 +984,139 @@ impl IoThread {
                 self.ring_pending();
             }
         }
+    }
+
+    /// Connection `i` broke, its server probably lost: stop using it and
+    /// wait for the scheduler's failover (`check_lost` bounds the wait).
+    fn on_lost(&mut self, i: usize, why: String) {
+        let io = &self.shared.io;
+        let c = &io.conns[i];
+        self.rx[i].reset();
+        c.link.deregister(&io.registry);
+        let mut st = c.send();
+        if st.lost.is_none() {
+            st.lost = Some(Instant::now());
+        }
+        log::warn!(target: &format!("worker {}", io.rank), "{}: {why}; waiting for the scheduler's failover", c.desc());
+    }
+
+    /// Fail the job if a broken connection's server was not taken over
+    /// within a few peer timeouts (the scheduler reports a lost server
+    /// within one): the server may be alive, with only this link down.
+    fn check_lost(&mut self) {
+        let io = &self.shared.io;
+        let limit = io.peer_timeout * 3;
+        let late = (0..io.conns.len())
+            .find(|&i| !self.dead[i] && io.conns[i].send().lost.is_some_and(|t| t.elapsed() > limit));
+        if let Some(i) = late {
+            let msg = format!(
+                "{}: the connection broke and the scheduler reported no failover within {:.1}s",
+                io.conns[i].desc(),
+                limit.as_secs_f64()
+            );
+            self.shared.fail_job(msg);
+        }
+    }
+
+    /// The scheduler moved a lost server's chunks (`FailoverNote`): drop its
+    /// connections, re-send what it had not answered to the chunks' new
+    /// servers and restore the last results this worker holds of them.
+    fn apply_failover(&mut self, note: FailoverNote) {
+        let shared = self.shared.clone();
+        let io = &shared.io;
+        for &i in &note.conns {
+            if i >= self.dead.len() || self.dead[i] {
+                continue;
+            }
+            self.dead[i] = true;
+            self.rx[i].reset();
+            let c = &io.conns[i];
+            c.link.deregister(&io.registry);
+            let mut st = c.send();
+            st.lost.get_or_insert_with(Instant::now);
+            st.heap.clear();
+            st.tx.clear();
+            st.unreceived.clear();
+            st.unreturned.clear();
+        }
+        let (mut touched, mut restored, mut resent) = (Vec::new(), 0usize, 0usize);
+        {
+            let mut guard = io.ops();
+            let ops = &mut *guard;
+            io.prune_released(ops);
+            for (spec, current) in &note.moved {
+                let key = spec.key;
+                ops.respecs.insert(key, spec.clone());
+                let old = match (ops.active.get(&key), ops.released.iter().find(|r| r.spec.key == key)) {
+                    (Some(a), _) => Some(a.spec.clone()),
+                    (None, Some(r)) => Some(r.spec.clone()),
+                    (None, None) => current.clone(),
+                };
+                // Nothing of it here (never used by this worker yet).
+                let Some(old) = old else { continue };
+                let moved: Vec<usize> =
+                    (0..old.num_chunks()).filter(|&c| note.conns.contains(&(old.slots[c] as usize))).collect();
+                let seq = &mut ops.seq;
+                if let Some(a) = ops.active.get_mut(&key) {
+                    io.note_placement(&a.spec, false);
+                    io.note_placement(spec, true);
+                    a.spec = spec.clone();
+                    for &c in &moved {
+                        let last = if a.got[c] { Some(a.round) } else { a.round.checked_sub(1) };
+                        let from =
+                            Held { spec, kept: ops.kept.get(&key), staging: a.host.as_ref().map(|h| &h.staging) };
+                        restored += io.queue_restore(seq, &from, c, last, &mut touched) as usize;
+                        if a.got[c] {
+                            continue;
+                        }
+                        let src = match &a.host {
+                            Some(h) if h.pushed[c] => {
+                                let (ptr, len) = h.staging.wire(c, a.round);
+                                ChunkSrc { ptr, len }
+                            }
+                            Some(_) => continue, // pushed when the host's sum is ready, to the new server
+                            None => {
+                                let (s, e) = spec.chunk_range(c);
+                                let es = spec.dtype.size();
+                                // SAFETY: the chunk's range in the op's buffer.
+                                ChunkSrc { ptr: unsafe { a.ptr.0.add(s * es) }, len: (e - s) * es }
+                            }
+                        };
+                        let slot = io.queue_chunk(seq, a, c, src);
+                        resent += 1;
+                        if !touched.contains(&slot) {
+                            touched.push(slot);
+                        }
+                    }
+                    continue;
+                }
+                // Not in flight here: restore the last round this worker completed.
+                let (last, kept, staging, released);
+                if let Some(r) = ops.released.iter().find(|r| r.spec.key == key) {
+                    (last, kept, staging, released) = (r.last_round, r.kept.as_ref(), r.staging.clone(), true);
+                } else {
+                    last = ops.rounds.get(&key).and_then(|r| r.checked_sub(1));
+                    kept = ops.kept.get(&key);
+                    staging = io.host.as_ref().and_then(|h| h.mapped(key));
+                    released = false;
+                }
+                if !released {
+                    // Its next rounds go to the new slots.
+                    io.note_placement(&old, false);
+                    io.note_placement(spec, true);
+                }
+                let from = Held { spec, kept, staging: staging.as_ref() };
+                for &c in &moved {
+                    restored += io.queue_restore(seq, &from, c, last, &mut touched) as usize;
+                }
+            }
+        }
+        log::warn!(
+            target: &format!("worker {}", io.rank),
+            "server {} was lost; its chunks moved: re-sent {resent} push(es), restored {restored} result(s)",
+            note.lost
+        );
+        io.pump_all(&touched);
     }
 
     fn ring_pending(&mut self) {
@@ -856,7 +1181,7 @@ impl IoThread {
                             push.push(c);
                         }
                     } else if hr.staging.has_result(c, a.round) {
-                        let (src, len) = hr.staging.wire(c, a.round);
+                        let (src, len) = hr.staging.result(c);
                         let (start, _) = a.spec.chunk_range(c);
                         // SAFETY: start is within the tensor.
                         let dst = unsafe { a.ptr.0.add(start * a.spec.dtype.size()) };
@@ -912,7 +1237,8 @@ impl IoThread {
         match hdr.msg_type {
             MsgType::Result | MsgType::ResultRef => {
                 let by_ref = hdr.msg_type == MsgType::ResultRef;
-                let ops = io.ops();
+                let mut guard = io.ops();
+                let ops = &mut *guard;
                 let a = ops
                     .active
                     .get(&hdr.key)
@@ -949,7 +1275,7 @@ impl IoThread {
                 }
                 let dst = match &a.host {
                     // A chunk this worker pushes for its host: into the shared buffer.
-                    Some(h) if h.owned[c] => h.staging.wire(c, a.round).0,
+                    Some(h) if h.owned[c] => h.staging.result(c).0,
                     Some(_) => {
                         return Err(ConnError::Invalid(format!(
                             "result for tensor '{}' chunk {c}, which another worker of this host pushes",
@@ -958,11 +1284,16 @@ impl IoThread {
                     }
                     None => {
                         let (start, _) = a.spec.chunk_range(c);
-                        // SAFETY: start is within the tensor.
-                        unsafe { a.ptr.0.add(start * a.spec.dtype.size()) }
+                        let at = start * a.spec.dtype.size();
+                        match ops.kept.get_mut(&hdr.key) {
+                            // Kept apart until whole (see `Kept`).
+                            Some(k) => k.buf[at..].as_mut_ptr(),
+                            // SAFETY: start is within the tensor.
+                            None => unsafe { a.ptr.0.add(at) },
+                        }
                     }
                 };
-                drop(ops);
+                drop(guard);
                 if by_ref {
                     // Already in the shared buffer.
                     return self.chunk_done(i, hdr.key, c);
@@ -1033,13 +1364,25 @@ impl IoThread {
             if let Some(hr) = ops.active.get(&key).and_then(|a| a.host.as_ref().map(|hr| (a, hr))) {
                 let (a, hr) = hr;
                 // The result is in the shared buffer: take a copy, let the others take theirs.
-                let (src, len) = hr.staging.wire(chunk, a.round);
+                let (src, len) = hr.staging.result(chunk);
                 let (start, _) = a.spec.chunk_range(chunk);
                 // SAFETY: both ranges are this chunk's; the op is active and
                 // only this thread completes it.
                 unsafe { std::ptr::copy_nonoverlapping(src, a.ptr.0.add(start * a.spec.dtype.size()), len) };
                 hr.staging.publish(chunk, a.round);
                 self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
+            }
+        } else if io.failover {
+            let mut guard = io.ops();
+            let ops = &mut *guard;
+            if let (Some(a), Some(k)) = (ops.active.get(&key), ops.kept.get_mut(&key)) {
+                // The whole result is in: now it may replace this worker's push.
+                let (start, end) = a.spec.chunk_range(chunk);
+                let es = a.spec.dtype.size();
+                let src = &k.buf[start * es..end * es];
+                // SAFETY: the chunk's range in the caller's buffer of an active op.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), a.ptr.0.add(start * es), src.len()) };
+                k.round[chunk] = a.round;
             }
         }
         self.mark_got(key, chunk);

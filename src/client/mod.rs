@@ -113,11 +113,15 @@ struct Table {
     barriers: HashMap<u32, Sender<Result<(), String>>>,
     /// A worker that left cleanly while this one goes on (`PeerLeft`).
     left: Option<u32>,
+    /// Tensors (keys) whose optimizer runs on the servers.
+    server_opt: HashSet<u32>,
 }
 
 /// State shared by the caller, the control thread and the I/O thread.
 pub struct Shared {
     session: SessionSender,
+    /// The server (rank) of each data connection.
+    conn_server: Vec<u32>,
     table: Mutex<Table>,
     failure: Mutex<Option<String>>,
     io: Io,
@@ -277,6 +281,40 @@ impl Shared {
         }
     }
 
+    /// Server `lost` was lost (`reason`) and its chunks moved: take the new
+    /// specs and let the I/O thread re-send and restore what it must. A
+    /// server-side optimizer's state went with the server, so a tensor that
+    /// had one fails the job instead (no replica is kept yet).
+    fn on_failover(&self, lost: u32, reason: String, specs: Vec<TensorSpec>) {
+        let me = self.io.rank();
+        let mut moved = Vec::with_capacity(specs.len());
+        let mut with_opt = None;
+        {
+            let mut t = self.table();
+            for s in specs {
+                let s = Arc::new(s);
+                if t.server_opt.contains(&s.key) {
+                    with_opt.get_or_insert(s.name.clone());
+                }
+                let current = match t.specs.get_mut(&s.name) {
+                    Some(cur) if cur.key == s.key => Some(std::mem::replace(cur, s.clone())),
+                    _ => None,
+                };
+                moved.push((s, current));
+            }
+        }
+        if let Some(name) = with_opt {
+            self.fail_job(format!(
+                "server {lost} was lost ({reason}) with the server-side optimizer state of tensor '{name}': \
+                 gradhub keeps no replica of it, so training cannot go on"
+            ));
+            return;
+        }
+        log::warn!(target: &format!("worker {me}"), "server {lost} was lost ({reason}); moving on without it");
+        let conns = (0..self.conn_server.len()).filter(|&i| self.conn_server[i] == lost).collect();
+        self.io.fail_over(io::FailoverNote { lost, conns, moved });
+    }
+
     fn on_declare_error(&self, req: u32, message: String) {
         let waiter = self.table().waiters.remove(&req);
         let names = match waiter {
@@ -393,8 +431,10 @@ impl Client {
         // One data connection per server thread, in slot order.
         let mut conns = Vec::new();
         let mut by_ref = Vec::new();
+        let mut conn_server = Vec::new();
         for s in &w.servers {
             for (t, &port) in s.ports.iter().enumerate() {
+                conn_server.push(s.rank);
                 by_ref.push(cfg.server_shm && &s.host == host);
                 let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
@@ -407,11 +447,24 @@ impl Client {
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
         let stall = Duration::from_millis(w.stall_ms as u64);
-        let io =
-            Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage, stall, by_ref)
-                .map_err(|e| setup("data connections", e))?;
+        let failover = w.failover.then(|| Duration::from_millis(w.peer_timeout_ms as u64));
+        let io = Io::new(
+            &poll,
+            conns,
+            w.rank,
+            cfg.credit_bytes,
+            ns,
+            limit,
+            Arc::new(layout),
+            host_stage,
+            stall,
+            by_ref,
+            failover,
+        )
+        .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
+            conn_server,
             table: Mutex::new(Table::default()),
             failure: Mutex::new(None),
             io,
@@ -601,6 +654,7 @@ impl Client {
         slots.sort_unstable();
         slots.dedup();
         let payload = cfg.encode();
+        self.shared.table().server_opt.insert(spec.key);
         for slot in slots {
             self.shared.io.send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())?;
         }
@@ -778,6 +832,7 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 return;
             }
             Ok(Control::PeerLeft { rank }) => shared.on_peer_left(rank),
+            Ok(Control::Failover { lost, reason, specs }) => shared.on_failover(lost, reason, specs),
             Ok(Control::Error { message }) => {
                 shared.set_failure(format!("scheduler: {message}"));
                 return;

@@ -92,6 +92,9 @@ pub struct Welcome {
     /// Workers that share a host sum their gradients there first and push
     /// one share each (see `placement::HostLayout`).
     pub host_reduce: bool,
+    /// A lost server's chunks move to the others and the job goes on
+    /// (workers keep each chunk's last result for that: `client::io`).
+    pub failover: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,6 +181,22 @@ pub enum Control {
     },
     ServerRelease {
         keys: Vec<u32>,
+    },
+    /// Server `lost` is gone: install `specs` (every tensor that had chunks
+    /// on it, placed again); the chunks that are now this server's start
+    /// from the workers' re-sent pushes and restored results. Acked like
+    /// ServerDeclare.
+    ServerTakeOver {
+        batch: u32,
+        lost: u32,
+        specs: Vec<TensorSpec>,
+    },
+    /// Server `lost` is gone (`reason`) and the servers took its chunks
+    /// over: `specs` replace the workers' specs of the same keys.
+    Failover {
+        lost: u32,
+        reason: String,
+        specs: Vec<TensorSpec>,
     },
     DeclareStall {
         name: String,
@@ -266,6 +285,8 @@ impl Control {
             Control::DeclareStall { .. } => MsgType::DeclareStall,
             Control::Release { .. } => MsgType::Release,
             Control::ServerRelease { .. } => MsgType::ServerRelease,
+            Control::ServerTakeOver { .. } => MsgType::ServerTakeOver,
+            Control::Failover { .. } => MsgType::Failover,
             Control::Error { .. } => MsgType::Error,
         }
     }
@@ -302,7 +323,7 @@ impl Control {
                 for &l in &m.worker_local_ranks {
                     w.u32(l);
                 }
-                w.u64(m.job_id).u8(m.host_reduce as u8);
+                w.u64(m.job_id).u8(m.host_reduce as u8).u8(m.failover as u8);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -339,6 +360,14 @@ impl Control {
                 for &k in keys {
                     w.u32(k);
                 }
+            }
+            Control::ServerTakeOver { batch, lost, specs } => {
+                w.u32(*batch).u32(*lost);
+                put_specs(&mut w, specs);
+            }
+            Control::Failover { lost, reason, specs } => {
+                w.u32(*lost).str(reason);
+                put_specs(&mut w, specs);
             }
             Control::DeclareStall { name, missing, waited_ms } => {
                 w.str(name).u64(*waited_ms).u32(missing.len() as u32);
@@ -414,6 +443,7 @@ impl Control {
                 }
                 let job_id = r.u64("job_id")?;
                 let host_reduce = r.u8("host_reduce")? != 0;
+                let failover = r.u8("failover")? != 0;
                 Control::Welcome(Welcome {
                     rank,
                     num_workers,
@@ -426,6 +456,7 @@ impl Control {
                     worker_local_ranks,
                     job_id,
                     host_reduce,
+                    failover,
                 })
             }
             MsgType::Declare => {
@@ -478,6 +509,16 @@ impl Control {
                     MsgType::Release => Control::Release { keys },
                     _ => Control::ServerRelease { keys },
                 }
+            }
+            MsgType::ServerTakeOver => {
+                let batch = r.u32("batch")?;
+                let lost = r.u32("lost")?;
+                Control::ServerTakeOver { batch, lost, specs: get_specs(&mut r)? }
+            }
+            MsgType::Failover => {
+                let lost = r.u32("lost")?;
+                let reason = r.str("reason")?;
+                Control::Failover { lost, reason, specs: get_specs(&mut r)? }
             }
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),
             other => return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection"))),

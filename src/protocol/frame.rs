@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 5;
+pub const VERSION: u8 = 6;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -47,6 +47,7 @@ msg_types! {
     Received = 7, "server thread -> worker: a push arrived whole (header only); returns the worker's credit for it";
     PushRef = 8, "worker -> server thread on its host: a Push whose data is in the host's shared segment (no payload)";
     ResultRef = 9, "server thread -> worker on its host: a Result written into the host's shared segment (no payload)";
+    Restore = 10, "worker -> server thread taking over a lost server's chunk: the last result of it this worker holds (round in the header)";
     Register = 16, "member -> scheduler: join the job";
     Welcome = 17, "scheduler -> member: rank and cluster map";
     Declare = 18, "worker -> scheduler: batch of tensor declarations";
@@ -64,6 +65,8 @@ msg_types! {
     PeerLeft = 30, "scheduler -> members: a worker left cleanly while others go on";
     Release = 31, "worker -> scheduler: this worker is done with these tensors (keys)";
     ServerRelease = 32, "scheduler -> server: every worker released these tensors (keys): free them";
+    ServerTakeOver = 33, "scheduler -> server: a server was lost; install these specs, whose chunks on this server are taken over";
+    Failover = 34, "scheduler -> worker: a server was lost and its chunks moved (new specs); re-send what it had not returned";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -7,7 +7,10 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 26] = [
+const ALL_MSG_TYPES: [MsgType; 29] = [
+    MsgType::Restore,
+    MsgType::ServerTakeOver,
+    MsgType::Failover,
     MsgType::PeerLeft,
     MsgType::Release,
     MsgType::ServerRelease,
@@ -37,7 +40,7 @@ const ALL_MSG_TYPES: [MsgType; 26] = [
 ];
 
 /// Data-plane types; every other MsgType is a Control message.
-const DATA_TYPES: [MsgType; 8] = [
+const DATA_TYPES: [MsgType; 9] = [
     MsgType::DataHello,
     MsgType::Push,
     MsgType::Result,
@@ -46,6 +49,7 @@ const DATA_TYPES: [MsgType; 8] = [
     MsgType::Received,
     MsgType::PushRef,
     MsgType::ResultRef,
+    MsgType::Restore,
 ];
 
 const ALL_DTYPES: [DType; 4] = [DType::None, DType::F32, DType::F16, DType::BF16];
@@ -140,6 +144,7 @@ fn sample_controls() -> Vec<Control> {
             worker_local_ranks: vec![0, 1, 0, u32::MAX],
             job_id: u64::MAX,
             host_reduce: true,
+            failover: false,
         }),
         Control::Welcome(Welcome {
             rank: 0,
@@ -153,6 +158,7 @@ fn sample_controls() -> Vec<Control> {
             worker_local_ranks: vec![],
             job_id: 0,
             host_reduce: false,
+            failover: true,
         }),
         Control::Declare {
             req: 7,
@@ -196,6 +202,14 @@ fn sample_controls() -> Vec<Control> {
         Control::Release { keys: vec![0, 7, u32::MAX] },
         Control::Release { keys: vec![] },
         Control::ServerRelease { keys: vec![3] },
+        Control::ServerTakeOver { batch: 4, lost: 2, specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1)] },
+        Control::ServerTakeOver { batch: u32::MAX, lost: u32::MAX, specs: vec![] },
+        Control::Failover {
+            lost: 1,
+            reason: "server 1 (10.0.0.2:4000) disconnected ⚡".into(),
+            specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1), spec(11, "b", 1, DType::F32, 1, 0)],
+        },
+        Control::Failover { lost: 0, reason: String::new(), specs: vec![] },
         Control::DeclareStall { name: "layer1.weight".into(), missing: vec![1, 3, u32::MAX], waited_ms: 30_000 },
         Control::DeclareStall { name: "ß∂ƒ".into(), missing: vec![], waited_ms: u64::MAX },
         Control::DeclareStall { name: String::new(), missing: vec![0], waited_ms: 0 },

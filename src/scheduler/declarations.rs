@@ -253,7 +253,7 @@ pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
         s.send_all(&msgs, ns);
     }
     let mut st = shared.lock();
-    while st.acks.get(&batch).copied().unwrap_or(0) < shared.cfg.num_servers && st.failed.is_none() {
+    while !st.installed_everywhere(batch) && st.failed.is_none() {
         st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
     }
     st.acks.remove(&batch);
@@ -266,9 +266,12 @@ pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
 }
 
 /// Answer every pending declaration whose tensors are all installed, or that
-/// contains a conflicting tensor.
-fn answer_ready(shared: &Shared, st: &mut State) {
+/// contains a conflicting tensor (not during a failover: see `failover`).
+pub(super) fn answer_ready(shared: &Shared, st: &mut State) {
     let ns = shared.cfg.namespace;
+    if st.failing_over > 0 {
+        return;
+    }
     let mut i = 0;
     while i < st.pending.len() {
         let p = &st.pending[i];
@@ -290,4 +293,20 @@ fn answer_ready(shared: &Shared, st: &mut State) {
             m.send(&reply, ns);
         }
     }
+}
+
+/// Place again every chunk on the slots `gone` (a lost server's), in
+/// tensors still in use by some worker; returns the specs that changed.
+pub(super) fn place_again(st: &mut State, gone: &[u32]) -> Vec<TensorSpec> {
+    let Some(placer) = st.placer.as_mut() else { return Vec::new() };
+    let mut changed = Vec::new();
+    let specs =
+        st.decls.values_mut().filter_map(|d| d.spec.as_mut()).chain(st.retiring.values_mut().map(|r| &mut r.spec));
+    for spec in specs {
+        if placer.replace(spec, gone) {
+            changed.push(spec.clone());
+        }
+    }
+    changed.sort_by_key(|s| s.key);
+    changed
 }

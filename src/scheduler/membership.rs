@@ -159,6 +159,7 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             worker_local_ranks: local_ranks.clone(),
             job_id,
             host_reduce: cfg.host_reduce,
+            failover: cfg.failover && cfg.num_servers > 1,
         });
         if !member.send(&welcome, cfg.namespace) {
             log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());

@@ -13,6 +13,7 @@
 //! - ends the job when every worker said goodbye, telling servers to exit.
 
 mod declarations;
+mod failover;
 mod membership;
 mod state;
 
@@ -47,6 +48,9 @@ pub struct SchedulerConfig {
     /// Workers on one host sum there first (see `placement::HostLayout`);
     /// off: every worker pushes everything itself, as with one per host.
     pub host_reduce: bool,
+    /// A lost server's chunks move to the other servers and training goes
+    /// on (`failover`); off: losing a server fails the job.
+    pub failover: bool,
 }
 
 impl Default for SchedulerConfig {
@@ -62,6 +66,7 @@ impl Default for SchedulerConfig {
             join_timeout_ms: 300_000,
             namespace: 0,
             host_reduce: true,
+            failover: true,
         }
     }
 }
@@ -292,7 +297,7 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
                 continue;
             }
             Ok(Control::ServerDeclareAck { batch }) if me.role == Role::Server => {
-                *st.acks.entry(batch).or_insert(0) += 1;
+                st.acks.entry(batch).or_default().insert(me.rank);
                 shared.cv.notify_all();
             }
             Ok(Control::Barrier { id }) if me.role == Role::Worker => enter_barrier(shared, &mut st, me.rank, id),
@@ -320,6 +325,11 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
                     return;
                 }
                 let reason = lost_reason(&shared.cfg, me, &e);
+                if me.role == Role::Server {
+                    drop(st);
+                    failover::take_over(shared, me, reason);
+                    return;
+                }
                 shared.fail(&mut st, Some(me), reason);
                 return;
             }

@@ -38,6 +38,20 @@ impl Member {
     pub fn describe(&self) -> String {
         format!("{} {} ({})", self.role.name(), self.rank, self.peer)
     }
+    /// Cut the member off (a lost server that may come back to life).
+    pub fn disconnect(&self) {
+        if let Ok(w) = self.writer.lock() {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+impl State {
+    /// Whether every server still in the job installed `batch`.
+    pub fn installed_everywhere(&self, batch: u32) -> bool {
+        let acked = self.acks.get(&batch);
+        self.members.iter().filter(|m| m.role == Role::Server).all(|m| acked.is_some_and(|a| a.contains(&m.rank)))
+    }
 }
 
 #[derive(Default)]
@@ -63,7 +77,12 @@ pub(super) struct State {
     pub to_free: Vec<u32>,
     pub next_key: u32,
     pub next_batch: u32,
-    pub acks: HashMap<u32, u32>,
+    /// Which servers (ranks) installed each batch of specs.
+    pub acks: HashMap<u32, HashSet<u32>>,
+    /// Servers lost and taken over (`failover`); failovers under way, during
+    /// which no declaration is answered (its placement may still move).
+    pub lost_servers: Vec<u32>,
+    pub failing_over: u32,
     pub pending: Vec<PendingReq>,
     // The job.
     pub finished: bool,

@@ -202,19 +202,27 @@ fn control_loop(
 ) -> Result<(), ServerError> {
     let sender = session.sender();
     let exited = || ServerError::JobFailed("a server thread exited".into());
+    let who = format!("server {}", session.welcome.rank);
+    let install = |segments: &mut Segments, specs: &[TensorSpec], adopt: bool, batch: u32| -> Result<(), ServerError> {
+        let shm = segments.map(specs).map_err(ServerError::Setup)?;
+        let (ack_tx, ack_rx) = bounded(cmd_txs.len());
+        for (tx, w) in cmd_txs.iter().zip(wakers) {
+            tx.send(ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), ack_tx.clone())).map_err(|_| exited())?;
+            let _ = w.wake();
+        }
+        for _ in cmd_txs {
+            ack_rx.recv().map_err(|_| exited())?;
+        }
+        sender.send(&Control::ServerDeclareAck { batch })?;
+        Ok(())
+    };
     loop {
         match session.recv()? {
-            Control::ServerDeclare { batch, specs } => {
-                let shm = segments.map(&specs).map_err(ServerError::Setup)?;
-                let (ack_tx, ack_rx) = bounded(cmd_txs.len());
-                for (tx, w) in cmd_txs.iter().zip(wakers) {
-                    tx.send(ThreadCmd::Declare(specs.clone(), shm.clone(), ack_tx.clone())).map_err(|_| exited())?;
-                    let _ = w.wake();
-                }
-                for _ in cmd_txs {
-                    ack_rx.recv().map_err(|_| exited())?;
-                }
-                sender.send(&Control::ServerDeclareAck { batch })?;
+            Control::ServerDeclare { batch, specs } => install(segments, &specs, false, batch)?,
+            Control::ServerTakeOver { batch, lost, specs } => {
+                let moved = specs.len();
+                install(segments, &specs, true, batch)?;
+                log::warn!(target: &who, "server {lost} was lost: taking over its chunks here ({moved} tensor(s) moved)");
             }
             Control::ServerRelease { keys } => {
                 segments.release(&keys);

@@ -16,6 +16,18 @@
 //! chunk is read from the host's shared segment (`crate::host::Staging`)
 //! and its result written back there (`ResultRef`), instead of both
 //! crossing the loopback socket.
+//!
+//! Chunks taken over from a lost server (*adopted*, see
+//! `scheduler::failover`) do not know their round: the first push or
+//! restored result sets it. Workers re-send the pushes the lost server had
+//! not answered, and each sends the last result it holds (`Restore`, round
+//! in the header) first, since some workers may have received a result that
+//! others never did: a restored result completes its round as the sum
+//! would have (the pushers of that round get it), and a push of a round
+//! already complete is answered with its result at once (a replay). A
+//! worker restores round r only if it received it, and pushes round r+1
+//! only after restoring r, so a round is never summed from a mix of pushes
+//! and never completed twice with different results.
 
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -39,10 +51,10 @@ pub const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
 
 pub enum ThreadCmd {
-    /// Install specs; the chunks whose slot is this thread's become ours.
-    /// With the tensors' shared segments when workers on this host push by
-    /// reference.
-    Declare(Vec<TensorSpec>, Vec<(u32, Arc<Staging>)>, Sender<()>),
+    /// Install specs; the chunks whose slot is this thread's become ours
+    /// (adopted from a lost server if the flag is set). With the tensors'
+    /// shared segments when workers on this host push by reference.
+    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     Stop,
@@ -105,6 +117,11 @@ struct Chunk {
     buf: ChunkBuf,
     /// Parameters and optimizer state, for tensors with a server-side optimizer.
     opt: Option<Box<OptState>>,
+    /// Taken over from a lost server; until `known`, its round is not.
+    adopted: bool,
+    known: bool,
+    /// The last complete round, whose result is in its parity's buffer.
+    done: Option<u32>,
 }
 
 impl Chunk {
@@ -145,6 +162,17 @@ struct Dest {
     direct: bool,
     parity: usize,
     len: usize,
+    /// What the payload is, if not a contribution to the chunk's round.
+    kind: PayloadKind,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PayloadKind {
+    Push,
+    /// A push of a round already complete (adopted chunks): answered with its result.
+    Replay,
+    /// A restored result (`MsgType::Restore`).
+    Restore,
 }
 
 /// What a frame being written carries: a result (its payload is a chunk's
@@ -283,8 +311,8 @@ impl ServerThread {
             }
             while let Ok(cmd) = self.cmds.try_recv() {
                 match cmd {
-                    ThreadCmd::Declare(specs, shm, ack) => {
-                        self.install(&specs);
+                    ThreadCmd::Declare(specs, adopt, shm, ack) => {
+                        self.install(&specs, adopt);
                         self.shm.extend(shm);
                         let _ = ack.send(());
                     }
@@ -346,7 +374,7 @@ impl ServerThread {
         }
     }
 
-    fn install(&mut self, specs: &[TensorSpec]) {
+    fn install(&mut self, specs: &[TensorSpec], adopt: bool) {
         let n = self.cfg.num_workers as usize;
         for s in specs {
             self.names.insert(s.key, s.name.clone());
@@ -379,6 +407,9 @@ impl ServerThread {
                     deferred: Vec::new(),
                     buf,
                     opt: None,
+                    adopted: adopt,
+                    known: !adopt,
+                    done: None,
                 };
                 let idx = match self.free.pop() {
                     Some(i) => {
@@ -505,7 +536,11 @@ impl ServerThread {
             match frame {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(t, hdr)?,
-                Some(Frame::Payload(hdr, d)) => self.on_push_complete(t, hdr, d.chunk, d.direct)?,
+                Some(Frame::Payload(hdr, d)) => match d.kind {
+                    PayloadKind::Push => self.on_push_complete(t, hdr, d.chunk, d.direct)?,
+                    PayloadKind::Replay => self.replay(t, hdr, d.chunk, false)?,
+                    PayloadKind::Restore => self.restore(t, hdr, d.chunk)?,
+                },
                 Some(Frame::Message(hdr, buf)) => {
                     // Only OptConfig payloads are received whole (see on_header).
                     let cfg = OptConfig::decode(&buf)?;
@@ -543,7 +578,7 @@ impl ServerThread {
                 Ok(())
             }
             MsgType::Push => {
-                let (idx, _) = self.check_push(t, &hdr)?;
+                let (idx, _, kind) = self.check_push(t, &hdr)?;
                 let ch = &self.chunks[idx];
                 let want = ch.elems * ch.dtype.size();
                 if hdr.payload_len as usize != want {
@@ -554,9 +589,16 @@ impl ServerThread {
                         hdr.payload_len
                     )));
                 }
-                // Init rounds keep only one push (rank 0's), so nothing goes straight in.
+                // Init rounds keep only one push (rank 0's), so nothing goes
+                // straight in; nor into an adopted chunk, which a restored
+                // result may complete at any time.
                 let init = hdr.flags & FLAG_INIT != 0;
-                let direct = ch.count == 0 && ch.dtype == DType::F32 && !ch.direct_in_progress && !init;
+                let direct = ch.count == 0
+                    && ch.dtype == DType::F32
+                    && !ch.direct_in_progress
+                    && !init
+                    && !ch.adopted
+                    && kind == PayloadKind::Push;
                 let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
                 if direct {
                     self.chunks[idx].direct_in_progress = true;
@@ -567,13 +609,37 @@ impl ServerThread {
                     conn.scratch.resize((self.cfg.partition_bytes as usize).div_ceil(4).max(want.div_ceil(4)), 0);
                 }
                 if want == 0 {
-                    return self.on_push_complete(t, hdr, idx, direct);
+                    return match kind {
+                        PayloadKind::Replay => self.replay(t, hdr, idx, false),
+                        _ => self.on_push_complete(t, hdr, idx, direct),
+                    };
                 }
-                conn.rx.receive_into(hdr, Dest { chunk: idx, direct, parity: (hdr.round & 1) as usize, len: want });
+                let parity = (hdr.round & 1) as usize;
+                conn.rx.receive_into(hdr, Dest { chunk: idx, direct, parity, len: want, kind });
+                Ok(())
+            }
+            MsgType::Restore => {
+                let idx = self.check_restore(t, &hdr)?;
+                let want = hdr.payload_len as usize;
+                let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+                if conn.scratch.len() * 4 < want {
+                    if conn.scratch.is_empty() {
+                        conn.scratch = self.pool.pop().unwrap_or_default();
+                    }
+                    conn.scratch.resize((self.cfg.partition_bytes as usize).div_ceil(4).max(want.div_ceil(4)), 0);
+                }
+                if want == 0 {
+                    return self.restore(t, hdr, idx);
+                }
+                let parity = (hdr.round & 1) as usize;
+                conn.rx.receive_into(
+                    hdr,
+                    Dest { chunk: idx, direct: false, parity, len: want, kind: PayloadKind::Restore },
+                );
                 Ok(())
             }
             MsgType::PushRef => {
-                let (idx, rank) = self.check_push(t, &hdr)?;
+                let (idx, rank, kind) = self.check_push(t, &hdr)?;
                 if hdr.payload_len != 0 {
                     return Err(format!("PushRef with a {}-byte payload", hdr.payload_len).into());
                 }
@@ -589,6 +655,9 @@ impl ServerThread {
                     return Err(
                         format!("internal: shared chunk of {len} bytes at {ptr:?} for {} elements", ch.elems).into()
                     );
+                }
+                if kind == PayloadKind::Replay {
+                    return self.replay(t, hdr, idx, true);
                 }
                 // The owner's chunk of this round in the segment, which it
                 // leaves alone until our result comes back.
@@ -622,14 +691,18 @@ impl ServerThread {
         }
     }
 
-    /// Checks common to both kinds of push; returns the chunk's index and the pusher.
-    fn check_push(&self, t: usize, hdr: &Header) -> Result<(usize, u32), ConnError> {
-        let conn = self.conns.get(&t).ok_or("internal: no connection")?;
-        let rank = conn.rank.ok_or("Push before DataHello")?;
-        let &idx = self.index.get(&(hdr.key, hdr.chunk)).ok_or_else(|| {
-            format!("key {} chunk {} is not owned by this server thread (undeclared or misrouted)", hdr.key, hdr.chunk)
-        })?;
+    /// Checks common to both kinds of push; returns the chunk's index, the
+    /// pusher, and whether it is a contribution or a replay (adopted chunks).
+    fn check_push(&mut self, t: usize, hdr: &Header) -> Result<(usize, u32, PayloadKind), ConnError> {
+        let (idx, rank) = self.chunk_of(t, hdr)?;
+        let ch = &mut self.chunks[idx];
+        if !ch.known {
+            (ch.round, ch.known) = (hdr.round, true);
+        }
         let ch = &self.chunks[idx];
+        if ch.adopted && hdr.round != ch.round && ch.done == Some(hdr.round) && ch.pushers.contains(&rank) {
+            return Ok((idx, rank, PayloadKind::Replay));
+        }
         let name = self.name(hdr.key);
         if hdr.dtype != ch.dtype {
             return Err(ConnError::Invalid(format!(
@@ -670,7 +743,88 @@ impl ServerThread {
         if hdr.flags & FLAG_INIT != 0 && ch.dtype != DType::F32 {
             return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
         }
+        Ok((idx, rank, PayloadKind::Push))
+    }
+
+    /// The chunk a data frame names (owned by this thread), and its sender.
+    fn chunk_of(&self, t: usize, hdr: &Header) -> Result<(usize, u32), ConnError> {
+        let conn = self.conns.get(&t).ok_or("internal: no connection")?;
+        let rank = conn.rank.ok_or("Push before DataHello")?;
+        let &idx = self.index.get(&(hdr.key, hdr.chunk)).ok_or_else(|| {
+            format!("key {} chunk {} is not owned by this server thread (undeclared or misrouted)", hdr.key, hdr.chunk)
+        })?;
         Ok((idx, rank))
+    }
+
+    /// Checks on a restored result; returns the chunk's index.
+    fn check_restore(&self, t: usize, hdr: &Header) -> Result<usize, ConnError> {
+        let (idx, rank) = self.chunk_of(t, hdr)?;
+        let ch = &self.chunks[idx];
+        let name = self.name(hdr.key);
+        let want = ch.elems * ch.dtype.size();
+        if !ch.adopted {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: a restored result for a chunk this server did not take over",
+                hdr.chunk
+            )));
+        }
+        if !ch.pushers.contains(&rank) || hdr.dtype != ch.dtype || hdr.payload_len as usize != want {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: restored result from worker {rank} of {} bytes of {}, expected \
+                 {want} bytes of {} from one of workers {:?}",
+                hdr.chunk,
+                hdr.payload_len,
+                hdr.dtype.name(),
+                ch.dtype.name(),
+                ch.pushers
+            )));
+        }
+        if ch.known && hdr.round > ch.round {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}' chunk {}: restored result of round {} but the chunk is at round {}",
+                hdr.chunk, hdr.round, ch.round
+            )));
+        }
+        Ok(idx)
+    }
+
+    /// A restored result of round s (in the connection's scratch buffer):
+    /// it sets an adopted chunk's round, completes round s if it is the
+    /// one being summed, or is kept for replays of round s; older ones are
+    /// stale (every worker had them).
+    fn restore(&mut self, t: usize, hdr: Header, idx: usize) -> ConnResult {
+        let conn = self.conns.get(&t).ok_or("internal: no connection")?;
+        let ch = &mut self.chunks[idx];
+        let s = hdr.round;
+        let completes = !ch.known || s == ch.round;
+        if !completes && (s.wrapping_add(1) != ch.round || ch.done == Some(s)) {
+            return Ok(());
+        }
+        let parity = (s & 1) as usize;
+        let n = ch.elems;
+        let src = &bytes(&conn.scratch)[..n * ch.dtype.size()];
+        match &mut ch.buf {
+            ChunkBuf::F32(b) => bytes_mut(&mut b[parity]).copy_from_slice(src),
+            ChunkBuf::Half { out, .. } => bytes_mut(&mut out[parity]).copy_from_slice(src),
+        }
+        ch.done = Some(s);
+        if !completes {
+            return Ok(());
+        }
+        (ch.round, ch.known) = (s, true);
+        ch.priority = ch.priority.max(hdr.priority);
+        self.send_results(idx);
+        Ok(())
+    }
+
+    /// A push of round `hdr.round`, already complete here: answer it with
+    /// the result (the payload, received into scratch, is not needed).
+    fn replay(&mut self, t: usize, hdr: Header, idx: usize, by_ref: bool) -> ConnResult {
+        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        self.seq += 1;
+        let priority = hdr.priority;
+        conn.results.push(TxItem { priority, seq: self.seq, chunk: idx, round: hdr.round, by_ref });
+        self.flush(t)
     }
 
     /// Why a chunk's current round can never complete: a pusher that has
@@ -832,24 +986,36 @@ impl ServerThread {
                 _ => kernels::narrow_bf16(&mut out[parity], acc, scale),
             },
         }
-        let (round, priority) = (ch.round, ch.priority);
+        ch.done = Some(ch.round);
         if ch.stall_reported {
             let name = self.names.get(&ch.key).map(String::as_str).unwrap_or("?");
             // Formatted here only: this function runs for every chunk of every round.
             let who = format!("server {}/t{}", self.cfg.server, self.cfg.thread);
             log::info!(
                 target: &who,
-                "stall resolved: tensor '{name}' chunk {} round {round} complete",
-                ch.chunk
+                "stall resolved: tensor '{name}' chunk {} round {} complete",
+                ch.chunk,
+                ch.round
             );
         }
+        self.send_results(idx);
+    }
+
+    /// The chunk's round is complete (its result in the round's parity
+    /// buffer): start the next one, send the result to the round's pushers.
+    fn send_results(&mut self, idx: usize) {
+        let ch = &mut self.chunks[idx];
+        let (round, priority) = (ch.round, ch.priority);
         ch.round = ch.round.wrapping_add(1);
-        ch.pushed.iter_mut().for_each(|p| *p = false);
         ch.count = 0;
         ch.started = None;
         ch.stall_reported = false;
         for i in 0..self.chunks[idx].pushers.len() {
             let r = self.chunks[idx].pushers[i] as usize;
+            // A restored result completes a round some pushers had not pushed.
+            if !self.chunks[idx].pushed[r] {
+                continue;
+            }
             let Some(t) = self.worker_conn[r] else { continue };
             self.seq += 1;
             let by_ref = self.chunks[idx].by_ref[r];
@@ -860,6 +1026,7 @@ impl ServerThread {
                 self.close(t, &why.to_string());
             }
         }
+        self.chunks[idx].pushed.iter_mut().for_each(|p| *p = false);
     }
 
     /// Write acks, then notices, then results in priority order, until done
@@ -894,7 +1061,7 @@ impl ServerThread {
             if item.by_ref {
                 if let Some(st) = shm.get(&ch.key) {
                     let src = ch.result_bytes(parity);
-                    let (dst, len) = st.wire(ch.chunk as usize, item.round);
+                    let (dst, len) = st.result(ch.chunk as usize);
                     // SAFETY: the pusher's chunk of this round in the segment:
                     // it waits for this frame before touching it again.
                     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len.min(src.len())) };

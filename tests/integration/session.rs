@@ -41,6 +41,7 @@ impl FakeScheduler {
             worker_local_ranks: vec![0],
             job_id: 1,
             host_reduce: false,
+            failover: false,
         };
         write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
         s
