@@ -19,18 +19,21 @@ def wait_line(cluster, name, text, timeout=30):
     return next(line for line in cluster.log(name).splitlines() if text in line)
 
 
-def test_server_killed_mid_round_raises_naming_it(cluster_factory, tmp_path):
-    c = cluster_factory(2, 2)
+@pytest.mark.parametrize("servers,env", [(2, {"GRADHUB_FAILOVER": "0"}), (1, {})], ids=["failover-off", "one-server"])
+def test_server_killed_mid_round_raises_naming_it(cluster_factory, tmp_path, servers, env):
+    # Without failover (turned off, or no other server to take over) a lost
+    # server fails the job; test_failover.py has the job going on.
+    c = cluster_factory(2, servers, **env)
     cfg = {"go_file": str(tmp_path / "never"), "size": 1_000_000}
     c.start_worker(0, "hold.py", cfg)
     c.start_worker(1, "hold.py", cfg)
     c.wait_for("worker0", "WAITING")
     time.sleep(0.3)  # worker 0's chunks are now pushed and waiting for worker 1
     killed = time.monotonic()
-    c.procs["server1"].send_signal(signal.SIGKILL)
+    c.procs[f"server{servers - 1}"].send_signal(signal.SIGKILL)
     line = wait_line(c, "worker0", "RAISED", timeout=20)
     assert time.monotonic() - killed < 20
-    assert "server 1" in line, line
+    assert f"server {servers - 1}" in line, line
     assert c.procs["worker0"].wait(timeout=20) == 3
 
 

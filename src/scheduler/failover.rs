@@ -49,7 +49,9 @@ pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
         (batch, specs, others)
     };
     // A lost server that comes back to life (it was stopped, not killed)
-    // finds its connection closed and exits; its workers drop theirs.
+    // finds why and a closed connection, and exits; its workers drop theirs.
+    let why = format!("{reason}: this server is out of the job, the others took its chunks over");
+    lost.send(&Control::Error { message: why }, ns);
     lost.disconnect();
     let msg = Control::ServerTakeOver { batch, lost: lost.rank, specs: specs.clone() };
     for s in &servers {

@@ -2,11 +2,13 @@
 check it against single-process training on the combined batch.
 
 Config: model (mlp|cnn), opt (sgd|nesterov|adamw), overlap (bool), server (optimizer on the servers),
-steps, passes (backward_passes_per_step), compression (none|fp16).
+steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
+step, which prints STEP k: the failover tests kill a server meanwhile).
 """
 
 import copy
 import math
+import time
 
 import torch
 import torch.nn as nn
@@ -114,6 +116,9 @@ for s in range(steps):
     opt.step()
     if lr_sched:
         lr_sched.step()
+    if "step_sleep" in CONFIG:
+        print("STEP", s, flush=True)
+        time.sleep(CONFIG["step_sleep"])
 if hasattr(opt, "finish"):
     opt.finish()
 

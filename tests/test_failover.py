@@ -1,0 +1,86 @@
+"""A lost summation server: its chunks move to the others and training goes
+on with exactly the sums it would have had (issue 10, item 5). Jobs are
+started role by role, and a server is killed (SIGKILL: its connections
+close) or stopped (SIGSTOP: it goes silent, found by the heartbeat) in the
+middle of the rounds."""
+
+import signal
+import time
+
+import pytest
+
+WORKERS, SERVERS = 4, 3
+PEER_TIMEOUT = "2"
+
+
+def start(cluster_factory, script, config, host_reduce="0", **env):
+    """4 workers on 2 hosts (2 each: the host stage sums there when on), 3 servers."""
+    c = cluster_factory(WORKERS, SERVERS, GRADHUB_PEER_TIMEOUT=PEER_TIMEOUT, GRADHUB_HOST_REDUCE=host_reduce, **env)
+    for w in range(WORKERS):
+        c.start_worker(w, script, config, GRADHUB_HOST_ID=f"host{w // 2}")
+    return c
+
+
+def lose_server(c, how, after_line, victim="server1"):
+    c.wait_for("worker0", after_line, 120)
+    time.sleep(0.01)  # into the next rounds
+    c.procs[victim].send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("host_reduce", ["0", "1"], ids=["sockets", "host-stage"])
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_lost_server_is_taken_over_and_every_sum_stays_exact(cluster_factory, how, host_reduce):
+    c = start(cluster_factory, "failover.py", {"steps": 40, "sleep": 0.0}, host_reduce)
+    lost_at = lose_server(c, how, "STEP 8")
+    try:
+        for w in range(WORKERS):
+            assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+            assert f"PASS {w}" in c.log(f"worker{w}")
+        took = time.monotonic() - lost_at
+        assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+        for s in ("server0", "server2"):
+            assert c.procs[s].wait(timeout=30) == 0, c.log(s)
+    finally:
+        if how == "stop":
+            c.procs["server1"].send_signal(signal.SIGCONT)
+    sched = c.log("scheduler")
+    assert "server 1" in sched and "moving its chunks" in sched, sched
+    if how == "kill":
+        assert "disconnected" in sched or "connection lost" in sched, sched
+    else:
+        assert "no heartbeat" in sched, sched
+    for w in range(WORKERS):
+        assert "server 1 was lost" in c.log(f"worker{w}"), c.log(f"worker{w}")
+    # The 36 steps after the loss took seconds, not a hang.
+    assert took < 60
+    if how == "stop":
+        # Resumed, the lost server finds itself out of the job and exits.
+        assert c.procs["server1"].wait(timeout=30) != 0
+        assert "error" in c.log("server1"), c.log("server1")
+
+
+@pytest.mark.parametrize("host_reduce", ["0", "1"], ids=["sockets", "host-stage"])
+def test_training_that_loses_a_server_ends_with_the_parameters_of_one_that_did_not(cluster_factory, host_reduce):
+    # torch_train.py checks every worker's parameters against single-process
+    # training on the combined batch (what a job that lost no server gets).
+    cfg = {"model": "mlp", "opt": "sgd", "steps": 16, "step_sleep": 0.05}
+    c = start(cluster_factory, "torch_train.py", cfg, host_reduce)
+    lose_server(c, "kill", "STEP 5")
+    for w in range(WORKERS):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert f"PASS {w}" in c.log(f"worker{w}") and "server 1 was lost" in c.log(f"worker{w}")
+    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+
+
+def test_losing_a_server_with_optimizer_state_is_a_clear_error(cluster_factory):
+    cfg = {"model": "mlp", "opt": "sgd", "steps": 30, "step_sleep": 0.05, "server": True}
+    c = start(cluster_factory, "torch_train.py", cfg)
+    lose_server(c, "kill", "STEP 3")
+    for w in range(WORKERS):
+        assert c.procs[f"worker{w}"].wait(timeout=60) != 0
+        log = c.log(f"worker{w}")
+        assert "server 1 was lost" in log and "server-side optimizer state" in log, log
+    assert c.procs["scheduler"].wait(timeout=30) == 1
+    for s in ("server0", "server2"):
+        assert c.procs[s].wait(timeout=30) == 1
