@@ -167,8 +167,11 @@ fn disconnect_after_joining_is_reported_to_every_other_member() {
 }
 
 #[test]
-fn lost_server_is_reported_to_workers() {
-    let mut job = fake_job(sched_config(2, 2), &[(1, false), (2, false)]);
+fn lost_server_is_reported_to_workers_when_failover_is_off() {
+    // With failover on, server.rs has its chunks taken over instead.
+    let mut cfg = sched_config(2, 2);
+    cfg.failover = false;
+    let mut job = fake_job(cfg, &[(1, false), (2, false)]);
     let gone = job.servers.remove(1);
     gone.kill();
     for m in job.workers.iter_mut().chain(job.servers.iter_mut()) {

@@ -582,3 +582,88 @@ fn a_released_tensor_is_freed_and_its_chunks_serve_the_next_tensors() {
     drop(conns);
     job.finish();
 }
+
+/// A restore frame: chunk `c`'s result of `round`, as a worker holds it.
+fn restore(conn: &mut DataConn, spec: &TensorSpec, c: usize, round: u32, payload: &[u8]) {
+    let mut h = push_header(spec, c, round, 0, payload.len());
+    h.msg_type = MsgType::Restore;
+    let mut b = h.encode().to_vec();
+    b.extend_from_slice(payload);
+    conn.send_raw(&b);
+}
+
+#[test]
+fn a_lost_servers_chunks_are_taken_over_restored_and_replayed() {
+    // Server 0 is real, server 1 a fake that the test drops; 3 fake workers.
+    let (nw, ns) = (3u32, 2u32);
+    let h = start(sched_config(nw, ns));
+    let real = spawn_server(server_config(h.addr, 1, false, 0, nw, ns));
+    let mut fake = Member::register(h.addr, server_reg(1, "127.0.0.1", vec![40_999], false, nw, ns));
+    let mut workers: Vec<Member> =
+        (0..nw).map(|r| Member::register(h.addr, worker_reg(r as i32, &format!("h{r}"), nw, ns))).collect();
+    fake.welcome();
+    let fake = auto_ack(fake);
+    let welcome = workers.iter_mut().map(|w| w.welcome()).collect::<Vec<_>>().remove(0);
+    assert!(welcome.failover);
+    let port = welcome.servers[0].ports[0];
+    let e = vec![gradhub::protocol::DeclEntry { name: "x".into(), numel: 2048, dtype: DType::F32 }];
+    for w in &workers {
+        w.send(&Control::Declare { req: 0, entries: e.clone() }).unwrap();
+    }
+    let x = workers.iter_mut().map(|w| declared(w.recv(), 0)).collect::<Vec<_>>().remove(0).remove(0);
+    let lost: Vec<usize> = (0..x.num_chunks()).filter(|&c| x.slots[c] == 1).collect();
+    assert!(lost.len() >= 2, "{:?}", x.slots);
+    // Server 1 is lost: its chunks move to server 0, then the workers hear.
+    let (m, _) = fake.stop();
+    m.kill();
+    let x2 = match workers[0].recv() {
+        Control::Failover { lost: 1, specs, .. } => specs.into_iter().find(|s| s.key == x.key).unwrap(),
+        other => panic!("expected Failover, got {other:?}"),
+    };
+    assert!(x2.slots.iter().all(|&s| s == 0));
+    for w in &mut workers[1..] {
+        assert!(matches!(w.recv(), Control::Failover { lost: 1, .. }));
+    }
+    let mut conns: Vec<DataConn> = (0..nw).map(|r| DataConn::connect_hello("127.0.0.1", port, r)).collect();
+    let (c0, c1) = (lost[0], lost[1]);
+    let n = x2.chunk_bytes(c0) / 4;
+    let result = f32_bytes(&vec![7.0; n]);
+    let push = |r: usize| f32_bytes(&vec![(r + 1) as f32; n]);
+    // Chunk c0: worker 2 missed round 4's result and pushes it again; worker
+    // 0 received it and restores it; worker 1 too (a duplicate, ignored).
+    conns[2].push(&x2, c0, 4, 0, &push(2));
+    conns[2].expect_received(&x2, c0, 4);
+    restore(&mut conns[0], &x2, c0, 4, &result);
+    assert_eq!(conns[2].expect_result(&x2, c0, 4), result, "the restored result completes the round");
+    restore(&mut conns[1], &x2, c0, 4, &result);
+    // Round 5 is summed from everyone's pushes as usual.
+    for (r, conn) in conns.iter_mut().enumerate() {
+        conn.push(&x2, c0, 5, 0, &push(r));
+        if r < 2 {
+            conn.expect_received(&x2, c0, 5);
+        }
+    }
+    for conn in &mut conns {
+        assert_eq!(bytes_f32(&conn.expect_result(&x2, c0, 5)), vec![6.0; n]);
+    }
+    // Chunk c1: the restored result comes first; a push of that round is
+    // answered with it at once (a replay), and round 4 goes on.
+    restore(&mut conns[1], &x2, c1, 3, &result);
+    conns[1].push(&x2, c1, 4, 0, &push(1));
+    conns[1].expect_received(&x2, c1, 4); // so the restore was taken before what follows
+    conns[2].push(&x2, c1, 3, 0, &push(2));
+    assert_eq!(conns[2].expect_result(&x2, c1, 3), result);
+    // Restoring a chunk that was not taken over, or a round ahead of it, breaks the protocol.
+    if let Some(kept) = (0..x2.num_chunks()).find(|&c| x.slots[c] == 0) {
+        restore(&mut conns[0], &x2, kept, 0, &f32_bytes(&vec![1.0; x2.chunk_bytes(kept) / 4]));
+        conns[0].expect_error("did not take over");
+    }
+    restore(&mut conns[1], &x2, c1, 9, &result);
+    conns[1].expect_error("round 9 but the chunk is at round 4");
+    drop(conns);
+    for w in &workers {
+        w.send(&Control::Goodbye).unwrap();
+    }
+    assert_eq!(real.join(), Ok(()));
+    assert_eq!(wait_scheduler(h), Ok(()));
+}

@@ -74,6 +74,7 @@ pub fn sched_config(num_workers: u32, num_servers: u32) -> SchedulerConfig {
         join_timeout_ms: 20_000,
         namespace: NS,
         host_reduce: true,
+        failover: true,
     }
 }
 
@@ -357,6 +358,8 @@ pub fn auto_ack(mut m: Member) -> AckServer {
                 let _ = tx.send((batch, specs));
                 m.send(&Control::ServerDeclareAck { batch }).expect("ack");
             }
+            // Alive, as far as the scheduler can tell.
+            Ok(Control::Heartbeat) => {}
             Ok(other) => return (m, Some(other)),
             Err(e) if is_timeout(&e) => {
                 if st.load(Ordering::Relaxed) {
