@@ -252,11 +252,7 @@ pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
     for s in &servers {
         s.send_all(&msgs, ns);
     }
-    let mut st = shared.lock();
-    while !st.installed_everywhere(batch) && st.failed.is_none() {
-        st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-    }
-    st.acks.remove(&batch);
+    let mut st = shared.wait_installed(batch);
     for s in &specs {
         if let Some(d) = st.decls.get_mut(&s.name) {
             d.installed = true;

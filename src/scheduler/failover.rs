@@ -57,11 +57,7 @@ pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
     for s in &servers {
         s.send(&msg, ns);
     }
-    let mut st = shared.lock();
-    while !st.installed_everywhere(batch) && st.failed.is_none() {
-        st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-    }
-    st.acks.remove(&batch);
+    let mut st = shared.wait_installed(batch);
     st.failing_over -= 1;
     if st.failed.is_some() {
         return;

@@ -124,6 +124,17 @@ impl Shared {
         self.cv.notify_all();
     }
 
+    /// Wait until every server still in the job installed `batch` (or the
+    /// job failed); returns the state, locked.
+    pub fn wait_installed(&self, batch: u32) -> MutexGuard<'_, State> {
+        let mut st = self.lock();
+        while !st.installed_everywhere(batch) && st.failed.is_none() {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.acks.remove(&batch);
+        st
+    }
+
     /// Tell the members not welcomed yet (reachable only through their
     /// registration streams) why the job failed.
     pub fn reject_joining(&self, st: &mut State, message: &str) {

@@ -10,6 +10,10 @@ to its baseline measured in the same run:
   host       push_pull of a large f32 tensor by W worker processes and one
              colocated server on this host: host stage off, on with the
              server over loopback TCP, on with pushes by reference
+  state      memory and time over many unnamed, named and unique-name calls
+  hostile    1,000 hostile connections against a running job
+  failover   push_pull with 3 servers, failover off vs on (its cost while no
+             server is lost), then with a server killed mid-run
 
 CPU use (user+sys seconds per wall second, summed over all processes of the
 run; 2.0 = both cores of this machine busy) is printed beside every figure.
@@ -18,7 +22,7 @@ The TCP baselines are a compiled program (examples/tcp_baseline.rs), so the
 comparison is about protocol, not interpreter: this is a developer benchmark
 that needs the source checkout and cargo, which builds the program on first use.
 
-Usage: gradhub bench core [transport|latency|priority|sweep|host|all] [--quick] [--json FILE]
+Usage: gradhub bench core [BENCH ...] [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -293,25 +297,31 @@ def bench_sweep(args, out):
     out["sweep"] = res
 
 
-def _host_worker(port: int, rank: int, workers: int, nbytes: int, reps: int, server_shm: bool) -> None:
-    """One worker of `bench_host` (a child process): rank 0 prints "go"
-    before its timed loop and the times (and its CPU) after."""
-    c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=1, server_shm=server_shm)
-    a = np.full(nbytes // 4, rank + 1, dtype=np.float32)
+def _timed_push_pulls(c, rank: int, workers: int, nbytes: int, reps: int) -> None:
+    """A benchmark worker's loop (in a child process): prints "go" before
+    its timed push_pulls, then their times, its CPU and whether every sum
+    was right."""
+    a = np.empty(nbytes // 4, dtype=np.float32)
+    want = workers * (workers + 1) / 2
     for _ in range(2):  # declare + warm up (first touch of every buffer)
-        c.push_pull_async(a.ctypes.data, a.nbytes, "float32", "t", False, 0, a).wait()
+        a.fill(rank + 1)
+        c.push_pull_async(a.ctypes.data, a.nbytes, "float32", "t", False, 0, a).wait(60)
     print("go", flush=True)
-    times, c0 = [], self_cpu()
+    times, ok, c0 = [], True, self_cpu()
     for _ in range(reps):
         a.fill(rank + 1)
         t0 = time.perf_counter()
-        c.push_pull_async(a.ctypes.data, a.nbytes, "float32", "t", False, 0, a).wait()
+        c.push_pull_async(a.ctypes.data, a.nbytes, "float32", "t", False, 0, a).wait(60)
         times.append(time.perf_counter() - t0)
-    cpu = self_cpu() - c0
-    want = workers * (workers + 1) / 2
-    ok = bool(np.all(a == want))
-    print(json.dumps({"times": times, "cpu": cpu, "ok": ok}), flush=True)
+        ok = ok and bool(np.all(a == want))
+    print(json.dumps({"times": times, "cpu": self_cpu() - c0, "ok": ok}), flush=True)
     c.shutdown()
+
+
+def _host_worker(port: int, rank: int, workers: int, nbytes: int, reps: int, server_shm: bool) -> None:
+    """One worker of `bench_host`."""
+    c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=1, server_shm=server_shm)
+    _timed_push_pulls(c, rank, workers, nbytes, reps)
 
 
 def host_push_pull(workers: int, nbytes: int, reps: int, reduce: bool, server_shm: bool) -> dict:
@@ -377,6 +387,81 @@ def bench_host(args, out):
         print(f"  {name:<30}  {r['best_s'] * 1e3:7.1f} ms  (median {r['median_s'] * 1e3:6.1f})   "
               f"cpu {r['cpu']:4.2f}   vs stage off {base / r['best_s']:5.2f}x")
     out["host"] = {"workers": workers, "bytes": nbytes, "memcpy_GBps": copy_gbps, **best}
+
+
+def _failover_worker(port: int, rank: int, workers: int, servers: int, nbytes: int, reps: int) -> None:
+    """One worker of `bench_failover` (a child process, a host of its own):
+    prints "go" before its timed loop, then the times and its CPU."""
+    os.environ["GRADHUB_HOST_ID"] = f"failover-bench-{rank}"
+    c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=servers)
+    _timed_push_pulls(c, rank, workers, nbytes, reps)
+
+
+def failover_run(nbytes: int, reps: int, failover: bool, kill_after: float | None) -> dict:
+    """2 workers and 3 servers on loopback: rank 0's time per push_pull, CPU
+    per wall second over every process; with `kill_after`, server 1 is
+    killed that many seconds into the timed loop."""
+    workers, servers = 2, 3
+    port = _free_port()
+    sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, servers, _core.DEFAULT_PARTITION_BYTES,
+                                  peer_timeout_ms=2000, failover=failover)
+    srv = [subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
+                             "--threads", "1", "--rank", str(s), "--advertise-addr", "127.0.0.1"],
+                            stderr=subprocess.DEVNULL) for s in range(servers)]
+    code = (f"from gradhub.bench.core import _failover_worker; "
+            f"_failover_worker({port}, {{r}}, {workers}, {servers}, {nbytes}, {reps})")
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.DEVNULL) for r in range(workers)]
+    try:
+        lines = [p.stdout.readline().strip() for p in procs]
+        if any(line != "go" for line in lines):
+            raise RuntimeError(f"bench failover: a worker failed to start ({lines})")
+        cpu0 = [proc_cpu(s.pid) for s in srv]
+        killed = None
+        if kill_after is not None:
+            time.sleep(kill_after)
+            srv[1].kill()
+            killed = time.perf_counter()
+        res = [json.loads(p.stdout.readline()) for p in procs]
+        server_cpu = sum(proc_cpu(s.pid) - c for s, c in zip(srv, cpu0) if s.poll() is None)
+        for p in procs:
+            p.wait(timeout=60)
+        sched.wait()
+    finally:
+        for p in [*procs, *srv]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    t = res[0]["times"]
+    return {"best_s": min(t), "median_s": statistics.median(t), "worst_s": max(t), "killed": killed is not None,
+            "cpu": (sum(r["cpu"] for r in res) + server_cpu) / sum(t), "ok": all(r["ok"] for r in res)}
+
+
+def bench_failover(args, out):
+    """What surviving a lost server costs while none is lost (results kept
+    apart and copied once whole), and what losing one costs."""
+    nbytes = 32 << 20
+    reps = 6 if args.quick else 15
+    trials = 1 if args.quick else 3
+    best: dict[str, dict] = {}
+    for _ in range(trials):
+        for name, on in (("failover off", False), ("failover on", True)):
+            r = failover_run(nbytes, reps, on, None)
+            if not r["ok"]:
+                raise RuntimeError(f"bench failover: wrong sum with {name}")
+            if name not in best or r["best_s"] < best[name]["best_s"]:
+                best[name] = r
+    lost = failover_run(nbytes, reps, True, 0.5)
+    if not lost["ok"]:
+        raise RuntimeError("bench failover: wrong sum after losing a server")
+    print(f"failover  32 MiB f32, 2 workers + 3 servers on loopback (best of {trials}x{reps})")
+    base = best["failover off"]["best_s"]
+    for name, r in best.items():
+        print(f"  {name:<14}  {r['best_s'] * 1e3:7.1f} ms  (median {r['median_s'] * 1e3:6.1f})   "
+              f"cpu {r['cpu']:4.2f}   vs off {base / r['best_s']:5.2f}x")
+    print(f"  server 1 killed mid-run: every sum exact; slowest push_pull {lost['worst_s'] * 1e3:7.1f} ms "
+          f"(median {lost['median_s'] * 1e3:6.1f}, with 2 servers left)")
+    out["failover"] = {"bytes": nbytes, **best, "lost": lost}
 
 
 def rss_mb(pid: int) -> float:
@@ -641,12 +726,12 @@ def bench_hostile(args, out):
                       "samples": samples, "rates": rates, "logs": log_lines}
 
 
-BENCHMARKS = ("transport", "latency", "priority", "sweep", "host", "state", "hostile")
+BENCHMARKS = ("transport", "latency", "priority", "sweep", "host", "state", "hostile", "failover")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("which", nargs="*", default=["all"], metavar="BENCH",
-                    help="transport, latency, priority, sweep, host, state, hostile or all (default all)")
+                    help="transport, latency, priority, sweep, host, state, hostile, failover or all (default all)")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--calls", type=int, default=100_000, help="state: push_pulls per mode (default 100000)")
     ap.add_argument("--unique-calls", type=int, default=20_000,
