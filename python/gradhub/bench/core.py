@@ -451,7 +451,7 @@ def bench_failover(args, out):
                 raise RuntimeError(f"bench failover: wrong sum with {name}")
             if name not in best or r["best_s"] < best[name]["best_s"]:
                 best[name] = r
-    lost = failover_run(nbytes, reps, True, 0.5)
+    lost = failover_run(nbytes, reps, True, 0.1)  # a few push_pulls into the timed loop
     if not lost["ok"]:
         raise RuntimeError("bench failover: wrong sum after losing a server")
     print(f"failover  32 MiB f32, 2 workers + 3 servers on loopback (best of {trials}x{reps})")
