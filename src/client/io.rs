@@ -1372,10 +1372,22 @@ impl IoThread {
                 hr.staging.publish(chunk, a.round);
                 self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
             }
-        } else if io.failover {
+        }
+        self.mark_got(key, chunk);
+        // Outstanding room came back: keep the connection busy.
+        self.shared.io.pump(i)
+    }
+
+    /// Chunk `chunk`'s result is in (in `Kept` with failover on and no host
+    /// stage: copied to the caller's buffer now); complete the op with its
+    /// last chunk.
+    fn mark_got(&mut self, key: u32, chunk: usize) {
+        let io = &self.shared.io;
+        let done = {
             let mut guard = io.ops();
             let ops = &mut *guard;
-            if let (Some(a), Some(k)) = (ops.active.get(&key), ops.kept.get_mut(&key)) {
+            let Some(a) = ops.active.get_mut(&key) else { return };
+            if let Some(k) = ops.kept.get_mut(&key) {
                 // The whole result is in: now it may replace this worker's push.
                 let (start, end) = a.spec.chunk_range(chunk);
                 let es = a.spec.dtype.size();
@@ -1384,19 +1396,6 @@ impl IoThread {
                 unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), a.ptr.0.add(start * es), src.len()) };
                 k.round[chunk] = a.round;
             }
-        }
-        self.mark_got(key, chunk);
-        // Outstanding room came back: keep the connection busy.
-        self.shared.io.pump(i)
-    }
-
-    /// Chunk `chunk`'s result is in the caller's buffer; complete the op
-    /// with its last chunk.
-    fn mark_got(&mut self, key: u32, chunk: usize) {
-        let io = &self.shared.io;
-        let done = {
-            let mut ops = io.ops();
-            let Some(a) = ops.active.get_mut(&key) else { return };
             a.got[chunk] = true;
             a.remaining -= 1;
             let finished = if a.remaining == 0 { ops.active.remove(&key) } else { None };

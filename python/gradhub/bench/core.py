@@ -318,6 +318,20 @@ def _timed_push_pulls(c, rank: int, workers: int, nbytes: int, reps: int) -> Non
     c.shutdown()
 
 
+def _start_workers(bench: str, call: str, workers: int) -> list[subprocess.Popen]:
+    """Start `workers` processes running `call` (a function of this module,
+    `{r}` standing for the rank) and wait until each said "go"."""
+    code = f"import gradhub.bench.core as bench; bench.{call}"
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.DEVNULL) for r in range(workers)]
+    lines = [p.stdout.readline().strip() for p in procs]
+    if any(line != "go" for line in lines):
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"bench {bench}: a worker failed to start ({lines})")
+    return procs
+
+
 def _host_worker(port: int, rank: int, workers: int, nbytes: int, reps: int, server_shm: bool) -> None:
     """One worker of `bench_host`."""
     c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=1, server_shm=server_shm)
@@ -332,14 +346,10 @@ def host_push_pull(workers: int, nbytes: int, reps: int, reduce: bool, server_sh
     server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
                                "--threads", "1", "--colocated", "--advertise-addr", "127.0.0.1"],
                               stderr=subprocess.DEVNULL)
-    code = (f"from gradhub.bench.core import _host_worker; "
-            f"_host_worker({port}, {{r}}, {workers}, {nbytes}, {reps}, {server_shm})")
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
-                              stderr=subprocess.DEVNULL) for r in range(workers)]
+    procs: list[subprocess.Popen] = []
     try:
-        lines = [p.stdout.readline().strip() for p in procs]
-        if any(line != "go" for line in lines):
-            raise RuntimeError(f"bench host: a worker failed to start ({lines})")
+        procs = _start_workers("host", f"_host_worker({port}, {{r}}, {workers}, {nbytes}, {reps}, {server_shm})",
+                               workers)
         server0 = proc_cpu(server.pid)
         res = [json.loads(p.stdout.readline()) for p in procs]
         server_cpu = proc_cpu(server.pid) - server0
@@ -408,14 +418,10 @@ def failover_run(nbytes: int, reps: int, failover: bool, kill_after: float | Non
     srv = [subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
                              "--threads", "1", "--rank", str(s), "--advertise-addr", "127.0.0.1"],
                             stderr=subprocess.DEVNULL) for s in range(servers)]
-    code = (f"from gradhub.bench.core import _failover_worker; "
-            f"_failover_worker({port}, {{r}}, {workers}, {servers}, {nbytes}, {reps})")
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
-                              stderr=subprocess.DEVNULL) for r in range(workers)]
+    call = f"_failover_worker({port}, {{r}}, {workers}, {servers}, {nbytes}, {reps})"
+    procs: list[subprocess.Popen] = []
     try:
-        lines = [p.stdout.readline().strip() for p in procs]
-        if any(line != "go" for line in lines):
-            raise RuntimeError(f"bench failover: a worker failed to start ({lines})")
+        procs = _start_workers("failover", call, workers)
         cpu0 = [proc_cpu(s.pid) for s in srv]
         killed = None
         if kill_after is not None:
