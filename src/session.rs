@@ -163,11 +163,35 @@ impl SessionSender {
         }
         self.0.stop.lock().unwrap_or_else(|e| e.into_inner()).take();
         let w = self.0.writer.lock().unwrap_or_else(|e| e.into_inner());
+        if goodbye {
+            // Bytes left unread when the socket closes make the kernel reset
+            // the connection, and a reset can discard the goodbye before the
+            // scheduler read it: read to the end (the scheduler closes its
+            // side on the goodbye), for a bounded time.
+            let _ = w.shutdown(std::net::Shutdown::Write);
+            drain(&w, Duration::from_millis(500));
+        }
         let _ = w.shutdown(std::net::Shutdown::Both);
     }
 
     pub fn closing(&self) -> bool {
         self.0.closing.load(Ordering::SeqCst)
+    }
+}
+
+/// Read and drop whatever arrives on `s` until its end, an error, or `limit`.
+fn drain(s: &TcpStream, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    let mut buf = [0u8; 4096];
+    let mut r = s;
+    while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()).filter(|d| !d.is_zero()) {
+        if s.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match std::io::Read::read(&mut r, &mut buf) {
+            Ok(n) if n > 0 => {}
+            _ => return,
+        }
     }
 }
 

@@ -38,7 +38,8 @@ def test_a_lost_server_is_taken_over_and_every_sum_stays_exact(cluster_factory, 
             assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
             assert f"PASS {w}" in c.log(f"worker{w}")
         took = time.monotonic() - lost_at
-        assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+        logs = "\n".join(c.log(n) for n in c.procs)
+        assert c.procs["scheduler"].wait(timeout=30) == 0, logs
         for s in ("server0", "server2"):
             assert c.procs[s].wait(timeout=30) == 0, c.log(s)
     finally:

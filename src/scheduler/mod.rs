@@ -308,7 +308,11 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
                     return;
                 }
             }
-            Ok(Control::Goodbye) if me.role == Role::Worker => say_goodbye(shared, &mut st, me.rank),
+            Ok(Control::Goodbye) if me.role == Role::Worker => {
+                say_goodbye(shared, &mut st, me.rank);
+                // Nothing more for it: its session sees the end at once (see `SessionSender::close`).
+                me.finish_writing();
+            }
             Ok(Control::Error { message }) => {
                 let reason = format!("{} reported an error: {message}", me.describe());
                 shared.fail(&mut st, Some(me), reason);

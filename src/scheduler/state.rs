@@ -38,6 +38,12 @@ impl Member {
     pub fn describe(&self) -> String {
         format!("{} {} ({})", self.role.name(), self.rank, self.peer)
     }
+    /// Nothing more will be sent to the member (it said goodbye).
+    pub fn finish_writing(&self) {
+        if let Ok(w) = self.writer.lock() {
+            let _ = w.shutdown(std::net::Shutdown::Write);
+        }
+    }
     /// Cut the member off (a lost server that may come back to life).
     pub fn disconnect(&self) {
         if let Ok(w) = self.writer.lock() {
