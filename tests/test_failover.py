@@ -4,10 +4,14 @@ started role by role, and a server is killed (SIGKILL: its connections
 close) or stopped (SIGSTOP: it goes silent, found by the heartbeat) in the
 middle of the rounds."""
 
+import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+from conftest import job_env
 
 WORKERS, SERVERS = 4, 3
 PEER_TIMEOUT = "2"
@@ -85,3 +89,32 @@ def test_losing_a_server_with_optimizer_state_is_a_clear_error(cluster_factory):
     assert c.procs["scheduler"].wait(timeout=30) == 1
     for s in ("server0", "server2"):
         assert c.procs[s].wait(timeout=30) == 1
+
+
+def test_fault_campaign_quick_mode(tmp_path):
+    """`gradhub bench faults --quick`: one job per fault (kill, stop, pause
+    of each role, an exception, strangers' connections), each started role
+    by role: no hang, no wrong sum, every outcome the expected one."""
+    out = tmp_path / "faults.json"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "faults", "--quick", "--seed", "0",
+                        "--json", str(out)], capture_output=True, text=True, timeout=900, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    s = res["summary"]
+    assert s["trials"] == len(s["by_fault"]) == 12, s
+    assert s["hangs"] == 0 and s["wrong"] == 0 and s["as_expected"] == s["trials"], p.stdout
+    assert s["continued_after_server_loss"] == s["server_losses"] == 2, s
+    by = {r["fault"]: r for r in res["trials"]}
+    # Lost workers and schedulers are reported everywhere within 3 peer timeouts.
+    for name in ("kill worker", "stop worker", "kill scheduler", "stop scheduler", "raise in worker"):
+        assert by[name]["outcome"] == "failed, reported"
+        assert by[name]["all_down_s"] < 3 * res["peer_timeout"], by[name]
+    assert "trials 12" in p.stdout and "hangs 0" in p.stdout
+
+
+def test_fault_campaign_usage_errors():
+    run = [sys.executable, "-m", "gradhub", "bench", "faults"]
+    p = subprocess.run(run + ["--list"], capture_output=True, text=True, timeout=60, env=job_env())
+    assert p.returncode == 0 and "kill server" in p.stdout and "expect: continue" in p.stdout
+    p = subprocess.run(run + ["--faults", "melt server"], capture_output=True, text=True, timeout=60, env=job_env())
+    assert p.returncode == 2 and "unknown fault" in p.stderr

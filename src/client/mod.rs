@@ -721,8 +721,13 @@ impl Client {
                 self.shared.session.close(false);
             }
             Some(_) => self.shared.session.close(false),
-            // The job failed: no goodbye, which would tell the scheduler this worker finished.
-            None if self.shared.failure().is_some() => self.shared.session.close(false),
+            // The job failed: no goodbye, which would tell the scheduler this
+            // worker finished. Say why here: no operation may be left to report it.
+            None if self.shared.failure().is_some() => {
+                let why = self.shared.failure().unwrap_or_default();
+                log::warn!(target: &format!("worker {}", self.rank), "leaving a failed job: {why}");
+                self.shared.session.close(false)
+            }
             None => self.shared.session.close(true),
         }
         self.shared.io.stop();

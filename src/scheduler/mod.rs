@@ -37,6 +37,7 @@ pub struct SchedulerConfig {
     pub num_workers: u32,
     pub num_servers: u32,
     pub partition_bytes: u32,
+    /// Heartbeat period of every member (at most a quarter of the peer timeout).
     pub heartbeat_ms: u32,
     /// A member silent for this long is declared dead.
     pub peer_timeout_ms: u32,
@@ -108,6 +109,10 @@ pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, Schedule
             cfg.peer_timeout_ms, cfg.heartbeat_ms
         )));
     }
+    // At least four heartbeats per peer timeout, so that one late heartbeat
+    // (a busy machine) does not look like a death.
+    let mut cfg = cfg;
+    cfg.heartbeat_ms = cfg.heartbeat_ms.min(cfg.peer_timeout_ms / 4).max(10);
     let listener = TcpListener::bind(&cfg.bind).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     listener.set_nonblocking(true).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;

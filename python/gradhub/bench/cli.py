@@ -1,5 +1,7 @@
 """`gradhub bench`: every benchmark of gradhub, in one place.
 
+- `faults`: the fault campaign (kills, stops, exceptions, strangers'
+  connections in jobs started role by role; every outcome and sum checked);
 - `core` and `torch-options`: the data plane on loopback against raw TCP, and
   the PyTorch scheduling options on this machine (developer benchmarks: they
   need the source checkout; `core` builds its compiled TCP baseline with cargo);
@@ -64,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model", default="mlp", help="synthetic_benchmark.py model (default mlp)")
     o.add_argument("--workers", type=int, default=2, help="workers (default 2)")
     o.add_argument("--servers", type=int, default=1, help="servers (default 1)")
+    from . import faults
+
+    fp = sub.add_parser("faults", help="fault campaign: jobs started role by role, one fault each (kill, stop, "
+                                       "pause, exception, stranger's connection), every outcome and sum checked",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, description=faults.__doc__)
+    faults.add_arguments(fp)
     c = sub.add_parser(
         "cluster", help="run any command on every worker host of an emulated cluster",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -326,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         except CheckoutError as e:
             print(f"gradhub bench {args.cmd}: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "faults":
+        from .faults import run as run_faults
+
+        return run_faults(args)
     if args.cmd == "cluster":
         from .cluster import run_cluster
 

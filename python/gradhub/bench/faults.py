@@ -1,0 +1,421 @@
+"""`gradhub bench faults`: the fault campaign.
+
+Runs many short jobs on loopback, each started role by role (a scheduler, 3
+servers and 4 workers as separate processes, the way a multi-host job is
+started, not under `gradhub launch`), and injects one fault into each at a
+random moment of training:
+
+  kill / stop     SIGKILL, or SIGSTOP for good (resumed only once the job has
+                  ended), of a worker, a server or the scheduler;
+  pause           SIGSTOP for a fraction of the peer timeout, then SIGCONT;
+  raise           an exception in a worker's training loop;
+  garbage / slow  a stranger's connection to the scheduler or a server that
+                  sends random bytes, or half a frame header and then nothing.
+
+Every worker checks every sum exactly (integer-valued data, summed in
+float64 by every worker for every rank). What each fault must lead to:
+
+  continue        a lost server (killed, or stopped for good: its chunks move
+                  to the others), a pause, a stranger's connection: every
+                  worker passes, with every sum exact;
+  fail            a lost worker or scheduler, an exception: every member still
+                  running exits with an error within a bound (3 peer timeouts
+                  after the fault), and the error names the member at fault.
+
+A member still running after that bound is a hang; a sum that differs is a
+wrong result. Both must be 0, and the command exits non-zero otherwise (or
+when a job's outcome is not the one expected)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+WORKERS, SERVERS = 4, 3
+# (name, elements, dtype): several chunks each at the default partition size, one tiny, one unnamed.
+TENSORS = (("big", 200_000, "float32"), ("half", 60_000, "float16"), ("small", 100, "float32"),
+           (None, 3_000, "float32"))
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    role: str  # worker, server, scheduler, or "stranger" (a connection from outside the job)
+    action: str  # kill, stop, pause, raise, garbage, slow
+    expect: str  # continue or fail
+
+
+FAULTS = (
+    Fault("kill server", "server", "kill", "continue"),
+    Fault("stop server", "server", "stop", "continue"),
+    Fault("pause server", "server", "pause", "continue"),
+    Fault("kill worker", "worker", "kill", "fail"),
+    Fault("stop worker", "worker", "stop", "fail"),
+    Fault("pause worker", "worker", "pause", "continue"),
+    Fault("raise in worker", "worker", "raise", "fail"),
+    Fault("kill scheduler", "scheduler", "kill", "fail"),
+    Fault("stop scheduler", "scheduler", "stop", "fail"),
+    Fault("pause scheduler", "scheduler", "pause", "continue"),
+    Fault("garbage connection", "stranger", "garbage", "continue"),
+    Fault("slow connection", "stranger", "slow", "continue"),
+)
+
+
+def _data(seed: int, step: int, tensor: int, rank: int, size: int, dtype) -> np.ndarray:
+    rng = np.random.default_rng([seed, step, tensor, rank])
+    return rng.integers(-4, 5, size).astype(dtype)
+
+
+def _worker(steps: int, seed: int, raise_at: int) -> None:
+    """One worker of a trial (a child process; its job comes from GRADHUB_*):
+    prints STEP lines, WRONG and exits 3 on a sum that differs, PASS at the
+    end. `raise_at` >= 0 raises an exception at that step (the fault)."""
+    import gradhub
+
+    gradhub.init()
+    r, n = gradhub.rank(), gradhub.size()
+    for s in range(steps):
+        if s == raise_at:
+            raise RuntimeError(f"fault injected into worker {r} at step {s}")
+        handles = []
+        for i, (name, size, dtype) in enumerate(TENSORS):
+            x = _data(seed, s, i, r, size, dtype)
+            handles.append((i, x, gradhub.push_pull_async(x, name=name)))
+        for i, x, h in handles:
+            h.wait(60)
+            _, size, dtype = TENSORS[i]
+            want = sum(_data(seed, s, i, q, size, np.float64) for q in range(n))
+            if not np.array_equal(x.astype(np.float64), want):
+                bad = np.flatnonzero(x.astype(np.float64) != want)
+                print(f"WRONG step {s} tensor {i}: {bad.size} element(s) differ, first at {bad[:5]}", flush=True)
+                os._exit(3)
+        print(f"STEP {s}", flush=True)
+        time.sleep(0.02)
+    print("PASS", flush=True)
+    gradhub.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Trial:
+    """One job and its fault: its processes, logs and what happened."""
+    fault: Fault
+    seed: int
+    peer_timeout: float
+    host_stage: bool
+    steps: int
+    logdir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    exited: dict[str, float] = field(default_factory=dict)
+    conns: list[socket.socket] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: list[str], env: dict) -> None:
+        with open(self.logdir / f"{name}.log", "wb") as f:
+            self.procs[name] = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.logdir / f"{name}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for name, p in self.procs.items():
+            if name not in self.exited and p.poll() is not None:
+                self.exited[name] = now
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+        for c in self.conns:
+            c.close()
+
+
+def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
+    """Start the job's processes; returns the scheduler's port, the
+    servers' ports and the worker that raises (for that fault)."""
+    port, sports = _free_port(), [_free_port() for _ in range(SERVERS)]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+    base.update(PYTHONUNBUFFERED="1", GRADHUB_SCHEDULER=f"127.0.0.1:{port}", GRADHUB_NUM_WORKERS=str(WORKERS),
+                GRADHUB_NUM_SERVERS=str(SERVERS), GRADHUB_PEER_TIMEOUT=str(t.peer_timeout),
+                GRADHUB_HOST_REDUCE="1" if t.host_stage else "0")
+    py = [sys.executable, "-m", "gradhub"]
+    t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
+    for s in range(SERVERS):
+        t.spawn(f"server{s}", py + ["server", "--threads", "1", "--rank", str(s), "--advertise-addr", "127.0.0.1",
+                                    "--bind-host", "127.0.0.1", "--port", str(sports[s])],
+                dict(base, GRADHUB_HOST_ID=f"faults-server{s}"))
+    raise_at = rng.randrange(1, t.steps - 1) if t.fault.action == "raise" else -1
+    victim = rng.randrange(WORKERS)
+    for r in range(WORKERS):
+        code = (f"from gradhub.bench.faults import _worker; "
+                f"_worker({t.steps}, {t.seed}, {raise_at if r == victim else -1})")
+        # Two workers per host with the host stage, so it is under test too.
+        host = f"faults-host{r // 2 if t.host_stage else r}"
+        t.spawn(f"worker{r}", [sys.executable, "-c", code], dict(base, GRADHUB_RANK=str(r), GRADHUB_HOST_ID=host))
+    return port, sports, victim
+
+
+def _stranger(addr: tuple[str, int], kind: str, rng: random.Random) -> socket.socket | None:
+    s = socket.socket()
+    s.settimeout(2)
+    try:
+        s.connect(addr)
+        if kind == "garbage":
+            s.send(rng.randbytes(rng.randrange(1, 200)))
+        else:  # half a frame header (gradhub's magic and version), then nothing
+            s.send(struct.pack("<HBB", 0x4847, 5, 16))
+        return s
+    except OSError:
+        s.close()
+        return None
+
+
+def _target(t: Trial, rng: random.Random) -> str:
+    if t.fault.role == "worker":
+        return f"worker{rng.randrange(WORKERS)}"
+    if t.fault.role == "server":
+        return f"server{rng.randrange(SERVERS)}"
+    return "scheduler"
+
+
+def _signal(p: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _names_target(t: Trial, target: str) -> bool:
+    """Whether some member's log names the member at fault."""
+    role = "".join(c for c in target if not c.isdigit())
+    rank = target[len(role):]
+    words = [f"{role} {rank}"] if rank else ["scheduler"]
+    others = [n for n in t.procs if n != target]
+    return any(w in t.log(n) for n in others for w in words)
+
+
+def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot: Path) -> dict:
+    rng = random.Random(seed)
+    logdir = logroot / f"trial{seed}"
+    logdir.mkdir(parents=True, exist_ok=True)
+    t = Trial(fault, seed, peer_timeout, host_stage=rng.random() < 0.5, steps=steps, logdir=logdir)
+    res: dict = {"fault": fault.name, "seed": seed, "host_stage": t.host_stage}
+    try:
+        port, sports, victim = _start(t, rng)
+        # The fault lands at a random moment of training (the raise is at a random step).
+        deadline = time.monotonic() + 120
+        while "STEP 0" not in t.log("worker0"):
+            t.poll()
+            if time.monotonic() > deadline or "worker0" in t.exited:
+                res.update(outcome="did not start", ok=False, hang=False, wrong=False,
+                           logs={n: t.log(n)[-2000:] for n in t.procs})
+                return res
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.8))
+        target = _target(t, rng) if fault.role != "stranger" else None
+        fault_at = time.monotonic()
+        if fault.action in ("kill", "stop", "pause"):
+            _signal(t.procs[target], signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+        elif fault.role == "stranger":
+            where = rng.choice([("scheduler", port)] + [(f"server{s}", p) for s, p in enumerate(sports)])
+            target = where[0]
+            for _ in range(rng.randrange(1, 5)):
+                c = _stranger(("127.0.0.1", where[1]), fault.action, rng)
+                if c is not None:
+                    t.conns.append(c)
+        elif fault.action == "raise":
+            target = f"worker{victim}"
+            # The exception comes at its step: time the reports from its worker's exit.
+            while target not in t.exited and time.monotonic() < deadline + 60:
+                t.poll()
+                time.sleep(0.01)
+            fault_at = t.exited.get(target, fault_at)
+        res["target"] = target
+        stopped = target if fault.action == "stop" else None
+        resume_at = fault_at + peer_timeout * 0.3 if fault.action == "pause" else None
+        # Bound: 3 peer timeouts for the fault to be reported everywhere, plus the rest of the job's run.
+        bound = fault_at + 3 * peer_timeout + 30
+        report_at = takeover_at = None
+        lost_server = fault.role == "server" and fault.action in ("kill", "stop")
+        while True:
+            t.poll()
+            now = time.monotonic()
+            if resume_at is not None and now >= resume_at:
+                _signal(t.procs[target], signal.SIGCONT)
+                resume_at = None
+            running = [n for n in t.procs if n not in t.exited and n != stopped
+                       and not (fault.action == "kill" and n == target)]
+            if fault.expect == "fail" and report_at is None and any(
+                    n in t.exited and t.procs[n].returncode != 0 for n in t.procs if n != target):
+                report_at = now
+            if lost_server and takeover_at is None and "taken over" in t.log("scheduler"):
+                takeover_at = now
+            if not running or now > bound:
+                break
+            time.sleep(0.02)
+        hung = [n for n in t.procs if n not in t.exited and n != stopped and not (fault.action == "kill" and n == target)]
+        # A member stopped for good must exit once resumed (it finds the job over, or itself out of it).
+        if stopped is not None:
+            _signal(t.procs[stopped], signal.SIGCONT)
+            try:
+                t.procs[stopped].wait(timeout=3 * peer_timeout + 5)
+            except subprocess.TimeoutExpired:
+                hung.append(f"{stopped} (after it was resumed)")
+            t.poll()
+        wrong = [n for n in t.procs if "WRONG" in t.log(n)]
+        passed = [n for n in t.procs if n.startswith("worker") and "PASS" in t.log(n)
+                  and t.procs[n].returncode == 0]
+        lost = target if fault.action in ("kill", "stop", "raise") else None
+        survivors = [n for n in t.procs if n != lost]
+        failed = [n for n in survivors if t.procs[n].returncode not in (0, None)]
+        if fault.expect == "continue":
+            ok = len(passed) == WORKERS and not failed and not hung
+            outcome = "continued" if ok else "failed" if failed else "incomplete"
+        else:
+            # Everyone else exits with an error, and some error names the member at fault.
+            ok = not hung and len(failed) == len(survivors) and _names_target(t, target)
+            outcome = "failed, reported" if ok else "not reported as expected"
+            if report_at is not None:
+                res["first_report_s"] = report_at - fault_at
+            ends = [t.exited[n] for n in survivors if n in t.exited]
+            if ends and not hung:
+                res["all_down_s"] = max(ends) - fault_at
+        if lost_server:
+            res["taken_over"] = "taken over" in t.log("scheduler")
+            if takeover_at is not None:
+                res["takeover_s"] = takeover_at - fault_at
+        res.update(outcome=outcome, ok=ok and not wrong, hang=bool(hung), hung=hung, wrong=bool(wrong),
+                   returncodes={n: p.returncode for n, p in t.procs.items()})
+        if not res["ok"]:
+            res["logs"] = {n: t.log(n)[-3000:] for n in t.procs}
+        return res
+    finally:
+        t.kill_all()
+
+
+def summarize(results: list[dict]) -> dict:
+    by: dict[str, list[dict]] = {}
+    for r in results:
+        by.setdefault(r["fault"], []).append(r)
+    rows = {}
+    for name, rs in by.items():
+        down = [r["all_down_s"] for r in rs if "all_down_s" in r]
+        first = [r["first_report_s"] for r in rs if "first_report_s" in r]
+        over = [r["takeover_s"] for r in rs if "takeover_s" in r]
+        rows[name] = {"trials": len(rs), "as_expected": sum(r["ok"] for r in rs), "hangs": sum(r["hang"] for r in rs),
+                      "wrong": sum(r["wrong"] for r in rs),
+                      "continued": sum(r["outcome"] == "continued" for r in rs),
+                      "first_report_median_s": statistics.median(first) if first else None,
+                      "all_down_median_s": statistics.median(down) if down else None,
+                      "all_down_max_s": max(down) if down else None,
+                      "takeover_median_s": statistics.median(over) if over else None}
+    lost = [r for r in results if "taken_over" in r]
+    return {"trials": len(results), "as_expected": sum(r["ok"] for r in results),
+            "hangs": sum(r["hang"] for r in results), "wrong": sum(r["wrong"] for r in results),
+            "continued_after_server_loss": sum(r["outcome"] == "continued" for r in lost),
+            "server_losses": len(lost), "by_fault": rows}
+
+
+def _fmt(x: float | None) -> str:
+    return "    -" if x is None else f"{x:5.2f}"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trials", type=int, default=60,
+                    help="jobs to run (default 60; faults in turn, each at a random moment)")
+    ap.add_argument("--faults", help="comma list of faults to inject (default: all; see --list)")
+    ap.add_argument("--list", action="store_true", help="list the faults and exit")
+    ap.add_argument("--seed", type=int, default=None, help="first trial's seed (default: random)")
+    ap.add_argument("--peer-timeout", type=float, default=2.0, help="the jobs' peer timeout, seconds (default 2)")
+    ap.add_argument("--steps", type=int, default=40, help="training steps per job (default 40)")
+    ap.add_argument("--quick", action="store_true", help="one trial per fault, 25 steps each (the test suite's)")
+    ap.add_argument("--json", help="write every trial's result to this file")
+    ap.add_argument("--keep-logs", action="store_true", help="keep every trial's logs (default: failed trials' only)")
+
+
+def run(args) -> int:
+    if args.list:
+        for f in FAULTS:
+            print(f"{f.name:20s} expect: {f.expect}")
+        return 0
+    faults = list(FAULTS)
+    if args.faults:
+        wanted = [x.strip() for x in args.faults.split(",") if x.strip()]
+        unknown = [w for w in wanted if w not in {f.name for f in FAULTS}]
+        if unknown:
+            print(f"gradhub bench faults: unknown fault(s) {unknown}; see --list", file=sys.stderr)
+            return 2
+        faults = [f for f in FAULTS if f.name in wanted]
+    trials = len(faults) if args.quick else args.trials
+    steps = 25 if args.quick else args.steps
+    if steps < 4:
+        print("gradhub bench faults: --steps must be at least 4", file=sys.stderr)
+        return 2
+    seed0 = args.seed if args.seed is not None else random.randrange(1 << 30)
+    logroot = Path(tempfile.mkdtemp(prefix="gradhub-faults-"))
+    print(f"faults  {trials} job(s) of {WORKERS} workers + {SERVERS} servers + scheduler, each started role by role "
+          f"on loopback; peer timeout {args.peer_timeout} s, {steps} steps; seeds from {seed0}", flush=True)
+    results, t0 = [], time.monotonic()
+    for i in range(trials):
+        fault = faults[i % len(faults)]
+        r = run_trial(fault, seed0 + i, args.peer_timeout, steps, logroot)
+        results.append(r)
+        times = "".join(f" {k}={r[k]:.2f}s" for k in ("first_report_s", "all_down_s") if k in r)
+        flag = "ok" if r["ok"] else "UNEXPECTED"
+        print(f"  [{i + 1:3d}/{trials}] {fault.name:20s} -> {r.get('target', '-'):10s} {r['outcome']:26s}{times}  "
+              f"{flag}{'  HANG ' + str(r['hung']) if r['hang'] else ''}{'  WRONG' if r['wrong'] else ''}",
+              flush=True)
+        if not r["ok"]:
+            for name, text in r.get("logs", {}).items():
+                print(f"    --- {name} (exit {r.get('returncodes', {}).get(name)}) ---")
+                print("    " + "\n    ".join(text.strip().splitlines()[-12:]))
+    s = summarize(results)
+    print(f"\n  {'fault':20s} {'trials':>6s} {'expected':>8s} {'hangs':>5s} {'wrong':>5s} {'went on':>7s}  "
+          f"{'1st report':>10s} {'all down':>8s} {'(max)':>6s} {'takeover':>8s}")
+    for name, row in s["by_fault"].items():
+        print(f"  {name:20s} {row['trials']:6d} {row['as_expected']:8d} {row['hangs']:5d} {row['wrong']:5d} "
+              f"{row['continued']:7d}  {_fmt(row['first_report_median_s']):>10s} {_fmt(row['all_down_median_s']):>8s} "
+              f"{_fmt(row['all_down_max_s']):>6s} {_fmt(row['takeover_median_s']):>8s}")
+    print(f"\n  trials {s['trials']}   as expected {s['as_expected']}   hangs {s['hangs']}   wrong results {s['wrong']}   "
+          f"jobs that went on after a server loss {s['continued_after_server_loss']}/{s['server_losses']}")
+    print(f"  (seconds, medians: 1st report = fault to the first other member exiting with an error, all down = "
+          f"to the last one, takeover = a lost server's chunks moved; campaign wall time {time.monotonic() - t0:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"seed": seed0, "peer_timeout": args.peer_timeout, "steps": steps, "summary": s,
+                       "trials": [{k: v for k, v in r.items() if k != "logs"} for r in results]}, f, indent=1)
+    bad = s["hangs"] or s["wrong"] or s["as_expected"] != s["trials"]
+    if not args.keep_logs and not bad:
+        import shutil
+
+        shutil.rmtree(logroot, ignore_errors=True)
+    else:
+        print(f"  logs: {logroot}")
+    return 1 if bad else 0
