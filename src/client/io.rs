@@ -1054,8 +1054,11 @@ impl IoThread {
                 };
                 // Nothing of it here (never used by this worker yet).
                 let Some(old) = old else { continue };
+                // Chunks move only off lost servers: whatever changed server
+                // is re-sent and restored, whichever loss this note is for
+                // (with two at once, the later placement may come first).
                 let moved: Vec<usize> =
-                    (0..old.num_chunks()).filter(|&c| note.conns.contains(&(old.slots[c] as usize))).collect();
+                    old.slots.iter().zip(&spec.slots).enumerate().filter(|(_, (a, b))| a != b).map(|(c, _)| c).collect();
                 let seq = &mut ops.seq;
                 if let Some(a) = ops.active.get_mut(&key) {
                     io.note_placement(&a.spec, false);

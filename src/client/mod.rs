@@ -115,6 +115,9 @@ struct Table {
     left: Option<u32>,
     /// Tensors (keys) whose optimizer runs on the servers.
     server_opt: HashSet<u32>,
+    /// Keys placed again by a failover, with its batch: the spec of an
+    /// earlier failover that arrives later is stale.
+    moved_at: HashMap<u32, u32>,
 }
 
 /// State shared by the caller, the control thread and the I/O thread.
@@ -285,13 +288,19 @@ impl Shared {
     /// specs and let the I/O thread re-send and restore what it must. A
     /// server-side optimizer's state went with the server, so a tensor that
     /// had one fails the job instead (no replica is kept yet).
-    fn on_failover(&self, lost: u32, reason: String, specs: Vec<TensorSpec>) {
+    fn on_failover(&self, batch: u32, lost: u32, reason: String, specs: Vec<TensorSpec>) {
         let me = self.io.rank();
         let mut moved = Vec::with_capacity(specs.len());
         let mut with_opt = None;
         {
             let mut t = self.table();
+            let live: HashSet<u32> = t.specs.values().map(|s| s.key).collect();
+            t.moved_at.retain(|k, _| live.contains(k));
             for s in specs {
+                if t.moved_at.get(&s.key).is_some_and(|&b| b > batch) {
+                    continue; // placed again by a later failover, already applied
+                }
+                t.moved_at.insert(s.key, batch);
                 let s = Arc::new(s);
                 if t.server_opt.contains(&s.key) {
                     with_opt.get_or_insert(s.name.clone());
@@ -837,7 +846,7 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 return;
             }
             Ok(Control::PeerLeft { rank }) => shared.on_peer_left(rank),
-            Ok(Control::Failover { lost, reason, specs }) => shared.on_failover(lost, reason, specs),
+            Ok(Control::Failover { batch, lost, reason, specs }) => shared.on_failover(batch, lost, reason, specs),
             Ok(Control::Error { message }) => {
                 shared.set_failure(format!("scheduler: {message}"));
                 return;

@@ -192,8 +192,11 @@ pub enum Control {
         specs: Vec<TensorSpec>,
     },
     /// Server `lost` is gone (`reason`) and the servers took its chunks
-    /// over: `specs` replace the workers' specs of the same keys.
+    /// over: `specs` replace the workers' specs of the same keys, unless a
+    /// later failover (higher `batch`: two servers lost at once) placed them
+    /// again already.
     Failover {
+        batch: u32,
         lost: u32,
         reason: String,
         specs: Vec<TensorSpec>,
@@ -365,8 +368,8 @@ impl Control {
                 w.u32(*batch).u32(*lost);
                 put_specs(&mut w, specs);
             }
-            Control::Failover { lost, reason, specs } => {
-                w.u32(*lost).str(reason);
+            Control::Failover { batch, lost, reason, specs } => {
+                w.u32(*batch).u32(*lost).str(reason);
                 put_specs(&mut w, specs);
             }
             Control::DeclareStall { name, missing, waited_ms } => {
@@ -516,9 +519,10 @@ impl Control {
                 Control::ServerTakeOver { batch, lost, specs: get_specs(&mut r)? }
             }
             MsgType::Failover => {
+                let batch = r.u32("batch")?;
                 let lost = r.u32("lost")?;
                 let reason = r.str("reason")?;
-                Control::Failover { lost, reason, specs: get_specs(&mut r)? }
+                Control::Failover { batch, lost, reason, specs: get_specs(&mut r)? }
             }
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),
             other => return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection"))),

@@ -205,11 +205,12 @@ fn sample_controls() -> Vec<Control> {
         Control::ServerTakeOver { batch: 4, lost: 2, specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1)] },
         Control::ServerTakeOver { batch: u32::MAX, lost: u32::MAX, specs: vec![] },
         Control::Failover {
+            batch: 7,
             lost: 1,
             reason: "server 1 (10.0.0.2:4000) disconnected ⚡".into(),
             specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1), spec(11, "b", 1, DType::F32, 1, 0)],
         },
-        Control::Failover { lost: 0, reason: String::new(), specs: vec![] },
+        Control::Failover { batch: u32::MAX, lost: 0, reason: String::new(), specs: vec![] },
         Control::DeclareStall { name: "layer1.weight".into(), missing: vec![1, 3, u32::MAX], waited_ms: 30_000 },
         Control::DeclareStall { name: "ß∂ƒ".into(), missing: vec![], waited_ms: u64::MAX },
         Control::DeclareStall { name: String::new(), missing: vec![0], waited_ms: 0 },

@@ -20,7 +20,7 @@ use crate::protocol::{Control, Role};
 /// failover is off or no server is left.
 pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
     let ns = shared.cfg.namespace;
-    let (batch, specs, servers) = {
+    let (batch, specs) = {
         let mut st = shared.lock();
         if st.finished || st.failed.is_some() {
             return;
@@ -46,23 +46,28 @@ pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
             specs.len(),
             { let mut r: Vec<u32> = others.iter().map(|m| m.rank).collect(); r.sort_unstable(); r }
         );
-        (batch, specs, others)
+        // Sent under the lock: every server installs takeovers in batch
+        // order (two servers lost at once place some chunks twice).
+        let msg = Control::ServerTakeOver { batch, lost: lost.rank, specs: specs.clone() };
+        for s in &others {
+            s.send(&msg, ns);
+        }
+        shared.cv.notify_all(); // a wait for another takeover's installs no longer waits for this server
+        (batch, specs)
     };
     // A lost server that comes back to life (it was stopped, not killed)
     // finds why and a closed connection, and exits; its workers drop theirs.
     let why = format!("{reason}: this server is out of the job, the others took its chunks over");
     lost.send(&Control::Error { message: why }, ns);
     lost.disconnect();
-    let msg = Control::ServerTakeOver { batch, lost: lost.rank, specs: specs.clone() };
-    for s in &servers {
-        s.send(&msg, ns);
-    }
     let mut st = shared.wait_installed(batch);
     st.failing_over -= 1;
     if st.failed.is_some() {
         return;
     }
-    let msg = Control::Failover { lost: lost.rank, reason: reason.clone(), specs };
+    // With two takeovers at once, their Failovers may reach the workers in
+    // either order: the batch tells them which placement is the later one.
+    let msg = Control::Failover { batch, lost: lost.rank, reason: reason.clone(), specs };
     for m in st.members.iter().filter(|m| m.role == Role::Worker && !st.said_goodbye.contains(&m.rank)) {
         m.send(&msg, ns);
     }

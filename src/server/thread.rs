@@ -29,7 +29,7 @@
 //! only after restoring r, so a round is never summed from a mix of pushes
 //! and never completed twice with different results.
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -173,6 +173,8 @@ enum PayloadKind {
     Replay,
     /// A restored result (`MsgType::Restore`).
     Restore,
+    /// A restored result of a tensor released here since: dropped.
+    Discard,
 }
 
 /// What a frame being written carries: a result (its payload is a chunk's
@@ -236,7 +238,15 @@ pub struct ServerThread {
     left: Vec<bool>,
     /// Shared segments of this host's tensors (see `ThreadCmd::Declare`).
     shm: HashMap<u32, Arc<Staging>>,
+    /// Keys released here lately, oldest first (at most `FREED_MEMORY`): a
+    /// worker may restore a result of one after every worker released it
+    /// (the failover reached it after the release), which is no error.
+    freed: VecDeque<u32>,
+    freed_set: HashSet<u32>,
 }
+
+/// How many released keys a thread remembers (keys are never reused).
+const FREED_MEMORY: usize = 1 << 16;
 
 type ConnResult = Result<(), ConnError>;
 
@@ -260,6 +270,8 @@ impl ServerThread {
             keys_here: HashMap::new(),
             free: Vec::new(),
             shm: HashMap::new(),
+            freed: VecDeque::new(),
+            freed_set: HashSet::new(),
             left: vec![false; n],
         }
     }
@@ -438,6 +450,13 @@ impl ServerThread {
             self.opt_cfg.remove(key);
             self.shm.remove(key);
             let Some((_, idxs)) = self.keys_here.remove(key) else { continue };
+            if self.freed.len() == FREED_MEMORY {
+                if let Some(old) = self.freed.pop_front() {
+                    self.freed_set.remove(&old);
+                }
+            }
+            self.freed.push_back(*key);
+            self.freed_set.insert(*key);
             for idx in idxs {
                 let ch = &mut self.chunks[idx];
                 self.index.remove(&(ch.key, ch.chunk));
@@ -540,6 +559,7 @@ impl ServerThread {
                     PayloadKind::Push => self.on_push_complete(t, hdr, d.chunk, d.direct)?,
                     PayloadKind::Replay => self.replay(t, hdr, d.chunk, false)?,
                     PayloadKind::Restore => self.restore(t, hdr, d.chunk)?,
+                    PayloadKind::Discard => {}
                 },
                 Some(Frame::Message(hdr, buf)) => {
                     // Only OptConfig payloads are received whole (see on_header).
@@ -619,7 +639,11 @@ impl ServerThread {
                 Ok(())
             }
             MsgType::Restore => {
-                let idx = self.check_restore(t, &hdr)?;
+                let gone = self.freed_set.contains(&hdr.key) && !self.index.contains_key(&(hdr.key, hdr.chunk));
+                let (idx, kind) = match gone {
+                    true => (0, PayloadKind::Discard),
+                    false => (self.check_restore(t, &hdr)?, PayloadKind::Restore),
+                };
                 let want = hdr.payload_len as usize;
                 let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
                 if conn.scratch.len() * 4 < want {
@@ -629,13 +653,10 @@ impl ServerThread {
                     conn.scratch.resize((self.cfg.partition_bytes as usize).div_ceil(4).max(want.div_ceil(4)), 0);
                 }
                 if want == 0 {
-                    return self.restore(t, hdr, idx);
+                    return if gone { Ok(()) } else { self.restore(t, hdr, idx) };
                 }
                 let parity = (hdr.round & 1) as usize;
-                conn.rx.receive_into(
-                    hdr,
-                    Dest { chunk: idx, direct: false, parity, len: want, kind: PayloadKind::Restore },
-                );
+                conn.rx.receive_into(hdr, Dest { chunk: idx, direct: false, parity, len: want, kind });
                 Ok(())
             }
             MsgType::PushRef => {

