@@ -808,7 +808,8 @@ impl Io {
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
         drop(ops);
         if job_failed {
-            shared.set_failure(msg.clone());
+            // The scheduler hears why from this worker (not only that it left).
+            shared.fail_job(msg.clone());
         }
         for a in drained {
             shared.finish_op(&a.op, Some(msg.clone()));
