@@ -5,9 +5,7 @@
 //! overflow (debug assertions are on) or OOM is a bug: all of these must
 //! reject hostile input with an error.
 
-use gradhub::protocol::{
-    decode_stall, read_control, Control, Header, MsgType, HEADER_LEN, MAX_CONTROL_PAYLOAD,
-};
+use gradhub::protocol::{decode_stall, read_control, Control, Header, MsgType, HEADER_LEN, MAX_CONTROL_PAYLOAD};
 use std::io::Cursor;
 use std::sync::OnceLock;
 

@@ -1058,8 +1058,8 @@ impl IoThread {
                 // Chunks move only off lost servers: whatever changed server
                 // is re-sent and restored, whichever loss this note is for
                 // (with two at once, the later placement may come first).
-                let moved: Vec<usize> =
-                    old.slots.iter().zip(&spec.slots).enumerate().filter(|(_, (a, b))| a != b).map(|(c, _)| c).collect();
+                let n = old.num_chunks().min(spec.num_chunks());
+                let moved: Vec<usize> = (0..n).filter(|&c| old.slots[c] != spec.slots[c]).collect();
                 let seq = &mut ops.seq;
                 if let Some(a) = ops.active.get_mut(&key) {
                     io.note_placement(&a.spec, false);
