@@ -97,7 +97,7 @@ impl Joining {
                 })
                 .map_err(SessionError::Setup)?
         };
-        Ok(Session { welcome, link, reader: self.stream, peer_timeout, heartbeat: Some(hb) })
+        Ok(Session { welcome, link, reader: self.stream, peer_timeout, heartbeat: Some(hb), close_on_drop: true })
     }
 }
 
@@ -203,6 +203,9 @@ pub struct Session {
     reader: TcpStream,
     peer_timeout: Duration,
     heartbeat: Option<JoinHandle<()>>,
+    /// Dropping the session closes it (without a goodbye), unless its
+    /// owner closes it itself (`keep_open`).
+    close_on_drop: bool,
 }
 
 impl Session {
@@ -212,6 +215,13 @@ impl Session {
 
     pub fn peer_timeout(&self) -> Duration {
         self.peer_timeout
+    }
+
+    /// The reader is done, but whoever holds a sender closes the session
+    /// (e.g. with a goodbye): dropping this one must not close it first.
+    /// The drop then waits for that close (it joins the heartbeat thread).
+    pub fn keep_open(&mut self) {
+        self.close_on_drop = false;
     }
 
     /// The scheduler's next message other than a heartbeat. A scheduler
@@ -231,7 +241,9 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        self.sender().close(false);
+        if self.close_on_drop {
+            self.sender().close(false);
+        }
         if let Some(h) = self.heartbeat.take() {
             let _ = h.join();
         }

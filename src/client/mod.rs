@@ -814,6 +814,9 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
     loop {
         let msg = session.recv();
         if shared.closing.load(Ordering::Relaxed) {
+            // `leave` closes the session, with a goodbye if the worker
+            // finished: closing it here first would lose the goodbye.
+            session.keep_open();
             return;
         }
         match msg {
