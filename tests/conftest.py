@@ -12,14 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from gradhub._ports import free_port
+
 HERE = Path(__file__).parent
 WORKERS = HERE / "workers"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_pair() -> int:

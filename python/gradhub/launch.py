@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ._ports import free_port
 
 
 class Proc:
@@ -68,7 +63,7 @@ def launch(args, command: list[str]) -> int:
     if args.workers < 1 or args.servers < 1:
         print("gradhub launch: need at least one worker and one server", file=sys.stderr)
         return 2
-    port = args.port or _free_port()
+    port = args.port or free_port()
     sched = f"127.0.0.1:{port}"
     base = dict(os.environ)
     base.update({

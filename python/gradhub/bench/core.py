@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import _core
+from .._ports import free_port
 from .checkout import tcp_baseline
 
 
@@ -85,7 +86,7 @@ class Job:
     client directly (not gradhub.api), so the figures are the core's."""
 
     def __init__(self, partition: int, credit: int, threads: int = 1, workers: int = 1):
-        port = _free_port()
+        port = free_port()
         self.sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, 1, partition)
         self.server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler",
                                         f"127.0.0.1:{port}", "--threads", str(threads), "--advertise-addr",
@@ -103,12 +104,6 @@ class Job:
         self.client.shutdown()
         self.sched.wait()
         self.server.wait(timeout=30)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tcp_echo_goodput(nbytes: int, reps: int) -> tuple[float, float]:
@@ -341,7 +336,7 @@ def _host_worker(port: int, rank: int, workers: int, nbytes: int, reps: int, ser
 def host_push_pull(workers: int, nbytes: int, reps: int, reduce: bool, server_shm: bool) -> dict:
     """W worker processes and one colocated server on this host: the best
     time per push_pull (rank 0's), CPU per wall second over every process."""
-    port = _free_port()
+    port = free_port()
     sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, 1, _core.DEFAULT_PARTITION_BYTES, host_reduce=reduce)
     server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
                                "--threads", "1", "--colocated", "--advertise-addr", "127.0.0.1"],
@@ -412,7 +407,7 @@ def failover_run(nbytes: int, reps: int, failover: bool, kill_after: float | Non
     per wall second over every process; with `kill_after`, server 1 is
     killed that many seconds into the timed loop."""
     workers, servers = 2, 3
-    port = _free_port()
+    port = free_port()
     sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, servers, _core.DEFAULT_PARTITION_BYTES,
                                   peer_timeout_ms=2000, failover=failover)
     srv = [subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
@@ -512,7 +507,7 @@ def _state_worker(port: int, rank: int, workers: int, mode: str, calls: int, eve
 def state_run(mode: str, calls: int, every: int, workers: int = 2) -> dict:
     """A scheduler, one server and `workers` worker processes on this host;
     memory of each role as the calls go on."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "GRADHUB_LOG": "warn"}
     sched = subprocess.Popen([sys.executable, "-m", "gradhub", "scheduler", "--bind", f"127.0.0.1:{port}",
                               "--workers", str(workers), "--servers", "1"], stderr=subprocess.DEVNULL, env=env)
@@ -639,7 +634,7 @@ def bench_hostile(args, out):
     n_conns = 200 if args.quick else 1000
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * n_conns + 256)), hard))
-    port, sport = _free_port(), _free_port()
+    port, sport = free_port(), free_port()
     timeout_s = 3
     seconds = 12 if args.quick else 20
     env = {**os.environ, "GRADHUB_LOG": "warn", "GRADHUB_PEER_TIMEOUT": str(timeout_s)}

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._ports import free_port
+
 WORKERS, SERVERS = 4, 3
 # (name, elements, dtype): several chunks each at the default partition size, one tiny, one unnamed.
 TENSORS = (("big", 200_000, "float32"), ("half", 60_000, "float16"), ("small", 100, "float32"),
@@ -111,12 +113,6 @@ def _worker(steps: int, seed: int, raise_at: int) -> None:
     gradhub.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Trial:
     """One job and its fault: its processes, logs and what happened."""
@@ -162,7 +158,7 @@ class Trial:
 def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     """Start the job's processes; returns the scheduler's port, the
     servers' ports and the worker that raises (for that fault)."""
-    port, sports = _free_port(), [_free_port() for _ in range(SERVERS)]
+    port, sports = free_port(), [free_port() for _ in range(SERVERS)]
     base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
     base.update(PYTHONUNBUFFERED="1", GRADHUB_SCHEDULER=f"127.0.0.1:{port}", GRADHUB_NUM_WORKERS=str(WORKERS),
                 GRADHUB_NUM_SERVERS=str(SERVERS), GRADHUB_PEER_TIMEOUT=str(t.peer_timeout),
