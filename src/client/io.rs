@@ -265,9 +265,9 @@ struct OpTable {
     failed: Option<String>,
     /// By key, with failover on and no host stage: where results land.
     kept: HashMap<u32, Kept>,
-    /// Specs that replaced others after a failover, by key (an op submitted
-    /// with the old one takes it).
-    respecs: HashMap<u32, Arc<TensorSpec>>,
+    /// By key moved by a failover: the spec its last applied failover
+    /// moved it from, or to (what its chunks' servers hold now).
+    applied: HashMap<u32, Arc<TensorSpec>>,
     /// Tensors released lately, still able to restore their last result.
     released: VecDeque<Released>,
 }
@@ -352,6 +352,9 @@ pub struct Io {
     pub peer_timeout: Duration,
     /// Failovers for the I/O thread to apply.
     notes: Mutex<Vec<FailoverNote>>,
+    /// By key, the newest placement a failover gave it, with the failover's
+    /// batch (see `latest`).
+    latest: Mutex<HashMap<u32, (u32, Arc<TensorSpec>)>>,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -424,6 +427,7 @@ impl Io {
             failover: failover.is_some(),
             peer_timeout: failover.unwrap_or_default(),
             notes: Mutex::new(Vec::new()),
+            latest: Mutex::new(HashMap::new()),
         };
         for (i, c) in io.conns.iter().enumerate() {
             io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
@@ -500,6 +504,20 @@ impl Io {
 
     fn ops(&self) -> MutexGuard<'_, OpTable> {
         self.ops.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The newest placement of every key a failover moved, updated by the
+    /// control thread before the client's table, so it is never older than
+    /// a spec an op was submitted with. Ops start, and failovers apply,
+    /// with it rather than with the note's spec: a note queued before a
+    /// later one must not move chunks back (two servers lost at once).
+    /// A leaf lock: nothing is locked while it is held.
+    pub fn latest(&self) -> MutexGuard<'_, HashMap<u32, (u32, Arc<TensorSpec>)>> {
+        self.latest.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn latest_spec(&self, key: u32) -> Option<Arc<TensorSpec>> {
+        self.latest().get(&key).map(|(_, s)| s.clone())
     }
 
     pub fn stop(&self) {
@@ -641,10 +659,7 @@ impl Io {
                 return false;
             }
             // Submitted with a spec a failover replaced meanwhile.
-            let spec = match ops.respecs.get(&key) {
-                Some(r) if r.slots != s.spec.slots => r.clone(),
-                _ => s.spec,
-            };
+            let spec = self.latest_spec(key).unwrap_or(s.spec);
             if self.failover && host.is_none() && !ops.kept.contains_key(&key) {
                 let bytes = spec.numel as usize * spec.dtype.size();
                 ops.kept.insert(key, Kept { buf: vec![0u8; bytes].into(), round: vec![NO_ROUND; n] });
@@ -1045,13 +1060,21 @@ impl IoThread {
             let mut guard = io.ops();
             let ops = &mut *guard;
             io.prune_released(ops);
-            for (spec, current) in &note.moved {
-                let key = spec.key;
-                ops.respecs.insert(key, spec.clone());
-                let old = match (ops.active.get(&key), ops.released.iter().find(|r| r.spec.key == key)) {
+            {
+                let latest = io.latest();
+                ops.applied.retain(|k, _| latest.contains_key(k));
+            }
+            for (noted, current) in &note.moved {
+                let key = noted.key;
+                // The newest placement, which this note's may already be behind.
+                let spec = &io.latest_spec(key).unwrap_or_else(|| noted.clone());
+                let old = match (ops.active.get(&key), ops.applied.insert(key, spec.clone())) {
                     (Some(a), _) => Some(a.spec.clone()),
-                    (None, Some(r)) => Some(r.spec.clone()),
-                    (None, None) => current.clone(),
+                    (None, Some(prev)) => Some(prev),
+                    (None, None) => match ops.released.iter().find(|r| r.spec.key == key) {
+                        Some(r) => Some(r.spec.clone()),
+                        None => current.clone(),
+                    },
                 };
                 // Nothing of it here (never used by this worker yet).
                 let Some(old) = old else { continue };
@@ -1060,6 +1083,17 @@ impl IoThread {
                 // (with two at once, the later placement may come first).
                 let n = old.num_chunks().min(spec.num_chunks());
                 let moved: Vec<usize> = (0..n).filter(|&c| old.slots[c] != spec.slots[c]).collect();
+                log::debug!(
+                    target: &format!("worker {}", io.rank),
+                    "failover from server {}: tensor '{}' chunks {:?} move from slots {:?} to {:?} (in flight: round {:?}, got {:?})",
+                    note.lost,
+                    spec.name,
+                    moved,
+                    moved.iter().map(|&c| old.slots[c]).collect::<Vec<_>>(),
+                    moved.iter().map(|&c| spec.slots[c]).collect::<Vec<_>>(),
+                    ops.active.get(&key).map(|a| a.round),
+                    ops.active.get(&key).map(|a| moved.iter().map(|&c| a.got[c]).collect::<Vec<_>>()),
+                );
                 let seq = &mut ops.seq;
                 if let Some(a) = ops.active.get_mut(&key) {
                     io.note_placement(&a.spec, false);

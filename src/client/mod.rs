@@ -115,9 +115,6 @@ struct Table {
     left: Option<u32>,
     /// Tensors (keys) whose optimizer runs on the servers.
     server_opt: HashSet<u32>,
-    /// Keys placed again by a failover, with its batch: the spec of an
-    /// earlier failover that arrives later is stale.
-    moved_at: HashMap<u32, u32>,
 }
 
 /// State shared by the caller, the control thread and the I/O thread.
@@ -295,13 +292,16 @@ impl Shared {
         {
             let mut t = self.table();
             let live: HashSet<u32> = t.specs.values().map(|s| s.key).collect();
-            t.moved_at.retain(|k, _| live.contains(k));
+            // Under the table's lock, before the table changes: a submission
+            // that finds the new spec here finds it in the I/O's too.
+            let mut latest = self.io.latest();
+            latest.retain(|k, _| live.contains(k));
             for s in specs {
-                if t.moved_at.get(&s.key).is_some_and(|&b| b > batch) {
+                if latest.get(&s.key).is_some_and(|&(b, _)| b > batch) {
                     continue; // placed again by a later failover, already applied
                 }
-                t.moved_at.insert(s.key, batch);
                 let s = Arc::new(s);
+                latest.insert(s.key, (batch, s.clone()));
                 if t.server_opt.contains(&s.key) {
                     with_opt.get_or_insert(s.name.clone());
                 }

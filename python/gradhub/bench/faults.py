@@ -159,7 +159,7 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     """Start the job's processes; returns the scheduler's port, the
     servers' ports and the worker that raises (for that fault)."""
     port, sports = free_port(), [free_port() for _ in range(SERVERS)]
-    base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_") or k == "GRADHUB_LOG"}
     base.update(PYTHONUNBUFFERED="1", GRADHUB_SCHEDULER=f"127.0.0.1:{port}", GRADHUB_NUM_WORKERS=str(WORKERS),
                 GRADHUB_NUM_SERVERS=str(SERVERS), GRADHUB_PEER_TIMEOUT=str(t.peer_timeout),
                 GRADHUB_HOST_REDUCE="1" if t.host_stage else "0")
