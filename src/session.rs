@@ -31,10 +31,22 @@ pub enum SessionError {
     Closed,
     #[error("lost the connection to the scheduler: {0}")]
     Lost(ReadError),
-    #[error("cannot write to the scheduler: {0}")]
+    #[error("cannot write to the scheduler: {0}{hint}", hint = closed_hint(.0))]
     Send(std::io::Error),
     #[error("session setup failed: {0}")]
     Setup(std::io::Error),
+}
+
+/// Why a scheduler may have closed the connection, for a member that finds
+/// it closed when it writes (typically after being frozen).
+fn closed_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => {
+            " (the scheduler closed the connection: the job is over, or it wrote this member off after hearing \
+             nothing from it for the peer timeout)"
+        }
+        _ => "",
+    }
 }
 
 /// Connected to the scheduler, not registered yet.

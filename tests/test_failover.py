@@ -12,6 +12,7 @@ import time
 
 import pytest
 from conftest import job_env
+from gradhub.bench.faults import FAULTS
 
 WORKERS, SERVERS = 4, 3
 PEER_TIMEOUT = "2"
@@ -93,7 +94,7 @@ def test_losing_a_server_with_optimizer_state_is_a_clear_error(cluster_factory):
 
 def test_fault_campaign_quick_mode(tmp_path):
     """`gradhub bench faults --quick`: one job per fault (kill, stop, pause
-    of each role, an exception, strangers' connections), each started role
+    of each role, a stalled server, an exception, strangers' connections), each started role
     by role: no hang, no wrong sum, every outcome the expected one."""
     out = tmp_path / "faults.json"
     p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "faults", "--quick", "--seed", "0",
@@ -101,15 +102,17 @@ def test_fault_campaign_quick_mode(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())
     s = res["summary"]
-    assert s["trials"] == len(s["by_fault"]) == 12, s
+    one_at_a_time = [f for f in FAULTS if f.count == 1]
+    assert s["trials"] == len(s["by_fault"]) == len(one_at_a_time), s
     assert s["hangs"] == 0 and s["wrong"] == 0 and s["as_expected"] == s["trials"], p.stdout
-    assert s["continued_after_server_loss"] == s["server_losses"] == 2, s
+    # Killed, stopped for good, and perhaps stalled past the peer timeout.
+    assert s["continued_after_server_loss"] == s["server_losses"] >= 2, s
     by = {r["fault"]: r for r in res["trials"]}
     # Lost workers and schedulers are reported everywhere within 3 peer timeouts.
     for name in ("kill worker", "stop worker", "kill scheduler", "stop scheduler", "raise in worker"):
         assert by[name]["outcome"] == "failed, reported"
         assert by[name]["all_down_s"] < 3 * res["peer_timeout"], by[name]
-    assert "trials 12" in p.stdout and "hangs 0" in p.stdout
+    assert f"trials {len(one_at_a_time)}" in p.stdout and "hangs 0" in p.stdout
 
 
 def test_fault_campaign_usage_errors():

@@ -222,6 +222,9 @@ unsafe impl Send for SendHalf {}
 pub struct Conn {
     link: Connection,
     send: Mutex<SendHalf>,
+    /// Its server was lost (`Io::write_off`): whatever still comes from it
+    /// is ignored, even before the I/O thread applies the failover.
+    written_off: AtomicBool,
 }
 
 impl Conn {
@@ -403,7 +406,7 @@ impl Io {
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key) = (namespace, rank);
             send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
-            conns.push(Conn { link, send: Mutex::new(send) });
+            conns.push(Conn { link, send: Mutex::new(send), written_off: AtomicBool::new(false) });
         }
         let io = Io {
             placed: Mutex::new(vec![0; n]),
@@ -493,6 +496,17 @@ impl Io {
             }
             bytes -= size(r);
             ops.released.pop_front();
+        }
+    }
+
+    /// Server connections `conns` belong to a lost server: from now on
+    /// nothing read from them counts. (A server that was only frozen may
+    /// come back and answer rounds its chunks' new servers now hold.)
+    pub fn write_off(&self, conns: &[usize]) {
+        for &i in conns {
+            if let Some(c) = self.conns.get(i) {
+                c.written_off.store(true, Ordering::SeqCst);
+            }
         }
     }
 
@@ -1250,8 +1264,12 @@ impl IoThread {
 
     fn on_readable(&mut self, i: usize) -> Result<(), ConnError> {
         let shared = self.shared.clone();
-        let link = &shared.io.conns[i].link;
+        let conn = &shared.io.conns[i];
+        let link = &conn.link;
         loop {
+            if conn.written_off.load(Ordering::SeqCst) {
+                return Ok(()); // its server was lost; the failover closes it
+            }
             // SAFETY: the destination is this chunk's range in an active op's
             // buffer, which stays alive until this thread completes the op.
             let dst = |d: ResultDest| unsafe { std::slice::from_raw_parts_mut(d.dst, d.len) };

@@ -289,6 +289,8 @@ impl Shared {
         let me = self.io.rank();
         let mut moved = Vec::with_capacity(specs.len());
         let mut with_opt = None;
+        let conns: Vec<usize> = (0..self.conn_server.len()).filter(|&i| self.conn_server[i] == lost).collect();
+        self.io.write_off(&conns);
         {
             let mut t = self.table();
             let live: HashSet<u32> = t.specs.values().map(|s| s.key).collect();
@@ -320,7 +322,6 @@ impl Shared {
             return;
         }
         log::warn!(target: &format!("worker {me}"), "server {lost} was lost ({reason}); moving on without it");
-        let conns = (0..self.conn_server.len()).filter(|&i| self.conn_server[i] == lost).collect();
         self.io.fail_over(io::FailoverNote { lost, conns, moved });
     }
 

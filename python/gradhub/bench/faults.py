@@ -8,6 +8,9 @@ random moment of training:
   kill / stop     SIGKILL, or SIGSTOP for good (resumed only once the job has
                   ended), of a worker, a server or the scheduler;
   pause           SIGSTOP for a fraction of the peer timeout, then SIGCONT;
+  stall           SIGSTOP of a server for 0.9 to 1.6 peer timeouts, then
+                  SIGCONT: it comes back around the moment the job writes
+                  it off, or to a job that has, and must not disturb it;
   raise           an exception in a worker's training loop;
   garbage / slow  a stranger's connection to the scheduler or a server that
                   sends random bytes, or half a frame header and then nothing.
@@ -15,8 +18,8 @@ random moment of training:
 Every worker checks every sum exactly (integer-valued data, summed in
 float64 by every worker for every rank). What each fault must lead to:
 
-  continue        a lost server (killed, or stopped for good: its chunks move
-                  to the others), a pause, a stranger's connection: every
+  continue        a lost server (killed, stopped for good or stalled: its
+                  chunks move to the others), a pause, a stranger's connection: every
                   worker passes, with every sum exact;
   fail            a lost worker or scheduler, an exception: every member still
                   running exits with an error within a bound (3 peer timeouts
@@ -57,7 +60,7 @@ TENSORS = (("big", 200_000, "float32"), ("half", 60_000, "float16"), ("small", 1
 class Fault:
     name: str
     role: str  # worker, server, scheduler, or "stranger" (a connection from outside the job)
-    action: str  # kill, stop, pause, raise, garbage, slow
+    action: str  # kill, stop, pause, stall, raise, garbage, slow
     expect: str  # continue or fail
     count: int = 1  # members hit at once
 
@@ -66,6 +69,7 @@ FAULTS = (
     Fault("kill server", "server", "kill", "continue"),
     Fault("stop server", "server", "stop", "continue"),
     Fault("pause server", "server", "pause", "continue"),
+    Fault("stall server", "server", "stall", "continue"),
     Fault("kill 2 servers", "server", "kill", "continue", count=2),
     Fault("kill worker", "worker", "kill", "fail"),
     Fault("stop worker", "worker", "stop", "fail"),
@@ -238,7 +242,7 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         time.sleep(rng.uniform(0.0, 0.8))
         targets = _targets(t, rng) if fault.role != "stranger" else []
         fault_at = time.monotonic()
-        if fault.action in ("kill", "stop", "pause"):
+        if fault.action in ("kill", "stop", "pause", "stall"):
             for x in targets:
                 _signal(t.procs[x], signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
         elif fault.role == "stranger":
@@ -257,13 +261,16 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             fault_at = t.exited.get(targets[0], fault_at)
         res["target"] = "+".join(targets)
         # Members out of the job: killed, stopped for good, or raised (they exit with an error).
-        lost = set(targets) if fault.action in ("kill", "stop", "raise") else set()
+        lost = set(targets) if fault.action in ("kill", "stop", "stall", "raise") else set()
         stopped = targets if fault.action == "stop" else []
-        resume_at = fault_at + peer_timeout * 0.3 if fault.action == "pause" else None
+        # A pause ends well before the peer timeout; a stall around the
+        # moment the job writes the member off, or just after.
+        resume_at = {"pause": 0.3, "stall": rng.uniform(0.9, 1.6)}.get(fault.action)
+        resume_at = None if resume_at is None else fault_at + peer_timeout * resume_at
         # Bound: 3 peer timeouts for the fault to be reported everywhere, plus the rest of the job's run.
         bound = fault_at + 3 * peer_timeout + 30
         report_at = takeover_at = None
-        lost_server = fault.role == "server" and fault.action in ("kill", "stop")
+        lost_server = fault.role == "server" and fault.action in ("kill", "stop", "stall")
         while True:
             t.poll()
             now = time.monotonic()
@@ -272,7 +279,7 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                     _signal(t.procs[x], signal.SIGCONT)
                 resume_at = None
             running = [n for n in t.procs if n not in t.exited and n not in stopped
-                       and not (fault.action == "kill" and n in lost)]
+                       and not (fault.action in ("kill", "stall") and n in lost)]
             if fault.expect == "fail" and report_at is None and any(
                     n in t.exited and t.procs[n].returncode != 0 for n in t.procs if n not in lost):
                 report_at = now
@@ -282,8 +289,9 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 break
             time.sleep(0.02)
         hung = [n for n in running if n not in t.exited]
-        # A member stopped for good must exit once resumed (it finds the job over, or itself out of it).
-        for x in stopped:
+        # A member stopped for good, or stalled, must exit once resumed (it
+        # finds the job over, or itself out of it).
+        for x in stopped + (targets if fault.action == "stall" else []):
             _signal(t.procs[x], signal.SIGCONT)
             try:
                 t.procs[x].wait(timeout=3 * peer_timeout + 5)
@@ -307,8 +315,10 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             ends = [t.exited[n] for n in survivors if n in t.exited]
             if ends and not hung:
                 res["all_down_s"] = max(ends) - fault_at
-        if lost_server:
-            res["taken_over"] = t.log("scheduler").count("taken over") >= len(targets)
+        taken_over = t.log("scheduler").count("taken over") >= len(targets)
+        # A stalled server back before the peer timeout was never lost.
+        if lost_server and (taken_over or fault.action != "stall"):
+            res["taken_over"] = taken_over
             if takeover_at is not None:
                 res["takeover_s"] = takeover_at - fault_at
         res.update(outcome=outcome, ok=ok and not wrong, hang=bool(hung), hung=hung, wrong=bool(wrong),
