@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 
 use crate::client::{Client, ClientConfig, ClientError, Op, OpError};
 use crate::error::Error;
+use crate::protocol::auth::Secret;
 use crate::protocol::{DType, DeclEntry};
 use crate::scheduler::{self, SchedulerConfig};
 use crate::server::{self, ServerConfig};
@@ -65,6 +66,11 @@ fn run_callback(f: Py<PyAny>, err: Option<String>) {
     });
 }
 
+/// The job's token (`None` or empty: no token, see `protocol::auth`).
+fn secret_of(token: Option<String>) -> Secret {
+    token.map(|t| Secret::new(t.as_bytes())).unwrap_or_else(Secret::none)
+}
+
 fn dtype_of(s: &str) -> PyResult<DType> {
     DType::from_name(s)
         .ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
@@ -83,6 +89,7 @@ fn scheduler_config(
     namespace: u32,
     host_reduce: bool,
     failover: bool,
+    token: Option<String>,
 ) -> SchedulerConfig {
     SchedulerConfig {
         bind,
@@ -96,12 +103,13 @@ fn scheduler_config(
         namespace,
         host_reduce,
         failover,
+        secret: secret_of(token),
     }
 }
 
 /// Run a scheduler until the job ends (blocking, without the GIL).
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None))]
 #[allow(clippy::too_many_arguments)]
 fn run_scheduler(
     py: Python<'_>,
@@ -116,6 +124,7 @@ fn run_scheduler(
     namespace: u32,
     host_reduce: bool,
     failover: bool,
+    token: Option<String>,
 ) -> PyResult<()> {
     let cfg = scheduler_config(
         bind,
@@ -129,6 +138,7 @@ fn run_scheduler(
         namespace,
         host_reduce,
         failover,
+        token,
     );
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
 }
@@ -157,7 +167,7 @@ impl SchedulerHandle {
 }
 
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None))]
 #[allow(clippy::too_many_arguments)]
 fn start_scheduler(
     bind: String,
@@ -171,6 +181,7 @@ fn start_scheduler(
     namespace: u32,
     host_reduce: bool,
     failover: bool,
+    token: Option<String>,
 ) -> PyResult<SchedulerHandle> {
     let cfg = scheduler_config(
         bind,
@@ -184,13 +195,14 @@ fn start_scheduler(
         namespace,
         host_reduce,
         failover,
+        token,
     );
     let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
 }
 
 #[pyfunction]
-#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0))]
+#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0, token=None))]
 #[allow(clippy::too_many_arguments)]
 fn run_server(
     py: Python<'_>,
@@ -205,6 +217,7 @@ fn run_server(
     num_servers: u32,
     namespace: u32,
     connect_timeout: f64,
+    token: Option<String>,
 ) -> PyResult<()> {
     let cfg = ServerConfig {
         scheduler,
@@ -220,6 +233,7 @@ fn run_server(
         connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
         // GRADHUB_HOST_ID, read by crate::host_id.
         host: None,
+        secret: secret_of(token),
     };
     py.detach(|| server::run_server(cfg)).map_err(py_err)
 }
@@ -283,7 +297,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true))]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -297,6 +311,7 @@ impl PyClient {
         local_rank: i32,
         local_size: i32,
         server_shm: bool,
+        token: Option<String>,
     ) -> PyResult<Self> {
         let cfg = ClientConfig {
             scheduler,
@@ -311,6 +326,7 @@ impl PyClient {
             // GRADHUB_HOST_ID, read by crate::host_id.
             host: None,
             server_shm,
+            secret: secret_of(token),
         };
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })

@@ -15,7 +15,8 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
 
 use crate::protocol::{read_control, write_control, Control, MsgType, ReadError, Register, Welcome};
-use crate::transport::connect_retry;
+use crate::protocol::auth::Secret;
+use crate::transport::connect_authenticated;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -56,8 +57,8 @@ pub struct Joining {
 }
 
 impl Joining {
-    pub fn connect(scheduler: &str, timeout: Duration, namespace: u32) -> Result<Joining, SessionError> {
-        let stream = connect_retry(scheduler, timeout)
+    pub fn connect(scheduler: &str, timeout: Duration, namespace: u32, secret: &Secret) -> Result<Joining, SessionError> {
+        let stream = connect_authenticated(scheduler, timeout, secret)
             .map_err(|source| SessionError::Connect { addr: scheduler.to_string(), source })?;
         Ok(Joining { stream, namespace })
     }

@@ -25,7 +25,8 @@ use crate::host::HostStage;
 use crate::placement::HostLayout;
 use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError, SessionSender};
-use crate::transport::{connect_retry, join_host_port};
+use crate::protocol::auth::Secret;
+use crate::transport::{connect_authenticated, join_host_port};
 use io::{BufPtr, Io, IoThread, Submission};
 
 #[derive(Debug, Clone)]
@@ -49,6 +50,8 @@ pub struct ClientConfig {
     /// Push the host's sums to a server on this host by reference, through
     /// shared memory (host stage only), instead of over loopback TCP.
     pub server_shm: bool,
+    /// The job's token: every connection proves it (`protocol::auth`).
+    pub secret: Secret,
 }
 
 impl Default for ClientConfig {
@@ -65,6 +68,7 @@ impl Default for ClientConfig {
             local_size: -1,
             host: None,
             server_shm: true,
+            secret: Secret::none(),
         }
     }
 }
@@ -399,7 +403,7 @@ impl Client {
         crate::logging::init();
         let setup = |what: &str, e: std::io::Error| ClientError::Setup(format!("{what}: {e}"));
         let ns = cfg.namespace;
-        let session = Joining::connect(&cfg.scheduler, cfg.connect_timeout, ns)?.register(Register {
+        let session = Joining::connect(&cfg.scheduler, cfg.connect_timeout, ns, &cfg.secret)?.register(Register {
             role: Role::Worker,
             requested_rank: cfg.rank,
             hostname: cfg.host.clone().unwrap_or_else(crate::host_id),
@@ -448,7 +452,8 @@ impl Client {
                 by_ref.push(cfg.server_shm && &s.host == host);
                 let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
-                let stream = connect_retry(&addr, cfg.connect_timeout).map_err(|e| setup(&desc, e))?;
+                let stream =
+                    connect_authenticated(&addr, cfg.connect_timeout, &cfg.secret).map_err(|e| setup(&desc, e))?;
                 stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
                 conns.push((mio::net::TcpStream::from_std(stream), desc));
             }

@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 6;
+pub const VERSION: u8 = 7;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -48,6 +48,9 @@ msg_types! {
     PushRef = 8, "worker -> server thread on its host: a Push whose data is in the host's shared segment (no payload)";
     ResultRef = 9, "server thread -> worker on its host: a Result written into the host's shared segment (no payload)";
     Restore = 10, "worker -> server thread taking over a lost server's chunk: the last result of it this worker holds (round in the header)";
+    AuthHello = 11, "connector -> listener (scheduler, server thread): first frame of every connection; payload: a fresh nonce (protocol::auth)";
+    AuthChallenge = 12, "listener -> connector: the listener's nonce and its proof of the job's token";
+    AuthProof = 13, "connector -> listener: the connector's proof of the job's token";
     Register = 16, "member -> scheduler: join the job";
     Welcome = 17, "scheduler -> member: rank and cluster map";
     Declare = 18, "worker -> scheduler: batch of tensor declarations";

@@ -1,6 +1,7 @@
 //! Wire protocol: the fixed frame header, control-message payloads, and
 //! blocking helpers for the (low-rate) control connections.
 
+pub mod auth;
 pub mod codec;
 pub mod control;
 pub mod frame;
@@ -51,8 +52,9 @@ pub enum ProtocolError {
     BadPayload(String),
     #[error("unexpected message: {0}")]
     UnexpectedType(String),
-    #[error("namespace {got} does not match this job's namespace {want}")]
-    WrongNamespace { got: u32, want: u32 },
+    // The job's own namespace is not told to whoever sent the frame.
+    #[error("namespace {got} is not this job's")]
+    WrongNamespace { got: u32 },
 }
 
 /// The largest message a peer may send before it has registered: a
@@ -68,15 +70,26 @@ pub fn read_control<R: Read>(r: &mut R, namespace: u32) -> Result<Control, ReadE
 
 /// `read_control` with a smaller payload limit (before registration).
 pub fn read_control_limited<R: Read>(r: &mut R, namespace: u32, max_payload: u32) -> Result<Control, ReadError> {
+    let (h, payload) = read_message(r, Some(namespace), max_payload)?;
+    Ok(Control::decode(&h, &payload)?)
+}
+
+/// Read one whole frame, header and payload, from a blocking stream; with
+/// `namespace`, a frame of another namespace is an error (read no further).
+pub fn read_message<R: Read>(
+    r: &mut R,
+    namespace: Option<u32>,
+    max_payload: u32,
+) -> Result<(Header, Vec<u8>), ReadError> {
     let mut rx = FrameReader::<()>::default();
     loop {
         match rx.read_from(&mut *r, max_payload, |()| &mut [])? {
             None => return Err(ReadError::TimedOut),
-            Some(Frame::Header(h)) if h.namespace != namespace => {
-                return Err(ProtocolError::WrongNamespace { got: h.namespace, want: namespace }.into())
-            }
-            Some(Frame::Header(h)) => rx.receive_owned(h),
-            Some(Frame::Message(h, payload)) => return Ok(Control::decode(&h, &payload)?),
+            Some(Frame::Header(h)) => match namespace {
+                Some(ns) if h.namespace != ns => return Err(ProtocolError::WrongNamespace { got: h.namespace }.into()),
+                _ => rx.receive_owned(h),
+            },
+            Some(Frame::Message(h, payload)) => return Ok((h, payload)),
             Some(Frame::Payload(..)) => return Err(ReadError::Internal("a control payload in caller memory".into())),
         }
     }

@@ -24,6 +24,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::protocol::auth::{self, Secret};
 use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
 use crate::transport::DeadlineReader;
 use declarations::{declare, free_on_servers, install, release, report_declaration_stalls};
@@ -52,6 +53,8 @@ pub struct SchedulerConfig {
     /// A lost server's chunks move to the other servers and training goes
     /// on (`failover`); off: losing a server fails the job.
     pub failover: bool,
+    /// The job's token: every connection proves it (`protocol::auth`).
+    pub secret: Secret,
 }
 
 impl Default for SchedulerConfig {
@@ -68,6 +71,7 @@ impl Default for SchedulerConfig {
             namespace: 0,
             host_reduce: true,
             failover: true,
+            secret: Secret::none(),
         }
     }
 }
@@ -245,7 +249,13 @@ fn register_member(shared: &Arc<Shared>, mut stream: TcpStream, peer: SocketAddr
     // Before it has registered, a peer gets a small frame and the peer
     // timeout for its whole Register, so a stranger can hold neither memory
     // nor this thread.
-    let first = read_control_limited(&mut DeadlineReader::new(&stream, timeout), ns, MAX_REGISTER_PAYLOAD);
+    // One deadline for the handshake and the Register together.
+    let mut within = DeadlineReader::new(&stream, timeout);
+    if let Err(e) = auth::listen_blocking(&mut within, &mut &stream, &shared.cfg.secret) {
+        log::warn!(target: "scheduler", "rejecting {peer}: {e}");
+        return None;
+    }
+    let first = read_control_limited(&mut within, ns, MAX_REGISTER_PAYLOAD);
     let _ = stream.set_read_timeout(Some(timeout));
     let reg = match first {
         Ok(Control::Register(r)) => r,

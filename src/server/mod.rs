@@ -16,6 +16,7 @@ use mio::{Poll, Waker};
 
 use crate::host::{host_tag, Staging};
 use crate::placement::HostLayout;
+use crate::protocol::auth::Secret;
 use crate::protocol::{Control, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError};
 use thread::{ServerThread, ThreadCmd, ThreadConfig};
@@ -41,6 +42,8 @@ pub struct ServerConfig {
     /// This server's host identity (default `crate::host_id()`): workers
     /// with the same one share memory with it.
     pub host: Option<String>,
+    /// The job's token: every connection proves it (`protocol::auth`).
+    pub secret: Secret,
 }
 
 impl Default for ServerConfig {
@@ -58,6 +61,7 @@ impl Default for ServerConfig {
             namespace: 0,
             connect_timeout: Duration::from_secs(60),
             host: None,
+            secret: Secret::none(),
         }
     }
 }
@@ -89,7 +93,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     }
     let ports: Vec<u16> = listeners.iter().map(|l| l.local_addr().map(|a| a.port()).unwrap_or(0)).collect();
 
-    let joining = Joining::connect(&cfg.scheduler, cfg.connect_timeout, cfg.namespace)?;
+    let joining = Joining::connect(&cfg.scheduler, cfg.connect_timeout, cfg.namespace, &cfg.secret)?;
     let advertise = match &cfg.advertise {
         Some(a) => a.clone(),
         None => joining.local_ip()?.to_string(),
@@ -162,6 +166,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             partition_bytes: welcome.partition_bytes,
             stall: Duration::from_millis(welcome.stall_ms as u64),
             peer_timeout: Duration::from_millis(welcome.peer_timeout_ms as u64),
+            secret: cfg.secret.clone(),
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()

@@ -41,6 +41,7 @@ use super::optimizer::OptState;
 use crate::host::Staging;
 use crate::kernels;
 use crate::placement::HostLayout;
+use crate::protocol::auth::{self, Secret};
 use crate::protocol::{
     encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
 };
@@ -81,6 +82,8 @@ pub struct ThreadConfig {
     /// and nothing more, for this long is closed (a broken or hostile peer
     /// must not hold a connection forever).
     pub peer_timeout: Duration,
+    /// The job's token, which every connecting worker must prove.
+    pub secret: Secret,
 }
 
 enum ChunkBuf {
@@ -187,6 +190,9 @@ enum Carry {
 
 struct Conn {
     link: Connection,
+    /// The authentication handshake (`protocol::auth`): nothing else is
+    /// accepted before it is done.
+    auth: auth::Listener,
     rank: Option<u32>,
     rx: FrameReader<Dest>,
     tx: FrameWriter<Carry>,
@@ -206,6 +212,15 @@ struct Conn {
 
 /// A round waiting too long: its chunk indices here, the missing ranks, how long.
 type StalledRound = (Vec<usize>, Vec<u32>, Duration);
+
+/// A failed handshake closes the connection; the peer is told only that
+/// authentication failed (`close` adds nothing about the job), the log says why.
+fn auth_failed(e: auth::AuthError) -> ConnError {
+    ConnError::Invalid(match e {
+        auth::AuthError::Failed(why) => format!("authentication failed: {why}"),
+        other => format!("authentication failed: {other}"),
+    })
+}
 
 /// Unsent bytes the kernel may hold per data connection before the socket
 /// stops being writable (TCP_NOTSENT_LOWAT): results queue in our priority
@@ -365,6 +380,7 @@ impl ServerThread {
                         t,
                         Conn {
                             link,
+                            auth: auth::Listener::default(),
                             rank: None,
                             rx: FrameReader::default(),
                             tx: FrameWriter::default(),
@@ -516,9 +532,14 @@ impl ServerThread {
             log::warn!(target: &who, "closing connection from {peer}: {why}");
             // Best effort: tell the peer why, unless a frame is half-written.
             if c.tx.idle() {
-                let msg = format!("server {} thread {}: {why}", self.cfg.server, self.cfg.thread);
+                // A peer that has not authenticated learns nothing of the job.
+                let authed = c.auth.is_done();
+                let msg = match authed {
+                    true => format!("server {} thread {}: {why}", self.cfg.server, self.cfg.thread),
+                    false => why.to_string(),
+                };
                 let mut h = Header::new(MsgType::Error);
-                h.namespace = self.cfg.namespace;
+                h.namespace = if authed { self.cfg.namespace } else { 0 };
                 h.payload_len = msg.len() as u32;
                 c.link.write_last_words(&[&h.encode()[..], msg.as_bytes()].concat());
             }
@@ -537,7 +558,10 @@ impl ServerThread {
             let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
             let chunks = &mut self.chunks;
             let scratch = &mut conn.scratch;
-            let limit = crate::protocol::data_payload_limit(self.cfg.partition_bytes);
+            let limit = match conn.auth.is_done() {
+                true => crate::protocol::data_payload_limit(self.cfg.partition_bytes),
+                false => auth::MAX_AUTH_PAYLOAD,
+            };
             let frame = conn.link.read_frame(&mut conn.rx, limit, |d| {
                 if d.direct {
                     match &mut chunks[d.chunk].buf {
@@ -561,6 +585,12 @@ impl ServerThread {
                     PayloadKind::Restore => self.restore(t, hdr, d.chunk)?,
                     PayloadKind::Discard => {}
                 },
+                Some(Frame::Message(hdr, buf)) if !conn.auth.is_done() => {
+                    let reply = conn.auth.on_frame(&self.cfg.secret, &hdr, &buf).map_err(auth_failed)?;
+                    if let Some(r) = reply {
+                        conn.acks.extend_from_slice(&r); // written by the flush after this read
+                    }
+                }
                 Some(Frame::Message(hdr, buf)) => {
                     // Only OptConfig payloads are received whole (see on_header).
                     let cfg = OptConfig::decode(&buf)?;
@@ -571,8 +601,16 @@ impl ServerThread {
     }
 
     fn on_header(&mut self, t: usize, hdr: Header) -> ConnResult {
+        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        if !conn.auth.is_done() {
+            if !matches!(hdr.msg_type, MsgType::AuthHello | MsgType::AuthProof) {
+                return Err(auth_failed(auth::AuthError::Failed("a frame before the authentication handshake")));
+            }
+            conn.rx.receive_owned(hdr);
+            return Ok(());
+        }
         if hdr.namespace != self.cfg.namespace {
-            return Err(ProtocolError::WrongNamespace { got: hdr.namespace, want: self.cfg.namespace }.into());
+            return Err(ProtocolError::WrongNamespace { got: hdr.namespace }.into());
         }
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         match hdr.msg_type {

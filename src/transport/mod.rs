@@ -13,6 +13,8 @@ use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+use crate::protocol::auth::{self, AuthError, Secret};
+
 /// Resolve `host:port`, accepting a bare IPv6 or hostname.
 pub fn resolve(addr: &str) -> io::Result<SocketAddr> {
     addr.to_socket_addrs()?
@@ -48,6 +50,26 @@ pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
             ));
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `connect_retry`, then the connector's side of the authentication
+/// handshake (`protocol::auth`), all within `timeout` (at least 5 s for the
+/// handshake). A listener that rejects us, or cannot prove it holds the
+/// token, is an error of kind PermissionDenied.
+pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> io::Result<TcpStream> {
+    let start = Instant::now();
+    let stream = connect_retry(addr, timeout)?;
+    let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(5));
+    let mut r = DeadlineReader::new(&stream, left);
+    let _ = stream.set_write_timeout(Some(left));
+    let result = auth::connect_blocking(&mut r, &mut &stream, secret);
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)?;
+    match result {
+        Ok(()) => Ok(stream),
+        Err(AuthError::Io(e)) => Err(io::Error::new(e.kind(), format!("{addr}: authentication: {e}"))),
+        Err(e) => Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("{addr}: {e}"))),
     }
 }
 

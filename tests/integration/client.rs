@@ -348,6 +348,7 @@ fn job_with_fake_server(
     let mut ctrl = Member::register(h.addr, server_reg(0, "127.0.0.1", vec![port], false, 1, 1));
     assert_eq!(ctrl.welcome().rank, 0);
     let mut data = accept(&l);
+    accept_authenticated(&data, &token());
     let hello = read_header(&mut data);
     assert_eq!((hello.msg_type, hello.key, hello.namespace), (MsgType::DataHello, 0, NS));
     let c = pending.join();

@@ -1,6 +1,7 @@
 //! In-process integration tests of the Rust core: a scheduler, servers and
 //! clients (real ones, or fake ones on raw sockets) in one process.
 //!
+//! - `auth`: the token handshake: wrong tokens, replays, rogue members and servers
 //! - `membership`: registration, ranks, Welcome, liveness, end of job
 //! - `declarations`: tensor specs, installation on servers, conflicts, stalls, placement
 //! - `server`: the server thread's data plane, driven by fake workers
@@ -14,6 +15,7 @@
 
 mod support;
 
+mod auth;
 mod client;
 mod declarations;
 mod fuzz;

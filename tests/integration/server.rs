@@ -487,8 +487,8 @@ fn connections_that_never_say_hello_or_stall_mid_frame_are_closed() {
     std::thread::sleep(Duration::from_millis(900));
     let mut w1 = job.conn(0, 1);
     w0.push(&specs[0], 0, 0, 0, &f32_bytes(&[2.5; 64]));
-    w1.push(&specs[0], 0, 0, 0, &f32_bytes(&[1.0; 64]));
     w0.expect_received(&specs[0], 0, 0);
+    w1.push(&specs[0], 0, 0, 0, &f32_bytes(&[1.0; 64]));
     assert_eq!(bytes_f32(&w0.expect_result(&specs[0], 0, 0)), vec![3.5; 64]);
     assert_eq!(bytes_f32(&w1.expect_result(&specs[0], 0, 0)), vec![3.5; 64]);
     for w in &mut job.workers {
@@ -666,4 +666,24 @@ fn a_lost_servers_chunks_are_taken_over_restored_and_replayed() {
     }
     assert_eq!(real.join(), Ok(()));
     assert_eq!(wait_scheduler(h), Ok(()));
+}
+
+#[test]
+fn a_server_port_takes_nothing_before_the_handshake_nor_a_wrong_token() {
+    use crate::auth::{rejection_of, try_auth};
+    let mut job = data_job(1, 1, |_| {});
+    let specs = job.declare(0, &[("t", 64, DType::F32)]);
+    let port = job.welcome.servers[0].ports[0];
+    // A hello squatting rank 0 without a handshake, then the wrong token.
+    let mut squat = DataConn::connect_raw("127.0.0.1", port);
+    squat.hello(0);
+    assert_contains(&rejection_of(&mut squat.s), &["authentication failed"]);
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let (_, r) = try_auth(addr, &gradhub::protocol::auth::Secret::new(b"guess"));
+    assert_contains(&r.unwrap_err().to_string(), &["does not hold this job's token"]);
+    // Rank 0 is still free for the real worker, and its sum is its own.
+    let mut w0 = job.conn(0, 0);
+    w0.push(&specs[0], 0, 0, 0, &f32_bytes(&[1.5; 64]));
+    assert_eq!(bytes_f32(&w0.expect_result(&specs[0], 0, 0)), vec![1.5; 64]);
+    job.finish();
 }

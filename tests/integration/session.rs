@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 
 use gradhub::client::{Client, ClientConfig};
 use gradhub::protocol::{read_control, write_control, Control, Role, Welcome};
+use gradhub::protocol::auth::Secret;
 use gradhub::server::{run_server, ServerConfig};
+
+use crate::support::accept_authenticated;
 
 /// A scheduler that welcomes one member and then does what the test says.
 struct FakeScheduler {
@@ -25,6 +28,7 @@ impl FakeScheduler {
     fn welcome(&self, role: Role, peer_timeout_ms: u32) -> TcpStream {
         let (mut s, _) = self.listener.accept().expect("accept");
         s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+        accept_authenticated(&s, &Secret::none());
         match read_control(&mut s, 0) {
             Ok(Control::Register(r)) => assert_eq!(r.role, role),
             other => panic!("expected Register, got {other:?}"),
@@ -117,6 +121,7 @@ fn a_rejection_reaches_the_member_as_an_error() {
         Client::connect(ClientConfig { scheduler: addr, connect_timeout: Duration::from_secs(5), ..Default::default() })
     });
     let (mut s, _) = sched.listener.accept().expect("accept");
+    accept_authenticated(&s, &Secret::none());
     assert!(matches!(read_control(&mut s, 0), Ok(Control::Register(_))));
     write_control(&mut s, &Control::Error { message: "go away".into() }, 0).expect("error");
     let err = t.join().expect("thread").err().expect("connect must fail");

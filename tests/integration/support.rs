@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gradhub::client::{Client, ClientConfig};
+use gradhub::protocol::auth::{self, Secret};
 use gradhub::protocol::{
     read_control, write_control, Control, DType, DeclEntry, Header, MsgType, ReadError, Register, Role, TensorSpec,
     Welcome, HEADER_LEN,
@@ -25,6 +26,21 @@ use gradhub::server::{run_server, ServerConfig};
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// The job namespace used everywhere (non-zero, so a missing namespace shows).
 pub const NS: u32 = 7;
+
+/// The token of every test job: tests run with authentication on.
+pub fn token() -> Secret {
+    Secret::new(b"integration-test-token")
+}
+
+/// The listener's handshake on a test's blocking stream (a fake scheduler or server).
+pub fn accept_authenticated(s: &TcpStream, secret: &Secret) {
+    auth::listen_blocking(&mut &*s, &mut &*s, secret).expect("the connector authenticates");
+}
+
+/// The connector's handshake on a test's blocking stream.
+pub fn authenticate(s: &TcpStream, secret: &Secret) -> Result<(), auth::AuthError> {
+    auth::connect_blocking(&mut &*s, &mut &*s, secret)
+}
 /// Partition size of the test jobs: small, so modest tensors have several chunks.
 pub const PARTITION: u32 = 1024;
 
@@ -75,6 +91,7 @@ pub fn sched_config(num_workers: u32, num_servers: u32) -> SchedulerConfig {
         namespace: NS,
         host_reduce: true,
         failover: true,
+        secret: token(),
     }
 }
 
@@ -121,7 +138,7 @@ pub fn server_reg(rank: i32, addr: &str, ports: Vec<u16>, colocated: bool, nw: u
 
 /// A job member played over a raw control connection.
 pub struct Member {
-    reader: TcpStream,
+    pub reader: TcpStream,
     writer: Arc<Mutex<TcpStream>>,
     /// This end's address: what the scheduler sees as the member's peer address.
     pub local: SocketAddr,
@@ -134,6 +151,13 @@ fn is_timeout(e: &ReadError) -> bool {
 
 impl Member {
     pub fn connect(addr: SocketAddr) -> Member {
+        let m = Member::connect_raw(addr);
+        authenticate(&m.reader, &token()).expect("authenticate to the scheduler");
+        m
+    }
+
+    /// Connected, not authenticated.
+    pub fn connect_raw(addr: SocketAddr) -> Member {
         let s = TcpStream::connect_timeout(&addr, IO_TIMEOUT).expect("connect to the scheduler");
         s.set_nodelay(true).unwrap();
         s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
@@ -397,6 +421,13 @@ pub struct DataConn {
 
 impl DataConn {
     pub fn connect(addr: &str, port: u16) -> DataConn {
+        let c = DataConn::connect_raw(addr, port);
+        authenticate(&c.s, &token()).expect("authenticate to a server thread");
+        c
+    }
+
+    /// Connected, not authenticated.
+    pub fn connect_raw(addr: &str, port: u16) -> DataConn {
         let a: SocketAddr = format!("{addr}:{port}").parse().expect("server address");
         let s = TcpStream::connect_timeout(&a, IO_TIMEOUT).expect("connect to a server thread");
         s.set_nodelay(true).unwrap();
@@ -542,6 +573,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         namespace: NS,
         connect_timeout: IO_TIMEOUT,
         host: None,
+        secret: token(),
     }
 }
 
@@ -558,6 +590,7 @@ pub fn client_config(sched: SocketAddr, rank: i32, nw: u32, ns: u32) -> ClientCo
         num_servers: ns,
         namespace: NS,
         connect_timeout: IO_TIMEOUT,
+        secret: token(),
         ..Default::default()
     }
 }
