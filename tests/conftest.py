@@ -38,6 +38,8 @@ def job_env(**extra) -> dict[str, str]:
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(k, None)
     env["PYTHONUNBUFFERED"] = "1"
+    # Every test job authenticates its connections (tests of a missing token drop it).
+    env["GRADHUB_JOB_TOKEN"] = "test-job-token"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -33,6 +33,7 @@ def run_scheduler(
     namespace: int = 0,
     host_reduce: bool = True,
     failover: bool = True,
+    token: str | None = None,  # the job's secret (protocol::auth); None: no token
 ) -> None:
     """Run a scheduler until the job ends (blocking, without the GIL)."""
 
@@ -48,6 +49,7 @@ def start_scheduler(
     namespace: int = 0,
     host_reduce: bool = True,
     failover: bool = True,
+    token: str | None = None,  # the job's secret (protocol::auth); None: no token
 ) -> SchedulerHandle:
     """Start a scheduler on a background thread of this process."""
 
@@ -63,6 +65,7 @@ def run_server(
     num_servers: int = 0,
     namespace: int = 0,
     connect_timeout: float = 60.0,
+    token: str | None = None,  # the job's secret (protocol::auth); None: no token
 ) -> None:
     """Run a summation server until the job ends (blocking, without the GIL)."""
 
@@ -106,6 +109,7 @@ class Client:
         local_rank: int = -1,
         local_size: int = -1,
         server_shm: bool = True,
+        token: str | None = None,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

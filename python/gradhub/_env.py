@@ -13,6 +13,7 @@ GRADHUB_LOG is read by the Rust core itself.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -85,6 +86,8 @@ class WorkerEnv:
     credit_bytes: int | None
     connect_timeout: float
     server_shm: bool               # GRADHUB_SERVER_SHM: push to a server on this host through shared memory
+    token: str | None              # GRADHUB_JOB_TOKEN(_FILE): see job_token()
+    insecure: bool                 # GRADHUB_INSECURE
     torchrun: bool
     # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
     # servers inside the worker processes (see gradhub.api).
@@ -116,6 +119,8 @@ def worker_env() -> WorkerEnv:
         credit_bytes=get_int("GRADHUB_CREDIT_BYTES"),
         connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
         server_shm=get_flag("GRADHUB_SERVER_SHM", True),
+        token=job_token(),
+        insecure=insecure(),
         torchrun=torchrun,
         embedded=embedded,
     )
@@ -124,6 +129,61 @@ def worker_env() -> WorkerEnv:
 def role() -> str:
     """GRADHUB_ROLE: worker (default), server or scheduler."""
     return get_choice("GRADHUB_ROLE", ("worker", "server", "scheduler"), "worker")
+
+
+# ---------------------------------------------------------------- authentication
+
+
+def job_token() -> str | None:
+    """The job's secret: GRADHUB_JOB_TOKEN, or the contents of the file
+    GRADHUB_JOB_TOKEN_FILE names (surrounding whitespace stripped). Every
+    member of a job must have the same one; it never crosses the network."""
+    token = get_str("GRADHUB_JOB_TOKEN")
+    if token is not None:
+        return token
+    path = get_str("GRADHUB_JOB_TOKEN_FILE")
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"GRADHUB_JOB_TOKEN_FILE={path!r}: cannot read it: {e.strerror}") from None
+    if not token:
+        raise ValueError(f"GRADHUB_JOB_TOKEN_FILE={path!r} is empty")
+    return token
+
+
+def insecure() -> bool:
+    """GRADHUB_INSECURE: run a job reachable from other hosts without a token."""
+    return get_flag("GRADHUB_INSECURE")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, as given) is this machine's loopback."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(who: str, hosts: list[str], token: str | None, allow_insecure: bool) -> None:
+    """A member whose connections may leave this machine needs a token,
+    unless the user explicitly chose to run without one. Raises ValueError."""
+    if token is not None or allow_insecure:
+        return
+    exposed = [h for h in hosts if not is_loopback(h)]
+    if exposed:
+        raise ValueError(
+            f"{who}: {exposed[0]} is reachable from other machines, and no job token is set. Set "
+            "GRADHUB_JOB_TOKEN to the same secret on every member of the job (for example the output of "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`), or GRADHUB_JOB_TOKEN_FILE to a file "
+            "holding it; or pass --insecure (GRADHUB_INSECURE=1) to run without authentication, letting anyone "
+            "who can reach these ports join the job"
+        )
 
 
 # ---------------------------------------------------------------- scheduler and servers

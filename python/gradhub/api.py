@@ -67,6 +67,10 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                 "gradhub.init(): no scheduler address. Start the job with `gradhub launch`, "
                 "set GRADHUB_SCHEDULER=host:port, or run under torchrun (MASTER_ADDR)."
             )
+        from .roles import DEFAULT_SCHEDULER_PORT, split_hostport
+
+        _env.check_exposure("gradhub.init()", [split_hostport(env.scheduler, DEFAULT_SCHEDULER_PORT)[0]],
+                            env.token, env.insecure)
         if env.embedded:
             from .roles import Embedded
 
@@ -81,7 +85,8 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                num_servers=env.num_servers, namespace=env.namespace,
                                connect_timeout=env.connect_timeout, server_shm=env.server_shm,
                                local_rank=-1 if env.local_rank is None else env.local_rank,
-                               local_size=-1 if env.local_size is None else env.local_size, **kwargs)
+                               local_size=-1 if env.local_size is None else env.local_size,
+                               token=env.token, **kwargs)
     atexit.register(shutdown)
 
 

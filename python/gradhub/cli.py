@@ -14,6 +14,11 @@ from . import _env, roles
 ENV_HELP = """
 environment (flags win over variables):
   GRADHUB_SCHEDULER        scheduler host:port (all roles)
+  GRADHUB_JOB_TOKEN        the job's secret, the same on every member: every
+                           connection proves it (launch makes one up); or
+  GRADHUB_JOB_TOKEN_FILE   a file holding it
+  GRADHUB_INSECURE=1       allow a job reachable from other machines without
+                           a token (anyone reaching its ports can join)
   GRADHUB_NUM_WORKERS      number of workers in the job
   GRADHUB_NUM_SERVERS      number of summation servers in the job
   GRADHUB_SERVER_THREADS   threads (cores) per server (default: launch 1, server
@@ -100,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ENV_HELP,
     )
     sp.add_argument("--bind", default=None,
-                    help="host:port to listen on (default: 0.0.0.0 and the port of GRADHUB_SCHEDULER, or 9000)")
+                    help="host:port to listen on (default: the port of GRADHUB_SCHEDULER, or 9000, on its host "
+                    "if that is loopback, else on 0.0.0.0)")
+    sp.add_argument("--insecure", action="store_true", default=_env.insecure(),
+                    help="listen beyond loopback without a job token (GRADHUB_INSECURE=1): anyone who can "
+                    "reach the port can join the job")
     sp.add_argument("--workers", type=int, default=senv.num_workers,
                     help="number of workers (GRADHUB_NUM_WORKERS)")
     sp.add_argument("--servers", type=int, default=senv.num_servers,
@@ -124,7 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     vp.add_argument("--advertise-addr", default=venv.advertise,
                     help="address workers should connect to (GRADHUB_ADVERTISE_ADDR; default: the local "
                     "address of the interface that reaches the scheduler)")
-    vp.add_argument("--bind-host", default="0.0.0.0", help="host to listen on (default 0.0.0.0)")
+    vp.add_argument("--bind-host", default=None,
+                    help="host to listen on (default: 127.0.0.1 if the scheduler is on loopback, else 0.0.0.0)")
+    vp.add_argument("--insecure", action="store_true", default=_env.insecure(),
+                    help="reach beyond loopback without a job token (GRADHUB_INSECURE=1)")
     vp.add_argument("--port", type=int, default=venv.port,
                     help="first port; thread t listens on port+t (GRADHUB_SERVER_PORT; default: free ports)")
     vp.add_argument("--rank", type=int, default=venv.rank,
@@ -141,13 +153,14 @@ def _run_scheduler(args) -> int:
     e = _env.scheduler_env()
     return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
                                args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce,
-                               failover=args.failover)
+                               failover=args.failover, token=_env.job_token(), insecure=args.insecure)
 
 
 def _run_server(args) -> int:
     e = _env.server_env()
     return roles.run_server(args.scheduler, args.threads, args.colocated, args.advertise_addr, args.bind_host,
-                            args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout)
+                            args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout,
+                            token=_env.job_token(), insecure=args.insecure)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.cmd in ("scheduler", "server"):
-        return _run_scheduler(args) if args.cmd == "scheduler" else _run_server(args)
+        try:
+            return _run_scheduler(args) if args.cmd == "scheduler" else _run_server(args)
+        except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)
+            print(f"gradhub {args.cmd}: {e}", file=sys.stderr)
+            return 2
     from .launch import launch
 
     cmd = args.command
@@ -174,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmd[1:]
     if not cmd:
         parser.error("launch needs a worker command after --")
-    return launch(args, cmd)
+    try:
+        return launch(args, cmd)
+    except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)
+        print(f"gradhub launch: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

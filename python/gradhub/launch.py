@@ -10,12 +10,14 @@ period.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from . import _env
 from ._ports import free_port
 
 
@@ -66,6 +68,10 @@ def launch(args, command: list[str]) -> int:
     port = args.port or free_port()
     sched = f"127.0.0.1:{port}"
     base = dict(os.environ)
+    # Every member proves this job's secret on every connection; one is made
+    # up unless the user gave one. (The job is on loopback anyway.)
+    if _env.job_token() is None:
+        base["GRADHUB_JOB_TOKEN"] = secrets.token_hex(32)
     base.update({
         "GRADHUB_SCHEDULER": sched,
         "GRADHUB_NUM_WORKERS": str(args.workers),
@@ -89,7 +95,7 @@ def launch(args, command: list[str]) -> int:
     for s in range(args.servers):
         colocated = args.colocated or s < args.colocated_servers
         argv = py + ["server", "--threads", str(args.server_threads), "--rank", str(s),
-                     "--advertise-addr", "127.0.0.1"]
+                     "--advertise-addr", "127.0.0.1", "--bind-host", "127.0.0.1"]
         if colocated:
             argv.append("--colocated")
         servers.append(Proc(f"server {s}", argv, {**base, "GRADHUB_ROLE": "server"}))

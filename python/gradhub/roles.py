@@ -41,26 +41,33 @@ def _native_sigint() -> None:
 def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None,
                   partition_bytes: int | None = None, stall_seconds: float = 30.0, peer_timeout: float = 10.0,
                   namespace: int = 0, scheduler: str | None = None, host_reduce: bool = True,
-                  failover: bool = True) -> int:
+                  failover: bool = True, token: str | None = None, insecure: bool = False) -> int:
     """Run the job's scheduler until the job ends; returns an exit code
-    (0 done, 1 the job failed, 2 bad settings). `bind` defaults to 0.0.0.0 and
-    the port of `scheduler` (GRADHUB_SCHEDULER), or 9000."""
+    (0 done, 1 the job failed, 2 bad settings). `bind` defaults to the port of
+    `scheduler` (GRADHUB_SCHEDULER), or 9000, on its host if that is loopback,
+    else on 0.0.0.0. Listening beyond loopback needs `token` or `insecure`."""
     if num_workers is None or num_servers is None:
         print("gradhub scheduler: --workers and --servers (or GRADHUB_NUM_WORKERS/GRADHUB_NUM_SERVERS) "
               "are required", file=sys.stderr)
         return 2
     if bind is None:
-        port = DEFAULT_SCHEDULER_PORT
+        host, port = "0.0.0.0", DEFAULT_SCHEDULER_PORT
         if scheduler:
-            _, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
-        bind = f"0.0.0.0:{port}"
+            shost, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
+            host = shost if _env.is_loopback(shost) else host
+        bind = f"{host}:{port}"
     elif ":" not in bind:
         bind = f"{bind}:{DEFAULT_SCHEDULER_PORT}"
+    try:
+        _env.check_exposure("gradhub scheduler", [split_hostport(bind, 0)[0]], token, insecure)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     _native_sigint()
     try:
         _core.run_scheduler(bind, num_workers, num_servers, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                             peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
-                            namespace=namespace, host_reduce=host_reduce, failover=failover)
+                            namespace=namespace, host_reduce=host_reduce, failover=failover, token=token)
     except _core.GradhubError as e:
         print(f"gradhub scheduler: {e}", file=sys.stderr)
         return 1
@@ -68,17 +75,29 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
 
 
 def run_server(scheduler: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
-               bind_host: str = "0.0.0.0", port: int = 0, rank: int = -1, num_workers: int = 0,
-               num_servers: int = 0, namespace: int = 0, connect_timeout: float = 60.0) -> int:
-    """Run one summation server until the job ends; returns an exit code."""
+               bind_host: str | None = None, port: int = 0, rank: int = -1, num_workers: int = 0,
+               num_servers: int = 0, namespace: int = 0, connect_timeout: float = 60.0,
+               token: str | None = None, insecure: bool = False) -> int:
+    """Run one summation server until the job ends; returns an exit code.
+    `bind_host` defaults to loopback when the scheduler is on loopback, else
+    0.0.0.0; reaching beyond loopback needs `token` or `insecure`."""
     if not scheduler:
         print("gradhub server: --scheduler (or GRADHUB_SCHEDULER) is required", file=sys.stderr)
+        return 2
+    shost, _ = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
+    if bind_host is None:
+        bind_host = "127.0.0.1" if _env.is_loopback(shost) else "0.0.0.0"
+    try:
+        _env.check_exposure("gradhub server", [shost, bind_host], token, insecure)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     _native_sigint()
     try:
         _core.run_server(scheduler, threads=max(1, threads), colocated=colocated, advertise=advertise,
                          bind_host=bind_host, base_port=port, rank=rank, num_workers=num_workers,
-                         num_servers=num_servers, namespace=namespace, connect_timeout=connect_timeout)
+                         num_servers=num_servers, namespace=namespace, connect_timeout=connect_timeout,
+                         token=token)
     except _core.GradhubError as e:
         print(f"gradhub server: {e}", file=sys.stderr)
         return 1
@@ -93,14 +112,15 @@ def default_server_threads() -> int:
 def scheduler_from_env() -> int:
     e = _env.scheduler_env()
     return run_scheduler(None, e.num_workers, e.num_servers, e.partition_bytes, e.stall_seconds, e.peer_timeout,
-                         e.namespace, scheduler=e.scheduler, host_reduce=e.host_reduce, failover=e.failover)
+                         e.namespace, scheduler=e.scheduler, host_reduce=e.host_reduce, failover=e.failover,
+                         token=_env.job_token(), insecure=_env.insecure())
 
 
 def server_from_env() -> int:
     e = _env.server_env()
     return run_server(e.scheduler, e.threads if e.threads is not None else default_server_threads(), e.colocated,
-                      e.advertise, "0.0.0.0", e.port, e.rank, e.num_workers, e.num_servers, e.namespace,
-                      e.connect_timeout)
+                      e.advertise, None, e.port, e.rank, e.num_workers, e.num_servers, e.namespace,
+                      e.connect_timeout, token=_env.job_token(), insecure=_env.insecure())
 
 
 def run_role(role: str) -> int:
@@ -120,21 +140,24 @@ class Embedded:
     def __init__(self, env: _env.WorkerEnv):
         self._scheduler = None
         self._server: threading.Thread | None = None
+        # A single-node job (MASTER_ADDR on loopback) listens on loopback only.
+        shost, port = split_hostport(env.scheduler, DEFAULT_SCHEDULER_PORT)
+        bind_host = shost if _env.is_loopback(shost) else "0.0.0.0"
         if env.rank == 0:
-            _, _, port = env.scheduler.rpartition(":")
             s = _env.scheduler_env()
             self._scheduler = _core.start_scheduler(
-                f"0.0.0.0:{port}", env.num_workers, env.num_servers,
+                f"{bind_host}:{port}", env.num_workers, env.num_servers,
                 s.partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                 peer_timeout_ms=int(s.peer_timeout * 1000), stall_ms=int(s.stall_seconds * 1000),
-                namespace=env.namespace, host_reduce=s.host_reduce, failover=s.failover)
+                namespace=env.namespace, host_reduce=s.host_reduce, failover=s.failover, token=env.token)
         if (env.local_rank or 0) == 0:
             threads = _env.server_env().threads or 1
 
             def serve():
                 try:
                     _core.run_server(env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
-                                     num_servers=env.num_servers, namespace=env.namespace)
+                                     num_servers=env.num_servers, namespace=env.namespace, bind_host=bind_host,
+                                     token=env.token)
                 except _core.GradhubError as e:  # reported to workers by the scheduler too
                     print(f"[gradhub] embedded server: {e}", file=sys.stderr)
 

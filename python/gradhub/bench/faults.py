@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import statistics
@@ -166,7 +167,7 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_") or k == "GRADHUB_LOG"}
     base.update(PYTHONUNBUFFERED="1", GRADHUB_SCHEDULER=f"127.0.0.1:{port}", GRADHUB_NUM_WORKERS=str(WORKERS),
                 GRADHUB_NUM_SERVERS=str(SERVERS), GRADHUB_PEER_TIMEOUT=str(t.peer_timeout),
-                GRADHUB_HOST_REDUCE="1" if t.host_stage else "0")
+                GRADHUB_HOST_REDUCE="1" if t.host_stage else "0", GRADHUB_JOB_TOKEN=secrets.token_hex(16))
     py = [sys.executable, "-m", "gradhub"]
     t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
     for s in range(SERVERS):
