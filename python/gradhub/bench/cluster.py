@@ -16,6 +16,7 @@ the same script can be run as a DDP baseline with --no-servers.
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 
 from ..launch import Proc, supervise
@@ -49,6 +50,8 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
               + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts.values()), flush=True)
         py = [sys.executable, "-m", "gradhub"]
         base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+        # Emulated hosts talk across addresses: the job authenticates, as a real one must.
+        base["GRADHUB_JOB_TOKEN"] = secrets.token_hex(32)
         base.update(extra_env or {})
         base["PYTHONUNBUFFERED"] = "1"
         procs: list[Proc] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
 import statistics
 import subprocess
 import sys
@@ -290,6 +291,8 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
         base.update(env or {})
         base["PYTHONUNBUFFERED"] = "1"
+        # Emulated hosts talk across addresses: the job authenticates, as a real one must.
+        base["GRADHUB_JOB_TOKEN"] = secrets.token_hex(32)
         base["GLOO_SOCKET_IFNAME"] = "eth0"  # each emulated host talks through its veth
         py = sys.executable
         c0, t0 = _children_cpu(), time.monotonic()
