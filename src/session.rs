@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
 
-use crate::protocol::{read_control, write_control, Control, MsgType, ReadError, Register, Welcome};
 use crate::protocol::auth::Secret;
+use crate::protocol::{read_control, write_control, Control, MsgType, ReadError, Register, Welcome};
 use crate::transport::connect_authenticated;
 
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,12 @@ pub struct Joining {
 }
 
 impl Joining {
-    pub fn connect(scheduler: &str, timeout: Duration, namespace: u32, secret: &Secret) -> Result<Joining, SessionError> {
+    pub fn connect(
+        scheduler: &str,
+        timeout: Duration,
+        namespace: u32,
+        secret: &Secret,
+    ) -> Result<Joining, SessionError> {
         let stream = connect_authenticated(scheduler, timeout, secret)
             .map_err(|source| SessionError::Connect { addr: scheduler.to_string(), source })?;
         Ok(Joining { stream, namespace })

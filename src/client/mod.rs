@@ -23,9 +23,9 @@ use mio::Poll;
 
 use crate::host::HostStage;
 use crate::placement::HostLayout;
+use crate::protocol::auth::Secret;
 use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, TensorSpec};
 use crate::session::{Joining, Session, SessionError, SessionSender};
-use crate::protocol::auth::Secret;
 use crate::transport::{connect_authenticated, join_host_port};
 use io::{BufPtr, Io, IoThread, Submission};
 

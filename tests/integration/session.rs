@@ -6,8 +6,8 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradhub::client::{Client, ClientConfig};
-use gradhub::protocol::{read_control, write_control, Control, Role, Welcome};
 use gradhub::protocol::auth::Secret;
+use gradhub::protocol::{read_control, write_control, Control, Role, Welcome};
 use gradhub::server::{run_server, ServerConfig};
 
 use crate::support::accept_authenticated;
