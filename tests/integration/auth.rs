@@ -12,10 +12,9 @@ use gradhub::protocol::{read_message, DType, MsgType};
 
 use crate::support::*;
 
-/// Public for `server::a_server_port_takes_nothing_before_the_handshake`.
-
 /// What a listener answered a connector that could not authenticate: its
 /// Error frame's text (namespace 0: nothing of the job), then a close.
+/// Public for `server::a_server_port_takes_nothing_before_the_handshake`.
 pub fn rejection_of(s: &mut TcpStream) -> String {
     s.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
     let (h, text) = read_message(s, None, 1 << 16).expect("an Error frame");
