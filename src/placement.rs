@@ -39,10 +39,18 @@ pub fn server_weights(colocated: &[bool], num_workers: usize) -> Vec<f64> {
 }
 
 /// Greedy weighted least-loaded placement (deterministic, ties -> lowest slot).
+///
+/// With replicas on, every chunk also gets a replica slot on another
+/// server, placed the same way against a load of its own: the replica keeps
+/// the chunk's server-side optimizer state and is where the chunk moves if
+/// its server is lost (so that state survives). For a chunk without such
+/// state a replica costs nothing but the choice of where it would move.
 pub struct Placer {
     slots: Vec<Slot>,
     weight: Vec<f64>,
     load: Vec<u64>,
+    replica_load: Vec<u64>,
+    replicas: bool,
     /// Slots of servers that were lost: never placed on again.
     lost: Vec<bool>,
 }
@@ -61,8 +69,15 @@ impl Placer {
             }
         }
         let load = vec![0; slots.len()];
+        let replica_load = vec![0; slots.len()];
         let lost = vec![false; slots.len()];
-        Placer { slots, weight, load, lost }
+        Placer { slots, weight, load, replica_load, replicas: false, lost }
+    }
+
+    /// Give every chunk a replica on another server (when there is one).
+    pub fn with_replicas(mut self, on: bool) -> Placer {
+        self.replicas = on;
+        self
     }
 
     /// Each server's share of the summation work, e.g. "server 0 (CPU-only) 75%, server 1 (colocated) 25%".
@@ -95,29 +110,65 @@ impl Placer {
 
     /// Place chunks of the given byte sizes, in order; returns their slots.
     pub fn place(&mut self, chunk_bytes: impl IntoIterator<Item = u64>) -> Vec<u32> {
+        chunk_bytes.into_iter().map(|b| self.least_loaded(b, None).unwrap_or(0)).collect()
+    }
+
+    /// The slot where `b` more bytes cost least (load over weight), away
+    /// from server `not_on` if given, counted in the replicas' load then.
+    fn least_loaded(&mut self, b: u64, not_on: Option<u32>) -> Option<u32> {
+        let ok = |p: &Placer, i: usize| !p.lost[i] && not_on.is_none_or(|s| p.slots[i].server != s);
         // Servers with no share of the work (BytePS with k >= n) take
         // chunks only when no other server is left.
-        let weighted = (0..self.slots.len()).any(|i| !self.lost[i] && self.weight[i] > 0.0);
-        chunk_bytes
-            .into_iter()
-            .map(|b| {
-                let mut best = 0;
-                let mut best_cost = f64::INFINITY;
-                for i in 0..self.slots.len() {
-                    if self.lost[i] || (weighted && self.weight[i] <= 0.0) {
-                        continue;
-                    }
-                    let w = if weighted { self.weight[i] } else { 1.0 };
-                    let cost = (self.load[i] + b) as f64 / w;
-                    if cost < best_cost {
-                        best_cost = cost;
-                        best = i;
-                    }
+        let weighted = (0..self.slots.len()).any(|i| ok(self, i) && self.weight[i] > 0.0);
+        let load = if not_on.is_some() { &self.replica_load } else { &self.load };
+        let mut best = None;
+        let mut best_cost = f64::INFINITY;
+        for (i, &l) in load.iter().enumerate() {
+            if !ok(self, i) || (weighted && self.weight[i] <= 0.0) {
+                continue;
+            }
+            let w = if weighted { self.weight[i] } else { 1.0 };
+            let cost = (l + b) as f64 / w;
+            if cost < best_cost {
+                best_cost = cost;
+                best = Some(i);
+            }
+        }
+        let best = best?;
+        match not_on {
+            Some(_) => self.replica_load[best] += b,
+            None => self.load[best] += b,
+        }
+        Some(best as u32)
+    }
+
+    /// Replica slots for `spec`'s chunks (placed already): each on a server
+    /// other than its chunk's. Empty when replicas are off or no other
+    /// server is left.
+    pub fn place_replicas(&mut self, spec: &crate::protocol::TensorSpec) -> Vec<u32> {
+        if !self.replicas {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(spec.num_chunks());
+        for c in 0..spec.num_chunks() {
+            let server = self.slots[spec.slots[c] as usize].server;
+            match self.least_loaded(spec.chunk_bytes(c) as u64, Some(server)) {
+                Some(r) => out.push(r),
+                None => {
+                    self.unplace_replicas(spec, &out);
+                    return Vec::new();
                 }
-                self.load[best] += b;
-                best as u32
-            })
-            .collect()
+            }
+        }
+        out
+    }
+
+    fn unplace_replicas(&mut self, spec: &crate::protocol::TensorSpec, replicas: &[u32]) {
+        for (c, &r) in replicas.iter().enumerate() {
+            if let Some(l) = self.replica_load.get_mut(r as usize) {
+                *l = l.saturating_sub(spec.chunk_bytes(c) as u64);
+            }
+        }
     }
 
     /// Server `rank` was lost: its slots take no more chunks. Returns them
@@ -128,31 +179,59 @@ impl Placer {
             if s.server == rank && !self.lost[i] {
                 self.lost[i] = true;
                 self.load[i] = 0;
+                self.replica_load[i] = 0;
                 gone.push(i as u32);
             }
         }
         gone
     }
 
-    /// Place again the chunks of `spec` that are on `gone` slots; returns
-    /// whether any moved.
+    /// Place again the chunks of `spec` that are on `gone` slots: each
+    /// moves to its replica if that one is left, else where it costs
+    /// least. Chunks whose replica was on `gone` slots, or just became
+    /// their chunk's slot, get a new one. Returns whether anything changed.
     pub fn replace(&mut self, spec: &mut crate::protocol::TensorSpec, gone: &[u32]) -> bool {
-        let moved: Vec<usize> = (0..spec.num_chunks()).filter(|&c| gone.contains(&spec.slots[c])).collect();
-        let slots = self.place(moved.iter().map(|&c| spec.chunk_bytes(c) as u64));
-        for (&c, s) in moved.iter().zip(slots) {
-            spec.slots[c] = s;
-        }
-        !moved.is_empty()
-    }
-
-    /// Take back chunks placed earlier (their sizes and slots), so later
-    /// tensors fill the room they leave.
-    pub fn unplace(&mut self, chunk_bytes: impl IntoIterator<Item = u64>, slots: &[u32]) {
-        for (b, &slot) in chunk_bytes.into_iter().zip(slots) {
-            if let Some(l) = self.load.get_mut(slot as usize) {
-                *l = l.saturating_sub(b);
+        let mut changed = false;
+        for c in 0..spec.num_chunks() {
+            let b = spec.chunk_bytes(c) as u64;
+            if gone.contains(&spec.slots[c]) {
+                changed = true;
+                spec.slots[c] = match spec.replicas.get(c) {
+                    Some(&r) if !gone.contains(&r) && !self.lost[r as usize] => {
+                        self.replica_load[r as usize] = self.replica_load[r as usize].saturating_sub(b);
+                        self.load[r as usize] += b;
+                        r
+                    }
+                    _ => self.least_loaded(b, None).unwrap_or(0),
+                };
+            }
+            let Some(&r) = spec.replicas.get(c) else { continue };
+            if gone.contains(&r) || self.lost[r as usize] || r == spec.slots[c] {
+                changed = true;
+                let server = self.slots[spec.slots[c] as usize].server;
+                match self.least_loaded(b, Some(server)) {
+                    Some(new) => spec.replicas[c] = new,
+                    None => {
+                        // No other server left: no replicas for this tensor
+                        // (chunk c's replica load is already out).
+                        let mut old = std::mem::take(&mut spec.replicas);
+                        old[c] = u32::MAX;
+                        self.unplace_replicas(spec, &old);
+                    }
+                }
             }
         }
+        changed
+    }
+
+    /// Take back a tensor placed earlier, so later tensors fill the room it leaves.
+    pub fn unplace(&mut self, spec: &crate::protocol::TensorSpec) {
+        for (c, &slot) in spec.slots.iter().enumerate() {
+            if let Some(l) = self.load.get_mut(slot as usize) {
+                *l = l.saturating_sub(spec.chunk_bytes(c) as u64);
+            }
+        }
+        self.unplace_replicas(spec, &spec.replicas);
     }
 }
 
@@ -296,6 +375,60 @@ mod tests {
     }
 
     #[test]
+    fn replicas_are_on_another_server_and_take_the_chunks_of_a_lost_one() {
+        // Three servers of 2 threads: slot / 2 is the server.
+        let mut p = Placer::new(&servers(&[false, false, false], 2), 4).with_replicas(true);
+        let mut spec = crate::protocol::TensorSpec {
+            key: 0,
+            name: "w".into(),
+            numel: 300,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems: 10,
+            slots: Vec::new(),
+            replicas: Vec::new(),
+        };
+        spec.slots = p.place((0..30).map(|c| spec.chunk_bytes(c) as u64));
+        spec.replicas = p.place_replicas(&spec);
+        assert_eq!(spec.replicas.len(), 30);
+        for c in 0..30 {
+            assert_ne!(spec.slots[c] / 2, spec.replicas[c] / 2, "chunk {c}'s replica is on its own server");
+        }
+        for srv in 0..3 {
+            let n = spec.replicas.iter().filter(|&&r| r / 2 == srv).count();
+            assert!((8..=12).contains(&n), "server {srv} replicates {n} of 30 chunks");
+        }
+        let before = spec.clone();
+        let gone = p.remove_server(1);
+        assert!(p.replace(&mut spec, &gone));
+        for c in 0..30 {
+            let (s, r) = (spec.slots[c], spec.replicas[c]);
+            assert!(s / 2 != 1 && r / 2 != 1, "chunk {c} still uses the lost server: slot {s}, replica {r}");
+            assert_ne!(s / 2, r / 2, "chunk {c}'s replica is on its own server");
+            if before.slots[c] / 2 == 1 {
+                assert_eq!(s, before.replicas[c], "chunk {c} must move to its replica");
+            } else {
+                assert_eq!(s, before.slots[c], "chunk {c} was not on the lost server");
+                if before.replicas[c] / 2 != 1 {
+                    assert_eq!(r, before.replicas[c], "chunk {c}'s replica was not lost");
+                }
+            }
+        }
+        // Load follows the chunks: the promoted replicas' bytes count as placed.
+        let placed: u64 = p.loads().iter().sum();
+        assert_eq!(placed, 300 * 4);
+        // One server left: nowhere to replicate.
+        let gone = p.remove_server(2);
+        assert!(p.replace(&mut spec, &gone));
+        assert!(spec.slots.iter().all(|&s| s / 2 == 0));
+        assert!(spec.replicas.is_empty());
+        p.unplace(&spec);
+        assert_eq!(p.loads().iter().sum::<u64>(), 0);
+        // Off: no replicas.
+        let mut q = Placer::new(&servers(&[false, false], 1), 2);
+        assert!(q.place_replicas(&spec).is_empty());
+    }
+
+    #[test]
     fn a_lost_servers_chunks_move_to_the_others_in_proportion() {
         // Two CPU-only servers (2 threads each) and one colocated, 4 pushing machines.
         let mut p = Placer::new(&servers(&[false, false, true], 2), 4);
@@ -306,6 +439,7 @@ mod tests {
             dtype: crate::protocol::DType::F32,
             chunk_elems: 10,
             slots: Vec::new(),
+            replicas: Vec::new(),
         };
         spec.slots = p.place((0..60).map(|c| spec.chunk_bytes(c) as u64));
         assert!(spec.slots.iter().any(|&s| s / 2 == 1), "server 1 got chunks");

@@ -81,7 +81,11 @@ impl<'a> Source<'a> {
             c => (c - 1) * chunk_elems + 1 + self.u32() as u64 % chunk_elems,
         };
         let slots = (0..chunks).map(|_| self.u32()).collect();
-        TensorSpec { key: self.u32(), name: self.text(), numel, dtype: self.dtype(), chunk_elems, slots }
+        let replicas = match self.bool() {
+            true => (0..chunks).map(|_| self.u32()).collect(),
+            false => Vec::new(),
+        };
+        TensorSpec { key: self.u32(), name: self.text(), numel, dtype: self.dtype(), chunk_elems, slots, replicas }
     }
     fn role(&mut self) -> Role {
         if self.bool() {

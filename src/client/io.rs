@@ -307,6 +307,10 @@ pub struct FailoverNote {
     pub lost: u32,
     pub conns: Vec<usize>,
     pub moved: Vec<(Arc<TensorSpec>, Option<Arc<TensorSpec>>)>,
+    /// OptConfig payloads of the moved tensors with a server-side optimizer:
+    /// sent to their new servers before anything else, so a server that
+    /// took a chunk over without its state refuses it (instead of summing).
+    pub opt: HashMap<u32, Vec<u8>>,
 }
 
 /// Per-connection credits: `base` x (connections with bytes placed), split in
@@ -1090,6 +1094,21 @@ impl IoThread {
                         None => current.clone(),
                     },
                 };
+                if let Some(cfg) = note.opt.get(&key) {
+                    let mut slots = spec.slots.clone();
+                    slots.sort_unstable();
+                    slots.dedup();
+                    for slot in slots {
+                        let Some(conn) = io.conns.get(slot as usize) else { continue };
+                        let mut header = Header::new(MsgType::OptConfig);
+                        (header.namespace, header.key) = (io.namespace, key);
+                        ops.seq += 1;
+                        conn.send().heap.push(SendItem::Control { seq: ops.seq, header, payload: cfg.clone() });
+                        if !touched.contains(&(slot as usize)) {
+                            touched.push(slot as usize);
+                        }
+                    }
+                }
                 // Nothing of it here (never used by this worker yet).
                 let Some(old) = old else { continue };
                 // Chunks move only off lost servers: whatever changed server

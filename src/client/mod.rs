@@ -117,8 +117,8 @@ struct Table {
     barriers: HashMap<u32, Sender<Result<(), String>>>,
     /// A worker that left cleanly while this one goes on (`PeerLeft`).
     left: Option<u32>,
-    /// Tensors (keys) whose optimizer runs on the servers.
-    server_opt: HashSet<u32>,
+    /// Tensors (keys) whose optimizer runs on the servers: its OptConfig payload.
+    server_opt: HashMap<u32, Vec<u8>>,
 }
 
 /// State shared by the caller, the control thread and the I/O thread.
@@ -287,12 +287,13 @@ impl Shared {
 
     /// Server `lost` was lost (`reason`) and its chunks moved: take the new
     /// specs and let the I/O thread re-send and restore what it must. A
-    /// server-side optimizer's state went with the server, so a tensor that
-    /// had one fails the job instead (no replica is kept yet).
+    /// chunk with a server-side optimizer keeps its state only if it moved
+    /// to its replica (`server::replica`); if one did not, the job fails.
     fn on_failover(&self, batch: u32, lost: u32, reason: String, specs: Vec<TensorSpec>) {
         let me = self.io.rank();
         let mut moved = Vec::with_capacity(specs.len());
-        let mut with_opt = None;
+        let mut opt = HashMap::new();
+        let mut state_lost = None;
         let conns: Vec<usize> = (0..self.conn_server.len()).filter(|&i| self.conn_server[i] == lost).collect();
         self.io.write_off(&conns);
         {
@@ -307,9 +308,15 @@ impl Shared {
                     continue; // placed again by a later failover, already applied
                 }
                 let s = Arc::new(s);
-                latest.insert(s.key, (batch, s.clone()));
-                if t.server_opt.contains(&s.key) {
-                    with_opt.get_or_insert(s.name.clone());
+                let before = latest
+                    .insert(s.key, (batch, s.clone()))
+                    .map(|(_, b)| b)
+                    .or_else(|| t.specs.get(&s.name).filter(|c| c.key == s.key).cloned());
+                if let Some(cfg) = t.server_opt.get(&s.key) {
+                    opt.insert(s.key, cfg.clone());
+                    if let Some(why) = before.and_then(|b| opt_state_lost(&b, &s)) {
+                        state_lost.get_or_insert(format!("tensor '{}' {why}", s.name));
+                    }
                 }
                 let current = match t.specs.get_mut(&s.name) {
                     Some(cur) if cur.key == s.key => Some(std::mem::replace(cur, s.clone())),
@@ -318,15 +325,15 @@ impl Shared {
                 moved.push((s, current));
             }
         }
-        if let Some(name) = with_opt {
+        if let Some(why) = state_lost {
             self.fail_job(format!(
-                "server {lost} was lost ({reason}) with the server-side optimizer state of tensor '{name}': \
-                 gradhub keeps no replica of it, so training cannot go on"
+                "server {lost} was lost ({reason}) with the server-side optimizer state of {why}, so training \
+                 cannot go on"
             ));
             return;
         }
         log::warn!(target: &format!("worker {me}"), "server {lost} was lost ({reason}); moving on without it");
-        self.io.fail_over(io::FailoverNote { lost, conns, moved });
+        self.io.fail_over(io::FailoverNote { lost, conns, moved, opt });
     }
 
     fn on_declare_error(&self, req: u32, message: String) {
@@ -367,6 +374,18 @@ fn take_for_reshape(t: &mut Table, name: &str, numel: u64, dtype: DType) -> Resu
     }
     t.transient.remove(name);
     t.specs.remove(name).ok_or_else(|| ClientError::Usage(format!("tensor '{name}' is not declared")))
+}
+
+/// Why chunks of a tensor with a server-side optimizer lose their state
+/// moving from placement `before` to `now`: a chunk that moved anywhere
+/// but to its replica (`server::replica`).
+fn opt_state_lost(before: &TensorSpec, now: &TensorSpec) -> Option<String> {
+    let c = (0..before.num_chunks().min(now.num_chunks()))
+        .find(|&c| before.slots[c] != now.slots[c] && before.replicas.get(c) != Some(&now.slots[c]))?;
+    Some(match before.replicas.get(c) {
+        None => format!("(chunk {c}): it had no replica (failover is off, or no other server was left)"),
+        Some(r) => format!("(chunk {c}): its replica (server thread slot {r}) was lost too"),
+    })
 }
 
 fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), ClientError> {
@@ -669,7 +688,7 @@ impl Client {
         slots.sort_unstable();
         slots.dedup();
         let payload = cfg.encode();
-        self.shared.table().server_opt.insert(spec.key);
+        self.shared.table().server_opt.insert(spec.key, payload.clone());
         for slot in slots {
             self.shared.io.send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())?;
         }

@@ -114,6 +114,11 @@ pub struct TensorSpec {
     pub dtype: DType,
     pub chunk_elems: u64,
     pub slots: Vec<u32>,
+    /// Per chunk, the slot of a second server that keeps a replica of the
+    /// chunk's server-side optimizer state and takes the chunk over if its
+    /// server is lost (`scheduler::failover`); empty when there is none
+    /// (one server, failover or replication off).
+    pub replicas: Vec<u32>,
 }
 
 impl TensorSpec {
@@ -217,6 +222,10 @@ fn put_spec(w: &mut Writer, s: &TensorSpec) {
     for &slot in &s.slots {
         w.u32(slot);
     }
+    w.u32(s.replicas.len() as u32);
+    for &slot in &s.replicas {
+        w.u32(slot);
+    }
 }
 
 fn get_dtype(r: &mut Reader) -> Result<DType, ProtocolError> {
@@ -238,6 +247,14 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
     for _ in 0..n {
         slots.push(r.u32("slot")?);
     }
+    let nr = r.count("replicas", 4)?;
+    let mut replicas = Vec::with_capacity(nr);
+    for _ in 0..nr {
+        replicas.push(r.u32("replica")?);
+    }
+    if nr != 0 && nr != n {
+        return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {nr} replica slots for {n} chunks")));
+    }
     let elem = dtype.size() as u64;
     if numel.checked_mul(elem).is_none_or(|b| b > MAX_TENSOR_BYTES) {
         return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {numel} elements is too large")));
@@ -253,7 +270,7 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
             "tensor spec '{name}': {n} chunk slots do not cover {numel} elements in chunks of {chunk_elems}"
         )));
     }
-    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots })
+    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas })
 }
 
 fn put_specs(w: &mut Writer, specs: &[TensorSpec]) {

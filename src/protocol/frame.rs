@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 7;
+pub const VERSION: u8 = 8;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -51,6 +51,9 @@ msg_types! {
     AuthHello = 11, "connector -> listener (scheduler, server thread): first frame of every connection; payload: a fresh nonce (protocol::auth)";
     AuthChallenge = 12, "listener -> connector: the listener's nonce and its proof of the job's token";
     AuthProof = 13, "connector -> listener: the connector's proof of the job's token";
+    ServerHello = 14, "server thread -> the server thread replicating its chunks: first frame after the handshake (key = the sender's slot)";
+    Replicate = 15, "server thread -> replica: a round's averaged gradient of a chunk with a server-side optimizer (FLAG_INIT: its initial parameters); acked with Received";
+    Snapshot = 35, "server thread -> a new replica: a chunk's whole optimizer state after round `round` (payload: step u64, parameters, moments); acked with Received";
     Register = 16, "member -> scheduler: join the job";
     Welcome = 17, "scheduler -> member: rank and cluster map";
     Declare = 18, "worker -> scheduler: batch of tensor declarations";

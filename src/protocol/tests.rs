@@ -75,6 +75,10 @@ fn spec(key: u32, name: &str, numel: u64, dtype: DType, chunk_elems: u64, first_
         dtype,
         chunk_elems,
         slots: (0..n as u32).map(|i| first_slot.wrapping_add(i) % 7).collect(),
+        replicas: match key % 2 {
+            0 => Vec::new(),
+            _ => (0..n as u32).map(|i| first_slot.wrapping_add(i + 1) % 7).collect(),
+        },
     }
 }
 

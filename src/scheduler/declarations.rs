@@ -114,7 +114,11 @@ pub(super) fn declare(
             Some(p) => p.place(sizes),
             None => continue,
         };
-        let spec = TensorSpec { key, name: name.clone(), numel, dtype, chunk_elems: ce, slots };
+        let mut spec =
+            TensorSpec { key, name: name.clone(), numel, dtype, chunk_elems: ce, slots, replicas: Vec::new() };
+        if let Some(p) = st.placer.as_mut() {
+            spec.replicas = p.place_replicas(&spec);
+        }
         if let Some(d) = st.decls.get_mut(&name) {
             d.spec = Some(spec.clone());
         }
@@ -160,7 +164,7 @@ pub(super) fn release(shared: &Shared, st: &mut State, rank: u32, keys: Vec<u32>
             let Some(r) = st.retiring.remove(&key) else { continue };
             let s = &r.spec;
             if let Some(p) = st.placer.as_mut() {
-                p.unplace((0..s.num_chunks()).map(|c| s.chunk_bytes(c) as u64), &s.slots);
+                p.unplace(s);
             }
             freed.push(key);
         }

@@ -135,7 +135,9 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         Ok(l) => l.num_hosts(),
         Err(_) => cfg.num_workers as usize, // not reached: local_ranks() checked the same
     };
-    let placer = Placer::new(&servers, pushing);
+    // Replicas of every chunk on a second server, so a lost server's
+    // chunks, server-side optimizer state included, can move (`failover`).
+    let placer = Placer::new(&servers, pushing).with_replicas(cfg.failover && servers.len() > 1);
     log::info!(
         target: "scheduler",
         "{} workers on {pushing} pushing machines{}; summation shares per server: {}",

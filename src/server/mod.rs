@@ -5,9 +5,11 @@
 //! it maps their shared segments so they can push to it by reference.
 
 mod optimizer;
+mod replica;
 mod thread;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -178,7 +180,19 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         joins.push(j);
     }
 
-    let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments);
+    let mut links = Links {
+        first_slot,
+        threads: threads as u32,
+        addrs: welcome
+            .servers
+            .iter()
+            .flat_map(|s| s.ports.iter().map(|&p| crate::transport::join_host_port(&s.addr, p)))
+            .collect(),
+        made: HashSet::new(),
+        secret: cfg.secret.clone(),
+        namespace: ns,
+    };
+    let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links);
     drop(session);
     for (tx, w) in cmd_txs.iter().zip(&wakers) {
         let _ = tx.send(match &result {
@@ -204,23 +218,28 @@ fn control_loop(
     cmd_txs: &[crossbeam_channel::Sender<ThreadCmd>],
     wakers: &[Waker],
     segments: &mut Segments,
+    links: &mut Links,
 ) -> Result<(), ServerError> {
     let sender = session.sender();
     let exited = || ServerError::JobFailed("a server thread exited".into());
     let who = format!("server {}", session.welcome.rank);
-    let install = |segments: &mut Segments, specs: &[TensorSpec], adopt: bool, batch: u32| -> Result<(), ServerError> {
-        let shm = segments.map(specs).map_err(ServerError::Setup)?;
-        let (ack_tx, ack_rx) = bounded(cmd_txs.len());
-        for (tx, w) in cmd_txs.iter().zip(wakers) {
-            tx.send(ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), ack_tx.clone())).map_err(|_| exited())?;
-            let _ = w.wake();
-        }
-        for _ in cmd_txs {
-            ack_rx.recv().map_err(|_| exited())?;
-        }
-        sender.send(&Control::ServerDeclareAck { batch })?;
-        Ok(())
-    };
+    let mut install =
+        |segments: &mut Segments, specs: &[TensorSpec], adopt: bool, batch: u32| -> Result<(), ServerError> {
+            let shm = segments.map(specs).map_err(ServerError::Setup)?;
+            let mut new_links = links.open(specs);
+            let (ack_tx, ack_rx) = bounded(cmd_txs.len());
+            for (t, (tx, w)) in cmd_txs.iter().zip(wakers).enumerate() {
+                let l = std::mem::take(&mut new_links[t]);
+                tx.send(ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), l, ack_tx.clone()))
+                    .map_err(|_| exited())?;
+                let _ = w.wake();
+            }
+            for _ in cmd_txs {
+                ack_rx.recv().map_err(|_| exited())?;
+            }
+            sender.send(&Control::ServerDeclareAck { batch })?;
+            Ok(())
+        };
     loop {
         match session.recv()? {
             Control::ServerDeclare { batch, specs } => install(segments, &specs, false, batch)?,
@@ -251,6 +270,54 @@ fn control_loop(
                 log::warn!(target: &format!("server {}", session.welcome.rank), "ignoring {}", crate::session::unexpected(&other));
             }
         }
+    }
+}
+
+/// The links this server's threads open to the threads replicating their
+/// chunks (`replica`): one per (thread, replica slot), opened here, on the
+/// control loop, before the specs that need it are installed.
+struct Links {
+    first_slot: u32,
+    threads: u32,
+    /// Every slot's address, host:port.
+    addrs: Vec<String>,
+    made: HashSet<(u32, u32)>,
+    secret: Secret,
+    namespace: u32,
+}
+
+impl Links {
+    /// Links the threads need for `specs` and do not have yet, by thread.
+    /// One that cannot be opened (its server is being lost) is logged: the
+    /// chunks it would serve hold their results until a failover gives
+    /// them another replica.
+    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, std::net::TcpStream)>> {
+        let mut out: Vec<Vec<_>> = (0..self.threads).map(|_| Vec::new()).collect();
+        for s in specs {
+            for (&slot, &r) in s.slots.iter().zip(&s.replicas) {
+                let Some(t) = slot.checked_sub(self.first_slot).filter(|&t| t < self.threads) else { continue };
+                if !self.made.insert((t, r)) {
+                    continue;
+                }
+                match self.connect(t, r) {
+                    Ok(stream) => out[t as usize].push((r, stream)),
+                    Err(e) => {
+                        self.made.remove(&(t, r));
+                        log::warn!(target: "server", "thread {t}: no link to replica slot {r}: {e}");
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn connect(&self, thread: u32, slot: u32) -> std::io::Result<std::net::TcpStream> {
+        let addr = self.addrs.get(slot as usize).ok_or_else(|| std::io::Error::other("no such slot"))?;
+        // One attempt: the replica's listener exists since it registered;
+        // a refusal means it is gone (a failover will follow).
+        let mut stream = crate::transport::connect_authenticated(addr, Duration::ZERO, &self.secret)?;
+        stream.write_all(&replica::hello_frame(self.namespace, self.first_slot + thread))?;
+        Ok(stream)
     }
 }
 

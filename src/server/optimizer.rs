@@ -67,6 +67,30 @@ impl OptState {
         }
         self.step += 1;
     }
+
+    /// The whole state as bytes (a `Snapshot` payload): the step count
+    /// (u64 LE), then the parameters and each moment present, f32 LE.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + 4 * (self.param.len() + self.m.len() + self.v.len()));
+        out.extend_from_slice(&self.step.to_le_bytes());
+        for x in self.param.iter().chain(&self.m).chain(&self.v) {
+            out.extend_from_slice(&x.to_le_bytes());
+        }
+        out
+    }
+
+    /// The state `encode` wrote, for a chunk of `elems` elements.
+    pub fn decode(b: &[u8], elems: usize) -> Result<OptState, String> {
+        let vectors = (b.len().saturating_sub(8)) / 4 / elems.max(1);
+        if b.len() < 8 || b.len() != 8 + 4 * elems * vectors || vectors == 0 || vectors > 3 {
+            return Err(format!("an optimizer state of {} bytes for {elems} elements", b.len()));
+        }
+        let step = u64::from_le_bytes(b[..8].try_into().map_err(|_| "short state")?);
+        let floats: Vec<f32> = b[8..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let mut parts = floats.chunks(elems.max(1)).map(<[f32]>::to_vec);
+        let param = if elems == 0 { Vec::new() } else { parts.next().unwrap_or_default() };
+        Ok(OptState { param, m: parts.next().unwrap_or_default(), v: parts.next().unwrap_or_default(), step })
+    }
 }
 
 #[cfg(test)]
@@ -101,6 +125,27 @@ mod tests {
         let b1 = [0.9 * d0[0] + d1[0], 0.9 * d0[1] + d1[1]];
         assert!((s.param[0] - (p1[0] - 0.1 * b1[0])).abs() < 1e-6);
         assert!((s.param[1] - (p1[1] - 0.1 * b1[1])).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_decoded_state_continues_exactly_like_the_original() {
+        for kind in [OptKind::Sgd, OptKind::AdamW] {
+            let c = cfg(kind);
+            let mut a = OptState::new(&[1.0, -2.0, 0.25]);
+            a.update(&c, &[0.5, -0.1, 2.0]);
+            let mut b = OptState::decode(&a.encode(), 3).unwrap();
+            for g in [[0.3, 0.3, -1.0], [-2.0, 0.0, 0.5]] {
+                a.update(&c, &g);
+                b.update(&c, &g);
+            }
+            assert_eq!(a.param, b.param);
+            assert_eq!((a.m.clone(), a.v.clone(), a.step), (b.m, b.v, b.step));
+        }
+        let fresh = OptState::new(&[4.0]);
+        assert_eq!(OptState::decode(&fresh.encode(), 1).unwrap().param, vec![4.0]);
+        for bad in [&[0u8; 7][..], &[0u8; 8][..], &[0u8; 13][..], &[0u8; 8 + 4 * 4][..]] {
+            assert!(OptState::decode(bad, 1).is_err(), "{} bytes", bad.len());
+        }
     }
 
     #[test]

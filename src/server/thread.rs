@@ -28,6 +28,9 @@
 //! worker restores round r only if it received it, and pushes round r+1
 //! only after restoring r, so a round is never summed from a mix of pushes
 //! and never completed twice with different results.
+//!
+//! A chunk with a server-side optimizer also has a replica on another
+//! server (`super::replica`): its results wait for the replica's ack.
 
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -38,6 +41,7 @@ use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::optimizer::OptState;
+use super::replica::{self, Replicas};
 use crate::host::Staging;
 use crate::kernels;
 use crate::placement::HostLayout;
@@ -54,8 +58,9 @@ const FIRST_CONN: usize = 2;
 pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours
     /// (adopted from a lost server if the flag is set). With the tensors'
-    /// shared segments when workers on this host push by reference.
-    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Sender<()>),
+    /// shared segments when workers on this host push by reference, and
+    /// new links (authenticated, ServerHello sent) to replica slots.
+    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<(u32, std::net::TcpStream)>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     Stop,
@@ -125,6 +130,10 @@ struct Chunk {
     known: bool,
     /// The last complete round, whose result is in its parity's buffer.
     done: Option<u32>,
+    /// The slot replicating this chunk's optimizer state, if any.
+    replica: Option<u32>,
+    /// A complete round whose results wait for the replica's ack, and since when.
+    held: Option<(u32, Instant)>,
 }
 
 impl Chunk {
@@ -194,6 +203,9 @@ struct Conn {
     /// accepted before it is done.
     auth: auth::Listener,
     rank: Option<u32>,
+    /// The slot of the server thread at the other end: one replicating
+    /// its chunks here (it said ServerHello), or our link to a replica.
+    server: Option<u32>,
     rx: FrameReader<Dest>,
     tx: FrameWriter<Carry>,
     scratch: Vec<u32>,
@@ -258,6 +270,10 @@ pub struct ServerThread {
     /// (the failover reached it after the release), which is no error.
     freed: VecDeque<u32>,
     freed_set: HashSet<u32>,
+    /// Chunks of other threads this one replicates (`super::replica`).
+    replicas: Replicas,
+    /// Our links to the threads replicating our chunks: slot -> token.
+    links: HashMap<u32, usize>,
 }
 
 /// How many released keys a thread remembers (keys are never reused).
@@ -288,6 +304,8 @@ impl ServerThread {
             freed: VecDeque::new(),
             freed_set: HashSet::new(),
             left: vec![false; n],
+            replicas: Replicas::default(),
+            links: HashMap::new(),
         }
     }
 
@@ -338,7 +356,10 @@ impl ServerThread {
             }
             while let Ok(cmd) = self.cmds.try_recv() {
                 match cmd {
-                    ThreadCmd::Declare(specs, adopt, shm, ack) => {
+                    ThreadCmd::Declare(specs, adopt, shm, links, ack) => {
+                        for (slot, stream) in links {
+                            self.add_link(slot, stream);
+                        }
                         self.install(&specs, adopt);
                         self.shm.extend(shm);
                         let _ = ack.send(());
@@ -357,6 +378,7 @@ impl ServerThread {
             }
             self.check_stalls();
             self.close_idle();
+            self.check_held();
         }
     }
 
@@ -367,31 +389,9 @@ impl ServerThread {
                     let _ = stream.set_nodelay(true);
                     // Best effort: without it results are still ordered, only less strictly.
                     let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
-                    let t = self.next_token;
-                    self.next_token += 1;
-                    let link = match Connection::new(self.poll.registry(), stream, Token(t), peer.to_string()) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            log::warn!(target: &self.who(), "cannot register connection from {peer}: {e}");
-                            continue;
-                        }
-                    };
-                    self.conns.insert(
-                        t,
-                        Conn {
-                            link,
-                            auth: auth::Listener::default(),
-                            rank: None,
-                            rx: FrameReader::default(),
-                            tx: FrameWriter::default(),
-                            scratch: Vec::new(),
-                            results: BinaryHeap::new(),
-                            notices: VecDeque::new(),
-                            acks: Vec::new(),
-                            accepted: Instant::now(),
-                            last_frame: Instant::now(),
-                        },
-                    );
+                    if let Err(e) = self.add_conn(stream, peer.to_string(), auth::Listener::default()) {
+                        log::warn!(target: &self.who(), "cannot register connection from {peer}: {e}");
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) => {
@@ -402,16 +402,121 @@ impl ServerThread {
         }
     }
 
+    fn add_conn(&mut self, stream: mio::net::TcpStream, peer: String, auth: auth::Listener) -> std::io::Result<usize> {
+        let t = self.next_token;
+        self.next_token += 1;
+        let link = Connection::new(self.poll.registry(), stream, Token(t), peer)?;
+        let now = Instant::now();
+        let conn = Conn {
+            link,
+            auth,
+            rank: None,
+            server: None,
+            rx: FrameReader::default(),
+            tx: FrameWriter::default(),
+            scratch: Vec::new(),
+            results: BinaryHeap::new(),
+            notices: VecDeque::new(),
+            acks: Vec::new(),
+            accepted: now,
+            last_frame: now,
+        };
+        self.conns.insert(t, conn);
+        Ok(t)
+    }
+
+    /// Our link to the thread at `slot`, which replicates chunks of ours
+    /// (authenticated and introduced by the control loop).
+    fn add_link(&mut self, slot: u32, stream: std::net::TcpStream) {
+        let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let registered = stream.set_nonblocking(true).and_then(|()| {
+            let _ = stream.set_nodelay(true);
+            self.add_conn(
+                mio::net::TcpStream::from_std(stream),
+                format!("replica slot {slot} ({peer})"),
+                auth::Listener::Done,
+            )
+        });
+        match registered {
+            Ok(t) => {
+                if let Some(c) = self.conns.get_mut(&t) {
+                    c.server = Some(slot);
+                }
+                if let Some(old) = self.links.insert(slot, t) {
+                    self.close(old, "replaced by a new link");
+                }
+            }
+            Err(e) => log::warn!(target: &self.who(), "cannot register the link to replica slot {slot}: {e}"),
+        }
+    }
+
+    /// Queue `frame` on the link to replica `slot`. Without one (it broke,
+    /// or could not be opened) the frame is dropped: the results it would
+    /// release stay held until a failover gives the chunk a new replica,
+    /// or `check_held` fails the job.
+    fn send_to_replica(&mut self, slot: u32, frame: Vec<u8>) {
+        let Some(&t) = self.links.get(&slot) else { return };
+        if let Some(c) = self.conns.get_mut(&t) {
+            c.notices.push_back(frame);
+        }
+        if let Err(why) = self.flush(t) {
+            self.close(t, &why.to_string());
+        }
+    }
+
+    /// Chunk `idx`'s replica is new: send it the optimizer and the whole
+    /// state (a held round waits for this ack instead), or, without a
+    /// replica, release a held round.
+    fn sync_replica(&mut self, idx: usize) {
+        let ch = &self.chunks[idx];
+        let (key, chunk, ns) = (ch.key, ch.chunk, self.cfg.namespace);
+        let (Some(state), Some(slot)) = (ch.opt.as_ref(), ch.replica) else {
+            if ch.held.is_some() && ch.replica.is_none() {
+                self.chunks[idx].held = None;
+                self.send_results(idx);
+            }
+            return;
+        };
+        let round = ch.done.unwrap_or(ch.round.wrapping_sub(1));
+        let snapshot = replica::snapshot_frame(ns, (key, chunk, round), state);
+        if let Some(cfg) = self.opt_cfg.get(&key) {
+            let frame = replica::config_frame(ns, key, cfg);
+            self.send_to_replica(slot, frame);
+        }
+        self.send_to_replica(slot, snapshot);
+        if let Some((r, _)) = &mut self.chunks[idx].held {
+            *r = round;
+        }
+    }
+
     fn install(&mut self, specs: &[TensorSpec], adopt: bool) {
         let n = self.cfg.num_workers as usize;
         for s in specs {
             self.names.insert(s.key, s.name.clone());
             for (c, &slot) in s.slots.iter().enumerate() {
-                if slot != self.cfg.slot || self.index.contains_key(&(s.key, c as u32)) {
-                    continue;
-                }
+                let at = (s.key, c as u32);
+                let rep = s.replicas.get(c).copied();
                 let (a, b) = s.chunk_range(c);
                 let elems = b - a;
+                if slot != self.cfg.slot {
+                    if rep == Some(self.cfg.slot) {
+                        let new = replica::Replica { elems, state: None, done: None };
+                        self.replicas.chunks.entry(at).or_insert(new);
+                    } else {
+                        self.replicas.chunks.remove(&at);
+                    }
+                    continue;
+                }
+                if let Some(&idx) = self.index.get(&at) {
+                    if self.chunks[idx].replica != rep {
+                        self.chunks[idx].replica = rep;
+                        self.sync_replica(idx);
+                    }
+                    continue;
+                }
+                // Taken over from a lost server whose replica we were: go
+                // on from the state it replicated here.
+                let from = self.replicas.chunks.remove(&at).filter(|_| adopt);
                 let buf = match s.dtype {
                     DType::F32 => ChunkBuf::F32([vec![0.0; elems], vec![0.0; elems]]),
                     _ => ChunkBuf::Half { acc: vec![0.0; elems], out: [vec![0; elems], vec![0; elems]] },
@@ -438,7 +543,20 @@ impl ServerThread {
                     adopted: adopt,
                     known: !adopt,
                     done: None,
+                    replica: rep,
+                    held: None,
                 };
+                let mut chunk = chunk;
+                if let Some(replica::Replica { state: Some(state), done: Some(d), .. }) = from {
+                    if let ChunkBuf::F32(b) = &mut chunk.buf {
+                        if b[(d & 1) as usize].len() == state.param.len() {
+                            b[(d & 1) as usize].copy_from_slice(&state.param);
+                            (chunk.known, chunk.round, chunk.done) = (true, d.wrapping_add(1), Some(d));
+                            chunk.opt = Some(state);
+                        }
+                    }
+                }
+                let needs_sync = chunk.opt.is_some();
                 let idx = match self.free.pop() {
                     Some(i) => {
                         self.chunks[i] = chunk;
@@ -449,8 +567,11 @@ impl ServerThread {
                         self.chunks.len() - 1
                     }
                 };
-                self.index.insert((s.key, c as u32), idx);
+                self.index.insert(at, idx);
                 self.keys_here.entry(s.key).or_insert_with(|| (s.dtype, Vec::new())).1.push(idx);
+                if needs_sync {
+                    self.sync_replica(idx); // its replica is a new one
+                }
             }
         }
     }
@@ -460,6 +581,7 @@ impl ServerThread {
     /// slots are reused by later tensors). A push for them now is an error
     /// (an unknown key).
     fn release(&mut self, keys: &[u32]) {
+        self.replicas.release(keys);
         let mut freed = Vec::new();
         for key in keys {
             self.names.remove(key);
@@ -546,6 +668,11 @@ impl ServerThread {
         }
         c.tx.clear();
         c.link.deregister(self.poll.registry());
+        if let Some(slot) = c.server {
+            if self.links.get(&slot) == Some(&t) {
+                self.links.remove(&slot);
+            }
+        }
         if let Some(r) = c.rank {
             if self.worker_conn[r as usize] == Some(t) {
                 self.worker_conn[r as usize] = None;
@@ -558,9 +685,12 @@ impl ServerThread {
             let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
             let chunks = &mut self.chunks;
             let scratch = &mut conn.scratch;
-            let limit = match conn.auth.is_done() {
-                true => crate::protocol::data_payload_limit(self.cfg.partition_bytes),
-                false => auth::MAX_AUTH_PAYLOAD,
+            let data = crate::protocol::data_payload_limit(self.cfg.partition_bytes);
+            let limit = match (conn.auth.is_done(), conn.server) {
+                // A snapshot: parameters and up to two moments.
+                (true, Some(_)) => data.saturating_mul(3).saturating_add(8),
+                (true, None) => data,
+                (false, _) => auth::MAX_AUTH_PAYLOAD,
             };
             let frame = conn.link.read_frame(&mut conn.rx, limit, |d| {
                 if d.direct {
@@ -591,12 +721,54 @@ impl ServerThread {
                         conn.acks.extend_from_slice(&r); // written by the flush after this read
                     }
                 }
-                Some(Frame::Message(hdr, buf)) => {
-                    // Only OptConfig payloads are received whole (see on_header).
-                    let cfg = OptConfig::decode(&buf)?;
-                    self.opt_cfg.insert(hdr.key, cfg);
-                }
+                Some(Frame::Message(hdr, buf)) => self.on_message(t, hdr, &buf)?,
             }
+        }
+    }
+
+    /// A frame received whole (see `on_header`): an optimizer config, or
+    /// replication from the server thread that owns the chunk.
+    fn on_message(&mut self, t: usize, hdr: Header, buf: &[u8]) -> ConnResult {
+        let from = self.conns.get(&t).and_then(|c| c.server);
+        match hdr.msg_type {
+            MsgType::OptConfig => {
+                let cfg = OptConfig::decode(buf)?;
+                let changed = self.opt_cfg.insert(hdr.key, cfg) != Some(cfg);
+                if changed && from.is_none() {
+                    // A worker's: our replicas of the key's chunks need it too.
+                    let idxs = self.keys_here.get(&hdr.key).map(|k| k.1.clone()).unwrap_or_default();
+                    let mut slots: Vec<u32> = idxs.iter().filter_map(|&i| self.chunks[i].replica).collect();
+                    slots.sort_unstable();
+                    slots.dedup();
+                    for slot in slots {
+                        self.send_to_replica(slot, replica::config_frame(self.cfg.namespace, hdr.key, &cfg));
+                    }
+                }
+                Ok(())
+            }
+            MsgType::Replicate | MsgType::Snapshot => {
+                let r = match hdr.msg_type {
+                    MsgType::Replicate => self.replicas.apply(&hdr, buf, self.opt_cfg.get(&hdr.key)),
+                    _ => self.replicas.restore(&hdr, buf),
+                };
+                r.map_err(|e| ConnError::Invalid(format!("replication from server thread slot {from:?}: {e}")))?;
+                let mut ack = Header::new(MsgType::Received);
+                (ack.namespace, ack.key, ack.chunk, ack.round) = (self.cfg.namespace, hdr.key, hdr.chunk, hdr.round);
+                if let Some(c) = self.conns.get_mut(&t) {
+                    c.acks.extend_from_slice(&ack.encode());
+                }
+                Ok(())
+            }
+            other => Err(format!("internal: {other:?} received whole").into()),
+        }
+    }
+
+    /// Our replica acked round `hdr.round` of a chunk: its held results go out.
+    fn on_replica_ack(&mut self, hdr: &Header) {
+        let Some(&idx) = self.index.get(&(hdr.key, hdr.chunk)) else { return };
+        if self.chunks[idx].held.is_some_and(|(r, _)| r == hdr.round) {
+            self.chunks[idx].held = None;
+            self.send_results(idx);
         }
     }
 
@@ -613,7 +785,17 @@ impl ServerThread {
             return Err(ProtocolError::WrongNamespace { got: hdr.namespace }.into());
         }
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        if conn.server.is_some() {
+            return self.on_server_header(t, hdr);
+        }
         match hdr.msg_type {
+            MsgType::ServerHello => {
+                if hdr.payload_len != 0 || conn.rank.is_some() {
+                    return Err("a ServerHello with a payload, or after DataHello".into());
+                }
+                conn.server = Some(hdr.key);
+                Ok(())
+            }
             MsgType::DataHello => {
                 let r = hdr.key;
                 if hdr.payload_len != 0 {
@@ -750,6 +932,36 @@ impl ServerThread {
         }
     }
 
+    /// A frame from another server thread: on a link of ours, the replica's
+    /// acks; on one it opened, what it replicates here.
+    fn on_server_header(&mut self, t: usize, hdr: Header) -> ConnResult {
+        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        let ours = conn.server.is_some_and(|s| self.links.get(&s) == Some(&t));
+        match hdr.msg_type {
+            MsgType::Received if ours && hdr.payload_len == 0 => {
+                self.on_replica_ack(&hdr);
+                Ok(())
+            }
+            MsgType::OptConfig | MsgType::Replicate | MsgType::Snapshot if !ours => {
+                if !self.replicas.has_key(hdr.key) {
+                    return Err(format!(
+                        "{:?} for key {} which this server thread does not replicate",
+                        hdr.msg_type, hdr.key
+                    )
+                    .into());
+                }
+                if hdr.msg_type == MsgType::OptConfig
+                    && hdr.payload_len as usize != crate::protocol::optim::OPT_CONFIG_LEN
+                {
+                    return Err(ConnError::Invalid(format!("OptConfig payload of {} bytes", hdr.payload_len)));
+                }
+                conn.rx.receive_owned(hdr);
+                Ok(())
+            }
+            other => Err(format!("unexpected {other:?} frame from another server thread").into()),
+        }
+    }
+
     /// Checks common to both kinds of push; returns the chunk's index, the
     /// pusher, and whether it is a contribution or a replay (adopted chunks).
     fn check_push(&mut self, t: usize, hdr: &Header) -> Result<(usize, u32, PayloadKind), ConnError> {
@@ -802,6 +1014,9 @@ impl ServerThread {
         if hdr.flags & FLAG_INIT != 0 && ch.dtype != DType::F32 {
             return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
         }
+        if hdr.flags & FLAG_INIT == 0 && ch.opt.is_none() && self.opt_cfg.contains_key(&ch.key) {
+            return Err(ConnError::Invalid(self.no_parameters(ch)));
+        }
         Ok((idx, rank, PayloadKind::Push))
     }
 
@@ -843,6 +1058,19 @@ impl ServerThread {
                 "tensor '{name}' chunk {}: restored result of round {} but the chunk is at round {}",
                 hdr.chunk, hdr.round, ch.round
             )));
+        }
+        if self.opt_cfg.contains_key(&ch.key) {
+            // New parameters cannot stand in for the optimizer state that made them.
+            if ch.opt.is_none() {
+                return Err(ConnError::Invalid(self.no_parameters(ch)));
+            }
+            if ch.known && hdr.round == ch.round {
+                return Err(ConnError::Invalid(format!(
+                    "tensor '{name}' chunk {}: worker {rank} restored round {} of a server-side optimizer, which \
+                     its replica never had",
+                    hdr.chunk, hdr.round
+                )));
+            }
         }
         Ok(idx)
     }
@@ -919,6 +1147,23 @@ impl ServerThread {
         for (t, why) in close {
             self.close(t, &why);
         }
+    }
+
+    /// Why a chunk of a tensor with a server-side optimizer has no state here.
+    fn no_parameters(&self, ch: &Chunk) -> String {
+        let why = match ch.adopted {
+            true => {
+                "its server was lost and the state had no replica (failover off, no other server, or the \
+                     replica was lost too)"
+            }
+            false => "no initial parameters were pushed (an init round) before the first gradient",
+        };
+        format!(
+            "tensor '{}' chunk {}: its server-side optimizer has no parameters on server {}: {why}",
+            self.name(ch.key),
+            ch.chunk,
+            self.cfg.server
+        )
     }
 
     fn name(&self, key: u32) -> &str {
@@ -1025,10 +1270,14 @@ impl ServerThread {
         let parity = (ch.round & 1) as usize;
         let scale = if ch.flags & FLAG_AVERAGE != 0 { 1.0 / nw as f32 } else { 1.0 };
         let opt = self.opt_cfg.get(&ch.key);
+        let (ns, at) = (self.cfg.namespace, (ch.key, ch.chunk, ch.round));
+        // What the replica must apply too (see `super::replica`).
+        let mut forward = None;
         match &mut ch.buf {
             ChunkBuf::F32(b) if ch.flags & FLAG_INIT != 0 => {
                 // New parameters (rank 0's); fresh optimizer state.
                 ch.opt = Some(Box::new(OptState::new(&b[parity])));
+                forward = ch.replica.map(|s| (s, replica::replicate_frame(ns, at, FLAG_INIT, &b[parity])));
             }
             ChunkBuf::F32(b) => {
                 if scale != 1.0 {
@@ -1036,6 +1285,7 @@ impl ServerThread {
                 }
                 // Server-side optimizer: the result is the updated parameters.
                 if let (Some(cfg), Some(state)) = (opt, ch.opt.as_mut()) {
+                    forward = ch.replica.map(|s| (s, replica::replicate_frame(ns, at, 0, &b[parity])));
                     state.update(cfg, &b[parity]);
                     b[parity].copy_from_slice(&state.param);
                 }
@@ -1056,6 +1306,11 @@ impl ServerThread {
                 ch.chunk,
                 ch.round
             );
+        }
+        if let Some((slot, frame)) = forward {
+            ch.held = Some((ch.round, Instant::now()));
+            self.send_to_replica(slot, frame);
+            return;
         }
         self.send_results(idx);
     }
@@ -1147,7 +1402,7 @@ impl ServerThread {
             .conns
             .iter()
             .filter_map(|(&t, c)| {
-                if c.rank.is_none() && c.accepted.elapsed() > limit {
+                if c.rank.is_none() && c.server.is_none() && c.accepted.elapsed() > limit {
                     Some((t, format!("no DataHello within {:.1}s", limit.as_secs_f64())))
                 } else if c.rx.in_frame() && c.last_frame.elapsed() > limit {
                     Some((t, format!("a frame stalled half-received for over {:.1}s", limit.as_secs_f64())))
@@ -1157,6 +1412,30 @@ impl ServerThread {
             })
             .collect();
         for (t, why) in late {
+            self.close(t, &why);
+        }
+    }
+
+    /// Results held for a replica's ack that never came (its link broke and
+    /// no failover gave the chunk another within 3 peer timeouts): the
+    /// job cannot go on safely, so every worker here is told why.
+    fn check_held(&mut self) {
+        let limit = self.cfg.peer_timeout * 3;
+        let Some(ch) = self.chunks.iter().find(|c| c.held.is_some_and(|(_, since)| since.elapsed() > limit)) else {
+            return;
+        };
+        let why = format!(
+            "tensor '{}' chunk {} round {}: its replica (server thread slot {}) has not acknowledged the round's \
+             optimizer update for {:.1}s, and no failover came",
+            self.name(ch.key),
+            ch.chunk,
+            ch.round,
+            ch.replica.map_or("none".to_string(), |s| s.to_string()),
+            limit.as_secs_f64()
+        );
+        self.chunks.iter_mut().for_each(|c| c.held = None);
+        let workers: Vec<usize> = self.conns.iter().filter(|(_, c)| c.rank.is_some()).map(|(&t, _)| t).collect();
+        for t in workers {
             self.close(t, &why);
         }
     }

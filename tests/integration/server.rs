@@ -687,3 +687,52 @@ fn a_server_port_takes_nothing_before_the_handshake_nor_a_wrong_token() {
     assert_eq!(bytes_f32(&w0.expect_result(&specs[0], 0, 0)), vec![1.5; 64]);
     job.finish();
 }
+
+#[test]
+fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate_what_they_may() {
+    use gradhub::protocol::{OptConfig, OptKind, FLAG_INIT};
+    let mut job = data_job(2, 1, |_| {});
+    let w = job.declare(0, &[("w", 64, DType::F32)]).remove(0);
+    let mut conns: Vec<DataConn> = (0..2).map(|r| job.conn(0, r)).collect();
+    let cfg = OptConfig {
+        kind: OptKind::Sgd,
+        lr: 0.5,
+        momentum: 0.0,
+        dampening: 0.0,
+        weight_decay: 0.0,
+        nesterov: false,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let mut h = Header::new(MsgType::OptConfig);
+    (h.namespace, h.key) = (NS, w.key);
+    let payload = cfg.encode();
+    h.payload_len = payload.len() as u32;
+    for c in &mut conns {
+        c.send_raw(&[&h.encode()[..], &payload].concat());
+    }
+    // A gradient before any parameters would be summed as if they were.
+    conns[0].push(&w, 0, 0, 0, &f32_bytes(&[1.0; 64]));
+    conns[0].expect_error("no initial parameters were pushed");
+    // With parameters, a round returns parameters: p - lr * mean(g).
+    conns[0] = job.conn(0, 0);
+    let init: Vec<Vec<u8>> = (0..2).map(|_| f32_bytes(&[2.0; 64])).collect();
+    let mut grouped = vec![vec![conns.remove(0)], vec![conns.remove(0)]];
+    round(&mut grouped, &w, 0, FLAG_INIT, &[0, 1], &init);
+    let grads = vec![f32_bytes(&[1.0; 64]), f32_bytes(&[3.0; 64])];
+    let out = round(&mut grouped, &w, 1, FLAG_AVERAGE, &[1, 0], &grads);
+    assert_eq!(bytes_f32(&out[0]), vec![2.0 - 0.5 * 2.0; 64]);
+    // Another server thread may only send what it replicates here (nothing:
+    // this job has one server), and only after saying who it is.
+    let mut hello = Header::new(MsgType::ServerHello);
+    (hello.namespace, hello.key) = (NS, 7);
+    let mut link = job.raw(0);
+    link.send_header(&hello);
+    let mut rep = Header::new(MsgType::Replicate);
+    (rep.namespace, rep.key, rep.dtype, rep.payload_len) = (NS, w.key, DType::F32, 256);
+    link.send_raw(&[&rep.encode()[..], &f32_bytes(&[0.0; 64])].concat());
+    link.expect_error("does not replicate");
+    drop((grouped, link));
+    job.finish();
+}
