@@ -68,6 +68,11 @@ impl OptState {
         self.step += 1;
     }
 
+    /// How many vectors `encode` writes: parameters and the moments in use.
+    pub fn vectors(&self) -> u16 {
+        1 + !self.m.is_empty() as u16 + !self.v.is_empty() as u16
+    }
+
     /// The whole state as bytes (a `Snapshot` payload): the step count
     /// (u64 LE), then the parameters and each moment present, f32 LE.
     pub fn encode(&self) -> Vec<u8> {

@@ -15,7 +15,11 @@
 //!
 //! The link between the two is an authenticated connection the owner's
 //! server opens to the replica's thread (`ServerHello` names the owner's
-//! slot); each owner thread has one link per replica slot it uses.
+//! slot); each owner thread has one link per replica slot it uses. After a
+//! failover, the owner of a chunk with a new replica sends its snapshot while
+//! installing the takeover, which the replica's server may not have done
+//! yet: so a replica takes what its link sends for chunks it has not been
+//! told of, sized by the frame, and the install checks the size.
 
 use std::collections::HashMap;
 
@@ -40,7 +44,7 @@ pub struct Replicas {
 impl Replicas {
     /// A `Replicate` frame's payload (`data`, f32) for (`key`, `chunk`).
     pub fn apply(&mut self, hdr: &Header, data: &[u8], cfg: Option<&OptConfig>) -> Result<(), String> {
-        let r = self.get(hdr)?;
+        let r = self.get(hdr, data.len() / 4)?;
         if hdr.dtype != DType::F32 || data.len() != 4 * r.elems {
             return Err(format!("{} bytes of {} for a chunk of {} f32", data.len(), hdr.dtype.name(), r.elems));
         }
@@ -62,27 +66,29 @@ impl Replicas {
         Ok(())
     }
 
-    /// A `Snapshot` frame's payload: the whole state after round `hdr.round`.
+    /// A `Snapshot` frame's payload: the whole state after round
+    /// `hdr.round`, in `hdr.flags` vectors (parameters and moments).
     pub fn restore(&mut self, hdr: &Header, data: &[u8]) -> Result<(), String> {
-        let r = self.get(hdr)?;
+        let vectors = (hdr.flags as usize).clamp(1, 3);
+        let r = self.get(hdr, data.len().saturating_sub(8) / 4 / vectors)?;
         r.state = Some(Box::new(OptState::decode(data, r.elems)?));
         r.done = Some(hdr.round);
         Ok(())
     }
 
-    fn get(&mut self, hdr: &Header) -> Result<&mut Replica, String> {
-        self.chunks
-            .get_mut(&(hdr.key, hdr.chunk))
-            .ok_or_else(|| format!("key {} chunk {} is not replicated by this server thread", hdr.key, hdr.chunk))
+    /// The replica of (key, chunk) in `hdr`; one of `elems` elements if it
+    /// is new (see the module's comment).
+    fn get(&mut self, hdr: &Header, elems: usize) -> Result<&mut Replica, String> {
+        let r = self.chunks.entry((hdr.key, hdr.chunk)).or_insert(Replica { elems, state: None, done: None });
+        if r.elems != elems {
+            return Err(format!("key {} chunk {}: {elems} elements, but it has {}", hdr.key, hdr.chunk, r.elems));
+        }
+        Ok(r)
     }
 
     /// Every worker released these tensors.
     pub fn release(&mut self, keys: &[u32]) {
         self.chunks.retain(|(k, _), _| !keys.contains(k));
-    }
-
-    pub fn has_key(&self, key: u32) -> bool {
-        self.chunks.keys().any(|&(k, _)| k == key)
     }
 }
 
@@ -102,7 +108,7 @@ pub fn replicate_frame(ns: u32, at: (u32, u32, u32), flags: u16, data: &[f32]) -
 
 /// The whole state after round `at.2`.
 pub fn snapshot_frame(ns: u32, at: (u32, u32, u32), state: &OptState) -> Vec<u8> {
-    frame(MsgType::Snapshot, ns, at, 0, &state.encode())
+    frame(MsgType::Snapshot, ns, at, state.vectors(), &state.encode())
 }
 
 /// The optimizer of `key`, for a replica that may not have it yet.

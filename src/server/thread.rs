@@ -943,13 +943,6 @@ impl ServerThread {
                 Ok(())
             }
             MsgType::OptConfig | MsgType::Replicate | MsgType::Snapshot if !ours => {
-                if !self.replicas.has_key(hdr.key) {
-                    return Err(format!(
-                        "{:?} for key {} which this server thread does not replicate",
-                        hdr.msg_type, hdr.key
-                    )
-                    .into());
-                }
                 if hdr.msg_type == MsgType::OptConfig
                     && hdr.payload_len as usize != crate::protocol::optim::OPT_CONFIG_LEN
                 {

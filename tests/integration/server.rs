@@ -723,8 +723,8 @@ fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate
     let grads = vec![f32_bytes(&[1.0; 64]), f32_bytes(&[3.0; 64])];
     let out = round(&mut grouped, &w, 1, FLAG_AVERAGE, &[1, 0], &grads);
     assert_eq!(bytes_f32(&out[0]), vec![2.0 - 0.5 * 2.0; 64]);
-    // Another server thread may only send what it replicates here (nothing:
-    // this job has one server), and only after saying who it is.
+    // Another server thread replicating here cannot send a gradient before
+    // the parameters it applies to.
     let mut hello = Header::new(MsgType::ServerHello);
     (hello.namespace, hello.key) = (NS, 7);
     let mut link = job.raw(0);
@@ -732,7 +732,7 @@ fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate
     let mut rep = Header::new(MsgType::Replicate);
     (rep.namespace, rep.key, rep.dtype, rep.payload_len) = (NS, w.key, DType::F32, 256);
     link.send_raw(&[&rep.encode()[..], &f32_bytes(&[0.0; 64])].concat());
-    link.expect_error("does not replicate");
+    link.expect_error("before any parameters");
     drop((grouped, link));
     job.finish();
 }
