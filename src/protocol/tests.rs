@@ -7,7 +7,10 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 32] = [
+const ALL_MSG_TYPES: [MsgType; 35] = [
+    MsgType::ServerHello,
+    MsgType::Replicate,
+    MsgType::Snapshot,
     MsgType::AuthHello,
     MsgType::AuthChallenge,
     MsgType::AuthProof,
@@ -45,7 +48,10 @@ const ALL_MSG_TYPES: [MsgType; 32] = [
 /// Data-plane types; every other MsgType is a Control message.
 /// Frames that are not control messages: the data plane's, and the
 /// authentication handshake's (before any control message).
-const DATA_TYPES: [MsgType; 12] = [
+const DATA_TYPES: [MsgType; 15] = [
+    MsgType::ServerHello,
+    MsgType::Replicate,
+    MsgType::Snapshot,
     MsgType::AuthHello,
     MsgType::AuthChallenge,
     MsgType::AuthProof,
@@ -728,6 +734,7 @@ fn raw_spec(numel: u64, dtype: u8, chunk_elems: u64, nslots: u32) -> Vec<u8> {
     for i in 0..nslots {
         p.u32(i);
     }
+    p.u32(0); // no replicas
     p.buf
 }
 
@@ -735,6 +742,26 @@ fn specs_payload(t: MsgType, spec_bytes: &[u8]) -> (Header, Vec<u8>) {
     let mut p = w();
     p.u32(5).u32(1).extend_raw(spec_bytes);
     frame_with_payload(t, &p.buf)
+}
+
+#[test]
+fn control_rejects_a_replica_count_that_is_not_the_chunk_count() {
+    for (nrep, ok) in [(0u32, true), (4, true), (3, false), (5, false)] {
+        let mut b = raw_spec(10, 1, 3, 4);
+        b.truncate(b.len() - 4);
+        let mut p = w();
+        p.u32(nrep);
+        (0..nrep).for_each(|i| {
+            p.u32(i + 1);
+        });
+        b.extend_from_slice(&p.buf);
+        let (h, payload) = specs_payload(MsgType::Declared, &b);
+        match Control::decode(&h, &payload) {
+            Ok(Control::Declared { specs, .. }) if ok => assert_eq!(specs[0].replicas.len(), nrep as usize),
+            Err(ProtocolError::BadPayload(m)) if !ok => assert!(m.contains("replica slots"), "{m}"),
+            other => panic!("{nrep} replicas: {other:?}"),
+        }
+    }
 }
 
 #[test]
