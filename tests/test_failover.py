@@ -124,7 +124,8 @@ def test_losing_a_server_with_optimizer_state_and_failover_off_is_a_clear_error(
 def test_fault_campaign_quick_mode(tmp_path):
     """`gradhub bench faults --quick`: one job per fault (kill, stop, pause
     of each role, a stalled server, an exception, strangers' connections), each started role
-    by role: no hang, no wrong sum, every outcome the expected one."""
+    by role, each with a tensor whose optimizer runs on the servers: no hang, no wrong sum
+    or parameter, every outcome the expected one."""
     out = tmp_path / "faults.json"
     p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "faults", "--quick", "--seed", "0",
                         "--json", str(out)], capture_output=True, text=True, timeout=900, env=job_env())
@@ -136,6 +137,7 @@ def test_fault_campaign_quick_mode(tmp_path):
     assert s["hangs"] == 0 and s["wrong"] == 0 and s["as_expected"] == s["trials"], p.stdout
     # Killed, stopped for good, and perhaps stalled past the peer timeout.
     assert s["continued_after_server_loss"] == s["server_losses"] >= 2, s
+    assert s["continued_with_server_optimizer"] == s["server_losses_with_server_optimizer"] == s["server_losses"], s
     by = {r["fault"]: r for r in res["trials"]}
     # Lost workers and schedulers are reported everywhere within 3 peer timeouts.
     for name in ("kill worker", "stop worker", "kill scheduler", "stop scheduler", "raise in worker"):

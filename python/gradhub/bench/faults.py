@@ -16,7 +16,12 @@ random moment of training:
                   sends random bytes, or half a frame header and then nothing.
 
 Every worker checks every sum exactly (integer-valued data, summed in
-float64 by every worker for every rank). What each fault must lead to:
+float64 by every worker for every rank). In half the jobs (every job with
+--quick) one more tensor has its optimizer on the servers (SGD with
+momentum): every worker checks the parameters each round returns against
+the same update computed in float32, so a server lost with its optimizer
+state (it must move to the chunk's replica) shows as a wrong result. What
+each fault must lead to:
 
   continue        a lost server (killed, stopped for good or stalled: its
                   chunks move to the others), a pause, a stranger's connection: every
@@ -55,6 +60,9 @@ WORKERS, SERVERS = 4, 3
 # (name, elements, dtype): several chunks each at the default partition size, one tiny, one unnamed.
 TENSORS = (("big", 200_000, "float32"), ("half", 60_000, "float16"), ("small", 100, "float32"),
            (None, 3_000, "float32"))
+# A float32 tensor whose optimizer runs on the servers: SGD, lr 0.5, momentum
+# 0.5 (exact binary fractions, so the check can be exact).
+OPT_SIZE, OPT_LR, OPT_MOMENTUM = 150_000, 0.5, 0.5
 
 
 @dataclass(frozen=True)
@@ -89,14 +97,23 @@ def _data(seed: int, step: int, tensor: int, rank: int, size: int, dtype) -> np.
     return rng.integers(-4, 5, size).astype(dtype)
 
 
-def _worker(steps: int, seed: int, raise_at: int) -> None:
+def _worker(steps: int, seed: int, raise_at: int, server_opt: bool = False) -> None:
     """One worker of a trial (a child process; its job comes from GRADHUB_*):
     prints STEP lines, WRONG and exits 3 on a sum that differs, PASS at the
-    end. `raise_at` >= 0 raises an exception at that step (the fault)."""
+    end. `raise_at` >= 0 raises an exception at that step (the fault).
+    `server_opt`: one more tensor, with its optimizer on the servers."""
     import gradhub
+    import gradhub.api
 
     gradhub.init()
     r, n = gradhub.rank(), gradhub.size()
+    opt = len(TENSORS)  # the optimizer tensor's index in the data seeds
+    if server_opt:
+        gradhub.api.set_server_optimizer("opt", OPT_SIZE, "sgd", OPT_LR, momentum=OPT_MOMENTUM)
+        params = _data(seed, 0, opt + 1, r, OPT_SIZE, np.float32)
+        gradhub.push_pull_async(params, name="opt", init=True).wait(60)  # every worker gets worker 0's
+        momentum = None
+    lr, mom, avg = np.float32(OPT_LR), np.float32(OPT_MOMENTUM), np.float32(1 / n)
     for s in range(steps):
         if s == raise_at:
             raise RuntimeError(f"fault injected into worker {r} at step {s}")
@@ -104,12 +121,23 @@ def _worker(steps: int, seed: int, raise_at: int) -> None:
         for i, (name, size, dtype) in enumerate(TENSORS):
             x = _data(seed, s, i, r, size, dtype)
             handles.append((i, x, gradhub.push_pull_async(x, name=name)))
+        if server_opt:
+            x = _data(seed, s, opt, r, OPT_SIZE, np.float32)
+            handles.append((opt, x, gradhub.push_pull_async(x, name="opt", average=True)))
         for i, x, h in handles:
             h.wait(60)
-            _, size, dtype = TENSORS[i]
-            want = sum(_data(seed, s, i, q, size, np.float64) for q in range(n))
-            if not np.array_equal(x.astype(np.float64), want):
-                bad = np.flatnonzero(x.astype(np.float64) != want)
+            if i == opt:
+                # The servers' update (server/optimizer.rs), op for op in float32.
+                grad = sum(_data(seed, s, opt, q, OPT_SIZE, np.float64) for q in range(n)).astype(np.float32) * avg
+                momentum = grad if momentum is None else mom * momentum + np.float32(1) * grad
+                params = params + (-lr) * momentum
+                got, want = x, params
+            else:
+                _, size, dtype = TENSORS[i]
+                got = x.astype(np.float64)
+                want = sum(_data(seed, s, i, q, size, np.float64) for q in range(n))
+            if not np.array_equal(got, want):
+                bad = np.flatnonzero(got != want)
                 print(f"WRONG step {s} tensor {i}: {bad.size} element(s) differ, first at {bad[:5]}", flush=True)
                 os._exit(3)
         print(f"STEP {s}", flush=True)
@@ -126,6 +154,7 @@ class Trial:
     peer_timeout: float
     host_stage: bool
     steps: int
+    server_opt: bool
     logdir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     exited: dict[str, float] = field(default_factory=dict)
@@ -178,7 +207,7 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     victim = rng.randrange(WORKERS)
     for r in range(WORKERS):
         code = (f"from gradhub.bench.faults import _worker; "
-                f"_worker({t.steps}, {t.seed}, {raise_at if r == victim else -1})")
+                f"_worker({t.steps}, {t.seed}, {raise_at if r == victim else -1}, {t.server_opt})")
         # Two workers per host with the host stage, so it is under test too.
         host = f"faults-host{r // 2 if t.host_stage else r}"
         t.spawn(f"worker{r}", [sys.executable, "-c", code], dict(base, GRADHUB_RANK=str(r), GRADHUB_HOST_ID=host))
@@ -223,12 +252,18 @@ def _names_targets(t: Trial, targets: list[str]) -> bool:
     return all(named(x) for x in targets)
 
 
-def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot: Path) -> dict:
+def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot: Path,
+              server_opt: bool | None = None) -> dict:
+    """One job and its fault. `server_opt`: whether it has a tensor with its
+    optimizer on the servers (default: one job in two, never when two
+    servers are lost at once, which may take a chunk's replica too)."""
     rng = random.Random(seed)
     logdir = logroot / f"trial{seed}"
     logdir.mkdir(parents=True, exist_ok=True)
-    t = Trial(fault, seed, peer_timeout, host_stage=rng.random() < 0.5, steps=steps, logdir=logdir)
-    res: dict = {"fault": fault.name, "seed": seed, "host_stage": t.host_stage}
+    host_stage, coin = rng.random() < 0.5, rng.random() < 0.5
+    server_opt = (coin if server_opt is None else server_opt) and fault.count == 1
+    t = Trial(fault, seed, peer_timeout, host_stage=host_stage, steps=steps, logdir=logdir, server_opt=server_opt)
+    res: dict = {"fault": fault.name, "seed": seed, "host_stage": t.host_stage, "server_opt": server_opt}
     try:
         port, sports, victim = _start(t, rng)
         # The fault lands at a random moment of training (the raise is at a random step).
@@ -351,7 +386,9 @@ def summarize(results: list[dict]) -> dict:
     return {"trials": len(results), "as_expected": sum(r["ok"] for r in results),
             "hangs": sum(r["hang"] for r in results), "wrong": sum(r["wrong"] for r in results),
             "continued_after_server_loss": sum(r["outcome"] == "continued" for r in lost),
-            "server_losses": len(lost), "by_fault": rows}
+            "server_losses": len(lost),
+            "continued_with_server_optimizer": sum(r["outcome"] == "continued" for r in lost if r["server_opt"]),
+            "server_losses_with_server_optimizer": sum(bool(r["server_opt"]) for r in lost), "by_fault": rows}
 
 
 def _fmt(x: float | None) -> str:
@@ -368,6 +405,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=40, help="training steps per job (default 40)")
     ap.add_argument("--quick", action="store_true",
                     help="one trial per fault but 'kill 2 servers', 25 steps each (the test suite's)")
+    ap.add_argument("--server-optimizer", choices=("half", "always", "never"), default=None,
+                    help="jobs with a tensor whose optimizer runs on the servers (default: half, always with "
+                         "--quick; never when two servers are lost at once)")
     ap.add_argument("--json", help="write every trial's result to this file")
     ap.add_argument("--keep-logs", action="store_true", help="keep every trial's logs (default: failed trials' only)")
 
@@ -393,17 +433,20 @@ def run(args) -> int:
         print("gradhub bench faults: --steps must be at least 4", file=sys.stderr)
         return 2
     seed0 = args.seed if args.seed is not None else random.randrange(1 << 30)
+    mode = args.server_optimizer or ("always" if args.quick else "half")
+    server_opt = {"half": None, "always": True, "never": False}[mode]
     logroot = Path(tempfile.mkdtemp(prefix="gradhub-faults-"))
     print(f"faults  {trials} job(s) of {WORKERS} workers + {SERVERS} servers + scheduler, each started role by role "
           f"on loopback; peer timeout {args.peer_timeout} s, {steps} steps; seeds from {seed0}", flush=True)
     results, t0 = [], time.monotonic()
     for i in range(trials):
         fault = faults[i % len(faults)]
-        r = run_trial(fault, seed0 + i, args.peer_timeout, steps, logroot)
+        r = run_trial(fault, seed0 + i, args.peer_timeout, steps, logroot, server_opt)
         results.append(r)
         times = "".join(f" {k}={r[k]:.2f}s" for k in ("first_report_s", "all_down_s") if k in r)
         flag = "ok" if r["ok"] else "UNEXPECTED"
-        print(f"  [{i + 1:3d}/{trials}] {fault.name:20s} -> {r.get('target', '-'):10s} {r['outcome']:26s}{times}  "
+        kind = "opt" if r["server_opt"] else "   "
+        print(f"  [{i + 1:3d}/{trials}] {fault.name:20s} {kind} -> {r.get('target', '-'):10s} {r['outcome']:26s}{times}  "
               f"{flag}{'  HANG ' + str(r['hung']) if r['hang'] else ''}{'  WRONG' if r['wrong'] else ''}",
               flush=True)
         if not r["ok"]:
@@ -418,7 +461,9 @@ def run(args) -> int:
               f"{row['continued']:7d}  {_fmt(row['first_report_median_s']):>10s} {_fmt(row['all_down_median_s']):>8s} "
               f"{_fmt(row['all_down_max_s']):>6s} {_fmt(row['takeover_median_s']):>8s}")
     print(f"\n  trials {s['trials']}   as expected {s['as_expected']}   hangs {s['hangs']}   wrong results {s['wrong']}   "
-          f"jobs that went on after a server loss {s['continued_after_server_loss']}/{s['server_losses']}")
+          f"jobs that went on after a server loss {s['continued_after_server_loss']}/{s['server_losses']} "
+          f"(with the optimizer on the servers: {s['continued_with_server_optimizer']}/"
+          f"{s['server_losses_with_server_optimizer']})")
     print(f"  (seconds, medians: 1st report = fault to the first other member exiting with an error, all down = "
           f"to the last one, takeover = a lost server's chunks moved; campaign wall time {time.monotonic() - t0:.0f} s)")
     if args.json:

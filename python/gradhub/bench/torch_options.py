@@ -12,8 +12,11 @@ import sys
 from .checkout import checkout_root
 
 # Environment switches, as an unchanged Horovod script would get them.
+# With 2+ servers, GRADHUB_FAILOVER=0 shows what replicating the server
+# optimizer's state costs (failover on keeps a replica of it).
 OPTIONS = ["GRADHUB_SCHEDULING=fifo", "GRADHUB_SCHEDULING=priority", "GRADHUB_OVERLAP_FORWARD=1",
-           "GRADHUB_OPTIMIZER_ON_SERVER=1", "GRADHUB_OPTIMIZER_ON_SERVER=1 GRADHUB_OVERLAP_FORWARD=1"]
+           "GRADHUB_OPTIMIZER_ON_SERVER=1", "GRADHUB_OPTIMIZER_ON_SERVER=1 GRADHUB_FAILOVER=0",
+           "GRADHUB_OPTIMIZER_ON_SERVER=1 GRADHUB_OVERLAP_FORWARD=1"]
 TIMEOUT = 600
 
 
