@@ -57,3 +57,24 @@ def test_launch_makes_up_a_token():
     assert p.returncode == 0, p.stdout + p.stderr
     lines = [ln for ln in p.stdout.splitlines() if "TOKEN" in ln]
     assert len(lines) == 2 and all("TOKEN 64" in ln for ln in lines), p.stdout
+
+
+def test_torchrun_jobs_share_a_token_made_up_by_rank_0_through_torchruns_store(tmp_path):
+    # A real torchrun (standalone: its agent's store on this machine); the job
+    # hosts its scheduler and server, and nobody set GRADHUB_JOB_TOKEN.
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np, gradhub\n"
+        "gradhub.init()\n"
+        "x = np.full(5000, gradhub.rank() + 1, np.float32)\n"
+        "gradhub.push_pull(x, name='x')\n"
+        "assert (x == 3).all(), x[:4]\n"
+        "print('PASS', gradhub.rank(), flush=True)\n"
+        "gradhub.shutdown()\n")
+    env = {k: v for k, v in no_token().items() if not k.startswith("GRADHUB_")}
+    env["GRADHUB_SCHEDULER_PORT"] = str(free_port())
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS 0" in out.stdout and "PASS 1" in out.stdout, out.stdout
+    assert "job token: made up by rank 0, shared through torchrun's store" in out.stderr, out.stderr

@@ -154,6 +154,29 @@ def job_token() -> str | None:
     return token
 
 
+def torchrun_token(rank: int, timeout: float) -> str | None:
+    """A job token for a torchrun job that hosts its own scheduler and servers
+    (no GRADHUB_SCHEDULER) and was given none: rank 0 makes one up and shares
+    it through torchrun's own store (the elastic agent's TCPStore at
+    MASTER_ADDR:MASTER_PORT, which torch.distributed's env:// rendezvous uses
+    too), so only processes of this torchrun job learn it. None when the
+    processes were not started by torchrun's agent."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import datetime
+    import secrets
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=timeout))
+    # A restarted group (elastic restarts) makes a new one.
+    key = f"gradhub/job_token/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        store.set(key, secrets.token_hex(32))
+    return store.get(key).decode()
+
+
 def insecure() -> bool:
     """GRADHUB_INSECURE: run a job reachable from other hosts without a token."""
     return get_flag("GRADHUB_INSECURE")

@@ -69,6 +69,10 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             )
         from .roles import DEFAULT_SCHEDULER_PORT, split_hostport
 
+        if env.embedded and env.token is None:
+            env.token = _env.torchrun_token(env.rank, env.connect_timeout)
+            if env.token is not None and env.rank == 0:
+                print("[gradhub] job token: made up by rank 0, shared through torchrun's store", file=sys.stderr)
         _env.check_exposure("gradhub.init()", [split_hostport(env.scheduler, DEFAULT_SCHEDULER_PORT)[0]],
                             env.token, env.insecure)
         if env.embedded:
