@@ -348,6 +348,10 @@ impl PyClient {
         self.inner.local_size
     }
     #[getter]
+    fn local_ranks(&self) -> Vec<u32> {
+        self.inner.local_ranks.clone()
+    }
+    #[getter]
     fn num_servers(&self) -> u32 {
         self.inner.num_servers
     }

@@ -63,6 +63,22 @@ def test_api_functions(workers):
     assert_all_passed(rc, out, workers)
 
 
+@pytest.mark.parametrize("workers", [2, 3])
+def test_horovod_names_beyond_allreduce(workers):
+    rc, out = run_launch(workers, 2, "torch_horovod_names.py")
+    assert_all_passed(rc, out, workers)
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]], ids=["2+2", "3+1"])
+def test_cross_rank_and_size_follow_the_hosts(cluster_factory, hosts):
+    c = cluster_factory(len(hosts), 1)
+    for w, h in enumerate(hosts):
+        c.start_worker(w, "torch_horovod_names.py", {"hosts": hosts}, GRADHUB_HOST_ID=f"cross-{h}")
+    for w in range(len(hosts)):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert f"PASS {w}" in c.log(f"worker{w}")
+
+
 def test_ddp_comm_hook_matches_gloo_allreduce():
     rc, out = run_launch(3, 2, "torch_ddp.py", {"port": free_port()})
     assert_all_passed(rc, out, 3)

@@ -120,6 +120,9 @@ class Client:
     @property
     def local_size(self) -> int: ...
     @property
+    def local_ranks(self) -> list[int]:
+        """Every worker's local rank, by rank."""
+    @property
     def num_servers(self) -> int: ...
     @property
     def partition_bytes(self) -> int: ...

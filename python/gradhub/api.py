@@ -152,6 +152,33 @@ def local_size() -> int:
     return _require().local_size
 
 
+def _cross_group() -> list[int]:
+    """The workers with this worker's local rank, one per host, by rank."""
+    c = _require()
+    mine = c.local_rank
+    return [q for q, lr in enumerate(c.local_ranks) if lr == mine]
+
+
+def cross_rank() -> int:
+    """This worker's rank among the workers with its local rank (Horovod's
+    cross rank: the index of its host, when every host has as many workers)."""
+    return _cross_group().index(rank())
+
+
+def cross_size() -> int:
+    """The number of workers with this worker's local rank (Horovod's cross
+    size: the number of hosts, when every host has as many workers)."""
+    return len(_cross_group())
+
+
+def is_homogeneous() -> bool:
+    """Whether every host has the same number of workers."""
+    lrs = _require().local_ranks
+    counts = [lrs.count(lr) for lr in set(lrs)]
+    # Local ranks are 0..size-1 per host: equal counts of each value means equal sizes.
+    return len(set(counts)) <= 1
+
+
 class Handle:
     """A push_pull in flight. `wait()` returns the (in-place updated) tensor."""
 

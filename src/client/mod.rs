@@ -407,6 +407,9 @@ pub struct Client {
     pub num_workers: u32,
     pub local_rank: u32,
     pub local_size: u32,
+    /// Every worker's local rank, by rank (Horovod's cross rank and size
+    /// come from it).
+    pub local_ranks: Vec<u32>,
     pub num_servers: u32,
     pub partition_bytes: u32,
     /// The scheduler's identifier of this job (names its shared memory).
@@ -525,6 +528,7 @@ impl Client {
             num_workers: w.num_workers,
             local_rank,
             local_size,
+            local_ranks: w.worker_local_ranks.clone(),
             num_servers: w.servers.len() as u32,
             partition_bytes: w.partition_bytes,
             job_id: w.job_id,

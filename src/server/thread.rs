@@ -951,6 +951,8 @@ impl ServerThread {
                 conn.rx.receive_owned(hdr);
                 Ok(())
             }
+            // Its last words as it closes (the job ended or failed): it says why itself.
+            MsgType::Error => Err(ConnError::Read(ReadError::Closed)),
             other => Err(format!("unexpected {other:?} frame from another server thread").into()),
         }
     }

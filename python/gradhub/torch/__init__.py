@@ -10,15 +10,21 @@ Three ways to use it:
 from __future__ import annotations
 
 from .. import GradhubError, GradhubTimeoutError
+from ..api import barrier as _barrier
+from ..api import cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size
 from ..api import init as _init
-from ..api import is_initialized, local_rank, local_size, rank, shutdown, size
 from .compression import Compression, Compressor
 from .ddp import HookState, ddp_comm_hook
 from .ops import (
+    Adasum,
     Average,
     Handle,
+    Max,
+    Min,
+    Product,
     Sum,
     allgather,
+    allgather_object,
     allgather_async,
     allreduce,
     allreduce_,
@@ -31,6 +37,10 @@ from .ops import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
     poll,
     push_pull,
     push_pull_async,
@@ -45,10 +55,80 @@ def init(*args, **kwargs):
     _init(*args, **kwargs)
 
 
+def barrier(process_set=None):
+    """Block until every worker has entered the barrier."""
+    if process_set is not None:
+        raise NotImplementedError("gradhub.torch: process sets are not supported yet; barrier() spans every worker")
+    _barrier()
+
+
+# Horovod raises HorovodInternalError when a collective fails because a peer
+# was lost; gradhub raises GradhubError then (naming the peer and why).
+HorovodInternalError = GradhubError
+
+
+# What this build has, as Horovod's queries: no MPI, Gloo, NCCL, DDL, oneCCL
+# or GPU kernels (CUDA tensors are staged through host memory by PyTorch).
+def mpi_built() -> bool:
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+class _Elastic:
+    """`gradhub.torch.elastic`: Horovod's elastic training is out of scope."""
+
+    def __getattr__(self, name):
+        raise NotImplementedError(
+            f"gradhub.torch.elastic.{name}: elastic training (workers joining and leaving a running job) is not "
+            "supported; a lost worker fails the job with an error naming it, and a lost server is taken over")
+
+
+elastic = _Elastic()
+
+
 __all__ = [
-    "Average", "Compression", "Compressor", "DistributedOptimizer", "GradhubError", "GradhubTimeoutError", "Handle",
-    "HookState", "Sum", "SyncBatchNorm", "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
-    "broadcast_optimizer_state", "broadcast_parameters", "ddp_comm_hook", "init", "is_initialized", "local_rank",
-    "local_size", "poll", "push_pull", "push_pull_async", "rank", "shutdown", "size", "synchronize",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "GradhubError", "GradhubTimeoutError",
+    "Handle", "HookState", "HorovodInternalError", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
+    "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "ddp_comm_hook", "elastic", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "local_rank",
+    "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "push_pull",
+    "push_pull_async", "rank", "rocm_built", "shutdown", "size", "synchronize",
 ]

@@ -31,6 +31,13 @@ class ReduceOp:
 
 Average = ReduceOp("Average")
 Sum = ReduceOp("Sum")
+# Reduced by gathering every worker's tensor and reducing locally (the
+# servers sum only): one allgather's traffic, exact for every dtype.
+Min = ReduceOp("Min")
+Max = ReduceOp("Max")
+Product = ReduceOp("Product")
+Adasum = ReduceOp("Adasum")
+_GATHERED = {Min: lambda t: t.amin(0), Max: lambda t: t.amax(0), Product: lambda t: t.prod(0)}
 
 _NATIVE = (torch.float32, torch.float16, torch.bfloat16)
 _auto_name = _api.auto_name
@@ -41,8 +48,11 @@ def _resolve_op(average, op):
         raise ValueError("pass either average= or op=, not both")
     if op is None:
         op = Average if average in (None, True) else Sum
-    if op not in (Average, Sum):
-        raise ValueError(f"unsupported reduce op {op!r}: use gradhub.torch.Average or gradhub.torch.Sum")
+    if op is Adasum:
+        raise NotImplementedError(
+            "gradhub.torch.Adasum is not implemented: gradhub's servers sum (or average); use Average or Sum")
+    if op not in (Average, Sum) and op not in _GATHERED:
+        raise ValueError(f"unsupported reduce op {op!r}: use gradhub.torch.Average, Sum, Min, Max or Product")
     return op
 
 
@@ -162,42 +172,161 @@ def push_pull(tensor, average=True, name=None, priority=0, compression=Compressi
     return push_pull_async(tensor, average, name, priority, compression).wait()
 
 
-def allreduce_async(tensor, average=None, name=None, compression=Compression.none, op=None, priority=0) -> Handle:
+def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """`t` times `factor` in its own dtype (Horovod's pre/postscale)."""
+    if factor == 1.0:
+        return t
+    return (t.double() * factor).round().to(t.dtype) if not t.dtype.is_floating_point else t * factor
+
+
+def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, prescale: float,
+                  postscale: float) -> Handle:
+    """allreduce(_async)(_)'s one path: summed (averaged) on the servers, or
+    gathered and reduced here (Min, Max, Product), scaled before and after."""
+    if op in _GATHERED:
+        t = _scaled(tensor.detach(), prescale).reshape(1, -1)
+        out = _scaled(_GATHERED[op](_allgather_impl(t, name)[0]).to(tensor.dtype), postscale).view_as(tensor)
+        if inplace_target is not None:
+            inplace_target.copy_(out)
+            out = inplace_target
+        return Handle(None, lambda: out, name)
+    if prescale != 1.0:
+        tensor = _scaled(tensor.detach(), prescale)
+        if inplace_target is not None:
+            inplace_target.copy_(tensor)
+            tensor = inplace_target
+    h = _push_pull_async(tensor, name, op is Average, priority, compression, inplace_target)
+    if postscale == 1.0:
+        return h
+    finish = h._finish
+
+    def scaled():
+        out = finish()
+        if inplace_target is not None:
+            out.copy_(_scaled(out, postscale))
+            return out
+        return _scaled(out, postscale)
+
+    h._finish = scaled
+    return h
+
+
+def allreduce_async(tensor, average=None, name=None, compression=Compression.none, op=None, priority=0,
+                    prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     op = _resolve_op(average, op)
-    return _push_pull_async(tensor, name or _auto_name("allreduce"), op is Average, priority, compression, None)
+    return _reduce_async(tensor, name or _auto_name("allreduce"), op, priority, compression, None,
+                         prescale_factor, postscale_factor)
 
 
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, compression):
-        ctx.op, ctx.compression, ctx.name = op, compression, name
-        return allreduce_async(tensor, name=name, op=op, compression=compression).wait()
+    def forward(ctx, tensor, name, op, compression, prescale, postscale):
+        ctx.op, ctx.compression, ctx.name, ctx.scale = op, compression, name, (prescale, postscale)
+        return allreduce_async(tensor, name=name, op=op, compression=compression, prescale_factor=prescale,
+                               postscale_factor=postscale).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=ctx.op, compression=ctx.compression)
-        return g.wait(), None, None, None
+        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=ctx.op, compression=ctx.compression,
+                            prescale_factor=ctx.scale[0], postscale_factor=ctx.scale[1])
+        return g.wait(), None, None, None, None, None
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None):
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0):
     """Reduce `tensor` across workers (default: average); returns a new tensor.
-    Differentiable: the gradient is reduced the same way."""
+    `op`: Average, Sum, Min, Max or Product; `prescale_factor` multiplies the
+    input, `postscale_factor` the result. Differentiable for Average and Sum:
+    the gradient is reduced the same way."""
     op = _resolve_op(average, op)
     name = name or _auto_name("allreduce")
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllreduceFn.apply(tensor, name, op, compression)
-    return allreduce_async(tensor, name=name, op=op, compression=compression).wait()
+    if tensor.requires_grad and torch.is_grad_enabled() and op not in _GATHERED:
+        return _AllreduceFn.apply(tensor, name, op, compression, prescale_factor, postscale_factor)
+    return allreduce_async(tensor, name=name, op=op, compression=compression, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor).wait()
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none) -> Handle:
+def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none,
+                     prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     """In-place allreduce; `synchronize(handle)` returns `tensor` itself."""
     _check_inplace(tensor, "allreduce_")
     op = _resolve_op(average, op)
-    return _push_pull_async(tensor, name or _auto_name("allreduce"), op is Average, priority, compression, tensor)
+    return _reduce_async(tensor, name or _auto_name("allreduce"), op, priority, compression, tensor,
+                         prescale_factor, postscale_factor)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, compression=Compression.none):
-    return allreduce_async_(tensor, average, name, op, compression=compression).wait()
+def allreduce_(tensor, average=None, name=None, op=None, compression=Compression.none, prescale_factor=1.0,
+               postscale_factor=1.0):
+    return allreduce_async_(tensor, average, name, op, compression=compression, prescale_factor=prescale_factor,
+                            postscale_factor=postscale_factor).wait()
+
+
+class _GroupHandle(Handle):
+    """A grouped operation: done when every member is; `wait()` returns the list of outputs."""
+
+    def __init__(self, handles: list[Handle], name: str):
+        super().__init__(None, lambda: [h.wait() for h in handles], name)
+        self._members = handles
+
+    def done(self) -> bool:
+        return self._done or all(h.done() for h in self._members)
+
+    def add_done_callback(self, fn) -> None:
+        left = [len(self._members)]
+        lock = threading.Lock()
+
+        def one(_h):
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+
+        if not self._members:
+            fn(self)
+        for h in self._members:
+            h.add_done_callback(one)
+
+
+def _group_names(tensors, name, kind):
+    base = name or _auto_name(kind)
+    return [f"{base}.{i}" for i in range(len(tensors))]
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, compression=Compression.none, op=None,
+                            prescale_factor=1.0, postscale_factor=1.0, priority=0) -> Handle:
+    """Reduce a list of tensors together; `synchronize` returns the list of results."""
+    names = _group_names(tensors, name, "grouped_allreduce")
+    return _GroupHandle([allreduce_async(t, average, n, compression, op, priority, prescale_factor, postscale_factor)
+                         for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce")
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0):
+    """allreduce of each of `tensors`, started together; returns the list of results
+    (differentiable like allreduce)."""
+    names = _group_names(tensors, name, "grouped_allreduce")
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor)
+                for t, n in zip(tensors, names)]
+    handles = [allreduce_async(t, average, n, compression, op, 0, prescale_factor, postscale_factor)
+               for t, n in zip(tensors, names)]
+    return [h.wait() for h in handles]
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                             priority=0, compression=Compression.none) -> Handle:
+    """In place; `synchronize` returns the tensors themselves."""
+    names = _group_names(tensors, name, "grouped_allreduce")
+    return _GroupHandle([allreduce_async_(t, average, n, op, priority, compression, prescale_factor,
+                                          postscale_factor) for t, n in zip(tensors, names)],
+                        names[0] if names else "grouped_allreduce")
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       compression=Compression.none):
+    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                    compression=compression).wait()
 
 
 def synchronize(handle: Handle):
@@ -348,6 +477,19 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None):
         payload = torch.zeros(n, dtype=torch.uint8)
     data = broadcast(payload, root_rank, name=f"{name}.data")
     return pickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list:
+    """Every worker's `obj` (pickled), as a list by rank."""
+    name = name or _auto_name("allgather_object")
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.sizes").tolist()
+    data = allgather(payload, name=f"{name}.data").numpy().tobytes()
+    out, at = [], 0
+    for s in sizes:
+        out.append(pickle.loads(data[at:at + s]))
+        at += s
+    return out
 
 
 def broadcast_parameters(params, root_rank: int = 0):
