@@ -63,6 +63,19 @@ def test_api_functions(workers):
     assert_all_passed(rc, out, workers)
 
 
+def test_gradient_predivide_factor_trains_like_plain_averaging():
+    cfg = {"model": "mlp", "opt": "sgd", "steps": 10, "predivide": 4.0}
+    rc, out = run_launch(3, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 3)
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "sparse_as_dense"])
+def test_sparse_gradients_train_like_one_process(dense):
+    cfg = {"model": "embed", "opt": "sgd0", "steps": 10, "sparse_as_dense": dense}
+    rc, out = run_launch(2, 1, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 2)
+
+
 @pytest.mark.parametrize("workers", [2, 3])
 def test_horovod_names_beyond_allreduce(workers):
     rc, out = run_launch(workers, 2, "torch_horovod_names.py")

@@ -1,7 +1,9 @@
 """Worker: train a small model with gradhub.torch on this rank's shard and
 check it against single-process training on the combined batch.
 
-Config: model (mlp|cnn), opt (sgd|nesterov|adamw), overlap (bool), server (optimizer on the servers),
+Config: model (mlp|cnn|plist|embed: sparse gradients), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
+overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
+sparse_as_dense (bool),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile).
 """
@@ -44,10 +46,24 @@ class PListNet(nn.Module):
         return F.linear(torch.tanh(F.linear(x, self.ws[0], self.bs[0])), self.ws[1], self.bs[1])
 
 
+class EmbedNet(nn.Module):
+    """An embedding with sparse gradients (rows of the table looked up by the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 8, sparse=True)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc(self.emb((x.abs() * 10).long() % 40).mean(1))
+
+
 def make_model():
     torch.manual_seed(1234)
     if model_kind == "plist":
         return PListNet()
+    if model_kind == "embed":
+        return EmbedNet()
     if model_kind == "mlp":
         return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 5))
     return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 8, 3), nn.ReLU(),
@@ -57,6 +73,8 @@ def make_model():
 def make_opt(params):
     if opt_kind == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+    if opt_kind == "sgd0":
+        return torch.optim.SGD(params, lr=0.5)
     if opt_kind == "nesterov":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True)
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
@@ -91,7 +109,8 @@ for s in range(steps):
 model = make_model()
 opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
                                compression=compression, backward_passes_per_step=passes, overlap_forward=overlap,
-                               optimizer_on_server=server)
+                               optimizer_on_server=server, gradient_predivide_factor=CONFIG.get("predivide", 1.0),
+                               sparse_as_dense=CONFIG.get("sparse_as_dense", False))
 assert opt._gh_server == server
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -113,7 +132,13 @@ for s in range(steps):
         loss.backward()
     # Loss of the combined batch, from every worker's shard loss.
     losses.append(hvd.allreduce(loss.detach(), name="loss", op=hvd.Average).item())
-    opt.step()
+    if model_kind == "embed":
+        opt.synchronize()
+        assert model.emb.weight.grad.is_sparse != CONFIG.get("sparse_as_dense", False), model.emb.weight.grad.layout
+        with opt.skip_synchronize():
+            opt.step()
+    else:
+        opt.step()
     if lr_sched:
         lr_sched.step()
     if "step_sleep" in CONFIG:

@@ -29,7 +29,7 @@ import torch
 from .. import _env
 from .. import api as _api
 from .compression import Compression
-from .ops import Average, _push_pull_async, _resolve_op, _wire_spec
+from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
 from .overlap import ELEMENTWISE, OverlapForward
 from .server_optimizer import OptimizerOnServer, server_unsupported
 
@@ -46,11 +46,17 @@ class _DistributedOptimizer:
     _gh_server = False
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                 op=Average, *, base_cls: type, fifo: bool = False):
+                 op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
+                 sparse_as_dense: bool = False):
         super().__init__(params)
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
         self._gh_compression = compression
         self._gh_op = _resolve_op(None, op)
+        if self._gh_op not in (Average, Sum):
+            raise ValueError(f"DistributedOptimizer reduces gradients with Average or Sum, not {self._gh_op!r}")
+        self._gh_predivide = float(predivide)
+        self._gh_sparse_as_dense = sparse_as_dense
+        self._gh_sparse: list = []  # sparse gradients reduced dense this step: made sparse again
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         self._gh_passes = backward_passes_per_step
@@ -109,6 +115,11 @@ class _DistributedOptimizer:
 
     def _gh_push(self, p, grad):
         """Start reducing p's gradient; returns an ops.Handle."""
+        if self._gh_predivide != 1.0:
+            # Horovod's split average: 1/f before the sum, f/size after.
+            f = self._gh_predivide
+            return _reduce_async(grad, self._gh_push_name(p), Sum, self._gh_priority(p), self._gh_compression, grad,
+                                 1.0 / f, f / _api.size())
         return _push_pull_async(grad, self._gh_push_name(p), self._gh_op is Average, self._gh_priority(p),
                                 self._gh_compression, grad)
 
@@ -189,6 +200,12 @@ class _DistributedOptimizer:
         grad = p.grad
         if grad is None:
             return
+        if grad.is_sparse:
+            # Reduced dense (the same values Horovod's sparse allgather sums
+            # to); made sparse again after, unless sparse_as_dense.
+            grad = p.grad = grad.to_dense()
+            if not self._gh_sparse_as_dense:
+                self._gh_sparse.append(p)
         self._gh_handles[id(p)] = self._gh_push(p, grad)
 
     # -------------------------------------------------------------- Horovod API
@@ -200,6 +217,9 @@ class _DistributedOptimizer:
         # produce the same set of gradients each step (as with Horovod).
         for pid, h in list(self._gh_handles.items()):
             h.wait()
+        for p in self._gh_sparse:
+            p.grad = p.grad.to_sparse()
+        self._gh_sparse.clear()
         done = list(self._gh_handles)
         self._gh_handles.clear()
         self._gh_synchronized = True
@@ -239,10 +259,18 @@ class _DistributedOptimizer:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
-                         overlap_forward: bool | None = None, optimizer_on_server: bool | None = None):
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None, overlap_forward: bool | None = None,
+                         optimizer_on_server: bool | None = None):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
 
-    Same signature as Horovod's, plus two scheduling options:
+    Same signature as Horovod's: `gradient_predivide_factor` f splits the
+    average (gradients times 1/f before the sum, f/size after; Average only);
+    sparse gradients are reduced dense and made sparse again (or left dense
+    with `sparse_as_dense`); `num_groups`/`groups` are checked and accepted:
+    Horovod fuses a group's gradients into one message, gradhub partitions
+    and schedules each gradient on its own, so grouping changes no value.
+    `process_set` is not supported. Plus two scheduling options:
     `overlap_forward=True` lets the next forward pass start before every
     gradient has arrived (SGD, Adam, AdamW); `optimizer_on_server=True` runs
     the update on the summation servers (SGD, AdamW; float32). Left unset,
@@ -256,6 +284,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     does), and raises if the workers' parameters differ in size or dtype."""
     if not _api.is_initialized():
         raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
+    if process_set is not None:
+        raise NotImplementedError("DistributedOptimizer(process_set=...): process sets are not supported yet")
+    if gradient_predivide_factor != 1.0 and _resolve_op(None, op) is not Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, not {gradient_predivide_factor}")
+    _check_groups(optimizer, num_groups, groups)
     env = _env.torch_options()
     if overlap_forward is None:
         overlap_forward = env.overlap_forward
@@ -280,8 +315,30 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     # Re-create with the same param_groups (hyperparameters included) and defaults.
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                 base_cls=base, fifo=env.scheduling == "fifo")
+                 base_cls=base, fifo=env.scheduling == "fifo", predivide=gradient_predivide_factor,
+                 sparse_as_dense=sparse_as_dense)
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
     return opt
+
+
+def _check_groups(optimizer, num_groups, groups) -> None:
+    """Horovod's grouping arguments, checked as Horovod does."""
+    if not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be a non-negative int, not {num_groups!r}")
+    if groups is None or isinstance(groups, int):
+        if isinstance(groups, int) and groups < 0:
+            raise ValueError(f"groups must be a non-negative int or a list of lists of parameters, not {groups!r}")
+        return
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in groups):
+        raise ValueError("groups must be a non-negative int or a list of lists of parameters")
+    known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    seen = set()
+    for g in groups:
+        for p in g:
+            if id(p) not in known:
+                raise ValueError("groups names a parameter the optimizer does not have")
+            if id(p) in seen:
+                raise ValueError("a parameter is in more than one of groups")
+            seen.add(id(p))
