@@ -1441,7 +1441,8 @@ impl ServerThread {
         // (key, round) -> (chunk indices, missing ranks, waited)
         let mut by_key: HashMap<(u32, u32), StalledRound> = HashMap::new();
         for (i, ch) in self.chunks.iter_mut().enumerate() {
-            let Some(start) = ch.started else { continue };
+            // A held round waits for its replica, not for a worker (`check_held`).
+            let Some(start) = ch.started.filter(|_| ch.held.is_none()) else { continue };
             let waited = now - start;
             if ch.stall_reported || waited < self.cfg.stall {
                 continue;

@@ -69,44 +69,20 @@ HorovodInternalError = GradhubError
 
 # What this build has, as Horovod's queries: no MPI, Gloo, NCCL, DDL, oneCCL
 # or GPU kernels (CUDA tensors are staged through host memory by PyTorch).
-def mpi_built() -> bool:
-    return False
+def _absent(name: str):
+    def query() -> bool:
+        return False
+
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = f"Horovod's {name}(): False, gradhub has none of it."
+    return query
 
 
-def mpi_enabled() -> bool:
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def gloo_enabled() -> bool:
-    return False
-
-
-def nccl_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def cuda_built() -> bool:
-    return False
-
-
-def rocm_built() -> bool:
-    return False
+mpi_built, mpi_enabled, mpi_threads_supported = _absent("mpi_built"), _absent("mpi_enabled"), \
+    _absent("mpi_threads_supported")
+gloo_built, gloo_enabled, nccl_built = _absent("gloo_built"), _absent("gloo_enabled"), _absent("nccl_built")
+ddl_built, ccl_built = _absent("ddl_built"), _absent("ccl_built")
+cuda_built, rocm_built = _absent("cuda_built"), _absent("rocm_built")
 
 
 class _Elastic:
