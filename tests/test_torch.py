@@ -63,6 +63,12 @@ def test_api_functions(workers):
     assert_all_passed(rc, out, workers)
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_parameters_without_a_gradient_on_some_workers_do_not_hang_the_step(workers):
+    rc, out = run_launch(workers, 1, "torch_unused.py", timeout=120)
+    assert_all_passed(rc, out, workers)
+
+
 def test_gradient_predivide_factor_trains_like_plain_averaging():
     cfg = {"model": "mlp", "opt": "sgd", "steps": 10, "predivide": 4.0}
     rc, out = run_launch(3, 2, "torch_train.py", cfg)

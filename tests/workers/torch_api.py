@@ -101,11 +101,16 @@ for dtype in (torch.float32, torch.int64, torch.float16):
     got = hvd.allgather(x, name=f"ag.{dtype}")
     want = torch.cat([torch.full((k + 1, 3), k, dtype=dtype) for k in range(n)])
     assert got.dtype == dtype and torch.equal(got, want), got
-# Differentiable allgather: d/dx sum(allgather(x) * w) = w at my rows, summed over workers.
+# Differentiable allgather, as Horovod: the workers' output gradients are
+# averaged and each takes its rows (every worker's w is 2 + its rank here).
 x = torch.ones(2, 2, requires_grad=True)
 g = hvd.allgather(x, name="ag.grad")
-(g * 2.0).sum().backward()
-close(x.grad, torch.full((2, 2), 2.0 * n))
+(g * (2.0 + r)).sum().backward()
+close(x.grad, torch.full((2, 2), 2.0 + (n - 1) / 2))
+# Differentiable broadcast, as Horovod: the root gets the averaged gradient, the others zero.
+x = torch.ones(3, requires_grad=True)
+(hvd.broadcast(x, 0, name="bc.grad") * (1.0 + r)).sum().backward()
+close(x.grad, torch.full((3,), 1.0 + (n - 1) / 2 if r == 0 else 0.0))
 # Differentiable allreduce.
 x = torch.ones(3, requires_grad=True)
 hvd.allreduce(x, op=hvd.Sum, name="ar.grad").sum().backward()

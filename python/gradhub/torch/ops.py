@@ -383,8 +383,27 @@ def _broadcast_async(tensor, root_rank, name, target) -> Handle:
     return Handle(h, finish, name)
 
 
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank, ctx.name = root_rank, name
+        return broadcast_async(tensor, root_rank, name).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # As Horovod: every worker's gradient, averaged, flows to the root's input only.
+        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=Average).wait()
+        if _api.rank() != ctx.root_rank:
+            g = torch.zeros_like(g)
+        return g, None, None
+
+
 def broadcast(tensor, root_rank, name=None):
-    """Return root_rank's value of `tensor` on every worker (out of place)."""
+    """Return root_rank's value of `tensor` on every worker (out of place).
+    Differentiable: the root's input gets the workers' averaged gradient, the others zero."""
+    name = name or _auto_name("broadcast")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _BroadcastFn.apply(tensor, root_rank, name)
     return broadcast_async(tensor, root_rank, name).wait()
 
 
@@ -439,8 +458,9 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # As Horovod: the workers' gradients of the whole output, averaged; each takes its rows.
         r = _api.rank()
-        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=Sum).wait()
+        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=Average).wait()
         start = sum(ctx.counts[:r])
         return g[start:start + ctx.counts[r]], None
 

@@ -213,8 +213,16 @@ class _DistributedOptimizer:
     def synchronize(self):
         """Wait until every gradient of this step has been reduced."""
         self._gh_finalize_order()
-        # Only gradients whose hook fired are reduced: every worker must
-        # produce the same set of gradients each step (as with Horovod).
+        # As Horovod: a parameter this worker produced no gradient for this
+        # step (a branch of the model not taken here) is reduced with a zero
+        # gradient, so every worker reduces every parameter and none waits
+        # for a reduction another never starts.
+        for p in self._gh_params:
+            if p.requires_grad and id(p) not in self._gh_handles:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._gh_counts[id(p)] = 0
+                self._gh_start(p)
         for pid, h in list(self._gh_handles.items()):
             h.wait()
         for p in self._gh_sparse:
