@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iters", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
-    t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server; nohost = host stage off, noshm = owners reach their own host's server over TCP instead of shared memory)")
+    t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server; nohost = host stage off, noshm = owners reach their own host's server over TCP instead of shared memory, nofailover = no failover nor replicas of the server optimizer)")
     _add_compare_args(t)
     g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
     _add_cluster_args(g)

@@ -31,6 +31,9 @@ VARIANTS = {
     # Host stage on, but the owners push to their own host's server over
     # loopback TCP instead of by reference through shared memory.
     "noshm": {"GRADHUB_SERVER_SHM": "0"},
+    # Failover off (read by the scheduler), and with it the replicas of the
+    # server optimizer's state: "server" vs "server+nofailover" is their cost.
+    "nofailover": {"GRADHUB_FAILOVER": "0"},
 }
 
 
