@@ -135,12 +135,12 @@ impl Staging {
         let n = spec.num_chunks();
         let numel = spec.numel as usize;
         let base = LINE + n * 2 * LINE;
-        let acc_bytes = if spec.dtype == DType::F32 { 0 } else { round_up(numel * 4) };
+        let acc_bytes = if spec.dtype.sums_in_place() { 0 } else { round_up(numel * 4) };
         let wire_bytes = round_up(numel * spec.dtype.size());
         let acc = [base, base + acc_bytes + wire_bytes];
         let wire = [acc[0] + acc_bytes, acc[1] + acc_bytes];
-        // f32 sums are made in the wire buffer itself.
-        let acc = if spec.dtype == DType::F32 { wire } else { acc };
+        // f32, f64 and integer sums are made in the wire buffer itself.
+        let acc = if spec.dtype.sums_in_place() { wire } else { acc };
         let result = base + 2 * (acc_bytes + wire_bytes);
         (result + wire_bytes, acc, wire, result)
     }
@@ -263,10 +263,25 @@ impl Staging {
             // An init round has one writer, which overwrites.
             let copy = first || flags & FLAG_INIT != 0;
             // SAFETY: the chunk's acc range is inside the segment and ours
-            // under the lock; `src` is the chunk of the caller's buffer.
-            let acc = unsafe { std::slice::from_raw_parts_mut(self.seg.at(self.acc[p] + a * 4).cast::<f32>(), n) };
+            // under the lock (4 bytes per element, or the element's own size
+            // when summed in place); `src` is the chunk of the caller's buffer.
+            let es = if self.dtype.sums_in_place() { self.dtype.size() } else { 4 };
+            let acc_at = self.seg.at(self.acc[p] + a * es);
+            // SAFETY: as above (f32 sums, and the f32 accumulator of halves).
+            let acc_f32 = || unsafe { std::slice::from_raw_parts_mut(acc_at.cast::<f32>(), n) };
             match self.dtype {
+                DType::F64 | DType::I32 | DType::I64 => {
+                    // SAFETY: as above, as bytes; src holds n elements of the dtype.
+                    let acc = unsafe { std::slice::from_raw_parts_mut(acc_at, n * es) };
+                    let src = unsafe { std::slice::from_raw_parts(src, n * es) };
+                    if copy {
+                        acc.copy_from_slice(src);
+                    } else {
+                        kernels::add_exact(self.dtype, acc, src);
+                    }
+                }
                 DType::F32 => {
+                    let acc = acc_f32();
                     let src = aligned::<f32>(src, n);
                     if copy {
                         acc.copy_from_slice(&src);
@@ -275,6 +290,7 @@ impl Staging {
                     }
                 }
                 d => {
+                    let acc = acc_f32();
                     let src = aligned::<u16>(src, n);
                     match (d == DType::F16, copy) {
                         (true, true) => kernels::widen_f16(acc, &src),
@@ -292,7 +308,7 @@ impl Staging {
         count_w.store(count, Ordering::Relaxed);
         let done = count == self.local_size;
         if done {
-            if self.dtype != DType::F32 {
+            if !self.dtype.sums_in_place() {
                 let (a, b) = self.range(chunk);
                 let p = (round & 1) as usize;
                 // SAFETY: as above; acc and wire do not overlap for halves.

@@ -69,7 +69,7 @@ impl<'a> Source<'a> {
         (0..n).map(|_| f(self)).collect()
     }
     fn dtype(&mut self) -> DType {
-        const TYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+        const TYPES: [DType; 6] = [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::I64];
         TYPES[self.len(TYPES.len())]
     }
     /// A spec the decoder accepts: one slot per chunk of `chunk_elems`.

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 from . import _core, _env
 from ._core import GradhubTimeoutError
-from .buffers import describe, get_buffer, is_torch_tensor, stage, validate
+from .buffers import INTEGER_DTYPES, describe, get_buffer, is_torch_tensor, stage, validate
 
 _lock = threading.Lock()
 _client: _core.Client | None = None
@@ -245,15 +245,17 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
-    bfloat16). CPU memory is used in place; a CUDA tensor is staged through
-    pinned host memory and the result copied back by `wait()`.
+    bfloat16, float64, int32, int64; float64 and the integers are summed
+    exactly in their own type, integers wrapping as torch's do). CPU memory
+    is used in place; a CUDA tensor is staged through pinned host memory and
+    the result copied back by `wait()`.
     `name` identifies the tensor across workers; without one, names are
     generated from the call order, which must then be the same on every worker,
     and the tensor's state is freed once the call completes. A name used again
     with another shape or dtype is a new tensor (once the previous round of it
     completed).
     Higher `priority` is sent first. `average=True` divides by the number of
-    workers. `dtype="bfloat16"` lets a uint16 numpy array carry bfloat16 bits.
+    workers (floating-point types only). `dtype="bfloat16"` lets a uint16 numpy array carry bfloat16 bits.
     `init=True` (float32 only) gives the servers the initial values of a tensor
     whose optimizer runs on the servers (`set_server_optimizer`); the round
     returns worker 0's values.
@@ -261,6 +263,9 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     c = _require()
     host = stage(tensor, dtype)
     buf = get_buffer(host, dtype)
+    if average and buf.dtype in INTEGER_DTYPES:
+        raise ValueError("average=True needs a floating-point tensor: integers are summed exactly; "
+                         "divide the sum yourself")
     if name is None:
         name = auto_name("push_pull")
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,

@@ -16,8 +16,14 @@ from typing import Any
 
 import numpy as np
 
-_NUMPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
-_TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+_NUMPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.float64): "float64",
+                 np.dtype(np.int32): "int32", np.dtype(np.int64): "int64"}
+_TORCH_DTYPES = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+                 "torch.float64": "float64", "torch.int32": "int32", "torch.int64": "int64"}
+# What the servers sum: float64 and the integers exactly, in their own type
+# (integers wrap as torch's do); float16/bfloat16 in float32, rounded once.
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64")
+INTEGER_DTYPES = ("int32", "int64")
 
 
 @dataclass
@@ -70,10 +76,10 @@ def _check_override(dtype: str | None, own: str | None, name: str, itemsize: int
     would sum the bits as garbage."""
     if dtype is None:
         if own is None:
-            raise TypeError(f"unsupported dtype {name} (use float32, float16 or bfloat16)")
+            raise TypeError(f"unsupported dtype {name} (use {', '.join(WIRE_DTYPES)})")
         return own
-    if dtype not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r}: use 'float32', 'float16' or 'bfloat16'")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {', '.join(repr(d) for d in WIRE_DTYPES)}")
     if dtype == own:
         return dtype
     if dtype == "bfloat16" and own is None and itemsize == 2:
@@ -121,5 +127,5 @@ def describe(x: Any) -> tuple[int, str]:
     else:
         raise TypeError(f"cannot declare a {type(x).__name__}; pass an array, a tensor or (numel, dtype)")
     if dt is None:
-        raise TypeError(f"unsupported dtype {x.dtype} (use float32, float16 or bfloat16)")
+        raise TypeError(f"unsupported dtype {x.dtype} (use {', '.join(WIRE_DTYPES)})")
     return int(x.size if isinstance(x, np.ndarray) else x.numel()), dt

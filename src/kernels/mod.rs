@@ -57,6 +57,47 @@ pub fn scale_f32(buf: &mut [f32], scale: f32) {
     selected().scale_f32(buf, scale)
 }
 
+/// acc += src for the types summed in place other than f32 (float64 and the
+/// integers, which wrap as torch's do), on raw little-endian bytes: `src` may
+/// be unaligned (a connection's scratch buffer); `acc` is aligned for `dtype`.
+/// Plain loops the compiler vectorizes; these types are rare on the hot path.
+pub fn add_exact(dtype: crate::protocol::DType, acc: &mut [u8], src: &[u8]) {
+    use crate::protocol::DType;
+    assert_eq!(acc.len(), src.len(), "add_exact: lengths differ");
+    match dtype {
+        DType::F64 => {
+            for (a, s) in acc.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+                let v = f64::from_le_bytes(a[..8].try_into().unwrap_or_default())
+                    + f64::from_le_bytes(s.try_into().unwrap_or_default());
+                a.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::I64 => {
+            for (a, s) in acc.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+                let v = i64::from_le_bytes(a[..8].try_into().unwrap_or_default())
+                    .wrapping_add(i64::from_le_bytes(s.try_into().unwrap_or_default()));
+                a.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        DType::I32 => {
+            for (a, s) in acc.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
+                let v = i32::from_le_bytes(a[..4].try_into().unwrap_or_default())
+                    .wrapping_add(i32::from_le_bytes(s.try_into().unwrap_or_default()));
+                a.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        other => panic!("add_exact: {other:?} is not summed as raw bytes"),
+    }
+}
+
+/// buf[i] *= scale, float64 as raw little-endian bytes.
+pub fn scale_f64(buf: &mut [u8], scale: f64) {
+    for a in buf.chunks_exact_mut(8) {
+        let v = f64::from_le_bytes(a[..8].try_into().unwrap_or_default()) * scale;
+        a.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
 /// What dispatch picked: "avx512", "avx2" or "portable".
 pub fn simd_level() -> &'static str {
     selected().level()

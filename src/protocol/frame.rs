@@ -83,6 +83,10 @@ pub enum DType {
     F32 = 1,
     F16 = 2,
     BF16 = 3,
+    /// Summed exactly in their own type (integers wrap, as torch's do).
+    F64 = 4,
+    I32 = 5,
+    I64 = 6,
 }
 
 impl DType {
@@ -92,15 +96,26 @@ impl DType {
             1 => Some(DType::F32),
             2 => Some(DType::F16),
             3 => Some(DType::BF16),
+            4 => Some(DType::F64),
+            5 => Some(DType::I32),
+            6 => Some(DType::I64),
             _ => None,
         }
     }
     pub fn size(self) -> usize {
         match self {
             DType::None => 1,
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::F64 | DType::I64 => 8,
         }
+    }
+    /// Summed in place in its own type; f16/bf16 are summed in f32 and narrowed once.
+    pub fn sums_in_place(self) -> bool {
+        !matches!(self, DType::F16 | DType::BF16 | DType::None)
+    }
+    pub fn is_integer(self) -> bool {
+        matches!(self, DType::I32 | DType::I64)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -108,6 +123,9 @@ impl DType {
             DType::F32 => "float32",
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
         }
     }
     pub fn from_name(s: &str) -> Option<DType> {
@@ -115,6 +133,9 @@ impl DType {
             "float32" | "f32" => Some(DType::F32),
             "float16" | "f16" | "half" => Some(DType::F16),
             "bfloat16" | "bf16" => Some(DType::BF16),
+            "float64" | "f64" => Some(DType::F64),
+            "int32" | "i32" => Some(DType::I32),
+            "int64" | "i64" => Some(DType::I64),
             _ => None,
         }
     }

@@ -66,7 +66,8 @@ const DATA_TYPES: [MsgType; 15] = [
     MsgType::Restore,
 ];
 
-const ALL_DTYPES: [DType; 4] = [DType::None, DType::F32, DType::F16, DType::BF16];
+const ALL_DTYPES: [DType; 7] =
+    [DType::None, DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::I64];
 
 const NS: u32 = 0xDEAD_BEEF;
 
@@ -441,7 +442,7 @@ fn header_rejects_bad_dtype() {
         let mut b = valid_header_bytes();
         b[6] = v;
         let r = Header::decode(&b, u32::MAX);
-        if v <= 3 {
+        if v <= 6 {
             assert_eq!(r.unwrap().dtype as u8, v);
         } else {
             assert_eq!(r, Err(ProtocolError::BadDtype(v)), "dtype {v}");
@@ -480,15 +481,18 @@ fn dtype_helpers() {
     for &d in &ALL_DTYPES {
         assert_eq!(DType::from_u8(d as u8), Some(d));
     }
-    assert_eq!(DType::from_u8(4), None);
+    assert_eq!(DType::from_u8(7), None);
     assert_eq!(DType::F32.size(), 4);
     assert_eq!(DType::F16.size(), 2);
     assert_eq!(DType::BF16.size(), 2);
+    assert_eq!((DType::F64.size(), DType::I32.size(), DType::I64.size()), (8, 4, 8));
     for &d in &ALL_DTYPES[1..] {
         assert_eq!(DType::from_name(d.name()), Some(d));
+        assert_eq!(d.sums_in_place(), !matches!(d, DType::F16 | DType::BF16));
+        assert_eq!(d.is_integer(), matches!(d, DType::I32 | DType::I64));
     }
     assert_eq!(DType::from_name("none"), None);
-    assert_eq!(DType::from_name("float64"), None);
+    assert_eq!(DType::from_name("int8"), None);
 }
 
 // ---------------------------------------------------------------- control round trip
@@ -791,7 +795,7 @@ fn control_rejects_inconsistent_tensor_specs() {
             assert!(is_bad_payload(&Control::decode(&h, &p)), "{t:?} chunk_elems 0 numel {numel}");
         }
         // dtype None or unknown in a spec.
-        for d in [0u8, 4, 0xff] {
+        for d in [0u8, 7, 0xff] {
             let (h, p) = specs_payload(t, &raw_spec(10, d, 5, 2));
             assert_eq!(Control::decode(&h, &p), Err(ProtocolError::BadDtype(d)), "{t:?} dtype {d}");
         }
@@ -800,7 +804,7 @@ fn control_rejects_inconsistent_tensor_specs() {
 
 #[test]
 fn control_rejects_bad_dtype_in_declaration() {
-    for d in [0u8, 4, 0x80, 0xff] {
+    for d in [0u8, 7, 0x80, 0xff] {
         let mut p = w();
         p.u32(1).u32(2).str("ok").u64(4).u8(1).str("bad").u64(4).u8(d);
         let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);

@@ -98,6 +98,9 @@ enum ChunkBuf {
         acc: Vec<f32>,
         out: [Vec<u16>; 2],
     },
+    /// float64 and the integers, summed exactly in their own type: raw
+    /// little-endian bytes, 8-aligned (`kernels::add_exact`).
+    Exact([Vec<u64>; 2]),
 }
 
 struct Chunk {
@@ -141,6 +144,7 @@ impl Chunk {
         match &self.buf {
             ChunkBuf::F32(b) => bytes(&b[parity]),
             ChunkBuf::Half { out, .. } => bytes(&out[parity]),
+            ChunkBuf::Exact(b) => &bytes(&b[parity])[..self.elems * self.dtype.size()],
         }
     }
 }
@@ -519,6 +523,10 @@ impl ServerThread {
                 let from = self.replicas.chunks.remove(&at).filter(|_| adopt);
                 let buf = match s.dtype {
                     DType::F32 => ChunkBuf::F32([vec![0.0; elems], vec![0.0; elems]]),
+                    d if d.sums_in_place() => {
+                        let words = (elems * d.size()).div_ceil(8);
+                        ChunkBuf::Exact([vec![0; words], vec![0; words]])
+                    }
                     _ => ChunkBuf::Half { acc: vec![0.0; elems], out: [vec![0; elems], vec![0; elems]] },
                 };
                 let chunk = Chunk {
@@ -698,6 +706,7 @@ impl ServerThread {
                         ChunkBuf::F32(b) => &mut bytes_mut(&mut b[d.parity])[..d.len],
                         // Never chosen: only f32 chunks are received directly.
                         ChunkBuf::Half { acc, .. } => &mut bytes_mut(acc)[..0],
+                        ChunkBuf::Exact(b) => &mut bytes_mut(&mut b[d.parity])[..0],
                     }
                 } else {
                     &mut bytes_mut(scratch)[..d.len]
@@ -1009,6 +1018,12 @@ impl ServerThread {
         if hdr.flags & FLAG_INIT != 0 && ch.dtype != DType::F32 {
             return Err(ConnError::Invalid(format!("tensor '{name}': parameter initialization needs float32")));
         }
+        if hdr.flags & FLAG_AVERAGE != 0 && ch.dtype.is_integer() {
+            return Err(ConnError::Invalid(format!(
+                "tensor '{name}': {} is summed exactly; workers average integers themselves",
+                ch.dtype.name()
+            )));
+        }
         if hdr.flags & FLAG_INIT == 0 && ch.opt.is_none() && self.opt_cfg.contains_key(&ch.key) {
             return Err(ConnError::Invalid(self.no_parameters(ch)));
         }
@@ -1088,6 +1103,7 @@ impl ServerThread {
         match &mut ch.buf {
             ChunkBuf::F32(b) => bytes_mut(&mut b[parity]).copy_from_slice(src),
             ChunkBuf::Half { out, .. } => bytes_mut(&mut out[parity]).copy_from_slice(src),
+            ChunkBuf::Exact(b) => bytes_mut(&mut b[parity])[..src.len()].copy_from_slice(src),
         }
         ch.done = Some(s);
         if !completes {
@@ -1231,6 +1247,16 @@ impl ServerThread {
                     (_, false) => kernels::add_bf16(acc, src),
                 }
             }
+            ChunkBuf::Exact(b) => {
+                let len = n * ch.dtype.size();
+                // SAFETY: the push's len bytes (any alignment: read as bytes).
+                let src = unsafe { std::slice::from_raw_parts(src, len) };
+                let acc = &mut bytes_mut(&mut b[parity])[..len];
+                match first {
+                    true => acc.copy_from_slice(src),
+                    false => kernels::add_exact(ch.dtype, acc, src),
+                }
+            }
         }
         if first {
             ch.started = Some(Instant::now());
@@ -1289,6 +1315,11 @@ impl ServerThread {
                 DType::F16 => kernels::narrow_f16(&mut out[parity], acc, scale),
                 _ => kernels::narrow_bf16(&mut out[parity], acc, scale),
             },
+            // Integers are never averaged here (refused in check_push).
+            ChunkBuf::Exact(b) if ch.dtype == DType::F64 && scale != 1.0 => {
+                kernels::scale_f64(bytes_mut(&mut b[parity]), 1.0 / nw as f64)
+            }
+            ChunkBuf::Exact(_) => {}
         }
         ch.done = Some(ch.round);
         if ch.stall_reported {

@@ -105,6 +105,7 @@ impl Plain for f32 {}
 impl Plain for u16 {}
 impl Plain for u32 {}
 impl Plain for u8 {}
+impl Plain for u64 {}
 
 pub fn bytes<T: Plain>(s: &[T]) -> &[u8] {
     cast(s)

@@ -112,6 +112,29 @@ fn exact_sums_shm(hosts: &[&str], servers: &[(usize, bool)], reduce: bool, shm: 
                         let got = push_pull(c, &format!("bf16-{n}"), mine, DType::BF16, flags, 0).unwrap();
                         let want: Vec<u16> = sum.iter().map(|x| bf16::from_f32(x * scale).to_bits()).collect();
                         assert_eq!(got, want, "worker {} bf16 size {n} round {round}", c.rank);
+
+                        // float64 beyond float32's precision (2^40 + small), summed exactly.
+                        let big = |r: u32, i: usize| (1u64 << 40) as f64 + v(r, i) as f64;
+                        let mine: Vec<f64> = (0..n).map(|i| big(c.rank, i)).collect();
+                        let got = push_pull(c, &format!("f64-{n}"), mine, DType::F64, flags, 0).unwrap();
+                        let scale64 = if round == 1 { 1.0 / nw as f64 } else { 1.0 };
+                        let want: Vec<f64> =
+                            (0..n).map(|i| (0..nw).map(|r| big(r, i)).sum::<f64>() * scale64).collect();
+                        assert_eq!(got, want, "worker {} f64 size {n} round {round}", c.rank);
+
+                        // Integers near their limits: summed exactly, wrapping as torch's do.
+                        let wide = |r: u32, i: usize| i64::MAX / 2 + (v(r, i) * 2.0) as i64;
+                        let mine: Vec<i64> = (0..n).map(|i| wide(c.rank, i)).collect();
+                        let got = push_pull(c, &format!("i64-{n}"), mine, DType::I64, 0, 0).unwrap();
+                        let want: Vec<i64> =
+                            (0..n).map(|i| (0..nw).fold(0i64, |a, r| a.wrapping_add(wide(r, i)))).collect();
+                        assert_eq!(got, want, "worker {} i64 size {n} round {round}", c.rank);
+                        let narrow = |r: u32, i: usize| i32::MAX / 2 + (v(r, i) * 2.0) as i32;
+                        let mine: Vec<i32> = (0..n).map(|i| narrow(c.rank, i)).collect();
+                        let got = push_pull(c, &format!("i32-{n}"), mine, DType::I32, 0, 0).unwrap();
+                        let want: Vec<i32> =
+                            (0..n).map(|i| (0..nw).fold(0i32, |a, r| a.wrapping_add(narrow(r, i)))).collect();
+                        assert_eq!(got, want, "worker {} i32 size {n} round {round}", c.rank);
                     }
                 }
             });

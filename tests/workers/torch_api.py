@@ -40,6 +40,33 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch
         close(hvd.allreduce(x, average=False, name=f"avgF.{dtype}"), total)
 close(hvd.push_pull(mine((7,)), average=False, name="pp"), sum(everyone((7,))))
 
+# float64 and the integers are summed exactly, in their own type (no detour
+# through float32, which is exact only below 2^24); small integers and bool
+# through int64, wrapping (and OR-ing) as torch's sums do.
+big = torch.full((4,), 2**40 + r, dtype=torch.int64)
+want = torch.full((4,), n * 2**40 + n * (n - 1) // 2, dtype=torch.int64)
+assert torch.equal(hvd.allreduce(big, op=hvd.Sum, name="exact.i64"), want)
+fine = torch.full((4,), 1.0 + 2.0**-40 * (r + 1), dtype=torch.float64)
+want = torch.full((4,), n + 2.0**-40 * (n * (n + 1) // 2), dtype=torch.float64)
+assert torch.equal(hvd.allreduce(fine, op=hvd.Sum, name="exact.f64"), want)
+wrap = torch.tensor([2**31 - 1 - r], dtype=torch.int32)
+want = torch.tensor([sum(2**31 - 1 - k for k in range(n))], dtype=torch.int64).to(torch.int32)
+assert torch.equal(hvd.allreduce(wrap, op=hvd.Sum, name="exact.i32"), want), "int32 sums wrap like torch's"
+assert torch.equal(hvd.allreduce(torch.tensor([2 * r + 1]), name="exact.avg"), torch.tensor([n]))
+u8 = torch.full((3,), 200, dtype=torch.uint8)
+assert torch.equal(hvd.allreduce(u8, op=hvd.Sum, name="exact.u8"), torch.full((3,), 200 * n, dtype=torch.int64)
+                   .to(torch.uint8))
+flags = torch.tensor([r == 0, False])
+assert torch.equal(hvd.allreduce(flags, op=hvd.Sum, name="exact.bool"), torch.tensor([True, False]))
+# The numpy API: the same exact sums; average=True of integers is refused before anything is sent.
+a = np.full(5, 2**40 + r, dtype=np.int64)
+assert (gradhub.push_pull(a, name="np.i64") == n * 2**40 + n * (n - 1) // 2).all()
+try:
+    gradhub.push_pull(np.ones(3, dtype=np.int32), name="np.avg", average=True)
+    raise AssertionError("average of integers must be refused")
+except ValueError as e:
+    assert "floating-point" in str(e), e
+
 # In place and async.
 x = mine((4, 4))
 out = hvd.allreduce_(x, op=hvd.Sum, name="inplace")

@@ -92,15 +92,22 @@ class Handle:
             self._h.add_done_callback(lambda _h: fn(self))
 
 
-_WIRE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_VIA_FLOAT32 = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+_WIRE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float64: "float64", torch.int32: "int32", torch.int64: "int64"}
+# Summed exactly as int64, then cast back (wrapping as torch's sums do; a
+# bool comes back True where any worker's was).
+_VIA_INT64 = (torch.int8, torch.int16, torch.uint8, torch.bool)
 
 
 def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a reduction of `dtype` travels in: itself if native, else float32."""
-    if dtype in _NATIVE:
+    """The dtype a reduction of `dtype` travels in: itself if the servers sum
+    it (exactly, for float64 and the integers), int64 for the small
+    integers and bool, else float32 (other floating types)."""
+    if dtype in _WIRE_NAMES:
         return dtype
-    if dtype.is_floating_point or dtype in _VIA_FLOAT32:
+    if dtype in _VIA_INT64:
+        return torch.int64
+    if dtype.is_floating_point:
         return torch.float32
     raise TypeError(f"cannot reduce tensors of dtype {dtype}")
 
@@ -136,19 +143,25 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
     src = tensor.detach()
     comp, ctx = compression.compress(src)
     wire_cast = None
-    if _wire_dtype(comp.dtype) is not comp.dtype:
+    wire = _wire_dtype(comp.dtype)
+    if wire is not comp.dtype:
         wire_cast = comp.dtype
-        comp = comp.to(torch.float32)
+        comp = comp.to(wire)
     buf = comp
     # The buffer is summed in place: never the caller's own memory unless asked.
     if buf.data_ptr() == src.data_ptr() or not buf.is_contiguous():
         buf = buf.contiguous().clone() if inplace_target is None else buf.contiguous()
-    h = _api.push_pull_async(buf, name=name, average=average, priority=priority)
+    # Integers are summed exactly; their average is rounded here.
+    int_average = average and not wire.is_floating_point
+    h = _api.push_pull_async(buf, name=name, average=average and not int_average, priority=priority)
 
     def finish():
         out = buf
+        if int_average:
+            out = (out.double() / _api.size()).round().to(out.dtype)
         if wire_cast is not None:
-            out = out.round().to(wire_cast) if not wire_cast.is_floating_point else out.to(wire_cast)
+            out = out.round().to(wire_cast) if out.is_floating_point() and not wire_cast.is_floating_point \
+                else out.to(wire_cast)
         out = compression.decompress(out, ctx)
         if inplace_target is not None:
             if out.data_ptr() != inplace_target.data_ptr():
