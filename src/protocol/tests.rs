@@ -66,8 +66,7 @@ const DATA_TYPES: [MsgType; 15] = [
     MsgType::Restore,
 ];
 
-const ALL_DTYPES: [DType; 7] =
-    [DType::None, DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::I64];
+const ALL_DTYPES: [DType; 7] = [DType::None, DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::I64];
 
 const NS: u32 = 0xDEAD_BEEF;
 
