@@ -15,6 +15,8 @@ import sys
 import threading
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from . import _core, _env
 from ._core import GradhubTimeoutError
 from .buffers import INTEGER_DTYPES, describe, get_buffer, is_torch_tensor, stage, validate
@@ -302,6 +304,13 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
     if name is None:
         name = auto_name("broadcast")
     validate(tensor, dtype)  # reject bad input before touching the caller's data
+    # Every worker's root first: with different ones the data would be a sum.
+    roots = np.zeros(c.size, dtype=np.int64)
+    roots[c.rank] = root_rank
+    push_pull(roots, name=f"{name}.root")
+    if (roots != root_rank).any():
+        raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
+                         + ", ".join(f"worker {q} says {int(x)}" for q, x in enumerate(roots)))
     if c.rank != root_rank:
         if is_torch_tensor(tensor):
             tensor.zero_()

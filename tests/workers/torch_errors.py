@@ -1,7 +1,9 @@
 """Worker: user errors in gradhub.torch get helpful messages."""
 
+import numpy as np
 import torch
 
+import gradhub
 import gradhub.torch as hvd
 
 
@@ -38,6 +40,19 @@ expect(NotImplementedError, "Adasum", lambda: hvd.allreduce(torch.ones(2), op=hv
 # Mismatched shapes under one name across ranks.
 expect(hvd.GradhubError, "declared inconsistently",
        lambda: hvd.allreduce(torch.ones(3 + r), name="mismatch"))
+# Disagreements Horovod raises on: different broadcast roots (the data would
+# be summed), allgather with different trailing dimensions. Every worker raises.
+if n > 1:
+    x = torch.full((3,), float(r))
+    expect(ValueError, "disagree on the root rank: worker 0 says 0, worker 1 says 1",
+           lambda: hvd.broadcast(x, root_rank=min(r, 1), name="roots"))
+    assert torch.equal(x, torch.full((3,), float(r))), "a refused broadcast leaves its input alone"
+    expect(ValueError, "disagree on the root rank", lambda: gradhub.broadcast(np.zeros(3, np.float32),
+                                                                              root_rank=min(r, 1), name="np.roots"))
+    expect(ValueError, "disagree on everything but the first dimension",
+           lambda: hvd.allgather(torch.ones(2, 3 + min(r, 1)), name="trailing"))
+    expect(ValueError, "differs in shape or dtype",
+           lambda: hvd.allgather(torch.ones(2, 2, 3) if r == 0 else torch.ones(2, 3, 2), name="trailing2"))
 # A name reused with another shape is a new tensor (as in Horovod).
 hvd.allreduce(torch.ones(4), name="reused")
 assert torch.equal(hvd.allreduce(torch.ones(5), name="reused", op=hvd.Sum), torch.full((5,), float(n)))

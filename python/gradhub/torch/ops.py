@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import zlib
 from typing import Any, Callable
 
 import numpy as np
@@ -381,9 +382,17 @@ def _broadcast_async(tensor, root_rank, name, target) -> Handle:
         exact_bytes = True
     if _api.rank() != root_rank:
         buf.zero_()
+    # Every worker's root, to tell a disagreement (the data would be a sum).
+    roots = torch.zeros(n, dtype=torch.int64)
+    roots[_api.rank()] = root_rank
+    roots_h = _api.push_pull_async(roots, name=f"{name}.root", average=False, priority=0)
     h = _api.push_pull_async(buf, name=name, average=False, priority=0)
 
     def finish():
+        roots_h.wait()
+        if bool((roots != root_rank).any()):
+            raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
+                             + ", ".join(f"worker {q} says {int(x)}" for q, x in enumerate(roots.tolist())))
         if exact_bytes:
             out = buf.to(torch.uint8).view(src.dtype).reshape(src.shape)
         else:
@@ -438,11 +447,20 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
     t = tensor.detach().contiguous()
     if t.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
-    counts = torch.zeros(n, dtype=torch.float32)
-    counts[r] = t.shape[0]
-    _api.push_pull(counts, name=f"{name}.counts")
-    counts_l = [int(x) for x in counts.tolist()]
     row = int(np.prod(t.shape[1:], dtype=np.int64))
+    # Every worker's first dimension, and what must agree: the rest of the
+    # shape and the dtype (a row count, and a checksum of both).
+    meta = torch.zeros((n, 3), dtype=torch.int64)
+    meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode())])
+    _api.push_pull(meta, name=f"{name}.counts")
+    if not bool((meta[:, 1:] == meta[r, 1:]).all()):
+        q = int((meta[:, 1:] != meta[r, 1:]).any(1).nonzero()[0])
+        what = (f"rows of {int(meta[q, 1])} elements, worker {r} of {row} ({tuple(t.shape[1:])})"
+                if int(meta[q, 1]) != row else f"the same row size, but worker {r}'s {tuple(t.shape[1:])} {t.dtype} "
+                                                "differs in shape or dtype")
+        raise ValueError(f"allgather '{name}': workers disagree on everything but the first dimension: "
+                         f"worker {q} gives {what}")
+    counts_l = [int(x) for x in meta[:, 0].tolist()]
     total = sum(counts_l)
     start = sum(counts_l[:r])
     native = t.dtype in _NATIVE
