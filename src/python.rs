@@ -71,6 +71,20 @@ fn secret_of(token: Option<String>) -> Secret {
     token.map(|t| Secret::new(t.as_bytes())).unwrap_or_else(Secret::none)
 }
 
+/// A member's token, announced as job `job` of a shared service if given,
+/// and the namespace its frames carry (a service job's is derived from its
+/// name unless one was given).
+fn member_secret(token: Option<String>, job: Option<String>, namespace: u32) -> PyResult<(Secret, u32)> {
+    match job.filter(|j| !j.is_empty()) {
+        None => Ok((secret_of(token), namespace)),
+        Some(j) => {
+            let s = secret_of(token).for_job(&j).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let ns = if namespace == 0 { crate::protocol::auth::job_namespace(&j) } else { namespace };
+            Ok((s, ns))
+        }
+    }
+}
+
 fn dtype_of(s: &str) -> PyResult<DType> {
     DType::from_name(s)
         .ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
@@ -104,6 +118,7 @@ fn scheduler_config(
         host_reduce,
         failover,
         secret: secret_of(token),
+        ..SchedulerConfig::default()
     }
 }
 
@@ -234,8 +249,100 @@ fn run_server(
         // GRADHUB_HOST_ID, read by crate::host_id.
         host: None,
         secret: secret_of(token),
+        traffic: Default::default(),
     };
     py.detach(|| server::run_server(cfg)).map_err(py_err)
+}
+
+/// Serve every job of the shared service at `service` (blocking, without
+/// the GIL) until the service goes away. `token` is the service's master.
+#[pyfunction]
+#[pyo3(signature = (service, token, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), connect_timeout=60.0, peer_timeout=10.0))]
+#[allow(clippy::too_many_arguments)]
+fn run_service_server(
+    py: Python<'_>,
+    service: String,
+    token: String,
+    threads: usize,
+    colocated: bool,
+    advertise: Option<String>,
+    bind_host: String,
+    connect_timeout: f64,
+    peer_timeout: f64,
+) -> PyResult<()> {
+    let cfg = server::ServiceServerConfig {
+        server: ServerConfig {
+            scheduler: service,
+            threads,
+            colocated,
+            advertise,
+            bind_host,
+            connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
+            ..ServerConfig::default()
+        },
+        master: Secret::new(token.as_bytes()),
+        peer_timeout: Duration::from_secs_f64(peer_timeout.max(0.1)),
+    };
+    py.detach(|| server::run_service_server(cfg)).map_err(py_err)
+}
+
+/// Run a shared service (blocking, without the GIL): many jobs, each with
+/// the token `job_token(token, name)`. Limits of 0 mean none.
+#[pyfunction]
+#[pyo3(signature = (bind, token, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, host_reduce=true, failover=true, max_jobs=16, max_tensors=0, max_bytes=0, max_pending=512))]
+#[allow(clippy::too_many_arguments)]
+fn run_service(
+    py: Python<'_>,
+    bind: String,
+    token: String,
+    partition_bytes: u32,
+    heartbeat_ms: u32,
+    peer_timeout_ms: u32,
+    stall_ms: u32,
+    join_timeout_ms: u32,
+    host_reduce: bool,
+    failover: bool,
+    max_jobs: u32,
+    max_tensors: u32,
+    max_bytes: u64,
+    max_pending: usize,
+) -> PyResult<()> {
+    let cfg = scheduler::ServiceConfig {
+        bind,
+        master: Secret::new(token.as_bytes()),
+        job: SchedulerConfig {
+            partition_bytes,
+            heartbeat_ms,
+            peer_timeout_ms,
+            stall_ms,
+            join_timeout_ms,
+            host_reduce,
+            failover,
+            max_tensors,
+            max_bytes,
+            ..SchedulerConfig::default()
+        },
+        max_jobs,
+        max_pending,
+    };
+    let h = scheduler::start_service(cfg).map_err(py_err)?;
+    py.detach(|| h.wait()).map_err(py_err)
+}
+
+/// Job `job`'s token on the service whose master token is `master`.
+#[pyfunction]
+fn job_token(master: String, job: String) -> PyResult<String> {
+    crate::protocol::auth::check_job_name(&job).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok(Secret::new(master.as_bytes()).job_token(&job))
+}
+
+/// The shared service's report (JSON text); `token` is its master token.
+#[pyfunction]
+#[pyo3(signature = (service, token, timeout=10.0))]
+fn service_status(py: Python<'_>, service: String, token: String, timeout: f64) -> PyResult<String> {
+    let master = Secret::new(token.as_bytes());
+    py.detach(|| scheduler::service_status(&service, &master, Duration::from_secs_f64(timeout.max(0.1))))
+        .map_err(GradhubError::new_err)
 }
 
 /// A push_pull in flight.
@@ -297,7 +404,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None))]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None, job=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -312,7 +419,9 @@ impl PyClient {
         local_size: i32,
         server_shm: bool,
         token: Option<String>,
+        job: Option<String>,
     ) -> PyResult<Self> {
+        let (secret, namespace) = member_secret(token, job, namespace)?;
         let cfg = ClientConfig {
             scheduler,
             rank,
@@ -326,7 +435,7 @@ impl PyClient {
             // GRADHUB_HOST_ID, read by crate::host_id.
             host: None,
             server_shm,
-            secret: secret_of(token),
+            secret,
         };
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })
@@ -478,6 +587,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(start_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;
+    m.add_function(wrap_pyfunction!(run_service_server, m)?)?;
+    m.add_function(wrap_pyfunction!(run_service, m)?)?;
+    m.add_function(wrap_pyfunction!(job_token, m)?)?;
+    m.add_function(wrap_pyfunction!(service_status, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_simd_level, m)?)?;
     m.add_class::<PyClient>()?;
     m.add_class::<PyHandle>()?;

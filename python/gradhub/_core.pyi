@@ -69,6 +69,43 @@ def run_server(
 ) -> None:
     """Run a summation server until the job ends (blocking, without the GIL)."""
 
+def run_service_server(
+    service: str,
+    token: str,  # the service's master token
+    threads: int = 1,
+    colocated: bool = False,
+    advertise: str | None = None,
+    bind_host: str = "0.0.0.0",
+    connect_timeout: float = 60.0,
+    peer_timeout: float = 10.0,
+) -> None:
+    """Serve every job of the shared service at `service`, one server
+    instance per job, until the service goes away (blocking, without the GIL)."""
+
+def run_service(
+    bind: str,
+    token: str,  # the master token every job's token derives from
+    partition_bytes: int,
+    heartbeat_ms: int = 1000,
+    peer_timeout_ms: int = 10000,
+    stall_ms: int = 30000,
+    join_timeout_ms: int = 300000,
+    host_reduce: bool = True,
+    failover: bool = True,
+    max_jobs: int = 16,
+    max_tensors: int = 0,  # per job; 0: no limit
+    max_bytes: int = 0,  # per job; 0: no limit
+    max_pending: int = 512,
+) -> None:
+    """Run a shared service hosting many jobs (blocking, without the GIL)."""
+
+def job_token(master: str, job: str) -> str:
+    """Job `job`'s token on the service whose master token is `master`;
+    ValueError for an invalid job name."""
+
+def service_status(service: str, token: str, timeout: float = 10.0) -> str:
+    """The shared service's report, JSON text (`token`: its master token)."""
+
 def kernel_simd_level() -> str:
     """The summation kernels in use: "avx512", "avx2" or "portable"."""
 
@@ -110,6 +147,7 @@ class Client:
         local_size: int = -1,
         server_shm: bool = True,
         token: str | None = None,
+        job: str | None = None,  # this job's name on a shared service (its namespace derives from it)
     ) -> None: ...
     @property
     def rank(self) -> int: ...

@@ -88,6 +88,7 @@ class WorkerEnv:
     server_shm: bool               # GRADHUB_SERVER_SHM: push to a server on this host through shared memory
     token: str | None              # GRADHUB_JOB_TOKEN(_FILE): see job_token()
     insecure: bool                 # GRADHUB_INSECURE
+    job: str | None                # GRADHUB_JOB: this job's name on a shared service
     torchrun: bool
     # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
     # servers inside the worker processes (see gradhub.api).
@@ -106,7 +107,8 @@ def worker_env() -> WorkerEnv:
     # host name and network namespace) of every worker that registered.
     local_size = get_int("GRADHUB_LOCAL_SIZE", get_int("LOCAL_WORLD_SIZE"))
     default_servers = 0
-    if torchrun and num_workers and local_size:
+    job = get_str("GRADHUB_JOB")
+    if torchrun and num_workers and local_size and job is None:
         default_servers = max(1, num_workers // local_size)  # one per node
     return WorkerEnv(
         scheduler=scheduler,
@@ -121,6 +123,7 @@ def worker_env() -> WorkerEnv:
         server_shm=get_flag("GRADHUB_SERVER_SHM", True),
         token=job_token(),
         insecure=insecure(),
+        job=job,
         torchrun=torchrun,
         embedded=embedded,
     )
@@ -151,6 +154,27 @@ def job_token() -> str | None:
         raise ValueError(f"GRADHUB_JOB_TOKEN_FILE={path!r}: cannot read it: {e.strerror}") from None
     if not token:
         raise ValueError(f"GRADHUB_JOB_TOKEN_FILE={path!r} is empty")
+    return token
+
+
+def service_token() -> str | None:
+    """A shared service's master token: GRADHUB_SERVICE_TOKEN, or the file
+    GRADHUB_SERVICE_TOKEN_FILE names. Only the service's scheduler, its
+    servers and its operator hold it; each job gets a token derived from it
+    (`gradhub token JOB`)."""
+    token = get_str("GRADHUB_SERVICE_TOKEN")
+    if token is not None:
+        return token
+    path = get_str("GRADHUB_SERVICE_TOKEN_FILE")
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"GRADHUB_SERVICE_TOKEN_FILE={path!r}: cannot read it: {e.strerror}") from None
+    if not token:
+        raise ValueError(f"GRADHUB_SERVICE_TOKEN_FILE={path!r} is empty")
     return token
 
 

@@ -71,6 +71,14 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             )
         from .roles import DEFAULT_SCHEDULER_PORT, split_hostport
 
+        if env.job is not None:
+            if env.embedded:
+                raise RuntimeError(f"gradhub.init(): GRADHUB_JOB={env.job!r} names a job of a shared service: set "
+                                   "GRADHUB_SCHEDULER to the service's address")
+            if env.token is None:
+                raise RuntimeError(f"gradhub.init(): GRADHUB_JOB={env.job!r} needs the job's token: set "
+                                   "GRADHUB_JOB_TOKEN to what the service's operator gave you (`gradhub token "
+                                   f"{env.job}` on the service)")
         if env.embedded and env.token is None:
             env.token = _env.torchrun_token(env.rank, env.connect_timeout)
             if env.token is not None and env.rank == 0:
@@ -92,7 +100,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                connect_timeout=env.connect_timeout, server_shm=env.server_shm,
                                local_rank=-1 if env.local_rank is None else env.local_rank,
                                local_size=-1 if env.local_size is None else env.local_size,
-                               token=env.token, **kwargs)
+                               token=env.token, job=env.job, **kwargs)
     atexit.register(shutdown)
 
 

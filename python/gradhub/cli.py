@@ -42,6 +42,12 @@ environment (flags win over variables):
                            first (scheduler; default on)
   GRADHUB_FAILOVER=0       losing a server fails the job instead of moving
                            its chunks to the others (scheduler; default on)
+shared service (many jobs on one scheduler and set of servers):
+  GRADHUB_SERVICE_TOKEN    the service's master token (its scheduler, servers
+                           and operator only); or
+  GRADHUB_SERVICE_TOKEN_FILE  a file holding it
+  GRADHUB_JOB              a worker's job name on the service; its
+                           GRADHUB_JOB_TOKEN is `gradhub token JOB`
 """
 
 
@@ -115,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--servers", type=int, default=senv.num_servers,
                     help="number of servers (GRADHUB_NUM_SERVERS)")
     _add_scheduler_args(sp, senv)
+    g = sp.add_argument_group("shared service", "Run as a long-lived service hosting many jobs at once, each "
+                              "known by its name (GRADHUB_JOB) and its own token, derived from the master token "
+                              "GRADHUB_SERVICE_TOKEN (`gradhub token JOB`). Servers join with `gradhub server "
+                              "--service`; a job's first worker starts it on every server; --workers/--servers "
+                              "do not apply.")
+    g.add_argument("--service", action="store_true", help="run as a shared service")
+    g.add_argument("--max-jobs", type=int, default=16, help="jobs running at once (default 16)")
+    g.add_argument("--job-max-tensors", type=int, default=0,
+                   help="tensors a job may hold on the service at once (default: no limit)")
+    g.add_argument("--job-max-mib", type=float, default=0,
+                   help="MiB of tensors a job may hold on the service, what its servers keep for it "
+                   "(default: no limit)")
 
     vp = sub.add_parser(
         "server",
@@ -143,6 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="request this server rank (GRADHUB_SERVER_RANK; default: assigned)")
     vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
                     help="seconds to keep retrying the scheduler (GRADHUB_CONNECT_TIMEOUT; default 60)")
+    vp.add_argument("--service", action="store_true",
+                    help="serve every job of the shared service at --scheduler (one server per job, fresh ports "
+                    "each) until the service goes away; needs GRADHUB_SERVICE_TOKEN")
+
+    tp = sub.add_parser(
+        "token", help="print a job's token on a shared service",
+        description="Print job JOB's token on the shared service whose master token is GRADHUB_SERVICE_TOKEN "
+        "(or GRADHUB_SERVICE_TOKEN_FILE). Give it to the job as GRADHUB_JOB_TOKEN, with GRADHUB_JOB=JOB: it "
+        "opens that job and no other. Computed here; nothing is sent anywhere.")
+    tp.add_argument("job", help="the job's name: 1 to 64 letters, digits, '.', '_' or '-'")
+
+    stp = sub.add_parser(
+        "status", help="report a shared service's jobs",
+        description="Ask the shared service at --scheduler (authenticated with GRADHUB_SERVICE_TOKEN) for its "
+        "servers and jobs: members, tensors and bytes held, bytes pushed and the current rate.")
+    stp.add_argument("--scheduler", default=venv.scheduler, help="the service's host:port (GRADHUB_SCHEDULER)")
+    stp.add_argument("--json", action="store_true", help="print the report as JSON")
+    stp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the service (default 10)")
     sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
                    "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
                    add_help=False)
@@ -151,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_scheduler(args) -> int:
     e = _env.scheduler_env()
+    if args.service:
+        return roles.run_service(args.bind, args.partition_bytes, args.stall_seconds, args.peer_timeout,
+                                 scheduler=e.scheduler, host_reduce=args.host_reduce, failover=args.failover,
+                                 max_jobs=args.max_jobs, job_max_tensors=args.job_max_tensors,
+                                 job_max_mib=args.job_max_mib)
     return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
                                args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce,
                                failover=args.failover, token=_env.job_token(), insecure=args.insecure)
@@ -158,9 +199,59 @@ def _run_scheduler(args) -> int:
 
 def _run_server(args) -> int:
     e = _env.server_env()
+    if args.service:
+        return roles.run_service_server(args.scheduler, args.threads, args.colocated, args.advertise_addr,
+                                        args.bind_host, args.connect_timeout)
     return roles.run_server(args.scheduler, args.threads, args.colocated, args.advertise_addr, args.bind_host,
                             args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout,
                             token=_env.job_token(), insecure=args.insecure)
+
+
+def _token(args) -> int:
+    from . import _core
+
+    master = _env.service_token()
+    if master is None:
+        print("gradhub token: set GRADHUB_SERVICE_TOKEN (or GRADHUB_SERVICE_TOKEN_FILE) to the service's master "
+              "token", file=sys.stderr)
+        return 2
+    try:
+        print(_core.job_token(master, args.job))
+    except ValueError as e:
+        print(f"gradhub token: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _status(args) -> int:
+    import json
+
+    from . import _core
+
+    master = _env.service_token()
+    if master is None or not args.scheduler:
+        print("gradhub status: needs --scheduler (or GRADHUB_SCHEDULER) and GRADHUB_SERVICE_TOKEN", file=sys.stderr)
+        return 2
+    try:
+        text = _core.service_status(args.scheduler, master, args.timeout)
+    except _core.GradhubError as e:
+        print(f"gradhub status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(text)
+        return 0
+    r = json.loads(text)
+    print(f"service {r['addr']}: up {r['uptime_s']:.0f} s, {len(r['jobs'])} job(s) of at most {r['max_jobs']}, "
+          f"{len(r['servers'])} server(s)")
+    for s in r["servers"]:
+        jobs = ", ".join(s["jobs"]) or "none"
+        print(f"  server {s['id']}: {s['host']} at {s['addr']} ({s['threads']} threads); serving jobs: {jobs}")
+    for j in r["jobs"]:
+        print(f"  job {j['name']}: {j['state']}, {j['age_s']:.0f} s, {j['workers']} workers on {j['servers']} "
+              f"servers; {j['tensors']} tensors ({j['held_bytes'] / 2**20:.1f} MiB held); pushed "
+              f"{j['pushed_bytes'] / 2**20:.1f} MiB in {j['rounds']} chunk rounds, now "
+              f"{j['push_rate_bytes_per_s'] / 2**20:.1f} MiB/s")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 2
+    if args.cmd in ("token", "status"):
+        try:
+            return _token(args) if args.cmd == "token" else _status(args)
+        except ValueError as e:  # the token file
+            print(f"gradhub {args.cmd}: {e}", file=sys.stderr)
+            return 2
     if args.cmd in ("scheduler", "server"):
         try:
             return _run_scheduler(args) if args.cmd == "scheduler" else _run_server(args)

@@ -104,6 +104,64 @@ def run_server(scheduler: str | None, threads: int, colocated: bool = False, adv
     return 0
 
 
+def run_service(bind: str | None, partition_bytes: int | None = None, stall_seconds: float = 30.0,
+                peer_timeout: float = 10.0, scheduler: str | None = None, host_reduce: bool = True,
+                failover: bool = True, max_jobs: int = 16, job_max_tensors: int = 0, job_max_mib: float = 0) -> int:
+    """Run a shared service (`gradhub scheduler --service`) until it is
+    stopped; returns an exit code. Needs the master token
+    (GRADHUB_SERVICE_TOKEN or GRADHUB_SERVICE_TOKEN_FILE)."""
+    master = _env.service_token()
+    if master is None:
+        print("gradhub scheduler --service: set GRADHUB_SERVICE_TOKEN (or GRADHUB_SERVICE_TOKEN_FILE) to the "
+              "service's master token: every job's token derives from it (`gradhub token JOB`)", file=sys.stderr)
+        return 2
+    if bind is None:
+        host, port = "0.0.0.0", DEFAULT_SCHEDULER_PORT
+        if scheduler:
+            shost, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
+            host = shost if _env.is_loopback(shost) else host
+        bind = f"{host}:{port}"
+    elif ":" not in bind:
+        bind = f"{bind}:{DEFAULT_SCHEDULER_PORT}"
+    _native_sigint()
+    try:
+        _core.run_service(bind, master, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
+                          peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
+                          host_reduce=host_reduce, failover=failover, max_jobs=max_jobs,
+                          max_tensors=job_max_tensors, max_bytes=int(job_max_mib * (1 << 20)))
+    except _core.GradhubError as e:
+        print(f"gradhub scheduler --service: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_service_server(service: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
+                       bind_host: str | None = None, connect_timeout: float = 60.0,
+                       peer_timeout: float = 10.0) -> int:
+    """Serve a shared service's jobs (`gradhub server --service`) until the
+    service goes away; returns an exit code."""
+    if not service:
+        print("gradhub server --service: --scheduler (or GRADHUB_SCHEDULER), the service's address, is required",
+              file=sys.stderr)
+        return 2
+    master = _env.service_token()
+    if master is None:
+        print("gradhub server --service: set GRADHUB_SERVICE_TOKEN (or GRADHUB_SERVICE_TOKEN_FILE) to the "
+              "service's master token", file=sys.stderr)
+        return 2
+    shost, _ = split_hostport(service, DEFAULT_SCHEDULER_PORT)
+    if bind_host is None:
+        bind_host = "127.0.0.1" if _env.is_loopback(shost) else "0.0.0.0"
+    _native_sigint()
+    try:
+        _core.run_service_server(service, master, threads=max(1, threads), colocated=colocated, advertise=advertise,
+                                 bind_host=bind_host, connect_timeout=connect_timeout, peer_timeout=peer_timeout)
+    except _core.GradhubError as e:
+        print(f"gradhub server --service: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def default_server_threads() -> int:
     """`gradhub server` without --threads or GRADHUB_SERVER_THREADS: one per core."""
     return os.cpu_count() or 1

@@ -20,6 +20,13 @@
 //! Without a token (`Secret::none`, single-host jobs or an explicit
 //! insecure flag) the same handshake runs with an empty key: one code path,
 //! which then proves nothing.
+//!
+//! A shared service (`scheduler::service`) hosts many jobs, so the hello
+//! also names the job (not a secret). The service holds one master secret
+//! and derives each job's token from it and the name (`Secret::job_token`):
+//! the operator hands a job its token, the service never stores or sends
+//! one, and a job's token proves nothing for another job. The empty name is
+//! the service itself (its servers and operators), keyed by the master.
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -30,41 +37,99 @@ use super::{read_message, Header, MsgType, ProtocolError, ReadError, MAX_NOTICE_
 
 pub const NONCE_LEN: usize = 32;
 pub const PROOF_LEN: usize = 32;
-/// The largest auth payload (a challenge: nonce and proof).
-pub const MAX_AUTH_PAYLOAD: u32 = (NONCE_LEN + PROOF_LEN) as u32;
+/// The longest job name a hello may carry.
+pub const MAX_JOB_NAME: usize = 64;
+/// The largest auth payload (a hello with the longest job name).
+pub const MAX_AUTH_PAYLOAD: u32 = (NONCE_LEN + MAX_JOB_NAME) as u32;
+
+const JOB_TOKEN: &[u8] = b"gradhub-job-token-v1 ";
 
 const LISTENER: &[u8] = b"gradhub-auth-v1 listener";
 const CONNECTOR: &[u8] = b"gradhub-auth-v1 connector";
 
-/// The job's secret. Its Debug output never shows it.
+/// The job's secret, and the job name a connector announces with it (empty
+/// outside a shared service). Its Debug output never shows the key.
 #[derive(Clone, Default)]
-pub struct Secret(Vec<u8>);
+pub struct Secret {
+    key: Vec<u8>,
+    job: String,
+}
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_empty() { "Secret(none)" } else { "Secret(..)" })
+        let key = if self.key.is_empty() { "none" } else { ".." };
+        write!(f, "Secret({key}, job {:?})", self.job)
     }
 }
 
 impl Secret {
     pub fn new(token: &[u8]) -> Secret {
-        Secret(token.to_vec())
+        Secret { key: token.to_vec(), job: String::new() }
     }
     /// No token: the handshake still runs, and proves nothing.
     pub fn none() -> Secret {
-        Secret(Vec::new())
+        Secret::default()
     }
     pub fn is_none(&self) -> bool {
-        self.0.is_empty()
+        self.key.is_empty()
+    }
+    /// The same key, announced as a member of job `name` of a service.
+    pub fn for_job(mut self, name: &str) -> Result<Secret, AuthError> {
+        check_job_name(name)?;
+        self.job = name.to_string();
+        Ok(self)
+    }
+    pub fn job(&self) -> &str {
+        &self.job
+    }
+
+    /// A listener's keys for one job: this secret, whatever name is announced.
+    pub fn keys(&self) -> impl Fn(&str) -> Secret + '_ {
+        move |_| self.clone()
+    }
+
+    /// A service's keys: each job's derived token (`key_for`).
+    pub fn service_keys(&self) -> impl Fn(&str) -> Secret + '_ {
+        move |job| self.key_for(job)
+    }
+
+    /// Job `name`'s token under this service master secret: what the
+    /// operator gives the job (hex, so it fits an environment variable).
+    pub fn job_token(&self, name: &str) -> String {
+        let mut m = self.hmac();
+        m.update(JOB_TOKEN);
+        m.update(name.as_bytes());
+        m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The key a connection announcing `job` must hold, for a listener
+    /// keyed by this (master) secret: the master itself for the service's
+    /// own members (empty name), else the job's derived token.
+    pub fn key_for(&self, job: &str) -> Secret {
+        if job.is_empty() {
+            Secret::new(&self.key)
+        } else {
+            Secret::new(self.job_token(job).as_bytes())
+        }
+    }
+
+    fn hmac(&self) -> Hmac<Sha256> {
+        // HMAC takes a key of any length: this cannot fail.
+        <Hmac<Sha256> as Mac>::new_from_slice(&self.key).expect("HMAC accepts any key length")
     }
 
     fn mac(&self, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
-        // HMAC takes a key of any length: this cannot fail.
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC accepts any key length");
+        let mut m = self.hmac();
         m.update(label);
         m.update(nc);
         m.update(ns);
         m
+    }
+
+    /// The key, labelled with a job name already checked.
+    fn for_job_unchecked(mut self, job: &str) -> Secret {
+        self.job = job.to_string();
+        self
     }
 
     fn proof(&self, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN]) -> [u8; PROOF_LEN] {
@@ -85,12 +150,35 @@ pub enum AuthError {
     Failed(&'static str),
     #[error("rejected: {0}")]
     Rejected(String),
+    #[error("invalid job name {0:?}: use 1 to 64 letters, digits, '.', '_' or '-'")]
+    BadJobName(String),
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
     #[error(transparent)]
     Read(#[from] ReadError),
     #[error("{0}")]
     Io(std::io::Error),
+}
+
+/// A job name: 1 to 64 of `A-Z a-z 0-9 . _ -` (it appears in logs and
+/// commands, so nothing that could be mistaken for something else).
+pub fn check_job_name(name: &str) -> Result<(), AuthError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_JOB_NAME
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(AuthError::BadJobName(name.chars().take(80).collect()))
+    }
+}
+
+/// The namespace job `name`'s frames carry on a shared service: derived
+/// from the name, so every member knows it before it is told anything.
+pub fn job_namespace(name: &str) -> u32 {
+    use sha2::Digest;
+    let d = Sha256::new().chain_update(b"gradhub-namespace-v1 ").chain_update(name.as_bytes()).finalize();
+    u32::from_le_bytes([d[0], d[1], d[2], d[3]]).max(1)
 }
 
 /// A fresh nonce from the operating system's random source.
@@ -125,7 +213,7 @@ impl Connector {
     /// Start: the hello frame to send.
     pub fn start(secret: &Secret) -> Result<(Connector, Vec<u8>), AuthError> {
         let nc = nonce()?;
-        Ok((Connector { secret: secret.clone(), nc }, frame(MsgType::AuthHello, &[&nc])))
+        Ok((Connector { secret: secret.clone(), nc }, frame(MsgType::AuthHello, &[&nc, secret.job.as_bytes()])))
     }
 
     /// The listener's challenge (its payload): check the listener's proof,
@@ -150,13 +238,17 @@ pub enum Listener {
     AwaitProof {
         nc: [u8; NONCE_LEN],
         ns: [u8; NONCE_LEN],
+        key: Secret,
     },
-    Done,
+    /// Authenticated, as a member of this job (empty: no name given).
+    Done {
+        job: String,
+    },
 }
 
 impl Listener {
     pub fn is_done(&self) -> bool {
-        matches!(self, Listener::Done)
+        matches!(self, Listener::Done { .. })
     }
 
     /// The largest payload the next expected frame may have.
@@ -166,23 +258,38 @@ impl Listener {
 
     /// Take the connector's next frame (`hdr`, `payload`); returns the
     /// frame to send back, if any. An error closes the connection.
-    pub fn on_frame(&mut self, secret: &Secret, hdr: &Header, payload: &[u8]) -> Result<Option<Vec<u8>>, AuthError> {
+    /// `keys` gives the key a connector announcing a job name must hold.
+    pub fn on_frame(
+        &mut self,
+        keys: &impl Fn(&str) -> Secret,
+        hdr: &Header,
+        payload: &[u8],
+    ) -> Result<Option<Vec<u8>>, AuthError> {
         match (std::mem::take(self), hdr.msg_type) {
             (Listener::AwaitHello, MsgType::AuthHello) => {
-                let nc: [u8; NONCE_LEN] = exact("AuthHello", payload)?;
+                if payload.len() < NONCE_LEN {
+                    return Err(ProtocolError::BadPayload(format!("AuthHello of {} bytes", payload.len())).into());
+                }
+                let nc: [u8; NONCE_LEN] = exact("nonce", &payload[..NONCE_LEN])?;
+                let job = std::str::from_utf8(&payload[NONCE_LEN..])
+                    .map_err(|_| ProtocolError::BadPayload("a job name that is not UTF-8".into()))?;
+                if !job.is_empty() {
+                    check_job_name(job)?;
+                }
+                let key = keys(job);
                 let ns = nonce()?;
-                let reply = frame(MsgType::AuthChallenge, &[&ns, &secret.proof(LISTENER, &nc, &ns)]);
-                *self = Listener::AwaitProof { nc, ns };
+                let reply = frame(MsgType::AuthChallenge, &[&ns, &key.proof(LISTENER, &nc, &ns)]);
+                *self = Listener::AwaitProof { nc, ns, key: key.for_job_unchecked(job) };
                 Ok(Some(reply))
             }
-            (Listener::AwaitProof { nc, ns }, MsgType::AuthProof) => {
-                if payload.len() != PROOF_LEN || !secret.verify(CONNECTOR, &nc, &ns, payload) {
+            (Listener::AwaitProof { nc, ns, key }, MsgType::AuthProof) => {
+                if payload.len() != PROOF_LEN || !key.verify(CONNECTOR, &nc, &ns, payload) {
                     return Err(AuthError::Failed("wrong job token"));
                 }
-                *self = Listener::Done;
+                *self = Listener::Done { job: key.job };
                 Ok(None)
             }
-            (Listener::Done, _) => Err(AuthError::Failed("internal: handshake already done")),
+            (Listener::Done { .. }, _) => Err(AuthError::Failed("internal: handshake already done")),
             (_, other) => {
                 Err(ProtocolError::UnexpectedType(format!("{other:?} before the authentication handshake")).into())
             }
@@ -205,18 +312,23 @@ pub fn connect_blocking<R: Read, W: Write>(r: &mut R, w: &mut W, secret: &Secret
     w.write_all(&proof).map_err(AuthError::Io)
 }
 
-/// The listener's whole handshake on a blocking stream. On failure the
-/// connector is told only that authentication failed.
-pub fn listen_blocking<R: Read, W: Write>(r: &mut R, w: &mut W, secret: &Secret) -> Result<(), AuthError> {
+/// The listener's whole handshake on a blocking stream; returns the job
+/// name the connector announced. On failure the connector is told only
+/// that authentication failed.
+pub fn listen_blocking<R: Read, W: Write>(
+    r: &mut R,
+    w: &mut W,
+    keys: &impl Fn(&str) -> Secret,
+) -> Result<String, AuthError> {
     let mut l = Listener::default();
-    let result = (|| {
-        while !l.is_done() {
-            let (h, payload) = read_message(r, None, l.payload_limit())?;
-            if let Some(reply) = l.on_frame(secret, &h, &payload)? {
-                w.write_all(&reply).map_err(AuthError::Io)?;
-            }
+    let result = (|| loop {
+        if let Listener::Done { job } = &l {
+            return Ok(job.clone());
         }
-        Ok(())
+        let (h, payload) = read_message(r, None, l.payload_limit())?;
+        if let Some(reply) = l.on_frame(keys, &h, &payload)? {
+            w.write_all(&reply).map_err(AuthError::Io)?;
+        }
     })();
     if let Err(e) = &result {
         if !matches!(e, AuthError::Io(_) | AuthError::Read(ReadError::Closed | ReadError::Io(_))) {
@@ -246,11 +358,11 @@ mod tests {
         let (c, hello) = Connector::start(connector)?;
         let mut l = Listener::default();
         let (h, p) = split(&hello);
-        let challenge = l.on_frame(listener, &h, &p)?.unwrap();
+        let challenge = l.on_frame(&listener.keys(), &h, &p)?.unwrap();
         let (_, p) = split(&challenge);
         let proof = c.answer(&p)?;
         let (h, p) = split(&proof);
-        assert!(l.on_frame(listener, &h, &p)?.is_none());
+        assert!(l.on_frame(&listener.keys(), &h, &p)?.is_none());
         assert!(l.is_done());
         Ok(())
     }
@@ -270,13 +382,13 @@ mod tests {
         let (c, hello) = Connector::start(&Secret::new(b"a")).unwrap();
         let mut l = Listener::default();
         let (h, p) = split(&hello);
-        let challenge = l.on_frame(&Secret::new(b"a"), &h, &p).unwrap().unwrap();
+        let challenge = l.on_frame(&Secret::new(b"a").keys(), &h, &p).unwrap().unwrap();
         let (_, cp) = split(&challenge);
         drop(c);
         let forged = Connector { secret: Secret::new(b"b"), nc: p.clone().try_into().unwrap() };
         let proof = forged.secret.proof(CONNECTOR, &forged.nc, &cp[..NONCE_LEN].try_into().unwrap());
         let (h, _) = split(&frame(MsgType::AuthProof, &[&proof]));
-        assert!(l.on_frame(&Secret::new(b"a"), &h, &proof).is_err());
+        assert!(l.on_frame(&Secret::new(b"a").keys(), &h, &proof).is_err());
     }
 
     #[test]
@@ -285,13 +397,13 @@ mod tests {
         let (c, hello) = Connector::start(&s).unwrap();
         let (h, p) = split(&hello);
         let mut first = Listener::default();
-        let ch = first.on_frame(&s, &h, &p).unwrap().unwrap();
+        let ch = first.on_frame(&s.keys(), &h, &p).unwrap().unwrap();
         let proof = c.answer(&split(&ch).1).unwrap();
         // Replayed to a new connection: same hello, same proof.
         let mut second = Listener::default();
-        second.on_frame(&s, &h, &p).unwrap();
+        second.on_frame(&s.keys(), &h, &p).unwrap();
         let (ph, pp) = split(&proof);
-        assert!(matches!(second.on_frame(&s, &ph, &pp), Err(AuthError::Failed(_))));
+        assert!(matches!(second.on_frame(&s.keys(), &ph, &pp), Err(AuthError::Failed(_))));
     }
 
     #[test]
@@ -299,12 +411,51 @@ mod tests {
         let s = Secret::new(b"tok");
         let mut l = Listener::default();
         let (h, p) = split(&frame(MsgType::AuthProof, &[&[0u8; PROOF_LEN]]));
-        assert!(l.on_frame(&s, &h, &p).is_err());
+        assert!(l.on_frame(&s.keys(), &h, &p).is_err());
         let mut l = Listener::default();
         let (h, _) = split(&frame(MsgType::AuthHello, &[&[0u8; 5]]));
-        assert!(l.on_frame(&s, &h, &[0u8; 5]).is_err());
+        assert!(l.on_frame(&s.keys(), &h, &[0u8; 5]).is_err());
         let mut l = Listener::default();
         let (h, p) = split(&frame(MsgType::Register, &[]));
-        assert!(l.on_frame(&s, &h, &p).is_err());
+        assert!(l.on_frame(&s.keys(), &h, &p).is_err());
+    }
+
+    #[test]
+    fn a_service_knows_each_job_by_its_derived_token() {
+        let master = Secret::new(b"service master");
+        let handshake = |connector: &Secret| -> Result<String, AuthError> {
+            let (c, hello) = Connector::start(connector)?;
+            let mut l = Listener::default();
+            let (h, p) = split(&hello);
+            let ch = l.on_frame(&master.service_keys(), &h, &p)?.unwrap();
+            let proof = c.answer(&split(&ch).1)?;
+            let (h, p) = split(&proof);
+            l.on_frame(&master.service_keys(), &h, &p)?;
+            match l {
+                Listener::Done { job } => Ok(job),
+                _ => panic!("not done"),
+            }
+        };
+        let token_a = master.job_token("job-a");
+        assert_eq!(token_a.len(), 64);
+        assert_ne!(token_a, master.job_token("job-b"));
+        let a = Secret::new(token_a.as_bytes()).for_job("job-a").unwrap();
+        assert_eq!(handshake(&a).unwrap(), "job-a");
+        // Job a's token does not open job b, nor the service itself.
+        let posing = Secret::new(token_a.as_bytes()).for_job("job-b").unwrap();
+        assert!(handshake(&posing).is_err());
+        assert!(handshake(&Secret::new(token_a.as_bytes())).is_err());
+        // The master opens the service's own name (servers, operators).
+        assert_eq!(handshake(&master).unwrap(), "");
+        // Names are checked on both sides.
+        assert!(Secret::new(b"x").for_job("a b").is_err());
+        assert!(Secret::new(b"x").for_job(&"n".repeat(65)).is_err());
+        let mut hello = Connector::start(&Secret::new(b"x")).unwrap().1;
+        hello.extend_from_slice(b"bad/name");
+        let len = (hello.len() - super::super::HEADER_LEN) as u32;
+        let mut h = Header::decode(&hello[..super::super::HEADER_LEN], MAX_AUTH_PAYLOAD).unwrap();
+        h.payload_len = len;
+        let mut l = Listener::default();
+        assert!(l.on_frame(&master.service_keys(), &h, &hello[super::super::HEADER_LEN..]).is_err());
     }
 }

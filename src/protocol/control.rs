@@ -214,6 +214,37 @@ pub enum Control {
     Error {
         message: String,
     },
+    /// A shared service's server process offers itself (`scheduler::service`).
+    ServiceJoin(ServiceJoin),
+    /// Start a server instance for job `job`, whose frames carry `namespace`.
+    ServiceStart {
+        job: String,
+        namespace: u32,
+    },
+    /// Per job: bytes pushed to this server process and chunk rounds, so far.
+    ServiceStats {
+        jobs: Vec<JobTraffic>,
+    },
+    StatusRequest,
+    StatusReply {
+        json: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceJoin {
+    pub hostname: String,
+    /// The address workers reach it at (as in `Register`).
+    pub addr: String,
+    pub threads: u32,
+    pub colocated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobTraffic {
+    pub job: String,
+    pub bytes: u64,
+    pub rounds: u64,
 }
 
 fn put_spec(w: &mut Writer, s: &TensorSpec) {
@@ -308,6 +339,11 @@ impl Control {
             Control::ServerTakeOver { .. } => MsgType::ServerTakeOver,
             Control::Failover { .. } => MsgType::Failover,
             Control::Error { .. } => MsgType::Error,
+            Control::ServiceJoin(_) => MsgType::ServiceJoin,
+            Control::ServiceStart { .. } => MsgType::ServiceStart,
+            Control::ServiceStats { .. } => MsgType::ServiceStats,
+            Control::StatusRequest => MsgType::StatusRequest,
+            Control::StatusReply { .. } => MsgType::StatusReply,
         }
     }
 
@@ -358,7 +394,22 @@ impl Control {
             Control::DeclareError { req, message } => {
                 w.u32(*req).str(message);
             }
-            Control::Heartbeat | Control::Goodbye | Control::Shutdown => {}
+            Control::Heartbeat | Control::Goodbye | Control::Shutdown | Control::StatusRequest => {}
+            Control::ServiceJoin(j) => {
+                w.str(&j.hostname).str(&j.addr).u32(j.threads).u8(j.colocated as u8);
+            }
+            Control::ServiceStart { job, namespace } => {
+                w.str(job).u32(*namespace);
+            }
+            Control::ServiceStats { jobs } => {
+                w.u32(jobs.len() as u32);
+                for j in jobs {
+                    w.str(&j.job).u64(j.bytes).u64(j.rounds);
+                }
+            }
+            Control::StatusReply { json } => {
+                w.str(json);
+            }
             Control::PeerLost { role, rank, reason } => {
                 w.u8(role.to_u8()).u32(*rank).str(reason);
             }
@@ -541,6 +592,29 @@ impl Control {
                 let reason = r.str("reason")?;
                 Control::Failover { batch, lost, reason, specs: get_specs(&mut r)? }
             }
+            MsgType::ServiceJoin => {
+                let hostname = r.str("hostname")?;
+                let addr = r.str("addr")?;
+                let threads = r.u32("threads")?;
+                let colocated = r.u8("colocated")? != 0;
+                Control::ServiceJoin(ServiceJoin { hostname, addr, threads, colocated })
+            }
+            MsgType::ServiceStart => {
+                let job = r.str("job")?;
+                Control::ServiceStart { job, namespace: r.u32("namespace")? }
+            }
+            MsgType::ServiceStats => {
+                let n = r.count("jobs", 20)?;
+                let mut jobs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let job = r.str("job")?;
+                    let bytes = r.u64("bytes")?;
+                    jobs.push(JobTraffic { job, bytes, rounds: r.u64("rounds")? });
+                }
+                Control::ServiceStats { jobs }
+            }
+            MsgType::StatusRequest => Control::StatusRequest,
+            MsgType::StatusReply => Control::StatusReply { json: r.str("json")? },
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),
             other => return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection"))),
         };

@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 8;
+pub const VERSION: u8 = 9;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -48,7 +48,7 @@ msg_types! {
     PushRef = 8, "worker -> server thread on its host: a Push whose data is in the host's shared segment (no payload)";
     ResultRef = 9, "server thread -> worker on its host: a Result written into the host's shared segment (no payload)";
     Restore = 10, "worker -> server thread taking over a lost server's chunk: the last result of it this worker holds (round in the header)";
-    AuthHello = 11, "connector -> listener (scheduler, server thread): first frame of every connection; payload: a fresh nonce (protocol::auth)";
+    AuthHello = 11, "connector -> listener (scheduler, server thread): first frame of every connection; payload: a fresh nonce, then the job name if any (protocol::auth)";
     AuthChallenge = 12, "listener -> connector: the listener's nonce and its proof of the job's token";
     AuthProof = 13, "connector -> listener: the connector's proof of the job's token";
     ServerHello = 14, "server thread -> the server thread replicating its chunks: first frame after the handshake (key = the sender's slot)";
@@ -73,6 +73,11 @@ msg_types! {
     ServerRelease = 32, "scheduler -> server: every worker released these tensors (keys): free them";
     ServerTakeOver = 33, "scheduler -> server: a server was lost; install these specs, whose chunks on this server are taken over";
     Failover = 34, "scheduler -> worker: a server was lost and its chunks moved (new specs); re-send what it had not returned";
+    ServiceJoin = 36, "server process -> shared service (as the service itself): offer this server to every job the service starts";
+    ServiceStart = 37, "shared service -> its server processes: start a server for this job (name, namespace)";
+    ServiceStats = 38, "server process -> shared service: bytes and rounds summed per job so far";
+    StatusRequest = 39, "operator -> shared service (as the service itself): report the jobs";
+    StatusReply = 40, "shared service -> operator: the report, JSON text";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -7,7 +7,12 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 35] = [
+const ALL_MSG_TYPES: [MsgType; 40] = [
+    MsgType::ServiceJoin,
+    MsgType::ServiceStart,
+    MsgType::ServiceStats,
+    MsgType::StatusRequest,
+    MsgType::StatusReply,
     MsgType::ServerHello,
     MsgType::Replicate,
     MsgType::Snapshot,
@@ -232,6 +237,23 @@ fn sample_controls() -> Vec<Control> {
         Control::DeclareStall { name: "layer1.weight".into(), missing: vec![1, 3, u32::MAX], waited_ms: 30_000 },
         Control::DeclareStall { name: "ß∂ƒ".into(), missing: vec![], waited_ms: u64::MAX },
         Control::DeclareStall { name: String::new(), missing: vec![0], waited_ms: 0 },
+        Control::ServiceJoin(ServiceJoin {
+            hostname: "h1".into(),
+            addr: "10.0.0.2".into(),
+            threads: 4,
+            colocated: false,
+        }),
+        Control::ServiceJoin(ServiceJoin { hostname: String::new(), addr: String::new(), threads: 0, colocated: true }),
+        Control::ServiceStart { job: "team-a.resnet".into(), namespace: u32::MAX },
+        Control::ServiceStats { jobs: vec![] },
+        Control::ServiceStats {
+            jobs: vec![
+                JobTraffic { job: "a".into(), bytes: u64::MAX, rounds: 0 },
+                JobTraffic { job: "b".into(), bytes: 0, rounds: 7 },
+            ],
+        },
+        Control::StatusRequest,
+        Control::StatusReply { json: "{\"jobs\": []}".into() },
         Control::Error { message: "scheduler: job namespace mismatch — bye 👋".into() },
         Control::Error { message: String::new() },
     ]

@@ -36,6 +36,48 @@ pub(super) struct PendingReq {
     names: Vec<String>,
 }
 
+/// Tensors the job holds (declared, or released by some workers only) and
+/// their bytes.
+pub(super) fn held(st: &State) -> (usize, u64) {
+    let size = |numel: u64, dtype: DType| numel.saturating_mul(dtype.size() as u64);
+    let bytes = st.decls.values().map(|d| size(d.numel, d.dtype)).sum::<u64>()
+        + st.retiring.values().map(|r| size(r.spec.numel, r.spec.dtype)).sum::<u64>();
+    (st.decls.len() + st.retiring.len(), bytes)
+}
+
+/// Why declaring `entries` would take the job past its limits on a shared
+/// service (tensors held at once, and their bytes), if it would.
+fn over_limits(cfg: &super::SchedulerConfig, st: &State, entries: &[crate::protocol::DeclEntry]) -> Option<String> {
+    if cfg.max_tensors == 0 && cfg.max_bytes == 0 {
+        return None;
+    }
+    let mut new: Vec<&crate::protocol::DeclEntry> = Vec::new();
+    for e in entries {
+        if !st.decls.contains_key(&e.name) && !new.iter().any(|n| n.name == e.name) {
+            new.push(e);
+        }
+    }
+    let (held, held_bytes) = held(st);
+    let tensors = held + new.len();
+    let bytes = held_bytes + new.iter().map(|e| e.numel.saturating_mul(e.dtype.size() as u64)).sum::<u64>();
+    if cfg.max_tensors > 0 && tensors > cfg.max_tensors as usize {
+        return Some(format!(
+            "this job would hold {tensors} tensors on the service, over its limit of {} per job \
+             (the service's --job-max-tensors)",
+            cfg.max_tensors
+        ));
+    }
+    if cfg.max_bytes > 0 && bytes > cfg.max_bytes {
+        return Some(format!(
+            "this job would hold {:.1} MiB of tensors on the service, over its limit of {:.1} MiB per job \
+             (the service's --job-max-mib)",
+            bytes as f64 / (1 << 20) as f64,
+            cfg.max_bytes as f64 / (1 << 20) as f64
+        ));
+    }
+    None
+}
+
 /// Record a worker's declarations. Returns a batch of newly complete specs
 /// that must be installed on the servers before anyone is answered.
 pub(super) fn declare(
@@ -67,6 +109,12 @@ pub(super) fn declare(
             }
             return None;
         }
+    }
+    if let Some(message) = over_limits(&shared.cfg, st, &entries) {
+        if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
+            m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
+        }
+        return None;
     }
     for e in entries {
         let d = st.decls.entry(e.name.clone()).or_insert_with(|| Decl {

@@ -15,7 +15,10 @@
 mod declarations;
 mod failover;
 mod membership;
+mod service;
 mod state;
+
+pub use service::{service_status, start_service, ServiceConfig, ServiceHandle};
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -55,6 +58,10 @@ pub struct SchedulerConfig {
     pub failover: bool,
     /// The job's token: every connection proves it (`protocol::auth`).
     pub secret: Secret,
+    /// Limits of a job on a shared service (0: none): tensors declared at
+    /// once, and their bytes (what the servers hold for it).
+    pub max_tensors: u32,
+    pub max_bytes: u64,
 }
 
 impl Default for SchedulerConfig {
@@ -72,6 +79,8 @@ impl Default for SchedulerConfig {
             host_reduce: true,
             failover: true,
             secret: Secret::none(),
+            max_tensors: 0,
+            max_bytes: 0,
         }
     }
 }
@@ -100,6 +109,20 @@ impl SchedulerHandle {
 /// Bind and start the scheduler in a background thread.
 pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, SchedulerError> {
     crate::logging::init();
+    let cfg = checked(cfg)?;
+    let listener = TcpListener::bind(&cfg.bind).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
+    let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
+    listener.set_nonblocking(true).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
+    let shared = Shared::new(cfg);
+    let join = thread::Builder::new()
+        .name("gradhub-scheduler".into())
+        .spawn(move || accept_loop(shared, listener))
+        .map_err(|e| SchedulerError::Config(format!("cannot spawn thread: {e}")))?;
+    Ok(SchedulerHandle { addr, join })
+}
+
+/// The configuration, checked, with the heartbeat fitted to the timeout.
+fn checked(cfg: SchedulerConfig) -> Result<SchedulerConfig, SchedulerError> {
     if cfg.num_workers == 0 || cfg.num_servers == 0 {
         return Err(SchedulerError::Config("need at least one worker and one server".into()));
     }
@@ -117,16 +140,13 @@ pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, Schedule
     // (a busy machine) does not look like a death.
     let mut cfg = cfg;
     cfg.heartbeat_ms = cfg.heartbeat_ms.min(cfg.peer_timeout_ms / 4).max(10);
-    let listener = TcpListener::bind(&cfg.bind).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
-    let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
-    listener.set_nonblocking(true).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
-    let shared =
-        Arc::new(Shared { cfg, state: Mutex::new(State::default()), cv: Condvar::new(), pending: AtomicUsize::new(0) });
-    let join = thread::Builder::new()
-        .name("gradhub-scheduler".into())
-        .spawn(move || accept_loop(shared, listener))
-        .map_err(|e| SchedulerError::Config(format!("cannot spawn thread: {e}")))?;
-    Ok(SchedulerHandle { addr, join })
+    Ok(cfg)
+}
+
+impl Shared {
+    fn new(cfg: SchedulerConfig) -> Arc<Shared> {
+        Arc::new(Shared { cfg, state: Mutex::new(State::default()), cv: Condvar::new(), pending: AtomicUsize::new(0) })
+    }
 }
 
 /// Run a scheduler until the job ends (blocking).
@@ -137,31 +157,9 @@ pub fn run_scheduler(cfg: SchedulerConfig) -> Result<(), SchedulerError> {
 }
 
 fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), SchedulerError> {
-    let started = Instant::now();
-    let join_timeout = Duration::from_millis(shared.cfg.join_timeout_ms as u64);
-    let hb_thread = {
-        let shared = shared.clone();
-        thread::spawn(move || heartbeat_loop(shared))
-    };
+    let job = Job::start(shared.clone());
     let (mut refused, mut last_refusal_log) = (0u64, Instant::now() - Duration::from_secs(1));
-    loop {
-        {
-            let mut st = shared.lock();
-            if st.finished || st.failed.is_some() {
-                break;
-            }
-            if st.assigned.is_none() && started.elapsed() > join_timeout {
-                let n = st.joining.iter().flatten().count();
-                let msg = format!(
-                    "only {n} of {} members registered within {:.1}s",
-                    shared.cfg.num_workers + shared.cfg.num_servers,
-                    join_timeout.as_secs_f64()
-                );
-                shared.fail(&mut st, None, msg.clone());
-                shared.reject_joining(&mut st, &msg);
-                break;
-            }
-        }
+    while !job.over() {
         match listener.accept() {
             Ok((stream, peer)) => {
                 // Connections not registered yet hold a thread each: bounded.
@@ -192,15 +190,60 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), Schedul
             Err(e) => log::warn!(target: "scheduler", "accept failed: {e}"),
         }
     }
-    let _ = hb_thread.join();
-    // Give member threads a moment to flush final messages.
-    thread::sleep(Duration::from_millis(200));
-    let st = shared.lock();
-    match &st.failed {
-        Some(reason) => Err(SchedulerError::JobFailed(reason.clone())),
-        None => {
-            log::info!(target: "scheduler", "all workers finished; job complete");
-            Ok(())
+    job.conclude()
+}
+
+/// One job's life: its heartbeats, its registration deadline, its end.
+struct Job {
+    shared: Arc<Shared>,
+    started: Instant,
+    heartbeats: thread::JoinHandle<()>,
+}
+
+impl Job {
+    fn start(shared: Arc<Shared>) -> Job {
+        let heartbeats = {
+            let shared = shared.clone();
+            thread::spawn(move || heartbeat_loop(shared))
+        };
+        Job { shared, started: Instant::now(), heartbeats }
+    }
+
+    /// Whether the job ended (finished or failed); fails it when not every
+    /// member registered within the join timeout.
+    fn over(&self) -> bool {
+        let shared = &self.shared;
+        let mut st = shared.lock();
+        if st.finished || st.failed.is_some() {
+            return true;
+        }
+        let join_timeout = Duration::from_millis(shared.cfg.join_timeout_ms as u64);
+        if st.assigned.is_none() && self.started.elapsed() > join_timeout {
+            let n = st.joining.iter().flatten().count();
+            let msg = format!(
+                "only {n} of {} members registered within {:.1}s",
+                shared.cfg.num_workers + shared.cfg.num_servers,
+                join_timeout.as_secs_f64()
+            );
+            shared.fail(&mut st, None, msg.clone());
+            shared.reject_joining(&mut st, &msg);
+            return true;
+        }
+        false
+    }
+
+    /// After `over`: how the job ended.
+    fn conclude(self) -> Result<(), SchedulerError> {
+        let _ = self.heartbeats.join();
+        // Give member threads a moment to flush final messages.
+        thread::sleep(Duration::from_millis(200));
+        let st = self.shared.lock();
+        match &st.failed {
+            Some(reason) => Err(SchedulerError::JobFailed(reason.clone())),
+            None => {
+                log::info!(target: "scheduler", "all workers finished; job complete");
+                Ok(())
+            }
         }
     }
 }
@@ -233,44 +276,75 @@ fn pending_cap(cfg: &SchedulerConfig) -> usize {
 /// Serve one connection: its registration (counted in `pending` until it is
 /// done), then, for a member, its messages.
 fn member_thread(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
-    let registered = register_member(shared, stream, peer);
+    let timeout = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
+    let ns = shared.cfg.namespace;
+    let registered = greet(&stream, peer, &shared.cfg.secret.keys(), timeout, |_| ns)
+        .and_then(|(_, first)| expect_register(&stream, peer, first, ns))
+        .and_then(|reg| admit(shared, reg, stream, peer));
     shared.pending.fetch_sub(1, Ordering::SeqCst);
     if let Some((me, stream)) = registered {
         serve_member(shared, &me, stream);
     }
 }
 
-fn register_member(shared: &Arc<Shared>, mut stream: TcpStream, peer: SocketAddr) -> Option<(Arc<Member>, TcpStream)> {
-    let ns = shared.cfg.namespace;
+/// A new connection's handshake and first message (the job it announced and
+/// what it sent), or None, logged, if it failed. Before it has registered, a
+/// peer gets a small frame and the peer timeout for the handshake and that
+/// message together, so a stranger can hold neither memory nor a thread.
+fn greet(
+    stream: &TcpStream,
+    peer: SocketAddr,
+    keys: &impl Fn(&str) -> Secret,
+    timeout: Duration,
+    namespace_of: impl Fn(&str) -> u32,
+) -> Option<(String, Result<Control, crate::protocol::ReadError>)> {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    let timeout = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
     let _ = stream.set_write_timeout(Some(timeout));
-    // Before it has registered, a peer gets a small frame and the peer
-    // timeout for its whole Register, so a stranger can hold neither memory
-    // nor this thread.
-    // One deadline for the handshake and the Register together.
-    let mut within = DeadlineReader::new(&stream, timeout);
-    if let Err(e) = auth::listen_blocking(&mut within, &mut &stream, &shared.cfg.secret) {
-        log::warn!(target: "scheduler", "rejecting {peer}: {e}");
-        return None;
-    }
-    let first = read_control_limited(&mut within, ns, MAX_REGISTER_PAYLOAD);
+    let mut within = DeadlineReader::new(stream, timeout);
+    let job = match auth::listen_blocking(&mut within, &mut &*stream, keys) {
+        Ok(job) => job,
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: {e}");
+            return None;
+        }
+    };
+    let first = read_control_limited(&mut within, namespace_of(&job), MAX_REGISTER_PAYLOAD);
     let _ = stream.set_read_timeout(Some(timeout));
-    let reg = match first {
-        Ok(Control::Register(r)) => r,
+    Some((job, first))
+}
+
+/// The Register a member's first message must be (else it is told why).
+fn expect_register(
+    mut stream: &TcpStream,
+    peer: SocketAddr,
+    first: Result<Control, crate::protocol::ReadError>,
+    ns: u32,
+) -> Option<crate::protocol::Register> {
+    match first {
+        Ok(Control::Register(r)) => Some(r),
         Ok(other) => {
             let message = format!("expected Register, got {:?}", other.msg_type());
             log::warn!(target: "scheduler", "rejecting {peer}: {message}");
             let _ = write_control(&mut stream, &Control::Error { message }, ns);
-            return None;
+            None
         }
         Err(e) => {
             log::warn!(target: "scheduler", "rejecting {peer}: bad registration: {e}");
             let _ = write_control(&mut stream, &Control::Error { message: format!("bad registration: {e}") }, ns);
-            return None;
+            None
         }
-    };
+    }
+}
+
+/// Check a registration and join the job with it (blocks until everyone has).
+fn admit(
+    shared: &Shared,
+    reg: crate::protocol::Register,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+) -> Option<(Arc<Member>, TcpStream)> {
+    let ns = shared.cfg.namespace;
     if let Err(why) = check_registration(&shared.cfg, &reg) {
         log::warn!(target: "scheduler", "rejecting {} at {peer}: {why}", reg.role.name());
         let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);

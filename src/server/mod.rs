@@ -6,7 +6,10 @@
 
 mod optimizer;
 mod replica;
+mod service;
 mod thread;
+
+pub use service::{run_service_server, ServiceServerConfig};
 
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
@@ -46,6 +49,28 @@ pub struct ServerConfig {
     pub host: Option<String>,
     /// The job's token: every connection proves it (`protocol::auth`).
     pub secret: Secret,
+    /// Counted by the threads (a shared service reports it per job).
+    pub traffic: Arc<Traffic>,
+}
+
+/// Bytes pushed to a server and chunk rounds it completed, so far.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    bytes: std::sync::atomic::AtomicU64,
+    rounds: std::sync::atomic::AtomicU64,
+}
+
+impl Traffic {
+    fn add(&self, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.bytes.fetch_add(bytes, Relaxed);
+        self.rounds.fetch_add(1, Relaxed);
+    }
+    /// (bytes, rounds)
+    pub fn get(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.bytes.load(Relaxed), self.rounds.load(Relaxed))
+    }
 }
 
 impl Default for ServerConfig {
@@ -64,6 +89,7 @@ impl Default for ServerConfig {
             connect_timeout: Duration::from_secs(60),
             host: None,
             secret: Secret::none(),
+            traffic: Arc::default(),
         }
     }
 }
@@ -169,6 +195,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             stall: Duration::from_millis(welcome.stall_ms as u64),
             peer_timeout: Duration::from_millis(welcome.peer_timeout_ms as u64),
             secret: cfg.secret.clone(),
+            traffic: cfg.traffic.clone(),
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()

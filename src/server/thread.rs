@@ -89,6 +89,8 @@ pub struct ThreadConfig {
     pub peer_timeout: Duration,
     /// The job's token, which every connecting worker must prove.
     pub secret: Secret,
+    /// What this server's threads summed (a shared service reports it).
+    pub traffic: Arc<super::Traffic>,
 }
 
 enum ChunkBuf {
@@ -438,7 +440,7 @@ impl ServerThread {
             self.add_conn(
                 mio::net::TcpStream::from_std(stream),
                 format!("replica slot {slot} ({peer})"),
-                auth::Listener::Done,
+                auth::Listener::Done { job: String::new() },
             )
         });
         match registered {
@@ -725,7 +727,7 @@ impl ServerThread {
                     PayloadKind::Discard => {}
                 },
                 Some(Frame::Message(hdr, buf)) if !conn.auth.is_done() => {
-                    let reply = conn.auth.on_frame(&self.cfg.secret, &hdr, &buf).map_err(auth_failed)?;
+                    let reply = conn.auth.on_frame(&self.cfg.secret.keys(), &hdr, &buf).map_err(auth_failed)?;
                     if let Some(r) = reply {
                         conn.acks.extend_from_slice(&r); // written by the flush after this read
                     }
@@ -1288,6 +1290,7 @@ impl ServerThread {
     fn finish_round(&mut self, idx: usize) {
         let nw = self.cfg.num_workers;
         let ch = &mut self.chunks[idx];
+        self.cfg.traffic.add((ch.elems * ch.dtype.size() * ch.pushers.len()) as u64);
         let parity = (ch.round & 1) as usize;
         let scale = if ch.flags & FLAG_AVERAGE != 0 { 1.0 / nw as f32 } else { 1.0 };
         let opt = self.opt_cfg.get(&ch.key);

@@ -103,7 +103,7 @@ fn a_process_without_the_token_cannot_pose_as_a_server() {
     let (l, port) = listener();
     let pending = spawn("rogue listener", move || {
         let s = accept(&l);
-        auth::listen_blocking(&mut &s, &mut &s, &Secret::new(b"rogue")).err().map(|e| e.to_string())
+        auth::listen_blocking(&mut &s, &mut &s, &Secret::new(b"rogue").keys()).err().map(|e| e.to_string())
     });
     let s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     let err = authenticate(&s, &token()).unwrap_err();

@@ -34,7 +34,7 @@ pub fn token() -> Secret {
 
 /// The listener's handshake on a test's blocking stream (a fake scheduler or server).
 pub fn accept_authenticated(s: &TcpStream, secret: &Secret) {
-    auth::listen_blocking(&mut &*s, &mut &*s, secret).expect("the connector authenticates");
+    auth::listen_blocking(&mut &*s, &mut &*s, &secret.keys()).expect("the connector authenticates");
 }
 
 /// The connector's handshake on a test's blocking stream.
@@ -92,6 +92,7 @@ pub fn sched_config(num_workers: u32, num_servers: u32) -> SchedulerConfig {
         host_reduce: true,
         failover: true,
         secret: token(),
+        ..SchedulerConfig::default()
     }
 }
 
@@ -574,6 +575,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         connect_timeout: IO_TIMEOUT,
         host: None,
         secret: token(),
+        traffic: Default::default(),
     }
 }
 

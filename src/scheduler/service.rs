@@ -1,0 +1,459 @@
+//! A shared summation service (PHub §3.2): one long-lived scheduler hosts
+//! many jobs at once on one fleet of server processes.
+//!
+//! - A job is known by its name and proves it with a token derived from
+//!   the service's master secret (`auth::Secret::job_token`): the operator
+//!   hands each job its own, and a job's token opens no other job.
+//! - The first worker of a job starts it: the service makes it a scheduler
+//!   state of its own (`Shared`: members, key space, placement, barriers,
+//!   failures) and has every server process start a server instance for it
+//!   (`server::service`), with the job's token, namespace and fresh ports.
+//!   From then on the job runs exactly as a job with its own scheduler and
+//!   servers does; nothing of it is shared with another job but the
+//!   processes and their CPUs, which the OS shares between the jobs'
+//!   threads.
+//! - When a job ends, finished or failed, its state here and its server
+//!   instances end with it, and their memory is freed.
+//! - The service itself (empty job name, the master secret) is spoken to by
+//!   its server processes (`ServiceJoin`, then traffic reports) and by
+//!   operators (`StatusRequest`: what `gradhub status` prints).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::declarations::held;
+use super::state::Shared;
+use super::{admit, checked, expect_register, greet, serve_member, Job, SchedulerConfig, SchedulerError};
+use crate::protocol::auth::{job_namespace, Secret};
+use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
+
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// Address to listen on, e.g. "0.0.0.0:9000".
+    pub bind: String,
+    /// The master secret every job's token derives from.
+    pub master: Secret,
+    /// What each job gets: partition size, timeouts, host stage, failover
+    /// and the per-job limits (`max_tensors`, `max_bytes`). Its job size,
+    /// namespace and secret are the job's own.
+    pub job: SchedulerConfig,
+    /// Jobs running at once.
+    pub max_jobs: u32,
+    /// Connections authenticating or registering at once (each holds a
+    /// thread until it has, or its peer timeout passed).
+    pub max_pending: usize,
+}
+
+pub struct ServiceHandle {
+    pub addr: SocketAddr,
+    join: thread::JoinHandle<Result<(), SchedulerError>>,
+}
+
+impl ServiceHandle {
+    /// Serve until the listener fails (the service has no end of its own).
+    pub fn wait(self) -> Result<(), SchedulerError> {
+        self.join.join().unwrap_or_else(|_| Err(SchedulerError::JobFailed("service thread panicked".into())))
+    }
+}
+
+struct Service {
+    cfg: ServiceConfig,
+    addr: SocketAddr,
+    jobs: Mutex<HashMap<String, Arc<JobEntry>>>,
+    servers: Mutex<Vec<Arc<ServerEntry>>>,
+    pending: AtomicUsize,
+    next_server: AtomicU64,
+    started: Instant,
+}
+
+struct JobEntry {
+    shared: Arc<Shared>,
+    started: Instant,
+    traffic: Mutex<JobRate>,
+}
+
+/// A job's traffic as its servers report it, and the rate over the last
+/// report interval.
+#[derive(Default)]
+struct JobRate {
+    by_server: HashMap<u64, (u64, u64)>,
+    sampled: Option<(Instant, u64)>,
+    bytes_per_s: f64,
+}
+
+impl JobEntry {
+    fn over(&self) -> bool {
+        let st = self.shared.lock();
+        st.finished || st.failed.is_some()
+    }
+}
+
+/// A server process of the service.
+struct ServerEntry {
+    id: u64,
+    join: ServiceJoin,
+    peer: SocketAddr,
+    writer: Mutex<TcpStream>,
+    /// The jobs it ran a server for at its last report.
+    jobs: Mutex<Vec<String>>,
+}
+
+impl ServerEntry {
+    fn send(&self, msg: &Control) -> bool {
+        match self.writer.lock() {
+            Ok(mut w) => write_control(&mut *w, msg, 0).is_ok(),
+            Err(_) => false,
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Bind and start the service in a background thread.
+pub fn start_service(cfg: ServiceConfig) -> Result<ServiceHandle, SchedulerError> {
+    crate::logging::init();
+    if cfg.master.is_none() {
+        return Err(SchedulerError::Config("a shared service needs a master token".into()));
+    }
+    // The job template is checked as a job would be (size filled in later).
+    let mut template = cfg.job.clone();
+    (template.num_workers, template.num_servers) = (1, 1);
+    checked(template)?;
+    let listener = TcpListener::bind(&cfg.bind).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
+    let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
+    let svc = Arc::new(Service {
+        cfg,
+        addr,
+        jobs: Mutex::default(),
+        servers: Mutex::default(),
+        pending: AtomicUsize::new(0),
+        next_server: AtomicU64::new(0),
+        started: Instant::now(),
+    });
+    {
+        let svc = svc.clone();
+        thread::Builder::new()
+            .name("gradhub-service-hb".into())
+            .spawn(move || heartbeat_servers(&svc))
+            .map_err(|e| SchedulerError::Config(format!("cannot spawn thread: {e}")))?;
+    }
+    let join = thread::Builder::new()
+        .name("gradhub-service".into())
+        .spawn(move || accept_loop(svc, listener))
+        .map_err(|e| SchedulerError::Config(format!("cannot spawn thread: {e}")))?;
+    Ok(ServiceHandle { addr, join })
+}
+
+fn accept_loop(svc: Arc<Service>, listener: TcpListener) -> Result<(), SchedulerError> {
+    log::info!(target: "service", "listening on {}; up to {} jobs", svc.addr, svc.cfg.max_jobs);
+    let mut last_refusal_log = Instant::now() - Duration::from_secs(1);
+    loop {
+        let (stream, peer) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                log::warn!(target: "service", "accept failed: {e}");
+                thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+        };
+        if svc.pending.fetch_add(1, Ordering::SeqCst) >= svc.cfg.max_pending {
+            svc.pending.fetch_sub(1, Ordering::SeqCst);
+            if last_refusal_log.elapsed() >= Duration::from_secs(1) {
+                log::warn!(target: "service", "refusing {peer}: {} connections are already registering", svc.cfg.max_pending);
+                last_refusal_log = Instant::now();
+            }
+            continue;
+        }
+        let svc2 = svc.clone();
+        let spawned =
+            thread::Builder::new().name("gradhub-service-conn".into()).spawn(move || connection(&svc2, stream, peer));
+        if let Err(e) = spawned {
+            svc.pending.fetch_sub(1, Ordering::SeqCst);
+            log::warn!(target: "service", "cannot serve {peer}: {e}");
+        }
+    }
+}
+
+/// The namespace of a job's frames (the service's own: 0).
+fn namespace_of(job: &str) -> u32 {
+    if job.is_empty() {
+        0
+    } else {
+        job_namespace(job)
+    }
+}
+
+/// One connection: a job member, a server process or an operator.
+fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
+    let timeout = Duration::from_millis(svc.cfg.job.peer_timeout_ms as u64);
+    let greeted = greet(&stream, peer, &svc.cfg.master.service_keys(), timeout, namespace_of);
+    let Some((job, first)) = greeted else {
+        svc.pending.fetch_sub(1, Ordering::SeqCst);
+        return;
+    };
+    if job.is_empty() {
+        svc.pending.fetch_sub(1, Ordering::SeqCst);
+        match first {
+            Ok(Control::ServiceJoin(j)) => serve_server(svc, j, stream, peer),
+            Ok(Control::StatusRequest) => {
+                let _ = write_control(&mut &stream, &Control::StatusReply { json: status_json(svc) }, 0);
+            }
+            Ok(other) => log::warn!(target: "service", "rejecting {peer}: unexpected {:?}", other.msg_type()),
+            Err(e) => log::warn!(target: "service", "rejecting {peer}: {e}"),
+        }
+        return;
+    }
+    let ns = namespace_of(&job);
+    let admitted = expect_register(&stream, peer, first, ns).and_then(|reg| match job_for(svc, &job, &reg) {
+        Ok(shared) => admit(&shared, reg, stream, peer).map(|m| (shared, m)),
+        Err(message) => {
+            log::warn!(target: "service", "job '{job}': refusing {} at {peer}: {message}", reg.role.name());
+            let _ = write_control(&mut &stream, &Control::Error { message }, ns);
+            None
+        }
+    });
+    svc.pending.fetch_sub(1, Ordering::SeqCst);
+    if let Some((shared, (me, stream))) = admitted {
+        log::info!(target: "service", "job '{job}': admitted {}", me.describe());
+        serve_member(&shared, &me, stream);
+    }
+}
+
+/// The running job `name`, or a new one started by this worker's Register.
+fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>, String> {
+    let mut jobs = lock(&svc.jobs);
+    if let Some(j) = jobs.get(name) {
+        if !j.over() {
+            return Ok(j.shared.clone());
+        }
+    }
+    if reg.role != Role::Worker || reg.num_workers == 0 {
+        return Err(format!("job '{name}' is not running on this service (its workers start it)"));
+    }
+    let running = jobs.values().filter(|j| !j.over()).count();
+    if running >= svc.cfg.max_jobs as usize {
+        return Err(format!("the service runs its limit of {} jobs; try again when one has ended", svc.cfg.max_jobs));
+    }
+    let servers: Vec<Arc<ServerEntry>> = lock(&svc.servers).clone();
+    if servers.is_empty() {
+        return Err("the service has no servers: start `gradhub server --service` on its machines".into());
+    }
+    let mut cfg = svc.cfg.job.clone();
+    cfg.num_workers = reg.num_workers;
+    cfg.num_servers = servers.len() as u32;
+    cfg.namespace = job_namespace(name);
+    cfg.secret = svc.cfg.master.key_for(name);
+    let cfg = checked(cfg).map_err(|e| e.to_string())?;
+    let shared = Shared::new(cfg);
+    let entry = Arc::new(JobEntry { shared: shared.clone(), started: Instant::now(), traffic: Mutex::default() });
+    jobs.insert(name.to_string(), entry.clone());
+    drop(jobs);
+    log::info!(
+        target: "service",
+        "job '{name}': started for {} workers on {} servers",
+        reg.num_workers,
+        servers.len()
+    );
+    let (svc2, name2) = (svc.clone(), name.to_string());
+    let spawned = thread::Builder::new().name(format!("gradhub-job-{name}")).spawn(move || {
+        let job = Job::start(entry.shared.clone());
+        while !job.over() {
+            thread::sleep(Duration::from_millis(50));
+        }
+        match job.conclude() {
+            Ok(()) => log::info!(target: "service", "job '{name2}': complete"),
+            Err(e) => log::warn!(target: "service", "job '{name2}' ended: {e}"),
+        }
+        let mut jobs = lock(&svc2.jobs);
+        if jobs.get(&name2).is_some_and(|j| Arc::ptr_eq(j, &entry)) {
+            jobs.remove(&name2);
+        }
+    });
+    if let Err(e) = spawned {
+        let mut st = shared.lock();
+        shared.fail(&mut st, None, format!("the service cannot start the job: {e}"));
+        return Err(format!("the service cannot start the job: {e}"));
+    }
+    for s in &servers {
+        if !s.send(&Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name) }) {
+            log::warn!(target: "service", "job '{name}': server at {} did not take the job", s.peer);
+        }
+    }
+    Ok(shared)
+}
+
+/// A server process's link: it reports traffic every second; silent for
+/// the peer timeout or disconnected, it leaves the service (its jobs see
+/// their server instances lost and fail over or fail, as any job does).
+fn serve_server(svc: &Arc<Service>, join: ServiceJoin, stream: TcpStream, peer: SocketAddr) {
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            log::warn!(target: "service", "rejecting server {peer}: {e}");
+            return;
+        }
+    };
+    let id = svc.next_server.fetch_add(1, Ordering::SeqCst);
+    log::info!(
+        target: "service",
+        "server {id} joined from {peer} ({}, {} threads, advertised as {})",
+        join.hostname,
+        join.threads,
+        join.addr
+    );
+    let entry = Arc::new(ServerEntry { id, join, peer, writer: Mutex::new(writer), jobs: Mutex::default() });
+    lock(&svc.servers).push(entry.clone());
+    let mut stream = stream;
+    let why = loop {
+        match read_control(&mut stream, 0) {
+            Ok(Control::ServiceStats { jobs }) => {
+                *lock(&entry.jobs) = jobs.iter().map(|j| j.job.clone()).collect();
+                record(svc, id, jobs);
+            }
+            Ok(Control::Heartbeat) => {}
+            Ok(other) => break format!("unexpected {:?}", other.msg_type()),
+            Err(ReadError::TimedOut) => break "silent for the peer timeout".to_string(),
+            Err(e) => break e.to_string(),
+        }
+    };
+    log::warn!(target: "service", "server {id} ({peer}) left the service: {why}");
+    lock(&svc.servers).retain(|s| s.id != id);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+}
+
+fn record(svc: &Service, server: u64, reports: Vec<JobTraffic>) {
+    let jobs = lock(&svc.jobs);
+    for r in reports {
+        let Some(j) = jobs.get(&r.job) else { continue };
+        let mut t = lock(&j.traffic);
+        t.by_server.insert(server, (r.bytes, r.rounds));
+        let total: u64 = t.by_server.values().map(|v| v.0).sum();
+        let now = Instant::now();
+        match t.sampled {
+            Some((at, bytes)) if now.duration_since(at) >= Duration::from_millis(900) => {
+                t.bytes_per_s = total.saturating_sub(bytes) as f64 / now.duration_since(at).as_secs_f64();
+                t.sampled = Some((now, total));
+            }
+            Some(_) => {}
+            None => t.sampled = Some((now, total)),
+        }
+    }
+}
+
+fn heartbeat_servers(svc: &Service) {
+    loop {
+        let servers: Vec<Arc<ServerEntry>> = lock(&svc.servers).clone();
+        for s in servers {
+            s.send(&Control::Heartbeat);
+        }
+        thread::sleep(Duration::from_millis(svc.cfg.job.heartbeat_ms.clamp(10, 1000) as u64));
+    }
+}
+
+/// A JSON string (no serde for one small report).
+fn js(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// What `gradhub status` prints: the service, its servers, and per job its
+/// members, tensors, bytes held and traffic.
+fn status_json(svc: &Service) -> String {
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        "{{\"addr\": {}, \"uptime_s\": {:.1}, \"max_jobs\": {}, \"servers\": [",
+        js(&svc.addr.to_string()),
+        svc.started.elapsed().as_secs_f64(),
+        svc.cfg.max_jobs
+    );
+    for (i, s) in lock(&svc.servers).iter().enumerate() {
+        let _ = write!(
+            o,
+            "{}{{\"id\": {}, \"peer\": {}, \"host\": {}, \"addr\": {}, \"threads\": {}, \"jobs\": [{}]}}",
+            if i > 0 { ", " } else { "" },
+            s.id,
+            js(&s.peer.to_string()),
+            js(&s.join.hostname),
+            js(&s.join.addr),
+            s.join.threads,
+            lock(&s.jobs).iter().map(|j| js(j)).collect::<Vec<_>>().join(", ")
+        );
+    }
+    o.push_str("], \"jobs\": [");
+    let jobs: Vec<(String, Arc<JobEntry>)> = lock(&svc.jobs).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    for (i, (name, j)) in jobs.iter().enumerate() {
+        let (bytes, rounds, rate) = {
+            let t = lock(&j.traffic);
+            let (b, r) = t.by_server.values().fold((0u64, 0u64), |a, v| (a.0 + v.0, a.1 + v.1));
+            (b, r, t.bytes_per_s)
+        };
+        let st = j.shared.lock();
+        let state = match (&st.failed, st.finished, st.assigned.is_some()) {
+            (Some(_), _, _) => "failed",
+            (None, true, _) => "finished",
+            (None, false, true) => "running",
+            (None, false, false) => "registering",
+        };
+        let (tensors, held_bytes) = held(&st);
+        let _ = write!(
+            o,
+            "{}{{\"name\": {}, \"namespace\": {}, \"state\": {}, \"age_s\": {:.1}, \"workers\": {}, \"servers\": {}, \
+             \"tensors\": {tensors}, \"held_bytes\": {held_bytes}, \"pushed_bytes\": {bytes}, \"rounds\": {rounds}, \
+             \"push_rate_bytes_per_s\": {rate:.0}, \"members\": [",
+            if i > 0 { ", " } else { "" },
+            js(name),
+            j.shared.cfg.namespace,
+            js(state),
+            j.started.elapsed().as_secs_f64(),
+            j.shared.cfg.num_workers,
+            j.shared.cfg.num_servers,
+        );
+        for (k, m) in st.members.iter().enumerate() {
+            let _ = write!(
+                o,
+                "{}{{\"role\": {}, \"rank\": {}, \"peer\": {}}}",
+                if k > 0 { ", " } else { "" },
+                js(m.role.name()),
+                m.rank,
+                js(&m.peer.to_string())
+            );
+        }
+        o.push_str("]}");
+    }
+    o.push_str("]}");
+    o
+}
+
+/// Ask the service at `addr` for its report (authenticated with the master
+/// secret): the JSON text.
+pub fn service_status(addr: &str, master: &Secret, timeout: Duration) -> Result<String, String> {
+    let mut s = crate::transport::connect_authenticated(addr, timeout, master).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    write_control(&mut s, &Control::StatusRequest, 0).map_err(|e| e.to_string())?;
+    match read_control(&mut s, 0) {
+        Ok(Control::StatusReply { json }) => Ok(json),
+        Ok(Control::Error { message }) => Err(message),
+        Ok(other) => Err(format!("unexpected {:?} from the service", other.msg_type())),
+        Err(e) => Err(format!("no report from the service at {addr}: {e}")),
+    }
+}
