@@ -397,3 +397,30 @@ def test_bench_hostile_and_state_quick(tmp_path):
     modes = {r["mode"]: r for r in res["state"]}
     assert all(s["worker_tensors"] == 0 for s in modes["unnamed"]["samples"])
     assert modes["unique"]["samples"][-1]["worker_tensors"] == modes["unique"]["calls"]
+
+
+def test_jain_index():
+    from gradhub.bench.tenancy import jain
+
+    assert jain([3.0, 3.0, 3.0]) == pytest.approx(1.0)
+    assert jain([1.0, 0.0]) == pytest.approx(0.5)
+    assert jain([2.0, 1.0]) == pytest.approx(0.9)
+
+
+def test_bench_tenancy_quick(tmp_path):
+    """Two jobs at once on one shared service in the emulated cluster: both
+    progress, and the report has each job's share and the fairness index."""
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "tenancy.json"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "tenancy", "--jobs", "1,2", "--duration", "2",
+                        "--mib", "1", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    rec = json.loads(out.read_text().splitlines()[-1])
+    by_jobs = {s["jobs"]: s for s in rec["summary"]}
+    assert by_jobs[1]["vs_one_job"] == pytest.approx(1.0)
+    assert len(by_jobs[2]["per_job_bytes_per_s"]) == 2 and min(by_jobs[2]["per_job_bytes_per_s"]) > 0
+    assert 0.5 <= by_jobs[2]["jain"] <= 1.0
+    assert "Jain" in p.stdout

@@ -1,5 +1,7 @@
 """`gradhub bench`: every benchmark of gradhub, in one place.
 
+- `tenancy`: many jobs on one shared service (emulated cluster): goodput per
+  job, aggregate, fairness, and the cost of authentication;
 - `faults`: the fault campaign (kills, stops, exceptions, strangers'
   connections in jobs started role by role; every outcome and sum checked);
 - `core` and `torch-options`: the data plane on loopback against raw TCP, and
@@ -72,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "pause, exception, stranger's connection), every outcome and sum checked",
                         formatter_class=argparse.RawDescriptionHelpFormatter, description=faults.__doc__)
     faults.add_arguments(fp)
+    from . import tenancy
+
+    tp = sub.add_parser("tenancy", help="1-4 concurrent jobs on one shared service in the emulated cluster: "
+                                        "goodput per job, aggregate vs one job, Jain's fairness; cost of a token",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, description=tenancy.__doc__)
+    tenancy.add_arguments(tp)
     c = sub.add_parser(
         "cluster", help="run any command on every worker host of an emulated cluster",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -334,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         except CheckoutError as e:
             print(f"gradhub bench {args.cmd}: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "tenancy":
+        from .tenancy import main as run_tenancy
+
+        return run_tenancy(args)
     if args.cmd == "faults":
         from .faults import run as run_faults
 
