@@ -88,6 +88,12 @@ def test_horovod_names_beyond_allreduce(workers):
     assert_all_passed(rc, out, workers)
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_exchange_collectives_reducescatter_alltoall_grouped_sparse(workers):
+    rc, out = run_launch(workers, 2, "torch_exchange.py")
+    assert_all_passed(rc, out, workers)
+
+
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]], ids=["2+2", "3+1"])
 def test_cross_rank_and_size_follow_the_hosts(cluster_factory, hosts):
     c = cluster_factory(len(hosts), 1)

@@ -25,7 +25,6 @@ from .ops import (
     Sum,
     allgather,
     allgather_object,
-    allgather_async,
     allreduce,
     allreduce_,
     allreduce_async,
@@ -46,7 +45,20 @@ from .ops import (
     push_pull_async,
     synchronize,
 )
+from .exchange import (
+    allgather_async,
+    alltoall,
+    alltoall_async,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, _check_set, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
 
@@ -57,8 +69,7 @@ def init(*args, **kwargs):
 
 def barrier(process_set=None):
     """Block until every worker has entered the barrier."""
-    if process_set is not None:
-        raise NotImplementedError("gradhub.torch: process sets are not supported yet; barrier() spans every worker")
+    _check_set(process_set)
     _barrier()
 
 
@@ -100,6 +111,9 @@ elastic = _Elastic()
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "GradhubError", "GradhubTimeoutError",
     "Handle", "HookState", "HorovodInternalError", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
+    "ProcessSet", "add_process_set", "global_process_set", "remove_process_set", "alltoall", "alltoall_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "reducescatter", "reducescatter_async", "sparse_allreduce_async",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",

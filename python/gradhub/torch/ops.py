@@ -20,6 +20,7 @@ import torch
 
 from .. import api as _api
 from .compression import Compression
+from .process_sets import _check_set
 
 
 class ReduceOp:
@@ -226,7 +227,8 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
 
 
 def allreduce_async(tensor, average=None, name=None, compression=Compression.none, op=None, priority=0,
-                    prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+                    prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> Handle:
+    _check_set(process_set)
     op = _resolve_op(average, op)
     return _reduce_async(tensor, name or _auto_name("allreduce"), op, priority, compression, None,
                          prescale_factor, postscale_factor)
@@ -247,11 +249,12 @@ class _AllreduceFn(torch.autograd.Function):
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0):
+              postscale_factor=1.0, process_set=None):
     """Reduce `tensor` across workers (default: average); returns a new tensor.
     `op`: Average, Sum, Min, Max or Product; `prescale_factor` multiplies the
     input, `postscale_factor` the result. Differentiable for Average and Sum:
     the gradient is reduced the same way."""
+    _check_set(process_set)
     op = _resolve_op(average, op)
     name = name or _auto_name("allreduce")
     if tensor.requires_grad and torch.is_grad_enabled() and op not in _GATHERED:
@@ -261,8 +264,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none,
-                     prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+                     prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> Handle:
     """In-place allreduce; `synchronize(handle)` returns `tensor` itself."""
+    _check_set(process_set)
     _check_inplace(tensor, "allreduce_")
     op = _resolve_op(average, op)
     return _reduce_async(tensor, name or _auto_name("allreduce"), op, priority, compression, tensor,
@@ -270,7 +274,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compr
 
 
 def allreduce_(tensor, average=None, name=None, op=None, compression=Compression.none, prescale_factor=1.0,
-               postscale_factor=1.0):
+               postscale_factor=1.0, process_set=None):
+    _check_set(process_set)
     return allreduce_async_(tensor, average, name, op, compression=compression, prescale_factor=prescale_factor,
                             postscale_factor=postscale_factor).wait()
 
@@ -308,17 +313,19 @@ def _group_names(tensors, name, kind):
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, compression=Compression.none, op=None,
-                            prescale_factor=1.0, postscale_factor=1.0, priority=0) -> Handle:
+                            prescale_factor=1.0, postscale_factor=1.0, priority=0, process_set=None) -> Handle:
     """Reduce a list of tensors together; `synchronize` returns the list of results."""
+    _check_set(process_set)
     names = _group_names(tensors, name, "grouped_allreduce")
     return _GroupHandle([allreduce_async(t, average, n, compression, op, priority, prescale_factor, postscale_factor)
                          for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce")
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0):
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """allreduce of each of `tensors`, started together; returns the list of results
     (differentiable like allreduce)."""
+    _check_set(process_set)
     names = _group_names(tensors, name, "grouped_allreduce")
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
         return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor)
@@ -329,8 +336,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                             priority=0, compression=Compression.none) -> Handle:
+                             priority=0, compression=Compression.none, process_set=None) -> Handle:
     """In place; `synchronize` returns the tensors themselves."""
+    _check_set(process_set)
     names = _group_names(tensors, name, "grouped_allreduce")
     return _GroupHandle([allreduce_async_(t, average, n, op, priority, compression, prescale_factor,
                                           postscale_factor) for t, n in zip(tensors, names)],
@@ -338,7 +346,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       compression=Compression.none):
+                       compression=Compression.none, process_set=None):
+    _check_set(process_set)
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                     compression=compression).wait()
 
@@ -364,8 +373,9 @@ def _bytes_as_f32(t: torch.Tensor) -> torch.Tensor:
     return raw.to(torch.float32)
 
 
-def broadcast_async(tensor, root_rank, name=None) -> Handle:
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> Handle:
     """Start replacing `tensor`'s value with root_rank's; out of place."""
+    _check_set(process_set)
     return _broadcast_async(tensor, root_rank, name or _auto_name("broadcast"), None)
 
 
@@ -420,22 +430,25 @@ class _BroadcastFn(torch.autograd.Function):
         return g, None, None
 
 
-def broadcast(tensor, root_rank, name=None):
+def broadcast(tensor, root_rank, name=None, process_set=None):
     """Return root_rank's value of `tensor` on every worker (out of place).
     Differentiable: the root's input gets the workers' averaged gradient, the others zero."""
+    _check_set(process_set)
     name = name or _auto_name("broadcast")
     if tensor.requires_grad and torch.is_grad_enabled():
         return _BroadcastFn.apply(tensor, root_rank, name)
     return broadcast_async(tensor, root_rank, name).wait()
 
 
-def broadcast_async_(tensor, root_rank, name=None) -> Handle:
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
+    _check_set(process_set)
     _check_inplace(tensor, "broadcast_")
     return _broadcast_async(tensor, root_rank, name or _auto_name("broadcast"), tensor)
 
 
-def broadcast_(tensor, root_rank, name=None):
+def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with root_rank's value, in place."""
+    _check_set(process_set)
     return broadcast_async_(tensor, root_rank, name).wait()
 
 
@@ -496,25 +509,21 @@ class _AllgatherFn(torch.autograd.Function):
         return g[start:start + ctx.counts[r]], None
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set=None):
     """Concatenate every worker's `tensor` along dim 0 (first dims may differ)."""
+    _check_set(process_set)
     name = name or _auto_name("allgather")
     if tensor.requires_grad and torch.is_grad_enabled():
         return _AllgatherFn.apply(tensor, name)
     return _allgather_impl(tensor, name)[0]
 
 
-def allgather_async(tensor, name=None) -> Handle:
-    """Horovod-compatible spelling; gathers eagerly (the size exchange is a round trip anyway)."""
-    out = allgather(tensor, name)
-    return Handle(None, lambda: out, name or "allgather")
-
-
 # ---------------------------------------------------------------- objects and models
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None):
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set=None):
     """Pickle `obj` on root_rank and return it on every worker."""
+    _check_set(process_set)
     name = name or _auto_name("broadcast_object")
     if _api.rank() == root_rank:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -530,8 +539,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None):
     return pickle.loads(data.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list:
+def allgather_object(obj: Any, name: str | None = None, process_set=None) -> list:
     """Every worker's `obj` (pickled), as a list by rank."""
+    _check_set(process_set)
     name = name or _auto_name("allgather_object")
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.sizes").tolist()

@@ -30,6 +30,7 @@ from .. import _env
 from .. import api as _api
 from .compression import Compression
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
+from .process_sets import _check_set
 from .overlap import ELEMENTWISE, OverlapForward
 from .server_optimizer import OptimizerOnServer, server_unsupported
 
@@ -292,8 +293,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     does), and raises if the workers' parameters differ in size or dtype."""
     if not _api.is_initialized():
         raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
-    if process_set is not None:
-        raise NotImplementedError("DistributedOptimizer(process_set=...): process sets are not supported yet")
+    _check_set(process_set)
     if gradient_predivide_factor != 1.0 and _resolve_op(None, op) is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if gradient_predivide_factor <= 0:

@@ -1,0 +1,268 @@
+"""Horovod's exchange collectives on gradhub's push_pull: reducescatter,
+alltoall, grouped allgather and reducescatter, sparse allreduce.
+
+The servers only sum, so each of these is built from sums: reducescatter is
+an allreduce of which each worker keeps its rows; alltoall and allgather
+place each worker's rows at its offset in a zero buffer and sum it. That
+moves more bytes than a dedicated implementation (every worker receives the
+whole buffer), which is fine for the metadata-sized exchanges these are used
+for, and exact for every dtype. Operations that need several rounds (a size
+exchange, then the data) run on a thread of their own when started
+asynchronously, so `poll()` is honest.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .. import api as _api
+from .._core import GradhubTimeoutError
+from .ops import Average, Handle, Sum, _allgather_impl, _auto_name, _GroupHandle, _resolve_op, allreduce_async
+from .process_sets import _check_set, global_process_set
+
+
+# ---------------------------------------------------------------- handles
+
+
+class _ThreadHandle(Handle):
+    """An operation of several rounds, run on a thread of its own: done when
+    the thread is; `wait()` returns its result or raises its error."""
+
+    def __init__(self, fn: Callable[[], Any], name: str):
+        super().__init__(None, lambda: None, name)
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable] = []
+        self._cb_lock = threading.Lock()
+
+        def run():
+            try:
+                self._value = fn()
+            except BaseException as e:  # handed to whoever waits
+                self._error = e
+            with self._cb_lock:
+                self._event.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for cb in callbacks:
+                cb(self)
+
+        threading.Thread(target=run, name=f"gradhub-{name}", daemon=True).start()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._event.wait(timeout):
+            raise GradhubTimeoutError(f"'{self.name}' did not complete within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def add_done_callback(self, fn) -> None:
+        with self._cb_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+# ---------------------------------------------------------------- reducescatter
+
+
+def _rows(n_rows: int, size: int) -> list[int]:
+    """Horovod's split of a first dimension: the first (n_rows % size) workers get one row more."""
+    return [n_rows // size + (1 if q < n_rows % size else 0) for q in range(size)]
+
+
+def _my_rows(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    r = _api.rank()
+    start = sum(counts[:r])
+    return t[start:start + counts[r]]
+
+
+def _check_scatter_op(op) -> Any:
+    if op is not Average and op is not Sum:
+        raise ValueError("reducescatter supports op=Average or op=Sum")
+    return op
+
+
+def reducescatter_async(tensor, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0) -> Handle:
+    """Reduce `tensor` across workers and keep this worker's rows of the
+    result (dim 0 split evenly, the first workers taking one more)."""
+    _check_set(process_set)
+    _check_scatter_op(op)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    counts = _rows(tensor.shape[0], _api.size())
+    h = allreduce_async(tensor, name=name or _auto_name("reducescatter"), op=op, prescale_factor=prescale_factor,
+                        postscale_factor=postscale_factor)
+    finish = h._finish
+    h._finish = lambda: _my_rows(finish(), counts).clone()
+    return h
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale, postscale):
+        ctx.scale = prescale * postscale / (_api.size() if op is Average else 1)
+        ctx.name = name
+        return reducescatter_async(tensor, op, name, prescale_factor=prescale, postscale_factor=postscale).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # d(my rows)/d(every worker's input rows): each worker's rows of the
+        # output came from everyone's same rows, scaled.
+        g = _allgather_impl(grad.contiguous(), f"{ctx.name}.grad")[0]
+        return g * ctx.scale, None, None, None, None
+
+
+def reducescatter(tensor, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    _check_set(process_set)
+    name = name or _auto_name("reducescatter")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _ReducescatterFn.apply(tensor, _check_scatter_op(op), name, prescale_factor, postscale_factor)
+    return reducescatter_async(tensor, op, name, prescale_factor=prescale_factor,
+                               postscale_factor=postscale_factor).wait()
+
+
+def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    _check_set(process_set)
+    base = name or _auto_name("grouped_reducescatter")
+    return _GroupHandle([reducescatter_async(t, op, f"{base}.{i}", prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor) for i, t in enumerate(tensors)],
+                        base)
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0) -> list:
+    base = name or _auto_name("grouped_reducescatter")
+    return [reducescatter(t, op, f"{base}.{i}", process_set, prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)]
+
+
+# ---------------------------------------------------------------- allgather (grouped, async)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    """allgather started in the background (a size exchange, then the data)."""
+    _check_set(process_set)
+    name = name or _auto_name("allgather")
+    t = tensor.detach()
+    return _ThreadHandle(lambda: _allgather_impl(t, name)[0], name)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
+    _check_set(process_set)
+    base = name or _auto_name("grouped_allgather")
+    ts = [t.detach() for t in tensors]
+    return _ThreadHandle(lambda: [_allgather_impl(t, f"{base}.{i}")[0] for i, t in enumerate(ts)], base)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
+    from .ops import allgather
+
+    _check_set(process_set)
+    base = name or _auto_name("grouped_allgather")
+    return [allgather(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+
+
+# ---------------------------------------------------------------- alltoall
+
+
+def _alltoall_impl(tensor: torch.Tensor, splits, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    n, r = _api.size(), _api.rank()
+    t = tensor.detach().contiguous()
+    if t.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if t.shape[0] % n:
+            raise ValueError(f"alltoall without splits needs a first dimension divisible by the {n} workers, "
+                             f"not {t.shape[0]}")
+        send = [t.shape[0] // n] * n
+    else:
+        send = [int(x) for x in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        if len(send) != n or any(x < 0 for x in send) or sum(send) != t.shape[0]:
+            raise ValueError(f"alltoall splits {send} must be {n} non-negative row counts summing to the first "
+                             f"dimension, {t.shape[0]}")
+    # Every worker's splits (row q: what worker q sends to each), then every
+    # worker's rows, concatenated in rank order.
+    matrix = _allgather_impl(torch.tensor([send], dtype=torch.int64), f"{name}.splits")[0]
+    rows, _ = _allgather_impl(t, f"{name}.data")
+    out, base = [], 0
+    for q in range(n):
+        sent = matrix[q].tolist()
+        start = base + sum(sent[:r])
+        out.append(rows[start:start + sent[r]])
+        base += sum(sent)
+    received = matrix[:, r].to(torch.int32)
+    return torch.cat(out).to(tensor.device), received
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    """alltoall in the background; `synchronize` returns (output, received splits)."""
+    _check_set(process_set)
+    name = name or _auto_name("alltoall")
+    return _ThreadHandle(lambda: _alltoall_impl(tensor, splits, name), name)
+
+
+class _AlltoallFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        out, received = _alltoall_impl(tensor, splits, name)
+        ctx.received, ctx.name = received, name
+        if splits is None:
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        # The rows go back where they came from.
+        g, _ = _alltoall_impl(grad.contiguous(), ctx.received, f"{ctx.name}.grad")
+        return g, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Send `splits[q]` rows of `tensor` (dim 0, in order) to worker q and
+    return what every worker sent here, in rank order; with `splits`, also
+    the rows received from each worker. Without `splits` the first dimension
+    is split evenly."""
+    _check_set(process_set)
+    name = name or _auto_name("alltoall")
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AlltoallFn.apply(tensor, splits, name)
+    out, received = _alltoall_impl(tensor, splits, name)
+    return out if splits is None else (out, received)
+
+
+# ---------------------------------------------------------------- sparse
+
+
+def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
+    """Horovod's sparse allreduce: every worker's indices and values,
+    gathered; `synchronize` returns the sparse sum (or average), uncoalesced."""
+    _check_set(process_set)
+    op = _resolve_op(None, op)
+    if op is not Average and op is not Sum:
+        raise ValueError("sparse_allreduce_async supports op=Average or op=Sum")
+    if not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async takes a sparse COO tensor")
+    name = name or _auto_name("sparse_allreduce")
+    t = tensor.detach().coalesce()
+    n = _api.size()
+
+    def run():
+        idx = _allgather_impl(t.indices().t().contiguous(), f"{name}.indices")[0].t()
+        vals = _allgather_impl(t.values().contiguous(), f"{name}.values")[0]
+        if op is Average:
+            vals = vals / n
+        return torch.sparse_coo_tensor(idx, vals, t.shape).to(tensor.device)
+
+    return _ThreadHandle(run, name)
