@@ -73,14 +73,15 @@ fn secret_of(token: Option<String>) -> Secret {
 
 /// A member's token, announced as job `job` of a shared service if given,
 /// and the namespace its frames carry (a service job's is derived from its
-/// name unless one was given).
+/// name).
 fn member_secret(token: Option<String>, job: Option<String>, namespace: u32) -> PyResult<(Secret, u32)> {
     match job.filter(|j| !j.is_empty()) {
         None => Ok((secret_of(token), namespace)),
         Some(j) => {
             let s = secret_of(token).for_job(&j).map_err(|e| PyValueError::new_err(e.to_string()))?;
-            let ns = if namespace == 0 { crate::protocol::auth::job_namespace(&j) } else { namespace };
-            Ok((s, ns))
+            // On a shared service the name decides the namespace.
+            let _ = namespace;
+            Ok((s, crate::protocol::auth::job_namespace(&j)))
         }
     }
 }
@@ -289,7 +290,7 @@ fn run_service_server(
 /// Run a shared service (blocking, without the GIL): many jobs, each with
 /// the token `job_token(token, name)`. Limits of 0 mean none.
 #[pyfunction]
-#[pyo3(signature = (bind, token, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, host_reduce=true, failover=true, max_jobs=16, max_tensors=0, max_bytes=0, max_pending=512))]
+#[pyo3(signature = (bind, token, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, host_reduce=true, failover=true, max_jobs=16, max_tensors=0, max_bytes=0, max_pending=512, max_workers=4096))]
 #[allow(clippy::too_many_arguments)]
 fn run_service(
     py: Python<'_>,
@@ -306,6 +307,7 @@ fn run_service(
     max_tensors: u32,
     max_bytes: u64,
     max_pending: usize,
+    max_workers: u32,
 ) -> PyResult<()> {
     let cfg = scheduler::ServiceConfig {
         bind,
@@ -324,6 +326,7 @@ fn run_service(
         },
         max_jobs,
         max_pending,
+        max_workers,
     };
     let h = scheduler::start_service(cfg).map_err(py_err)?;
     py.detach(|| h.wait()).map_err(py_err)

@@ -204,6 +204,17 @@ def test_a_token_opens_its_own_job_and_nothing_else(service):
 
 def test_per_job_limits_and_the_job_limit_are_clear_errors(service):
     svc = service(servers=1, args=("--max-jobs", "1", "--job-max-tensors", "3"))
+    script = [sys.executable, str(WORKERS / "service_job.py")]
+    # A first worker the job would refuse does not start it (no phantom job
+    # holding a slot and server instances until the join timeout).
+    p = subprocess.run(script, env=svc.worker_env("typo", 2, 5), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "requested worker rank 5 but the job has 2" in p.stderr, p.stderr
+    env = svc.worker_env("nosize", 1, 0)
+    env.pop("GRADHUB_NUM_WORKERS")
+    p = subprocess.run(script, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "needs its size" in p.stderr, p.stderr
+    st = svc.status()
+    assert not st["jobs"] and not any(s["jobs"] for s in st["servers"]), st
     first = svc.start_job("first", 1, steps=400, sleep=0.05)
     svc.wait_until(lambda st: any(j["state"] == "running" for j in st["jobs"]), "the first job")
     p = subprocess.run([sys.executable, str(WORKERS / "service_job.py")], env=svc.worker_env("second", 1, 0),

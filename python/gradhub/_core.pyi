@@ -96,6 +96,7 @@ def run_service(
     max_tensors: int = 0,  # per job; 0: no limit
     max_bytes: int = 0,  # per job; 0: no limit
     max_pending: int = 512,
+    max_workers: int = 4096,  # per job
 ) -> None:
     """Run a shared service hosting many jobs (blocking, without the GIL)."""
 

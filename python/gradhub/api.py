@@ -26,6 +26,8 @@ _client: _core.Client | None = None
 _embedded = None  # roles.Embedded: in-process scheduler / server (torchrun mode)
 _exit_error: str | None = None  # an unhandled exception, seen on the way out
 _hook_installed = False
+_joined: str | None = None  # the scheduler of the job this process is in
+_ended: str | None = None  # the scheduler of a job this process shut down
 _names = itertools.count()
 _names_lock = threading.Lock()
 
@@ -45,7 +47,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
 
     BytePS style: started with GRADHUB_ROLE=server or scheduler, the same
     script runs that role here and exits when the job ends."""
-    global _client, _embedded
+    global _client, _embedded, _joined
     role = _env.role()
     if role != "worker":
         from . import roles
@@ -64,6 +66,12 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             env.num_workers = num_workers
         if num_servers is not None:
             env.num_servers = num_servers
+        if env.scheduler is not None and env.scheduler == _ended:
+            raise RuntimeError(
+                f"gradhub.init() after shutdown(): the job at {env.scheduler} ended when its workers shut down "
+                "(its scheduler and servers exit then), so it cannot be joined again. Horovod can initialize "
+                "twice in one process; gradhub cannot yet: call shutdown() once, at the end, or start a new job "
+                "(another scheduler) to join")
         if not env.scheduler:
             raise RuntimeError(
                 "gradhub.init(): no scheduler address. Start the job with `gradhub launch`, "
@@ -75,6 +83,9 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             if env.embedded:
                 raise RuntimeError(f"gradhub.init(): GRADHUB_JOB={env.job!r} names a job of a shared service: set "
                                    "GRADHUB_SCHEDULER to the service's address")
+            if env.num_workers <= 0:
+                raise RuntimeError(f"gradhub.init(): GRADHUB_JOB={env.job!r}: a job on a shared service needs its "
+                                   "size: set GRADHUB_NUM_WORKERS (or run under torchrun)")
             if env.token is None:
                 raise RuntimeError(f"gradhub.init(): GRADHUB_JOB={env.job!r} needs the job's token: set "
                                    "GRADHUB_JOB_TOKEN to what the service's operator gave you (`gradhub token "
@@ -101,6 +112,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                local_rank=-1 if env.local_rank is None else env.local_rank,
                                local_size=-1 if env.local_size is None else env.local_size,
                                token=env.token, job=env.job, **kwargs)
+        _joined = env.scheduler
     atexit.register(shutdown)
 
 
@@ -130,10 +142,12 @@ def shutdown() -> None:
     """Leave the job. Safe to call twice. Leaving with operations in flight,
     or after an unhandled exception, fails the job for every worker (naming
     this one and why) rather than leaving them waiting for its pushes."""
-    global _client, _embedded
+    global _client, _embedded, _ended
     with _lock:
         c, _client = _client, None
         emb, _embedded = _embedded, None
+        if c is not None:
+            _ended = _joined
     if c is None:
         return
     if _exit_error is not None:

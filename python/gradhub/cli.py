@@ -67,6 +67,19 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
                    "and going on (GRADHUB_FAILOVER=0)")
 
 
+def _count(least: int, kind=int):
+    """An argparse type: a number of `kind`, at least `least`."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v < least or v > 2**31:
+            raise argparse.ArgumentTypeError(f"{text} is out of range (at least {least})")
+        return v
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line; defaults come from the environment (a malformed
     variable raises ValueError naming it)."""
@@ -127,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                               "--service`; a job's first worker starts it on every server; --workers/--servers "
                               "do not apply.")
     g.add_argument("--service", action="store_true", help="run as a shared service")
-    g.add_argument("--max-jobs", type=int, default=16, help="jobs running at once (default 16)")
-    g.add_argument("--job-max-tensors", type=int, default=0,
+    g.add_argument("--max-jobs", type=_count(1), default=16, help="jobs running at once (default 16)")
+    g.add_argument("--job-max-workers", type=_count(1), default=4096,
+                   help="workers a job may have (default 4096)")
+    g.add_argument("--job-max-tensors", type=_count(0), default=0,
                    help="tensors a job may hold on the service at once (default: no limit)")
-    g.add_argument("--job-max-mib", type=float, default=0,
+    g.add_argument("--job-max-mib", type=_count(0, float), default=0,
                    help="MiB of tensors a job may hold on the service, what its servers keep for it "
                    "(default: no limit)")
 
@@ -191,7 +206,7 @@ def _run_scheduler(args) -> int:
         return roles.run_service(args.bind, args.partition_bytes, args.stall_seconds, args.peer_timeout,
                                  scheduler=e.scheduler, host_reduce=args.host_reduce, failover=args.failover,
                                  max_jobs=args.max_jobs, job_max_tensors=args.job_max_tensors,
-                                 job_max_mib=args.job_max_mib)
+                                 job_max_mib=args.job_max_mib, job_max_workers=args.job_max_workers)
     return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
                                args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce,
                                failover=args.failover, token=_env.job_token(), insecure=args.insecure)

@@ -106,7 +106,8 @@ def run_server(scheduler: str | None, threads: int, colocated: bool = False, adv
 
 def run_service(bind: str | None, partition_bytes: int | None = None, stall_seconds: float = 30.0,
                 peer_timeout: float = 10.0, scheduler: str | None = None, host_reduce: bool = True,
-                failover: bool = True, max_jobs: int = 16, job_max_tensors: int = 0, job_max_mib: float = 0) -> int:
+                failover: bool = True, max_jobs: int = 16, job_max_tensors: int = 0, job_max_mib: float = 0,
+                job_max_workers: int = 4096) -> int:
     """Run a shared service (`gradhub scheduler --service`) until it is
     stopped; returns an exit code. Needs the master token
     (GRADHUB_SERVICE_TOKEN or GRADHUB_SERVICE_TOKEN_FILE)."""
@@ -128,7 +129,8 @@ def run_service(bind: str | None, partition_bytes: int | None = None, stall_seco
         _core.run_service(bind, master, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                           peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
                           host_reduce=host_reduce, failover=failover, max_jobs=max_jobs,
-                          max_tensors=job_max_tensors, max_bytes=int(job_max_mib * (1 << 20)))
+                          max_tensors=job_max_tensors, max_bytes=int(job_max_mib * (1 << 20)),
+                          max_workers=job_max_workers)
     except _core.GradhubError as e:
         print(f"gradhub scheduler --service: {e}", file=sys.stderr)
         return 1

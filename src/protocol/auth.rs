@@ -223,7 +223,8 @@ impl Connector {
         let ns: [u8; NONCE_LEN] = exact("nonce", &c[..NONCE_LEN])?;
         if !self.secret.verify(LISTENER, &self.nc, &ns, &c[NONCE_LEN..]) {
             return Err(AuthError::Failed(
-                "the peer does not hold this job's token (a wrong GRADHUB_JOB_TOKEN, or not this job's member)",
+                "the peer does not hold this job's token (a wrong GRADHUB_JOB_TOKEN, not this job's member, or \
+                 for a shared service's servers and operators a wrong GRADHUB_SERVICE_TOKEN)",
             ));
         }
         Ok(frame(MsgType::AuthProof, &[&self.secret.proof(CONNECTOR, &self.nc, &ns)]))

@@ -222,7 +222,7 @@ impl Job {
             let n = st.joining.iter().flatten().count();
             let msg = format!(
                 "only {n} of {} members registered within {:.1}s",
-                shared.cfg.num_workers + shared.cfg.num_servers,
+                shared.cfg.num_workers as u64 + shared.cfg.num_servers as u64,
                 join_timeout.as_secs_f64()
             );
             shared.fail(&mut st, None, msg.clone());
@@ -232,12 +232,19 @@ impl Job {
         false
     }
 
-    /// After `over`: how the job ended.
+    /// After `over`: how the job ended. Every member still connected is
+    /// then cut off, so no thread of the job outlives it.
     fn conclude(self) -> Result<(), SchedulerError> {
         let _ = self.heartbeats.join();
         // Give member threads a moment to flush final messages.
         thread::sleep(Duration::from_millis(200));
-        let st = self.shared.lock();
+        let mut st = self.shared.lock();
+        for m in &st.members {
+            m.disconnect();
+        }
+        for r in st.joining.iter_mut().flatten() {
+            let _ = r.stream.shutdown(std::net::Shutdown::Both);
+        }
         match &st.failed {
             Some(reason) => Err(SchedulerError::JobFailed(reason.clone())),
             None => {
@@ -376,6 +383,8 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
         let done = st.finished || st.failed.is_some();
         let gone = me.role == Role::Worker && st.said_goodbye.contains(&me.rank);
         match msg {
+            // A job that is over keeps no member (a shared service frees it).
+            Ok(Control::Heartbeat) if done => return,
             Ok(Control::Heartbeat) => {}
             Ok(Control::Declare { req, entries }) if me.role == Role::Worker => {
                 let batch = declare(shared, &mut st, me.rank, req, entries);

@@ -21,12 +21,13 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use super::declarations::held;
+use super::membership::check_registration;
 use super::state::Shared;
 use super::{admit, checked, expect_register, greet, serve_member, Job, SchedulerConfig, SchedulerError};
 use crate::protocol::auth::{job_namespace, Secret};
@@ -44,6 +45,8 @@ pub struct ServiceConfig {
     pub job: SchedulerConfig,
     /// Jobs running at once.
     pub max_jobs: u32,
+    /// Workers of one job (its first worker says how many).
+    pub max_workers: u32,
     /// Connections authenticating or registering at once (each holds a
     /// thread until it has, or its peer timeout passed).
     pub max_pending: usize,
@@ -75,6 +78,9 @@ struct JobEntry {
     shared: Arc<Shared>,
     started: Instant,
     traffic: Mutex<JobRate>,
+    /// Set by the job's thread once it is over: read without the job's
+    /// lock, so the service's map is never held waiting for one job.
+    ended: AtomicBool,
 }
 
 /// A job's traffic as its servers report it, and the rate over the last
@@ -84,13 +90,6 @@ struct JobRate {
     by_server: HashMap<u64, (u64, u64)>,
     sampled: Option<(Instant, u64)>,
     bytes_per_s: f64,
-}
-
-impl JobEntry {
-    fn over(&self) -> bool {
-        let st = self.shared.lock();
-        st.finished || st.failed.is_some()
-    }
 }
 
 /// A server process of the service.
@@ -211,7 +210,10 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
         return;
     }
     let ns = namespace_of(&job);
-    let admitted = expect_register(&stream, peer, first, ns).and_then(|reg| match job_for(svc, &job, &reg) {
+    let reg = expect_register(&stream, peer, first, ns);
+    // Authenticated and registered: from here the job's size bounds it.
+    svc.pending.fetch_sub(1, Ordering::SeqCst);
+    let admitted = reg.and_then(|reg| match job_for(svc, &job, &reg) {
         Ok(shared) => admit(&shared, reg, stream, peer).map(|m| (shared, m)),
         Err(message) => {
             log::warn!(target: "service", "job '{job}': refusing {} at {peer}: {message}", reg.role.name());
@@ -219,7 +221,6 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
             None
         }
     });
-    svc.pending.fetch_sub(1, Ordering::SeqCst);
     if let Some((shared, (me, stream))) = admitted {
         log::info!(target: "service", "job '{job}': admitted {}", me.describe());
         serve_member(&shared, &me, stream);
@@ -230,14 +231,20 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
 fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>, String> {
     let mut jobs = lock(&svc.jobs);
     if let Some(j) = jobs.get(name) {
-        if !j.over() {
+        if !j.ended.load(Ordering::SeqCst) {
             return Ok(j.shared.clone());
         }
     }
-    if reg.role != Role::Worker || reg.num_workers == 0 {
-        return Err(format!("job '{name}' is not running on this service (its workers start it)"));
+    if reg.role != Role::Worker {
+        return Err(format!("job '{name}' is not running on this service (its first worker starts it)"));
     }
-    let running = jobs.values().filter(|j| !j.over()).count();
+    if reg.num_workers == 0 || reg.num_workers > svc.cfg.max_workers {
+        return Err(format!(
+            "a job on this service needs its size, 1 to {} workers (GRADHUB_NUM_WORKERS), not {}",
+            svc.cfg.max_workers, reg.num_workers
+        ));
+    }
+    let running = jobs.values().filter(|j| !j.ended.load(Ordering::SeqCst)).count();
     if running >= svc.cfg.max_jobs as usize {
         return Err(format!("the service runs its limit of {} jobs; try again when one has ended", svc.cfg.max_jobs));
     }
@@ -251,8 +258,15 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
     cfg.namespace = job_namespace(name);
     cfg.secret = svc.cfg.master.key_for(name);
     let cfg = checked(cfg).map_err(|e| e.to_string())?;
+    // A registration the job would refuse must not start it.
+    check_registration(&cfg, reg).map_err(|e| e.to_string())?;
     let shared = Shared::new(cfg);
-    let entry = Arc::new(JobEntry { shared: shared.clone(), started: Instant::now(), traffic: Mutex::default() });
+    let entry = Arc::new(JobEntry {
+        shared: shared.clone(),
+        started: Instant::now(),
+        traffic: Mutex::default(),
+        ended: AtomicBool::new(false),
+    });
     jobs.insert(name.to_string(), entry.clone());
     drop(jobs);
     log::info!(
@@ -267,6 +281,7 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         while !job.over() {
             thread::sleep(Duration::from_millis(50));
         }
+        entry.ended.store(true, Ordering::SeqCst);
         match job.conclude() {
             Ok(()) => log::info!(target: "service", "job '{name2}': complete"),
             Err(e) => log::warn!(target: "service", "job '{name2}' ended: {e}"),
@@ -283,7 +298,11 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
     }
     for s in &servers {
         if !s.send(&Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name) }) {
-            log::warn!(target: "service", "job '{name}': server at {} did not take the job", s.peer);
+            // Its server would never register: fail now, not at the join timeout.
+            let why = format!("the service's server at {} could not be told to start the job", s.peer);
+            let mut st = shared.lock();
+            shared.fail(&mut st, None, why.clone());
+            return Err(why);
         }
     }
     Ok(shared)

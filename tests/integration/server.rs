@@ -221,7 +221,7 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
 
     let mut c = job.raw(0);
     let mut b = hdr(&spec, |h| h.msg_type = MsgType::DataHello).encode();
-    b[2] = 9; // version
+    b[2] = 0xEE; // a version no build speaks
     c.send_raw(&b);
     c.expect_error("version");
 

@@ -1,6 +1,8 @@
 """Worker: user errors in gradhub.torch get helpful messages."""
 
 import numpy as np
+import warnings
+
 import torch
 
 import gradhub
@@ -79,5 +81,26 @@ model = torch.nn.Linear(2, 2)
 expect(ValueError, "named_parameters should be a sequence of (name, parameter)",
        lambda: hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         named_parameters=list(model.parameters())))
-print("PASS", r, flush=True)
+# step() after synchronize() without skip_synchronize(): Horovod's warning.
+m2 = torch.nn.Linear(2, 1)
+opt2 = hvd.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1), named_parameters=m2.named_parameters())
+m2(torch.ones(1, 2)).sum().backward()
+opt2.synchronize()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    opt2.step()
+assert any("skip_synchronize" in str(w.message) for w in caught), caught
+opt2.zero_grad()
+m2(torch.ones(1, 2)).sum().backward()
+opt2.synchronize()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with opt2.skip_synchronize():
+        opt2.step()
+assert not caught, caught
 hvd.shutdown()
+assert not hvd.is_initialized()
+# The job ended with the shutdown: joining it again is a clear error, not a hang.
+expect(RuntimeError, "after shutdown()", hvd.init)
+assert not hvd.is_initialized()
+print("PASS", r, flush=True)

@@ -244,8 +244,15 @@ class _DistributedOptimizer:
             self._gh_skip_sync = False
 
     def step(self, closure=None):
-        if not self._gh_skip_sync and not self._gh_synchronized:
-            self.synchronize()
+        if not self._gh_skip_sync:
+            if self._gh_synchronized:
+                # Horovod's warning: the gradients are synchronized already.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                              "your code.", stacklevel=2)
+            else:
+                self.synchronize()
         self._gh_synchronized = False
         return self._gh_update(closure)
 
