@@ -11,8 +11,8 @@
 use std::io::Cursor;
 
 use gradhub::protocol::{
-    decode_stall, encode_stall, read_control, Control, DType, DeclEntry, OptConfig, OptKind, Register, Role,
-    ServerInfo, TensorSpec, Welcome,
+    decode_stall, encode_stall, read_control, Control, DType, DeclEntry, JobTraffic, OptConfig, OptKind, Register,
+    Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
 };
 
 /// Values taken from the front of the input; zeros once it is used up.
@@ -98,7 +98,7 @@ impl<'a> Source<'a> {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 20 {
+    match s.u8() % 25 {
         0 => Control::Register(Register {
             role: s.role(),
             requested_rank: s.u32() as i32,
@@ -158,6 +158,18 @@ pub fn message(s: &mut Source) -> Control {
         16 => Control::ServerTakeOver { batch: s.u32(), lost: s.u32(), specs: s.list(4, |s| s.spec()) },
         17 => Control::Failover { batch: s.u32(), lost: s.u32(), reason: s.text(), specs: s.list(4, |s| s.spec()) },
         18 => Control::DeclareStall { name: s.text(), missing: s.list(8, |s| s.u32()), waited_ms: s.u64() },
+        19 => Control::ServiceJoin(ServiceJoin {
+            hostname: s.text(),
+            addr: s.text(),
+            threads: s.u32(),
+            colocated: s.u8() & 1 == 1,
+        }),
+        20 => Control::ServiceStart { job: s.text(), namespace: s.u32() },
+        21 => Control::ServiceStats {
+            jobs: s.list(4, |s| JobTraffic { job: s.text(), bytes: s.u64(), rounds: s.u64() }),
+        },
+        22 => Control::StatusRequest,
+        23 => Control::StatusReply { json: s.text() },
         _ => Control::Error { message: s.text() },
     }
 }
