@@ -41,3 +41,18 @@ def test_synthetic_benchmark_runs():
     assert rc == 0, out[-3000:]
     m = re.search(r"Total img/sec on 2 CPU\(s\): ([0-9.]+)", out)
     assert m and float(m.group(1)) > 0, out[-3000:]
+
+
+def test_horovod_style_mnist_runs_with_only_the_import_changed():
+    """Horovod's MNIST example, as written for Horovod (synthetic stand-in for
+    the download): it learns, and every worker ends with the same model;
+    also with fp16 compression and a predivide factor."""
+    script = str(EXAMPLES / "horovod_mnist.py")
+    assert "import gradhub.torch as hvd  # or: import horovod.torch as hvd" in Path(script).read_text()
+    for extra in ([], ["--fp16-allreduce", "--gradient-predivide-factor", "2.0"]):
+        rc, out = run([sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--", sys.executable, script,
+                       "--epochs", "2", "--synthetic", *extra])
+        assert rc == 0, out[-3000:]
+        acc = [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", out)]
+        assert len(acc) == 2 and acc[-1] > 90.0, out[-3000:]
+        assert "workers agree on the parameters: True" in out, out[-3000:]
