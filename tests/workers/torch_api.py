@@ -159,6 +159,17 @@ assert torch.equal(hvd.broadcast(flat, 0, name="check.params"), flat)
 assert opt.param_groups[0]["lr"] == 0.1
 bufs = torch.cat([opt.state[p]["momentum_buffer"].flatten() for p in model.parameters()])
 assert torch.equal(hvd.broadcast(bufs, 0, name="check.momentum"), bufs)
+# A fresh optimizer's state is made first (one zero-gradient step), as in Horovod.
+fresh = torch.nn.Linear(3, 2)
+fopt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+hvd.broadcast_optimizer_state(fopt, root_rank=0)
+assert all(set(fopt.state[p]) >= {"exp_avg", "exp_avg_sq", "step"} for p in fresh.parameters()), fopt.state
+assert all(float(fopt.state[p]["step"]) == 1 and p.grad is None for p in fresh.parameters())
+try:
+    hvd.broadcast_optimizer_state(torch.optim.LBFGS(fresh.parameters()), root_rank=0)
+    raise AssertionError("expected ValueError")
+except ValueError as e:
+    assert "LBFGS" in str(e), e
 
 # SyncBatchNorm equals BatchNorm over the combined batch (forward and gradients).
 torch.manual_seed(7)

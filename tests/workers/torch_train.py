@@ -92,6 +92,13 @@ def batch(step):
 # Reference: one process on the combined batch (with the same accumulation).
 ref = make_model()
 ref_opt = make_opt(ref.parameters())
+if not server:
+    # What the distributed run's broadcast_optimizer_state does to a fresh
+    # optimizer, as Horovod's does: make its state with one zero-gradient step.
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    ref_opt.step()
+    ref_opt.zero_grad()
 ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5) if sched else None
 ref_losses = []
 for s in range(steps):

@@ -574,7 +574,33 @@ def broadcast_parameters(params, root_rank: int = 0):
         h.wait()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0):
-    """Make every worker's optimizer state (hyperparameters, momentum, ...) root_rank's."""
+def _make_state(optimizer: torch.optim.Optimizer) -> None:
+    """As Horovod: an optimizer that has not stepped yet gets its state
+    (momentum buffers, Adam's moments and step count, ...) from one step with
+    zero gradients, so every worker holds the same state afterwards. With
+    weight decay that step moves the parameters, as in Horovod (identically
+    on every worker). The gradients are put back."""
+    if optimizer.state_dict()["state"] or getattr(optimizer, "_gh_server", False):
+        return  # stepped already, or the state lives on the servers
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("broadcast_optimizer_state does not support torch.optim.LBFGS (as in Horovod)")
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                saved.append((p, p.grad))
+                p.grad = torch.zeros_like(p)
+    # The wrapped optimizer's own step: a DistributedOptimizer's would reduce.
+    getattr(optimizer, "_gh_base_cls", type(optimizer)).step(optimizer)
+    for p, g in saved:
+        p.grad = g
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0, process_set=None):
+    """Make every worker's optimizer state (hyperparameters, momentum, ...)
+    root_rank's; an optimizer that has not stepped yet gets its state first,
+    as in Horovod."""
+    _check_set(process_set)
+    _make_state(optimizer)
     state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state")
     optimizer.load_state_dict(state)
