@@ -26,6 +26,8 @@ from .api import (  # noqa: F401
     push_pull_async,
     rank,
     release,
+    start_timeline,
+    stop_timeline,
     shutdown,
     size,
 )
@@ -46,6 +48,8 @@ __all__ = [
     "push_pull_async",
     "rank",
     "release",
+    "start_timeline",
+    "stop_timeline",
     "shutdown",
     "size",
 ]

@@ -89,6 +89,7 @@ class WorkerEnv:
     token: str | None              # GRADHUB_JOB_TOKEN(_FILE): see job_token()
     insecure: bool                 # GRADHUB_INSECURE
     job: str | None                # GRADHUB_JOB: this job's name on a shared service
+    timeline: str | None           # GRADHUB_TIMELINE (or HOROVOD_TIMELINE): worker 0's Chrome trace file
     torchrun: bool
     # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
     # servers inside the worker processes (see gradhub.api).
@@ -124,6 +125,7 @@ def worker_env() -> WorkerEnv:
         token=job_token(),
         insecure=insecure(),
         job=job,
+        timeline=get_str("GRADHUB_TIMELINE") or get_str("HOROVOD_TIMELINE"),
         torchrun=torchrun,
         embedded=embedded,
     )

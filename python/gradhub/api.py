@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from . import _core, _env
+from . import _core, _env, timeline
 from ._core import GradhubTimeoutError
 from .buffers import INTEGER_DTYPES, describe, get_buffer, is_torch_tensor, stage, validate
 
@@ -113,6 +113,8 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                local_size=-1 if env.local_size is None else env.local_size,
                                token=env.token, job=env.job, **kwargs)
         _joined = env.scheduler
+        if env.timeline:
+            timeline.start(env.timeline, _client.rank)
     atexit.register(shutdown)
 
 
@@ -154,6 +156,7 @@ def shutdown() -> None:
         c.abort(_exit_error)
     else:
         c.shutdown()
+    timeline.stop()  # after the shutdown: operations it failed are recorded too
     if emb is not None:
         emb.wait()
 
@@ -292,9 +295,24 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
                          "divide the sum yourself")
     if name is None:
         name = auto_name("push_pull")
+    tl = timeline.active()
+    end = tl.start(name, buf.nbytes, buf.dtype, int(priority)) if tl is not None else None
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
                           init=bool(init), release_after=AUTO_MARK in name)
+    if end is not None:
+        h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record every push_pull of this job in a Chrome trace at `file_path`
+    (written by worker 0, as Horovod's timeline; `mark_cycles` is ignored)."""
+    timeline.start(file_path, _require().rank)
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline (the file stays readable)."""
+    timeline.stop()
 
 
 def push_pull(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,

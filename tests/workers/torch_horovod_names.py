@@ -98,5 +98,26 @@ for bad in (lambda: hvd.allreduce(x, op=hvd.Adasum), lambda: hvd.elastic.run, la
     except NotImplementedError as e:
         assert "not" in str(e), e
 
+# The timeline: worker 0 writes every operation as a Chrome trace event.
+import tempfile  # noqa: E402
+
+path = os.path.join(tempfile.mkdtemp(), "timeline.json")
+hvd.start_timeline(path, mark_cycles=True)
+hvd.allreduce(torch.ones(1000), name="tl.a")
+hvd.allgather(torch.ones(r + 1), name="tl.g")
+hvd.stop_timeline()
+hvd.allreduce(torch.ones(10), name="tl.after")
+if r == 0:
+    text = open(path).read().rstrip().rstrip(",")
+    events = json.loads(text + "]")
+    ops = [e for e in events if e["ph"] == "X"]
+    assert {e["args"]["tensor"] for e in ops} == {"tl.a", "tl.g.counts", "tl.g.data"}, ops
+    a = next(e for e in ops if e["args"]["tensor"] == "tl.a")
+    assert a["args"]["bytes"] == 4000 and a["args"]["dtype"] == "float32" and a["dur"] > 0, a
+    rows = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert rows == {"tl.a", "tl.g.counts", "tl.g.data"}, rows
+else:
+    assert not os.path.exists(path), "only worker 0 writes the timeline"
+
 print("PASS", r, flush=True)
 hvd.shutdown()

@@ -1,0 +1,104 @@
+"""Horovod's timeline: every push_pull this worker runs, as a Chrome trace
+(open the file in chrome://tracing or https://ui.perfetto.dev).
+
+One row per tensor name; each operation is a complete event from the call to
+its result (or failure), with its size, dtype and priority. Every gradhub
+and gradhub.torch operation goes through `api.push_pull_async`, so the
+timeline sees all of them (an allgather as its size exchange and its data).
+As in Horovod, only worker 0 writes it; `mark_cycles` is accepted and
+ignored (gradhub has no negotiation cycles).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Callable
+
+_lock = threading.Lock()
+_active: "Timeline | None" = None
+
+
+class Timeline:
+    def __init__(self, path: str, pid: int):
+        self._f = open(path, "w", encoding="utf-8")
+        self._f.write("[\n")
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._open = 0  # operations started and not recorded yet
+        self._tids: dict[str, int] = {}
+        self._t0 = time.perf_counter()
+        self._pid = pid
+        self._write({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"gradhub worker {pid}"}})
+
+    def _write(self, event: dict) -> None:
+        # One event per line; Chrome's viewer accepts the array unterminated,
+        # so a worker that dies still leaves a readable file.
+        self._f.write(json.dumps(event) + ",\n")
+
+    def _now_us(self) -> float:
+        return (time.perf_counter() - self._t0) * 1e6
+
+    def start(self, name: str, nbytes: int, dtype: str, priority: int) -> Callable[[str | None], None]:
+        """Record an operation's start; call the result with None or the error when it ends."""
+        ts = self._now_us()
+        with self._lock:
+            self._open += 1
+            tid = self._tids.get(name)
+            if tid is None:
+                tid = self._tids[name] = len(self._tids) + 1
+                if self._f is not None:
+                    self._write({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid,
+                                 "args": {"name": name}})
+
+        def end(error: str | None) -> None:
+            event = {"name": "PUSH_PULL", "cat": "push_pull", "ph": "X", "ts": round(ts, 1),
+                     "dur": round(self._now_us() - ts, 1), "pid": self._pid, "tid": tid,
+                     "args": {"tensor": name, "bytes": nbytes, "dtype": dtype, "priority": priority}}
+            if error is not None:
+                event["args"]["error"] = error
+            with self._lock:
+                self._open -= 1
+                if self._f is not None:
+                    self._write(event)
+                    self._f.flush()
+                self._idle.notify_all()
+
+        return end
+
+    def close(self, wait: float = 2.0) -> None:
+        """Stop: operations that end within `wait` seconds are still
+        recorded (their completions are reported from another thread)."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._open == 0, timeout=wait)
+            if self._f is not None:
+                self._f.close()
+                self._f = None
+
+
+def start(path: str, rank: int) -> None:
+    """Start writing the timeline to `path` (worker 0 only, as Horovod)."""
+    global _active
+    if rank != 0:
+        return
+    if not path:
+        raise ValueError("start_timeline needs a file path")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with _lock:
+        if _active is not None:
+            _active.close()
+        _active = Timeline(path, rank)
+
+
+def stop() -> None:
+    global _active
+    with _lock:
+        t, _active = _active, None
+    if t is not None:
+        t.close()
+
+
+def active() -> Timeline | None:
+    return _active
