@@ -139,24 +139,30 @@ def role() -> str:
 # ---------------------------------------------------------------- authentication
 
 
-def job_token() -> str | None:
-    """The job's secret: GRADHUB_JOB_TOKEN, or the contents of the file
-    GRADHUB_JOB_TOKEN_FILE names (surrounding whitespace stripped). Every
-    member of a job must have the same one; it never crosses the network."""
-    token = get_str("GRADHUB_JOB_TOKEN")
+def _secret(var: str) -> str | None:
+    """`var`, or the contents of the file `var`_FILE names (surrounding
+    whitespace stripped)."""
+    token = get_str(var)
     if token is not None:
         return token
-    path = get_str("GRADHUB_JOB_TOKEN_FILE")
+    path = get_str(f"{var}_FILE")
     if path is None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
             token = f.read().strip()
     except OSError as e:
-        raise ValueError(f"GRADHUB_JOB_TOKEN_FILE={path!r}: cannot read it: {e.strerror}") from None
+        raise ValueError(f"{var}_FILE={path!r}: cannot read it: {e.strerror}") from None
     if not token:
-        raise ValueError(f"GRADHUB_JOB_TOKEN_FILE={path!r} is empty")
+        raise ValueError(f"{var}_FILE={path!r} is empty")
     return token
+
+
+def job_token() -> str | None:
+    """The job's secret: GRADHUB_JOB_TOKEN, or the contents of the file
+    GRADHUB_JOB_TOKEN_FILE names. Every member of a job must have the same
+    one; it never crosses the network."""
+    return _secret("GRADHUB_JOB_TOKEN")
 
 
 def service_token() -> str | None:
@@ -164,20 +170,7 @@ def service_token() -> str | None:
     GRADHUB_SERVICE_TOKEN_FILE names. Only the service's scheduler, its
     servers and its operator hold it; each job gets a token derived from it
     (`gradhub token JOB`)."""
-    token = get_str("GRADHUB_SERVICE_TOKEN")
-    if token is not None:
-        return token
-    path = get_str("GRADHUB_SERVICE_TOKEN_FILE")
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"GRADHUB_SERVICE_TOKEN_FILE={path!r}: cannot read it: {e.strerror}") from None
-    if not token:
-        raise ValueError(f"GRADHUB_SERVICE_TOKEN_FILE={path!r} is empty")
-    return token
+    return _secret("GRADHUB_SERVICE_TOKEN")
 
 
 def torchrun_token(rank: int, timeout: float) -> str | None:

@@ -38,6 +38,18 @@ def _native_sigint() -> None:
         pass
 
 
+def _bind_address(bind: str | None, scheduler: str | None) -> str:
+    """Where a scheduler listens: `bind`, else the port of `scheduler` (or
+    9000) on its host if that is loopback, else on 0.0.0.0."""
+    if bind is None:
+        host, port = "0.0.0.0", DEFAULT_SCHEDULER_PORT
+        if scheduler:
+            shost, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
+            host = shost if _env.is_loopback(shost) else host
+        return f"{host}:{port}"
+    return bind if ":" in bind else f"{bind}:{DEFAULT_SCHEDULER_PORT}"
+
+
 def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None,
                   partition_bytes: int | None = None, stall_seconds: float = 30.0, peer_timeout: float = 10.0,
                   namespace: int = 0, scheduler: str | None = None, host_reduce: bool = True,
@@ -50,14 +62,7 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
         print("gradhub scheduler: --workers and --servers (or GRADHUB_NUM_WORKERS/GRADHUB_NUM_SERVERS) "
               "are required", file=sys.stderr)
         return 2
-    if bind is None:
-        host, port = "0.0.0.0", DEFAULT_SCHEDULER_PORT
-        if scheduler:
-            shost, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
-            host = shost if _env.is_loopback(shost) else host
-        bind = f"{host}:{port}"
-    elif ":" not in bind:
-        bind = f"{bind}:{DEFAULT_SCHEDULER_PORT}"
+    bind = _bind_address(bind, scheduler)
     try:
         _env.check_exposure("gradhub scheduler", [split_hostport(bind, 0)[0]], token, insecure)
     except ValueError as e:
@@ -116,14 +121,7 @@ def run_service(bind: str | None, partition_bytes: int | None = None, stall_seco
         print("gradhub scheduler --service: set GRADHUB_SERVICE_TOKEN (or GRADHUB_SERVICE_TOKEN_FILE) to the "
               "service's master token: every job's token derives from it (`gradhub token JOB`)", file=sys.stderr)
         return 2
-    if bind is None:
-        host, port = "0.0.0.0", DEFAULT_SCHEDULER_PORT
-        if scheduler:
-            shost, port = split_hostport(scheduler, DEFAULT_SCHEDULER_PORT)
-            host = shost if _env.is_loopback(shost) else host
-        bind = f"{host}:{port}"
-    elif ":" not in bind:
-        bind = f"{bind}:{DEFAULT_SCHEDULER_PORT}"
+    bind = _bind_address(bind, scheduler)
     _native_sigint()
     try:
         _core.run_service(bind, master, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
