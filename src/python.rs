@@ -560,6 +560,13 @@ impl PyClient {
         py.detach(move || c.barrier()).map_err(py_err)
     }
 
+    /// Horovod's join (blocking, without the GIL): (the rank that joined
+    /// last, the names this worker pushed zeros for meanwhile).
+    fn join(&self, py: Python<'_>) -> PyResult<(u32, Vec<String>)> {
+        let c = self.inner.clone();
+        py.detach(move || c.join()).map_err(py_err)
+    }
+
     /// Leave the job; with operations still in flight this fails the job
     /// for everyone (naming them) instead of leaving them waiting.
     fn shutdown(&self, py: Python<'_>) {

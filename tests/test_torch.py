@@ -89,6 +89,17 @@ def test_horovod_names_beyond_allreduce(workers):
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
+def test_join_with_uneven_data_matches_training_with_zeros_from_joined_workers(workers):
+    rc, out = run_launch(workers, 2, "torch_join.py")
+    assert_all_passed(rc, out, workers)
+
+
+def test_join_without_the_host_stage():
+    rc, out = run_launch(3, 1, "torch_join.py", env={"GRADHUB_HOST_REDUCE": "0"})
+    assert_all_passed(rc, out, 3)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
 def test_exchange_collectives_reducescatter_alltoall_grouped_sparse(workers):
     rc, out = run_launch(workers, 2, "torch_exchange.py")
     assert_all_passed(rc, out, workers)

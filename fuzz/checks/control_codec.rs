@@ -98,7 +98,7 @@ impl<'a> Source<'a> {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 25 {
+    match s.u8() % 29 {
         0 => Control::Register(Register {
             role: s.role(),
             requested_rank: s.u32() as i32,
@@ -165,11 +165,15 @@ pub fn message(s: &mut Source) -> Control {
             colocated: s.u8() & 1 == 1,
         }),
         20 => Control::ServiceStart { job: s.text(), namespace: s.u32() },
-        21 => Control::ServiceStats {
-            jobs: s.list(4, |s| JobTraffic { job: s.text(), bytes: s.u64(), rounds: s.u64() }),
-        },
+        21 => {
+            Control::ServiceStats { jobs: s.list(4, |s| JobTraffic { job: s.text(), bytes: s.u64(), rounds: s.u64() }) }
+        }
         22 => Control::StatusRequest,
         23 => Control::StatusReply { json: s.text() },
+        24 => Control::Join,
+        25 => Control::Joined { rank: s.u32() },
+        26 => Control::JoinDone { last: s.u32() },
+        27 => Control::JoinOp { name: s.text(), numel: s.u64(), dtype: s.dtype(), flags: s.u16(), round: s.u32() },
         _ => Control::Error { message: s.text() },
     }
 }

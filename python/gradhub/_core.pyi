@@ -201,6 +201,9 @@ class Client:
     ) -> None:
         """Run an optimizer ("sgd" or "adamw") on the servers for float32 tensor `name`."""
     def barrier(self) -> None: ...
+    def join(self) -> tuple[int, list[str]]:
+        """Horovod's join: push zeros for the others' operations until every
+        worker joined; (the rank that joined last, the names pushed)."""
     def shutdown(self) -> None:
         """Leave the job; with operations still in flight this fails the job
         for everyone (naming them) instead of leaving them waiting."""

@@ -254,6 +254,14 @@ class Handle:
 AUTO_MARK = ".noname."
 
 
+def _advance_names(at_least: int) -> None:
+    """Make the next automatic name's number at least `at_least`."""
+    global _names
+    with _names_lock:
+        nxt = next(_names)
+        _names = itertools.count(max(nxt, at_least))
+
+
 def auto_name(kind: str, persistent: bool = False) -> str:
     """A name for an unnamed operation: `<kind>.noname.<n>`, numbered in call
     order by one counter shared by every layer (gradhub and gradhub.torch), so
@@ -346,11 +354,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
     validate(tensor, dtype)  # reject bad input before touching the caller's data
     # Every worker's root first: with different ones the data would be a sum.
     roots = np.zeros(c.size, dtype=np.int64)
-    roots[c.rank] = root_rank
+    roots[c.rank] = root_rank + 1  # plus one: a worker in join() adds zeros
     push_pull(roots, name=f"{name}.root")
-    if (roots != root_rank).any():
+    if ((roots != root_rank + 1) & (roots != 0)).any():
         raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
-                         + ", ".join(f"worker {q} says {int(x)}" for q, x in enumerate(roots)))
+                         + ", ".join(f"worker {q} says {int(x) - 1}" for q, x in enumerate(roots) if x != 0))
     if c.rank != root_rank:
         if is_torch_tensor(tensor):
             tensor.zero_()
@@ -401,3 +409,26 @@ def set_server_optimizer(name: str, numel: int, kind: str, lr: float, momentum: 
 def barrier() -> None:
     """Block until every worker reaches the barrier."""
     _require().barrier()
+
+
+def join() -> int:
+    """Horovod's join, for uneven data: this worker has no more batches.
+    Until every worker has joined, it takes part in the others' push_pulls
+    (allreduce, allgather, broadcast, the optimizer's gradients) with zeros,
+    so theirs complete; an average still divides by every worker, as in
+    Horovod. Returns the rank that joined last; then every worker goes on.
+    Nothing of this worker's may be in flight. Barriers are not taken part
+    in: a worker must not enter one while another has joined."""
+    last, names = _require().join()
+    # Unnamed operations pushed meanwhile: this worker's name counter moves
+    # past them, as if it had made those calls itself.
+    top = -1
+    for n in names:
+        for mark in (AUTO_MARK, ".auto."):
+            if mark in n:
+                tail = n.rsplit(mark, 1)[1].split(".", 1)[0]
+                if tail.isdigit():
+                    top = max(top, int(tail))
+    if top >= 0:
+        _advance_names(top + 1)
+    return last

@@ -119,7 +119,32 @@ struct Table {
     left: Option<u32>,
     /// Tensors (keys) whose optimizer runs on the servers: its OptConfig payload.
     server_opt: HashMap<u32, Vec<u8>>,
+    /// Horovod's join: every name's uses so far (its round counter, the
+    /// same on every worker) and its last call, announced to joined workers.
+    uses: HashMap<String, Use>,
+    /// Other workers joined (`Joined`): announce operations to them.
+    peers_joined: bool,
+    /// Unnamed tensors completed lately (their `uses` are gone): a joined
+    /// worker must not push zeros for one that a peer announces late.
+    recent_transient: (std::collections::VecDeque<String>, HashSet<String>),
+    /// While this worker is in `join()`: where the scheduler's join
+    /// messages go.
+    join_events: Option<Sender<Control>>,
 }
+
+#[derive(Clone, Copy)]
+struct Use {
+    round: u32,
+    numel: u64,
+    dtype: DType,
+    /// Wire flags, plus RELEASE_AFTER.
+    flags: u16,
+}
+
+/// Join messages waiting for `join()` to take them.
+const JOIN_QUEUE: usize = 4096;
+/// Unnamed tensors remembered after they completed (see `recent_transient`).
+const RECENT_TRANSIENT: usize = 4096;
 
 /// State shared by the caller, the control thread and the I/O thread.
 pub struct Shared {
@@ -228,7 +253,19 @@ impl Shared {
             t.in_flight.remove(&op.name);
             // After a failure the job is over (or the tensor never existed).
             match t.transient.remove(&op.name) && error.is_none() {
-                true => t.specs.remove(&op.name),
+                true => {
+                    t.uses.remove(&op.name);
+                    let (order, set) = &mut t.recent_transient;
+                    if set.insert(op.name.clone()) {
+                        order.push_back(op.name.clone());
+                        if order.len() > RECENT_TRANSIENT {
+                            if let Some(old) = order.pop_front() {
+                                set.remove(&old);
+                            }
+                        }
+                    }
+                    t.specs.remove(&op.name)
+                }
                 false => None,
             }
         };
@@ -386,6 +423,11 @@ fn opt_state_lost(before: &TensorSpec, now: &TensorSpec) -> Option<String> {
         None => format!("(chunk {c}): it had no replica (failover is off, or no other server was left)"),
         Some(r) => format!("(chunk {c}): its replica (server thread slot {r}) was lost too"),
     })
+}
+
+/// The announcement of a name's latest use to joined workers.
+fn join_op(name: &str, u: &Use) -> Control {
+    Control::JoinOp { name: name.to_string(), numel: u.numel, dtype: u.dtype, flags: u.flags, round: u.round }
 }
 
 fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), ClientError> {
@@ -618,7 +660,7 @@ impl Client {
         if flags & !(crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT | RELEASE_AFTER) != 0 {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
-        let (flags, release_after) = (flags & !RELEASE_AFTER, flags & RELEASE_AFTER != 0);
+        let (all_flags, flags, release_after) = (flags, flags & !RELEASE_AFTER, flags & RELEASE_AFTER != 0);
         let op = Arc::new(Op::new(name.to_string(), keepalive));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
@@ -641,6 +683,23 @@ impl Client {
         }
         if release_after {
             t.transient.insert(name.to_string());
+        }
+        // Counted under the same lock as `peers_joined` is set, so every
+        // operation is announced to joined workers once it matters.
+        let round = t.uses.get(name).map_or(0, |u| u.round).wrapping_add(1);
+        let u = Use { round, numel, dtype, flags: all_flags };
+        match t.uses.get_mut(name) {
+            Some(x) => *x = u,
+            None => {
+                t.uses.insert(name.to_string(), u);
+            }
+        }
+        if t.peers_joined {
+            drop(t);
+            if let Err(e) = self.shared.send_ctrl(&join_op(name, &u)) {
+                self.shared.set_failure(e.to_string());
+            }
+            t = self.shared.table();
         }
         if let Some(s) = t.specs.get(name).cloned() {
             // Checked against the spec above.
@@ -699,20 +758,125 @@ impl Client {
         Ok(())
     }
 
+    /// Horovod's join: this worker has no more data. Until every worker has
+    /// joined, it takes part in the others' operations with zeros (an
+    /// average still divides by every worker, as in Horovod). Returns the
+    /// rank that joined last and the names this worker pushed meanwhile.
+    /// Nothing of this worker's own may be in flight.
+    pub fn join(&self) -> Result<(u32, Vec<String>), ClientError> {
+        self.check_usable()?;
+        let (tx, rx) = bounded(JOIN_QUEUE);
+        {
+            let mut t = self.shared.table();
+            if !t.in_flight.is_empty() {
+                let mut names: Vec<&str> = t.in_flight.iter().map(String::as_str).collect();
+                names.sort_unstable();
+                return Err(ClientError::Usage(format!(
+                    "join() with operations in flight ({}): wait for them first",
+                    names.join(", ")
+                )));
+            }
+            if t.join_events.is_some() {
+                return Err(ClientError::Usage("join() is already running on another thread".into()));
+            }
+            t.join_events = Some(tx);
+        }
+        let result = self.join_loop(&rx);
+        self.shared.table().join_events = None;
+        result
+    }
+
+    fn join_loop(&self, rx: &crossbeam_channel::Receiver<Control>) -> Result<(u32, Vec<String>), ClientError> {
+        self.shared.send_ctrl(&Control::Join).map_err(|e| ClientError::Failed(e.to_string()))?;
+        // Our zero pushes in flight, by name, with the buffers they read.
+        let mut ops: HashMap<String, (Arc<Op>, Vec<u8>)> = HashMap::new();
+        let mut pushed: Vec<String> = Vec::new();
+        let wait = |op: &Arc<Op>| op.wait(None).map_err(|e| ClientError::Failed(e.to_string()));
+        loop {
+            let msg = match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(m) => m,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    self.check_usable()?;
+                    if let Some(gone) = self.shared.table().left {
+                        let why = format!(
+                            "worker {gone} left the job without calling join(), so join() on worker {} can never \
+                             complete: every worker must join",
+                            self.rank
+                        );
+                        self.shared.fail_job(why.clone());
+                        return Err(ClientError::Failed(why));
+                    }
+                    continue;
+                }
+                Err(_) => return Err(ClientError::Failed("client closed".into())),
+            };
+            match msg {
+                Control::JoinDone { last } => {
+                    for (op, _) in ops.values() {
+                        wait(op)?;
+                    }
+                    return Ok((last, pushed));
+                }
+                Control::JoinOp { name, numel, dtype, flags, round } => {
+                    let (done, finished) = {
+                        let t = self.shared.table();
+                        (t.uses.get(&name).map_or(0, |u| u.round), t.recent_transient.1.contains(&name))
+                    };
+                    // Rounds this worker took part in before it joined.
+                    if finished || round.wrapping_sub(done) as i32 <= 0 {
+                        continue;
+                    }
+                    if flags & crate::protocol::FLAG_INIT != 0 {
+                        let why = format!(
+                            "worker {} joined while others set the initial parameters of '{name}' for a \
+                             server-side optimizer: join() cannot take part in that",
+                            self.rank
+                        );
+                        self.shared.fail_job(why.clone());
+                        return Err(ClientError::Failed(why));
+                    }
+                    if let Some((op, _)) = ops.remove(&name) {
+                        wait(&op)?;
+                    }
+                    let bytes = usize::try_from(numel)
+                        .ok()
+                        .and_then(|n| n.checked_mul(dtype.size()))
+                        .ok_or_else(|| ClientError::Failed(format!("'{name}' is too large")))?;
+                    let mut zeros = vec![0u8; bytes];
+                    // SAFETY: `zeros` is kept in `ops` (its heap buffer does not
+                    // move) until the op has completed.
+                    let op = unsafe { self.push_pull(zeros.as_mut_ptr(), bytes, dtype, &name, flags, 0, None)? };
+                    pushed.push(name.clone());
+                    ops.insert(name, (op, zeros));
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Block until every worker has entered the barrier.
     pub fn barrier(&self) -> Result<(), ClientError> {
         self.check_usable()?;
-        let id = self.shared.next_barrier.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = bounded(1);
-        {
+        let id = {
             let mut t = self.shared.table();
             if let Err(e) = self.shared.check_left(&t, "a barrier") {
                 drop(t);
                 self.shared.fail_job(e.to_string());
                 return Err(e);
             }
+            if t.peers_joined {
+                return Err(ClientError::Usage(
+                    "barrier() while another worker is in join(): a joined worker takes part in push_pulls \
+                     only, so this barrier could never complete"
+                        .into(),
+                ));
+            }
+            // Numbered only once it is entered: ids must match across workers.
+            let id = self.shared.next_barrier.fetch_add(1, Ordering::Relaxed);
             t.barriers.insert(id, tx);
-        }
+            id
+        };
         if let Err(e) = self.shared.send_ctrl(&Control::Barrier { id }) {
             self.shared.set_failure(e.to_string());
         }
@@ -878,6 +1042,36 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 return;
             }
             Ok(Control::PeerLeft { rank }) => shared.on_peer_left(rank),
+            Ok(Control::Joined { rank: _ }) => {
+                // Announce what is in flight now; what starts later is
+                // announced as it starts (see `push_pull`).
+                let msgs: Vec<Control> = {
+                    let mut t = shared.table();
+                    t.peers_joined = true;
+                    t.in_flight.iter().filter_map(|n| t.uses.get(n).map(|u| join_op(n, u))).collect()
+                };
+                for m in msgs {
+                    if let Err(e) = shared.send_ctrl(&m) {
+                        shared.set_failure(e.to_string());
+                    }
+                }
+            }
+            Ok(msg @ Control::JoinOp { .. }) => {
+                let tx = shared.table().join_events.clone();
+                if let Some(tx) = tx {
+                    let _ = tx.send(msg);
+                }
+            }
+            Ok(Control::JoinDone { last }) => {
+                let tx = {
+                    let mut t = shared.table();
+                    t.peers_joined = false;
+                    t.join_events.clone()
+                };
+                if let Some(tx) = tx {
+                    let _ = tx.send(Control::JoinDone { last });
+                }
+            }
             Ok(Control::Failover { batch, lost, reason, specs }) => shared.on_failover(batch, lost, reason, specs),
             Ok(Control::Error { message }) => {
                 shared.set_failure(format!("scheduler: {message}"));

@@ -229,6 +229,23 @@ pub enum Control {
     StatusReply {
         json: String,
     },
+    /// Horovod's join: this worker ran out of data.
+    Join,
+    Joined {
+        rank: u32,
+    },
+    /// The `round`-th use of tensor `name` (counted per name by every
+    /// worker), which joined workers take part in with zeros.
+    JoinOp {
+        name: String,
+        numel: u64,
+        dtype: DType,
+        flags: u16,
+        round: u32,
+    },
+    JoinDone {
+        last: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -344,6 +361,10 @@ impl Control {
             Control::ServiceStats { .. } => MsgType::ServiceStats,
             Control::StatusRequest => MsgType::StatusRequest,
             Control::StatusReply { .. } => MsgType::StatusReply,
+            Control::Join => MsgType::Join,
+            Control::Joined { .. } => MsgType::Joined,
+            Control::JoinOp { .. } => MsgType::JoinOp,
+            Control::JoinDone { .. } => MsgType::JoinDone,
         }
     }
 
@@ -394,7 +415,16 @@ impl Control {
             Control::DeclareError { req, message } => {
                 w.u32(*req).str(message);
             }
-            Control::Heartbeat | Control::Goodbye | Control::Shutdown | Control::StatusRequest => {}
+            Control::Heartbeat | Control::Goodbye | Control::Shutdown | Control::StatusRequest | Control::Join => {}
+            Control::Joined { rank } => {
+                w.u32(*rank);
+            }
+            Control::JoinDone { last } => {
+                w.u32(*last);
+            }
+            Control::JoinOp { name, numel, dtype, flags, round } => {
+                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round);
+            }
             Control::ServiceJoin(j) => {
                 w.str(&j.hostname).str(&j.addr).u32(j.threads).u8(j.colocated as u8);
             }
@@ -614,6 +644,16 @@ impl Control {
                 Control::ServiceStats { jobs }
             }
             MsgType::StatusRequest => Control::StatusRequest,
+            MsgType::Join => Control::Join,
+            MsgType::Joined => Control::Joined { rank: r.u32("rank")? },
+            MsgType::JoinDone => Control::JoinDone { last: r.u32("last")? },
+            MsgType::JoinOp => {
+                let name = r.str("name")?;
+                let numel = r.u64("numel")?;
+                let dtype = get_dtype(&mut r)?;
+                let flags = r.u16("flags")?;
+                Control::JoinOp { name, numel, dtype, flags, round: r.u32("round")? }
+            }
             MsgType::StatusReply => Control::StatusReply { json: r.str("json")? },
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),
             other => return Err(ProtocolError::UnexpectedType(format!("{other:?} on the control connection"))),

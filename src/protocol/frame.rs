@@ -78,6 +78,10 @@ msg_types! {
     ServiceStats = 38, "server process -> shared service: bytes and rounds summed per job so far";
     StatusRequest = 39, "operator -> shared service (as the service itself): report the jobs";
     StatusReply = 40, "shared service -> operator: the report, JSON text";
+    Join = 41, "worker -> scheduler: this worker has no more data (Horovod's join): it pushes zeros for the others' operations until every worker joined";
+    Joined = 42, "scheduler -> workers: a worker joined; announce your operations in flight and to come (JoinOp)";
+    JoinOp = 43, "worker -> scheduler -> joined workers: an operation (name, size, dtype, flags, round) a joined worker must push zeros for";
+    JoinDone = 44, "scheduler -> workers: every worker joined (payload: the last one); all go on";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

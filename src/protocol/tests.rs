@@ -7,7 +7,11 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 40] = [
+const ALL_MSG_TYPES: [MsgType; 44] = [
+    MsgType::Join,
+    MsgType::Joined,
+    MsgType::JoinOp,
+    MsgType::JoinDone,
     MsgType::ServiceJoin,
     MsgType::ServiceStart,
     MsgType::ServiceStats,
@@ -254,6 +258,11 @@ fn sample_controls() -> Vec<Control> {
         },
         Control::StatusRequest,
         Control::StatusReply { json: "{\"jobs\": []}".into() },
+        Control::Join,
+        Control::Joined { rank: 3 },
+        Control::JoinDone { last: u32::MAX },
+        Control::JoinOp { name: "grad.fc1.weight".into(), numel: 1 << 40, dtype: DType::BF16, flags: 3, round: 7 },
+        Control::JoinOp { name: String::new(), numel: 0, dtype: DType::I64, flags: 0, round: 0 },
         Control::Error { message: "scheduler: job namespace mismatch — bye 👋".into() },
         Control::Error { message: String::new() },
     ]

@@ -2,7 +2,7 @@
 //! cluster map, barriers, goodbyes and liveness (a member that disconnects
 //! or stops heartbeating fails the job, and everyone is told who and why).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 
@@ -305,6 +305,57 @@ pub(super) fn enter_barrier(shared: &Shared, st: &mut State, rank: u32, id: u32)
 /// Before that, everyone still in the job is told it left (`PeerLeft`):
 /// whatever it did not take part in can never complete, and must fail
 /// rather than wait (e.g. a worker that runs more steps than the others).
+/// Horovod's join: worker `rank` has no more data. Until every worker has
+/// joined, the others announce their operations (`JoinOp`) and the joined
+/// ones push zeros for them; then everyone is told who joined last.
+pub(super) fn join_worker(shared: &Shared, st: &mut State, rank: u32) {
+    let ns = shared.cfg.namespace;
+    if !st.joined.insert(rank) {
+        let reason = format!("worker {rank} called join() twice");
+        shared.fail(st, None, reason);
+        return;
+    }
+    st.join_last = rank;
+    let workers: Vec<Arc<super::state::Member>> =
+        st.members.iter().filter(|m| m.role == Role::Worker).cloned().collect();
+    if st.joined.len() == shared.cfg.num_workers as usize {
+        st.joined.clear();
+        st.join_ops.clear();
+        for m in workers {
+            m.send(&Control::JoinDone { last: rank }, ns);
+        }
+        return;
+    }
+    // The others announce what they have in flight (each such operation
+    // needs this worker now) and everything they start from then on.
+    for m in workers {
+        m.send(&Control::Joined { rank }, ns);
+    }
+}
+
+/// An operation a worker started while others have joined: the joined
+/// workers push zeros for it (each (name, round) once, whoever announces it).
+pub(super) fn forward_join_op(shared: &Shared, st: &mut State, op: Control) {
+    let Control::JoinOp { name, round, .. } = &op else { return };
+    if st.joined.is_empty() {
+        return;
+    }
+    // Each round to each joined worker once, whoever announces it; rounds
+    // of one name only move forward.
+    let entry = st.join_ops.entry(name.clone()).or_insert((*round, HashSet::new()));
+    if round.wrapping_sub(entry.0) as i32 > 0 {
+        *entry = (*round, HashSet::new());
+    } else if *round != entry.0 {
+        return;
+    }
+    let ns = shared.cfg.namespace;
+    let targets: Vec<u32> = st.joined.iter().copied().filter(|r| !entry.1.contains(r)).collect();
+    entry.1.extend(targets.iter().copied());
+    for m in st.members.iter().filter(|m| m.role == Role::Worker && targets.contains(&m.rank)) {
+        m.send(&op, ns);
+    }
+}
+
 pub(super) fn say_goodbye(shared: &Shared, st: &mut State, rank: u32) {
     st.said_goodbye.insert(rank);
     let done = st.finished || st.failed.is_some();

@@ -399,6 +399,10 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
                 shared.cv.notify_all();
             }
             Ok(Control::Barrier { id }) if me.role == Role::Worker => enter_barrier(shared, &mut st, me.rank, id),
+            Ok(Control::Join) if me.role == Role::Worker => membership::join_worker(shared, &mut st, me.rank),
+            Ok(Control::JoinOp { name, numel, dtype, flags, round }) if me.role == Role::Worker => {
+                membership::forward_join_op(shared, &mut st, Control::JoinOp { name, numel, dtype, flags, round })
+            }
             Ok(Control::Release { keys }) if me.role == Role::Worker => {
                 if let Err(reason) = release(shared, &mut st, me.rank, keys) {
                     me.send(&Control::Error { message: reason.clone() }, ns);

@@ -90,6 +90,11 @@ pub(super) struct State {
     pub lost_servers: Vec<u32>,
     pub failing_over: u32,
     pub pending: Vec<PendingReq>,
+    /// Horovod's join: the workers that joined so far, the last of them,
+    /// and by name the latest round announced and who it went to.
+    pub joined: HashSet<u32>,
+    pub join_last: u32,
+    pub join_ops: HashMap<String, (u32, HashSet<u32>)>,
     // The job.
     pub finished: bool,
     pub failed: Option<String>,

@@ -13,6 +13,7 @@ from .. import GradhubError, GradhubTimeoutError
 from ..api import barrier as _barrier
 from ..api import cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size
 from ..api import init as _init
+from ..api import join as _join
 from ..api import start_timeline, stop_timeline
 from .compression import Compression, Compressor
 from .ddp import HookState, ddp_comm_hook
@@ -68,6 +69,13 @@ def init(*args, **kwargs):
     _init(*args, **kwargs)
 
 
+def join(device: int = -1) -> int:
+    """Horovod's join: this worker has no more data; until every worker has
+    joined it takes part in the others' operations with zeros. Returns the
+    rank that joined last. (`device` is accepted for Horovod's signature.)"""
+    return _join()
+
+
 def barrier(process_set=None):
     """Block until every worker has entered the barrier."""
     _check_set(process_set)
@@ -114,7 +122,7 @@ __all__ = [
     "Handle", "HookState", "HorovodInternalError", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set", "alltoall", "alltoall_async",
     "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
-    "reducescatter", "reducescatter_async", "sparse_allreduce_async", "start_timeline", "stop_timeline",
+    "reducescatter", "reducescatter_async", "sparse_allreduce_async", "start_timeline", "stop_timeline", "join",
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",

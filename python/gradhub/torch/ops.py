@@ -392,17 +392,19 @@ def _broadcast_async(tensor, root_rank, name, target) -> Handle:
         exact_bytes = True
     if _api.rank() != root_rank:
         buf.zero_()
-    # Every worker's root, to tell a disagreement (the data would be a sum).
+    # Every worker's root (plus one: a worker in join() adds zeros), to tell
+    # a disagreement (the data would be a sum).
     roots = torch.zeros(n, dtype=torch.int64)
-    roots[_api.rank()] = root_rank
+    roots[_api.rank()] = root_rank + 1
     roots_h = _api.push_pull_async(roots, name=f"{name}.root", average=False, priority=0)
     h = _api.push_pull_async(buf, name=name, average=False, priority=0)
 
     def finish():
         roots_h.wait()
-        if bool((roots != root_rank).any()):
+        if bool(((roots != root_rank + 1) & (roots != 0)).any()):
             raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
-                             + ", ".join(f"worker {q} says {int(x)}" for q, x in enumerate(roots.tolist())))
+                             + ", ".join(f"worker {q} says {int(x) - 1}" for q, x in enumerate(roots.tolist())
+                                         if x != 0))
         if exact_bytes:
             out = buf.to(torch.uint8).view(src.dtype).reshape(src.shape)
         else:
@@ -466,8 +468,10 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
     meta = torch.zeros((n, 3), dtype=torch.int64)
     meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode())])
     _api.push_pull(meta, name=f"{name}.counts")
-    if not bool((meta[:, 1:] == meta[r, 1:]).all()):
-        q = int((meta[:, 1:] != meta[r, 1:]).any(1).nonzero()[0])
+    # A worker in join() adds a row of zeros: it has nothing to give.
+    present = meta.ne(0).any(1)
+    if not bool((meta[present, 1:] == meta[r, 1:]).all()):
+        q = int(((meta[:, 1:] != meta[r, 1:]).any(1) & present).nonzero()[0])
         what = (f"rows of {int(meta[q, 1])} elements, worker {r} of {row} ({tuple(t.shape[1:])})"
                 if int(meta[q, 1]) != row else f"the same row size, but worker {r}'s {tuple(t.shape[1:])} {t.dtype} "
                                                 "differs in shape or dtype")
