@@ -2,10 +2,12 @@
 run without one, and that `gradhub launch` makes one up. (The handshake
 itself, wrong tokens, replays and rogue members: tests/integration/auth.rs.)"""
 
+import json
 import subprocess
 import sys
 
-from conftest import free_port, job_env
+from conftest import WORKERS, free_port, job_env
+from test_multihost import hosts, run_all  # noqa: F401  (the emulated-hosts fixture)
 
 
 def gh(*args, env, timeout=60):
@@ -79,3 +81,47 @@ def test_torchrun_jobs_share_a_token_made_up_by_rank_0_through_torchruns_store(t
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS 0" in out.stdout and "PASS 1" in out.stdout, out.stdout
     assert "job token: made up by rank 0, shared through torchrun's store" in out.stderr, out.stderr
+
+
+def test_a_stranger_on_another_host_cannot_join_squat_or_pose_as_a_server(hosts, tmp_path):
+    """A multi-host job, every role on a host of its own, and a process on a
+    fifth host without the token. Before the workers start, it tries to
+    register as a worker (taking the slot a real worker needs) and as a
+    server; while the job runs, to claim worker 0 on each server port. All
+    are refused, the scheduler logs it, and the job's sums stay exact."""
+    (sched_ns, sched_ip), (server_ns, server_ip) = hosts(0), hosts(1)
+    workers, (rogue_ns, _) = [hosts(2), hosts(3)], hosts(4)
+    stop = tmp_path / "stop"
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:9556", GRADHUB_NUM_WORKERS=2, GRADHUB_NUM_SERVERS=1,
+                  GRADHUB_JOB_TOKEN="the-real-job-token", GH_TEST=json.dumps({"stop": str(stop)}))
+    rogue_env = {k: v for k, v in env.items() if not k.startswith("GRADHUB_")}
+    py = sys.executable
+
+    def run(ns, argv, e=env):
+        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=e, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+
+    def rogue(*args):
+        out = subprocess.run(["ip", "netns", "exec", rogue_ns, py, str(WORKERS / "rogue.py"), *args],
+                             env=rogue_env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "ACCEPTED" not in out.stdout, out.stdout + out.stderr
+        return out.stdout
+
+    procs = [run(sched_ns, [py, "-m", "gradhub", "scheduler"]),
+             run(server_ns, [py, "-m", "gradhub", "server", "--threads", "2", "--port", "9700"])]
+    try:
+        said = rogue("register", f"{sched_ip}:9556")
+        for what in ("worker with a wrong token", "worker without a token", "server"):
+            assert f"REFUSED {what}" in said, said
+        procs += [run(ns, [py, str(WORKERS / "until_file.py")], dict(env, GRADHUB_RANK=str(r)))
+                  for r, (ns, _) in enumerate(workers)]
+        said = rogue("squat", server_ip, "9700", "9701")
+        assert "REFUSED rank 0 on port 9700" in said and "REFUSED rank 0 on port 9701" in said, said
+        stop.touch()
+        outs = run_all(procs, timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert "PASS 0" in outs[2] and "PASS 1" in outs[3], outs
+    assert "rejecting" in outs[0], outs[0]  # the scheduler logs its rejections
