@@ -268,3 +268,21 @@ def test_service_across_emulated_hosts(hosts, tmp_path):
     finally:
         svc.close()
 
+
+
+def test_a_server_that_cannot_serve_a_job_fails_it_at_once(service, tmp_path):
+    """A server process whose instance for a job cannot start (here: it is
+    told to listen on an address this machine does not have) fails that job
+    with the reason within a report interval, not at the join timeout."""
+    svc = service(servers=1)
+    svc.procs["server0"].kill()
+    svc.procs["server0"].wait()
+    svc.wait_until(lambda st: not st["servers"], "the good server to leave", timeout=30)
+    svc.spawn("bad", [sys.executable, "-m", "gradhub", "server", "--service", "--threads", "1",
+                      "--bind-host", "10.255.255.1"], svc.env)
+    svc.wait_until(lambda st: len(st["servers"]) == 1, "the bad server to join")
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, str(WORKERS / "service_job.py")], env=svc.worker_env("doomed", 1, 0),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "could not serve it" in p.stderr and "10.255.255.1" in p.stderr, p.stderr
+    assert time.monotonic() - start < 30, "the job failed only at its join timeout"

@@ -165,9 +165,9 @@ pub fn message(s: &mut Source) -> Control {
             colocated: s.u8() & 1 == 1,
         }),
         20 => Control::ServiceStart { job: s.text(), namespace: s.u32() },
-        21 => {
-            Control::ServiceStats { jobs: s.list(4, |s| JobTraffic { job: s.text(), bytes: s.u64(), rounds: s.u64() }) }
-        }
+        21 => Control::ServiceStats {
+            jobs: s.list(4, |s| JobTraffic { job: s.text(), bytes: s.u64(), rounds: s.u64(), error: s.text() }),
+        },
         22 => Control::StatusRequest,
         23 => Control::StatusReply { json: s.text() },
         24 => Control::Join,

@@ -262,6 +262,9 @@ pub struct JobTraffic {
     pub job: String,
     pub bytes: u64,
     pub rounds: u64,
+    /// Why this server process's instance for the job ended with an error
+    /// or could not start (reported once); empty while it runs.
+    pub error: String,
 }
 
 fn put_spec(w: &mut Writer, s: &TensorSpec) {
@@ -434,7 +437,7 @@ impl Control {
             Control::ServiceStats { jobs } => {
                 w.u32(jobs.len() as u32);
                 for j in jobs {
-                    w.str(&j.job).u64(j.bytes).u64(j.rounds);
+                    w.str(&j.job).u64(j.bytes).u64(j.rounds).str(&j.error);
                 }
             }
             Control::StatusReply { json } => {
@@ -639,7 +642,8 @@ impl Control {
                 for _ in 0..n {
                     let job = r.str("job")?;
                     let bytes = r.u64("bytes")?;
-                    jobs.push(JobTraffic { job, bytes, rounds: r.u64("rounds")? });
+                    let rounds = r.u64("rounds")?;
+                    jobs.push(JobTraffic { job, bytes, rounds, error: r.str("error")? });
                 }
                 Control::ServiceStats { jobs }
             }

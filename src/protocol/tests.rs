@@ -252,8 +252,8 @@ fn sample_controls() -> Vec<Control> {
         Control::ServiceStats { jobs: vec![] },
         Control::ServiceStats {
             jobs: vec![
-                JobTraffic { job: "a".into(), bytes: u64::MAX, rounds: 0 },
-                JobTraffic { job: "b".into(), bytes: 0, rounds: 7 },
+                JobTraffic { job: "a".into(), bytes: u64::MAX, rounds: 0, error: String::new() },
+                JobTraffic { job: "b".into(), bytes: 0, rounds: 7, error: "cannot listen on 0.0.0.0:0".into() },
             ],
         },
         Control::StatusRequest,

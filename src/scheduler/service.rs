@@ -348,9 +348,18 @@ fn serve_server(svc: &Arc<Service>, join: ServiceJoin, stream: TcpStream, peer: 
 }
 
 fn record(svc: &Service, server: u64, reports: Vec<JobTraffic>) {
+    // Jobs a server instance could not serve: failed below, outside the
+    // map's lock (a job's own lock may wait on a slow member's write).
+    let mut fail: Vec<(Arc<Shared>, String)> = Vec::new();
     let jobs = lock(&svc.jobs);
     for r in reports {
         let Some(j) = jobs.get(&r.job) else { continue };
+        if !r.error.is_empty() {
+            if !j.ended.load(Ordering::SeqCst) {
+                fail.push((j.shared.clone(), format!("a server of the service could not serve it: {}", r.error)));
+            }
+            continue;
+        }
         let mut t = lock(&j.traffic);
         t.by_server.insert(server, (r.bytes, r.rounds));
         let total: u64 = t.by_server.values().map(|v| v.0).sum();
@@ -363,6 +372,12 @@ fn record(svc: &Service, server: u64, reports: Vec<JobTraffic>) {
             Some(_) => {}
             None => t.sampled = Some((now, total)),
         }
+    }
+    drop(jobs);
+    // Not at the join timeout: its workers learn why now.
+    for (shared, why) in fail {
+        let mut st = shared.lock();
+        shared.fail(&mut st, None, why);
     }
 }
 

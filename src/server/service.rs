@@ -76,13 +76,18 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
             .map_err(|e| setup("spawn", e))?
     };
     let mut instances: Vec<Instance> = Vec::new();
+    // Instances that could not start or ended with an error: told once.
+    let mut failed: Vec<JobTraffic> = Vec::new();
     let mut next_report = Instant::now();
     let result = loop {
         match rx.recv_timeout(Duration::from_millis(200)) {
             Ok(Ok(Control::ServiceStart { job, namespace })) => {
                 match start_instance(&server, &cfg.master, &job, namespace) {
                     Ok(i) => instances.push(i),
-                    Err(e) => log::error!(target: "server", "cannot start a server for job '{job}': {e}"),
+                    Err(e) => {
+                        log::error!(target: "server", "cannot start a server for job '{job}': {e}");
+                        failed.push(JobTraffic { job, bytes: 0, rounds: 0, error: format!("cannot start: {e}") });
+                    }
                 }
             }
             Ok(Ok(Control::Heartbeat)) => {}
@@ -100,14 +105,15 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
         }
         if next_report.elapsed() >= Duration::from_secs(1) {
             next_report = Instant::now();
-            reap(&mut instances);
-            let jobs = instances
+            failed.extend(reap(&mut instances));
+            let mut jobs: Vec<JobTraffic> = instances
                 .iter()
                 .map(|i| {
                     let (bytes, rounds) = i.traffic.get();
-                    JobTraffic { job: i.job.clone(), bytes, rounds }
+                    JobTraffic { job: i.job.clone(), bytes, rounds, error: String::new() }
                 })
                 .collect();
+            jobs.append(&mut failed);
             if let Err(e) = write_control(&mut writer, &Control::ServiceStats { jobs }, 0) {
                 break Err(ServerError::JobFailed(format!("lost the service at {service}: {e}")));
             }
@@ -136,15 +142,29 @@ fn start_instance(template: &ServerConfig, master: &Secret, job: &str, namespace
     Ok(Instance { job: job.to_string(), traffic, join })
 }
 
-/// Join the instances whose job ended, logging how.
-fn reap(instances: &mut Vec<Instance>) {
+/// Join the instances whose job ended, logging how; the ones that ended
+/// with an error, for the service.
+fn reap(instances: &mut Vec<Instance>) -> Vec<JobTraffic> {
     let (done, running): (Vec<Instance>, Vec<Instance>) = instances.drain(..).partition(|i| i.join.is_finished());
     *instances = running;
+    let mut failed = Vec::new();
     for i in done {
-        match i.join.join() {
-            Ok(Ok(())) => log::info!(target: "server", "job '{}': complete, its server's memory is freed", i.job),
-            Ok(Err(e)) => log::warn!(target: "server", "job '{}' ended: {e}; its server's memory is freed", i.job),
-            Err(_) => log::error!(target: "server", "job '{}': its server panicked", i.job),
-        }
+        let (bytes, rounds) = i.traffic.get();
+        let error = match i.join.join() {
+            Ok(Ok(())) => {
+                log::info!(target: "server", "job '{}': complete, its server's memory is freed", i.job);
+                continue;
+            }
+            Ok(Err(e)) => {
+                log::warn!(target: "server", "job '{}' ended: {e}; its server's memory is freed", i.job);
+                e.to_string()
+            }
+            Err(_) => {
+                log::error!(target: "server", "job '{}': its server panicked", i.job);
+                "its server panicked".to_string()
+            }
+        };
+        failed.push(JobTraffic { job: i.job, bytes, rounds, error });
     }
+    failed
 }
