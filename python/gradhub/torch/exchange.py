@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .. import api as _api
-from .._core import GradhubTimeoutError
+from .. import GradhubTimeoutError
 from .ops import Average, Handle, Sum, _allgather_impl, _auto_name, _GroupHandle, _resolve_op, allreduce_async
 from .process_sets import _check_set, global_process_set
 

@@ -529,18 +529,21 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     """Pickle `obj` on root_rank and return it on every worker."""
     _check_set(process_set)
     name = name or _auto_name("broadcast_object")
+    # The pickle travels as int64 words (summed exactly with the others'
+    # zeros), 8 bytes a word.
     if _api.rank() == root_rank:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.float32)
+        raw = pickle.dumps(obj)
+        size = torch.tensor([len(raw)], dtype=torch.int64)  # exact: a float32 rounds above 2^24
+        payload = torch.frombuffer(bytearray(raw + bytes(-len(raw) % 8)), dtype=torch.int64)
     else:
         payload = None
-        size = torch.zeros(1, dtype=torch.float32)
+        size = torch.zeros(1, dtype=torch.int64)
     size = broadcast(size, root_rank, name=f"{name}.size")
     n = int(size.item())
     if payload is None:
-        payload = torch.zeros(n, dtype=torch.uint8)
+        payload = torch.zeros((n + 7) // 8, dtype=torch.int64)
     data = broadcast(payload, root_rank, name=f"{name}.data")
-    return pickle.loads(data.numpy().tobytes())
+    return pickle.loads(data.numpy().tobytes()[:n])
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set=None) -> list:
