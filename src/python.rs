@@ -526,6 +526,18 @@ impl PyClient {
         Ok(PyHandle { op })
     }
 
+    /// Tell the workers `to` (outside this operation's process set) to push
+    /// zeros for the operation just started on `name`.
+    fn announce(&self, name: &str, to: Vec<u32>) -> PyResult<()> {
+        self.inner.announce(name, to).map_err(py_err)
+    }
+
+    /// From now on, push zeros for the operations of process sets this
+    /// worker is not in (a background thread).
+    fn serve_set_ops(&self) -> PyResult<()> {
+        self.inner.serve_set_ops().map_err(py_err)
+    }
+
     /// Run an optimizer on the servers for float32 tensor `name` (see DistributedOptimizer(optimizer_on_server=True)).
     #[pyo3(signature = (name, numel, kind, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=false, beta1=0.9, beta2=0.999, eps=1e-8))]
     #[allow(clippy::too_many_arguments)]

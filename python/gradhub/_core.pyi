@@ -200,6 +200,12 @@ class Client:
         eps: float = 1e-8,
     ) -> None:
         """Run an optimizer ("sgd" or "adamw") on the servers for float32 tensor `name`."""
+    def announce(self, name: str, to: list[int]) -> None:
+        """Tell the workers `to`, outside this operation's process set, to push
+        zeros for the operation just started on `name`."""
+    def serve_set_ops(self) -> None:
+        """From now on, push zeros (a background thread) for the operations of
+        process sets this worker is not in."""
     def barrier(self) -> None: ...
     def join(self) -> tuple[int, list[str]]:
         """Horovod's join: push zeros for the others' operations until every

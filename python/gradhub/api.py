@@ -406,6 +406,18 @@ def set_server_optimizer(name: str, numel: int, kind: str, lr: float, momentum: 
                                     eps=float(eps))
 
 
+def announce(name: str, to: list[int]) -> None:
+    """Process sets: the operation just started on `name` (by this worker,
+    the first of its set) needs zeros from the workers `to`, outside the set."""
+    _require().announce(name, [int(r) for r in to])
+
+
+def serve_set_ops() -> None:
+    """Process sets: from now on this worker pushes zeros, on a thread of
+    its own, for the operations of sets it is not in (idempotent)."""
+    _require().serve_set_ops()
+
+
 def barrier() -> None:
     """Block until every worker reaches the barrier."""
     _require().barrier()

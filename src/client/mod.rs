@@ -14,9 +14,9 @@ pub use op::{Callback, Op, OpError};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Sender};
 use mio::Poll;
@@ -130,6 +130,11 @@ struct Table {
     /// While this worker is in `join()`: where the scheduler's join
     /// messages go.
     join_events: Option<Sender<Control>>,
+    /// Once process sets exist (`serve_set_ops`): where operations of sets
+    /// this worker is not in go, the rest of the time.
+    set_events: Option<Sender<Control>>,
+    /// Names of the zero pushes in flight for those.
+    set_pushes: HashSet<String>,
 }
 
 #[derive(Clone, Copy)]
@@ -251,6 +256,7 @@ impl Shared {
         let release = {
             let mut t = self.table();
             t.in_flight.remove(&op.name);
+            t.set_pushes.remove(&op.name);
             // After a failure the job is over (or the tensor never existed).
             match t.transient.remove(&op.name) && error.is_none() {
                 true => {
@@ -425,6 +431,33 @@ fn opt_state_lost(before: &TensorSpec, now: &TensorSpec) -> Option<String> {
     })
 }
 
+/// Zero pushes in flight, by name, with the buffers they read.
+type ZeroPushes = HashMap<String, (Arc<Op>, Vec<u8>)>;
+
+/// The thread behind `Client::serve_set_ops`: pushes zeros for each
+/// announced operation of a process set this worker is not in, until the
+/// client is closed or dropped (it holds the client only while working).
+fn set_ops_loop(client: Weak<Client>, rx: crossbeam_channel::Receiver<Control>) {
+    loop {
+        let msg = rx.recv_timeout(Duration::from_millis(100));
+        let Some(c) = client.upgrade() else { return };
+        if c.check_usable().is_err() {
+            return;
+        }
+        match msg {
+            Ok(Control::JoinOp { name, numel, dtype, flags, round }) => {
+                if let Err(e) = c.push_zeros(&name, numel, dtype, flags, round, true) {
+                    // The job failed (and says why) or is closing.
+                    log::debug!(target: &format!("worker {}", c.rank), "process-set thread ends: {e}");
+                    return;
+                }
+            }
+            Ok(_) | Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
 /// The announcement of a name's latest use to joined workers.
 fn join_op(name: &str, u: &Use) -> Control {
     Control::JoinOp { name: name.to_string(), numel: u.numel, dtype: u.dtype, flags: u.flags, round: u.round }
@@ -459,6 +492,9 @@ pub struct Client {
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     closed: AtomicBool,
+    /// Zero pushes in flight for other workers' operations (`push_zeros`),
+    /// by name: join() and the process-set thread share them.
+    zero_pushes: Mutex<ZeroPushes>,
 }
 
 impl Client {
@@ -577,6 +613,7 @@ impl Client {
             shared,
             threads: Mutex::new(threads),
             closed: AtomicBool::new(false),
+            zero_pushes: Mutex::new(ZeroPushes::new()),
         })
     }
 
@@ -768,8 +805,9 @@ impl Client {
         let (tx, rx) = bounded(JOIN_QUEUE);
         {
             let mut t = self.shared.table();
-            if !t.in_flight.is_empty() {
-                let mut names: Vec<&str> = t.in_flight.iter().map(String::as_str).collect();
+            if t.in_flight.iter().any(|n| !t.set_pushes.contains(n)) {
+                let mut names: Vec<&str> =
+                    t.in_flight.iter().filter(|n| !t.set_pushes.contains(*n)).map(String::as_str).collect();
                 names.sort_unstable();
                 return Err(ClientError::Usage(format!(
                     "join() with operations in flight ({}): wait for them first",
@@ -788,10 +826,7 @@ impl Client {
 
     fn join_loop(&self, rx: &crossbeam_channel::Receiver<Control>) -> Result<(u32, Vec<String>), ClientError> {
         self.shared.send_ctrl(&Control::Join).map_err(|e| ClientError::Failed(e.to_string()))?;
-        // Our zero pushes in flight, by name, with the buffers they read.
-        let mut ops: HashMap<String, (Arc<Op>, Vec<u8>)> = HashMap::new();
         let mut pushed: Vec<String> = Vec::new();
-        let wait = |op: &Arc<Op>| op.wait(None).map_err(|e| ClientError::Failed(e.to_string()));
         loop {
             let msg = match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(m) => m,
@@ -812,46 +847,124 @@ impl Client {
             };
             match msg {
                 Control::JoinDone { last } => {
-                    for (op, _) in ops.values() {
-                        wait(op)?;
+                    let ops: Vec<Arc<Op>> = {
+                        let z = self.zero_pushes();
+                        pushed.iter().filter_map(|n| z.get(n).map(|(op, _)| op.clone())).collect()
+                    };
+                    for op in ops {
+                        op.wait(None).map_err(|e| ClientError::Failed(e.to_string()))?;
                     }
                     return Ok((last, pushed));
                 }
                 Control::JoinOp { name, numel, dtype, flags, round } => {
-                    let (done, finished) = {
-                        let t = self.shared.table();
-                        (t.uses.get(&name).map_or(0, |u| u.round), t.recent_transient.1.contains(&name))
-                    };
-                    // Rounds this worker took part in before it joined.
-                    if finished || round.wrapping_sub(done) as i32 <= 0 {
-                        continue;
+                    if self.push_zeros(&name, numel, dtype, flags, round, false)? {
+                        pushed.push(name);
                     }
-                    if flags & crate::protocol::FLAG_INIT != 0 {
-                        let why = format!(
-                            "worker {} joined while others set the initial parameters of '{name}' for a \
-                             server-side optimizer: join() cannot take part in that",
-                            self.rank
-                        );
-                        self.shared.fail_job(why.clone());
-                        return Err(ClientError::Failed(why));
-                    }
-                    if let Some((op, _)) = ops.remove(&name) {
-                        wait(&op)?;
-                    }
-                    let bytes = usize::try_from(numel)
-                        .ok()
-                        .and_then(|n| n.checked_mul(dtype.size()))
-                        .ok_or_else(|| ClientError::Failed(format!("'{name}' is too large")))?;
-                    let mut zeros = vec![0u8; bytes];
-                    // SAFETY: `zeros` is kept in `ops` (its heap buffer does not
-                    // move) until the op has completed.
-                    let op = unsafe { self.push_pull(zeros.as_mut_ptr(), bytes, dtype, &name, flags, 0, None)? };
-                    pushed.push(name.clone());
-                    ops.insert(name, (op, zeros));
                 }
                 _ => {}
             }
         }
+    }
+
+    /// Take part with zeros in the `round`-th use of `name`, which another
+    /// worker announced (`JoinOp`: this worker joined, or is outside the
+    /// process set of the operation). Returns false for a round this worker
+    /// took part in already. `background`: for the set-op thread (see
+    /// `serve_set_ops`), so that leaving waits for it.
+    fn push_zeros(
+        &self,
+        name: &str,
+        numel: u64,
+        dtype: DType,
+        flags: u16,
+        round: u32,
+        background: bool,
+    ) -> Result<bool, ClientError> {
+        let (done, finished) = {
+            let t = self.shared.table();
+            (t.uses.get(name).map_or(0, |u| u.round), t.recent_transient.1.contains(name))
+        };
+        if finished || round.wrapping_sub(done) as i32 <= 0 {
+            return Ok(false);
+        }
+        if flags & crate::protocol::FLAG_INIT != 0 {
+            let why = format!(
+                "worker {} takes part with zeros (it joined, or is outside a process set) in the initial \
+                 parameters of '{name}' for a server-side optimizer: that is not possible",
+                self.rank
+            );
+            self.shared.fail_job(why.clone());
+            return Err(ClientError::Failed(why));
+        }
+        // A name's rounds follow one another: the last one completes first.
+        let last = self.zero_pushes().remove(name);
+        if let Some((op, _)) = last {
+            op.wait(None).map_err(|e| ClientError::Failed(e.to_string()))?;
+        }
+        let bytes = usize::try_from(numel)
+            .ok()
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| ClientError::Failed(format!("'{name}' is too large")))?;
+        let mut zeros = vec![0u8; bytes];
+        // SAFETY: `zeros` is kept in `ops` (its heap buffer does not move)
+        // until the op has completed.
+        let op = unsafe { self.push_pull(zeros.as_mut_ptr(), bytes, dtype, name, flags, 0, None)? };
+        if background {
+            let mut t = self.shared.table();
+            if t.in_flight.contains(name) {
+                t.set_pushes.insert(name.to_string());
+            }
+        }
+        let mut z = self.zero_pushes();
+        z.retain(|_, (op, _)| !op.done());
+        z.insert(name.to_string(), (op, zeros));
+        Ok(true)
+    }
+
+    fn zero_pushes(&self) -> MutexGuard<'_, ZeroPushes> {
+        self.zero_pushes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Take part, from now on, in the operations of process sets this
+    /// worker is not in: their first member announces each one (`announce`)
+    /// and a thread of this worker pushes zeros for it (an operation needs
+    /// every worker's push). Idempotent; the thread ends with the client.
+    pub fn serve_set_ops(self: &Arc<Self>) -> Result<(), ClientError> {
+        self.check_usable()?;
+        let (tx, rx) = bounded(JOIN_QUEUE);
+        {
+            let mut t = self.shared.table();
+            if t.set_events.is_some() {
+                return Ok(());
+            }
+            t.set_events = Some(tx);
+        }
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("gradhub-set-ops".into())
+            .spawn(move || set_ops_loop(me, rx))
+            .map(|_| ())
+            .map_err(|e| ClientError::Failed(format!("cannot start the process-set thread: {e}")))
+    }
+
+    /// Announce the operation just started on `name` (this worker is the
+    /// first member of its process set) to the workers `to`, outside the
+    /// set: they push zeros for it.
+    pub fn announce(&self, name: &str, to: Vec<u32>) -> Result<(), ClientError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        let u = self.shared.table().uses.get(name).copied();
+        let u = u.ok_or_else(|| ClientError::Usage(format!("announce('{name}') before its push_pull")))?;
+        let msg = Control::SetOp {
+            to,
+            name: name.to_string(),
+            numel: u.numel,
+            dtype: u.dtype,
+            flags: u.flags,
+            round: u.round,
+        };
+        self.shared.send_ctrl(&msg).map_err(|e| ClientError::Failed(e.to_string()))
     }
 
     /// Block until every worker has entered the barrier.
@@ -903,6 +1016,9 @@ impl Client {
     /// worker that leaves with operations in flight (others may be waiting
     /// for its pushes) fails the job instead, naming them.
     fn leave(&self, failure: Option<String>) {
+        if failure.is_none() {
+            self.finish_set_pushes();
+        }
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -951,6 +1067,26 @@ impl Client {
 
     pub fn failure(&self) -> Option<String> {
         self.shared.failure()
+    }
+
+    /// Before a clean goodbye: the zeros this worker pushed for process
+    /// sets it is not in complete once the sets' members pushed theirs
+    /// (they have announced them, so they are on their way): wait for
+    /// that, at most a peer timeout, rather than leave them in flight.
+    fn finish_set_pushes(&self) {
+        let deadline = Instant::now() + self.shared.io.peer_timeout.max(Duration::from_secs(5));
+        loop {
+            {
+                let t = self.shared.table();
+                if t.set_pushes.is_empty() || t.in_flight.iter().any(|n| !t.set_pushes.contains(n)) {
+                    return;
+                }
+            }
+            if Instant::now() >= deadline || self.shared.failure().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     /// Free tensors this worker no longer uses: here at once, on the
@@ -1057,9 +1193,20 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 }
             }
             Ok(msg @ Control::JoinOp { .. }) => {
-                let tx = shared.table().join_events.clone();
-                if let Some(tx) = tx {
+                // In join(), join() takes part; else the process-set thread.
+                let (join, set) = {
+                    let t = shared.table();
+                    (t.join_events.clone(), t.set_events.clone())
+                };
+                if let Some(tx) = join {
                     let _ = tx.send(msg);
+                } else if let Some(tx) = set {
+                    if tx.try_send(msg).is_err() {
+                        shared.set_failure(format!(
+                            "over {JOIN_QUEUE} operations of process sets wait for this worker's zeros"
+                        ));
+                        return;
+                    }
                 }
             }
             Ok(Control::JoinDone { last }) => {

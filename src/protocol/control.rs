@@ -246,6 +246,16 @@ pub enum Control {
     JoinDone {
         last: u32,
     },
+    /// An operation of a process set (as in `JoinOp`): the workers `to`,
+    /// outside the set, take part with zeros.
+    SetOp {
+        to: Vec<u32>,
+        name: String,
+        numel: u64,
+        dtype: DType,
+        flags: u16,
+        round: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -368,6 +378,7 @@ impl Control {
             Control::Joined { .. } => MsgType::Joined,
             Control::JoinOp { .. } => MsgType::JoinOp,
             Control::JoinDone { .. } => MsgType::JoinDone,
+            Control::SetOp { .. } => MsgType::SetOp,
         }
     }
 
@@ -426,6 +437,13 @@ impl Control {
                 w.u32(*last);
             }
             Control::JoinOp { name, numel, dtype, flags, round } => {
+                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round);
+            }
+            Control::SetOp { to, name, numel, dtype, flags, round } => {
+                w.u32(to.len() as u32);
+                for r in to {
+                    w.u32(*r);
+                }
                 w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round);
             }
             Control::ServiceJoin(j) => {
@@ -657,6 +675,15 @@ impl Control {
                 let dtype = get_dtype(&mut r)?;
                 let flags = r.u16("flags")?;
                 Control::JoinOp { name, numel, dtype, flags, round: r.u32("round")? }
+            }
+            MsgType::SetOp => {
+                let n = r.count("to", 4)?;
+                let to = (0..n).map(|_| r.u32("rank")).collect::<Result<Vec<u32>, _>>()?;
+                let name = r.str("name")?;
+                let numel = r.u64("numel")?;
+                let dtype = get_dtype(&mut r)?;
+                let flags = r.u16("flags")?;
+                Control::SetOp { to, name, numel, dtype, flags, round: r.u32("round")? }
             }
             MsgType::StatusReply => Control::StatusReply { json: r.str("json")? },
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),

@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 9;
+pub const VERSION: u8 = 10;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -82,6 +82,7 @@ msg_types! {
     Joined = 42, "scheduler -> workers: a worker joined; announce your operations in flight and to come (JoinOp)";
     JoinOp = 43, "worker -> scheduler -> joined workers: an operation (name, size, dtype, flags, round) a joined worker must push zeros for";
     JoinDone = 44, "scheduler -> workers: every worker joined (payload: the last one); all go on";
+    SetOp = 45, "worker -> scheduler: an operation of a process set, for the workers outside it (listed) to push zeros for; forwarded to them as JoinOp";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -7,7 +7,8 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 44] = [
+const ALL_MSG_TYPES: [MsgType; 45] = [
+    MsgType::SetOp,
     MsgType::Join,
     MsgType::Joined,
     MsgType::JoinOp,
@@ -263,6 +264,15 @@ fn sample_controls() -> Vec<Control> {
         Control::JoinDone { last: u32::MAX },
         Control::JoinOp { name: "grad.fc1.weight".into(), numel: 1 << 40, dtype: DType::BF16, flags: 3, round: 7 },
         Control::JoinOp { name: String::new(), numel: 0, dtype: DType::I64, flags: 0, round: 0 },
+        Control::SetOp {
+            to: vec![0, 2, u32::MAX],
+            name: "ps1.x".into(),
+            numel: 9,
+            dtype: DType::F16,
+            flags: 0,
+            round: 1,
+        },
+        Control::SetOp { to: vec![], name: String::new(), numel: 0, dtype: DType::F64, flags: 0x8000, round: 0 },
         Control::Error { message: "scheduler: job namespace mismatch — bye 👋".into() },
         Control::Error { message: String::new() },
     ]

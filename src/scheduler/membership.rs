@@ -356,6 +356,27 @@ pub(super) fn forward_join_op(shared: &Shared, st: &mut State, op: Control) {
     }
 }
 
+/// An operation of a process set, announced by the set's first member:
+/// the workers `to`, outside the set, push zeros for it (sent as a
+/// `JoinOp`). Returns why the announcement is invalid, if it is.
+pub(super) fn forward_set_op(shared: &Shared, st: &State, from: u32, op: Control) -> Result<(), String> {
+    let Control::SetOp { to, name, numel, dtype, flags, round } = op else { return Ok(()) };
+    let n = shared.cfg.num_workers;
+    let mut seen = HashSet::new();
+    if let Some(bad) = to.iter().find(|&&r| r >= n || r == from || !seen.insert(r)) {
+        return Err(format!(
+            "worker {from} announced '{name}' of a process set to worker {bad}, which is out of range, \
+             itself or listed twice (the job has {n} workers)"
+        ));
+    }
+    let msg = Control::JoinOp { name, numel, dtype, flags, round };
+    // One that left is not waited for: the announcer's op fails on its PeerLeft.
+    for m in st.members.iter().filter(|m| m.role == Role::Worker && seen.contains(&m.rank)) {
+        m.send(&msg, shared.cfg.namespace);
+    }
+    Ok(())
+}
+
 pub(super) fn say_goodbye(shared: &Shared, st: &mut State, rank: u32) {
     st.said_goodbye.insert(rank);
     let done = st.finished || st.failed.is_some();

@@ -403,6 +403,13 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
             Ok(Control::JoinOp { name, numel, dtype, flags, round }) if me.role == Role::Worker => {
                 membership::forward_join_op(shared, &mut st, Control::JoinOp { name, numel, dtype, flags, round })
             }
+            Ok(op @ Control::SetOp { .. }) if me.role == Role::Worker => {
+                if let Err(reason) = membership::forward_set_op(shared, &st, me.rank, op) {
+                    me.send(&Control::Error { message: reason.clone() }, ns);
+                    shared.fail(&mut st, Some(me), reason);
+                    return;
+                }
+            }
             Ok(Control::Release { keys }) if me.role == Role::Worker => {
                 if let Err(reason) = release(shared, &mut st, me.rank, keys) {
                     me.send(&Control::Error { message: reason.clone() }, ns);

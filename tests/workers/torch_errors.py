@@ -33,7 +33,7 @@ expect(ValueError, "only supported with op=Average",
        lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0))
 expect(ValueError, "must be positive", lambda: hvd.DistributedOptimizer(sgd, gradient_predivide_factor=0.0))
 expect(ValueError, "Average or Sum", lambda: hvd.DistributedOptimizer(sgd, op=hvd.Max))
-expect(NotImplementedError, "process sets", lambda: hvd.DistributedOptimizer(sgd, process_set=object()))
+expect(TypeError, "ProcessSet", lambda: hvd.DistributedOptimizer(sgd, process_set=object()))
 expect(ValueError, "num_groups", lambda: hvd.DistributedOptimizer(sgd, num_groups=-1))
 expect(ValueError, "does not have", lambda: hvd.DistributedOptimizer(sgd, groups=[[torch.nn.Parameter(torch.ones(1))]]))
 expect(ValueError, "more than one", lambda: hvd.DistributedOptimizer(sgd, groups=[[lin.weight], [lin.weight]]))

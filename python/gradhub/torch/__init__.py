@@ -9,6 +9,8 @@ Three ways to use it:
 
 from __future__ import annotations
 
+import torch
+
 from .. import GradhubError, GradhubTimeoutError
 from ..api import barrier as _barrier
 from ..api import cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size
@@ -60,13 +62,17 @@ from .exchange import (
     sparse_allreduce_async,
 )
 from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, _check_set, add_process_set, global_process_set, remove_process_set
+from .process_sets import ProcessSet, _reset, _resolve, _setup, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
 
-def init(*args, **kwargs):
-    """Join the job (see gradhub.init)."""
+def init(*args, process_sets=None, **kwargs):
+    """Join the job (see gradhub.init). `process_sets`: as in Horovod, a list
+    of ProcessSets (or rank lists) to register at once, on every worker, or
+    "dynamic" (accepted; add_process_set always works)."""
     _init(*args, **kwargs)
+    _reset()
+    _setup(process_sets)
 
 
 def join(device: int = -1) -> int:
@@ -77,9 +83,13 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set=None):
-    """Block until every worker has entered the barrier."""
-    _check_set(process_set)
-    _barrier()
+    """Block until every worker (of `process_set`) has entered the barrier."""
+    ps = _resolve(process_set)
+    if ps._is_global():
+        _barrier()
+        return
+    # A set's barrier: a sum of one element over its members.
+    ps._push_pull_async(torch.zeros(1), ps._name(None, "barrier"), False).wait()
 
 
 # Horovod raises HorovodInternalError when a collective fails because a peer

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import api as _api
 from .. import GradhubTimeoutError
-from .ops import Average, Handle, Sum, _allgather_impl, _auto_name, _GroupHandle, _resolve_op, allreduce_async
-from .process_sets import _check_set, global_process_set
+from .compression import Compression
+from .ops import Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op
+from .process_sets import ProcessSet, _resolve, global_process_set
 
 
 # ---------------------------------------------------------------- handles
@@ -78,8 +78,7 @@ def _rows(n_rows: int, size: int) -> list[int]:
     return [n_rows // size + (1 if q < n_rows % size else 0) for q in range(size)]
 
 
-def _my_rows(t: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    r = _api.rank()
+def _my_rows(t: torch.Tensor, counts: list[int], r: int) -> torch.Tensor:
     start = sum(counts[:r])
     return t[start:start + counts[r]]
 
@@ -94,57 +93,64 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=global_proces
                         postscale_factor=1.0) -> Handle:
     """Reduce `tensor` across workers and keep this worker's rows of the
     result (dim 0 split evenly, the first workers taking one more)."""
-    _check_set(process_set)
+    ps = _resolve(process_set)
+    return _reducescatter_async(tensor, op, ps._name(name, "reducescatter"), ps, prescale_factor, postscale_factor)
+
+
+def _reducescatter_async(tensor, op, name: str, ps: ProcessSet, prescale: float, postscale: float) -> Handle:
     _check_scatter_op(op)
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    counts = _rows(tensor.shape[0], _api.size())
-    h = allreduce_async(tensor, name=name or _auto_name("reducescatter"), op=op, prescale_factor=prescale_factor,
-                        postscale_factor=postscale_factor)
+    counts, r = _rows(tensor.shape[0], ps.size()), ps.rank()
+    h = _reduce_async(tensor, name, op, 0, Compression.none, None, prescale, postscale, ps)
     finish = h._finish
-    h._finish = lambda: _my_rows(finish(), counts).clone()
+    h._finish = lambda: _my_rows(finish(), counts, r).clone()
     return h
 
 
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, name, prescale, postscale):
-        ctx.scale = prescale * postscale / (_api.size() if op is Average else 1)
-        ctx.name = name
-        return reducescatter_async(tensor, op, name, prescale_factor=prescale, postscale_factor=postscale).wait()
+    def forward(ctx, tensor, op, name, prescale, postscale, ps):
+        ctx.scale = prescale * postscale / (ps.size() if op is Average else 1)
+        ctx.name, ctx.ps = name, ps
+        return _reducescatter_async(tensor, op, name, ps, prescale, postscale).wait()
 
     @staticmethod
     def backward(ctx, grad):
         # d(my rows)/d(every worker's input rows): each worker's rows of the
         # output came from everyone's same rows, scaled.
-        g = _allgather_impl(grad.contiguous(), f"{ctx.name}.grad")[0]
-        return g * ctx.scale, None, None, None, None
+        g = _allgather_impl(grad.contiguous(), f"{ctx.name}.grad", ctx.ps)[0]
+        return g * ctx.scale, None, None, None, None, None
 
 
 def reducescatter(tensor, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
                   postscale_factor=1.0):
-    _check_set(process_set)
-    name = name or _auto_name("reducescatter")
+    ps = _resolve(process_set)
+    name = ps._name(name, "reducescatter")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _ReducescatterFn.apply(tensor, _check_scatter_op(op), name, prescale_factor, postscale_factor)
-    return reducescatter_async(tensor, op, name, prescale_factor=prescale_factor,
-                               postscale_factor=postscale_factor).wait()
+        return _ReducescatterFn.apply(tensor, _check_scatter_op(op), name, prescale_factor, postscale_factor, ps)
+    return _reducescatter_async(tensor, op, name, ps, prescale_factor, postscale_factor).wait()
 
 
 def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    _check_set(process_set)
-    base = name or _auto_name("grouped_reducescatter")
-    return _GroupHandle([reducescatter_async(t, op, f"{base}.{i}", prescale_factor=prescale_factor,
-                                             postscale_factor=postscale_factor) for i, t in enumerate(tensors)],
-                        base)
+    ps = _resolve(process_set)
+    base = ps._name(name, "grouped_reducescatter")
+    return _GroupHandle([_reducescatter_async(t, op, f"{base}.{i}", ps, prescale_factor, postscale_factor)
+                         for i, t in enumerate(tensors)], base)
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
-    base = name or _auto_name("grouped_reducescatter")
-    return [reducescatter(t, op, f"{base}.{i}", process_set, prescale_factor, postscale_factor)
-            for i, t in enumerate(tensors)]
+    ps = _resolve(process_set)
+    base = ps._name(name, "grouped_reducescatter")
+    out = []
+    for i, t in enumerate(tensors):
+        n = f"{base}.{i}"
+        out.append(_ReducescatterFn.apply(t, _check_scatter_op(op), n, prescale_factor, postscale_factor, ps)
+                   if t.requires_grad and torch.is_grad_enabled() else
+                   _reducescatter_async(t, op, n, ps, prescale_factor, postscale_factor).wait())
+    return out
 
 
 # ---------------------------------------------------------------- allgather (grouped, async)
@@ -152,32 +158,33 @@ def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_pro
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
     """allgather started in the background (a size exchange, then the data)."""
-    _check_set(process_set)
-    name = name or _auto_name("allgather")
+    ps = _resolve(process_set)
+    name = ps._name(name, "allgather")
     t = tensor.detach()
-    return _ThreadHandle(lambda: _allgather_impl(t, name)[0], name)
+    return _ThreadHandle(lambda: _allgather_impl(t, name, ps)[0], name)
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
-    _check_set(process_set)
-    base = name or _auto_name("grouped_allgather")
+    ps = _resolve(process_set)
+    base = ps._name(name, "grouped_allgather")
     ts = [t.detach() for t in tensors]
-    return _ThreadHandle(lambda: [_allgather_impl(t, f"{base}.{i}")[0] for i, t in enumerate(ts)], base)
+    return _ThreadHandle(lambda: [_allgather_impl(t, f"{base}.{i}", ps)[0] for i, t in enumerate(ts)], base)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
-    from .ops import allgather
+    from .ops import _AllgatherFn
 
-    _check_set(process_set)
-    base = name or _auto_name("grouped_allgather")
-    return [allgather(t, f"{base}.{i}") for i, t in enumerate(tensors)]
+    ps = _resolve(process_set)
+    base = ps._name(name, "grouped_allgather")
+    return [_AllgatherFn.apply(t, f"{base}.{i}", ps) if t.requires_grad and torch.is_grad_enabled()
+            else _allgather_impl(t, f"{base}.{i}", ps)[0] for i, t in enumerate(tensors)]
 
 
 # ---------------------------------------------------------------- alltoall
 
 
-def _alltoall_impl(tensor: torch.Tensor, splits, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    n, r = _api.size(), _api.rank()
+def _alltoall_impl(tensor: torch.Tensor, splits, name: str, ps: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+    n, r = ps.size(), ps.rank()
     t = tensor.detach().contiguous()
     if t.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
@@ -193,8 +200,8 @@ def _alltoall_impl(tensor: torch.Tensor, splits, name: str) -> tuple[torch.Tenso
                              f"dimension, {t.shape[0]}")
     # Every worker's splits (row q: what worker q sends to each), then every
     # worker's rows, concatenated in rank order.
-    matrix = _allgather_impl(torch.tensor([send], dtype=torch.int64), f"{name}.splits")[0]
-    rows, _ = _allgather_impl(t, f"{name}.data")
+    matrix = _allgather_impl(torch.tensor([send], dtype=torch.int64), f"{name}.splits", ps)[0]
+    rows, _ = _allgather_impl(t, f"{name}.data", ps)
     out, base = [], 0
     for q in range(n):
         sent = matrix[q].tolist()
@@ -207,16 +214,16 @@ def _alltoall_impl(tensor: torch.Tensor, splits, name: str) -> tuple[torch.Tenso
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
     """alltoall in the background; `synchronize` returns (output, received splits)."""
-    _check_set(process_set)
-    name = name or _auto_name("alltoall")
-    return _ThreadHandle(lambda: _alltoall_impl(tensor, splits, name), name)
+    ps = _resolve(process_set)
+    name = ps._name(name, "alltoall")
+    return _ThreadHandle(lambda: _alltoall_impl(tensor, splits, name, ps), name)
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        out, received = _alltoall_impl(tensor, splits, name)
-        ctx.received, ctx.name = received, name
+    def forward(ctx, tensor, splits, name, ps):
+        out, received = _alltoall_impl(tensor, splits, name, ps)
+        ctx.received, ctx.name, ctx.ps = received, name, ps
         if splits is None:
             return out
         ctx.mark_non_differentiable(received)
@@ -225,8 +232,8 @@ class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         # The rows go back where they came from.
-        g, _ = _alltoall_impl(grad.contiguous(), ctx.received, f"{ctx.name}.grad")
-        return g, None, None
+        g, _ = _alltoall_impl(grad.contiguous(), ctx.received, f"{ctx.name}.grad", ctx.ps)
+        return g, None, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -234,11 +241,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     return what every worker sent here, in rank order; with `splits`, also
     the rows received from each worker. Without `splits` the first dimension
     is split evenly."""
-    _check_set(process_set)
-    name = name or _auto_name("alltoall")
+    ps = _resolve(process_set)
+    name = ps._name(name, "alltoall")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AlltoallFn.apply(tensor, splits, name)
-    out, received = _alltoall_impl(tensor, splits, name)
+        return _AlltoallFn.apply(tensor, splits, name, ps)
+    out, received = _alltoall_impl(tensor, splits, name, ps)
     return out if splits is None else (out, received)
 
 
@@ -248,19 +255,19 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
     """Horovod's sparse allreduce: every worker's indices and values,
     gathered; `synchronize` returns the sparse sum (or average), uncoalesced."""
-    _check_set(process_set)
+    ps = _resolve(process_set)
     op = _resolve_op(None, op)
     if op is not Average and op is not Sum:
         raise ValueError("sparse_allreduce_async supports op=Average or op=Sum")
     if not tensor.is_sparse:
         raise ValueError("sparse_allreduce_async takes a sparse COO tensor")
-    name = name or _auto_name("sparse_allreduce")
+    name = ps._name(name, "sparse_allreduce")
     t = tensor.detach().coalesce()
-    n = _api.size()
+    n = ps.size()
 
     def run():
-        idx = _allgather_impl(t.indices().t().contiguous(), f"{name}.indices")[0].t()
-        vals = _allgather_impl(t.values().contiguous(), f"{name}.values")[0]
+        idx = _allgather_impl(t.indices().t().contiguous(), f"{name}.indices", ps)[0].t()
+        vals = _allgather_impl(t.values().contiguous(), f"{name}.values", ps)[0]
         if op is Average:
             vals = vals / n
         return torch.sparse_coo_tensor(idx, vals, t.shape).to(tensor.device)

@@ -20,7 +20,7 @@ import torch
 
 from .. import api as _api
 from .compression import Compression
-from .process_sets import _check_set
+from .process_sets import ProcessSet, _resolve, global_process_set
 
 
 class ReduceOp:
@@ -139,9 +139,10 @@ def _check_inplace(tensor: torch.Tensor, what: str):
 
 
 def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: int, compression,
-                     inplace_target: torch.Tensor | None) -> Handle:
-    """Reduce `tensor`; the result is written into `inplace_target` if given,
-    else returned as a new tensor. (The DDP comm hook calls this too.)"""
+                     inplace_target: torch.Tensor | None, ps: ProcessSet = global_process_set) -> Handle:
+    """Reduce `tensor` over the process set `ps`; the result is written into
+    `inplace_target` if given, else returned as a new tensor. (The DDP comm
+    hook calls this too.)"""
     src = tensor.detach()
     comp, ctx = compression.compress(src)
     wire_cast = None
@@ -153,14 +154,19 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
     # The buffer is summed in place: never the caller's own memory unless asked.
     if buf.data_ptr() == src.data_ptr() or not buf.is_contiguous():
         buf = buf.contiguous().clone() if inplace_target is None else buf.contiguous()
-    # Integers are summed exactly; their average is rounded here.
+    # Integers are summed exactly; their average is rounded here. The
+    # servers average over every worker: a process set's is divided here.
     int_average = average and not wire.is_floating_point
-    h = _api.push_pull_async(buf, name=name, average=average and not int_average, priority=priority)
+    local_average = average and not int_average and not ps._is_global()
+    h = ps._push_pull_async(buf, name, average and not int_average and not local_average, priority)
+    n = ps.size()
 
     def finish():
         out = buf
         if int_average:
-            out = (out.double() / _api.size()).round().to(out.dtype)
+            out = (out.double() / n).round().to(out.dtype)
+        elif local_average:
+            out.div_(n)
         if wire_cast is not None:
             out = out.round().to(wire_cast) if out.is_floating_point() and not wire_cast.is_floating_point \
                 else out.to(wire_cast)
@@ -195,12 +201,12 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, prescale: float,
-                  postscale: float) -> Handle:
+                  postscale: float, ps: ProcessSet = global_process_set) -> Handle:
     """allreduce(_async)(_)'s one path: summed (averaged) on the servers, or
     gathered and reduced here (Min, Max, Product), scaled before and after."""
     if op in _GATHERED:
         t = _scaled(tensor.detach(), prescale).reshape(1, -1)
-        out = _scaled(_GATHERED[op](_allgather_impl(t, name)[0]).to(tensor.dtype), postscale).view_as(tensor)
+        out = _scaled(_GATHERED[op](_allgather_impl(t, name, ps)[0]).to(tensor.dtype), postscale).view_as(tensor)
         if inplace_target is not None:
             inplace_target.copy_(out)
             out = inplace_target
@@ -210,7 +216,7 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
         if inplace_target is not None:
             inplace_target.copy_(tensor)
             tensor = inplace_target
-    h = _push_pull_async(tensor, name, op is Average, priority, compression, inplace_target)
+    h = _push_pull_async(tensor, name, op is Average, priority, compression, inplace_target, ps)
     if postscale == 1.0:
         return h
     finish = h._finish
@@ -228,24 +234,23 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
 
 def allreduce_async(tensor, average=None, name=None, compression=Compression.none, op=None, priority=0,
                     prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> Handle:
-    _check_set(process_set)
+    ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    return _reduce_async(tensor, name or _auto_name("allreduce"), op, priority, compression, None,
-                         prescale_factor, postscale_factor)
+    return _reduce_async(tensor, ps._name(name, "allreduce"), op, priority, compression, None,
+                         prescale_factor, postscale_factor, ps)
 
 
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, compression, prescale, postscale):
-        ctx.op, ctx.compression, ctx.name, ctx.scale = op, compression, name, (prescale, postscale)
-        return allreduce_async(tensor, name=name, op=op, compression=compression, prescale_factor=prescale,
-                               postscale_factor=postscale).wait()
+    def forward(ctx, tensor, name, op, compression, prescale, postscale, ps):
+        ctx.op, ctx.compression, ctx.name, ctx.scale, ctx.ps = op, compression, name, (prescale, postscale), ps
+        return _reduce_async(tensor, name, op, 0, compression, None, prescale, postscale, ps).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=ctx.op, compression=ctx.compression,
-                            prescale_factor=ctx.scale[0], postscale_factor=ctx.scale[1])
-        return g.wait(), None, None, None, None, None
+        g = _reduce_async(grad.contiguous(), f"{ctx.name}.grad", ctx.op, 0, ctx.compression, None, ctx.scale[0],
+                          ctx.scale[1], ctx.ps)
+        return g.wait(), None, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -254,30 +259,28 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     `op`: Average, Sum, Min, Max or Product; `prescale_factor` multiplies the
     input, `postscale_factor` the result. Differentiable for Average and Sum:
     the gradient is reduced the same way."""
-    _check_set(process_set)
+    ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    name = name or _auto_name("allreduce")
+    name = ps._name(name, "allreduce")
     if tensor.requires_grad and torch.is_grad_enabled() and op not in _GATHERED:
-        return _AllreduceFn.apply(tensor, name, op, compression, prescale_factor, postscale_factor)
-    return allreduce_async(tensor, name=name, op=op, compression=compression, prescale_factor=prescale_factor,
-                           postscale_factor=postscale_factor).wait()
+        return _AllreduceFn.apply(tensor, name, op, compression, prescale_factor, postscale_factor, ps)
+    return _reduce_async(tensor, name, op, 0, compression, None, prescale_factor, postscale_factor, ps).wait()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none,
                      prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> Handle:
     """In-place allreduce; `synchronize(handle)` returns `tensor` itself."""
-    _check_set(process_set)
+    ps = _resolve(process_set)
     _check_inplace(tensor, "allreduce_")
     op = _resolve_op(average, op)
-    return _reduce_async(tensor, name or _auto_name("allreduce"), op, priority, compression, tensor,
-                         prescale_factor, postscale_factor)
+    return _reduce_async(tensor, ps._name(name, "allreduce"), op, priority, compression, tensor,
+                         prescale_factor, postscale_factor, ps)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, compression=Compression.none, prescale_factor=1.0,
                postscale_factor=1.0, process_set=None):
-    _check_set(process_set)
     return allreduce_async_(tensor, average, name, op, compression=compression, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor).wait()
+                            postscale_factor=postscale_factor, process_set=process_set).wait()
 
 
 class _GroupHandle(Handle):
@@ -307,17 +310,18 @@ class _GroupHandle(Handle):
             h.add_done_callback(one)
 
 
-def _group_names(tensors, name, kind):
-    base = name or _auto_name(kind)
+def _group_names(tensors, name, kind, ps):
+    base = ps._name(name, kind)
     return [f"{base}.{i}" for i in range(len(tensors))]
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, compression=Compression.none, op=None,
                             prescale_factor=1.0, postscale_factor=1.0, priority=0, process_set=None) -> Handle:
     """Reduce a list of tensors together; `synchronize` returns the list of results."""
-    _check_set(process_set)
-    names = _group_names(tensors, name, "grouped_allreduce")
-    return _GroupHandle([allreduce_async(t, average, n, compression, op, priority, prescale_factor, postscale_factor)
+    ps = _resolve(process_set)
+    op = _resolve_op(average, op)
+    names = _group_names(tensors, name, "grouped_allreduce", ps)
+    return _GroupHandle([_reduce_async(t, n, op, priority, compression, None, prescale_factor, postscale_factor, ps)
                          for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce")
 
 
@@ -325,12 +329,15 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0, process_set=None):
     """allreduce of each of `tensors`, started together; returns the list of results
     (differentiable like allreduce)."""
-    _check_set(process_set)
-    names = _group_names(tensors, name, "grouped_allreduce")
+    ps = _resolve(process_set)
+    op = _resolve_op(average, op)
+    names = _group_names(tensors, name, "grouped_allreduce", ps)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor)
+        return [_AllreduceFn.apply(t, n, op, compression, prescale_factor, postscale_factor, ps)
+                if op not in _GATHERED else
+                _reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps).wait()
                 for t, n in zip(tensors, names)]
-    handles = [allreduce_async(t, average, n, compression, op, 0, prescale_factor, postscale_factor)
+    handles = [_reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps)
                for t, n in zip(tensors, names)]
     return [h.wait() for h in handles]
 
@@ -338,18 +345,19 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                              priority=0, compression=Compression.none, process_set=None) -> Handle:
     """In place; `synchronize` returns the tensors themselves."""
-    _check_set(process_set)
-    names = _group_names(tensors, name, "grouped_allreduce")
-    return _GroupHandle([allreduce_async_(t, average, n, op, priority, compression, prescale_factor,
-                                          postscale_factor) for t, n in zip(tensors, names)],
-                        names[0] if names else "grouped_allreduce")
+    ps = _resolve(process_set)
+    op = _resolve_op(average, op)
+    for t in tensors:
+        _check_inplace(t, "grouped_allreduce_")
+    names = _group_names(tensors, name, "grouped_allreduce", ps)
+    return _GroupHandle([_reduce_async(t, n, op, priority, compression, t, prescale_factor, postscale_factor, ps)
+                         for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce")
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        compression=Compression.none, process_set=None):
-    _check_set(process_set)
     return grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                    compression=compression).wait()
+                                    compression=compression, process_set=process_set).wait()
 
 
 def synchronize(handle: Handle):
@@ -375,14 +383,18 @@ def _bytes_as_f32(t: torch.Tensor) -> torch.Tensor:
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> Handle:
     """Start replacing `tensor`'s value with root_rank's; out of place."""
-    _check_set(process_set)
-    return _broadcast_async(tensor, root_rank, name or _auto_name("broadcast"), None)
+    ps = _resolve(process_set)
+    return _broadcast_async(tensor, root_rank, ps._name(name, "broadcast"), None, ps)
 
 
-def _broadcast_async(tensor, root_rank, name, target) -> Handle:
-    n = _api.size()
-    if not 0 <= root_rank < n:
-        raise ValueError(f"root_rank {root_rank} is out of range for {n} workers")
+def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_process_set) -> Handle:
+    """Broadcast from `root_rank` (a worker's rank in the job, as in Horovod,
+    also with a process set) to the members of `ps`."""
+    members = ps._members()
+    if root_rank not in members:
+        raise ValueError(f"root_rank {root_rank} is out of range for {_api.size()} workers" if ps._is_global() else
+                         f"root_rank {root_rank} is not in {ps!r}")
+    n, me = len(members), ps.rank()
     src = tensor.detach()
     if src.dtype in _NATIVE:
         buf = src.contiguous().clone()
@@ -392,19 +404,19 @@ def _broadcast_async(tensor, root_rank, name, target) -> Handle:
         exact_bytes = True
     if _api.rank() != root_rank:
         buf.zero_()
-    # Every worker's root (plus one: a worker in join() adds zeros), to tell
+    # Every member's root (plus one: a worker in join() adds zeros), to tell
     # a disagreement (the data would be a sum).
     roots = torch.zeros(n, dtype=torch.int64)
-    roots[_api.rank()] = root_rank + 1
-    roots_h = _api.push_pull_async(roots, name=f"{name}.root", average=False, priority=0)
-    h = _api.push_pull_async(buf, name=name, average=False, priority=0)
+    roots[me] = root_rank + 1
+    roots_h = ps._push_pull_async(roots, f"{name}.root", False)
+    h = ps._push_pull_async(buf, name, False)
 
     def finish():
         roots_h.wait()
         if bool(((roots != root_rank + 1) & (roots != 0)).any()):
             raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
-                             + ", ".join(f"worker {q} says {int(x) - 1}" for q, x in enumerate(roots.tolist())
-                                         if x != 0))
+                             + ", ".join(f"worker {members[q]} says {int(x) - 1}"
+                                         for q, x in enumerate(roots.tolist()) if x != 0))
         if exact_bytes:
             out = buf.to(torch.uint8).view(src.dtype).reshape(src.shape)
         else:
@@ -419,46 +431,49 @@ def _broadcast_async(tensor, root_rank, name, target) -> Handle:
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank, ctx.name = root_rank, name
-        return broadcast_async(tensor, root_rank, name).wait()
+    def forward(ctx, tensor, root_rank, name, ps):
+        ctx.root_rank, ctx.name, ctx.ps = root_rank, name, ps
+        return _broadcast_async(tensor, root_rank, name, None, ps).wait()
 
     @staticmethod
     def backward(ctx, grad):
         # As Horovod: every worker's gradient, averaged, flows to the root's input only.
-        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=Average).wait()
+        g = _reduce_async(grad.contiguous(), f"{ctx.name}.grad", Average, 0, Compression.none, None, 1.0, 1.0,
+                          ctx.ps).wait()
         if _api.rank() != ctx.root_rank:
             g = torch.zeros_like(g)
-        return g, None, None
+        return g, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None):
     """Return root_rank's value of `tensor` on every worker (out of place).
     Differentiable: the root's input gets the workers' averaged gradient, the others zero."""
-    _check_set(process_set)
-    name = name or _auto_name("broadcast")
+    ps = _resolve(process_set)
+    name = ps._name(name, "broadcast")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastFn.apply(tensor, root_rank, name)
-    return broadcast_async(tensor, root_rank, name).wait()
+        return _BroadcastFn.apply(tensor, root_rank, name, ps)
+    return _broadcast_async(tensor, root_rank, name, None, ps).wait()
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
-    _check_set(process_set)
+    ps = _resolve(process_set)
     _check_inplace(tensor, "broadcast_")
-    return _broadcast_async(tensor, root_rank, name or _auto_name("broadcast"), tensor)
+    return _broadcast_async(tensor, root_rank, ps._name(name, "broadcast"), tensor, ps)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
     """Overwrite `tensor` with root_rank's value, in place."""
-    _check_set(process_set)
-    return broadcast_async_(tensor, root_rank, name).wait()
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 # ---------------------------------------------------------------- allgather
 
 
-def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list[int]]:
-    n, r = _api.size(), _api.rank()
+def _allgather_impl(tensor: torch.Tensor, name: str,
+                    ps: ProcessSet = global_process_set) -> tuple[torch.Tensor, list[int]]:
+    """Every member's `tensor` concatenated in rank order (of the set), and
+    each member's first dimension."""
+    n, r = ps.size(), ps.rank()
     t = tensor.detach().contiguous()
     if t.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension")
@@ -467,11 +482,12 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
     # shape and the dtype (a row count, and a checksum of both).
     meta = torch.zeros((n, 3), dtype=torch.int64)
     meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode())])
-    _api.push_pull(meta, name=f"{name}.counts")
+    ps._push_pull_async(meta, f"{name}.counts", False).wait()
     # A worker in join() adds a row of zeros: it has nothing to give.
     present = meta.ne(0).any(1)
     if not bool((meta[present, 1:] == meta[r, 1:]).all()):
         q = int(((meta[:, 1:] != meta[r, 1:]).any(1) & present).nonzero()[0])
+        q = ps._members()[q]
         what = (f"rows of {int(meta[q, 1])} elements, worker {r} of {row} ({tuple(t.shape[1:])})"
                 if int(meta[q, 1]) != row else f"the same row size, but worker {r}'s {tuple(t.shape[1:])} {t.dtype} "
                                                 "differs in shape or dtype")
@@ -489,7 +505,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
         buf = torch.zeros(total * row * width, dtype=torch.float32)
         buf[start * row * width:(start + t.shape[0]) * row * width] = _bytes_as_f32(t)
     # The size may differ from the last call's: then the name is a new tensor.
-    _api.push_pull(buf, name=f"{name}.data")
+    ps._push_pull_async(buf, f"{name}.data", False).wait()
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:
@@ -499,27 +515,28 @@ def _allgather_impl(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, list
 
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
-        out, counts = _allgather_impl(tensor, name)
-        ctx.counts, ctx.name = counts, name
+    def forward(ctx, tensor, name, ps):
+        out, counts = _allgather_impl(tensor, name, ps)
+        ctx.counts, ctx.name, ctx.ps = counts, name, ps
         return out
 
     @staticmethod
     def backward(ctx, grad):
         # As Horovod: the workers' gradients of the whole output, averaged; each takes its rows.
-        r = _api.rank()
-        g = allreduce_async(grad.contiguous(), name=f"{ctx.name}.grad", op=Average).wait()
+        r = ctx.ps.rank()
+        g = _reduce_async(grad.contiguous(), f"{ctx.name}.grad", Average, 0, Compression.none, None, 1.0, 1.0,
+                          ctx.ps).wait()
         start = sum(ctx.counts[:r])
-        return g[start:start + ctx.counts[r]], None
+        return g[start:start + ctx.counts[r]], None, None
 
 
 def allgather(tensor, name=None, process_set=None):
     """Concatenate every worker's `tensor` along dim 0 (first dims may differ)."""
-    _check_set(process_set)
-    name = name or _auto_name("allgather")
+    ps = _resolve(process_set)
+    name = ps._name(name, "allgather")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherFn.apply(tensor, name)
-    return _allgather_impl(tensor, name)[0]
+        return _AllgatherFn.apply(tensor, name, ps)
+    return _allgather_impl(tensor, name, ps)[0]
 
 
 # ---------------------------------------------------------------- objects and models
@@ -527,8 +544,8 @@ def allgather(tensor, name=None, process_set=None):
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, process_set=None):
     """Pickle `obj` on root_rank and return it on every worker."""
-    _check_set(process_set)
-    name = name or _auto_name("broadcast_object")
+    ps = _resolve(process_set)
+    name = ps._name(name, "broadcast_object")
     # The pickle travels as int64 words (summed exactly with the others'
     # zeros), 8 bytes a word.
     if _api.rank() == root_rank:
@@ -538,21 +555,21 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     else:
         payload = None
         size = torch.zeros(1, dtype=torch.int64)
-    size = broadcast(size, root_rank, name=f"{name}.size")
+    size = _broadcast_async(size, root_rank, f"{name}.size", None, ps).wait()
     n = int(size.item())
     if payload is None:
         payload = torch.zeros((n + 7) // 8, dtype=torch.int64)
-    data = broadcast(payload, root_rank, name=f"{name}.data")
+    data = _broadcast_async(payload, root_rank, f"{name}.data", None, ps).wait()
     return pickle.loads(data.numpy().tobytes()[:n])
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set=None) -> list:
-    """Every worker's `obj` (pickled), as a list by rank."""
-    _check_set(process_set)
-    name = name or _auto_name("allgather_object")
+    """Every worker's `obj` (pickled), as a list by rank (in the set)."""
+    ps = _resolve(process_set)
+    name = ps._name(name, "allgather_object")
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.sizes").tolist()
-    data = allgather(payload, name=f"{name}.data").numpy().tobytes()
+    sizes = _allgather_impl(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.sizes", ps)[0].tolist()
+    data = _allgather_impl(payload, f"{name}.data", ps)[0].numpy().tobytes()
     out, at = [], 0
     for s in sizes:
         out.append(pickle.loads(data[at:at + s]))
@@ -560,9 +577,10 @@ def allgather_object(obj: Any, name: str | None = None, process_set=None) -> lis
     return out
 
 
-def broadcast_parameters(params, root_rank: int = 0):
+def broadcast_parameters(params, root_rank: int = 0, process_set=None):
     """Overwrite parameters/buffers with root_rank's: a state_dict, a module's
     named_parameters(), or a list of (name, tensor)."""
+    ps = _resolve(process_set)
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
@@ -576,7 +594,7 @@ def broadcast_parameters(params, root_rank: int = 0):
         if p is None:
             continue
         t = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(_broadcast_async(t, root_rank, f"broadcast.param.{pname}", t))
+        handles.append(_broadcast_async(t, root_rank, ps._name(f"broadcast.param.{pname}", ""), t, ps))
     for h in handles:
         h.wait()
 
@@ -607,7 +625,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """Make every worker's optimizer state (hyperparameters, momentum, ...)
     root_rank's; an optimizer that has not stepped yet gets its state first,
     as in Horovod."""
-    _check_set(process_set)
+    _resolve(process_set)
     _make_state(optimizer)
-    state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state")
+    state = broadcast_object(optimizer.state_dict(), root_rank, name="broadcast.optimizer_state",
+                             process_set=process_set)
     optimizer.load_state_dict(state)

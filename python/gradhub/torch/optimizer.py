@@ -30,7 +30,7 @@ from .. import _env
 from .. import api as _api
 from .compression import Compression
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
-from .process_sets import _check_set
+from .process_sets import _resolve, global_process_set
 from .overlap import ELEMENTWISE, OverlapForward
 from .server_optimizer import OptimizerOnServer, server_unsupported
 
@@ -48,8 +48,9 @@ class _DistributedOptimizer:
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                  op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, process_set=global_process_set):
         super().__init__(params)
+        self._gh_ps = process_set
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
         self._gh_compression = compression
         self._gh_op = _resolve_op(None, op)
@@ -92,7 +93,10 @@ class _DistributedOptimizer:
         self._gh_fifo = fifo
         self._gh_own_cache: dict[int, list] = {}
         # Collective: blocks until every worker has built its optimizer.
-        _api.declare(self._gh_declarations())
+        # (Over a process set, the workers outside it declare each tensor on
+        # its first round instead, when they push zeros for it.)
+        if process_set._is_global():
+            _api.declare(self._gh_declarations())
         self._gh_hooks = []
         for p in all_params:
             if p.requires_grad:
@@ -112,7 +116,7 @@ class _DistributedOptimizer:
         return [(name, spec) for name, spec in specs if spec is not None]
 
     def _gh_push_name(self, p) -> str:
-        return f"allreduce.{self._gh_names[id(p)]}"
+        return self._gh_ps._name(f"allreduce.{self._gh_names[id(p)]}", "")
 
     def _gh_push(self, p, grad):
         """Start reducing p's gradient; returns an ops.Handle."""
@@ -120,9 +124,9 @@ class _DistributedOptimizer:
             # Horovod's split average: 1/f before the sum, f/size after.
             f = self._gh_predivide
             return _reduce_async(grad, self._gh_push_name(p), Sum, self._gh_priority(p), self._gh_compression, grad,
-                                 1.0 / f, f / _api.size())
+                                 1.0 / f, f / self._gh_ps.size(), self._gh_ps)
         return _push_pull_async(grad, self._gh_push_name(p), self._gh_op is Average, self._gh_priority(p),
-                                self._gh_compression, grad)
+                                self._gh_compression, grad, self._gh_ps)
 
     def _gh_check_gradient(self, pid: int) -> None:
         """Called when a gradient is accumulated, before it is counted."""
@@ -286,7 +290,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     with `sparse_as_dense`); `num_groups`/`groups` are checked and accepted:
     Horovod fuses a group's gradients into one message, gradhub partitions
     and schedules each gradient on its own, so grouping changes no value.
-    `process_set` is not supported. Plus two scheduling options:
+    With a `process_set`, gradients are averaged over its members only (who
+    alone build the optimizer; optimizer_on_server is then not available).
+    Plus two scheduling options:
     `overlap_forward=True` lets the next forward pass start before every
     gradient has arrived (SGD, Adam, AdamW); `optimizer_on_server=True` runs
     the update on the summation servers (SGD, AdamW; float32). Left unset,
@@ -300,7 +306,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     does), and raises if the workers' parameters differ in size or dtype."""
     if not _api.is_initialized():
         raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
-    _check_set(process_set)
+    ps = _resolve(process_set)
     if gradient_predivide_factor != 1.0 and _resolve_op(None, op) is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if gradient_predivide_factor <= 0:
@@ -316,6 +322,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         warnings.warn(f"overlap_forward is supported for {', '.join(c.__name__ for c in ELEMENTWISE)}; "
                       f"{base.__name__} falls back to the synchronous schedule", stacklevel=2)
         overlap_forward = False
+    if optimizer_on_server and not ps._is_global():
+        warnings.warn("optimizer_on_server is not available with a process set; the optimizer runs on the workers",
+                      stacklevel=2)
+        optimizer_on_server = False
     if optimizer_on_server:
         why = server_unsupported(optimizer, compression)
         if why:
@@ -331,7 +341,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                  base_cls=base, fifo=env.scheduling == "fifo", predivide=gradient_predivide_factor,
-                 sparse_as_dense=sparse_as_dense)
+                 sparse_as_dense=sparse_as_dense, process_set=ps)
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
