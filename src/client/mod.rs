@@ -857,9 +857,8 @@ impl Client {
                     return Ok((last, pushed));
                 }
                 Control::JoinOp { name, numel, dtype, flags, round } => {
-                    if self.push_zeros(&name, numel, dtype, flags, round, false)? {
-                        pushed.push(name);
-                    }
+                    let took_part = self.push_zeros(&name, numel, dtype, flags, round, false)?;
+                    pushed.extend(took_part.then_some(name));
                 }
                 _ => {}
             }
