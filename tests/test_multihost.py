@@ -129,3 +129,21 @@ def test_several_workers_per_emulated_host(hosts):
     assert "workers on this host" not in outs[4 + 1]
     # The servers expect one push per host and chunk.
     assert "4 workers on 2 hosts" in outs[1]
+
+
+def test_process_sets_across_emulated_hosts(hosts):
+    """Horovod's process sets with each set spread over two hosts (ranks 0,
+    1 on one, 2, 3 on the other; sets of even and odd ranks), started role
+    by role: every collective over a set, and each set's training, exact."""
+    sched_ns, sched_ip = hosts(0)
+    a, b, cpu = hosts(1), hosts(2), hosts(3)
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:9557", GRADHUB_NUM_WORKERS=4, GRADHUB_NUM_SERVERS=2)
+    py = sys.executable
+    procs = [in_ns(sched_ns, [py, "-m", "gradhub", "scheduler"], env)]
+    procs += [in_ns(a[0], [py, "-m", "gradhub", "server", "--colocated"], env),
+              in_ns(cpu[0], [py, "-m", "gradhub", "server"], env)]
+    for r, ns in enumerate((a[0], a[0], b[0], b[0])):
+        procs.append(in_ns(ns, [py, str(WORKERS / "torch_process_sets.py")], dict(env, GRADHUB_RANK=str(r))))
+    outs = run_all(procs, timeout=240)
+    for r in range(4):
+        assert f"PASS {r}" in outs[3 + r], outs[3 + r]

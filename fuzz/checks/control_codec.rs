@@ -98,7 +98,7 @@ impl<'a> Source<'a> {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 29 {
+    match s.u8() % 30 {
         0 => Control::Register(Register {
             role: s.role(),
             requested_rank: s.u32() as i32,
@@ -174,6 +174,14 @@ pub fn message(s: &mut Source) -> Control {
         25 => Control::Joined { rank: s.u32() },
         26 => Control::JoinDone { last: s.u32() },
         27 => Control::JoinOp { name: s.text(), numel: s.u64(), dtype: s.dtype(), flags: s.u16(), round: s.u32() },
+        28 => Control::SetOp {
+            to: s.list(8, |s| s.u32()),
+            name: s.text(),
+            numel: s.u64(),
+            dtype: s.dtype(),
+            flags: s.u16(),
+            round: s.u32(),
+        },
         _ => Control::Error { message: s.text() },
     }
 }
