@@ -16,6 +16,16 @@ def test_training_matches_single_process(model, opt, overlap):
     assert_all_passed(rc, out, 4)
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_overlap_with_parameters_used_outside_their_modules_forward(opt):
+    # Tied weights, functional calls and a custom autograd function on
+    # parameters of modules that are never called: each update is applied at
+    # the parameter's first use, so training equals single-process training.
+    cfg = {"model": "outside", "opt": opt, "overlap": True, "steps": 12}
+    rc, out = run_launch(2, 1, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 2)
+
+
 def test_overlap_with_parameter_list_containers():
     # ParameterList/ParameterDict never run forward: their parameters are
     # updated when the owning module runs.

@@ -1,7 +1,8 @@
 """Worker: train a small model with gradhub.torch on this rank's shard and
 check it against single-process training on the combined batch.
 
-Config: model (mlp|cnn|plist|embed: sparse gradients), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
+Config: model (mlp|cnn|plist|embed: sparse gradients|outside: parameters used outside their module's
+forward), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
@@ -58,10 +59,44 @@ class EmbedNet(nn.Module):
         return self.fc(self.emb((x.abs() * 10).long() % 40).mean(1))
 
 
+class _Scale(torch.autograd.Function):
+    """x * w elementwise, with its own backward (a custom autograd function)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+class OutsideNet(nn.Module):
+    """Parameters used outside the forward() of the module that owns them:
+    `enc` is never called (its weight is used functionally, and tied: its
+    transpose decodes), `gate` is never called (its parameter goes through a
+    custom autograd function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(20, 32)
+        self.gate = nn.Module()
+        self.gate.w = nn.Parameter(torch.rand(32) + 0.5)
+        self.head = nn.Linear(20, 5)
+
+    def forward(self, x):
+        h = torch.tanh(_Scale.apply(F.linear(x, self.enc.weight, self.enc.bias), self.gate.w))
+        return self.head(torch.tanh(F.linear(h, self.enc.weight.t())))
+
+
 def make_model():
     torch.manual_seed(1234)
     if model_kind == "plist":
         return PListNet()
+    if model_kind == "outside":
+        return OutsideNet()
     if model_kind == "embed":
         return EmbedNet()
     if model_kind == "mlp":

@@ -1,8 +1,11 @@
 """DistributedOptimizer(overlap_forward=True) (P3): step() does not wait.
 
 Each parameter is updated when its own reduced gradient is needed: just
-before the module that owns it runs forward again (a module pre-hook), or at
-the next step()/synchronize()/finish(). Same arithmetic as the synchronous
+before the module that owns it runs forward again (a module pre-hook), at its
+first use by any torch function during a forward pass (a parameter used
+outside its owner's forward(): a tied weight, a functional call, a custom
+autograd function; see `_FirstUse`), or at the next
+step()/synchronize()/finish(). Same arithmetic as the synchronous
 schedule, hence the same result: the update of one parameter is the wrapped
 optimizer's update restricted to it (a one-parameter optimizer of the same
 class sharing its state), with the hyperparameters as they were at step()
@@ -12,10 +15,35 @@ class sharing its state), with the hyperparameters as they were at step()
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 # Optimizers whose update of a parameter depends only on that parameter's
 # gradient and state, so parameters can be updated one at a time.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class _FirstUse(TorchFunctionMode):
+    """Active during a forward pass while updates are pending: a torch
+    function given a parameter whose update is pending applies the update
+    first. Pushed when the outermost module call starts and popped when it
+    ends (modes nest with the module calls)."""
+
+    def __init__(self, opt):
+        super().__init__()
+        self._opt = opt
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pending = self._opt._gh_pending
+        if pending:
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, (list, tuple)):  # torch.cat([...]), torch.stack, ...
+                    for b in a:
+                        if id(b) in pending:
+                            self._opt._gh_apply(b)
+                elif id(a) in pending:
+                    self._opt._gh_apply(a)
+        return func(*args, **kwargs)
 
 
 class OverlapForward:
@@ -27,14 +55,40 @@ class OverlapForward:
         self._gh_pending: dict[int, dict] = {}  # param id -> hyperparameters of its pending update
         self._gh_zero_after: set[int] = set()
         self._gh_sub: dict[int, torch.optim.Optimizer] = {}
+        self._gh_first_use = _FirstUse(self)
+        self._gh_depth = 0  # module calls under way (the mode is pushed at the outermost)
+        self._gh_mode_on = False
         super().__init__(*args, **kwargs)
+        self._gh_call_hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._gh_call_starts),
+            torch.nn.modules.module.register_module_forward_hook(self._gh_call_ends, always_call=True),
+        ]
+
+    def _gh_call_starts(self, module, inputs):
+        self._gh_depth += 1
+        if self._gh_depth == 1 and self._gh_pending and not self._gh_mode_on:
+            self._gh_first_use.__enter__()
+            self._gh_mode_on = True
+
+    def _gh_call_ends(self, module, inputs, output):
+        self._gh_depth = max(0, self._gh_depth - 1)
+        if self._gh_depth == 0 and self._gh_mode_on:
+            self._gh_mode_on = False
+            self._gh_first_use.__exit__(None, None, None)
+
+    def remove_hooks(self):
+        for h in self._gh_call_hooks:
+            h.remove()
+        self._gh_call_hooks = []
+        super().remove_hooks()
 
     def _gh_check_gradient(self, pid: int) -> None:
         if pid in self._gh_pending:
             raise RuntimeError(
                 f"gradient of '{self._gh_names[pid]}' was accumulated before its pending update was applied: "
-                f"with overlap_forward=True a parameter must be used inside the forward() of the module that "
-                f"owns it; use overlap_forward=False for this model"
+                f"with overlap_forward=True a parameter must be used inside the forward() of some module (it "
+                f"was used outside every module call, e.g. in the training loop); use overlap_forward=False "
+                f"for this model"
             )
         super()._gh_check_gradient(pid)
 
