@@ -22,27 +22,43 @@ from torch.overrides import TorchFunctionMode
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
+def _tensor_args(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):  # torch.cat([...]), torch.stack, ...
+            yield from a
+        else:
+            yield a
+
+
 class _FirstUse(TorchFunctionMode):
-    """Active during a forward pass while updates are pending: a torch
-    function given a parameter whose update is pending applies the update
-    first. Pushed when the outermost module call starts and popped when it
-    ends (modes nest with the module calls)."""
+    """Pushed when an outermost module call starts and popped when it ends
+    (modes nest with the module calls), in one of two roles:
+    - discovery (the first forward pass): note every parameter a torch
+      function is given before any module owning it was called in this pass
+      (a parameter used outside its owner's forward(): a tied weight, a
+      functional call, a custom autograd function);
+    - later, only for models that have such parameters and while one of
+      them has an update pending: a torch function given it applies the
+      update first.
+    Models without such parameters run without the mode (it costs ~10 us
+    per torch call)."""
 
     def __init__(self, opt):
         super().__init__()
         self._opt = opt
+        self.discover = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        pending = self._opt._gh_pending
-        if pending:
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, (list, tuple)):  # torch.cat([...]), torch.stack, ...
-                    for b in a:
-                        if id(b) in pending:
-                            self._opt._gh_apply(b)
-                elif id(a) in pending:
-                    self._opt._gh_apply(a)
+        opt = self._opt
+        if self.discover:
+            for a in _tensor_args(args, kwargs):
+                if id(a) in opt._gh_by_id and id(a) not in opt._gh_covered:
+                    opt._gh_outside.add(id(a))
+        elif opt._gh_pending:
+            for a in _tensor_args(args, kwargs):
+                if id(a) in opt._gh_pending:
+                    opt._gh_apply(a)
         return func(*args, **kwargs)
 
 
@@ -58,6 +74,9 @@ class OverlapForward:
         self._gh_first_use = _FirstUse(self)
         self._gh_depth = 0  # module calls under way (the mode is pushed at the outermost)
         self._gh_mode_on = False
+        self._gh_discovered = False
+        self._gh_covered: set[int] = set()  # discovery: parameters of the modules called so far
+        self._gh_outside: set[int] = set()  # parameters used before any module owning them was called
         super().__init__(*args, **kwargs)
         self._gh_call_hooks = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._gh_call_starts),
@@ -66,15 +85,25 @@ class OverlapForward:
 
     def _gh_call_starts(self, module, inputs):
         self._gh_depth += 1
-        if self._gh_depth == 1 and self._gh_pending and not self._gh_mode_on:
-            self._gh_first_use.__enter__()
-            self._gh_mode_on = True
+        mode = self._gh_first_use
+        if self._gh_depth == 1 and not self._gh_mode_on:
+            mode.discover = not self._gh_discovered
+            if mode.discover or (self._gh_outside and not self._gh_outside.isdisjoint(self._gh_pending)):
+                mode.__enter__()
+                self._gh_mode_on = True
+        if mode.discover:
+            self._gh_covered.update(id(p) for p in self._gh_module_params(module) if id(p) in self._gh_by_id)
 
     def _gh_call_ends(self, module, inputs, output):
         self._gh_depth = max(0, self._gh_depth - 1)
         if self._gh_depth == 0 and self._gh_mode_on:
             self._gh_mode_on = False
             self._gh_first_use.__exit__(None, None, None)
+            # Discovery ends with the first call that used this optimizer's
+            # parameters (not, say, a loss module called first).
+            if self._gh_first_use.discover and (self._gh_covered or self._gh_outside):
+                self._gh_discovered, self._gh_first_use.discover = True, False
+                self._gh_covered = set()
 
     def remove_hooks(self):
         for h in self._gh_call_hooks:
