@@ -26,6 +26,29 @@ def test_overlap_with_parameters_used_outside_their_modules_forward(opt):
     assert_all_passed(rc, out, 2)
 
 
+@pytest.mark.parametrize("model,opt,sfb,overlap,passes", [
+    ("fc", "sgd", "force", False, 1), ("fc", "adamw", "force", False, 1), ("fc", "sgd", "force", True, 1),
+    ("fc", "sgd", "force", False, 2), ("mlp", "sgd", "auto", False, 1), ("cnn", "sgd", "force", False, 1)])
+def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap, passes):
+    # 4 workers; weights exchanged as factors (rebuilt on every worker) give
+    # the single-process parameters. fc: 3-D input, a layer called twice, a
+    # frozen one, and a tied one that must fall back to the servers (said once).
+    cfg = {"model": model, "opt": opt, "sfb": sfb, "overlap": overlap, "passes": passes, "steps": 10}
+    if model == "fc":
+        cfg["sfb_layers"] = ["fc1.weight", "shared.weight", "out.weight"]
+    elif model == "mlp":
+        # auto, 2 rows a worker: 8 x (64 + 20) < 64 x 20 and 8 x (32 + 64) < 32 x 64 go as factors,
+        # 8 x (5 + 32) > 5 x 32 through the servers.
+        cfg.update(batch=2, sfb_layers=["0.weight", "2.weight"])
+    else:
+        cfg["sfb_layers"] = ["6.weight", "8.weight"]
+    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 4)
+    if model == "fc":
+        assert out.count("'tied.weight' goes through the servers") == 4, out[-3000:]
+        assert f"sufficient factors: 'fc1.weight' (48 x 10, {64 * passes} rows over the workers): factors (forced)" in out
+
+
 def test_overlap_with_parameter_list_containers():
     # ParameterList/ParameterDict never run forward: their parameters are
     # updated when the owning module runs.

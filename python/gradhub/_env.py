@@ -295,6 +295,7 @@ class TorchOptions:
     overlap_forward: bool
     optimizer_on_server: bool
     scheduling: str                # priority or fifo
+    sfb: str                       # sufficient factors: auto, off or force
 
 
 def torch_options() -> TorchOptions:
@@ -303,4 +304,5 @@ def torch_options() -> TorchOptions:
         overlap_forward=get_flag("GRADHUB_OVERLAP_FORWARD"),
         optimizer_on_server=get_flag("GRADHUB_OPTIMIZER_ON_SERVER"),
         scheduling=get_choice("GRADHUB_SCHEDULING", ("priority", "fifo"), "priority"),
+        sfb=get_choice("GRADHUB_SFB", ("auto", "off", "force"), "auto"),
     )

@@ -4,7 +4,7 @@ check it against single-process training on the combined batch.
 Config: model (mlp|cnn|plist|embed: sparse gradients|outside: parameters used outside their module's
 forward), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
-sparse_as_dense (bool),
+sparse_as_dense (bool), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile).
 """
@@ -91,8 +91,33 @@ class OutsideNet(nn.Module):
         return self.head(torch.tanh(F.linear(h, self.enc.weight.t())))
 
 
+class FcNet(nn.Module):
+    """Fully-connected layers in every case sufficient factors must handle:
+    3-D input (rows = batch x positions), a layer called twice per forward,
+    a frozen layer, a weight also used outside its layer (not the sum of its
+    factors: it must go through the servers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 48)
+        self.shared = nn.Linear(48, 48)
+        self.frozen = nn.Linear(48, 48)
+        self.frozen.requires_grad_(False)
+        self.tied = nn.Linear(48, 24)
+        self.out = nn.Linear(24, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x.view(x.shape[0], 2, 10))).mean(1)
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))
+        h = self.frozen(h)
+        h = torch.tanh(self.tied(h)) + 0.1 * F.linear(h, self.tied.weight)
+        return self.out(h)
+
+
 def make_model():
     torch.manual_seed(1234)
+    if model_kind == "fc":
+        return FcNet()
     if model_kind == "plist":
         return PListNet()
     if model_kind == "outside":
@@ -152,7 +177,8 @@ model = make_model()
 opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=model.named_parameters(),
                                compression=compression, backward_passes_per_step=passes, overlap_forward=overlap,
                                optimizer_on_server=server, gradient_predivide_factor=CONFIG.get("predivide", 1.0),
-                               sparse_as_dense=CONFIG.get("sparse_as_dense", False))
+                               sparse_as_dense=CONFIG.get("sparse_as_dense", False),
+                               sufficient_factors=CONFIG.get("sfb"))
 assert opt._gh_server == server
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -189,6 +215,9 @@ for s in range(steps):
 if hasattr(opt, "finish"):
     opt.finish()
 
+if "sfb_layers" in CONFIG:
+    chosen = sorted(opt._gh_names[pid] for pid in opt._gh_sfb.chosen)
+    assert chosen == sorted(CONFIG["sfb_layers"]), chosen
 if overlap and opt_kind != "none":
     assert deferred == steps - 1, f"updates were applied in {deferred} of {steps - 1} forward passes"
 worst = 0.0

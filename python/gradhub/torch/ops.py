@@ -469,8 +469,8 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 # ---------------------------------------------------------------- allgather
 
 
-def _allgather_impl(tensor: torch.Tensor, name: str,
-                    ps: ProcessSet = global_process_set) -> tuple[torch.Tensor, list[int]]:
+def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set,
+                    priority: int = 0) -> tuple[torch.Tensor, list[int]]:
     """Every member's `tensor` concatenated in rank order (of the set), and
     each member's first dimension."""
     n, r = ps.size(), ps.rank()
@@ -482,7 +482,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str,
     # shape and the dtype (a row count, and a checksum of both).
     meta = torch.zeros((n, 3), dtype=torch.int64)
     meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode())])
-    ps._push_pull_async(meta, f"{name}.counts", False).wait()
+    ps._push_pull_async(meta, f"{name}.counts", False, priority).wait()
     # A worker in join() adds a row of zeros: it has nothing to give.
     present = meta.ne(0).any(1)
     if not bool((meta[present, 1:] == meta[r, 1:]).all()):
@@ -505,7 +505,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str,
         buf = torch.zeros(total * row * width, dtype=torch.float32)
         buf[start * row * width:(start + t.shape[0]) * row * width] = _bytes_as_f32(t)
     # The size may differ from the last call's: then the name is a new tensor.
-    ps._push_pull_async(buf, f"{name}.data", False).wait()
+    ps._push_pull_async(buf, f"{name}.data", False, priority).wait()
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:

@@ -31,6 +31,7 @@ from .. import api as _api
 from .compression import Compression
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
 from .process_sets import _resolve, global_process_set
+from .sufficient_factors import SufficientFactors
 from .overlap import ELEMENTWISE, OverlapForward
 from .server_optimizer import OptimizerOnServer, server_unsupported
 
@@ -48,7 +49,7 @@ class _DistributedOptimizer:
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                  op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
-                 sparse_as_dense: bool = False, process_set=global_process_set):
+                 sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off"):
         super().__init__(params)
         self._gh_ps = process_set
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
@@ -102,6 +103,7 @@ class _DistributedOptimizer:
             if p.requires_grad:
                 self._gh_hooks.append(p.register_post_accumulate_grad_hook(self._gh_make_hook(p)))
         self._gh_fwd_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._gh_forward_pre_hook)
+        self._gh_sfb = SufficientFactors(self, sfb) if sfb != "off" and not self._gh_server else None
 
     # -------------------------------------------------------------- extension points of the modes
 
@@ -211,7 +213,8 @@ class _DistributedOptimizer:
             grad = p.grad = grad.to_dense()
             if not self._gh_sparse_as_dense:
                 self._gh_sparse.append(p)
-        self._gh_handles[id(p)] = self._gh_push(p, grad)
+        h = self._gh_sfb.start(p, self._gh_priority(p)) if self._gh_sfb is not None else None
+        self._gh_handles[id(p)] = h if h is not None else self._gh_push(p, grad)
 
     # -------------------------------------------------------------- Horovod API
 
@@ -233,6 +236,8 @@ class _DistributedOptimizer:
         for p in self._gh_sparse:
             p.grad = p.grad.to_sparse()
         self._gh_sparse.clear()
+        if self._gh_sfb is not None:
+            self._gh_sfb.decide()
         done = list(self._gh_handles)
         self._gh_handles.clear()
         self._gh_synchronized = True
@@ -275,13 +280,15 @@ class _DistributedOptimizer:
             h.remove()
         self._gh_fwd_hook.remove()
         self._gh_hooks = []
+        if self._gh_sfb is not None:
+            self._gh_sfb.remove()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, overlap_forward: bool | None = None,
-                         optimizer_on_server: bool | None = None):
+                         optimizer_on_server: bool | None = None, sufficient_factors: str | None = None):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
 
     Same signature as Horovod's: `gradient_predivide_factor` f splits the
@@ -292,7 +299,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     and schedules each gradient on its own, so grouping changes no value.
     With a `process_set`, gradients are averaged over its members only (who
     alone build the optimizer; optimizer_on_server is then not available).
-    Plus two scheduling options:
+    Plus three gradhub options: `sufficient_factors` ("auto", "force" or
+    "off"; default GRADHUB_SFB, else auto) exchanges the weight gradients of
+    `nn.Linear` layers as Poseidon's sufficient factors where that moves fewer
+    bytes (see torch/sufficient_factors.py), and two scheduling options:
     `overlap_forward=True` lets the next forward pass start before every
     gradient has arrived (SGD, Adam, AdamW); `optimizer_on_server=True` runs
     the update on the summation servers (SGD, AdamW; float32). Left unset,
@@ -341,11 +351,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                  base_cls=base, fifo=env.scheduling == "fifo", predivide=gradient_predivide_factor,
-                 sparse_as_dense=sparse_as_dense, process_set=ps)
+                 sparse_as_dense=sparse_as_dense, process_set=ps,
+                 sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors))
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
     return opt
+
+
+def _check_sfb(mode: str) -> str:
+    if mode not in ("auto", "force", "off"):
+        raise ValueError(f"sufficient_factors must be 'auto', 'force' or 'off', not {mode!r}")
+    return mode
 
 
 def _check_groups(optimizer, num_groups, groups) -> None:

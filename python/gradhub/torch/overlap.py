@@ -175,6 +175,8 @@ class OverlapForward:
                 # Snapshot the hyperparameters: an LR scheduler may step before the update runs.
                 group = self._gh_group_of(self._gh_by_id[pid])
                 self._gh_pending[pid] = {k: v for k, v in group.items() if k != "params"}
+            if self._gh_sfb is not None:
+                self._gh_sfb.decide()
             return None
         # With a closure (or under skip_synchronize): the synchronous schedule.
         if not self._gh_skip_sync:

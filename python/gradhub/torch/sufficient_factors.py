@@ -1,0 +1,194 @@
+"""Poseidon's sufficient-factor broadcasting (SFB) for `nn.Linear` weights.
+
+The weight gradient of a fully-connected layer over a batch of K rows is
+G^T X, with G (K x M) the gradient at the layer's output and X (K x N) its
+input. When the workers' rows times (M + N) is less than M x N, exchanging
+the factors moves fewer bytes than the gradient: every worker gathers every
+worker's [G | X] (an allgather through the servers) and rebuilds the
+averaged gradient locally with one matmul. The bias and every other
+parameter go through the servers as before.
+
+The choice per layer (Poseidon's BestScheme, restated for how gradhub moves
+bytes): each worker's link carries M x N values each way for the servers'
+sum, and (total rows of all workers) x (M + N) each way for the factors'
+allgather (built on sums, so every worker receives every row). Factors win
+when the second is smaller. `GRADHUB_SFB` (or `DistributedOptimizer(
+sufficient_factors=)`): auto (that rule), force (every layer where factors
+are exact), off.
+
+How, step by step:
+- Module hooks note each call's input and output gradient for every
+  `nn.Linear` whose weight the optimizer holds (several calls per forward,
+  and several backward passes per step, add rows).
+- The first step goes through the servers for every layer; meanwhile each
+  worker checks that the weight's gradient equals the sum of its factors (it
+  does not when the weight is also used elsewhere: tied, a functional call,
+  a gradient hook). Then one collective decision: a layer is exchanged as
+  factors only if every worker saw it and found it exact, and the rule
+  picks it (the log says each layer's choice and the bytes predicted).
+  A layer left to the servers by the check is reported once.
+- Later steps: the weight's handle gathers the factors (on a thread of its
+  own, at the weight's priority) and, when waited for, writes the rebuilt
+  average into `.grad` (plus whatever `.grad` held before the step, as the
+  servers' sum would).
+The decision is made with the first step's batch size; it is not revisited
+when the batch size changes (the exchange stays exact either way).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+
+class _Layer:
+    """One weight's factors since its last exchange."""
+
+    __slots__ = ("out_features", "in_features", "xs", "gs", "prev")
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.xs: list[torch.Tensor] = []
+        self.gs: list[list] = []  # one slot per call, filled by the output's gradient hook
+        self.prev = None  # the weight's .grad before the first call since the last exchange
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # A call whose output got no gradient contributed nothing.
+        return [(g[0], x) for x, g in zip(self.xs, self.gs) if g[0] is not None]
+
+    def clear(self) -> None:
+        self.xs, self.gs, self.prev = [], [], None
+
+
+class SufficientFactors:
+    """A DistributedOptimizer's sufficient factors (see the module's doc)."""
+
+    def __init__(self, opt, mode: str):
+        self.opt = opt
+        self.force = mode == "force"
+        self.layers: dict[int, _Layer] = {}
+        self.chosen: set[int] = set()
+        self.decided = False
+        self.inexact: set[int] = set()
+        self.rows: dict[int, int] = {}
+        self.hook = torch.nn.modules.module.register_module_forward_hook(self._after_forward)
+
+    def remove(self) -> None:
+        self.hook.remove()
+
+    def _after_forward(self, module, inputs, output):
+        if not isinstance(module, torch.nn.Linear) or not inputs or not torch.is_grad_enabled():
+            return
+        w = module.weight
+        if id(w) not in self.opt._gh_by_id or not w.requires_grad or (self.decided and id(w) not in self.chosen):
+            return
+        x = inputs[0]
+        if not isinstance(output, torch.Tensor) or not output.requires_grad or not isinstance(x, torch.Tensor):
+            return
+        layer = self.layers.get(id(w))
+        if layer is None:
+            layer = self.layers[id(w)] = _Layer(w)
+        if not layer.xs:
+            layer.prev = None if w.grad is None else w.grad.detach().clone()
+        slot = [None]
+        layer.xs.append(x.detach().reshape(-1, layer.in_features))
+        layer.gs.append(slot)
+        m = layer.out_features
+
+        def keep(g, slot=slot):
+            slot[0] = g.detach().reshape(-1, m)
+
+        output.register_hook(keep)
+
+    def start(self, p, priority: int):
+        """The handle exchanging p's gradient as factors, or None for the servers."""
+        layer = self.layers.get(id(p))
+        if not self.decided:
+            if layer is not None:
+                self._check(p, layer)
+            return None
+        if id(p) not in self.chosen:
+            return None
+        from .exchange import _ThreadHandle
+        from .ops import Average, Handle, _allgather_impl
+
+        m, n = layer.out_features, layer.in_features
+        pairs = layer.pairs()
+        factors = (torch.cat([torch.cat([g.float(), x.float()], 1) for g, x in pairs]) if pairs
+                   else torch.zeros(0, m + n))
+        prev = layer.prev
+        layer.clear()
+        opt, ps = self.opt, self.opt._gh_ps
+        name = f"{opt._gh_push_name(p)}.sfb"
+        gathered = _ThreadHandle(lambda: _allgather_impl(factors, name, ps, priority)[0], name)
+        divisor = ps.size() if opt._gh_op is Average else 1
+
+        def rebuild():
+            f = gathered.wait()
+            g = f[:, :m].t() @ f[:, m:]
+            if divisor != 1:
+                g /= divisor
+            if prev is not None:
+                g += prev
+            if p.grad is None:
+                p.grad = g.to(p.dtype)
+            else:
+                p.grad.copy_(g)
+            return p.grad
+
+        return Handle(gathered, rebuild, name)
+
+    def _check(self, p, layer: _Layer) -> None:
+        """First step: is p's gradient the sum of its factors here?"""
+        pairs = layer.pairs()
+        got = p.grad.detach().float()
+        if layer.prev is not None:
+            got = got - layer.prev.float()
+        local = sum((g.float().t() @ x.float() for g, x in pairs), torch.zeros_like(got))
+        if not torch.allclose(local, got, rtol=1e-3, atol=1e-5 * (1.0 + float(got.abs().max()))):
+            self.inexact.add(id(p))
+        self.rows[id(p)] = sum(x.shape[0] for _, x in pairs)
+        layer.clear()
+
+    def decide(self) -> None:
+        """After the first step, on every worker at the same point: choose
+        the layers exchanged as factors (one small collective)."""
+        if self.decided:
+            return
+        self.decided = True
+        opt = self.opt
+        ps = opt._gh_ps
+        params = [p for p in opt._gh_params if p.requires_grad]
+        # Per parameter: a veto (not a factor candidate here), and this worker's rows.
+        votes = torch.zeros(2 * len(params), dtype=torch.int64)
+        for i, p in enumerate(params):
+            votes[2 * i] = 0 if id(p) in self.rows and id(p) not in self.inexact else 1
+            votes[2 * i + 1] = self.rows.get(id(p), 0)
+        ps._push_pull_async(votes, ps._name(None, "sfb.decide"), False).wait()
+        for i, p in enumerate(params):
+            layer = self.layers.get(id(p))
+            if layer is None:
+                continue
+            name = opt._gh_names[id(p)]
+            if int(votes[2 * i]) != 0:
+                if id(p) in self.rows:
+                    warnings.warn(f"sufficient factors: '{name}' goes through the servers: its gradient is not the "
+                                  f"sum of its layer's factors on every worker (a tied weight, a functional use or "
+                                  f"a gradient hook)", stacklevel=3)
+                continue
+            m, n = layer.out_features, layer.in_features
+            rows = int(votes[2 * i + 1])
+            factor_values, server_values = rows * (m + n), m * n
+            use = self.force or factor_values < server_values
+            if ps.rank() == 0:  # the choice is the same everywhere: said once
+                print(f"[gradhub worker] sufficient factors: '{name}' ({m} x {n}, {rows} rows over the workers): "
+                      f"{'factors' if use else 'servers'}{' (forced)' if self.force and use else ''}; per worker "
+                      f"and step each way, factors {factor_values * 4 / 1024:.1f} KiB vs servers "
+                      f"{server_values * p.element_size() / 1024:.1f} KiB", file=sys.stderr, flush=True)
+            if use:
+                self.chosen.add(id(p))
+        for pid in list(self.layers):
+            if pid not in self.chosen:
+                del self.layers[pid]
