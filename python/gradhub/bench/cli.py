@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iters", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
+    t.add_argument("--fc-faithful", action="store_true",
+                   help="the profile's fully-connected layers are real nn.Linear modules (scaled width), so "
+                        "sufficient factors (variants sfb/nosfb; auto by default) move real factors")
     t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server; nohost = host stage off, noshm = owners reach their own host's server over TCP instead of shared memory, nofailover = no failover nor replicas of the server optimizer)")
     _add_compare_args(t)
     g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
@@ -217,7 +220,8 @@ def gradhub_host_bytes(layout: Layout, model_bytes: float, host_reduce: bool) ->
 def cmd_train(args) -> int:
     layout = _layout(args)
     prof = profiles.get(args.model)
-    cfg = {"model": args.model, "scale": args.scale, "iters": args.iters, "warmup": args.warmup}
+    cfg = {"model": args.model, "scale": args.scale, "iters": args.iters, "warmup": args.warmup,
+           "fc": args.fc_faithful}
     partition = max(4096, int(256 * 1024 / args.scale))
     W = args.workers_per_host
     print(f"{prof.name}: {prof.num_params / 1e6:.1f} M params ({prof.num_params * 4 / 1e6 / args.scale:.1f} MB "
@@ -266,7 +270,10 @@ def cmd_train(args) -> int:
         print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
               f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
               f"{cores if cores is not None else float('nan'):6.2f} {ratio}{_host_cols(res, theory)}"
-              f"{_check(res, label)}{_server_lines(res, s_theory) if system == 'gradhub' else ''}", flush=True)
+              f"{_check(res, label)}{_server_lines(res, s_theory) if system == 'gradhub' else ''}"
+              + (f"\n  {res['sfb_layers']} layer(s) as sufficient factors; rebuilding their gradients took "
+                 f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else ""),
+              flush=True)
         res.update(kind="train", label=label, model=args.model, scale=args.scale, variant=v,
                    host_reduce=host_reduce, host_bytes_theory=theory, server_bytes_theory=s_theory,
                    workers_per_host=W,

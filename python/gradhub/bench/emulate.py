@@ -13,6 +13,14 @@ Scale equivalence: every byte count is divided by `scale` (parameters, DDP
 buckets, gradhub partitions), so a run at rate R behaves like the full model
 at rate scale x R; compute times are not scaled.
 
+FC-faithful mode (`fc` in the config): the profile's fully-connected layers
+are real `nn.Linear` modules, each dimension and the batch's rows divided by
+sqrt(scale), so both a weight gradient (M x N) and its sufficient factors
+(rows x (M + N)) shrink by `scale`, as every other byte count does. Real
+activations flow through them and real gradients come out (their compute is
+still slept); a sufficient-factor exchange moves real factors and rebuilds
+real gradients, whose CPU time is reported (`sfb_rebuild_s`, per iteration).
+
 Config (JSON in GH_BENCH): model, scale, iters, warmup, system, rank, world,
 ddp_addr, and optionally host, local_rank, local_size, netdev (the host's
 shaped interface, whose byte counters are read at the start of the first
@@ -81,25 +89,44 @@ class SleepLayer(nn.Module):
 
 
 class EmulatedModel(nn.Module):
-    def __init__(self, profile, scale: float):
+    def __init__(self, profile, scale: float, fc: bool = False):
         super().__init__()
         times = profile.compute_times()
-        self.layers = nn.ModuleList(
-            SleepLayer([math.ceil(n / scale) for n in layer.params], f, b)
-            for layer, (f, b) in zip(profile.layers, times)
-        )
+        root = math.sqrt(scale)
+        self.rows = max(1, round(profile.batch / root))
+        layers, self.inputs = [], {}
+        for i, (layer, (f, b)) in enumerate(zip(profile.layers, times)):
+            if fc and layer.linear:
+                fin, fout = (max(1, round(d / root)) for d in layer.linear)
+                layers.append(nn.Sequential(SleepLayer([], f, b), nn.Linear(fin, fout)))
+                self.inputs[i] = fin
+            else:
+                layers.append(SleepLayer([math.ceil(n / scale) for n in layer.params], f, b))
+        self.layers = nn.ModuleList(layers)
+        # Fixed inputs of a run of FC layers, scaled by the chain's value.
+        self.feats = nn.ParameterDict({str(i): nn.Parameter(torch.randn(self.rows, fin) * 0.1, requires_grad=False)
+                                       for i, fin in self.inputs.items()})
 
     def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.sum()
+        h = None
+        for i, layer in enumerate(self.layers):
+            if i in self.inputs:
+                if h is None or h.shape[1] != self.inputs[i]:
+                    h = self.feats[str(i)] * x
+                h = torch.tanh(layer(h))
+            else:
+                if h is not None:
+                    x, h = x + 1e-3 * h.mean(), None
+                x = layer(x)
+        return x.sum() + (1e-3 * h.sum() if h is not None else 0)
 
 
 def param_error(model: nn.Module, steps: int) -> float:
-    """Largest relative deviation of any parameter from what `steps` SGD
-    steps on the averaged gradient give. Every worker's gradient is 1e-6
-    everywhere, so the average is too: a wrong sum (a worker counted twice or
-    not at all, a stale or misplaced chunk) shows up here."""
+    """Largest relative deviation of any emulated layer's parameter from what
+    `steps` SGD steps on the averaged gradient give. Every worker's gradient
+    is 1e-6 everywhere, so the average is too: a wrong sum (a worker counted
+    twice or not at all, a stale or misplaced chunk) shows up here. (The real
+    FC layers of the FC-faithful mode have real gradients: not checked.)"""
     ref = torch.zeros(1, requires_grad=True)
     o = torch.optim.SGD([ref], lr=1e-3, momentum=0.9)
     for _ in range(steps):
@@ -107,7 +134,8 @@ def param_error(model: nn.Module, steps: int) -> float:
         o.step()
     want = float(ref.detach()[0])
     with torch.no_grad():
-        worst = max(float((p.detach() - want).abs().max()) for p in model.parameters())
+        worst = max(float((p.detach() - want).abs().max())
+                    for m in model.modules() if isinstance(m, SleepLayer) for p in m.parameters())
     return worst / abs(want)
 
 
@@ -116,7 +144,7 @@ def main():
     torch.set_num_threads(1)
     profile = get_profile(cfg["model"])
     scale = float(cfg.get("scale", 1))
-    model = EmulatedModel(profile, scale)
+    model = EmulatedModel(profile, scale, bool(cfg.get("fc")))
     system = cfg["system"]
     rank, world = cfg.get("rank", 0), cfg.get("world", 1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -172,10 +200,14 @@ def main():
         "iter_times": times,
         "t_start": t_start, "t_end": t_end,
         "host": cfg.get("host"), "local_rank": cfg.get("local_rank", 0), "local_size": cfg.get("local_size", 1),
-        "params_scaled": sum(p.numel() for p in model.parameters()),
+        "params_scaled": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "options": {k: os.environ.get(k) for k in ("GRADHUB_OVERLAP_FORWARD", "GRADHUB_OPTIMIZER_ON_SERVER",
                                                    "GRADHUB_SCHEDULING", "GRADHUB_HOST_REDUCE") if os.environ.get(k)},
     }
+    sfb = getattr(opt, "_gh_sfb", None)
+    if sfb is not None:
+        res["sfb_layers"] = len(sfb.chosen)
+        res["sfb_rebuild_s"] = sfb.rebuild_seconds / max(1, steps - 1)
     if net0 and net1:
         res["net"] = {"tx0": net0[0], "rx0": net0[1], "tx1": net1[0], "rx1": net1[1]}
     res["param_error"] = param_error(model, steps)

@@ -24,6 +24,7 @@ class Layer:
     name: str
     params: list[int]          # parameter tensors (element counts) owned by this layer
     flops: float               # forward FLOPs for one batch
+    linear: tuple[int, int] | None = None  # (in, out) features of a fully-connected layer
 
 
 @dataclass
@@ -73,7 +74,8 @@ class _CNN:
         return self
 
     def linear(self, name, fin, fout, bias=True):
-        self.layers.append(Layer(name, [fout * fin] + ([fout] if bias else []), 2.0 * fin * fout * self.batch))
+        self.layers.append(Layer(name, [fout * fin] + ([fout] if bias else []), 2.0 * fin * fout * self.batch,
+                                 linear=(fin, fout)))
         return self
 
 

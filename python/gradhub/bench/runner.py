@@ -34,6 +34,9 @@ VARIANTS = {
     # Failover off (read by the scheduler), and with it the replicas of the
     # server optimizer's state: "server" vs "server+nofailover" is their cost.
     "nofailover": {"GRADHUB_FAILOVER": "0"},
+    # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
+    "nosfb": {"GRADHUB_SFB": "off"},
+    "sfb": {"GRADHUB_SFB": "force"},
 }
 
 
@@ -163,6 +166,9 @@ def summarize(results: list[dict]) -> dict:
         out["goodput_Bps"] = r0["bytes"] / out["iter_time_mean"]
     if "params_scaled" in r0:
         out["model_bytes"] = r0["params_scaled"] * 4
+    if "sfb_layers" in r0:
+        out["sfb_layers"] = r0["sfb_layers"]
+        out["sfb_rebuild_ms"] = 1e3 * max(r["sfb_rebuild_s"] for r in results)
     errs = [r[k] for r in results for k in ("param_error", "sum_error") if r.get(k) is not None]
     if errs:
         out["result_error"] = max(errs)   # relative deviation of the synchronized values from the exact ones

@@ -38,6 +38,7 @@ when the batch size changes (the exchange stays exact either way).
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 
 import torch
@@ -73,6 +74,7 @@ class SufficientFactors:
         self.decided = False
         self.inexact: set[int] = set()
         self.rows: dict[int, int] = {}
+        self.rebuild_seconds = 0.0  # worker CPU time spent rebuilding gradients from factors
         self.hook = torch.nn.modules.module.register_module_forward_hook(self._after_forward)
 
     def remove(self) -> None:
@@ -127,6 +129,7 @@ class SufficientFactors:
 
         def rebuild():
             f = gathered.wait()
+            t0 = time.perf_counter()
             g = f[:, :m].t() @ f[:, m:]
             if divisor != 1:
                 g /= divisor
@@ -136,6 +139,7 @@ class SufficientFactors:
                 p.grad = g.to(p.dtype)
             else:
                 p.grad.copy_(g)
+            self.rebuild_seconds += time.perf_counter() - t0
             return p.grad
 
         return Handle(gathered, rebuild, name)
