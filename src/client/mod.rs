@@ -905,8 +905,8 @@ impl Client {
             .and_then(|n| n.checked_mul(dtype.size()))
             .ok_or_else(|| ClientError::Failed(format!("'{name}' is too large")))?;
         let mut zeros = vec![0u8; bytes];
-        // SAFETY: `zeros` is kept in `ops` (its heap buffer does not move)
-        // until the op has completed.
+        // SAFETY: `zeros` is kept in `zero_pushes` (its heap buffer does not
+        // move) until the op has completed.
         let op = unsafe { self.push_pull(zeros.as_mut_ptr(), bytes, dtype, name, flags, 0, None)? };
         if background {
             let mut t = self.shared.table();
