@@ -27,8 +27,8 @@ def test_overlap_with_parameters_used_outside_their_modules_forward(opt):
 
 
 @pytest.mark.parametrize("model,opt,sfb,overlap,passes", [
-    ("fc", "sgd", "force", False, 1), ("fc", "adamw", "force", False, 1), ("fc", "sgd", "force", True, 1),
-    ("fc", "sgd", "force", False, 2), ("mlp", "sgd", "auto", False, 1), ("cnn", "sgd", "force", False, 1)])
+    ("fc", "sgd", "force", True, 1), ("fc", "adamw", "force", False, 2), ("mlp", "sgd", "auto", False, 1),
+    ("cnn", "sgd", "force", False, 1)])
 def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap, passes):
     # 4 workers; weights exchanged as factors (rebuilt on every worker) give
     # the single-process parameters. fc: 3-D input, a layer called twice, a
@@ -132,7 +132,7 @@ def test_join_without_the_host_stage():
     assert_all_passed(rc, out, 3)
 
 
-@pytest.mark.parametrize("workers,host_stage", [(2, "1"), (3, "1"), (4, "1"), (3, "0")])
+@pytest.mark.parametrize("workers,host_stage", [(2, "1"), (4, "1"), (3, "0")])
 def test_process_sets_reduce_over_their_members_while_the_others_push_zeros(workers, host_stage):
     rc, out = run_launch(workers, 2, "torch_process_sets.py", env={"GRADHUB_HOST_REDUCE": host_stage})
     assert_all_passed(rc, out, workers)
