@@ -44,9 +44,24 @@ def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap
         cfg["sfb_layers"] = ["6.weight", "8.weight"]
     rc, out = run_launch(4, 2, "torch_train.py", cfg)
     assert_all_passed(rc, out, 4)
+    assert "goes back to the servers" not in out
     if model == "fc":
         assert out.count("'tied.weight' goes through the servers") == 4, out[-3000:]
         assert f"sufficient factors: 'fc1.weight' (48 x 10, {64 * passes} rows over the workers): factors (forced)" in out
+
+
+def test_sufficient_factors_go_back_to_the_servers_when_the_batch_grows():
+    # auto at 2 rows a worker takes factors for two layers; from step 4 on
+    # the batch is 8 times larger, which makes both cost more than their
+    # gradients: they go back to the servers, every worker at once, and
+    # training still equals single-process training.
+    cfg = {"model": "mlp", "opt": "sgd", "sfb": "auto", "batch": 2, "grow": 8, "grow_at": 4, "steps": 8,
+           "sfb_layers": []}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 4)
+    assert out.count("8 rows over the workers): factors;") == 2, out[-3000:]
+    for layer in ("0.weight", "2.weight"):
+        assert f"'{layer}' goes back to the servers: 64 rows" in out, out[-3000:]
 
 
 def test_overlap_with_parameter_list_containers():

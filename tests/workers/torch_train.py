@@ -140,10 +140,15 @@ def make_opt(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
 
 
+def rows(step):
+    """Each worker's batch at this step (config grow: times this from step grow_at on)."""
+    return per_worker * (CONFIG.get("grow", 1) if step >= CONFIG.get("grow_at", 1 << 30) else 1)
+
+
 def batch(step):
     """The combined batch of all workers for this step (same on every rank)."""
     g = torch.Generator().manual_seed(1000 + step)
-    total = per_worker * n
+    total = rows(step) * n
     x = torch.randn(total, 1, 8, 8, generator=g) if model_kind == "cnn" else torch.randn(total, 20, generator=g)
     y = torch.randint(0, 5, (total,), generator=g)
     return x, y
@@ -190,7 +195,8 @@ for s in range(steps):
     opt.zero_grad()
     for k in range(passes):
         x, y = batch(s * passes + k)
-        xs, ys = x[r * per_worker:(r + 1) * per_worker], y[r * per_worker:(r + 1) * per_worker]
+        b = rows(s * passes + k)
+        xs, ys = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
         before = first.detach().clone()
         out = model(xs)
         # With overlap_forward, step() only schedules updates: the first layer

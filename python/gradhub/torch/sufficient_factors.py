@@ -31,8 +31,10 @@ How, step by step:
   own, at the weight's priority) and, when waited for, writes the rebuilt
   average into `.grad` (plus whatever `.grad` held before the step, as the
   servers' sum would).
-The decision is made with the first step's batch size; it is not revisited
-when the batch size changes (the exchange stays exact either way).
+The decision is made with the first step's batch size. Every exchange shows
+every worker's rows, so a layer whose batch grows past the rule goes back to
+the servers from the next step (on every worker at once); one that left the
+factors, or started on the servers, does not come back.
 """
 
 from __future__ import annotations
@@ -124,11 +126,12 @@ class SufficientFactors:
         layer.clear()
         opt, ps = self.opt, self.opt._gh_ps
         name = f"{opt._gh_push_name(p)}.sfb"
-        gathered = _ThreadHandle(lambda: _allgather_impl(factors, name, ps, priority)[0], name)
+        gathered = _ThreadHandle(lambda: _allgather_impl(factors, name, ps, priority), name)
         divisor = ps.size() if opt._gh_op is Average else 1
 
         def rebuild():
-            f = gathered.wait()
+            f, counts = gathered.wait()
+            self._recheck(p, sum(counts), m, n)
             t0 = time.perf_counter()
             g = f[:, :m].t() @ f[:, m:]
             if divisor != 1:
@@ -143,6 +146,19 @@ class SufficientFactors:
             return p.grad
 
         return Handle(gathered, rebuild, name)
+
+    def _recheck(self, p, rows: int, m: int, n: int) -> None:
+        """Every worker sees every worker's rows in each exchange: when the
+        batch grew so much that the gradient costs less than its factors,
+        `auto` moves the layer back to the servers from the next step, on
+        every worker at once."""
+        if self.force or rows * (m + n) < m * n or id(p) not in self.chosen:
+            return
+        self.chosen.discard(id(p))
+        self.layers.pop(id(p), None)
+        if self.opt._gh_ps.rank() == 0:
+            print(f"[gradhub worker] sufficient factors: '{self.opt._gh_names[id(p)]}' goes back to the servers: "
+                  f"{rows} rows over the workers x ({m} + {n}) >= {m} x {n}", file=sys.stderr, flush=True)
 
     def _check(self, p, layer: _Layer) -> None:
         """First step: is p's gradient the sum of its factors here?"""
