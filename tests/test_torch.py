@@ -50,6 +50,18 @@ def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap
         assert f"sufficient factors: 'fc1.weight' (48 x 10, {64 * passes} rows over the workers): factors (forced)" in out
 
 
+def test_sufficient_factors_under_bfloat16_autocast():
+    # The layers multiply bfloat16 inputs: their factors are taken in
+    # bfloat16 too, the exactness check allows for autograd's 16-bit sums,
+    # and the tied layer still falls back. Loss curve as single-process
+    # training under the same autocast.
+    cfg = {"model": "fc", "opt": "adamw", "sfb": "force", "autocast": True, "steps": 10, "loss_tol": 0.01,
+           "sfb_layers": ["fc1.weight", "shared.weight", "out.weight"]}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 4)
+    assert out.count("'tied.weight' goes through the servers") == 4, out[-3000:]
+
+
 def test_sufficient_factors_go_back_to_the_servers_when_the_batch_grows():
     # auto at 2 rows a worker takes factors for two layers; from step 4 on
     # the batch is 8 times larger, which makes both cost more than their

@@ -4,7 +4,7 @@ check it against single-process training on the combined batch.
 Config: model (mlp|cnn|plist|embed: sparse gradients|outside: parameters used outside their module's
 forward), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
-sparse_as_dense (bool), sfb (auto|force|off: sufficient factors for nn.Linear weights),
+sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile).
 """
@@ -170,7 +170,8 @@ for s in range(steps):
     ref_opt.zero_grad()
     for k in range(passes):
         x, y = batch(s * passes + k)
-        loss = F.cross_entropy(ref(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=CONFIG.get("autocast", False)):
+            loss = F.cross_entropy(ref(x).float(), y)
         loss.backward()
     ref_losses.append(loss.item())
     ref_opt.step()
@@ -198,7 +199,8 @@ for s in range(steps):
         b = rows(s * passes + k)
         xs, ys = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
         before = first.detach().clone()
-        out = model(xs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=CONFIG.get("autocast", False)):
+            out = model(xs).float()
         # With overlap_forward, step() only schedules updates: the first layer
         # changes during the forward pass, not before.
         deferred += int(k == 0 and s > 0 and not torch.equal(before, first.detach()))
