@@ -23,6 +23,17 @@ def test_help_texts():
             assert w in out.stdout, (cmd, w)
 
 
+def test_timeline_merge_refuses_what_is_not_a_timeline(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    old = tmp_path / "old.json"
+    old.write_text('[\n{"name": "process_name", "ph": "M", "pid": 0, "args": {}},\n')
+    for f, why in ((bad, "Expecting value"), (old, "no clock event"), (tmp_path / "missing.json", "No such file")):
+        out = gh("timeline", "merge", str(tmp_path / "out.json"), str(f))
+        assert out.returncode == 2 and why in out.stderr, out.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_missing_settings_are_reported():
     out = gh("server")
     assert out.returncode == 2 and "--scheduler" in out.stderr

@@ -143,8 +143,8 @@ def test_sparse_gradients_train_like_one_process(dense):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_horovod_names_beyond_allreduce(workers):
-    rc, out = run_launch(workers, 2, "torch_horovod_names.py")
+def test_horovod_names_beyond_allreduce(workers, tmp_path):
+    rc, out = run_launch(workers, 2, "torch_horovod_names.py", env={"GH_TIMELINE_DIR": str(tmp_path)})
     assert_all_passed(rc, out, workers)
 
 
@@ -178,10 +178,11 @@ def test_exchange_collectives_reducescatter_alltoall_grouped_sparse(workers):
 
 
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]], ids=["2+2", "3+1"])
-def test_cross_rank_and_size_follow_the_hosts(cluster_factory, hosts):
+def test_cross_rank_and_size_follow_the_hosts(cluster_factory, hosts, tmp_path):
     c = cluster_factory(len(hosts), 1)
     for w, h in enumerate(hosts):
-        c.start_worker(w, "torch_horovod_names.py", {"hosts": hosts}, GRADHUB_HOST_ID=f"cross-{h}")
+        c.start_worker(w, "torch_horovod_names.py", {"hosts": hosts}, GRADHUB_HOST_ID=f"cross-{h}",
+                       GH_TIMELINE_DIR=str(tmp_path))
     for w in range(len(hosts)):
         assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
         assert f"PASS {w}" in c.log(f"worker{w}")

@@ -7,6 +7,7 @@ environment describes a job for all roles. Servers never import torch.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from . import _env, roles
@@ -194,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--scheduler", default=venv.scheduler, help="the service's host:port (GRADHUB_SCHEDULER)")
     stp.add_argument("--json", action="store_true", help="print the report as JSON")
     stp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the service (default 10)")
+    tl = sub.add_parser(
+        "timeline", help="merge workers' timelines into one trace",
+        description="gradhub timeline merge OUT FILE...: the timelines of several workers (GRADHUB_TIMELINE "
+        "with {rank} in the path) in one Chrome/Perfetto trace, on one clock.")
+    tl.add_argument("action", choices=["merge"])
+    tl.add_argument("out", help="the merged trace to write")
+    tl.add_argument("files", nargs="+", help="the workers' timeline files")
     sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
                    "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
                    add_help=False)
@@ -284,6 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 2
+    if args.cmd == "timeline":
+        from . import timeline
+
+        try:
+            events = timeline.merge(args.files)
+        except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+            print(f"gradhub timeline: {e}", file=sys.stderr)
+            return 2
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(events, f)
+        print(f"gradhub timeline: {len(events)} events from {len(args.files)} files in {args.out}")
+        return 0
     if args.cmd in ("token", "status"):
         try:
             return _token(args) if args.cmd == "token" else _status(args)

@@ -5,7 +5,11 @@ One row per tensor name; each operation is a complete event from the call to
 its result (or failure), with its size, dtype and priority. Every gradhub
 and gradhub.torch operation goes through `api.push_pull_async`, so the
 timeline sees all of them (an allgather as its size exchange and its data).
-As in Horovod, only worker 0 writes it; `mark_cycles` is accepted and
+As in Horovod, only worker 0 writes it, unless the path contains `{rank}`:
+then every worker writes its own file (`/tmp/tl.{rank}.json`), and
+`gradhub timeline merge OUT FILES...` puts them in one trace on one clock
+(each file records the wall-clock time of its start; across hosts the
+merge is as good as their clocks' agreement). `mark_cycles` is accepted and
 ignored (gradhub has no negotiation cycles).
 """
 
@@ -32,6 +36,8 @@ class Timeline:
         self._t0 = time.perf_counter()
         self._pid = pid
         self._write({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"gradhub worker {pid}"}})
+        # Where this file's clock starts, for `merge`.
+        self._write({"name": "clock", "ph": "M", "pid": pid, "args": {"unix_us": time.time() * 1e6}})
 
     def _write(self, event: dict) -> None:
         # One event per line; Chrome's viewer accepts the array unterminated,
@@ -79,12 +85,15 @@ class Timeline:
 
 
 def start(path: str, rank: int) -> None:
-    """Start writing the timeline to `path` (worker 0 only, as Horovod)."""
+    """Start writing the timeline to `path` (worker 0 only, as Horovod; every
+    worker to its own file if the path contains `{rank}`)."""
     global _active
-    if rank != 0:
-        return
     if not path:
         raise ValueError("start_timeline needs a file path")
+    if "{rank}" in path:
+        path = path.replace("{rank}", str(rank))
+    elif rank != 0:
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with _lock:
         if _active is not None:
@@ -102,3 +111,37 @@ def stop() -> None:
 
 def active() -> Timeline | None:
     return _active
+
+
+def read(path: str) -> list[dict]:
+    """The events of a timeline file (closed or not: a worker that died
+    leaves the array unterminated)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    events = json.loads(text)
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: not a timeline (a JSON array of trace events)")
+    return events
+
+
+def merge(paths: list[str]) -> list[dict]:
+    """The events of several workers' timelines on one clock: each file's
+    times are shifted by its start's wall-clock time (its `clock` event)
+    relative to the earliest start."""
+    files = []
+    for p in paths:
+        events = read(p)
+        clock = next((e for e in events if e.get("ph") == "M" and e.get("name") == "clock"), None)
+        if clock is None:
+            raise ValueError(f"{p}: no clock event (written by a gradhub older than `timeline merge`)")
+        files.append((float(clock["args"]["unix_us"]), events))
+    t0 = min(start for start, _ in files)
+    out = []
+    for start, events in files:
+        for e in events:
+            if "ts" in e:
+                e = dict(e, ts=round(e["ts"] + start - t0, 1))
+            out.append(e)
+    return out

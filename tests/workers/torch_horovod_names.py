@@ -119,5 +119,25 @@ if r == 0:
 else:
     assert not os.path.exists(path), "only worker 0 writes the timeline"
 
+# With {rank} in the path every worker writes its own; `gradhub timeline
+# merge` puts them on one clock.
+shared_dir = os.environ["GH_TIMELINE_DIR"]
+hvd.start_timeline(os.path.join(shared_dir, "tl.{rank}.json"))
+hvd.allreduce(torch.ones(100), name="tl.each")
+hvd.stop_timeline()
+hvd.barrier()
+if r == 0:
+    import subprocess  # noqa: E402
+    import sys  # noqa: E402
+
+    files = [os.path.join(shared_dir, f"tl.{q}.json") for q in range(n)]
+    merged = os.path.join(shared_dir, "merged.json")
+    subprocess.run([sys.executable, "-m", "gradhub", "timeline", "merge", merged, *files], check=True)
+    events = json.load(open(merged))
+    ops = [e for e in events if e["ph"] == "X"]
+    assert sorted(e["pid"] for e in ops) == list(range(n)), ops
+    # One clock: every worker's operation overlaps the others' (it needs them all).
+    assert max(e["ts"] for e in ops) < min(e["ts"] + e["dur"] for e in ops), ops
+
 print("PASS", r, flush=True)
 hvd.shutdown()
