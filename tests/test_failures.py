@@ -52,6 +52,24 @@ def test_worker_killed_is_reported_to_the_others(cluster_factory, tmp_path):
     assert c.procs["server0"].wait(timeout=20) == 1
 
 
+def test_a_process_set_member_killed_is_reported_to_members_and_non_members(cluster_factory):
+    # Roles started one by one. Worker 2 is outside the set [0, 1]: its
+    # process-set thread pushes zeros for the set's rounds while it waits in a
+    # global barrier. Killing worker 1 must reach worker 0 and worker 2.
+    c = cluster_factory(3, 1)
+    for w in range(3):
+        c.start_worker(w, "set_member_dies.py")
+    c.wait_for("worker1", "READY")
+    c.wait_for("worker2", "WAITING")
+    c.procs["worker1"].send_signal(signal.SIGKILL)
+    for w in (0, 2):
+        line = wait_line(c, f"worker{w}", "RAISED", timeout=20)
+        assert "worker 1" in line, line
+        assert c.procs[f"worker{w}"].wait(timeout=20) == 3
+    assert c.procs["scheduler"].wait(timeout=20) == 1
+    assert c.procs["server0"].wait(timeout=20) == 1
+
+
 @pytest.mark.parametrize("how", ["exception", "shutdown"])
 def test_a_worker_that_fails_is_not_a_worker_that_finished(cluster_factory, tmp_path, how):
     # An unhandled exception, or shutdown() with an operation in flight, used to

@@ -157,8 +157,9 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
     # Integers are summed exactly; their average is rounded here. The
     # servers average over every worker: a process set's is divided here.
     int_average = average and not wire.is_floating_point
-    local_average = average and not int_average and not ps._is_global()
-    h = ps._push_pull_async(buf, name, average and not int_average and not local_average, priority)
+    server_average = average and wire.is_floating_point and ps._is_global()
+    local_average = average and wire.is_floating_point and not server_average
+    h = ps._push_pull_async(buf, name, server_average, priority)
     n = ps.size()
 
     def finish():
@@ -261,10 +262,14 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     the gradient is reduced the same way."""
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    name = ps._name(name, "allreduce")
+    return _allreduce(tensor, ps._name(name, "allreduce"), op, compression, prescale_factor, postscale_factor, ps)
+
+
+def _allreduce(tensor, name, op, compression, prescale, postscale, ps):
+    """allreduce under its final name: through autograd when it is differentiable."""
     if tensor.requires_grad and torch.is_grad_enabled() and op not in _GATHERED:
-        return _AllreduceFn.apply(tensor, name, op, compression, prescale_factor, postscale_factor, ps)
-    return _reduce_async(tensor, name, op, 0, compression, None, prescale_factor, postscale_factor, ps).wait()
+        return _AllreduceFn.apply(tensor, name, op, compression, prescale, postscale, ps)
+    return _reduce_async(tensor, name, op, 0, compression, None, prescale, postscale, ps).wait()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none,
@@ -333,9 +338,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     op = _resolve_op(average, op)
     names = _group_names(tensors, name, "grouped_allreduce", ps)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [_AllreduceFn.apply(t, n, op, compression, prescale_factor, postscale_factor, ps)
-                if op not in _GATHERED else
-                _reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps).wait()
+        return [_allreduce(t, n, op, compression, prescale_factor, postscale_factor, ps)
                 for t, n in zip(tensors, names)]
     handles = [_reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps)
                for t, n in zip(tensors, names)]

@@ -45,6 +45,9 @@ import warnings
 
 import torch
 
+from .exchange import _ThreadHandle
+from .ops import Average, Handle, _allgather_impl
+
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -121,9 +124,6 @@ class SufficientFactors:
             return None
         if id(p) not in self.chosen:
             return None
-        from .exchange import _ThreadHandle
-        from .ops import Average, Handle, _allgather_impl
-
         m, n = layer.out_features, layer.in_features
         pairs = layer.pairs()
         factors = (torch.cat([torch.cat([g.float(), x.float()], 1) for g, x in pairs]) if pairs
