@@ -53,6 +53,10 @@ pub struct Placer {
     replicas: bool,
     /// Slots of servers that were lost: never placed on again.
     lost: Vec<bool>,
+    /// By slot: its server is colocated with workers; and the machines that
+    /// push (for the weights when a server joins).
+    colocated: Vec<bool>,
+    pushing: usize,
 }
 
 impl Placer {
@@ -61,17 +65,119 @@ impl Placer {
         let sw = server_weights(&colocated, num_workers);
         let mut slots = Vec::new();
         let mut weight = Vec::new();
+        let mut coloc = Vec::new();
         for (s, w) in servers.iter().zip(sw) {
             let t = s.ports.len().max(1);
             for thread in 0..t {
                 slots.push(Slot { server: s.rank, thread: thread as u32 });
                 weight.push(w / t as f64);
+                coloc.push(s.colocated);
             }
         }
         let load = vec![0; slots.len()];
         let replica_load = vec![0; slots.len()];
         let lost = vec![false; slots.len()];
-        Placer { slots, weight, load, replica_load, replicas: false, lost }
+        Placer { slots, weight, load, replica_load, replicas: false, lost, colocated: coloc, pushing: num_workers }
+    }
+
+    /// Server `s` joined the running job: its threads become the next
+    /// slots (a joining server's rank is above every other's, so slot
+    /// numbering stays server by server), and every live server's weight
+    /// follows the new split (one more CPU-only server changes k).
+    pub fn add_server(&mut self, s: &ServerInfo) {
+        let t = s.ports.len().max(1);
+        for thread in 0..t {
+            self.slots.push(Slot { server: s.rank, thread: thread as u32 });
+            self.colocated.push(s.colocated);
+            self.load.push(0);
+            self.replica_load.push(0);
+            self.lost.push(false);
+            self.weight.push(0.0);
+        }
+        // Live servers in slot order, each with its thread count.
+        let mut live: Vec<(u32, bool, usize)> = Vec::new();
+        for (i, sl) in self.slots.iter().enumerate() {
+            if self.lost[i] {
+                continue;
+            }
+            match live.last_mut() {
+                Some(l) if l.0 == sl.server => l.2 += 1,
+                _ => live.push((sl.server, self.colocated[i], 1)),
+            }
+        }
+        let sw = server_weights(&live.iter().map(|l| l.1).collect::<Vec<_>>(), self.pushing);
+        for (i, sl) in self.slots.iter().enumerate() {
+            if let Some(j) = live.iter().position(|l| l.0 == sl.server).filter(|_| !self.lost[i]) {
+                self.weight[i] = sw[j] / live[j].2 as f64;
+            }
+        }
+    }
+
+    /// Move chunks of the placed `specs` onto server `to` (just added)
+    /// until it carries its weighted share: each chunk, largest first, moves
+    /// if that lowers the highest load over weight of the two slots
+    /// involved. Replicas stay: none is on the new server yet, so none is
+    /// on its chunk's server after a move. Returns the indices of the
+    /// specs that changed.
+    pub fn rebalance_onto(&mut self, to: u32, specs: &mut [&mut crate::protocol::TensorSpec]) -> Vec<usize> {
+        let targets: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].server == to).collect();
+        let mut order: Vec<(u64, usize, usize)> = Vec::new();
+        for (si, spec) in specs.iter().enumerate() {
+            for c in 0..spec.num_chunks() {
+                order.push((spec.chunk_bytes(c) as u64, si, c));
+            }
+        }
+        // Largest first; ties in (tensor, chunk) order, so every run agrees.
+        order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let cost = |p: &Placer, i: usize, l: u64| {
+            if p.weight[i] > 0.0 {
+                l as f64 / p.weight[i]
+            } else if l == 0 {
+                0.0
+            } else {
+                f64::INFINITY
+            }
+        };
+        let mut changed = vec![false; specs.len()];
+        for (b, si, c) in order {
+            let from = specs[si].slots[c] as usize;
+            if from >= self.slots.len() || targets.contains(&from) {
+                continue;
+            }
+            let Some(&to_slot) = targets.iter().min_by(|&&x, &&y| {
+                cost(self, x, self.load[x] + b).total_cmp(&cost(self, y, self.load[y] + b)).then(x.cmp(&y))
+            }) else {
+                return Vec::new();
+            };
+            let before = cost(self, from, self.load[from]).max(cost(self, to_slot, self.load[to_slot]));
+            let after = cost(self, from, self.load[from] - b.min(self.load[from])).max(cost(
+                self,
+                to_slot,
+                self.load[to_slot] + b,
+            ));
+            if after >= before {
+                continue;
+            }
+            self.load[from] = self.load[from].saturating_sub(b);
+            self.load[to_slot] += b;
+            specs[si].slots[c] = to_slot as u32;
+            changed[si] = true;
+        }
+        (0..specs.len()).filter(|&i| changed[i]).collect()
+    }
+
+    /// Chunk `c` of `spec` stays on slot `slot` after all (its server kept
+    /// it: see `scheduler::failover::take_in`): its load goes back.
+    pub fn keep(&mut self, spec: &mut crate::protocol::TensorSpec, c: usize, slot: u32) {
+        let b = spec.chunk_bytes(c) as u64;
+        let now = spec.slots[c] as usize;
+        if let Some(l) = self.load.get_mut(now) {
+            *l = l.saturating_sub(b);
+        }
+        if let Some(l) = self.load.get_mut(slot as usize) {
+            *l += b;
+        }
+        spec.slots[c] = slot;
     }
 
     /// Give every chunk a replica on another server (when there is one).

@@ -6,6 +6,7 @@ server is killed (SIGKILL: its connections close) or stopped (SIGSTOP: it
 goes silent, found by the heartbeat) in the middle of the rounds."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,80 @@ def test_losing_a_server_with_optimizer_state_and_failover_off_is_a_clear_error(
         assert c.procs[f"worker{w}"].wait(timeout=60) != 0
         assert "server 1" in c.log(f"worker{w}"), c.log(f"worker{w}")
     assert c.procs["scheduler"].wait(timeout=30) == 1
+
+
+def add_server(c, name="server3"):
+    """Start one more server while the job runs (no rank: the scheduler gives it the next)."""
+    argv = [sys.executable, "-m", "gradhub", "server", "--threads", "2", "--advertise-addr", "127.0.0.1"]
+    return c._spawn(name, argv)
+
+
+def rounds_summed(log: str) -> int:
+    m = re.search(r"job complete \((\d+) chunk rounds summed", log)
+    assert m, log
+    return int(m.group(1))
+
+
+@pytest.mark.parametrize("host_reduce", ["0", "1"], ids=["sockets", "host-stage"])
+@pytest.mark.parametrize("how", ["grow", "repair"])
+def test_a_server_that_joins_takes_chunks_and_every_sum_stays_exact(cluster_factory, how, host_reduce):
+    # grow: a fourth server joins mid-rounds; repair: one of three is
+    # killed first, and the one that joins replaces it.
+    c = start(cluster_factory, "failover.py", {"steps": 40, "sleep": 0.0}, host_reduce)
+    if how == "repair":
+        lose_server(c, "kill", "STEP 5")
+        c.wait_for("scheduler", "taken over", 60)
+    c.wait_for("worker0", "STEP 10", 120)
+    add_server(c)
+    for w in range(WORKERS):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert f"PASS {w}" in c.log(f"worker{w}")
+    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+    alive = ["server0", "server2", "server3"] + (["server1"] if how == "grow" else [])
+    for s in alive:
+        assert c.procs[s].wait(timeout=30) == 0, c.log(s)
+    sched = c.log("scheduler")
+    assert "server 3 (127.0.0.1, 2 thread(s), CPU-only) joined the running job" in sched, sched
+    took = re.search(r"server 3 took over (\d+) chunk\(s\) \(0 kept", sched)
+    assert took and int(took.group(1)) > 0, sched
+    # It summed rounds of its own, while the others went on with theirs.
+    assert rounds_summed(c.log("server3")) > 0, c.log("server3")
+    for w in range(WORKERS):
+        assert "server 3 joined the job" in c.log(f"worker{w}"), c.log(f"worker{w}")
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["summation", "server-optimizer"])
+def test_training_that_gains_a_server_ends_with_the_parameters_of_one_that_did_not(cluster_factory, server):
+    # With the optimizer on the servers, chunks that hold its state stay
+    # where they are; only those without any move.
+    cfg = {"model": "mlp", "opt": "sgd", "steps": 16, "step_sleep": 0.05, "server": server}
+    c = start(cluster_factory, "torch_train.py", cfg)
+    c.wait_for("worker0", "STEP 5", 120)
+    add_server(c)
+    for w in range(WORKERS):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert f"PASS {w}" in c.log(f"worker{w}")
+    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+    assert c.procs["server3"].wait(timeout=30) == 0, c.log("server3")
+    sched = c.log("scheduler")
+    m = re.search(r"server 3 took over (\d+) chunk\(s\) \((\d+) kept", sched)
+    assert m, sched
+    if server:
+        assert int(m.group(2)) > 0, sched
+    else:
+        assert int(m.group(1)) > 0 and int(m.group(2)) == 0, sched
+
+
+def test_a_server_cannot_join_a_job_that_started_with_one(cluster_factory):
+    c = cluster_factory(2, 1)
+    for w in range(2):
+        c.start_worker(w, "failover.py", {"steps": 30, "sleep": 0.02})
+    c.wait_for("worker0", "STEP 3", 120)
+    p = add_server(c, "server1")
+    assert p.wait(timeout=60) != 0
+    assert "cannot take a server while it runs" in c.log("server1"), c.log("server1")
+    for w in range(2):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
 
 
 def test_fault_campaign_quick_mode(tmp_path):

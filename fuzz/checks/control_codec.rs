@@ -87,6 +87,15 @@ impl<'a> Source<'a> {
         };
         TensorSpec { key: self.u32(), name: self.text(), numel, dtype: self.dtype(), chunk_elems, slots, replicas }
     }
+    fn server(&mut self) -> ServerInfo {
+        ServerInfo {
+            rank: self.u32(),
+            addr: self.text(),
+            ports: self.list(4, |s| s.u16()),
+            colocated: self.bool(),
+            host: self.text(),
+        }
+    }
     fn role(&mut self) -> Role {
         if self.bool() {
             Role::Server
@@ -98,7 +107,7 @@ impl<'a> Source<'a> {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 30 {
+    match s.u8() % 33 {
         0 => Control::Register(Register {
             role: s.role(),
             requested_rank: s.u32() as i32,
@@ -114,13 +123,7 @@ pub fn message(s: &mut Source) -> Control {
         1 => {
             let (rank, num_workers, partition_bytes) = (s.u32(), s.u32(), s.u32());
             let (heartbeat_ms, stall_ms, peer_timeout_ms) = (s.u32(), s.u32(), s.u32());
-            let servers = s.list(6, |s| ServerInfo {
-                rank: s.u32(),
-                addr: s.text(),
-                ports: s.list(4, |s| s.u16()),
-                colocated: s.bool(),
-                host: s.text(),
-            });
+            let servers = s.list(6, |s| s.server());
             let worker_hosts = s.list(8, |s| s.text());
             let worker_local_ranks = worker_hosts.iter().map(|_| s.u32()).collect();
             Control::Welcome(Welcome {
@@ -136,6 +139,7 @@ pub fn message(s: &mut Source) -> Control {
                 job_id: s.u64(),
                 host_reduce: s.bool(),
                 failover: s.bool(),
+                late: s.bool(),
             })
         }
         2 => Control::Declare {
@@ -182,6 +186,9 @@ pub fn message(s: &mut Source) -> Control {
             flags: s.u16(),
             round: s.u32(),
         },
+        29 => Control::ServerJoined { server: s.server() },
+        30 => Control::ServerMove { batch: s.u32(), specs: s.list(4, |s| s.spec()) },
+        31 => Control::ServerMoveAck { batch: s.u32(), kept: s.list(8, |s| (s.u32(), s.u32())) },
         _ => Control::Error { message: s.text() },
     }
 }

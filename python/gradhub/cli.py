@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one summation server",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a summation server: one thread per core, each owning a fixed share of the "
-        "chunks. Registers with the scheduler and exits when the job ends.",
+        "chunks. Registers with the scheduler and exits when the job ends. Started while the job runs "
+        "(a job that began with two or more servers, failover on), it joins it: the scheduler moves "
+        "its share of the chunks to it at once, and training goes on with the same sums.",
         epilog=ENV_HELP,
     )
     vp.add_argument("--scheduler", default=venv.scheduler,

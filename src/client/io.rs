@@ -48,9 +48,9 @@
 //! Locks: `ops` before a connection's `send`, never the reverse; the client's
 //! table lock is only taken inside `ops` (completing an op), never around it.
 
-use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use mio::net::TcpStream;
@@ -60,7 +60,7 @@ use super::op::Op;
 use super::{ClientError, Shared};
 use crate::host::{HostStage, Staging};
 use crate::placement::HostLayout;
-use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec};
+use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec, MAX_JOINED_SLOTS, NO_SERVER};
 use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
 pub const WAKER: Token = Token(usize::MAX);
@@ -215,6 +215,12 @@ struct SendHalf {
     /// When the connection broke (its server lost, see `scheduler::failover`):
     /// nothing is written to it any more.
     lost: Option<Instant>,
+    /// Chunks moved off this (live) server to one that joined: whatever it
+    /// still sends about them is stale and ignored.
+    moved_off: HashSet<(u32, u32)>,
+    /// Copies of pushes being written when their chunk moved (`Io::detach`),
+    /// kept until the frame is out.
+    detached: Vec<Box<[u8]>>,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
@@ -225,6 +231,68 @@ pub struct Conn {
     /// Its server was lost (`Io::write_off`): whatever still comes from it
     /// is ignored, even before the I/O thread applies the failover.
     written_off: AtomicBool,
+    /// The server (rank) at the other end.
+    pub server: u32,
+    /// Its server shares this host's memory, so the host's sums go to it
+    /// by reference.
+    by_ref: bool,
+}
+
+/// A data connection to register: to thread `desc` of server `server`.
+pub struct NewConn {
+    pub stream: TcpStream,
+    pub desc: String,
+    pub server: u32,
+    pub by_ref: bool,
+}
+
+/// The data connections, by slot: room for the job's first servers' threads
+/// and `MAX_JOINED_SLOTS` more that may join while it runs. Appended by one
+/// thread at a time; read by every thread without a lock (a slot, once
+/// set, never changes), as the send path indexes it for every chunk.
+pub struct ConnTable {
+    slots: Box<[OnceLock<Conn>]>,
+    len: AtomicUsize,
+    append: Mutex<()>,
+}
+
+impl ConnTable {
+    fn with_room(n: usize) -> ConnTable {
+        let slots = (0..n + MAX_JOINED_SLOTS).map(|_| OnceLock::new()).collect();
+        ConnTable { slots, len: AtomicUsize::new(0), append: Mutex::new(()) }
+    }
+    /// Append `c`; returns its slot, or None when there is no room.
+    fn push(&self, c: Conn) -> Option<usize> {
+        let _one = self.append.lock().unwrap_or_else(|e| e.into_inner());
+        let i = self.len.load(Ordering::Acquire);
+        self.slots.get(i)?.set(c).ok()?;
+        self.len.store(i + 1, Ordering::Release);
+        Some(i)
+    }
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+    pub fn get(&self, i: usize) -> Option<&Conn> {
+        if i < self.len() {
+            self.slots[i].get()
+        } else {
+            None
+        }
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &Conn> {
+        (0..self.len()).filter_map(|i| self.get(i))
+    }
+}
+
+impl std::ops::Index<usize> for ConnTable {
+    type Output = Conn;
+    /// Slots come from specs checked against `len()` when an op starts.
+    fn index(&self, i: usize) -> &Conn {
+        match self.get(i) {
+            Some(c) => c,
+            None => panic!("no data connection for slot {i} (the job has {})", self.len()),
+        }
+    }
 }
 
 impl Conn {
@@ -327,7 +395,7 @@ pub fn split_credit(base: usize, placed: &[u64]) -> Vec<usize> {
 
 /// The send side and the table of operations in flight, shared by callers and the I/O thread.
 pub struct Io {
-    pub conns: Vec<Conn>,
+    pub conns: ConnTable,
     registry: mio::Registry,
     ops: Mutex<OpTable>,
     credit: usize,
@@ -345,9 +413,6 @@ pub struct Io {
     pub host: Option<HostStage>,
     /// A host-stage round waiting longer than this is reported (as servers do).
     stall: std::time::Duration,
-    /// By connection: its server shares this host's memory, so the host's
-    /// sums go to it by reference.
-    by_ref: Vec<bool>,
     /// A worker that left the job (`NONE_LEFT`: none); see `Shared::on_peer_left`.
     pub left: AtomicU32,
     /// Chunks pushed by reference and through sockets, since the start.
@@ -387,7 +452,7 @@ impl Io {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         poll: &Poll,
-        streams: Vec<(TcpStream, String)>,
+        streams: Vec<NewConn>,
         rank: u32,
         credit: usize,
         namespace: u32,
@@ -395,26 +460,15 @@ impl Io {
         layout: Arc<HostLayout>,
         mut host: Option<HostStage>,
         stall: std::time::Duration,
-        by_ref: Vec<bool>,
         failover: Option<Duration>,
     ) -> std::io::Result<Io> {
         if let Some(h) = &mut host {
             poll.registry().register(&mut h.doorbell.sock, DOORBELL, Interest::READABLE)?;
         }
         let n = streams.len();
-        let mut conns = Vec::with_capacity(n);
-        for (i, (s, desc)) in streams.into_iter().enumerate() {
-            let link = Connection::new(poll.registry(), s, Token(i), desc)?;
-            let mut send = SendHalf { credit, ..Default::default() };
-            // seq 0: ahead of every frame queued later.
-            let mut hello = Header::new(MsgType::DataHello);
-            (hello.namespace, hello.key) = (namespace, rank);
-            send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
-            conns.push(Conn { link, send: Mutex::new(send), written_off: AtomicBool::new(false) });
-        }
         let io = Io {
-            placed: Mutex::new(vec![0; n]),
-            conns,
+            placed: Mutex::new(Vec::new()),
+            conns: ConnTable::with_room(n),
             registry: poll.registry().try_clone()?,
             ops: Mutex::new(OpTable::default()),
             credit,
@@ -425,7 +479,6 @@ impl Io {
             fail_requested: Mutex::new(None),
             rank,
             layout,
-            by_ref: if host.is_some() { by_ref } else { vec![false; n] },
             host,
             stall,
             left: AtomicU32::new(NONE_LEFT),
@@ -436,10 +489,33 @@ impl Io {
             notes: Mutex::new(Vec::new()),
             latest: Mutex::new(HashMap::new()),
         };
-        for (i, c) in io.conns.iter().enumerate() {
-            io.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", c.desc())))?;
-        }
+        io.add_conns(streams)?;
         Ok(io)
+    }
+
+    /// Register data connections (the job's first servers', or one that
+    /// joined: `ServerJoined`) as the next slots, each saying DataHello
+    /// (this worker's rank) before anything else.
+    pub fn add_conns(&self, streams: Vec<NewConn>) -> std::io::Result<()> {
+        for nc in streams {
+            let i = self.conns.len();
+            let link = Connection::new(&self.registry, nc.stream, Token(i), nc.desc)?;
+            let mut send = SendHalf { credit: self.credit, ..Default::default() };
+            // seq 0: ahead of every frame queued later.
+            let mut hello = Header::new(MsgType::DataHello);
+            (hello.namespace, hello.key) = (self.namespace, self.rank);
+            send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
+            let by_ref = nc.by_ref && self.host.is_some();
+            let conn =
+                Conn { link, send: Mutex::new(send), written_off: AtomicBool::new(false), server: nc.server, by_ref };
+            if self.conns.push(conn).is_none() {
+                return Err(std::io::Error::other(format!("no room for data connection {i}")));
+            }
+            self.placed.lock().unwrap_or_else(|e| e.into_inner()).push(0);
+            let _ = self.waker.wake(); // the I/O thread makes room to read it
+            self.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", self.conns[i].desc())))?;
+        }
+        Ok(())
     }
 
     pub fn rank(&self) -> u32 {
@@ -511,6 +587,25 @@ impl Io {
             if let Some(c) = self.conns.get(i) {
                 c.written_off.store(true, Ordering::SeqCst);
             }
+        }
+    }
+
+    /// Chunk `chunk` of `key` moved off connection `from`, whose server is
+    /// live: drop its queued sends there, let its bytes in flight leave the
+    /// windows, and ignore what the server still says of it. A push being
+    /// written goes on from a copy (the frame cannot be cut short, and the
+    /// op may complete at the new server and free the caller's buffer).
+    fn detach(&self, from: &Conn, key: u32, chunk: u32) {
+        let mut st = from.send();
+        st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
+        st.unreceived.remove(key, chunk);
+        st.unreturned.remove(key, chunk);
+        st.moved_off.insert((key, chunk));
+        if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
+            // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
+            let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
+            (*ptr, *len) = (copy.as_ptr(), copy.len());
+            st.detached.push(copy);
         }
     }
 
@@ -724,7 +819,7 @@ impl Io {
             dtype: a.spec.dtype,
             ptr: src.ptr,
             len: src.len,
-            by_ref: a.host.is_some() && self.by_ref[slot],
+            by_ref: a.host.is_some() && self.conns[slot].by_ref,
         }));
         slot
     }
@@ -822,7 +917,11 @@ impl Io {
             Carry::Chunk { ptr, len } => unsafe { std::slice::from_raw_parts(ptr, len) },
             Carry::Encoded => &[],
         };
-        c.link.pump(&self.registry, &mut st.tx, next, payload)
+        let r = c.link.pump(&self.registry, &mut st.tx, next, payload);
+        if !st.detached.is_empty() && st.tx.idle() {
+            st.detached.clear();
+        }
+        r
     }
 
     /// Fail every op in flight. Only called on the I/O thread. `job_failed`:
@@ -831,7 +930,7 @@ impl Io {
     fn fail_all(&self, msg: String, shared: &Shared, job_failed: bool) {
         let mut ops = self.ops();
         let msg = ops.failed.get_or_insert(msg).clone();
-        for c in &self.conns {
+        for c in self.conns.iter() {
             let mut st = c.send();
             st.heap.clear();
             st.tx.clear();
@@ -930,6 +1029,15 @@ impl IoThread {
         IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n] }
     }
 
+    /// Connections added since (a server joined): room to read them.
+    fn grow(&mut self) {
+        let n = self.shared.io.conns.len();
+        if n > self.rx.len() {
+            self.rx.resize_with(n, FrameReader::default);
+            self.dead.resize(n, false);
+        }
+    }
+
     fn fail(&mut self, msg: String, job_failed: bool) {
         self.failed = true;
         // Receive targets may be released now: forget them.
@@ -953,6 +1061,7 @@ impl IoThread {
             ),
         };
         loop {
+            self.grow();
             if tick.is_some() && !self.failed {
                 if self.shared.io.host.is_some() {
                     self.check_host_stalls();
@@ -976,6 +1085,7 @@ impl IoThread {
             if let Some(msg) = requested {
                 self.fail(msg, true);
             }
+            self.grow();
             let notes = std::mem::take(&mut *self.shared.io.notes.lock().unwrap_or_else(|e| e.into_inner()));
             for note in notes {
                 if !self.failed {
@@ -1127,6 +1237,18 @@ impl IoThread {
                     ops.active.get(&key).map(|a| a.round),
                     ops.active.get(&key).map(|a| moved.iter().map(|&c| a.got[c]).collect::<Vec<_>>()),
                 );
+                // Off a live server (a move to one that joined): stop
+                // counting on it for these chunks.
+                for &c in &moved {
+                    if let Some(from) = io.conns.get(old.slots[c] as usize) {
+                        if !from.written_off.load(Ordering::SeqCst) {
+                            io.detach(from, key, c as u32);
+                        }
+                    }
+                    if let Some(to) = io.conns.get(spec.slots[c] as usize) {
+                        to.send().moved_off.remove(&(key, c as u32)); // moved back
+                    }
+                }
                 let seq = &mut ops.seq;
                 if let Some(a) = ops.active.get_mut(&key) {
                     io.note_placement(&a.spec, false);
@@ -1182,11 +1304,16 @@ impl IoThread {
                 }
             }
         }
-        log::warn!(
-            target: &format!("worker {}", io.rank),
-            "server {} was lost; its chunks moved: re-sent {resent} push(es), restored {restored} result(s)",
-            note.lost
-        );
+        match note.lost {
+            NO_SERVER => log::info!(
+                target: &format!("worker {}", io.rank),
+                "chunks moved to a server that joined: re-sent {resent} push(es), restored {restored} result(s)"
+            ),
+            lost => log::warn!(
+                target: &format!("worker {}", io.rank),
+                "server {lost} was lost; its chunks moved: re-sent {resent} push(es), restored {restored} result(s)"
+            ),
+        }
         io.pump_all(&touched);
     }
 
@@ -1309,6 +1436,13 @@ impl IoThread {
                 hdr.namespace, io.namespace
             )));
         }
+        let stale = matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received)
+            && io.conns[i].send().moved_off.contains(&(hdr.key, hdr.chunk));
+        if stale {
+            // Of a chunk moved off this server (`Io::detach`): read and dropped.
+            self.rx[i].receive_owned(hdr);
+            return Ok(());
+        }
         match hdr.msg_type {
             MsgType::Result | MsgType::ResultRef => {
                 let by_ref = hdr.msg_type == MsgType::ResultRef;
@@ -1333,7 +1467,7 @@ impl IoThread {
                 }
                 let len = a.spec.chunk_bytes(c);
                 let sent = if by_ref { 0 } else { len };
-                if by_ref && !(io.by_ref[i] && a.host.as_ref().is_some_and(|h| h.owned[c])) {
+                if by_ref && !(io.conns[i].by_ref && a.host.as_ref().is_some_and(|h| h.owned[c])) {
                     return Err(ConnError::Invalid(format!(
                         "result by reference for tensor '{}' chunk {c}, which this worker did not push by reference",
                         a.spec.name
@@ -1400,6 +1534,9 @@ impl IoThread {
     }
 
     fn on_small(&mut self, i: usize, hdr: Header, buf: Vec<u8>) -> Result<(), ConnError> {
+        if matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received) {
+            return Ok(()); // stale: see `on_header`
+        }
         if hdr.msg_type == MsgType::Error {
             let msg = format!("server reported an error: {}", String::from_utf8_lossy(&buf));
             // The server refused this worker (e.g. a round that can never

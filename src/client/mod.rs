@@ -24,7 +24,7 @@ use mio::Poll;
 use crate::host::HostStage;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
-use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, TensorSpec};
+use crate::protocol::{Control, DType, DeclEntry, MsgType, Register, Role, ServerInfo, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError, SessionSender};
 use crate::transport::{connect_authenticated, join_host_port};
 use io::{BufPtr, Io, IoThread, Submission};
@@ -154,8 +154,9 @@ const RECENT_TRANSIENT: usize = 4096;
 /// State shared by the caller, the control thread and the I/O thread.
 pub struct Shared {
     session: SessionSender,
-    /// The server (rank) of each data connection.
-    conn_server: Vec<u32>,
+    /// How to reach a server that joins while the job runs (`ServerJoined`).
+    secret: Secret,
+    connect_timeout: Duration,
     table: Mutex<Table>,
     failure: Mutex<Option<String>>,
     io: Io,
@@ -337,7 +338,8 @@ impl Shared {
         let mut moved = Vec::with_capacity(specs.len());
         let mut opt = HashMap::new();
         let mut state_lost = None;
-        let conns: Vec<usize> = (0..self.conn_server.len()).filter(|&i| self.conn_server[i] == lost).collect();
+        let conns: Vec<usize> =
+            self.io.conns.iter().enumerate().filter(|(_, c)| c.server == lost).map(|(i, _)| i).collect();
         self.io.write_off(&conns);
         {
             let mut t = self.table();
@@ -357,7 +359,9 @@ impl Shared {
                     .or_else(|| t.specs.get(&s.name).filter(|c| c.key == s.key).cloned());
                 if let Some(cfg) = t.server_opt.get(&s.key) {
                     opt.insert(s.key, cfg.clone());
-                    if let Some(why) = before.and_then(|b| opt_state_lost(&b, &s)) {
+                    // A move to a server that joined never takes a chunk
+                    // with state: its server kept those.
+                    if let Some(why) = before.filter(|_| lost != NO_SERVER).and_then(|b| opt_state_lost(&b, &s)) {
                         state_lost.get_or_insert(format!("tensor '{}' {why}", s.name));
                     }
                 }
@@ -375,8 +379,32 @@ impl Shared {
             ));
             return;
         }
-        log::warn!(target: &format!("worker {me}"), "server {lost} was lost ({reason}); moving on without it");
+        match lost {
+            NO_SERVER => log::info!(target: &format!("worker {me}"), "{reason}: {} tensor(s) move to it", moved.len()),
+            _ => log::warn!(target: &format!("worker {me}"), "server {lost} was lost ({reason}); moving on without it"),
+        }
         self.io.fail_over(io::FailoverNote { lost, conns, moved, opt });
+    }
+
+    /// A server joined the running job: connect to each of its threads
+    /// (the next slots) before the scheduler moves chunks to it. No worker
+    /// pushes to it by reference: it did not meet this host's stage.
+    fn on_server_joined(&self, s: ServerInfo) -> Result<(), ClientError> {
+        let mut conns = Vec::with_capacity(s.ports.len());
+        for (t, &port) in s.ports.iter().enumerate() {
+            let addr = join_host_port(&s.addr, port);
+            let desc = format!("server {} ({addr}) thread {t}", s.rank);
+            let setup = |e: std::io::Error| ClientError::Setup(format!("{desc}, which joined the job: {e}"));
+            let stream = connect_authenticated(&addr, self.connect_timeout, &self.secret).map_err(setup)?;
+            stream.set_nonblocking(true).map_err(setup)?;
+            conns.push(io::NewConn {
+                stream: mio::net::TcpStream::from_std(stream),
+                desc,
+                server: s.rank,
+                by_ref: false,
+            });
+        }
+        self.io.add_conns(conns).map_err(|e| ClientError::Setup(format!("server {} joined the job: {e}", s.rank)))
     }
 
     fn on_declare_error(&self, req: u32, message: String) {
@@ -544,18 +572,15 @@ impl Client {
 
         // One data connection per server thread, in slot order.
         let mut conns = Vec::new();
-        let mut by_ref = Vec::new();
-        let mut conn_server = Vec::new();
         for s in &w.servers {
             for (t, &port) in s.ports.iter().enumerate() {
-                conn_server.push(s.rank);
-                by_ref.push(cfg.server_shm && &s.host == host);
+                let by_ref = cfg.server_shm && &s.host == host;
                 let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
                 let stream =
                     connect_authenticated(&addr, cfg.connect_timeout, &cfg.secret).map_err(|e| setup(&desc, e))?;
                 stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
-                conns.push((mio::net::TcpStream::from_std(stream), desc));
+                conns.push(io::NewConn { stream: mio::net::TcpStream::from_std(stream), desc, server: s.rank, by_ref });
             }
         }
 
@@ -563,23 +588,13 @@ impl Client {
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
         let stall = Duration::from_millis(w.stall_ms as u64);
         let failover = w.failover.then(|| Duration::from_millis(w.peer_timeout_ms as u64));
-        let io = Io::new(
-            &poll,
-            conns,
-            w.rank,
-            cfg.credit_bytes,
-            ns,
-            limit,
-            Arc::new(layout),
-            host_stage,
-            stall,
-            by_ref,
-            failover,
-        )
-        .map_err(|e| setup("data connections", e))?;
+        let io =
+            Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage, stall, failover)
+                .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
-            conn_server,
+            secret: cfg.secret.clone(),
+            connect_timeout: cfg.connect_timeout,
             table: Mutex::new(Table::default()),
             failure: Mutex::new(None),
             io,
@@ -1219,6 +1234,11 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 }
             }
             Ok(Control::Failover { batch, lost, reason, specs }) => shared.on_failover(batch, lost, reason, specs),
+            Ok(Control::ServerJoined { server }) => {
+                if let Err(e) = shared.on_server_joined(server) {
+                    shared.fail_job(format!("worker {}: {e}", shared.io.rank()));
+                }
+            }
             Ok(Control::Error { message }) => {
                 shared.set_failure(format!("scheduler: {message}"));
                 return;

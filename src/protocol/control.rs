@@ -61,6 +61,14 @@ pub struct Register {
     pub local_size: i32,
 }
 
+/// `lost` of a `ServerTakeOver` or `Failover` that moves chunks to a
+/// server that joined, no server lost.
+pub const NO_SERVER: u32 = u32::MAX;
+
+/// At most this many server threads (slots) may join a running job in
+/// all: workers reserve room for their connections up front.
+pub const MAX_JOINED_SLOTS: usize = 256;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerInfo {
     pub rank: u32,
@@ -95,6 +103,9 @@ pub struct Welcome {
     /// A lost server's chunks move to the others and the job goes on
     /// (workers keep each chunk's last result for that: `client::io`).
     pub failover: bool,
+    /// (To a server) it joined the job while it runs: no worker shares
+    /// memory with it, whatever its host (`scheduler::failover::take_in`).
+    pub late: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -211,6 +222,25 @@ pub enum Control {
         missing: Vec<u32>,
         waited_ms: u64,
     },
+    /// A server joined the running job: workers connect to its threads
+    /// (and servers learn where its replica slots are) before any chunk
+    /// moves to it.
+    ServerJoined {
+        server: ServerInfo,
+    },
+    /// Chunks move to a server that joined: `specs` are their tensors'
+    /// new placements. A server gives up each chunk of its own whose slot
+    /// changed, except one with server-side optimizer state, which it
+    /// keeps and lists in its `ServerMoveAck`.
+    ServerMove {
+        batch: u32,
+        specs: Vec<TensorSpec>,
+    },
+    ServerMoveAck {
+        batch: u32,
+        /// (key, chunk) of the chunks this server kept.
+        kept: Vec<(u32, u32)>,
+    },
     Error {
         message: String,
     },
@@ -275,6 +305,24 @@ pub struct JobTraffic {
     /// Why this server process's instance for the job ended with an error
     /// or could not start (reported once); empty while it runs.
     pub error: String,
+}
+
+fn put_server(w: &mut Writer, s: &ServerInfo) {
+    w.u32(s.rank).str(&s.addr).u32(s.ports.len() as u32);
+    for &p in &s.ports {
+        w.u16(p);
+    }
+    w.u8(s.colocated as u8).str(&s.host);
+}
+
+fn get_server(r: &mut Reader) -> Result<ServerInfo, ProtocolError> {
+    let rank = r.u32("server rank")?;
+    let addr = r.str("server addr")?;
+    let np = r.count("server ports", 2)?;
+    let ports = (0..np).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
+    let colocated = r.u8("colocated")? != 0;
+    let host = r.str("server host")?;
+    Ok(ServerInfo { rank, addr, ports, colocated, host })
 }
 
 fn put_spec(w: &mut Writer, s: &TensorSpec) {
@@ -379,6 +427,9 @@ impl Control {
             Control::JoinOp { .. } => MsgType::JoinOp,
             Control::JoinDone { .. } => MsgType::JoinDone,
             Control::SetOp { .. } => MsgType::SetOp,
+            Control::ServerJoined { .. } => MsgType::ServerJoined,
+            Control::ServerMove { .. } => MsgType::ServerMove,
+            Control::ServerMoveAck { .. } => MsgType::ServerMoveAck,
         }
     }
 
@@ -400,11 +451,7 @@ impl Control {
                 w.u32(m.heartbeat_ms).u32(m.stall_ms).u32(m.peer_timeout_ms);
                 w.u32(m.servers.len() as u32);
                 for s in &m.servers {
-                    w.u32(s.rank).str(&s.addr).u32(s.ports.len() as u32);
-                    for &p in &s.ports {
-                        w.u16(p);
-                    }
-                    w.u8(s.colocated as u8).str(&s.host);
+                    put_server(&mut w, s);
                 }
                 w.u32(m.worker_hosts.len() as u32);
                 for h in &m.worker_hosts {
@@ -414,7 +461,7 @@ impl Control {
                 for &l in &m.worker_local_ranks {
                     w.u32(l);
                 }
-                w.u64(m.job_id).u8(m.host_reduce as u8).u8(m.failover as u8);
+                w.u64(m.job_id).u8(m.host_reduce as u8).u8(m.failover as u8).u8(m.late as u8);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -491,6 +538,17 @@ impl Control {
                 w.u32(*batch).u32(*lost).str(reason);
                 put_specs(&mut w, specs);
             }
+            Control::ServerJoined { server } => put_server(&mut w, server),
+            Control::ServerMove { batch, specs } => {
+                w.u32(*batch);
+                put_specs(&mut w, specs);
+            }
+            Control::ServerMoveAck { batch, kept } => {
+                w.u32(*batch).u32(kept.len() as u32);
+                for &(k, c) in kept {
+                    w.u32(k).u32(c);
+                }
+            }
             Control::DeclareStall { name, missing, waited_ms } => {
                 w.str(name).u64(*waited_ms).u32(missing.len() as u32);
                 for &m in missing {
@@ -548,13 +606,7 @@ impl Control {
                 let ns = r.count("servers", 17)?;
                 let mut servers = Vec::with_capacity(ns);
                 for _ in 0..ns {
-                    let rank = r.u32("server rank")?;
-                    let addr = r.str("server addr")?;
-                    let np = r.count("server ports", 2)?;
-                    let ports = (0..np).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
-                    let colocated = r.u8("colocated")? != 0;
-                    let host = r.str("server host")?;
-                    servers.push(ServerInfo { rank, addr, ports, colocated, host });
+                    servers.push(get_server(&mut r)?);
                 }
                 let nw = r.count("worker_hosts", 4)?;
                 let worker_hosts: Vec<String> = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;
@@ -566,6 +618,7 @@ impl Control {
                 let job_id = r.u64("job_id")?;
                 let host_reduce = r.u8("host_reduce")? != 0;
                 let failover = r.u8("failover")? != 0;
+                let late = r.u8("late")? != 0;
                 Control::Welcome(Welcome {
                     rank,
                     num_workers,
@@ -579,6 +632,7 @@ impl Control {
                     job_id,
                     host_reduce,
                     failover,
+                    late,
                 })
             }
             MsgType::Declare => {
@@ -642,6 +696,18 @@ impl Control {
                 let lost = r.u32("lost")?;
                 let reason = r.str("reason")?;
                 Control::Failover { batch, lost, reason, specs: get_specs(&mut r)? }
+            }
+            MsgType::ServerJoined => Control::ServerJoined { server: get_server(&mut r)? },
+            MsgType::ServerMove => {
+                let batch = r.u32("batch")?;
+                Control::ServerMove { batch, specs: get_specs(&mut r)? }
+            }
+            MsgType::ServerMoveAck => {
+                let batch = r.u32("batch")?;
+                let n = r.count("kept", 8)?;
+                let kept =
+                    (0..n).map(|_| Ok((r.u32("key")?, r.u32("chunk")?))).collect::<Result<_, ProtocolError>>()?;
+                Control::ServerMoveAck { batch, kept }
             }
             MsgType::ServiceJoin => {
                 let hostname = r.str("hostname")?;

@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 10;
+pub const VERSION: u8 = 11;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -83,6 +83,9 @@ msg_types! {
     JoinOp = 43, "worker -> scheduler -> joined workers: an operation (name, size, dtype, flags, round) a joined worker must push zeros for";
     JoinDone = 44, "scheduler -> workers: every worker joined (payload: the last one); all go on";
     SetOp = 45, "worker -> scheduler: an operation of a process set, for the workers outside it (listed) to push zeros for; forwarded to them as JoinOp";
+    ServerJoined = 46, "scheduler -> members: a server joined the running job (its address and ports); workers connect to it";
+    ServerMove = 47, "scheduler -> servers: chunks move to a server that joined (new specs); give yours up unless they hold server-side optimizer state";
+    ServerMoveAck = 48, "server -> scheduler: chunks given up; payload: the (key, chunk) pairs kept";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -7,8 +7,11 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 45] = [
+const ALL_MSG_TYPES: [MsgType; 48] = [
     MsgType::SetOp,
+    MsgType::ServerJoined,
+    MsgType::ServerMove,
+    MsgType::ServerMoveAck,
     MsgType::Join,
     MsgType::Joined,
     MsgType::JoinOp,
@@ -173,6 +176,7 @@ fn sample_controls() -> Vec<Control> {
             job_id: u64::MAX,
             host_reduce: true,
             failover: false,
+            late: true,
         }),
         Control::Welcome(Welcome {
             rank: 0,
@@ -187,6 +191,7 @@ fn sample_controls() -> Vec<Control> {
             job_id: 0,
             host_reduce: false,
             failover: true,
+            late: false,
         }),
         Control::Declare {
             req: 7,
@@ -232,6 +237,19 @@ fn sample_controls() -> Vec<Control> {
         Control::ServerRelease { keys: vec![3] },
         Control::ServerTakeOver { batch: 4, lost: 2, specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1)] },
         Control::ServerTakeOver { batch: u32::MAX, lost: u32::MAX, specs: vec![] },
+        Control::ServerJoined {
+            server: ServerInfo {
+                rank: 3,
+                addr: "10.0.0.9".into(),
+                ports: vec![40000, 40001],
+                colocated: false,
+                host: "h9".into(),
+            },
+        },
+        Control::ServerMove { batch: 5, specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1)] },
+        Control::ServerMove { batch: 0, specs: vec![] },
+        Control::ServerMoveAck { batch: 5, kept: vec![(10, 0), (u32::MAX, u32::MAX)] },
+        Control::ServerMoveAck { batch: u32::MAX, kept: vec![] },
         Control::Failover {
             batch: 7,
             lost: 1,

@@ -4,6 +4,7 @@
 //! workers; report tensors some workers never declare; free tensors every
 //! worker released.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -343,14 +344,21 @@ pub(super) fn answer_ready(shared: &Shared, st: &mut State) {
     }
 }
 
+/// Every placed tensor some worker may still use: declared, or released
+/// by some workers only.
+pub(super) fn specs_in_use<'a>(
+    decls: &'a mut HashMap<String, Decl>,
+    retiring: &'a mut HashMap<u32, Retiring>,
+) -> impl Iterator<Item = &'a mut TensorSpec> {
+    decls.values_mut().filter_map(|d| d.spec.as_mut()).chain(retiring.values_mut().map(|r| &mut r.spec))
+}
+
 /// Place again every chunk on the slots `gone` (a lost server's), in
 /// tensors still in use by some worker; returns the specs that changed.
 pub(super) fn place_again(st: &mut State, gone: &[u32]) -> Vec<TensorSpec> {
     let Some(placer) = st.placer.as_mut() else { return Vec::new() };
     let mut changed = Vec::new();
-    let specs =
-        st.decls.values_mut().filter_map(|d| d.spec.as_mut()).chain(st.retiring.values_mut().map(|r| &mut r.spec));
-    for spec in specs {
+    for spec in specs_in_use(&mut st.decls, &mut st.retiring) {
         if placer.replace(spec, gone) {
             changed.push(spec.clone());
         }

@@ -29,6 +29,8 @@ pub(super) enum Refusal {
     #[error("the job already has all its members")]
     Full,
     #[error("{0}")]
+    Late(String),
+    #[error("{0}")]
     JobFailed(String),
     #[error("internal: {0}")]
     Internal(&'static str),
@@ -66,10 +68,14 @@ pub(super) fn join(
     reg: Register,
     peer: SocketAddr,
     stream: TcpStream,
-) -> Result<Arc<Member>, Refusal> {
+) -> Result<(Arc<Member>, bool), Refusal> {
     let cfg = &shared.cfg;
     let mut st = shared.lock();
     if st.assigned.is_some() {
+        if reg.role == Role::Server {
+            // A server joining the running job (`failover::take_in`).
+            return super::failover::admit_late(shared, &mut st, reg, peer, stream).map(|m| (m, true));
+        }
         return Err(Refusal::Full);
     }
     let slot = st.joining.len();
@@ -91,7 +97,8 @@ pub(super) fn join(
     if let Some(f) = &st.failed {
         return Err(Refusal::JobFailed(f.clone()));
     }
-    st.slot_members.get(slot).cloned().flatten().ok_or(Refusal::Internal("no member for this slot"))
+    let me = st.slot_members.get(slot).cloned().flatten().ok_or(Refusal::Internal("no member for this slot"))?;
+    Ok((me, false))
 }
 
 /// Create every member, send each its Welcome (state lock held).
@@ -146,23 +153,24 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         placer.describe_shares(&servers)
     );
     st.placer = Some(placer);
-    let job_id = random_job_id();
+    let template = Welcome {
+        rank: 0,
+        num_workers: cfg.num_workers,
+        partition_bytes: cfg.partition_bytes,
+        heartbeat_ms: cfg.heartbeat_ms,
+        stall_ms: cfg.stall_ms,
+        peer_timeout_ms: cfg.peer_timeout_ms,
+        servers: servers.clone(),
+        worker_hosts: hosts,
+        worker_local_ranks: local_ranks,
+        job_id: random_job_id(),
+        host_reduce: cfg.host_reduce,
+        failover: cfg.failover && cfg.num_servers > 1,
+        late: false,
+    };
     for ((role, rank), g) in assigned.iter().zip(regs) {
         let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });
-        let welcome = Control::Welcome(Welcome {
-            rank: *rank,
-            num_workers: cfg.num_workers,
-            partition_bytes: cfg.partition_bytes,
-            heartbeat_ms: cfg.heartbeat_ms,
-            stall_ms: cfg.stall_ms,
-            peer_timeout_ms: cfg.peer_timeout_ms,
-            servers: servers.clone(),
-            worker_hosts: hosts.clone(),
-            worker_local_ranks: local_ranks.clone(),
-            job_id,
-            host_reduce: cfg.host_reduce,
-            failover: cfg.failover && cfg.num_servers > 1,
-        });
+        let welcome = Control::Welcome(Welcome { rank: *rank, ..template.clone() });
         if !member.send(&welcome, cfg.namespace) {
             log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
         }
@@ -170,6 +178,8 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         st.slot_members.push(Some(member));
     }
     st.assigned = Some(assigned);
+    st.servers = servers;
+    st.welcome = Some(template);
     log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
 }
 

@@ -346,7 +346,7 @@ fn expect_register(
 
 /// Check a registration and join the job with it (blocks until everyone has).
 fn admit(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     reg: crate::protocol::Register,
     mut stream: TcpStream,
     peer: SocketAddr,
@@ -366,7 +366,19 @@ fn admit(
         }
     };
     let me = match join(shared, reg, peer, writer) {
-        Ok(m) => m,
+        Ok((m, false)) => m,
+        Ok((m, true)) => {
+            // Joined the running job: move chunks to it, on a thread of its
+            // own (this one reads the acks it waits for).
+            let (sh, new) = (shared.clone(), m.clone());
+            let moved =
+                thread::Builder::new().name("gradhub-take-in".into()).spawn(move || failover::take_in(&sh, &new));
+            if let Err(e) = moved {
+                let mut st = shared.lock();
+                shared.fail(&mut st, None, format!("cannot start moving chunks to {}: {e}", m.describe()));
+            }
+            m
+        }
         Err(why) => {
             let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
             return None;
@@ -395,6 +407,11 @@ fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
                 continue;
             }
             Ok(Control::ServerDeclareAck { batch }) if me.role == Role::Server => {
+                st.acks.entry(batch).or_default().insert(me.rank);
+                shared.cv.notify_all();
+            }
+            Ok(Control::ServerMoveAck { batch, kept }) if me.role == Role::Server => {
+                st.move_kept.entry(batch).or_default().extend(kept);
                 st.acks.entry(batch).or_default().insert(me.rank);
                 shared.cv.notify_all();
             }

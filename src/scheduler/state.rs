@@ -56,7 +56,12 @@ impl State {
     /// Whether every server still in the job installed `batch`.
     pub fn installed_everywhere(&self, batch: u32) -> bool {
         let acked = self.acks.get(&batch);
-        self.members.iter().filter(|m| m.role == Role::Server).all(|m| acked.is_some_and(|a| a.contains(&m.rank)))
+        // A server that joined later was not sent earlier batches.
+        let sent = |rank: u32| self.joined_at.get(&rank).is_none_or(|&first| batch >= first);
+        self.members
+            .iter()
+            .filter(|m| m.role == Role::Server && sent(m.rank))
+            .all(|m| acked.is_some_and(|a| a.contains(&m.rank)))
     }
 }
 
@@ -89,6 +94,16 @@ pub(super) struct State {
     /// which no declaration is answered (its placement may still move).
     pub lost_servers: Vec<u32>,
     pub failing_over: u32,
+    /// Every server the job has had, lost ones included, by rank (slots
+    /// are numbered over all of them); the Welcome every member got, for
+    /// a server that joins while the job runs; the first batch each such
+    /// server was sent; the chunks servers kept in a move (by batch).
+    pub servers: Vec<crate::protocol::ServerInfo>,
+    pub welcome: Option<crate::protocol::Welcome>,
+    pub joined_at: HashMap<u32, u32>,
+    pub move_kept: HashMap<u32, Vec<(u32, u32)>>,
+    /// A server is joining (`failover::take_in`): one at a time.
+    pub taking_in: bool,
     pub pending: Vec<PendingReq>,
     /// Horovod's join: the workers that joined so far, the last of them,
     /// and by name the latest round announced and who it went to.

@@ -22,7 +22,7 @@ use mio::{Poll, Waker};
 use crate::host::{host_tag, Staging};
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
-use crate::protocol::{Control, Register, Role, TensorSpec};
+use crate::protocol::{Control, Register, Role, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError};
 use thread::{ServerThread, ThreadCmd, ThreadConfig};
 
@@ -158,9 +158,10 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     if layout.num_hosts() < welcome.num_workers as usize {
         log::info!(target: &who, "{} workers on {} hosts: one push per host and chunk", welcome.num_workers, layout.num_hosts());
     }
-    // Workers of this host that sum here first may push by reference.
+    // Workers of this host that sum here first may push by reference (not
+    // to a server that joined later: they met in shared memory without it).
     let local: Vec<bool> = (0..welcome.num_workers)
-        .map(|r| welcome.worker_hosts[r as usize] == host && layout.host_workers(r).len() > 1)
+        .map(|r| !welcome.late && welcome.worker_hosts[r as usize] == host && layout.host_workers(r).len() > 1)
         .collect();
     let mut segments = Segments { job_id: welcome.job_id, host_tag: host_tag(&host), mappers: 0, open: HashMap::new() };
     if let Some(r) = local.iter().position(|&l| l) {
@@ -233,7 +234,10 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     }
     segments.cleanup();
     match &result {
-        Ok(()) => log::info!(target: &who, "job complete, exiting"),
+        Ok(()) => {
+            let (bytes, rounds) = cfg.traffic.get();
+            log::info!(target: &who, "job complete ({rounds} chunk rounds summed, {bytes} bytes pushed here), exiting")
+        }
         Err(e) => log::error!(target: &who, "{e}"),
     }
     result
@@ -250,30 +254,57 @@ fn control_loop(
     let sender = session.sender();
     let exited = || ServerError::JobFailed("a server thread exited".into());
     let who = format!("server {}", session.welcome.rank);
-    let mut install =
-        |segments: &mut Segments, specs: &[TensorSpec], adopt: bool, batch: u32| -> Result<(), ServerError> {
-            let shm = segments.map(specs).map_err(ServerError::Setup)?;
-            let mut new_links = links.open(specs);
-            let (ack_tx, ack_rx) = bounded(cmd_txs.len());
-            for (t, (tx, w)) in cmd_txs.iter().zip(wakers).enumerate() {
-                let l = std::mem::take(&mut new_links[t]);
-                tx.send(ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), l, ack_tx.clone()))
-                    .map_err(|_| exited())?;
-                let _ = w.wake();
-            }
-            for _ in cmd_txs {
-                ack_rx.recv().map_err(|_| exited())?;
-            }
-            sender.send(&Control::ServerDeclareAck { batch })?;
-            Ok(())
-        };
+    let install = |segments: &mut Segments,
+                   links: &mut Links,
+                   specs: &[TensorSpec],
+                   adopt: bool,
+                   batch: u32|
+     -> Result<(), ServerError> {
+        let shm = segments.map(specs).map_err(ServerError::Setup)?;
+        let mut new_links = links.open(specs);
+        let (ack_tx, ack_rx) = bounded(cmd_txs.len());
+        for (t, (tx, w)) in cmd_txs.iter().zip(wakers).enumerate() {
+            let l = std::mem::take(&mut new_links[t]);
+            tx.send(ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), l, ack_tx.clone())).map_err(|_| exited())?;
+            let _ = w.wake();
+        }
+        for _ in cmd_txs {
+            ack_rx.recv().map_err(|_| exited())?;
+        }
+        sender.send(&Control::ServerDeclareAck { batch })?;
+        Ok(())
+    };
     loop {
         match session.recv()? {
-            Control::ServerDeclare { batch, specs } => install(segments, &specs, false, batch)?,
+            Control::ServerDeclare { batch, specs } => install(segments, links, &specs, false, batch)?,
             Control::ServerTakeOver { batch, lost, specs } => {
                 let moved = specs.len();
-                install(segments, &specs, true, batch)?;
-                log::warn!(target: &who, "server {lost} was lost: taking over its chunks here ({moved} tensor(s) moved)");
+                install(segments, links, &specs, true, batch)?;
+                match lost {
+                    NO_SERVER => log::info!(target: &who, "chunks of {moved} tensor(s) moved to their new servers"),
+                    _ => {
+                        log::warn!(target: &who, "server {lost} was lost: taking over its chunks here ({moved} tensor(s) moved)")
+                    }
+                }
+            }
+            Control::ServerMove { batch, specs } => {
+                let (tx, rx) = bounded(cmd_txs.len());
+                for (t, w) in cmd_txs.iter().zip(wakers) {
+                    t.send(ThreadCmd::GiveUp(specs.clone(), tx.clone())).map_err(|_| exited())?;
+                    let _ = w.wake();
+                }
+                let mut kept = Vec::new();
+                for _ in cmd_txs {
+                    kept.extend(rx.recv().map_err(|_| exited())?);
+                }
+                if !kept.is_empty() {
+                    log::info!(target: &who, "keeping {} chunk(s) with server-side optimizer state here", kept.len());
+                }
+                sender.send(&Control::ServerMoveAck { batch, kept })?;
+            }
+            Control::ServerJoined { server } => {
+                log::info!(target: &who, "server {} joined the job at {}", server.rank, server.addr);
+                links.addrs.extend(server.ports.iter().map(|&p| crate::transport::join_host_port(&server.addr, p)));
             }
             Control::ServerRelease { keys } => {
                 segments.release(&keys);

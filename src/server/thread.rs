@@ -63,6 +63,10 @@ pub enum ThreadCmd {
     Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<(u32, std::net::TcpStream)>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
+    /// Chunks move to a server that joined (`scheduler::failover::take_in`):
+    /// give up each of ours these specs place elsewhere, unless it has a
+    /// server-side optimizer; answer with the (key, chunk) pairs kept.
+    GiveUp(Vec<TensorSpec>, Sender<Vec<(u32, u32)>>),
     Stop,
     /// Worker `rank` left the job cleanly while others go on.
     Left(u32),
@@ -193,6 +197,9 @@ enum PayloadKind {
     Restore,
     /// A restored result of a tensor released here since: dropped.
     Discard,
+    /// A push of a chunk given up here (moved to a server that joined):
+    /// dropped and acknowledged; the worker re-sends it to the new server.
+    Moved,
 }
 
 /// What a frame being written carries: a result (its payload is a chunk's
@@ -280,6 +287,12 @@ pub struct ServerThread {
     replicas: Replicas,
     /// Our links to the threads replicating our chunks: slot -> token.
     links: HashMap<u32, usize>,
+    /// Chunks given up here (`ThreadCmd::GiveUp`): what still comes for them
+    /// is dropped (pushes acknowledged), not an error.
+    moved_away: HashSet<(u32, u32)>,
+    /// Indices in `chunks` given up while a frame was still being read into
+    /// or written from them: freed once none is (`free_retired`).
+    retired: Vec<usize>,
 }
 
 /// How many released keys a thread remembers (keys are never reused).
@@ -312,6 +325,8 @@ impl ServerThread {
             left: vec![false; n],
             replicas: Replicas::default(),
             links: HashMap::new(),
+            moved_away: HashSet::new(),
+            retired: Vec::new(),
         }
     }
 
@@ -371,6 +386,10 @@ impl ServerThread {
                         let _ = ack.send(());
                     }
                     ThreadCmd::Release(keys) => self.release(&keys),
+                    ThreadCmd::GiveUp(specs, ack) => {
+                        let kept = self.give_up(&specs);
+                        let _ = ack.send(kept);
+                    }
                     ThreadCmd::Stop => return,
                     ThreadCmd::Left(rank) => self.on_left(rank),
                     ThreadCmd::Abort(why) => {
@@ -385,6 +404,9 @@ impl ServerThread {
             self.check_stalls();
             self.close_idle();
             self.check_held();
+            if !self.retired.is_empty() {
+                self.free_retired();
+            }
         }
     }
 
@@ -513,6 +535,7 @@ impl ServerThread {
                     }
                     continue;
                 }
+                self.moved_away.remove(&at);
                 if let Some(&idx) = self.index.get(&at) {
                     if self.chunks[idx].replica != rep {
                         self.chunks[idx].replica = rep;
@@ -592,6 +615,9 @@ impl ServerThread {
     /// (an unknown key).
     fn release(&mut self, keys: &[u32]) {
         self.replicas.release(keys);
+        if !self.moved_away.is_empty() {
+            self.moved_away.retain(|(k, _)| !keys.contains(k));
+        }
         let mut freed = Vec::new();
         for key in keys {
             self.names.remove(key);
@@ -633,6 +659,111 @@ impl ServerThread {
             self.close(t, "push for a tensor every worker released");
         }
         self.free.extend(freed);
+    }
+
+    /// Give up our chunks that `specs` place elsewhere (see
+    /// `ThreadCmd::GiveUp`); returns the ones kept for their server-side
+    /// optimizer state. A round in progress is abandoned: its pushers
+    /// re-send their pushes to the new server, and whoever received a
+    /// result from here restores it there.
+    fn give_up(&mut self, specs: &[TensorSpec]) -> Vec<(u32, u32)> {
+        let mut kept = Vec::new();
+        let mut gone = Vec::new();
+        for s in specs {
+            for (c, &slot) in s.slots.iter().enumerate() {
+                let at = (s.key, c as u32);
+                let Some(&idx) = self.index.get(&at).filter(|_| slot != self.cfg.slot) else { continue };
+                if self.chunks[idx].opt.is_some() || self.opt_cfg.contains_key(&s.key) {
+                    kept.push(at);
+                    continue;
+                }
+                self.index.remove(&at);
+                if let Some((_, idxs)) = self.keys_here.get_mut(&s.key) {
+                    idxs.retain(|&i| i != idx);
+                    if idxs.is_empty() {
+                        self.keys_here.remove(&s.key);
+                    }
+                }
+                self.moved_away.insert(at);
+                let ch = &mut self.chunks[idx];
+                (ch.count, ch.started, ch.held, ch.stall_reported) = (0, None, None, false);
+                ch.pushed.iter_mut().for_each(|p| *p = false);
+                gone.push(idx);
+            }
+        }
+        if gone.is_empty() {
+            return kept;
+        }
+        for c in self.conns.values_mut() {
+            c.results.retain(|r| !gone.contains(&r.chunk));
+        }
+        log::info!(target: &self.who(), "gave up {} chunk(s) to a server that joined", gone.len());
+        self.retired.extend(gone);
+        self.free_retired();
+        kept
+    }
+
+    /// Free the given-up chunks no frame is being read into or written from.
+    fn free_retired(&mut self) {
+        let busy: HashSet<usize> = self
+            .conns
+            .values()
+            .flat_map(|c| {
+                let reading = c.rx.target().map(|d| d.chunk);
+                let writing = match c.tx.current() {
+                    Some(Carry::Result { chunk, .. }) => Some(*chunk),
+                    _ => None,
+                };
+                reading.into_iter().chain(writing)
+            })
+            .collect();
+        let mut freed = Vec::new();
+        self.retired.retain(|&idx| {
+            if busy.contains(&idx) {
+                return true;
+            }
+            freed.push(idx);
+            false
+        });
+        for idx in freed {
+            let ch = &mut self.chunks[idx];
+            ch.buf = ChunkBuf::F32([Vec::new(), Vec::new()]);
+            ch.direct_in_progress = false;
+            self.pool.append(&mut ch.deferred);
+            self.free.push(idx);
+        }
+    }
+
+    /// A frame for a chunk given up here: a push is acknowledged (its
+    /// worker re-sends it to the chunk's new server once it learns of the
+    /// move) and, like a restored result or an optimizer config, dropped.
+    fn drop_moved(&mut self, t: usize, hdr: Header) -> ConnResult {
+        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+        conn.rank.ok_or("a data frame before DataHello")?;
+        let want = hdr.payload_len as usize;
+        if want > 0 {
+            if conn.scratch.len() * 4 < want {
+                if conn.scratch.is_empty() {
+                    conn.scratch = self.pool.pop().unwrap_or_default();
+                }
+                conn.scratch.resize(want.div_ceil(4), 0);
+            }
+            let kind = if hdr.msg_type == MsgType::Push { PayloadKind::Moved } else { PayloadKind::Discard };
+            conn.rx.receive_into(hdr, Dest { chunk: usize::MAX, direct: false, parity: 0, len: want, kind });
+            return Ok(());
+        }
+        if matches!(hdr.msg_type, MsgType::Push | MsgType::PushRef) {
+            self.ack_moved(t, &hdr);
+        }
+        Ok(())
+    }
+
+    fn ack_moved(&mut self, t: usize, hdr: &Header) {
+        let mut ack = Header::new(MsgType::Received);
+        (ack.namespace, ack.key, ack.chunk, ack.round) = (self.cfg.namespace, hdr.key, hdr.chunk, hdr.round);
+        if let Some(c) = self.conns.get_mut(&t) {
+            c.acks.extend_from_slice(&ack.encode());
+        }
     }
 
     fn close(&mut self, t: usize, why: &str) {
@@ -720,10 +851,22 @@ impl ServerThread {
             match frame {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(t, hdr)?,
+                // A chunk given up while its payload was being read: as if
+                // the frame had come after (`drop_moved`).
+                Some(Frame::Payload(hdr, d))
+                    if d.kind != PayloadKind::Discard
+                        && self.index.get(&(hdr.key, hdr.chunk)) != Some(&d.chunk)
+                        && self.moved_away.contains(&(hdr.key, hdr.chunk)) =>
+                {
+                    if matches!(d.kind, PayloadKind::Push | PayloadKind::Replay | PayloadKind::Moved) {
+                        self.ack_moved(t, &hdr);
+                    }
+                }
                 Some(Frame::Payload(hdr, d)) => match d.kind {
                     PayloadKind::Push => self.on_push_complete(t, hdr, d.chunk, d.direct)?,
                     PayloadKind::Replay => self.replay(t, hdr, d.chunk, false)?,
                     PayloadKind::Restore => self.restore(t, hdr, d.chunk)?,
+                    PayloadKind::Moved => self.ack_moved(t, &hdr),
                     PayloadKind::Discard => {}
                 },
                 Some(Frame::Message(hdr, buf)) if !conn.auth.is_done() => {
@@ -828,6 +971,9 @@ impl ServerThread {
                 self.worker_conn[r as usize] = Some(t);
                 Ok(())
             }
+            MsgType::Push | MsgType::PushRef | MsgType::Restore if self.moved_away.contains(&(hdr.key, hdr.chunk)) => {
+                self.drop_moved(t, hdr)
+            }
             MsgType::Push => {
                 let (idx, _, kind) = self.check_push(t, &hdr)?;
                 let ch = &self.chunks[idx];
@@ -918,6 +1064,9 @@ impl ServerThread {
             MsgType::OptConfig => {
                 conn.rank.ok_or("OptConfig before DataHello")?;
                 match self.keys_here.get(&hdr.key).map(|k| k.0) {
+                    // Every chunk of it here moved away: the worker sends the
+                    // config to the new servers too.
+                    None if self.moved_away.iter().any(|&(k, _)| k == hdr.key) => return self.drop_moved(t, hdr),
                     None => {
                         return Err(ConnError::Invalid(format!(
                             "OptConfig for key {} which has no chunk on this thread",

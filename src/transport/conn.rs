@@ -122,6 +122,13 @@ impl<I> FrameWriter<I> {
     pub fn idle(&self) -> bool {
         self.cur.is_none()
     }
+    /// The item of the frame being written, if one is half-written.
+    pub fn current(&self) -> Option<&I> {
+        self.cur.as_ref().map(|o| &o.item)
+    }
+    pub fn current_mut(&mut self) -> Option<&mut I> {
+        self.cur.as_mut().map(|o| &mut o.item)
+    }
     /// Drop the frame being written (the connection is being torn down).
     pub fn clear(&mut self) {
         self.cur = None;

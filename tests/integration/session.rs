@@ -46,6 +46,7 @@ impl FakeScheduler {
             job_id: 1,
             host_reduce: false,
             failover: false,
+            late: false,
         };
         write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
         s
