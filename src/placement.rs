@@ -481,6 +481,82 @@ mod tests {
     }
 
     #[test]
+    fn a_server_that_joins_takes_its_weighted_share_and_only_from_the_others() {
+        // 3 CPU-only servers of 2 threads, 4 pushing machines, 2 tensors of
+        // 60 and 37 chunks of one size.
+        let mut p = Placer::new(&servers(&[false, false, false], 2), 4);
+        let mk = |key, numel| crate::protocol::TensorSpec {
+            key,
+            name: format!("t{key}"),
+            numel,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems: 1000,
+            slots: Vec::new(),
+            replicas: Vec::new(),
+        };
+        let (mut a, mut b) = (mk(0, 60_000), mk(1, 37_000));
+        let chunk = 4000;
+        a.slots = p.place((0..60).map(|_| chunk));
+        b.slots = p.place((0..37).map(|_| chunk));
+        let before = (a.slots.clone(), b.slots.clone());
+        // A fourth, CPU-only: the same weight as the others, so a quarter.
+        let joined = servers(&[false, false, false, false], 2).remove(3);
+        p.add_server(&joined);
+        assert_eq!(p.num_slots(), 8);
+        let changed = p.rebalance_onto(3, &mut [&mut a, &mut b]);
+        assert_eq!(changed, vec![0], "equal chunks: the first tensor's move first");
+        assert_eq!(a.slots.iter().filter(|&&s| s >= 6).count(), 24, "a quarter of 97 chunks");
+        for (old, new) in [(&before.0, &a.slots), (&before.1, &b.slots)] {
+            for (o, n) in old.iter().zip(new) {
+                assert!(o == n || *n >= 6, "a chunk moved from slot {o} to {n}, not onto the new server");
+            }
+        }
+        let per_server: Vec<u64> = (0..4).map(|s| p.loads()[2 * s..2 * s + 2].iter().sum()).collect();
+        let total: u64 = per_server.iter().sum();
+        assert_eq!(total, 97 * chunk);
+        for (s, &l) in per_server.iter().enumerate() {
+            assert!(l.abs_diff(total / 4) <= 2 * chunk, "server {s} carries {l} of {total}: {per_server:?}");
+        }
+        // Deterministic: the same placement and join give the same moves.
+        let mut q = Placer::new(&servers(&[false, false, false], 2), 4);
+        let (mut a2, mut b2) = (mk(0, 60_000), mk(1, 37_000));
+        a2.slots = q.place((0..60).map(|_| chunk));
+        b2.slots = q.place((0..37).map(|_| chunk));
+        q.add_server(&joined);
+        q.rebalance_onto(3, &mut [&mut a2, &mut b2]);
+        assert_eq!((a2.slots, b2.slots), (a.slots.clone(), b.slots.clone()));
+        // A chunk its server keeps goes back, load and all.
+        let moved = (0..60).find(|&c| a.slots[c] != before.0[c]).unwrap();
+        let to = a.slots[moved] as usize;
+        let load = p.loads()[to];
+        p.keep(&mut a, moved, before.0[moved]);
+        assert_eq!(a.slots[moved], before.0[moved]);
+        assert_eq!(p.loads()[to], load - chunk);
+    }
+
+    #[test]
+    fn a_cpu_only_server_that_joins_changes_the_byteps_split() {
+        // Two colocated servers, n = 2 pushing machines: 50 % each; a
+        // CPU-only one joins (k = 1): weights 2(n-1) = 2 vs n-k = 1.
+        let mut p = Placer::new(&servers(&[true, true], 1), 2);
+        let mut t = crate::protocol::TensorSpec {
+            key: 0,
+            name: "w".into(),
+            numel: 40_000,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems: 1000,
+            slots: Vec::new(),
+            replicas: Vec::new(),
+        };
+        t.slots = p.place((0..40).map(|_| 4000));
+        let joined = servers(&[true, true, false], 1).remove(2);
+        p.add_server(&joined);
+        p.rebalance_onto(2, &mut [&mut t]);
+        let on_new = t.slots.iter().filter(|&&s| s == 2).count();
+        assert!((19..=21).contains(&on_new), "the CPU-only server took {on_new} of 40 chunks (half expected)");
+    }
+
+    #[test]
     fn replicas_are_on_another_server_and_take_the_chunks_of_a_lost_one() {
         // Three servers of 2 threads: slot / 2 is the server.
         let mut p = Placer::new(&servers(&[false, false, false], 2), 4).with_replicas(true);

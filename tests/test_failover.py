@@ -128,6 +128,15 @@ def add_server(c, name="server3"):
     return c._spawn(name, argv)
 
 
+def exit_code(c, name, timeout):
+    """`name`'s exit code; on a hang, every member's log in the failure."""
+    try:
+        return c.procs[name].wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        logs = "\n".join(f"===== {n}\n{c.log(n)[-3000:]}" for n in c.procs)
+        raise AssertionError(f"{name} still running after {timeout}s:\n{logs}") from None
+
+
 def rounds_summed(log: str) -> int:
     m = re.search(r"job complete \((\d+) chunk rounds summed", log)
     assert m, log
@@ -146,7 +155,7 @@ def test_a_server_that_joins_takes_chunks_and_every_sum_stays_exact(cluster_fact
     c.wait_for("worker0", "STEP 10", 120)
     add_server(c)
     for w in range(WORKERS):
-        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert exit_code(c, f"worker{w}", 120) == 0, c.log(f"worker{w}")
         assert f"PASS {w}" in c.log(f"worker{w}")
     assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
     alive = ["server0", "server2", "server3"] + (["server1"] if how == "grow" else [])
@@ -171,7 +180,7 @@ def test_training_that_gains_a_server_ends_with_the_parameters_of_one_that_did_n
     c.wait_for("worker0", "STEP 5", 120)
     add_server(c)
     for w in range(WORKERS):
-        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert exit_code(c, f"worker{w}", 120) == 0, c.log(f"worker{w}")
         assert f"PASS {w}" in c.log(f"worker{w}")
     assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
     assert c.procs["server3"].wait(timeout=30) == 0, c.log("server3")

@@ -2,8 +2,10 @@
 workers reach servers only through the addresses servers advertise."""
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -147,3 +149,46 @@ def test_process_sets_across_emulated_hosts(hosts):
     outs = run_all(procs, timeout=240)
     for r in range(4):
         assert f"PASS {r}" in outs[3 + r], outs[3 + r]
+
+
+def test_a_server_joins_a_job_across_emulated_hosts(hosts, tmp_path):
+    """A CPU-only server on a host of its own joins a running job (2 workers
+    sharing host a with its colocated server, 1 on host b, a CPU-only server):
+    the workers reach it at the address it advertises, it takes chunks, and
+    every sum stays exact. Roles started one by one."""
+    sched_ns, sched_ip = hosts(0)
+    a, b, cpu, late = hosts(1), hosts(2), hosts(3), hosts(4)
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:9558", GRADHUB_NUM_WORKERS=3, GRADHUB_NUM_SERVERS=2,
+                  GH_TEST='{"steps": 150, "sleep": 0.0}')
+    py = sys.executable
+    logs = {}
+
+    def start(name, ns, argv, **extra):
+        logs[name] = tmp_path / f"{name}.log"
+        return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=dict(env, **extra),
+                                stdout=open(logs[name], "wb"), stderr=subprocess.STDOUT)
+
+    procs = {"scheduler": start("scheduler", sched_ns, [py, "-m", "gradhub", "scheduler"]),
+             "server0": start("server0", a[0], [py, "-m", "gradhub", "server", "--threads", "1", "--colocated"]),
+             "server1": start("server1", cpu[0], [py, "-m", "gradhub", "server", "--threads", "1"])}
+    for r, ns in enumerate((a[0], a[0], b[0])):
+        procs[f"worker{r}"] = start(f"worker{r}", ns, [py, str(WORKERS / "failover.py")], GRADHUB_RANK=str(r))
+    try:
+        deadline = time.monotonic() + 120
+        while "STEP 10" not in logs["worker0"].read_text(errors="replace"):
+            assert time.monotonic() < deadline and procs["worker0"].poll() is None, logs["worker0"].read_text()
+            time.sleep(0.05)
+        procs["server2"] = start("server2", late[0], [py, "-m", "gradhub", "server", "--threads", "2"])
+        for name, p in procs.items():
+            assert p.wait(timeout=180) == 0, f"{name}:\n{logs[name].read_text(errors='replace')}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    out = {n: f.read_text(errors="replace") for n, f in logs.items()}
+    for r in range(3):
+        assert f"PASS {r}" in out[f"worker{r}"] and "server 2 joined the job" in out[f"worker{r}"], out[f"worker{r}"]
+    assert f"server 2 ({late[1]}, 2 thread(s), CPU-only) joined the running job" in out["scheduler"], out["scheduler"]
+    assert f"on {late[1]} ports" in out["server2"], out["server2"]
+    m = re.search(r"job complete \((\d+) chunk rounds summed", out["server2"])
+    assert m and int(m.group(1)) > 0, out["server2"]

@@ -1020,13 +1020,15 @@ pub struct IoThread {
     bells: u64,
     /// By connection: its server was lost and taken over (never read again).
     dead: Vec<bool>,
+    /// Connections given their first read and write here (see `run`).
+    seen: usize,
 }
 
 impl IoThread {
     pub fn new(poll: Poll, shared: Arc<Shared>) -> IoThread {
         let n = shared.io.conns.len();
         let rx = (0..n).map(|_| FrameReader::default()).collect();
-        IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n] }
+        IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n], seen: n }
     }
 
     /// Connections added since (a server joined): room to read them.
@@ -1093,41 +1095,54 @@ impl IoThread {
                 }
             }
             for ev in events.iter() {
-                let i = ev.token().0;
                 if ev.token() == DOORBELL && !self.failed {
                     self.scan_host();
                     continue;
                 }
-                if ev.token() == WAKER || self.failed || i >= self.rx.len() || self.dead[i] {
-                    continue;
+                if ev.token() != WAKER {
+                    let readable = ev.is_readable() || ev.is_read_closed() || ev.is_error();
+                    self.on_event(ev.token().0, readable, ev.is_writable());
                 }
-                let mut res = Ok(());
-                if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                    res = self.on_readable(i);
-                }
-                if res.is_ok() && ev.is_writable() {
-                    res = self.shared.io.pump(i);
-                }
-                if let Err(e) = &res {
-                    if self.shared.io.failover && broke(e) && self.shared.failure().is_none() {
-                        self.on_lost(i, e.to_string());
-                        self.ring_pending();
-                        continue;
-                    }
-                }
-                if let Err(why) = res {
-                    let why = match why {
-                        ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame) => {
-                            "connection closed by the server".to_string()
-                        }
-                        other => other.to_string(),
-                    };
-                    let msg = format!("{}: {why}", self.shared.io.conns[i].desc());
-                    self.fail(msg, true);
-                }
-                self.ring_pending();
+            }
+            // A connection registered since (a server joined) may have had
+            // its first edge before it was in the table: read and write it
+            // once now, later edges come as events.
+            while self.seen < self.rx.len() {
+                self.seen += 1;
+                self.on_event(self.seen - 1, true, true);
             }
         }
+    }
+
+    fn on_event(&mut self, i: usize, readable: bool, writable: bool) {
+        if self.failed || i >= self.rx.len() || self.dead[i] {
+            return;
+        }
+        let mut res = Ok(());
+        if readable {
+            res = self.on_readable(i);
+        }
+        if res.is_ok() && writable {
+            res = self.shared.io.pump(i);
+        }
+        if let Err(e) = &res {
+            if self.shared.io.failover && broke(e) && self.shared.failure().is_none() {
+                self.on_lost(i, e.to_string());
+                self.ring_pending();
+                return;
+            }
+        }
+        if let Err(why) = res {
+            let why = match why {
+                ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame) => {
+                    "connection closed by the server".to_string()
+                }
+                other => other.to_string(),
+            };
+            let msg = format!("{}: {why}", self.shared.io.conns[i].desc());
+            self.fail(msg, true);
+        }
+        self.ring_pending();
     }
 
     /// Connection `i` broke, its server probably lost: stop using it and
