@@ -114,53 +114,60 @@ impl Placer {
     }
 
     /// Move chunks of the placed `specs` onto server `to` (just added)
-    /// until it carries its weighted share: each chunk, largest first, moves
-    /// if that lowers the highest load over weight of the two slots
-    /// involved. Replicas stay: none is on the new server yet, so none is
-    /// on its chunk's server after a move. Returns the indices of the
-    /// specs that changed.
+    /// until it carries its weighted share: again and again, the costliest
+    /// slot (load over weight) gives its largest chunk to the new server's
+    /// cheapest slot, as long as that lowers the higher of the two costs.
+    /// Replicas stay: none is on the new server yet, so none is on its
+    /// chunk's server after a move. Returns the indices of the specs that
+    /// changed.
     pub fn rebalance_onto(&mut self, to: u32, specs: &mut [&mut crate::protocol::TensorSpec]) -> Vec<usize> {
         let targets: Vec<usize> = (0..self.slots.len()).filter(|&i| self.slots[i].server == to).collect();
-        let mut order: Vec<(u64, usize, usize)> = Vec::new();
+        if targets.is_empty() {
+            return Vec::new();
+        }
+        // Each other slot's chunks, largest last (popped first); ties in
+        // (tensor, chunk) order, so every run agrees.
+        let mut on: Vec<Vec<(u64, usize, usize)>> = vec![Vec::new(); self.slots.len()];
         for (si, spec) in specs.iter().enumerate() {
             for c in 0..spec.num_chunks() {
-                order.push((spec.chunk_bytes(c) as u64, si, c));
+                let slot = spec.slots[c] as usize;
+                if slot < self.slots.len() && !targets.contains(&slot) {
+                    on[slot].push((spec.chunk_bytes(c) as u64, si, c));
+                }
             }
         }
-        // Largest first; ties in (tensor, chunk) order, so every run agrees.
-        order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        let cost = |p: &Placer, i: usize, l: u64| {
-            if p.weight[i] > 0.0 {
-                l as f64 / p.weight[i]
-            } else if l == 0 {
-                0.0
-            } else {
-                f64::INFINITY
-            }
+        for l in &mut on {
+            l.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)).then(b.2.cmp(&a.2)));
+        }
+        // A server with no share (colocated, k >= n) costs far more per
+        // byte than any other, so its chunks move off it first.
+        let cost = |p: &Placer, i: usize, l: u64| match p.weight[i] > 0.0 {
+            true => l as f64 / p.weight[i],
+            false => l as f64 * 1e12,
         };
         let mut changed = vec![false; specs.len()];
-        for (b, si, c) in order {
-            let from = specs[si].slots[c] as usize;
-            if from >= self.slots.len() || targets.contains(&from) {
-                continue;
-            }
-            let Some(&to_slot) = targets.iter().min_by(|&&x, &&y| {
+        loop {
+            let Some(from) = (0..on.len())
+                .filter(|&i| !on[i].is_empty())
+                .max_by(|&x, &y| cost(self, x, self.load[x]).total_cmp(&cost(self, y, self.load[y])).then(y.cmp(&x)))
+            else {
+                break;
+            };
+            let Some(&(b, si, c)) = on[from].last() else { break };
+            let Some(&dest) = targets.iter().min_by(|&&x, &&y| {
                 cost(self, x, self.load[x] + b).total_cmp(&cost(self, y, self.load[y] + b)).then(x.cmp(&y))
             }) else {
-                return Vec::new();
+                break;
             };
-            let before = cost(self, from, self.load[from]).max(cost(self, to_slot, self.load[to_slot]));
-            let after = cost(self, from, self.load[from] - b.min(self.load[from])).max(cost(
-                self,
-                to_slot,
-                self.load[to_slot] + b,
-            ));
+            let before = cost(self, from, self.load[from]).max(cost(self, dest, self.load[dest]));
+            let after = cost(self, from, self.load[from].saturating_sub(b)).max(cost(self, dest, self.load[dest] + b));
             if after >= before {
-                continue;
+                break;
             }
+            on[from].pop();
             self.load[from] = self.load[from].saturating_sub(b);
-            self.load[to_slot] += b;
-            specs[si].slots[c] = to_slot as u32;
+            self.load[dest] += b;
+            specs[si].slots[c] = dest as u32;
             changed[si] = true;
         }
         (0..specs.len()).filter(|&i| changed[i]).collect()
@@ -554,6 +561,14 @@ mod tests {
         p.rebalance_onto(2, &mut [&mut t]);
         let on_new = t.slots.iter().filter(|&&s| s == 2).count();
         assert!((19..=21).contains(&on_new), "the CPU-only server took {on_new} of 40 chunks (half expected)");
+        // A second CPU-only server makes k = n = 2: BytePS gives the
+        // colocated ones nothing, so every chunk leaves them.
+        let joined = servers(&[true, true, false, false], 1).remove(3);
+        p.add_server(&joined);
+        p.rebalance_onto(3, &mut [&mut t]);
+        assert!(t.slots.iter().all(|&s| s >= 2), "chunks left on colocated servers: {:?}", t.slots);
+        let on_last = t.slots.iter().filter(|&&s| s == 3).count();
+        assert!((19..=21).contains(&on_last), "the second CPU-only server took {on_last} of 40 chunks");
     }
 
     #[test]

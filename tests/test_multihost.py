@@ -180,7 +180,9 @@ def test_a_server_joins_a_job_across_emulated_hosts(hosts, tmp_path):
             time.sleep(0.05)
         procs["server2"] = start("server2", late[0], [py, "-m", "gradhub", "server", "--threads", "2"])
         for name, p in procs.items():
-            assert p.wait(timeout=180) == 0, f"{name}:\n{logs[name].read_text(errors='replace')}"
+            if p.wait(timeout=180) != 0:
+                every = "\n".join(f"===== {n}\n{f.read_text(errors='replace')[-4000:]}" for n, f in logs.items())
+                raise AssertionError(f"{name} failed:\n{every}")
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -1255,9 +1255,14 @@ impl IoThread {
                 // Off a live server (a move to one that joined): stop
                 // counting on it for these chunks.
                 for &c in &moved {
-                    if let Some(from) = io.conns.get(old.slots[c] as usize) {
+                    let slot = old.slots[c] as usize;
+                    if let Some(from) = io.conns.get(slot) {
                         if !from.written_off.load(Ordering::SeqCst) {
                             io.detach(from, key, c as u32);
+                            // Its windows have room now: what waits for it may go.
+                            if !touched.contains(&slot) {
+                                touched.push(slot);
+                            }
                         }
                     }
                     if let Some(to) = io.conns.get(spec.slots[c] as usize) {
