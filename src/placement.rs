@@ -115,8 +115,8 @@ impl Placer {
 
     /// Move chunks of the placed `specs` onto server `to` (just added)
     /// until it carries its weighted share: again and again, the costliest
-    /// slot (load over weight) gives its largest chunk to the new server's
-    /// cheapest slot, as long as that lowers the higher of the two costs.
+    /// slot (load over weight) gives the largest chunk whose move lowers
+    /// the higher of the two costs to the new server's cheapest slot.
     /// Replicas stay: none is on the new server yet, so none is on its
     /// chunk's server after a move. Returns the indices of the specs that
     /// changed.
@@ -153,18 +153,18 @@ impl Placer {
             else {
                 break;
             };
-            let Some(&(b, si, c)) = on[from].last() else { break };
-            let Some(&dest) = targets.iter().min_by(|&&x, &&y| {
-                cost(self, x, self.load[x] + b).total_cmp(&cost(self, y, self.load[y] + b)).then(x.cmp(&y))
-            }) else {
-                break;
-            };
-            let before = cost(self, from, self.load[from]).max(cost(self, dest, self.load[dest]));
-            let after = cost(self, from, self.load[from].saturating_sub(b)).max(cost(self, dest, self.load[dest] + b));
-            if after >= before {
-                break;
-            }
-            on[from].pop();
+            // Its largest chunk whose move lowers the higher cost, and where to.
+            let pick = on[from].iter().enumerate().rev().find_map(|(k, &(b, _, _))| {
+                let dest = *targets.iter().min_by(|&&x, &&y| {
+                    cost(self, x, self.load[x] + b).total_cmp(&cost(self, y, self.load[y] + b)).then(x.cmp(&y))
+                })?;
+                let before = cost(self, from, self.load[from]).max(cost(self, dest, self.load[dest]));
+                let after =
+                    cost(self, from, self.load[from].saturating_sub(b)).max(cost(self, dest, self.load[dest] + b));
+                (after < before).then_some((k, dest))
+            });
+            let Some((k, dest)) = pick else { break };
+            let (b, si, c) = on[from].remove(k);
             self.load[from] = self.load[from].saturating_sub(b);
             self.load[dest] += b;
             specs[si].slots[c] = dest as u32;
@@ -539,6 +539,49 @@ mod tests {
         p.keep(&mut a, moved, before.0[moved]);
         assert_eq!(a.slots[moved], before.0[moved]);
         assert_eq!(p.loads()[to], load - chunk);
+    }
+
+    #[test]
+    fn a_server_that_joins_takes_small_chunks_when_the_large_ones_would_overload_it() {
+        // Each of 3 slots holds one 8000-byte chunk and 8 of 500: a joining
+        // server of 2 threads (each half a server's weight) cannot take an
+        // 8000-byte chunk without becoming the costliest, but takes small ones.
+        let mut p = Placer::new(&servers(&[false, false, false], 1), 4);
+        let mut t = crate::protocol::TensorSpec {
+            key: 0,
+            name: "w".into(),
+            numel: 0,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems: 1,
+            slots: Vec::new(),
+            replicas: Vec::new(),
+        };
+        let sizes: Vec<u64> = (0..3).map(|_| 8000).chain((0..24).map(|_| 500)).collect();
+        t.slots = p.place(sizes.iter().copied());
+        let bytes = |p: &Placer| p.loads().to_vec();
+        let before = bytes(&p);
+        p.add_server(&servers(&[false, false, false, false], 2).remove(3));
+        // chunk_bytes() of this spec is 0: move by the sizes placed.
+        let mut specs: Vec<crate::protocol::TensorSpec> = sizes
+            .iter()
+            .zip(&t.slots)
+            .enumerate()
+            .map(|(i, (&b, &slot))| crate::protocol::TensorSpec {
+                key: i as u32,
+                name: format!("c{i}"),
+                numel: b / 4,
+                dtype: crate::protocol::DType::F32,
+                chunk_elems: b / 4,
+                slots: vec![slot],
+                replicas: Vec::new(),
+            })
+            .collect();
+        let mut refs: Vec<&mut crate::protocol::TensorSpec> = specs.iter_mut().collect();
+        let changed = p.rebalance_onto(3, &mut refs);
+        assert!(!changed.is_empty(), "nothing moved: {before:?} -> {:?}", p.loads());
+        assert!(changed.iter().all(|&i| sizes[i] == 500), "a large chunk moved: {changed:?}");
+        let old_max = *p.loads()[..3].iter().max().unwrap();
+        assert!(old_max < 12_000, "the old slots still carry {:?}", p.loads());
     }
 
     #[test]
