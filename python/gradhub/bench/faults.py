@@ -69,7 +69,7 @@ OPT_SIZE, OPT_LR, OPT_MOMENTUM = 150_000, 0.5, 0.5
 class Fault:
     name: str
     role: str  # worker, server, scheduler, or "stranger" (a connection from outside the job)
-    action: str  # kill, stop, pause, stall, raise, garbage, slow
+    action: str  # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts)
     expect: str  # continue or fail
     count: int = 1  # members hit at once
 
@@ -80,6 +80,7 @@ FAULTS = (
     Fault("pause server", "server", "pause", "continue"),
     Fault("stall server", "server", "stall", "continue"),
     Fault("kill 2 servers", "server", "kill", "continue", count=2),
+    Fault("server joins", "server", "join", "continue"),
     Fault("kill worker", "worker", "kill", "fail"),
     Fault("stop worker", "worker", "stop", "fail"),
     Fault("pause worker", "worker", "pause", "continue"),
@@ -158,6 +159,7 @@ class Trial:
     logdir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     exited: dict[str, float] = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
     conns: list[socket.socket] = field(default_factory=list)
 
     def spawn(self, name: str, argv: list[str], env: dict) -> None:
@@ -198,6 +200,7 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
                 GRADHUB_NUM_SERVERS=str(SERVERS), GRADHUB_PEER_TIMEOUT=str(t.peer_timeout),
                 GRADHUB_HOST_REDUCE="1" if t.host_stage else "0", GRADHUB_JOB_TOKEN=secrets.token_hex(16))
     py = [sys.executable, "-m", "gradhub"]
+    t.env = base
     t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
     for s in range(SERVERS):
         t.spawn(f"server{s}", py + ["server", "--threads", "1", "--rank", str(s), "--advertise-addr", "127.0.0.1",
@@ -258,6 +261,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
     optimizer on the servers (default: one job in two, never when two
     servers are lost at once, which may take a chunk's replica too)."""
     rng = random.Random(seed)
+    if fault.action == "join":
+        steps = max(steps, 100)  # time for the new server to start and join
     logdir = logroot / f"trial{seed}"
     logdir.mkdir(parents=True, exist_ok=True)
     host_stage, coin = rng.random() < 0.5, rng.random() < 0.5
@@ -288,6 +293,11 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 c = _stranger(("127.0.0.1", where[1]), fault.action, rng)
                 if c is not None:
                     t.conns.append(c)
+        elif fault.action == "join":
+            targets = [f"server{SERVERS}"]
+            t.spawn(targets[0], [sys.executable, "-m", "gradhub", "server", "--threads", "1", "--advertise-addr",
+                                 "127.0.0.1", "--bind-host", "127.0.0.1"],
+                    dict(t.env, GRADHUB_HOST_ID=f"faults-server{SERVERS}"))
         elif fault.action == "raise":
             targets = [f"worker{victim}"]
             # The exception comes at its step: time the reports from its worker's exit.
@@ -339,8 +349,11 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                   and t.procs[n].returncode == 0]
         survivors = [n for n in t.procs if n not in lost]
         failed = [n for n in survivors if t.procs[n].returncode not in (0, None)]
+        if fault.action == "join":
+            # It joined while the job ran (not after: then it is refused).
+            res["joined"] = "joined the running job" in t.log("scheduler")
         if fault.expect == "continue":
-            ok = len(passed) == WORKERS and not failed and not hung
+            ok = len(passed) == WORKERS and not failed and not hung and res.get("joined", True)
             outcome = "continued" if ok else "failed" if failed else "incomplete"
         else:
             # Everyone else exits with an error, and some error names the member at fault.
