@@ -125,13 +125,16 @@ pub(super) fn admit_late(
         colocated: reg.colocated,
         host: reg.hostname,
     };
-    placer.add_server(&info);
-    st.servers.push(info.clone());
     let member = Arc::new(Member { role: Role::Server, rank: info.rank, peer, writer: Mutex::new(stream) });
-    let welcome = Welcome { rank: info.rank, servers: st.servers.clone(), late: true, ..template };
+    let mut servers = st.servers.clone();
+    servers.push(info.clone());
+    let welcome = Welcome { rank: info.rank, servers, late: true, ..template };
+    // Nothing changes unless it is welcomed: every member numbers slots alike.
     if !member.send(&Control::Welcome(welcome), cfg.namespace) {
         return Err(Refusal::Late("cannot send the welcome".into()));
     }
+    placer.add_server(&info);
+    st.servers.push(info.clone());
     // Before anything else can name its slots: workers connect to it,
     // servers learn where a replica on it would be.
     let joined = Control::ServerJoined { server: info.clone() };
