@@ -76,6 +76,21 @@ def test_sufficient_factors_go_back_to_the_servers_when_the_batch_grows():
         assert f"'{layer}' goes back to the servers: 64 rows" in out, out[-3000:]
 
 
+def test_sufficient_factors_come_back_when_the_batch_shrinks():
+    # auto at 8 rows a worker keeps every layer on the servers; from step 3
+    # on the batch is 4 times smaller, so at the recheck after step 10 two
+    # layers take factors, every worker at once, and training still equals
+    # single-process training.
+    cfg = {"model": "mlp", "opt": "sgd", "sfb": "auto", "batch": 8, "grow": 0.25, "grow_at": 3, "steps": 14,
+           "sfb_layers": ["0.weight", "2.weight"]}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 4)
+    assert out.count("32 rows over the workers): servers;") == 3, out[-3000:]
+    for layer in ("0.weight", "2.weight"):
+        assert f"'{layer}' takes factors again: 8 rows" in out, out[-3000:]
+    assert "'4.weight' takes factors again" not in out
+
+
 def test_overlap_with_parameter_list_containers():
     # ParameterList/ParameterDict never run forward: their parameters are
     # updated when the owning module runs.

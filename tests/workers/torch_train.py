@@ -141,8 +141,8 @@ def make_opt(params):
 
 
 def rows(step):
-    """Each worker's batch at this step (config grow: times this from step grow_at on)."""
-    return per_worker * (CONFIG.get("grow", 1) if step >= CONFIG.get("grow_at", 1 << 30) else 1)
+    """Each worker's batch at this step (config grow: times this from step grow_at on; below 1 it shrinks)."""
+    return int(per_worker * (CONFIG.get("grow", 1) if step >= CONFIG.get("grow_at", 1 << 30) else 1))
 
 
 def batch(step):

@@ -31,10 +31,13 @@ How, step by step:
   own, at the weight's priority) and, when waited for, writes the rebuilt
   average into `.grad` (plus whatever `.grad` held before the step, as the
   servers' sum would).
-The decision is made with the first step's batch size. Every exchange shows
-every worker's rows, so a layer whose batch grows past the rule goes back to
-the servers from the next step (on every worker at once); one that left the
-factors, or started on the servers, does not come back.
+The decision is made with the first step's batch size, and made again when
+the batch changes: every exchange shows every worker's rows, so a layer
+whose batch grows past the rule goes back to the servers from the next step
+(on every worker at once); and every `RECHECK_STEPS` steps one small
+collective sums the last step's rows of the layers on the servers that
+could take factors (exact on every worker), so one whose batch shrank
+below the rule takes factors again from the next step.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from .ops import Average, Handle, _allgather_impl
 
 
 _HALF = (torch.float16, torch.bfloat16)
+# Steps between two looks at whether a layer on the servers should take factors.
+RECHECK_STEPS = 10
 
 
 class _Layer:
@@ -85,6 +90,11 @@ class SufficientFactors:
         self.decided = False
         self.inexact: set[int] = set()
         self.rows: dict[int, int] = {}
+        # Layers exact on every worker, with (out, in) features; this step's
+        # rows of those on the servers; steps since the decision.
+        self.eligible: dict[int, tuple[int, int]] = {}
+        self.rows_now: dict[int, int] = {}
+        self.steps = 0
         self.rebuild_seconds = 0.0  # worker CPU time spent rebuilding gradients from factors
         self.hook = torch.nn.modules.module.register_module_forward_hook(self._after_forward)
 
@@ -95,7 +105,11 @@ class SufficientFactors:
         if not isinstance(module, torch.nn.Linear) or not inputs or not torch.is_grad_enabled():
             return
         w = module.weight
-        if id(w) not in self.opt._gh_by_id or not w.requires_grad or (self.decided and id(w) not in self.chosen):
+        if id(w) not in self.opt._gh_by_id or not w.requires_grad:
+            return
+        if self.decided and id(w) not in self.chosen:
+            if id(w) in self.eligible and isinstance(inputs[0], torch.Tensor):  # only counted (see `_maybe_take`)
+                self.rows_now[id(w)] = self.rows_now.get(id(w), 0) + inputs[0].numel() // w.shape[1]
             return
         x = inputs[0]
         if not isinstance(output, torch.Tensor) or not output.requires_grad or not isinstance(x, torch.Tensor):
@@ -184,6 +198,7 @@ class SufficientFactors:
         """After the first step, on every worker at the same point: choose
         the layers exchanged as factors (one small collective)."""
         if self.decided:
+            self._maybe_take()
             return
         self.decided = True
         opt = self.opt
@@ -207,6 +222,7 @@ class SufficientFactors:
                                   f"a gradient hook)", stacklevel=3)
                 continue
             m, n = layer.out_features, layer.in_features
+            self.eligible[id(p)] = (m, n)
             rows = int(votes[2 * i + 1])
             factor_values, server_values = rows * (m + n), m * n
             use = self.force or factor_values < server_values
@@ -220,3 +236,27 @@ class SufficientFactors:
         for pid in list(self.layers):
             if pid not in self.chosen:
                 del self.layers[pid]
+
+    def _maybe_take(self) -> None:
+        """At the end of every step, on every worker alike: every
+        RECHECK_STEPS steps, sum the last step's rows of the layers on the
+        servers that could take factors, and move those the rule now picks
+        to factors from the next step."""
+        self.steps += 1
+        waiting = [pid for pid in self.eligible if pid not in self.chosen]
+        if self.force or self.steps % RECHECK_STEPS or not waiting:
+            self.rows_now.clear()
+            return
+        ps = self.opt._gh_ps
+        rows = torch.tensor([self.rows_now.get(pid, 0) for pid in waiting], dtype=torch.int64)
+        self.rows_now.clear()
+        ps._push_pull_async(rows, ps._name(None, "sfb.recheck"), False).wait()
+        for pid, r in zip(waiting, rows.tolist()):
+            m, n = self.eligible[pid]
+            if r == 0 or r * (m + n) >= m * n:
+                continue
+            self.chosen.add(pid)
+            self.layers[pid] = _Layer(self.opt._gh_by_id[pid])
+            if ps.rank() == 0:
+                print(f"[gradhub worker] sufficient factors: '{self.opt._gh_names[pid]}' takes factors again: "
+                      f"{r} rows over the workers x ({m} + {n}) < {m} x {n}", file=sys.stderr, flush=True)
