@@ -137,6 +137,13 @@ def exit_code(c, name, timeout):
         raise AssertionError(f"{name} still running after {timeout}s:\n{logs}") from None
 
 
+def every_worker_passes(c):
+    for w in range(WORKERS):
+        assert exit_code(c, f"worker{w}", 120) == 0, c.log(f"worker{w}")
+        assert f"PASS {w}" in c.log(f"worker{w}")
+    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+
+
 def rounds_summed(log: str) -> int:
     m = re.search(r"job complete \((\d+) chunk rounds summed", log)
     assert m, log
@@ -154,10 +161,7 @@ def test_a_server_that_joins_takes_chunks_and_every_sum_stays_exact(cluster_fact
         c.wait_for("scheduler", "taken over", 60)
     c.wait_for("worker0", "STEP 10", 120)
     add_server(c)
-    for w in range(WORKERS):
-        assert exit_code(c, f"worker{w}", 120) == 0, c.log(f"worker{w}")
-        assert f"PASS {w}" in c.log(f"worker{w}")
-    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+    every_worker_passes(c)
     alive = ["server0", "server2", "server3"] + (["server1"] if how == "grow" else [])
     for s in alive:
         assert c.procs[s].wait(timeout=30) == 0, c.log(s)
@@ -179,10 +183,7 @@ def test_training_that_gains_a_server_ends_with_the_parameters_of_one_that_did_n
     c = start(cluster_factory, "torch_train.py", cfg)
     c.wait_for("worker0", "STEP 5", 120)
     add_server(c)
-    for w in range(WORKERS):
-        assert exit_code(c, f"worker{w}", 120) == 0, c.log(f"worker{w}")
-        assert f"PASS {w}" in c.log(f"worker{w}")
-    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+    every_worker_passes(c)
     assert c.procs["server3"].wait(timeout=30) == 0, c.log("server3")
     sched = c.log("scheduler")
     m = re.search(r"server 3 took over (\d+) chunk\(s\) \((\d+) kept", sched)
