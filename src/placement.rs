@@ -146,13 +146,10 @@ impl Placer {
             false => l as f64 * 1e12,
         };
         let mut changed = vec![false; specs.len()];
-        loop {
-            let Some(from) = (0..on.len())
-                .filter(|&i| !on[i].is_empty())
-                .max_by(|&x, &y| cost(self, x, self.load[x]).total_cmp(&cost(self, y, self.load[y])).then(y.cmp(&x)))
-            else {
-                break;
-            };
+        while let Some(from) = (0..on.len())
+            .filter(|&i| !on[i].is_empty())
+            .max_by(|&x, &y| cost(self, x, self.load[x]).total_cmp(&cost(self, y, self.load[y])).then(y.cmp(&x)))
+        {
             // Its largest chunk whose move lowers the higher cost, and where to.
             let pick = on[from].iter().enumerate().rev().find_map(|(k, &(b, _, _))| {
                 let dest = *targets.iter().min_by(|&&x, &&y| {

@@ -218,7 +218,7 @@ fn start_scheduler(
 }
 
 #[pyfunction]
-#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0, token=None))]
+#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0, token=None, timeline=None))]
 #[allow(clippy::too_many_arguments)]
 fn run_server(
     py: Python<'_>,
@@ -234,6 +234,7 @@ fn run_server(
     namespace: u32,
     connect_timeout: f64,
     token: Option<String>,
+    timeline: Option<String>,
 ) -> PyResult<()> {
     let cfg = ServerConfig {
         scheduler,
@@ -251,6 +252,7 @@ fn run_server(
         host: None,
         secret: secret_of(token),
         traffic: Default::default(),
+        timeline,
     };
     py.detach(|| server::run_server(cfg)).map_err(py_err)
 }

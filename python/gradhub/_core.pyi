@@ -66,6 +66,7 @@ def run_server(
     namespace: int = 0,
     connect_timeout: float = 60.0,
     token: str | None = None,  # the job's secret (protocol::auth); None: no token
+    timeline: str | None = None,  # Chrome trace of the chunk rounds ({rank}: the server's rank)
 ) -> None:
     """Run a summation server until the job ends (blocking, without the GIL)."""
 

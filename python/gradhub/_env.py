@@ -270,6 +270,7 @@ class ServerEnv:
     num_servers: int
     namespace: int
     connect_timeout: float
+    timeline: str | None           # GRADHUB_SERVER_TIMELINE: the server's Chrome trace ({rank}: its rank)
 
 
 def server_env() -> ServerEnv:
@@ -284,6 +285,7 @@ def server_env() -> ServerEnv:
         num_servers=get_int("GRADHUB_NUM_SERVERS", 0),
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
+        timeline=get_str("GRADHUB_SERVER_TIMELINE"),
     )
 
 

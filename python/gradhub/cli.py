@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="request this server rank (GRADHUB_SERVER_RANK; default: assigned)")
     vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
                     help="seconds to keep retrying the scheduler (GRADHUB_CONNECT_TIMEOUT; default 60)")
+    vp.add_argument("--timeline", default=venv.timeline,
+                    help="write a Chrome/Perfetto trace of every chunk round here: how long it waited for its "
+                    "pushers and which worker came last, and how long finishing it took; {rank} becomes the "
+                    "server's rank; `gradhub timeline merge` joins it with the workers' (GRADHUB_SERVER_TIMELINE)")
     vp.add_argument("--service", action="store_true",
                     help="serve every job of the shared service at --scheduler (one server per job, fresh ports "
                     "each) until the service goes away; needs GRADHUB_SERVICE_TOKEN")
@@ -198,12 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--json", action="store_true", help="print the report as JSON")
     stp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the service (default 10)")
     tl = sub.add_parser(
-        "timeline", help="merge workers' timelines into one trace",
+        "timeline", help="merge workers' and servers' timelines into one trace",
         description="gradhub timeline merge OUT FILE...: the timelines of several workers (GRADHUB_TIMELINE "
         "with {rank} in the path) in one Chrome/Perfetto trace, on one clock.")
     tl.add_argument("action", choices=["merge"])
     tl.add_argument("out", help="the merged trace to write")
-    tl.add_argument("files", nargs="+", help="the workers' timeline files")
+    tl.add_argument("files", nargs="+", help="the workers' (and servers': gradhub server --timeline) timeline files")
     sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
                    "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
                    add_help=False)
@@ -229,7 +233,7 @@ def _run_server(args) -> int:
                                         args.bind_host, args.connect_timeout)
     return roles.run_server(args.scheduler, args.threads, args.colocated, args.advertise_addr, args.bind_host,
                             args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout,
-                            token=_env.job_token(), insecure=args.insecure)
+                            token=_env.job_token(), insecure=args.insecure, timeline=args.timeline)
 
 
 def _token(args) -> int:

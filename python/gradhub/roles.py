@@ -82,7 +82,7 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
 def run_server(scheduler: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
                bind_host: str | None = None, port: int = 0, rank: int = -1, num_workers: int = 0,
                num_servers: int = 0, namespace: int = 0, connect_timeout: float = 60.0,
-               token: str | None = None, insecure: bool = False) -> int:
+               token: str | None = None, insecure: bool = False, timeline: str | None = None) -> int:
     """Run one summation server until the job ends; returns an exit code.
     `bind_host` defaults to loopback when the scheduler is on loopback, else
     0.0.0.0; reaching beyond loopback needs `token` or `insecure`."""
@@ -102,7 +102,7 @@ def run_server(scheduler: str | None, threads: int, colocated: bool = False, adv
         _core.run_server(scheduler, threads=max(1, threads), colocated=colocated, advertise=advertise,
                          bind_host=bind_host, base_port=port, rank=rank, num_workers=num_workers,
                          num_servers=num_servers, namespace=namespace, connect_timeout=connect_timeout,
-                         token=token)
+                         token=token, timeline=timeline)
     except _core.GradhubError as e:
         print(f"gradhub server: {e}", file=sys.stderr)
         return 1
@@ -178,7 +178,7 @@ def server_from_env() -> int:
     e = _env.server_env()
     return run_server(e.scheduler, e.threads if e.threads is not None else default_server_threads(), e.colocated,
                       e.advertise, None, e.port, e.rank, e.num_workers, e.num_servers, e.namespace,
-                      e.connect_timeout, token=_env.job_token(), insecure=_env.insecure())
+                      e.connect_timeout, token=_env.job_token(), insecure=_env.insecure(), timeline=e.timeline)
 
 
 def run_role(role: str) -> int:
@@ -215,7 +215,7 @@ class Embedded:
                 try:
                     _core.run_server(env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
                                      num_servers=env.num_servers, namespace=env.namespace, bind_host=bind_host,
-                                     token=env.token)
+                                     token=env.token, timeline=_env.server_env().timeline)
                 except _core.GradhubError as e:  # reported to workers by the scheduler too
                     print(f"[gradhub] embedded server: {e}", file=sys.stderr)
 

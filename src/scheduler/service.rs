@@ -29,6 +29,8 @@ use std::time::{Duration, Instant};
 use super::declarations::held;
 use super::membership::check_registration;
 use super::state::Shared;
+use crate::logging::json_str as js;
+
 use super::{admit, checked, expect_register, greet, serve_member, Job, SchedulerConfig, SchedulerError};
 use crate::protocol::auth::{job_namespace, Secret};
 use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
@@ -389,24 +391,6 @@ fn heartbeat_servers(svc: &Service) {
         }
         thread::sleep(Duration::from_millis(svc.cfg.job.heartbeat_ms.clamp(10, 1000) as u64));
     }
-}
-
-/// A JSON string (no serde for one small report).
-fn js(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// What `gradhub status` prints: the service, its servers, and per job its

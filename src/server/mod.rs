@@ -8,6 +8,7 @@ mod optimizer;
 mod replica;
 mod service;
 mod thread;
+mod timeline;
 
 pub use service::{run_service_server, ServiceServerConfig};
 
@@ -51,6 +52,8 @@ pub struct ServerConfig {
     pub secret: Secret,
     /// Counted by the threads (a shared service reports it per job).
     pub traffic: Arc<Traffic>,
+    /// Write a timeline of the chunk rounds here (`{rank}`: the server's rank).
+    pub timeline: Option<String>,
 }
 
 /// Bytes pushed to a server and chunk rounds it completed, so far.
@@ -90,6 +93,7 @@ impl Default for ServerConfig {
             host: None,
             secret: Secret::none(),
             traffic: Arc::default(),
+            timeline: None,
         }
     }
 }
@@ -173,6 +177,14 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         log::info!(target: &who, "workers {:?} share this host: they push by reference through shared memory", layout.host_workers(r as u32));
     }
     let local = Arc::new(local);
+    let (timeline, timeline_writer) = match &cfg.timeline {
+        Some(path) => {
+            let (t, w) = timeline::Timeline::open(path, rank, threads as u32)
+                .map_err(|e| ServerError::Setup(format!("cannot write the timeline {path}: {e}")))?;
+            (Some(t), Some(w))
+        }
+        None => (None, None),
+    };
 
     // Spawn the shared-nothing threads.
     let mut cmd_txs = Vec::with_capacity(threads);
@@ -197,6 +209,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             peer_timeout: Duration::from_millis(welcome.peer_timeout_ms as u64),
             secret: cfg.secret.clone(),
             traffic: cfg.traffic.clone(),
+            timeline: timeline.clone(),
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()
@@ -231,6 +244,10 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     }
     for j in joins {
         let _ = j.join();
+    }
+    drop(timeline); // the threads' copies went with them: the writer finishes
+    if let Some(w) = timeline_writer {
+        let _ = w.join();
     }
     segments.cleanup();
     match &result {

@@ -95,6 +95,7 @@ pub struct ThreadConfig {
     pub secret: Secret,
     /// What this server's threads summed (a shared service reports it).
     pub traffic: Arc<super::Traffic>,
+    pub timeline: Option<Arc<super::timeline::Timeline>>,
 }
 
 enum ChunkBuf {
@@ -126,6 +127,8 @@ struct Chunk {
     flags: u16,
     priority: i32,
     started: Option<Instant>,
+    /// The worker whose push started the round (for the timeline).
+    first: u32,
     stall_reported: bool,
     /// A push is being received straight into the accumulator right now;
     /// pushes that complete meanwhile are parked in `deferred` and added after.
@@ -568,6 +571,7 @@ impl ServerThread {
                     flags: 0,
                     priority: 0,
                     started: None,
+                    first: 0,
                     stall_reported: false,
                     direct_in_progress: false,
                     deferred: Vec::new(),
@@ -1411,6 +1415,7 @@ impl ServerThread {
         }
         if first {
             ch.started = Some(Instant::now());
+            ch.first = rank as u32;
             ch.flags = hdr.flags;
             ch.priority = hdr.priority;
         }
@@ -1430,7 +1435,23 @@ impl ServerThread {
             conn.acks.extend_from_slice(&ack.encode());
         }
         if ch.count == pushers {
+            let waited = ch.started.map(|t| (t, Instant::now(), ch.round));
             self.finish_round(idx);
+            if let (Some(tl), Some((first_push, last_push, round))) = (&self.cfg.timeline, waited) {
+                let ch = &self.chunks[idx];
+                tl.round(&super::timeline::Round {
+                    thread: self.cfg.thread,
+                    tensor: self.names.get(&ch.key).map_or("?", String::as_str),
+                    chunk: ch.chunk,
+                    round,
+                    bytes: ch.elems * ch.dtype.size(),
+                    first_push,
+                    last_push,
+                    first: ch.first,
+                    last: rank as u32,
+                    finished: Instant::now(),
+                });
+            }
         }
         Ok(())
     }

@@ -576,6 +576,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         host: None,
         secret: token(),
         traffic: Default::default(),
+        timeline: None,
     }
 }
 
