@@ -194,6 +194,26 @@ def test_training_that_gains_a_server_ends_with_the_parameters_of_one_that_did_n
         assert int(m.group(1)) > 0 and int(m.group(2)) == 0, sched
 
 
+def test_two_servers_join_one_after_the_other_and_a_first_one_is_lost_after(cluster_factory):
+    # Slots stay numbered alike everywhere across joins, and a failover
+    # after them moves a first server's chunks to old and new servers alike.
+    c = cluster_factory(WORKERS, 2, GRADHUB_PEER_TIMEOUT=PEER_TIMEOUT, GRADHUB_HOST_REDUCE="1")
+    for w in range(WORKERS):
+        c.start_worker(w, "failover.py", {"steps": 60, "sleep": 0.0}, GRADHUB_HOST_ID=f"host{w // 2}")
+    c.wait_for("worker0", "STEP 5", 120)
+    add_server(c, "server2")
+    c.wait_for("scheduler", "server 2 took over", 60)
+    add_server(c, "server3")
+    c.wait_for("scheduler", "server 3 took over", 60)
+    c.procs["server0"].kill()
+    every_worker_passes(c)
+    sched = c.log("scheduler")
+    assert "moving its chunks of" in sched and "to server(s) [1, 2, 3]" in sched, sched
+    for s in ("server2", "server3"):
+        assert c.procs[s].wait(timeout=30) == 0, c.log(s)
+        assert rounds_summed(c.log(s)) > 0, c.log(s)
+
+
 def test_a_server_cannot_join_a_job_that_started_with_one(cluster_factory):
     c = cluster_factory(2, 1)
     for w in range(2):
