@@ -132,12 +132,15 @@ def add_process_set(process_set) -> ProcessSet:
     mine = zlib.crc32(repr((set_id, ps.ranks)).encode())
     seen = torch.zeros(n, dtype=torch.int64)
     seen[_api.rank()] = mine
+    # Ready for the set's operations before this worker's part of the check:
+    # a member may announce one as soon as the check completes there, which
+    # can be before the check's result reaches this worker.
+    _api.serve_set_ops()
     _api.push_pull(seen, name=f"process_set.add.{set_id}")
     _api.release(f"process_set.add.{set_id}")
     if bool((seen != mine).any()):
         raise ValueError(f"add_process_set: workers registered different sets as set {set_id} "
                          f"(this worker: ranks {ps.ranks}); every worker must add the same sets in the same order")
-    _api.serve_set_ops()
     ps.process_set_id = set_id
     _sets[set_id] = ps
     return ps
