@@ -215,9 +215,6 @@ struct SendHalf {
     /// When the connection broke (its server lost, see `scheduler::failover`):
     /// nothing is written to it any more.
     lost: Option<Instant>,
-    /// Chunks moved off this (live) server to one that joined: whatever it
-    /// still sends about them is stale and ignored.
-    moved_off: HashSet<(u32, u32)>,
     /// Copies of pushes being written when their chunk moved (`Io::detach`),
     /// kept until the frame is out.
     detached: Vec<Box<[u8]>>,
@@ -592,7 +589,8 @@ impl Io {
 
     /// Chunk `chunk` of `key` moved off connection `from`, whose server is
     /// live: drop its queued sends there, let its bytes in flight leave the
-    /// windows, and ignore what the server still says of it. A push being
+    /// windows (the I/O thread ignores what the server still says of it:
+    /// `IoThread::moved_off`). A push being
     /// written goes on from a copy (the frame cannot be cut short, and the
     /// op may complete at the new server and free the caller's buffer).
     fn detach(&self, from: &Conn, key: u32, chunk: u32) {
@@ -600,7 +598,6 @@ impl Io {
         st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
         st.unreceived.remove(key, chunk);
         st.unreturned.remove(key, chunk);
-        st.moved_off.insert((key, chunk));
         if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
             // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
             let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
@@ -1020,6 +1017,9 @@ pub struct IoThread {
     bells: u64,
     /// By connection: its server was lost and taken over (never read again).
     dead: Vec<bool>,
+    /// By connection: chunks moved off its (live) server to one that
+    /// joined; whatever it still sends about them is stale and dropped.
+    moved_off: Vec<HashSet<(u32, u32)>>,
     /// Connections given their first read and write here (see `run`).
     seen: usize,
 }
@@ -1028,7 +1028,8 @@ impl IoThread {
     pub fn new(poll: Poll, shared: Arc<Shared>) -> IoThread {
         let n = shared.io.conns.len();
         let rx = (0..n).map(|_| FrameReader::default()).collect();
-        IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n], seen: n }
+        let moved_off = (0..n).map(|_| HashSet::new()).collect();
+        IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n], moved_off, seen: n }
     }
 
     /// Connections added since (a server joined): room to read them.
@@ -1037,6 +1038,7 @@ impl IoThread {
         if n > self.rx.len() {
             self.rx.resize_with(n, FrameReader::default);
             self.dead.resize(n, false);
+            self.moved_off.resize_with(n, HashSet::new);
         }
     }
 
@@ -1259,14 +1261,15 @@ impl IoThread {
                     if let Some(from) = io.conns.get(slot) {
                         if !from.written_off.load(Ordering::SeqCst) {
                             io.detach(from, key, c as u32);
+                            self.moved_off[slot].insert((key, c as u32));
                             // Its windows have room now: what waits for it may go.
                             if !touched.contains(&slot) {
                                 touched.push(slot);
                             }
                         }
                     }
-                    if let Some(to) = io.conns.get(spec.slots[c] as usize) {
-                        to.send().moved_off.remove(&(key, c as u32)); // moved back
+                    if let Some(back) = self.moved_off.get_mut(spec.slots[c] as usize) {
+                        back.remove(&(key, c as u32)); // moved back
                     }
                 }
                 let seq = &mut ops.seq;
@@ -1456,8 +1459,9 @@ impl IoThread {
                 hdr.namespace, io.namespace
             )));
         }
-        let stale = matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received)
-            && io.conns[i].send().moved_off.contains(&(hdr.key, hdr.chunk));
+        let stale = !self.moved_off[i].is_empty()
+            && matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received)
+            && self.moved_off[i].contains(&(hdr.key, hdr.chunk));
         if stale {
             // Of a chunk moved off this server (`Io::detach`): read and dropped.
             self.rx[i].receive_owned(hdr);

@@ -271,6 +271,7 @@ fn control_loop(
     let sender = session.sender();
     let exited = || ServerError::JobFailed("a server thread exited".into());
     let who = format!("server {}", session.welcome.rank);
+    let to_threads = |cmd: &mut dyn FnMut(usize) -> ThreadCmd| to_threads(cmd_txs, wakers, cmd).map_err(|()| exited());
     let install = |segments: &mut Segments,
                    links: &mut Links,
                    specs: &[TensorSpec],
@@ -280,11 +281,10 @@ fn control_loop(
         let shm = segments.map(specs).map_err(ServerError::Setup)?;
         let mut new_links = links.open(specs);
         let (ack_tx, ack_rx) = bounded(cmd_txs.len());
-        for (t, (tx, w)) in cmd_txs.iter().zip(wakers).enumerate() {
+        to_threads(&mut |t| {
             let l = std::mem::take(&mut new_links[t]);
-            tx.send(ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), l, ack_tx.clone())).map_err(|_| exited())?;
-            let _ = w.wake();
-        }
+            ThreadCmd::Declare(specs.to_vec(), adopt, shm.clone(), l, ack_tx.clone())
+        })?;
         for _ in cmd_txs {
             ack_rx.recv().map_err(|_| exited())?;
         }
@@ -306,10 +306,7 @@ fn control_loop(
             }
             Control::ServerMove { batch, specs } => {
                 let (tx, rx) = bounded(cmd_txs.len());
-                for (t, w) in cmd_txs.iter().zip(wakers) {
-                    t.send(ThreadCmd::GiveUp(specs.clone(), tx.clone())).map_err(|_| exited())?;
-                    let _ = w.wake();
-                }
+                to_threads(&mut |_| ThreadCmd::GiveUp(specs.clone(), tx.clone()))?;
                 let mut kept = Vec::new();
                 for _ in cmd_txs {
                     kept.extend(rx.recv().map_err(|_| exited())?);
@@ -325,18 +322,10 @@ fn control_loop(
             }
             Control::ServerRelease { keys } => {
                 segments.release(&keys);
-                for (tx, w) in cmd_txs.iter().zip(wakers) {
-                    tx.send(ThreadCmd::Release(keys.clone())).map_err(|_| exited())?;
-                    let _ = w.wake();
-                }
+                to_threads(&mut |_| ThreadCmd::Release(keys.clone()))?;
             }
             Control::Shutdown => return Ok(()),
-            Control::PeerLeft { rank } => {
-                for (tx, w) in cmd_txs.iter().zip(wakers) {
-                    tx.send(ThreadCmd::Left(rank)).map_err(|_| exited())?;
-                    let _ = w.wake();
-                }
-            }
+            Control::PeerLeft { rank } => to_threads(&mut |_| ThreadCmd::Left(rank))?,
             Control::PeerLost { role, rank: r, reason } => {
                 return Err(ServerError::JobFailed(format!("{} {r} lost: {reason}", role.name())))
             }
@@ -346,6 +335,20 @@ fn control_loop(
             }
         }
     }
+}
+
+/// Give server thread t the command cmd(t) and wake it to run it; Err if
+/// a thread is gone.
+fn to_threads(
+    cmd_txs: &[crossbeam_channel::Sender<ThreadCmd>],
+    wakers: &[Waker],
+    cmd: &mut dyn FnMut(usize) -> ThreadCmd,
+) -> Result<(), ()> {
+    for (t, (tx, w)) in cmd_txs.iter().zip(wakers).enumerate() {
+        tx.send(cmd(t)).map_err(|_| ())?;
+        let _ = w.wake();
+    }
+    Ok(())
 }
 
 /// The links this server's threads open to the threads replicating their
