@@ -539,7 +539,16 @@ mod tests {
     fn spec(numel: u64, dtype: DType) -> TensorSpec {
         let chunk_elems = 100;
         let n = numel.div_ceil(chunk_elems) as usize;
-        TensorSpec { key: 3, name: "t".into(), numel, dtype, chunk_elems, slots: vec![0; n], replicas: Vec::new() }
+        TensorSpec {
+            key: 3,
+            name: "t".into(),
+            numel,
+            dtype,
+            chunk_elems,
+            slots: vec![0; n],
+            replicas: Vec::new(),
+            relays: Vec::new(),
+        }
     }
 
     #[test]

@@ -57,6 +57,11 @@ pub struct Placer {
     /// push (for the weights when a server joins).
     colocated: Vec<bool>,
     pushing: usize,
+    /// Two-level reduction (`with_racks`): each slot's rack, which racks
+    /// hold workers, and the bytes each slot relays.
+    rack: Vec<u32>,
+    racks_with_workers: Vec<bool>,
+    relay_load: Vec<u64>,
 }
 
 impl Placer {
@@ -77,7 +82,56 @@ impl Placer {
         let load = vec![0; slots.len()];
         let replica_load = vec![0; slots.len()];
         let lost = vec![false; slots.len()];
-        Placer { slots, weight, load, replica_load, replicas: false, lost, colocated: coloc, pushing: num_workers }
+        Placer {
+            slots,
+            weight,
+            load,
+            replica_load,
+            replicas: false,
+            lost,
+            colocated: coloc,
+            pushing: num_workers,
+            rack: Vec::new(),
+            racks_with_workers: Vec::new(),
+            relay_load: Vec::new(),
+        }
+    }
+
+    /// Reduce within racks first (`scheduler::racks`): `server_racks` by
+    /// server rank, and whether each rack holds workers.
+    pub fn with_racks(mut self, server_racks: &[u32], racks_with_workers: Vec<bool>) -> Placer {
+        self.rack = self.slots.iter().map(|s| server_racks.get(s.server as usize).copied().unwrap_or(0)).collect();
+        self.relay_load = vec![0; self.slots.len()];
+        self.racks_with_workers = racks_with_workers;
+        self
+    }
+
+    /// With racks, per chunk and rack (`TensorSpec::relays`), the slot the
+    /// rack's workers push to: the owner in its own rack (and in racks
+    /// without workers, which push nothing), else the least-loaded relay
+    /// among the rack's own slots. Empty without racks.
+    pub fn place_relays(&mut self, spec: &crate::protocol::TensorSpec) -> Vec<u32> {
+        let racks = self.racks_with_workers.len();
+        if racks < 2 {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(spec.num_chunks() * racks);
+        for c in 0..spec.num_chunks() {
+            let owner = spec.slots[c];
+            let b = spec.chunk_bytes(c) as u64;
+            for r in 0..racks as u32 {
+                let mine = |i: &usize| self.rack[*i] == r && !self.lost[*i];
+                let best = (0..self.slots.len()).filter(mine).min_by_key(|&i| (self.relay_load[i], i));
+                match best {
+                    Some(i) if self.rack[owner as usize] != r && self.racks_with_workers[r as usize] => {
+                        self.relay_load[i] += b;
+                        out.push(i as u32);
+                    }
+                    _ => out.push(owner),
+                }
+            }
+        }
+        out
     }
 
     /// Server `s` joined the running job: its threads become the next
@@ -342,6 +396,14 @@ impl Placer {
             }
         }
         self.unplace_replicas(spec, &spec.replicas);
+        for (i, &slot) in spec.relays.iter().enumerate() {
+            let c = i / self.racks_with_workers.len().max(1);
+            if slot != spec.slots[c] {
+                if let Some(l) = self.relay_load.get_mut(slot as usize) {
+                    *l = l.saturating_sub(spec.chunk_bytes(c) as u64);
+                }
+            }
+        }
     }
 }
 
@@ -360,6 +422,10 @@ pub struct HostLayout {
     host_of: Vec<usize>,
     /// Each host's workers, by local rank.
     hosts: Vec<Vec<u32>>,
+    /// With two-level reduction (`with_racks`), each host's rack and the
+    /// number of racks; else empty.
+    host_rack: Vec<u32>,
+    racks: u32,
 }
 
 impl HostLayout {
@@ -371,7 +437,8 @@ impl HostLayout {
         }
         let n = worker_hosts.len();
         if !reduce {
-            return Ok(HostLayout { host_of: (0..n).collect(), hosts: (0..n as u32).map(|r| vec![r]).collect() });
+            let hosts = (0..n as u32).map(|r| vec![r]).collect();
+            return Ok(HostLayout { host_of: (0..n).collect(), hosts, host_rack: Vec::new(), racks: 0 });
         }
         let mut names: Vec<&String> = Vec::new();
         let mut host_of = Vec::with_capacity(n);
@@ -395,11 +462,78 @@ impl HostLayout {
         }
         // Every slot is filled: as many ranks as slots, and none twice.
         let hosts = hosts.into_iter().map(|h| h.into_iter().flatten().collect()).collect();
-        Ok(HostLayout { host_of, hosts })
+        Ok(HostLayout { host_of, hosts, host_rack: Vec::new(), racks: 0 })
+    }
+
+    /// Two-level reduction over `racks` racks, each worker's rack by rank
+    /// (`scheduler::racks`). A host's workers must share its rack.
+    pub fn with_racks(mut self, worker_racks: &[u32], racks: u32) -> Result<HostLayout, String> {
+        let mut host_rack = Vec::with_capacity(self.hosts.len());
+        for w in &self.hosts {
+            let r = |x: &u32| worker_racks.get(*x as usize).copied().unwrap_or(0);
+            let first = w.first().map(r).unwrap_or(0);
+            if let Some(other) = w.iter().find(|x| r(x) != first) {
+                return Err(format!("workers {} and {other} share a host but not a rack", w[0]));
+            }
+            host_rack.push(first);
+        }
+        (self.host_rack, self.racks) = (host_rack, racks);
+        Ok(self)
+    }
+
+    /// The racks reduced first, 0 without two levels.
+    pub fn num_racks(&self) -> u32 {
+        self.racks
+    }
+
+    /// The pusher id of rack `rack`'s relay at a chunk's owner: after the
+    /// workers' ranks.
+    pub fn relay_id(&self, rack: u32) -> u32 {
+        self.host_of.len() as u32 + rack
+    }
+
+    /// Who pushes a chunk to its thread there: with two levels, the owner
+    /// (`owner_rack`: the owner's rack) takes its own rack's pushers and
+    /// one relay per other rack that holds workers; a relay (`relay`: its
+    /// rack) takes its rack's pushers. Without, every host's pusher.
+    pub fn pushers_at(&self, key: u32, chunk: u32, owner_rack: u32, relay: Option<u32>) -> Vec<u32> {
+        if self.racks == 0 {
+            return self.pushers(key, chunk);
+        }
+        let rack = relay.unwrap_or(owner_rack);
+        let mut out: Vec<u32> = (self.hosts.iter().zip(&self.host_rack))
+            .filter(|(_, &r)| r == rack)
+            .map(|(w, _)| w[owner_index(w.len(), key, chunk)])
+            .collect();
+        if relay.is_none() {
+            let mut others: Vec<u32> = self.host_rack.iter().copied().filter(|&r| r != owner_rack).collect();
+            others.sort_unstable();
+            others.dedup();
+            out.extend(others.into_iter().map(|r| self.relay_id(r)));
+        }
+        out
+    }
+
+    /// Whose push an init round keeps there (rank 0's host's, or the relay
+    /// of its rack); `None` at a relay of another rack (its sum is ignored).
+    pub fn init_pusher(&self, key: u32, chunk: u32, owner_rack: u32, relay: Option<u32>) -> Option<u32> {
+        let own = self.owner(0, key, chunk);
+        let Some(&r0) = self.host_of.first().and_then(|&h| self.host_rack.get(h)) else { return Some(own) };
+        match relay {
+            Some(r) if r != r0 => None,
+            Some(_) => Some(own),
+            None if r0 == owner_rack => Some(own),
+            None => Some(self.relay_id(r0)),
+        }
     }
 
     pub fn num_hosts(&self) -> usize {
         self.hosts.len()
+    }
+
+    /// The index of `rank`'s host (the machine that pushes for it).
+    pub fn host_index(&self, rank: u32) -> usize {
+        self.host_of.get(rank as usize).copied().unwrap_or(rank as usize)
     }
 
     /// The workers on `rank`'s host, by local rank (`rank` included).
@@ -445,6 +579,7 @@ mod tests {
                 ports: (0..threads as u16).map(|p| 9000 + p).collect(),
                 colocated: c,
                 host: format!("h{i}"),
+                rack: 0,
             })
             .collect()
     }
@@ -497,6 +632,7 @@ mod tests {
             chunk_elems: 1000,
             slots: Vec::new(),
             replicas: Vec::new(),
+            relays: Vec::new(),
         };
         let (mut a, mut b) = (mk(0, 60_000), mk(1, 37_000));
         let chunk = 4000;
@@ -552,6 +688,7 @@ mod tests {
             chunk_elems: 1,
             slots: Vec::new(),
             replicas: Vec::new(),
+            relays: Vec::new(),
         };
         let sizes: Vec<u64> = (0..3).map(|_| 8000).chain((0..24).map(|_| 500)).collect();
         t.slots = p.place(sizes.iter().copied());
@@ -571,6 +708,7 @@ mod tests {
                 chunk_elems: b / 4,
                 slots: vec![slot],
                 replicas: Vec::new(),
+                relays: Vec::new(),
             })
             .collect();
         let mut refs: Vec<&mut crate::protocol::TensorSpec> = specs.iter_mut().collect();
@@ -594,6 +732,7 @@ mod tests {
             chunk_elems: 1000,
             slots: Vec::new(),
             replicas: Vec::new(),
+            relays: Vec::new(),
         };
         t.slots = p.place((0..40).map(|_| 4000));
         let joined = servers(&[true, true, false], 1).remove(2);
@@ -623,6 +762,7 @@ mod tests {
             chunk_elems: 10,
             slots: Vec::new(),
             replicas: Vec::new(),
+            relays: Vec::new(),
         };
         spec.slots = p.place((0..30).map(|c| spec.chunk_bytes(c) as u64));
         spec.replicas = p.place_replicas(&spec);
@@ -677,6 +817,7 @@ mod tests {
             chunk_elems: 10,
             slots: Vec::new(),
             replicas: Vec::new(),
+            relays: Vec::new(),
         };
         spec.slots = p.place((0..60).map(|c| spec.chunk_bytes(c) as u64));
         assert!(spec.slots.iter().any(|&s| s / 2 == 1), "server 1 got chunks");

@@ -123,9 +123,19 @@ fn scheduler_config(
     }
 }
 
+/// Two-level reduction across racks: the mode and PHub's bandwidths.
+fn with_racks(cfg: SchedulerConfig, mode: &str, link_gbit: f64, core_gbit: f64) -> PyResult<SchedulerConfig> {
+    let rack_reduce = scheduler::RackMode::parse(mode)
+        .ok_or_else(|| PyValueError::new_err(format!("rack_reduce must be auto, on or off, not '{mode}'")))?;
+    if !(link_gbit >= 0.0 && core_gbit >= 0.0 && link_gbit.is_finite() && core_gbit.is_finite()) {
+        return Err(PyValueError::new_err("bandwidths must be finite and not negative"));
+    }
+    Ok(SchedulerConfig { rack_reduce, link_gbit, core_gbit, ..cfg })
+}
+
 /// Run a scheduler until the job ends (blocking, without the GIL).
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None, rack_reduce="auto".to_string(), link_gbit=0.0, core_gbit=0.0))]
 #[allow(clippy::too_many_arguments)]
 fn run_scheduler(
     py: Python<'_>,
@@ -141,6 +151,9 @@ fn run_scheduler(
     host_reduce: bool,
     failover: bool,
     token: Option<String>,
+    rack_reduce: String,
+    link_gbit: f64,
+    core_gbit: f64,
 ) -> PyResult<()> {
     let cfg = scheduler_config(
         bind,
@@ -156,6 +169,7 @@ fn run_scheduler(
         failover,
         token,
     );
+    let cfg = with_racks(cfg, &rack_reduce, link_gbit, core_gbit)?;
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
 }
 
@@ -183,7 +197,7 @@ impl SchedulerHandle {
 }
 
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None))]
+#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None, rack_reduce="auto".to_string(), link_gbit=0.0, core_gbit=0.0))]
 #[allow(clippy::too_many_arguments)]
 fn start_scheduler(
     bind: String,
@@ -198,6 +212,9 @@ fn start_scheduler(
     host_reduce: bool,
     failover: bool,
     token: Option<String>,
+    rack_reduce: String,
+    link_gbit: f64,
+    core_gbit: f64,
 ) -> PyResult<SchedulerHandle> {
     let cfg = scheduler_config(
         bind,
@@ -213,12 +230,13 @@ fn start_scheduler(
         failover,
         token,
     );
+    let cfg = with_racks(cfg, &rack_reduce, link_gbit, core_gbit)?;
     let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
 }
 
 #[pyfunction]
-#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0, token=None, timeline=None))]
+#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0, token=None, timeline=None, rack=String::new()))]
 #[allow(clippy::too_many_arguments)]
 fn run_server(
     py: Python<'_>,
@@ -235,6 +253,7 @@ fn run_server(
     connect_timeout: f64,
     token: Option<String>,
     timeline: Option<String>,
+    rack: String,
 ) -> PyResult<()> {
     let cfg = ServerConfig {
         scheduler,
@@ -253,6 +272,7 @@ fn run_server(
         secret: secret_of(token),
         traffic: Default::default(),
         timeline,
+        rack,
     };
     py.detach(|| server::run_server(cfg)).map_err(py_err)
 }
@@ -409,7 +429,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None, job=None))]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None, job=None, rack=String::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -425,6 +445,7 @@ impl PyClient {
         server_shm: bool,
         token: Option<String>,
         job: Option<String>,
+        rack: String,
     ) -> PyResult<Self> {
         let (secret, namespace) = member_secret(token, job, namespace)?;
         let cfg = ClientConfig {
@@ -441,6 +462,7 @@ impl PyClient {
             host: None,
             server_shm,
             secret,
+            rack,
         };
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })

@@ -85,7 +85,12 @@ impl<'a> Source<'a> {
             true => (0..chunks).map(|_| self.u32()).collect(),
             false => Vec::new(),
         };
-        TensorSpec { key: self.u32(), name: self.text(), numel, dtype: self.dtype(), chunk_elems, slots, replicas }
+        let relays = match (self.bool(), chunks) {
+            (true, 1..) => (0..chunks * (1 + self.u32() as u64 % 3)).map(|_| self.u32()).collect(),
+            _ => Vec::new(),
+        };
+        let (key, name, dtype) = (self.u32(), self.text(), self.dtype());
+        TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas, relays }
     }
     fn server(&mut self) -> ServerInfo {
         ServerInfo {
@@ -94,6 +99,7 @@ impl<'a> Source<'a> {
             ports: self.list(4, |s| s.u16()),
             colocated: self.bool(),
             host: self.text(),
+            rack: self.u32(),
         }
     }
     fn role(&mut self) -> Role {
@@ -119,13 +125,18 @@ pub fn message(s: &mut Source) -> Control {
             num_servers: s.u32(),
             local_rank: s.u32() as i32,
             local_size: s.u32() as i32,
+            rack: s.text(),
         }),
         1 => {
             let (rank, num_workers, partition_bytes) = (s.u32(), s.u32(), s.u32());
             let (heartbeat_ms, stall_ms, peer_timeout_ms) = (s.u32(), s.u32(), s.u32());
-            let servers = s.list(6, |s| s.server());
+            let mut servers = s.list(6, |s| s.server());
             let worker_hosts = s.list(8, |s| s.text());
             let worker_local_ranks = worker_hosts.iter().map(|_| s.u32()).collect();
+            let racks = s.list(4, |s| s.text());
+            let n = racks.len().max(1) as u32;
+            let worker_racks = worker_hosts.iter().map(|_| s.u32() % n).collect();
+            servers.iter_mut().for_each(|x| x.rack %= n);
             Control::Welcome(Welcome {
                 rank,
                 num_workers,
@@ -140,6 +151,9 @@ pub fn message(s: &mut Source) -> Control {
                 host_reduce: s.bool(),
                 failover: s.bool(),
                 late: s.bool(),
+                racks,
+                worker_racks,
+                rack_reduce: s.bool(),
             })
         }
         2 => Control::Declare {

@@ -34,6 +34,9 @@ def run_scheduler(
     host_reduce: bool = True,
     failover: bool = True,
     token: str | None = None,  # the job's secret (protocol::auth); None: no token
+    rack_reduce: str = "auto",  # two-level reduction across racks: auto (PHub's model), on or off
+    link_gbit: float = 0.0,  # each host's link, Gbit/s, for PHub's model (0: not given, 10 assumed)
+    core_gbit: float = 0.0,  # each rack's link to the core, Gbit/s (0: not given, one host link assumed)
 ) -> None:
     """Run a scheduler until the job ends (blocking, without the GIL)."""
 
@@ -50,6 +53,9 @@ def start_scheduler(
     host_reduce: bool = True,
     failover: bool = True,
     token: str | None = None,  # the job's secret (protocol::auth); None: no token
+    rack_reduce: str = "auto",  # two-level reduction across racks: auto (PHub's model), on or off
+    link_gbit: float = 0.0,  # each host's link, Gbit/s, for PHub's model (0: not given, 10 assumed)
+    core_gbit: float = 0.0,  # each rack's link to the core, Gbit/s (0: not given, one host link assumed)
 ) -> SchedulerHandle:
     """Start a scheduler on a background thread of this process."""
 
@@ -67,6 +73,7 @@ def run_server(
     connect_timeout: float = 60.0,
     token: str | None = None,  # the job's secret (protocol::auth); None: no token
     timeline: str | None = None,  # Chrome trace of the chunk rounds ({rank}: the server's rank)
+    rack: str = "",  # this server's rack (GRADHUB_RACK); "" none
 ) -> None:
     """Run a summation server until the job ends (blocking, without the GIL)."""
 
@@ -150,6 +157,7 @@ class Client:
         server_shm: bool = True,
         token: str | None = None,
         job: str | None = None,  # this job's name on a shared service (its namespace derives from it)
+        rack: str = "",  # this worker's rack (GRADHUB_RACK); "" none
     ) -> None: ...
     @property
     def rank(self) -> int: ...

@@ -90,6 +90,7 @@ class WorkerEnv:
     insecure: bool                 # GRADHUB_INSECURE
     job: str | None                # GRADHUB_JOB: this job's name on a shared service
     timeline: str | None           # GRADHUB_TIMELINE (or HOROVOD_TIMELINE): worker 0's Chrome trace file
+    rack: str                      # GRADHUB_RACK: this worker's rack ("": none)
     torchrun: bool
     # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
     # servers inside the worker processes (see gradhub.api).
@@ -126,6 +127,7 @@ def worker_env() -> WorkerEnv:
         insecure=insecure(),
         job=job,
         timeline=get_str("GRADHUB_TIMELINE") or get_str("HOROVOD_TIMELINE"),
+        rack=get_str("GRADHUB_RACK", ""),
         torchrun=torchrun,
         embedded=embedded,
     )
@@ -242,6 +244,9 @@ class SchedulerEnv:
     namespace: int
     host_reduce: bool              # GRADHUB_HOST_REDUCE: workers sharing a host sum there first
     failover: bool                 # GRADHUB_FAILOVER: a lost server's chunks move to the others
+    rack_reduce: str               # GRADHUB_RACK_REDUCE: auto (PHub's model), on or off
+    link_gbit: float               # GRADHUB_LINK_GBIT: each host's link, for the model (0: not given)
+    core_gbit: float               # GRADHUB_CORE_GBIT: each rack's link to the core (0: not given)
 
 
 def scheduler_env() -> SchedulerEnv:
@@ -255,6 +260,9 @@ def scheduler_env() -> SchedulerEnv:
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         host_reduce=get_flag("GRADHUB_HOST_REDUCE", True),
         failover=get_flag("GRADHUB_FAILOVER", True),
+        rack_reduce=get_choice("GRADHUB_RACK_REDUCE", ("auto", "on", "off"), "auto"),
+        link_gbit=get_float("GRADHUB_LINK_GBIT", 0.0),
+        core_gbit=get_float("GRADHUB_CORE_GBIT", 0.0),
     )
 
 
@@ -271,6 +279,7 @@ class ServerEnv:
     namespace: int
     connect_timeout: float
     timeline: str | None           # GRADHUB_SERVER_TIMELINE: the server's Chrome trace ({rank}: its rank)
+    rack: str                      # GRADHUB_RACK: this server's rack ("": none)
 
 
 def server_env() -> ServerEnv:
@@ -286,6 +295,7 @@ def server_env() -> ServerEnv:
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
         timeline=get_str("GRADHUB_SERVER_TIMELINE"),
+        rack=get_str("GRADHUB_RACK", ""),
     )
 
 

@@ -111,7 +111,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                connect_timeout=env.connect_timeout, server_shm=env.server_shm,
                                local_rank=-1 if env.local_rank is None else env.local_rank,
                                local_size=-1 if env.local_size is None else env.local_size,
-                               token=env.token, job=env.job, **kwargs)
+                               token=env.token, job=env.job, rack=env.rack, **kwargs)
         _joined = env.scheduler
         if env.timeline:
             timeline.start(env.timeline, _client.rank)

@@ -43,6 +43,12 @@ environment (flags win over variables):
                            first (scheduler; default on)
   GRADHUB_FAILOVER=0       losing a server fails the job instead of moving
                            its chunks to the others (scheduler; default on)
+  GRADHUB_RACK             the rack of a worker or server (every member or
+                           none): each rack may sum a chunk before the core
+  GRADHUB_RACK_REDUCE      auto (default: PHub's model decides), on or off
+                           (scheduler)
+  GRADHUB_LINK_GBIT        each host's link, Gbit/s, for the model (scheduler)
+  GRADHUB_CORE_GBIT        each rack's link to the network core, Gbit/s
 shared service (many jobs on one scheduler and set of servers):
   GRADHUB_SERVICE_TOKEN    the service's master token (its scheduler, servers
                            and operator only); or
@@ -66,6 +72,15 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
     p.add_argument("--no-failover", dest="failover", action="store_false", default=env.failover,
                    help="fail the job when a server is lost, instead of moving its chunks to the other servers "
                    "and going on (GRADHUB_FAILOVER=0)")
+    p.add_argument("--rack-reduce", choices=["auto", "on", "off"], default=env.rack_reduce,
+                   help="with members in racks (GRADHUB_RACK), sum each chunk within each rack before it crosses "
+                   "the core: auto lets PHub's model decide from --link-gbit and --core-gbit (GRADHUB_RACK_REDUCE; "
+                   "default auto; a single job only)")
+    p.add_argument("--link-gbit", type=_count(0, float), default=env.link_gbit,
+                   help="each host's link in Gbit/s, for the model (GRADHUB_LINK_GBIT; default: 10 assumed)")
+    p.add_argument("--core-gbit", type=_count(0, float), default=env.core_gbit,
+                   help="each rack's link to the network core in Gbit/s (GRADHUB_CORE_GBIT; default: one host link "
+                   "assumed)")
 
 
 def _count(least: int, kind=int):
@@ -179,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="request this server rank (GRADHUB_SERVER_RANK; default: assigned)")
     vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
                     help="seconds to keep retrying the scheduler (GRADHUB_CONNECT_TIMEOUT; default 60)")
+    vp.add_argument("--rack", default=venv.rack,
+                    help="this server's rack, when the job's members are in racks (GRADHUB_RACK; workers set the "
+                    "variable): a rack's workers may sum a chunk on their rack's servers before the core")
     vp.add_argument("--timeline", default=venv.timeline,
                     help="write a Chrome/Perfetto trace of every chunk round here: how long it waited for its "
                     "pushers and which worker came last, and how long finishing it took; {rank} becomes the "
@@ -223,7 +241,8 @@ def _run_scheduler(args) -> int:
                                  job_max_mib=args.job_max_mib, job_max_workers=args.job_max_workers)
     return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
                                args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce,
-                               failover=args.failover, token=_env.job_token(), insecure=args.insecure)
+                               failover=args.failover, token=_env.job_token(), insecure=args.insecure,
+                               rack_reduce=args.rack_reduce, link_gbit=args.link_gbit, core_gbit=args.core_gbit)
 
 
 def _run_server(args) -> int:
@@ -233,7 +252,7 @@ def _run_server(args) -> int:
                                         args.bind_host, args.connect_timeout)
     return roles.run_server(args.scheduler, args.threads, args.colocated, args.advertise_addr, args.bind_host,
                             args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout,
-                            token=_env.job_token(), insecure=args.insecure, timeline=args.timeline)
+                            token=_env.job_token(), insecure=args.insecure, timeline=args.timeline, rack=args.rack)
 
 
 def _token(args) -> int:

@@ -88,6 +88,8 @@ def launch(args, command: list[str]) -> int:
         timing.append("--no-host-reduce")
     if not args.failover:
         timing.append("--no-failover")
+    timing += ["--rack-reduce", args.rack_reduce, "--link-gbit", str(args.link_gbit),
+               "--core-gbit", str(args.core_gbit)]
     procs: list[Proc] = []
     procs.append(Proc("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"] + timing,
                       {**base, "GRADHUB_ROLE": "scheduler"}))

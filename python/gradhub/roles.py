@@ -53,7 +53,8 @@ def _bind_address(bind: str | None, scheduler: str | None) -> str:
 def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None,
                   partition_bytes: int | None = None, stall_seconds: float = 30.0, peer_timeout: float = 10.0,
                   namespace: int = 0, scheduler: str | None = None, host_reduce: bool = True,
-                  failover: bool = True, token: str | None = None, insecure: bool = False) -> int:
+                  failover: bool = True, token: str | None = None, insecure: bool = False,
+                  rack_reduce: str = "auto", link_gbit: float = 0.0, core_gbit: float = 0.0) -> int:
     """Run the job's scheduler until the job ends; returns an exit code
     (0 done, 1 the job failed, 2 bad settings). `bind` defaults to the port of
     `scheduler` (GRADHUB_SCHEDULER), or 9000, on its host if that is loopback,
@@ -72,7 +73,8 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
     try:
         _core.run_scheduler(bind, num_workers, num_servers, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                             peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
-                            namespace=namespace, host_reduce=host_reduce, failover=failover, token=token)
+                            namespace=namespace, host_reduce=host_reduce, failover=failover, token=token,
+                            rack_reduce=rack_reduce, link_gbit=link_gbit, core_gbit=core_gbit)
     except _core.GradhubError as e:
         print(f"gradhub scheduler: {e}", file=sys.stderr)
         return 1
@@ -82,7 +84,8 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
 def run_server(scheduler: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
                bind_host: str | None = None, port: int = 0, rank: int = -1, num_workers: int = 0,
                num_servers: int = 0, namespace: int = 0, connect_timeout: float = 60.0,
-               token: str | None = None, insecure: bool = False, timeline: str | None = None) -> int:
+               token: str | None = None, insecure: bool = False, timeline: str | None = None,
+               rack: str = "") -> int:
     """Run one summation server until the job ends; returns an exit code.
     `bind_host` defaults to loopback when the scheduler is on loopback, else
     0.0.0.0; reaching beyond loopback needs `token` or `insecure`."""
@@ -102,7 +105,7 @@ def run_server(scheduler: str | None, threads: int, colocated: bool = False, adv
         _core.run_server(scheduler, threads=max(1, threads), colocated=colocated, advertise=advertise,
                          bind_host=bind_host, base_port=port, rank=rank, num_workers=num_workers,
                          num_servers=num_servers, namespace=namespace, connect_timeout=connect_timeout,
-                         token=token, timeline=timeline)
+                         token=token, timeline=timeline, rack=rack)
     except _core.GradhubError as e:
         print(f"gradhub server: {e}", file=sys.stderr)
         return 1
@@ -171,14 +174,16 @@ def scheduler_from_env() -> int:
     e = _env.scheduler_env()
     return run_scheduler(None, e.num_workers, e.num_servers, e.partition_bytes, e.stall_seconds, e.peer_timeout,
                          e.namespace, scheduler=e.scheduler, host_reduce=e.host_reduce, failover=e.failover,
-                         token=_env.job_token(), insecure=_env.insecure())
+                         token=_env.job_token(), insecure=_env.insecure(), rack_reduce=e.rack_reduce,
+                         link_gbit=e.link_gbit, core_gbit=e.core_gbit)
 
 
 def server_from_env() -> int:
     e = _env.server_env()
     return run_server(e.scheduler, e.threads if e.threads is not None else default_server_threads(), e.colocated,
                       e.advertise, None, e.port, e.rank, e.num_workers, e.num_servers, e.namespace,
-                      e.connect_timeout, token=_env.job_token(), insecure=_env.insecure(), timeline=e.timeline)
+                      e.connect_timeout, token=_env.job_token(), insecure=_env.insecure(), timeline=e.timeline,
+                      rack=e.rack)
 
 
 def run_role(role: str) -> int:
@@ -207,7 +212,8 @@ class Embedded:
                 f"{bind_host}:{port}", env.num_workers, env.num_servers,
                 s.partition_bytes or _core.DEFAULT_PARTITION_BYTES,
                 peer_timeout_ms=int(s.peer_timeout * 1000), stall_ms=int(s.stall_seconds * 1000),
-                namespace=env.namespace, host_reduce=s.host_reduce, failover=s.failover, token=env.token)
+                namespace=env.namespace, host_reduce=s.host_reduce, failover=s.failover, token=env.token,
+                rack_reduce=s.rack_reduce, link_gbit=s.link_gbit, core_gbit=s.core_gbit)
         if (env.local_rank or 0) == 0:
             threads = _env.server_env().threads or 1
 
@@ -215,7 +221,7 @@ class Embedded:
                 try:
                     _core.run_server(env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
                                      num_servers=env.num_servers, namespace=env.namespace, bind_host=bind_host,
-                                     token=env.token, timeline=_env.server_env().timeline)
+                                     token=env.token, timeline=_env.server_env().timeline, rack=env.rack)
                 except _core.GradhubError as e:  # reported to workers by the scheduler too
                     print(f"[gradhub] embedded server: {e}", file=sys.stderr)
 

@@ -52,6 +52,8 @@ pub struct ClientConfig {
     pub server_shm: bool,
     /// The job's token: every connection proves it (`protocol::auth`).
     pub secret: Secret,
+    /// This worker's rack (`GRADHUB_RACK`), if racks are used.
+    pub rack: String,
 }
 
 impl Default for ClientConfig {
@@ -69,6 +71,7 @@ impl Default for ClientConfig {
             host: None,
             server_shm: true,
             secret: Secret::none(),
+            rack: String::new(),
         }
     }
 }
@@ -157,6 +160,9 @@ pub struct Shared {
     /// How to reach a server that joins while the job runs (`ServerJoined`).
     secret: Secret,
     connect_timeout: Duration,
+    /// With two-level reduction, this worker's rack: it pushes each chunk
+    /// to its rack's relay (`TensorSpec::slot_for`).
+    rack: Option<u32>,
     table: Mutex<Table>,
     failure: Mutex<Option<String>>,
     io: Io,
@@ -542,6 +548,7 @@ impl Client {
             num_servers: cfg.num_servers,
             local_rank: cfg.local_rank,
             local_size: cfg.local_size,
+            rack: cfg.rack.clone(),
         })?;
         let w = session.welcome.clone();
         let me = w.rank as usize;
@@ -549,8 +556,11 @@ impl Client {
             return Err(ClientError::Setup(format!("the Welcome has no host for worker {me}")));
         };
         let local_size = w.worker_hosts.iter().filter(|h| *h == host).count() as u32;
+        let racks = if w.rack_reduce { w.racks.len() as u32 } else { 0 };
         let layout = HostLayout::new(&w.worker_hosts, &w.worker_local_ranks, w.host_reduce)
+            .and_then(|l| l.with_racks(&w.worker_racks, racks))
             .map_err(|e| ClientError::Setup(format!("the scheduler's host layout: {e}")))?;
+        let rack = w.rack_reduce.then(|| w.worker_racks.get(me).copied().unwrap_or(0));
         // Servers on this host map the host stage's segments too.
         let servers_here = w.servers.iter().filter(|s| &s.host == host).count();
         let host_stage = match layout.host_workers(w.rank) {
@@ -595,6 +605,7 @@ impl Client {
             session: session.sender(),
             secret: cfg.secret.clone(),
             connect_timeout: cfg.connect_timeout,
+            rack,
             table: Mutex::new(Table::default()),
             failure: Mutex::new(None),
             io,
@@ -1163,7 +1174,12 @@ fn control_loop(shared: Arc<Shared>, mut session: Session) {
             return;
         }
         match msg {
-            Ok(Control::Declared { req, specs }) => {
+            Ok(Control::Declared { req, mut specs }) => {
+                if let Some(rack) = shared.rack {
+                    for s in &mut specs {
+                        s.slots = (0..s.num_chunks()).map(|c| s.slot_for(rack, c)).collect();
+                    }
+                }
                 let waiter = shared.table().waiters.remove(&req);
                 shared.on_declared(specs.clone());
                 if let Some(Waiter::Sync(tx)) = waiter {

@@ -59,6 +59,10 @@ pub struct Register {
     /// scheduler against the host identities of everyone who registered.
     pub local_rank: i32,
     pub local_size: i32,
+    /// The rack this member is in (`GRADHUB_RACK`; empty: not given). Racks
+    /// let the scheduler reduce within each rack before the core
+    /// (`scheduler::racks`).
+    pub rack: String,
 }
 
 /// `lost` of a `ServerTakeOver` or `Failover` that moves chunks to a
@@ -77,6 +81,8 @@ pub struct ServerInfo {
     pub colocated: bool,
     /// Host identity: workers with the same one share memory with it.
     pub host: String,
+    /// Its rack's index (`Welcome::racks`).
+    pub rack: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,6 +112,14 @@ pub struct Welcome {
     /// (To a server) it joined the job while it runs: no worker shares
     /// memory with it, whatever its host (`scheduler::failover::take_in`).
     pub late: bool,
+    /// The racks' names, and each worker's rack index, by rank. One rack
+    /// (named "") when none was given.
+    pub racks: Vec<String>,
+    pub worker_racks: Vec<u32>,
+    /// Two-level reduction (PHub §3.4): each rack sums a chunk on one of its
+    /// own server threads (the chunk's *relay*, `TensorSpec::relays`),
+    /// which pushes the rack's sum to the chunk's owner.
+    pub rack_reduce: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +144,11 @@ pub struct TensorSpec {
     /// server is lost (`scheduler::failover`); empty when there is none
     /// (one server, failover or replication off).
     pub replicas: Vec<u32>,
+    /// With two-level reduction (`Welcome::rack_reduce`), per chunk and
+    /// rack (index `chunk * racks + rack`), the slot the rack's workers push
+    /// the chunk to: the owner itself in the owner's rack, else a relay in
+    /// theirs; empty otherwise.
+    pub relays: Vec<u32>,
 }
 
 impl TensorSpec {
@@ -145,6 +164,14 @@ impl TensorSpec {
     pub fn chunk_bytes(&self, c: usize) -> usize {
         let (s, e) = self.chunk_range(c);
         (e - s) * self.dtype.size()
+    }
+    /// The slot rack `rack`'s workers push chunk `c` to.
+    pub fn slot_for(&self, rack: u32, c: usize) -> u32 {
+        let racks = self.relays.len() / self.slots.len().max(1);
+        match racks {
+            0 => self.slots[c],
+            r => self.relays[c * r + rack as usize % r],
+        }
     }
 }
 
@@ -312,7 +339,7 @@ fn put_server(w: &mut Writer, s: &ServerInfo) {
     for &p in &s.ports {
         w.u16(p);
     }
-    w.u8(s.colocated as u8).str(&s.host);
+    w.u8(s.colocated as u8).str(&s.host).u32(s.rack);
 }
 
 fn get_server(r: &mut Reader) -> Result<ServerInfo, ProtocolError> {
@@ -322,7 +349,8 @@ fn get_server(r: &mut Reader) -> Result<ServerInfo, ProtocolError> {
     let ports = (0..np).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
     let colocated = r.u8("colocated")? != 0;
     let host = r.str("server host")?;
-    Ok(ServerInfo { rank, addr, ports, colocated, host })
+    let rack = r.u32("server rack")?;
+    Ok(ServerInfo { rank, addr, ports, colocated, host, rack })
 }
 
 fn put_spec(w: &mut Writer, s: &TensorSpec) {
@@ -333,6 +361,10 @@ fn put_spec(w: &mut Writer, s: &TensorSpec) {
     }
     w.u32(s.replicas.len() as u32);
     for &slot in &s.replicas {
+        w.u32(slot);
+    }
+    w.u32(s.relays.len() as u32);
+    for &slot in &s.relays {
         w.u32(slot);
     }
 }
@@ -364,6 +396,14 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
     if nr != 0 && nr != n {
         return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {nr} replica slots for {n} chunks")));
     }
+    let nl = r.count("relays", 4)?;
+    let mut relays = Vec::with_capacity(nl);
+    for _ in 0..nl {
+        relays.push(r.u32("relay")?);
+    }
+    if nl != 0 && (n == 0 || !nl.is_multiple_of(n)) {
+        return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {nl} relay slots for {n} chunks")));
+    }
     let elem = dtype.size() as u64;
     if numel.checked_mul(elem).is_none_or(|b| b > MAX_TENSOR_BYTES) {
         return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {numel} elements is too large")));
@@ -379,7 +419,7 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
             "tensor spec '{name}': {n} chunk slots do not cover {numel} elements in chunks of {chunk_elems}"
         )));
     }
-    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas })
+    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas, relays })
 }
 
 fn put_specs(w: &mut Writer, specs: &[TensorSpec]) {
@@ -390,7 +430,7 @@ fn put_specs(w: &mut Writer, specs: &[TensorSpec]) {
 }
 
 fn get_specs(r: &mut Reader) -> Result<Vec<TensorSpec>, ProtocolError> {
-    let n = r.count("specs", 29)?;
+    let n = r.count("specs", 33)?;
     (0..n).map(|_| get_spec(r)).collect()
 }
 
@@ -444,7 +484,7 @@ impl Control {
                     w.u16(p);
                 }
                 w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
-                w.i32(m.local_rank).i32(m.local_size);
+                w.i32(m.local_rank).i32(m.local_size).str(&m.rack);
             }
             Control::Welcome(m) => {
                 w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
@@ -462,6 +502,15 @@ impl Control {
                     w.u32(l);
                 }
                 w.u64(m.job_id).u8(m.host_reduce as u8).u8(m.failover as u8).u8(m.late as u8);
+                w.u32(m.racks.len() as u32);
+                for r in &m.racks {
+                    w.str(r);
+                }
+                w.u32(m.worker_racks.len() as u32);
+                for &r in &m.worker_racks {
+                    w.u32(r);
+                }
+                w.u8(m.rack_reduce as u8);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -583,6 +632,7 @@ impl Control {
                 let num_servers = r.u32("num_servers")?;
                 let local_rank = r.i32("local_rank")?;
                 let local_size = r.i32("local_size")?;
+                let rack = r.str("rack")?;
                 Control::Register(Register {
                     role,
                     requested_rank,
@@ -594,6 +644,7 @@ impl Control {
                     num_servers,
                     local_rank,
                     local_size,
+                    rack,
                 })
             }
             MsgType::Welcome => {
@@ -603,7 +654,7 @@ impl Control {
                 let heartbeat_ms = r.u32("heartbeat_ms")?;
                 let stall_ms = r.u32("stall_ms")?;
                 let peer_timeout_ms = r.u32("peer_timeout_ms")?;
-                let ns = r.count("servers", 17)?;
+                let ns = r.count("servers", 21)?;
                 let mut servers = Vec::with_capacity(ns);
                 for _ in 0..ns {
                     servers.push(get_server(&mut r)?);
@@ -619,6 +670,19 @@ impl Control {
                 let host_reduce = r.u8("host_reduce")? != 0;
                 let failover = r.u8("failover")? != 0;
                 let late = r.u8("late")? != 0;
+                let nr = r.count("racks", 4)?;
+                let racks: Vec<String> = (0..nr).map(|_| r.str("rack")).collect::<Result<_, _>>()?;
+                let nwr = r.count("worker_racks", 4)?;
+                let worker_racks: Vec<u32> = (0..nwr).map(|_| r.u32("worker rack")).collect::<Result<_, _>>()?;
+                let rack_reduce = r.u8("rack_reduce")? != 0;
+                if nwr != nw || worker_racks.iter().any(|&x| x as usize >= nr.max(1)) {
+                    return Err(ProtocolError::BadPayload(format!(
+                        "{nwr} worker racks for {nw} workers in {nr} racks"
+                    )));
+                }
+                if servers.iter().any(|s| s.rack as usize >= nr.max(1)) {
+                    return Err(ProtocolError::BadPayload(format!("a server's rack is not one of the {nr} racks")));
+                }
                 Control::Welcome(Welcome {
                     rank,
                     num_workers,
@@ -633,6 +697,9 @@ impl Control {
                     host_reduce,
                     failover,
                     late,
+                    racks,
+                    worker_racks,
+                    rack_reduce,
                 })
             }
             MsgType::Declare => {

@@ -98,6 +98,10 @@ fn spec(key: u32, name: &str, numel: u64, dtype: DType, chunk_elems: u64, first_
             0 => Vec::new(),
             _ => (0..n as u32).map(|i| first_slot.wrapping_add(i + 1) % 7).collect(),
         },
+        relays: match key % 3 {
+            0 => (0..2 * n as u32).map(|i| first_slot.wrapping_add(i) % 5).collect(),
+            _ => Vec::new(),
+        },
     }
 }
 
@@ -116,6 +120,7 @@ fn sample_controls() -> Vec<Control> {
             num_servers: 2,
             local_rank: 3,
             local_size: 4,
+            rack: String::new(),
         }),
         Control::Register(Register {
             role: Role::Server,
@@ -128,6 +133,7 @@ fn sample_controls() -> Vec<Control> {
             num_servers: 0,
             local_rank: -1,
             local_size: -1,
+            rack: String::new(),
         }),
         Control::Register(Register {
             role: Role::Worker,
@@ -140,6 +146,7 @@ fn sample_controls() -> Vec<Control> {
             num_servers: 1,
             local_rank: i32::MIN,
             local_size: i32::MAX,
+            rack: String::new(),
         }),
         Control::Welcome(Welcome {
             rank: 3,
@@ -155,6 +162,7 @@ fn sample_controls() -> Vec<Control> {
                     ports: vec![40000, 40001, 40002],
                     colocated: true,
                     host: "h0".into(),
+                    rack: 0,
                 },
                 ServerInfo {
                     rank: 1,
@@ -162,6 +170,7 @@ fn sample_controls() -> Vec<Control> {
                     ports: vec![],
                     colocated: false,
                     host: "β".into(),
+                    rack: 1,
                 },
                 ServerInfo {
                     rank: u32::MAX,
@@ -169,6 +178,7 @@ fn sample_controls() -> Vec<Control> {
                     ports: vec![u16::MAX],
                     colocated: false,
                     host: String::new(),
+                    rack: 0,
                 },
             ],
             worker_hosts: vec!["a".into(), "a".into(), "日本語ホスト".into(), String::new()],
@@ -177,6 +187,9 @@ fn sample_controls() -> Vec<Control> {
             host_reduce: true,
             failover: false,
             late: true,
+            racks: vec!["r0".into(), "ρ1".into()],
+            worker_racks: vec![1, 0, 1, 0],
+            rack_reduce: true,
         }),
         Control::Welcome(Welcome {
             rank: 0,
@@ -192,6 +205,9 @@ fn sample_controls() -> Vec<Control> {
             host_reduce: false,
             failover: true,
             late: false,
+            racks: Vec::new(),
+            worker_racks: Vec::new(),
+            rack_reduce: false,
         }),
         Control::Declare {
             req: 7,
@@ -244,6 +260,7 @@ fn sample_controls() -> Vec<Control> {
                 ports: vec![40000, 40001],
                 colocated: false,
                 host: "h9".into(),
+                rack: 0,
             },
         },
         Control::ServerMove { batch: 5, specs: vec![spec(10, "w", 4096, DType::F16, 1000, 1)] },
@@ -764,7 +781,7 @@ fn control_rejects_invalid_utf8() {
     p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(0).u32(1).u32(2).extend_raw(b"\xed\xa0"); // surrogate prefix
     cases.push((MsgType::Welcome, p.buf));
     let mut p = w();
-    p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(1).u32(0).u32(1).extend_raw(b"\x80").u32(0).u8(0).u32(0);
+    p.u32(0).u32(1).u32(2).u32(3).u32(4).u32(5).u32(1).u32(0).u32(1).extend_raw(b"\x80").u32(0).u8(0).u32(0).u64(0);
     cases.push((MsgType::Welcome, p.buf));
     let mut p = w();
     p.u32(1).u32(1).u32(bad.len() as u32).extend_raw(bad).u64(1).u8(1);
@@ -797,6 +814,7 @@ fn raw_spec(numel: u64, dtype: u8, chunk_elems: u64, nslots: u32) -> Vec<u8> {
         p.u32(i);
     }
     p.u32(0); // no replicas
+    p.u32(0); // no relays
     p.buf
 }
 
@@ -810,18 +828,40 @@ fn specs_payload(t: MsgType, spec_bytes: &[u8]) -> (Header, Vec<u8>) {
 fn control_rejects_a_replica_count_that_is_not_the_chunk_count() {
     for (nrep, ok) in [(0u32, true), (4, true), (3, false), (5, false)] {
         let mut b = raw_spec(10, 1, 3, 4);
-        b.truncate(b.len() - 4);
+        b.truncate(b.len() - 8);
         let mut p = w();
         p.u32(nrep);
         (0..nrep).for_each(|i| {
             p.u32(i + 1);
         });
+        p.u32(0);
         b.extend_from_slice(&p.buf);
         let (h, payload) = specs_payload(MsgType::Declared, &b);
         match Control::decode(&h, &payload) {
             Ok(Control::Declared { specs, .. }) if ok => assert_eq!(specs[0].replicas.len(), nrep as usize),
             Err(ProtocolError::BadPayload(m)) if !ok => assert!(m.contains("replica slots"), "{m}"),
             other => panic!("{nrep} replicas: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn control_rejects_a_relay_count_that_is_not_a_multiple_of_the_chunk_count() {
+    // Per chunk, one slot per rack: 4 chunks in 2 or 3 racks.
+    for (nrel, ok) in [(0u32, true), (8, true), (12, true), (4, true), (6, false), (9, false)] {
+        let mut b = raw_spec(10, 1, 3, 4);
+        b.truncate(b.len() - 4);
+        let mut p = w();
+        p.u32(nrel);
+        (0..nrel).for_each(|i| {
+            p.u32(i);
+        });
+        b.extend_from_slice(&p.buf);
+        let (h, payload) = specs_payload(MsgType::Declared, &b);
+        match Control::decode(&h, &payload) {
+            Ok(Control::Declared { specs, .. }) if ok => assert_eq!(specs[0].relays.len(), nrel as usize),
+            Err(ProtocolError::BadPayload(m)) if !ok => assert!(m.contains("relay slots"), "{m}"),
+            other => panic!("{nrel} relays: {other:?}"),
         }
     }
 }

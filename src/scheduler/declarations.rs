@@ -163,10 +163,19 @@ pub(super) fn declare(
             Some(p) => p.place(sizes),
             None => continue,
         };
-        let mut spec =
-            TensorSpec { key, name: name.clone(), numel, dtype, chunk_elems: ce, slots, replicas: Vec::new() };
+        let mut spec = TensorSpec {
+            key,
+            name: name.clone(),
+            numel,
+            dtype,
+            chunk_elems: ce,
+            slots,
+            replicas: Vec::new(),
+            relays: Vec::new(),
+        };
         if let Some(p) = st.placer.as_mut() {
             spec.replicas = p.place_replicas(&spec);
+            spec.relays = p.place_relays(&spec);
         }
         if let Some(d) = st.decls.get_mut(&name) {
             d.spec = Some(spec.clone());

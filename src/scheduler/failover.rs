@@ -30,9 +30,13 @@ pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
         }
         let others: Vec<Arc<Member>> =
             st.members.iter().filter(|m| m.role == Role::Server && m.rank != lost.rank).cloned().collect();
-        if !shared.cfg.failover || shared.cfg.num_servers < 2 || others.is_empty() {
-            let on = shared.cfg.failover && shared.cfg.num_servers > 1;
-            let why = if on { " (no server is left to take its chunks over)" } else { "" };
+        let on = st.welcome.as_ref().is_some_and(|w| w.failover);
+        if !on || others.is_empty() {
+            let why = match st.welcome.as_ref().is_some_and(|w| w.rack_reduce) {
+                true => " (failover is off with two-level reduction across racks)",
+                false if on => " (no server is left to take its chunks over)",
+                false => "",
+            };
             shared.fail(&mut st, Some(lost), format!("{reason}{why}"));
             return;
         }
@@ -96,9 +100,11 @@ pub(super) fn admit_late(
     if st.finished {
         return Err(Refusal::Late("the job has finished".into()));
     }
-    if !cfg.failover || cfg.num_servers < 2 {
+    let racks = st.welcome.as_ref().is_some_and(|w| w.rack_reduce);
+    if !cfg.failover || cfg.num_servers < 2 || racks {
         let why = match cfg.failover {
             false => "failover is off (GRADHUB_FAILOVER=0)",
+            true if racks => "it reduces within racks first, which has no failover",
             true => "it started with one server, so its workers keep no results to re-send (start it with two or more)",
         };
         return Err(Refusal::Late(format!("this job cannot take a server while it runs: {why}")));
@@ -124,6 +130,7 @@ pub(super) fn admit_late(
         ports: reg.ports,
         colocated: reg.colocated,
         host: reg.hostname,
+        rack: 0, // racks matter with two levels only, which has no failover
     };
     let member = Arc::new(Member { role: Role::Server, rank: info.rank, peer, writer: Mutex::new(stream) });
     let mut servers = st.servers.clone();

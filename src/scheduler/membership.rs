@@ -115,18 +115,39 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             ports: g.reg.ports.clone(),
             colocated: g.reg.colocated,
             host: g.reg.hostname.clone(),
+            rack: 0,
         })
         .collect();
     servers.sort_by_key(|s| s.rank);
     let mut hosts = vec![String::new(); cfg.num_workers as usize];
     let mut claims = vec![(-1, -1); cfg.num_workers as usize];
+    let mut worker_racks = vec![String::new(); cfg.num_workers as usize];
+    let mut server_racks = vec![String::new(); servers.len()];
     for ((r, rank), g) in assigned.iter().zip(regs.iter()) {
-        if *r == Role::Worker {
-            hosts[*rank as usize] = g.reg.hostname.clone();
-            claims[*rank as usize] = (g.reg.local_rank, g.reg.local_size);
+        match *r {
+            Role::Worker => {
+                hosts[*rank as usize] = g.reg.hostname.clone();
+                claims[*rank as usize] = (g.reg.local_rank, g.reg.local_size);
+                worker_racks[*rank as usize] = g.reg.rack.clone();
+            }
+            _ => {
+                if let Some(x) = server_racks.get_mut(*rank as usize) {
+                    *x = g.reg.rack.clone();
+                }
+            }
         }
     }
-    let local_ranks = match local_ranks(&hosts, &claims) {
+    let layout = local_ranks(&hosts, &claims).and_then(|l| {
+        let layout = HostLayout::new(&hosts, &l, cfg.host_reduce)?;
+        let pushers: Vec<usize> = (0..cfg.num_workers).map(|r| layout.host_index(r)).collect();
+        let bw = super::racks::Bandwidths { link_gbit: cfg.link_gbit, core_gbit: cfg.core_gbit };
+        let plan = super::racks::plan(&worker_racks, &server_racks, &pushers, cfg.rack_reduce, bw)?;
+        let racks = if plan.reduce { plan.racks.len() as u32 } else { 0 };
+        let pushing = layout.num_hosts();
+        layout.with_racks(&plan.worker_racks, racks)?;
+        Ok((l, pushing, plan))
+    });
+    let (local_ranks, pushing, plan) = match layout {
         Ok(l) => l,
         Err(msg) => {
             // Put the registrations back: the failure reaches them there.
@@ -136,15 +157,23 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
             return;
         }
     };
+    for s in servers.iter_mut() {
+        s.rack = plan.server_racks.get(s.rank as usize).copied().unwrap_or(0);
+    }
     // What pushes is one worker per host (host stage) or every worker: the
     // BytePS split counts those machines, not the workers on them.
-    let pushing = match HostLayout::new(&hosts, &local_ranks, cfg.host_reduce) {
-        Ok(l) => l.num_hosts(),
-        Err(_) => cfg.num_workers as usize, // not reached: local_ranks() checked the same
-    };
     // Replicas of every chunk on a second server, so a lost server's
-    // chunks, server-side optimizer state included, can move (`failover`).
-    let placer = Placer::new(&servers, pushing).with_replicas(cfg.failover && servers.len() > 1);
+    // chunks, server-side optimizer state included, can move (`failover`);
+    // not with two levels, whose relays a failover would not move.
+    let failover = cfg.failover && cfg.num_servers > 1 && !plan.reduce;
+    let mut placer = Placer::new(&servers, pushing).with_replicas(failover);
+    if plan.reduce {
+        let mut with_workers = vec![false; plan.racks.len()];
+        for &r in &plan.worker_racks {
+            with_workers[r as usize] = true;
+        }
+        placer = placer.with_racks(&plan.server_racks, with_workers);
+    }
     log::info!(
         target: "scheduler",
         "{} workers on {pushing} pushing machines{}; summation shares per server: {}",
@@ -152,6 +181,12 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         if cfg.host_reduce { "" } else { " (host reduction off)" },
         placer.describe_shares(&servers)
     );
+    if plan.racks.len() > 1 {
+        log::info!(target: "scheduler", "racks {:?}: {}", plan.racks, plan.why);
+        if plan.reduce && cfg.failover && cfg.num_servers > 1 {
+            log::warn!(target: "scheduler", "failover is off: a lost server fails a job that reduces within racks");
+        }
+    }
     st.placer = Some(placer);
     let template = Welcome {
         rank: 0,
@@ -165,8 +200,11 @@ fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
         worker_local_ranks: local_ranks,
         job_id: random_job_id(),
         host_reduce: cfg.host_reduce,
-        failover: cfg.failover && cfg.num_servers > 1,
+        failover,
         late: false,
+        racks: plan.racks,
+        worker_racks: plan.worker_racks,
+        rack_reduce: plan.reduce,
     };
     for ((role, rank), g) in assigned.iter().zip(regs) {
         let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });

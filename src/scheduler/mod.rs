@@ -15,9 +15,11 @@
 mod declarations;
 mod failover;
 mod membership;
+mod racks;
 mod service;
 mod state;
 
+pub use racks::RackMode;
 pub use service::{service_status, start_service, ServiceConfig, ServiceHandle};
 
 use std::io::ErrorKind;
@@ -56,6 +58,11 @@ pub struct SchedulerConfig {
     /// A lost server's chunks move to the other servers and training goes
     /// on (`failover`); off: losing a server fails the job.
     pub failover: bool,
+    /// Reduce within racks before the core (`racks`): PHub's model decides
+    /// from the bandwidths (Gbit/s, 0: not given), or forced.
+    pub rack_reduce: RackMode,
+    pub link_gbit: f64,
+    pub core_gbit: f64,
     /// The job's token: every connection proves it (`protocol::auth`).
     pub secret: Secret,
     /// Limits of a job on a shared service (0: none): tensors declared at
@@ -78,6 +85,9 @@ impl Default for SchedulerConfig {
             namespace: 0,
             host_reduce: true,
             failover: true,
+            rack_reduce: RackMode::Auto,
+            link_gbit: 0.0,
+            core_gbit: 0.0,
             secret: Secret::none(),
             max_tensors: 0,
             max_bytes: 0,

@@ -23,9 +23,9 @@ use mio::{Poll, Waker};
 use crate::host::{host_tag, Staging};
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
-use crate::protocol::{Control, Register, Role, TensorSpec, NO_SERVER};
+use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError};
-use thread::{ServerThread, ThreadCmd, ThreadConfig};
+use thread::{LinkTo, ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -54,6 +54,8 @@ pub struct ServerConfig {
     pub traffic: Arc<Traffic>,
     /// Write a timeline of the chunk rounds here (`{rank}`: the server's rank).
     pub timeline: Option<String>,
+    /// This server's rack (`GRADHUB_RACK`), if racks are used.
+    pub rack: String,
 }
 
 /// Bytes pushed to a server and chunk rounds it completed, so far.
@@ -61,6 +63,8 @@ pub struct ServerConfig {
 pub struct Traffic {
     bytes: std::sync::atomic::AtomicU64,
     rounds: std::sync::atomic::AtomicU64,
+    /// Rounds relayed for this server's rack (two-level reduction).
+    relayed: std::sync::atomic::AtomicU64,
 }
 
 impl Traffic {
@@ -68,6 +72,9 @@ impl Traffic {
         use std::sync::atomic::Ordering::Relaxed;
         self.bytes.fetch_add(bytes, Relaxed);
         self.rounds.fetch_add(1, Relaxed);
+    }
+    fn relay(&self) {
+        self.relayed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     /// (bytes, rounds)
     pub fn get(&self) -> (u64, u64) {
@@ -94,6 +101,7 @@ impl Default for ServerConfig {
             secret: Secret::none(),
             traffic: Arc::default(),
             timeline: None,
+            rack: String::new(),
         }
     }
 }
@@ -143,6 +151,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         num_servers: cfg.num_servers,
         local_rank: -1,
         local_size: -1,
+        rack: cfg.rack.clone(),
     })?;
     let welcome = session.welcome.clone();
     let rank = welcome.rank;
@@ -156,8 +165,15 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         threads
     );
 
+    let racks = if welcome.rack_reduce { welcome.racks.len() as u32 } else { 0 };
+    let my_rack = welcome.servers.iter().find(|s| s.rank == rank).map_or(0, |s| s.rack);
     let layout = HostLayout::new(&welcome.worker_hosts, &welcome.worker_local_ranks, welcome.host_reduce)
+        .and_then(|l| l.with_racks(&welcome.worker_racks, racks))
         .map_err(|e| ServerError::Setup(format!("the scheduler's host layout: {e}")))?;
+    if welcome.rack_reduce {
+        let name = welcome.racks.get(my_rack as usize).map_or("?", String::as_str);
+        log::info!(target: &who, "rack '{name}': this rack's workers push here first, for chunks owned in other racks");
+    }
     let layout = std::sync::Arc::new(layout);
     if layout.num_hosts() < welcome.num_workers as usize {
         log::info!(target: &who, "{} workers on {} hosts: one push per host and chunk", welcome.num_workers, layout.num_hosts());
@@ -200,6 +216,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             server: rank,
             thread: t as u32,
             slot: first_slot + t as u32,
+            rack: my_rack,
             num_workers: welcome.num_workers,
             layout: layout.clone(),
             local: local.clone(),
@@ -232,6 +249,8 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         made: HashSet::new(),
         secret: cfg.secret.clone(),
         namespace: ns,
+        relay: welcome.rack_reduce.then(|| (my_rack, layout.relay_id(my_rack))),
+        made_up: HashSet::new(),
     };
     let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links);
     drop(session);
@@ -253,7 +272,14 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     match &result {
         Ok(()) => {
             let (bytes, rounds) = cfg.traffic.get();
-            log::info!(target: &who, "job complete ({rounds} chunk rounds summed, {bytes} bytes pushed here), exiting")
+            let relayed = match cfg.traffic.relayed.load(std::sync::atomic::Ordering::Relaxed) {
+                0 => String::new(),
+                n => format!(", {n} relayed for this rack"),
+            };
+            log::info!(
+                target: &who,
+                "job complete ({rounds} chunk rounds summed, {bytes} bytes pushed here{relayed}), exiting"
+            )
         }
         Err(e) => log::error!(target: &who, "{e}"),
     }
@@ -351,9 +377,11 @@ fn to_threads(
     Ok(())
 }
 
-/// The links this server's threads open to the threads replicating their
-/// chunks (`replica`): one per (thread, replica slot), opened here, on the
-/// control loop, before the specs that need it are installed.
+/// The links this server's threads open to other server threads: to the
+/// threads replicating their chunks (`replica`), and, as a rack's relay
+/// (two-level reduction), to the owners of the chunks they relay. One per
+/// (thread, slot) and kind, opened here, on the control loop, before the
+/// specs that need it are installed.
 struct Links {
     first_slot: u32,
     threads: u32,
@@ -362,6 +390,10 @@ struct Links {
     made: HashSet<(u32, u32)>,
     secret: Secret,
     namespace: u32,
+    /// With two levels: our rack, and the pusher id a relay of it says
+    /// DataHello with at an owner (`HostLayout::relay_id`).
+    relay: Option<(u32, u32)>,
+    made_up: HashSet<(u32, u32)>,
 }
 
 impl Links {
@@ -369,16 +401,35 @@ impl Links {
     /// One that cannot be opened (its server is being lost) is logged: the
     /// chunks it would serve hold their results until a failover gives
     /// them another replica.
-    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, std::net::TcpStream)>> {
+    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, std::net::TcpStream, LinkTo)>> {
         let mut out: Vec<Vec<_>> = (0..self.threads).map(|_| Vec::new()).collect();
+        if let Some((rack, id)) = self.relay {
+            for s in specs {
+                for c in 0..s.num_chunks() {
+                    let (relay, owner) = (s.slot_for(rack, c), s.slots[c]);
+                    let Some(t) = relay.checked_sub(self.first_slot).filter(|&t| t < self.threads) else { continue };
+                    if relay == owner || !self.made_up.insert((t, owner)) {
+                        continue;
+                    }
+                    let mut hello = Header::new(MsgType::DataHello);
+                    (hello.namespace, hello.key) = (self.namespace, id);
+                    match self.connect(owner, &hello.encode()) {
+                        Ok(stream) => out[t as usize].push((owner, stream, LinkTo::Owner)),
+                        // Its server is gone (the job is failing): the
+                        // relay's rounds fail with that.
+                        Err(e) => log::warn!(target: "server", "thread {t}: no link to owner slot {owner}: {e}"),
+                    }
+                }
+            }
+        }
         for s in specs {
             for (&slot, &r) in s.slots.iter().zip(&s.replicas) {
                 let Some(t) = slot.checked_sub(self.first_slot).filter(|&t| t < self.threads) else { continue };
                 if !self.made.insert((t, r)) {
                     continue;
                 }
-                match self.connect(t, r) {
-                    Ok(stream) => out[t as usize].push((r, stream)),
+                match self.connect(r, &replica::hello_frame(self.namespace, self.first_slot + t)) {
+                    Ok(stream) => out[t as usize].push((r, stream, LinkTo::Replica)),
                     Err(e) => {
                         self.made.remove(&(t, r));
                         log::warn!(target: "server", "thread {t}: no link to replica slot {r}: {e}");
@@ -389,12 +440,13 @@ impl Links {
         out
     }
 
-    fn connect(&self, thread: u32, slot: u32) -> std::io::Result<std::net::TcpStream> {
+    /// An authenticated link to `slot`, introduced by `hello`.
+    fn connect(&self, slot: u32, hello: &[u8]) -> std::io::Result<std::net::TcpStream> {
         let addr = self.addrs.get(slot as usize).ok_or_else(|| std::io::Error::other("no such slot"))?;
-        // One attempt: the replica's listener exists since it registered;
-        // a refusal means it is gone (a failover will follow).
+        // One attempt: the thread's listener exists since its server
+        // registered; a refusal means it is gone.
         let mut stream = crate::transport::connect_authenticated(addr, Duration::ZERO, &self.secret)?;
-        stream.write_all(&replica::hello_frame(self.namespace, self.first_slot + thread))?;
+        stream.write_all(hello)?;
         Ok(stream)
     }
 }

@@ -31,6 +31,13 @@
 //!
 //! A chunk with a server-side optimizer also has a replica on another
 //! server (`super::replica`): its results wait for the replica's ack.
+//!
+//! With two-level reduction across racks (`scheduler::racks`), a thread may
+//! also be a rack's *relay* for a chunk owned in another rack: it sums the
+//! pushes of its rack's workers like any round, then pushes the rack's sum
+//! to the owner over a link of its own (as pusher `HostLayout::relay_id`)
+//! and hands the owner's result to its rack as the round's result. Averaging
+//! and the server-side optimizer happen at the owner only.
 
 use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -55,12 +62,21 @@ pub const LISTENER: Token = Token(0);
 pub const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
 
+/// What a link this thread opened to another server thread is for.
+pub enum LinkTo {
+    /// The slot replicating our chunks' optimizer state (ServerHello sent).
+    Replica,
+    /// The owner of chunks we relay for our rack (DataHello sent).
+    Owner,
+}
+
 pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours
-    /// (adopted from a lost server if the flag is set). With the tensors'
-    /// shared segments when workers on this host push by reference, and
-    /// new links (authenticated, ServerHello sent) to replica slots.
-    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<(u32, std::net::TcpStream)>, Sender<()>),
+    /// (adopted from a lost server if the flag is set), and so do those we
+    /// relay for our rack. With the tensors' shared segments when workers
+    /// on this host push by reference, and new links (authenticated and
+    /// introduced) to other server threads, by slot.
+    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<(u32, std::net::TcpStream, LinkTo)>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     /// Chunks move to a server that joined (`scheduler::failover::take_in`):
@@ -78,6 +94,8 @@ pub struct ThreadConfig {
     pub server: u32,
     pub thread: u32,
     pub slot: u32,
+    /// This server's rack (two-level reduction: `layout` has the racks).
+    pub rack: u32,
     pub num_workers: u32,
     /// Who pushes which chunk.
     pub layout: Arc<HostLayout>,
@@ -116,10 +134,16 @@ struct Chunk {
     dtype: DType,
     elems: usize,
     round: u32,
-    /// The workers that push this chunk (one per host), by rank.
+    /// The workers that push this chunk (one per host), by rank, and the
+    /// relays of other racks (`HostLayout::pushers_at`).
     pushers: Vec<u32>,
-    /// Init rounds keep the push of the pusher for rank 0's host.
+    /// Init rounds keep the push of the pusher for rank 0's host
+    /// (`u32::MAX`: none, at a relay of another rack).
     init_from: u32,
+    /// A rack's relay of a chunk owned elsewhere: the owner's slot; and
+    /// whether this round's sum went there (its result completes the round).
+    upstream: Option<u32>,
+    forwarded: bool,
     pushed: Vec<bool>,
     /// By rank: this round's push came by reference (so does the result).
     by_ref: Vec<bool>,
@@ -166,6 +190,8 @@ struct TxItem {
     chunk: usize,
     round: u32,
     by_ref: bool,
+    /// A relay's push of its rack's sum to the owner, not a result.
+    push: bool,
 }
 impl Ord for TxItem {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
@@ -203,6 +229,8 @@ enum PayloadKind {
     /// A push of a chunk given up here (moved to a server that joined):
     /// dropped and acknowledged; the worker re-sends it to the new server.
     Moved,
+    /// The owner's result of a round we relayed, into the result buffer.
+    Upstream,
 }
 
 /// What a frame being written carries: a result (its payload is a chunk's
@@ -290,6 +318,8 @@ pub struct ServerThread {
     replicas: Replicas,
     /// Our links to the threads replicating our chunks: slot -> token.
     links: HashMap<u32, usize>,
+    /// Our links to the owners of the chunks we relay: slot -> token.
+    uplinks: HashMap<u32, usize>,
     /// Chunks given up here (`ThreadCmd::GiveUp`): what still comes for them
     /// is dropped (pushes acknowledged), not an error.
     moved_away: HashSet<(u32, u32)>,
@@ -305,7 +335,7 @@ type ConnResult = Result<(), ConnError>;
 
 impl ServerThread {
     pub fn new(cfg: ThreadConfig, poll: Poll, listener: TcpListener, cmds: Receiver<ThreadCmd>) -> ServerThread {
-        let n = cfg.num_workers as usize;
+        let n = cfg.num_workers as usize + cfg.layout.num_racks() as usize;
         ServerThread {
             cfg,
             poll,
@@ -328,6 +358,7 @@ impl ServerThread {
             left: vec![false; n],
             replicas: Replicas::default(),
             links: HashMap::new(),
+            uplinks: HashMap::new(),
             moved_away: HashSet::new(),
             retired: Vec::new(),
         }
@@ -381,8 +412,8 @@ impl ServerThread {
             while let Ok(cmd) = self.cmds.try_recv() {
                 match cmd {
                     ThreadCmd::Declare(specs, adopt, shm, links, ack) => {
-                        for (slot, stream) in links {
-                            self.add_link(slot, stream);
+                        for (slot, stream, to) in links {
+                            self.add_link(slot, stream, to);
                         }
                         self.install(&specs, adopt);
                         self.shm.extend(shm);
@@ -457,14 +488,21 @@ impl ServerThread {
     }
 
     /// Our link to the thread at `slot`, which replicates chunks of ours
-    /// (authenticated and introduced by the control loop).
-    fn add_link(&mut self, slot: u32, stream: std::net::TcpStream) {
+    /// or owns chunks we relay (authenticated and introduced by the control
+    /// loop).
+    fn add_link(&mut self, slot: u32, stream: std::net::TcpStream, to: LinkTo) {
         let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let what = match to {
+            LinkTo::Replica => "replica",
+            LinkTo::Owner => "owner",
+        };
         let registered = stream.set_nonblocking(true).and_then(|()| {
             let _ = stream.set_nodelay(true);
+            // As on accepted sockets: the relay's pushes queue in priority order here.
+            let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
             self.add_conn(
                 mio::net::TcpStream::from_std(stream),
-                format!("replica slot {slot} ({peer})"),
+                format!("{what} slot {slot} ({peer})"),
                 auth::Listener::Done { job: String::new() },
             )
         });
@@ -473,11 +511,15 @@ impl ServerThread {
                 if let Some(c) = self.conns.get_mut(&t) {
                     c.server = Some(slot);
                 }
-                if let Some(old) = self.links.insert(slot, t) {
+                let links = match to {
+                    LinkTo::Replica => &mut self.links,
+                    LinkTo::Owner => &mut self.uplinks,
+                };
+                if let Some(old) = links.insert(slot, t) {
                     self.close(old, "replaced by a new link");
                 }
             }
-            Err(e) => log::warn!(target: &self.who(), "cannot register the link to replica slot {slot}: {e}"),
+            Err(e) => log::warn!(target: &self.who(), "cannot register the link to {what} slot {slot}: {e}"),
         }
     }
 
@@ -521,7 +563,8 @@ impl ServerThread {
     }
 
     fn install(&mut self, specs: &[TensorSpec], adopt: bool) {
-        let n = self.cfg.num_workers as usize;
+        let n = self.cfg.num_workers as usize + self.cfg.layout.num_racks() as usize;
+        let layout = self.cfg.layout.clone();
         for s in specs {
             self.names.insert(s.key, s.name.clone());
             for (c, &slot) in s.slots.iter().enumerate() {
@@ -529,7 +572,12 @@ impl ServerThread {
                 let rep = s.replicas.get(c).copied();
                 let (a, b) = s.chunk_range(c);
                 let elems = b - a;
-                if slot != self.cfg.slot {
+                // A chunk owned in another rack that our rack sums here first
+                // (else, if ours, we own it, and the owner's rack is ours).
+                let mine = layout.num_racks() > 0 && s.slot_for(self.cfg.rack, c) == self.cfg.slot;
+                let upstream = (mine && slot != self.cfg.slot).then_some(slot);
+                let relay = upstream.map(|_| self.cfg.rack);
+                if slot != self.cfg.slot && upstream.is_none() {
                     if rep == Some(self.cfg.slot) {
                         let new = replica::Replica { elems, state: None, done: None };
                         self.replicas.chunks.entry(at).or_insert(new);
@@ -563,8 +611,10 @@ impl ServerThread {
                     dtype: s.dtype,
                     elems,
                     round: 0,
-                    pushers: self.cfg.layout.pushers(s.key, c as u32),
-                    init_from: self.cfg.layout.owner(0, s.key, c as u32),
+                    pushers: layout.pushers_at(s.key, c as u32, self.cfg.rack, relay),
+                    init_from: layout.init_pusher(s.key, c as u32, self.cfg.rack, relay).unwrap_or(u32::MAX),
+                    upstream,
+                    forwarded: false,
                     pushed: vec![false; n],
                     by_ref: vec![false; n],
                     count: 0,
@@ -817,6 +867,24 @@ impl ServerThread {
             if self.links.get(&slot) == Some(&t) {
                 self.links.remove(&slot);
             }
+            if self.uplinks.get(&slot) == Some(&t) {
+                self.uplinks.remove(&slot);
+                // Rounds relayed there can never complete: their pushers are told.
+                let stuck: Vec<usize> = (0..self.chunks.len())
+                    .filter(|&i| {
+                        self.chunks[i].upstream == Some(slot)
+                            && self.index.contains_key(&(self.chunks[i].key, self.chunks[i].chunk))
+                    })
+                    .filter(|&i| self.chunks[i].forwarded || self.chunks[i].count > 0)
+                    .collect();
+                if !stuck.is_empty() {
+                    let why = format!(
+                        "the link to server thread slot {slot}, which owns chunks this rack sums here first, closed{}",
+                        if why.is_empty() { String::new() } else { format!(": {why}") }
+                    );
+                    self.fail_pushers(&stuck, &why);
+                }
+            }
         }
         if let Some(r) = c.rank {
             if self.worker_conn[r as usize] == Some(t) {
@@ -838,7 +906,14 @@ impl ServerThread {
                 (false, _) => auth::MAX_AUTH_PAYLOAD,
             };
             let frame = conn.link.read_frame(&mut conn.rx, limit, |d| {
-                if d.direct {
+                if d.kind == PayloadKind::Upstream {
+                    let p = d.parity;
+                    match &mut chunks[d.chunk].buf {
+                        ChunkBuf::F32(b) => &mut bytes_mut(&mut b[p])[..d.len],
+                        ChunkBuf::Half { out, .. } => &mut bytes_mut(&mut out[p])[..d.len],
+                        ChunkBuf::Exact(b) => &mut bytes_mut(&mut b[p])[..d.len],
+                    }
+                } else if d.direct {
                     match &mut chunks[d.chunk].buf {
                         ChunkBuf::F32(b) => &mut bytes_mut(&mut b[d.parity])[..d.len],
                         // Never chosen: only f32 chunks are received directly.
@@ -871,6 +946,7 @@ impl ServerThread {
                     PayloadKind::Replay => self.replay(t, hdr, d.chunk, false)?,
                     PayloadKind::Restore => self.restore(t, hdr, d.chunk)?,
                     PayloadKind::Moved => self.ack_moved(t, &hdr),
+                    PayloadKind::Upstream => self.relayed(d.chunk),
                     PayloadKind::Discard => {}
                 },
                 Some(Frame::Message(hdr, buf)) if !conn.auth.is_done() => {
@@ -901,6 +977,19 @@ impl ServerThread {
                     for slot in slots {
                         self.send_to_replica(slot, replica::config_frame(self.cfg.namespace, hdr.key, &cfg));
                     }
+                    // The owners of the chunks we relay apply it.
+                    let mut owners: Vec<u32> = idxs.iter().filter_map(|&i| self.chunks[i].upstream).collect();
+                    owners.sort_unstable();
+                    owners.dedup();
+                    for slot in owners {
+                        let Some(&ut) = self.uplinks.get(&slot) else { continue };
+                        if let Some(c) = self.conns.get_mut(&ut) {
+                            c.notices.push_back(replica::config_frame(self.cfg.namespace, hdr.key, &cfg));
+                        }
+                        if let Err(why) = self.flush(ut) {
+                            self.close(ut, &why.to_string());
+                        }
+                    }
                 }
                 Ok(())
             }
@@ -917,6 +1006,7 @@ impl ServerThread {
                 }
                 Ok(())
             }
+            MsgType::Stall => Ok(()),
             other => Err(format!("internal: {other:?} received whole").into()),
         }
     }
@@ -962,7 +1052,8 @@ impl ServerThread {
                 if conn.rank.is_some() {
                     return Err("second DataHello on one connection".into());
                 }
-                if r >= self.cfg.num_workers {
+                // Ranks after the workers' are other racks' relays (`HostLayout::relay_id`).
+                if r >= self.cfg.num_workers + self.cfg.layout.num_racks() {
                     return Err(ConnError::Invalid(format!(
                         "worker rank {r} out of range (job has {} workers)",
                         self.cfg.num_workers
@@ -1045,7 +1136,8 @@ impl ServerThread {
                 if hdr.payload_len != 0 {
                     return Err(format!("PushRef with a {}-byte payload", hdr.payload_len).into());
                 }
-                let Some(st) = self.shm.get(&hdr.key).filter(|_| self.cfg.local[rank as usize]).cloned() else {
+                let local = self.cfg.local.get(rank as usize).copied().unwrap_or(false);
+                let Some(st) = self.shm.get(&hdr.key).filter(|_| local).cloned() else {
                     return Err(ConnError::Invalid(format!(
                         "worker {rank} pushed tensor '{}' by reference, but does not share memory with this server",
                         self.name(hdr.key)
@@ -1101,12 +1193,43 @@ impl ServerThread {
     fn on_server_header(&mut self, t: usize, hdr: Header) -> ConnResult {
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         let ours = conn.server.is_some_and(|s| self.links.get(&s) == Some(&t));
+        let up = conn.server.filter(|s| self.uplinks.get(s) == Some(&t));
         match hdr.msg_type {
             MsgType::Received if ours && hdr.payload_len == 0 => {
                 self.on_replica_ack(&hdr);
                 Ok(())
             }
-            MsgType::OptConfig | MsgType::Replicate | MsgType::Snapshot if !ours => {
+            // The owner received a push of ours: nothing to do (no credit here).
+            MsgType::Received if up.is_some() && hdr.payload_len == 0 => Ok(()),
+            MsgType::Result if up.is_some() => {
+                let idx = self.index.get(&(hdr.key, hdr.chunk)).copied();
+                let ch = idx.map(|i| &self.chunks[i]).filter(|c| c.upstream == up && c.forwarded);
+                let Some(ch) = ch.filter(|c| c.round == hdr.round && c.dtype == hdr.dtype) else {
+                    return Err(ConnError::Invalid(format!(
+                        "a result for key {} chunk {} round {} that this thread did not push there",
+                        hdr.key, hdr.chunk, hdr.round
+                    )));
+                };
+                let want = ch.elems * ch.dtype.size();
+                if hdr.payload_len as usize != want {
+                    return Err(format!("a result of {} bytes, expected {want}", hdr.payload_len).into());
+                }
+                let (chunk, parity) = (idx.unwrap_or(0), (hdr.round & 1) as usize);
+                if want == 0 {
+                    self.relayed(chunk);
+                    return Ok(());
+                }
+                let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+                let kind = PayloadKind::Upstream;
+                conn.rx.receive_into(hdr, Dest { chunk, direct: false, parity, len: want, kind });
+                Ok(())
+            }
+            // The owner waits for other racks: it says so in its own log.
+            MsgType::Stall if up.is_some() => {
+                conn.rx.receive_owned(hdr);
+                Ok(())
+            }
+            MsgType::OptConfig | MsgType::Replicate | MsgType::Snapshot if !ours && up.is_none() => {
                 if hdr.msg_type == MsgType::OptConfig
                     && hdr.payload_len as usize != crate::protocol::optim::OPT_CONFIG_LEN
                 {
@@ -1179,7 +1302,9 @@ impl ServerThread {
                 ch.dtype.name()
             )));
         }
-        if hdr.flags & FLAG_INIT == 0 && ch.opt.is_none() && self.opt_cfg.contains_key(&ch.key) {
+        // A relay has no optimizer state: the owner applies the optimizer.
+        if hdr.flags & FLAG_INIT == 0 && ch.opt.is_none() && ch.upstream.is_none() && self.opt_cfg.contains_key(&ch.key)
+        {
             return Err(ConnError::Invalid(self.no_parameters(ch)));
         }
         Ok((idx, rank, PayloadKind::Push))
@@ -1276,7 +1401,7 @@ impl ServerThread {
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         self.seq += 1;
         let priority = hdr.priority;
-        conn.results.push(TxItem { priority, seq: self.seq, chunk: idx, round: hdr.round, by_ref });
+        conn.results.push(TxItem { priority, seq: self.seq, chunk: idx, round: hdr.round, by_ref, push: false });
         self.flush(t)
     }
 
@@ -1436,7 +1561,10 @@ impl ServerThread {
         }
         if ch.count == pushers {
             let waited = ch.started.map(|t| (t, Instant::now(), ch.round));
-            self.finish_round(idx);
+            match ch.upstream {
+                Some(slot) => self.forward(idx, slot),
+                None => self.finish_round(idx),
+            }
             if let (Some(tl), Some((first_push, last_push, round))) = (&self.cfg.timeline, waited) {
                 let ch = &self.chunks[idx];
                 tl.round(&super::timeline::Round {
@@ -1454,6 +1582,64 @@ impl ServerThread {
             }
         }
         Ok(())
+    }
+
+    /// Every pusher of a round we relay pushed: push the rack's sum to the
+    /// chunk's owner at `slot` (16-bit sums rounded once more, to travel in
+    /// the tensor's dtype); its result completes the round (`relayed`).
+    fn forward(&mut self, idx: usize, slot: u32) {
+        let ch = &mut self.chunks[idx];
+        let parity = (ch.round & 1) as usize;
+        if let ChunkBuf::Half { acc, out } = &mut ch.buf {
+            match ch.dtype {
+                DType::F16 => kernels::narrow_f16(&mut out[parity], acc, 1.0),
+                _ => kernels::narrow_bf16(&mut out[parity], acc, 1.0),
+            }
+        }
+        // From now on the round waits for the owner, whose stall reports are its own.
+        (ch.forwarded, ch.started) = (true, None);
+        self.cfg.traffic.relay();
+        let (priority, round) = (ch.priority, ch.round);
+        let (key, chunk) = (ch.key, ch.chunk);
+        let Some(&t) = self.uplinks.get(&slot) else {
+            let why = format!(
+                "tensor '{}' chunk {chunk}: this rack's sum cannot reach the chunk's owner (server thread slot {slot}): no link",
+                self.name(key)
+            );
+            return self.fail_pushers(&[idx], &why);
+        };
+        self.seq += 1;
+        if let Some(c) = self.conns.get_mut(&t) {
+            c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref: false, push: true });
+        }
+        if let Err(why) = self.flush(t) {
+            self.close(t, &why.to_string());
+        }
+    }
+
+    /// The owner's result of a round we relayed arrived (into the round's
+    /// result buffer): it is the round's result here too.
+    fn relayed(&mut self, idx: usize) {
+        let ch = &mut self.chunks[idx];
+        ch.forwarded = false;
+        ch.done = Some(ch.round);
+        self.send_results(idx);
+    }
+
+    /// Close the connections of the workers that pushed these chunks' rounds, telling them why.
+    fn fail_pushers(&mut self, idxs: &[usize], why: &str) {
+        let mut tokens: Vec<usize> = Vec::new();
+        for &idx in idxs {
+            let ch = &self.chunks[idx];
+            for (r, _) in ch.pushed.iter().enumerate().filter(|(_, &p)| p) {
+                tokens.extend(self.worker_conn.get(r).copied().flatten());
+            }
+        }
+        tokens.sort_unstable();
+        tokens.dedup();
+        for t in tokens {
+            self.close(t, why);
+        }
     }
 
     /// Every pusher pushed: finalize and send the result to each of them.
@@ -1533,7 +1719,7 @@ impl ServerThread {
             self.seq += 1;
             let by_ref = self.chunks[idx].by_ref[r];
             if let Some(c) = self.conns.get_mut(&t) {
-                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref });
+                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref, push: false });
             }
             if let Err(why) = self.flush(t) {
                 self.close(t, &why.to_string());
@@ -1561,8 +1747,8 @@ impl ServerThread {
             let ch = &chunks[item.chunk];
             let parity = (item.round & 1) as usize;
             let mut h = Header {
-                msg_type: MsgType::Result,
-                flags: 0,
+                msg_type: if item.push { MsgType::Push } else { MsgType::Result },
+                flags: if item.push { ch.flags } else { 0 },
                 dtype: ch.dtype,
                 namespace: ns,
                 key: ch.key,

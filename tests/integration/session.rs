@@ -47,6 +47,9 @@ impl FakeScheduler {
             host_reduce: false,
             failover: false,
             late: false,
+            racks: Vec::new(),
+            worker_racks: vec![0],
+            rack_reduce: false,
         };
         write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
         s

@@ -119,6 +119,7 @@ pub fn worker_reg(rank: i32, host: &str, nw: u32, ns: u32) -> Register {
         num_servers: ns,
         local_rank: -1,
         local_size: -1,
+        rack: String::new(),
     }
 }
 
@@ -134,6 +135,7 @@ pub fn server_reg(rank: i32, addr: &str, ports: Vec<u16>, colocated: bool, nw: u
         num_servers: ns,
         local_rank: -1,
         local_size: -1,
+        rack: String::new(),
     }
 }
 
@@ -577,6 +579,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         secret: token(),
         traffic: Default::default(),
         timeline: None,
+        rack: String::new(),
     }
 }
 
