@@ -899,6 +899,82 @@ mod tests {
     }
 
     #[test]
+    fn relays_stay_in_their_rack_and_every_rack_pushes_to_the_owner_once() {
+        // Servers 0, 1 in rack 0, servers 2, 3 in rack 1, and a CPU-only
+        // server 4 in rack 2 without workers; 2 threads each.
+        let mut s = servers(&[true, true, true, true, false], 2);
+        let racks = [0, 0, 1, 1, 2];
+        for (x, &r) in s.iter_mut().zip(&racks) {
+            x.rack = r;
+        }
+        let mut p = Placer::new(&s, 4).with_racks(&racks, vec![true, true, false]);
+        let mut spec = crate::protocol::TensorSpec {
+            key: 1,
+            name: "t".into(),
+            numel: 40 * 1024,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems: 1024,
+            slots: Vec::new(),
+            replicas: Vec::new(),
+            relays: Vec::new(),
+        };
+        spec.slots = p.place((0..40).map(|c| spec.chunk_bytes(c) as u64));
+        spec.relays = p.place_relays(&spec);
+        assert_eq!(spec.relays.len(), 40 * 3);
+        let rack_of = |slot: u32| racks[slot as usize / 2];
+        let mut relayed = [0usize; 10];
+        for c in 0..40 {
+            let owner = spec.slots[c];
+            for r in 0..3u32 {
+                let to = spec.slot_for(r, c);
+                match (rack_of(owner) == r, r) {
+                    // The owner's rack pushes to the owner; a rack without workers pushes nothing.
+                    (true, _) | (false, 2) => assert_eq!(to, owner, "chunk {c} rack {r}"),
+                    (false, _) => {
+                        assert_eq!(rack_of(to), r, "chunk {c}: rack {r}'s relay {to} is in another rack");
+                        relayed[to as usize] += 1;
+                    }
+                }
+            }
+        }
+        // Relays spread over each rack's threads (none on the CPU-only rack).
+        let per: Vec<usize> = relayed.to_vec();
+        assert!(per[..8].iter().all(|&n| n > 0), "{per:?}");
+        assert_eq!(per[8] + per[9], 0, "{per:?}");
+        let (lo, hi) = (per[..8].iter().min().unwrap(), per[..8].iter().max().unwrap());
+        assert!(hi - lo <= 2, "uneven relays {per:?}");
+        // Taken back, the relay load is freed: the same tensor again gets the same relays.
+        p.unplace(&spec);
+        let again = p.place_relays(&spec);
+        assert_eq!(again, spec.relays);
+    }
+
+    #[test]
+    fn with_racks_owners_take_their_rack_and_one_relay_per_other_rack() {
+        // Racks: hosts a, b in rack 0; host c in rack 1; host d in rack 2.
+        let l = layout(&["a", "a", "b", "c", "c", "d"], &[0, 1, 0, 0, 1, 0], true)
+            .unwrap()
+            .with_racks(&[0, 0, 0, 1, 1, 2], 3)
+            .unwrap();
+        assert_eq!((l.num_racks(), l.relay_id(0), l.relay_id(2)), (3, 6, 8));
+        for (key, chunk) in [(0, 0), (1, 0), (4, 7)] {
+            let own = |r| l.owner(r, key, chunk);
+            // An owner in rack 0: hosts a and b, then the relays of racks 1 and 2.
+            assert_eq!(l.pushers_at(key, chunk, 0, None), vec![own(0), own(2), 7, 8]);
+            // A relay of rack 1 takes host c's pusher only.
+            assert_eq!(l.pushers_at(key, chunk, 0, Some(1)), vec![own(3)]);
+            // Rank 0's push is the one an init round keeps, through its rack's relay elsewhere.
+            assert_eq!(l.init_pusher(key, chunk, 0, None), Some(own(0)));
+            assert_eq!(l.init_pusher(key, chunk, 1, None), Some(6));
+            assert_eq!(l.init_pusher(key, chunk, 1, Some(0)), Some(own(0)));
+            assert_eq!(l.init_pusher(key, chunk, 0, Some(1)), None);
+        }
+        // A host's workers in two racks is an error.
+        let e = layout(&["a", "a"], &[0, 1], true).unwrap().with_racks(&[0, 1], 2).unwrap_err();
+        assert!(e.contains("share a host but not a rack"), "{e}");
+    }
+
+    #[test]
     fn chunking() {
         assert_eq!(chunk_elems(4096, 4), 1024);
         assert_eq!(chunk_elems(3, 4), 1);

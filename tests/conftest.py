@@ -66,7 +66,9 @@ class Cluster:
     need to kill or poke individual members."""
 
     def __init__(self, workers: int, servers: int, threads: int = 1, server_ports: list[int] | None = None,
-                 **env):
+                 scheduler_args: list[str] | None = None, server_args: list[list[str]] | None = None,
+                 server_envs: list[dict] | None = None, **env):
+        """`server_args` and `server_envs`, by server, add to its command line and environment."""
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.workers = workers
@@ -75,12 +77,14 @@ class Cluster:
         py = [sys.executable, "-m", "gradhub"]
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
-        self._spawn("scheduler", py + ["scheduler", "--bind", self.addr])
+        self._spawn("scheduler", py + ["scheduler", "--bind", self.addr, *(scheduler_args or [])])
         for s in range(servers):
             argv = py + ["server", "--threads", str(threads), "--rank", str(s), "--advertise-addr", "127.0.0.1"]
             if server_ports:
                 argv += ["--port", str(server_ports[s])]
-            self._spawn(f"server{s}", argv)
+            argv += server_args[s] if server_args else []
+            env = dict(self.env, **{k: str(v) for k, v in (server_envs[s] if server_envs else {}).items()})
+            self._spawn(f"server{s}", argv, env)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gradhub-test-{os.getpid()}-{self.port}-{name}.log"
