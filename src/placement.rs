@@ -486,44 +486,58 @@ impl HostLayout {
         self.racks
     }
 
-    /// The pusher id of rack `rack`'s relay at a chunk's owner: after the
-    /// workers' ranks.
-    pub fn relay_id(&self, rack: u32) -> u32 {
-        self.host_of.len() as u32 + rack
+    /// The pusher id a relay (server thread `slot`) has at an owner: after
+    /// the workers' ranks. (Per slot, not per rack: a rack's chunks are
+    /// relayed by several threads, each with its own link to an owner.)
+    pub fn relay_id(&self, slot: u32) -> u32 {
+        self.host_of.len() as u32 + slot
     }
 
     /// Who pushes a chunk to its thread there: with two levels, the owner
-    /// (`owner_rack`: the owner's rack) takes its own rack's pushers and
-    /// one relay per other rack that holds workers; a relay (`relay`: its
-    /// rack) takes its rack's pushers. Without, every host's pusher.
-    pub fn pushers_at(&self, key: u32, chunk: u32, owner_rack: u32, relay: Option<u32>) -> Vec<u32> {
+    /// (in rack `rack`, `relay` false) takes its own rack's pushers and the
+    /// relay of each other rack that holds workers (`relay_slot(rack)`: the
+    /// chunk's relay there); a relay (`relay` true, in rack `rack`) takes
+    /// its rack's pushers. Without racks, every host's pusher.
+    pub fn pushers_at(
+        &self,
+        key: u32,
+        chunk: u32,
+        rack: u32,
+        relay: bool,
+        relay_slot: &dyn Fn(u32) -> u32,
+    ) -> Vec<u32> {
         if self.racks == 0 {
             return self.pushers(key, chunk);
         }
-        let rack = relay.unwrap_or(owner_rack);
         let mut out: Vec<u32> = (self.hosts.iter().zip(&self.host_rack))
             .filter(|(_, &r)| r == rack)
             .map(|(w, _)| w[owner_index(w.len(), key, chunk)])
             .collect();
-        if relay.is_none() {
-            let mut others: Vec<u32> = self.host_rack.iter().copied().filter(|&r| r != owner_rack).collect();
+        if !relay {
+            let mut others: Vec<u32> = self.host_rack.iter().copied().filter(|&r| r != rack).collect();
             others.sort_unstable();
             others.dedup();
-            out.extend(others.into_iter().map(|r| self.relay_id(r)));
+            out.extend(others.into_iter().map(|r| self.relay_id(relay_slot(r))));
         }
         out
     }
 
     /// Whose push an init round keeps there (rank 0's host's, or the relay
     /// of its rack); `None` at a relay of another rack (its sum is ignored).
-    pub fn init_pusher(&self, key: u32, chunk: u32, owner_rack: u32, relay: Option<u32>) -> Option<u32> {
+    pub fn init_pusher(
+        &self,
+        key: u32,
+        chunk: u32,
+        rack: u32,
+        relay: bool,
+        relay_slot: &dyn Fn(u32) -> u32,
+    ) -> Option<u32> {
         let own = self.owner(0, key, chunk);
         let Some(&r0) = self.host_of.first().and_then(|&h| self.host_rack.get(h)) else { return Some(own) };
-        match relay {
-            Some(r) if r != r0 => None,
-            Some(_) => Some(own),
-            None if r0 == owner_rack => Some(own),
-            None => Some(self.relay_id(r0)),
+        match (relay, r0 == rack) {
+            (_, true) => Some(own),
+            (true, false) => None,
+            (false, false) => Some(self.relay_id(relay_slot(r0))),
         }
     }
 
@@ -957,17 +971,19 @@ mod tests {
             .with_racks(&[0, 0, 0, 1, 1, 2], 3)
             .unwrap();
         assert_eq!((l.num_racks(), l.relay_id(0), l.relay_id(2)), (3, 6, 8));
+        // The chunk's relay in rack r is slot 10 + r.
+        let slot = |r: u32| 10 + r;
         for (key, chunk) in [(0, 0), (1, 0), (4, 7)] {
             let own = |r| l.owner(r, key, chunk);
             // An owner in rack 0: hosts a and b, then the relays of racks 1 and 2.
-            assert_eq!(l.pushers_at(key, chunk, 0, None), vec![own(0), own(2), 7, 8]);
+            assert_eq!(l.pushers_at(key, chunk, 0, false, &slot), vec![own(0), own(2), 17, 18]);
             // A relay of rack 1 takes host c's pusher only.
-            assert_eq!(l.pushers_at(key, chunk, 0, Some(1)), vec![own(3)]);
+            assert_eq!(l.pushers_at(key, chunk, 1, true, &slot), vec![own(3)]);
             // Rank 0's push is the one an init round keeps, through its rack's relay elsewhere.
-            assert_eq!(l.init_pusher(key, chunk, 0, None), Some(own(0)));
-            assert_eq!(l.init_pusher(key, chunk, 1, None), Some(6));
-            assert_eq!(l.init_pusher(key, chunk, 1, Some(0)), Some(own(0)));
-            assert_eq!(l.init_pusher(key, chunk, 0, Some(1)), None);
+            assert_eq!(l.init_pusher(key, chunk, 0, false, &slot), Some(own(0)));
+            assert_eq!(l.init_pusher(key, chunk, 1, false, &slot), Some(16));
+            assert_eq!(l.init_pusher(key, chunk, 0, true, &slot), Some(own(0)));
+            assert_eq!(l.init_pusher(key, chunk, 1, true, &slot), None);
         }
         // A host's workers in two racks is an error.
         let e = layout(&["a", "a"], &[0, 1], true).unwrap().with_racks(&[0, 1], 2).unwrap_err();

@@ -194,3 +194,30 @@ def test_a_server_joins_a_job_across_emulated_hosts(hosts, tmp_path):
     assert f"on {late[1]} ports" in out["server2"], out["server2"]
     m = re.search(r"job complete \((\d+) chunk rounds summed", out["server2"])
     assert m and int(m.group(1)) > 0, out["server2"]
+
+
+def test_two_level_reduction_across_racks_of_emulated_hosts(hosts):
+    """Two racks of emulated hosts (rack r0: host a with 2 workers and its
+    colocated server, host b with 1 worker and its; rack r1: host c with 2
+    workers and its server), roles started one by one, racks named with
+    GRADHUB_RACK and --rack: relays reach owners in the other rack at their
+    advertised addresses, and every sum is exact."""
+    sched_ns, sched_ip = hosts(0)
+    a, b, c = hosts(1), hosts(2), hosts(3)
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:9559", GRADHUB_NUM_WORKERS=5, GRADHUB_NUM_SERVERS=3,
+                  GRADHUB_RACK_REDUCE="on", GRADHUB_PARTITION_BYTES=65536,
+                  GH_TEST='{"sizes": [1, 1000, 300001], "dtypes": ["float32", "float16", "bfloat16"], '
+                          '"rounds": 2}')
+    py = sys.executable
+    procs = [in_ns(sched_ns, [py, "-m", "gradhub", "scheduler"], env)]
+    for ns, rack in ((a[0], "r0"), (b[0], "r0"), (c[0], "r1")):
+        procs.append(in_ns(ns, [py, "-m", "gradhub", "server", "--threads", "1", "--colocated", "--rack", rack], env))
+    for r, (ns, rack) in enumerate(((a[0], "r0"), (a[0], "r0"), (b[0], "r0"), (c[0], "r1"), (c[0], "r1"))):
+        procs.append(in_ns(ns, [py, str(WORKERS / "check_sums.py")], dict(env, GRADHUB_RANK=str(r), GRADHUB_RACK=rack)))
+    outs = run_all(procs, timeout=180)
+    for r in range(5):
+        assert f"PASS {r}" in outs[4 + r], outs[4 + r]
+    assert 'racks ["r0", "r1"]: two levels: forced' in outs[0], outs[0]
+    for i, (_, ip) in enumerate((a, b, c)):
+        assert f"on {ip} ports" in outs[1 + i], outs[1 + i]
+        assert "relayed for this rack" in outs[1 + i], outs[1 + i]

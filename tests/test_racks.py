@@ -8,17 +8,19 @@ import re
 import pytest
 
 
-def rack_job(cluster_factory, hosts, servers, script, config, mode="on", sched=(), **env):
+def rack_job(cluster_factory, hosts, servers, script, config, mode="on", sched=(), threads=2, **env):
     """`hosts`: per worker host, (rack, workers on it); `servers`: per
-    server, (rack, host index or None for a CPU-only machine of its own).
+    server, (rack, host index or None for a CPU-only machine of its own),
+    each with `threads` threads (so a rack's chunks are relayed by several
+    threads, each linked to several owners).
     Returns the cluster with every worker started."""
     nw = sum(n for _, n in hosts)
     server_args, server_envs = [], []
     for rack, host in servers:
         server_args.append(["--rack", rack] + (["--colocated"] if host is not None else []))
         server_envs.append({"GRADHUB_HOST_ID": f"host{host}" if host is not None else f"cpu-{len(server_envs)}"})
-    c = cluster_factory(nw, len(servers), scheduler_args=["--rack-reduce", mode, *sched], server_args=server_args,
-                        server_envs=server_envs, **env)
+    c = cluster_factory(nw, len(servers), threads, scheduler_args=["--rack-reduce", mode, *sched],
+                        server_args=server_args, server_envs=server_envs, **env)
     rank = 0
     for h, (rack, n) in enumerate(hosts):
         for _ in range(n):

@@ -217,6 +217,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             thread: t as u32,
             slot: first_slot + t as u32,
             rack: my_rack,
+            relays: if welcome.rack_reduce { welcome.servers.iter().map(|s| s.ports.len() as u32).sum() } else { 0 },
             num_workers: welcome.num_workers,
             layout: layout.clone(),
             local: local.clone(),
@@ -249,7 +250,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         made: HashSet::new(),
         secret: cfg.secret.clone(),
         namespace: ns,
-        relay: welcome.rack_reduce.then(|| (my_rack, layout.relay_id(my_rack))),
+        relay: welcome.rack_reduce.then_some((my_rack, layout.relay_id(first_slot))),
         made_up: HashSet::new(),
     };
     let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links);
@@ -390,8 +391,8 @@ struct Links {
     made: HashSet<(u32, u32)>,
     secret: Secret,
     namespace: u32,
-    /// With two levels: our rack, and the pusher id a relay of it says
-    /// DataHello with at an owner (`HostLayout::relay_id`).
+    /// With two levels: our rack, and the pusher id our thread 0 says
+    /// DataHello with at an owner (`HostLayout::relay_id`; thread t: + t).
     relay: Option<(u32, u32)>,
     made_up: HashSet<(u32, u32)>,
 }
@@ -412,7 +413,7 @@ impl Links {
                         continue;
                     }
                     let mut hello = Header::new(MsgType::DataHello);
-                    (hello.namespace, hello.key) = (self.namespace, id);
+                    (hello.namespace, hello.key) = (self.namespace, id + t);
                     match self.connect(owner, &hello.encode()) {
                         Ok(stream) => out[t as usize].push((owner, stream, LinkTo::Owner)),
                         // Its server is gone (the job is failing): the

@@ -94,8 +94,10 @@ pub struct ThreadConfig {
     pub server: u32,
     pub thread: u32,
     pub slot: u32,
-    /// This server's rack (two-level reduction: `layout` has the racks).
+    /// This server's rack (two-level reduction: `layout` has the racks),
+    /// and how many relays may push here then (ranks after the workers').
     pub rack: u32,
+    pub relays: u32,
     pub num_workers: u32,
     /// Who pushes which chunk.
     pub layout: Arc<HostLayout>,
@@ -335,7 +337,7 @@ type ConnResult = Result<(), ConnError>;
 
 impl ServerThread {
     pub fn new(cfg: ThreadConfig, poll: Poll, listener: TcpListener, cmds: Receiver<ThreadCmd>) -> ServerThread {
-        let n = cfg.num_workers as usize + cfg.layout.num_racks() as usize;
+        let n = (cfg.num_workers + cfg.relays) as usize;
         ServerThread {
             cfg,
             poll,
@@ -563,7 +565,7 @@ impl ServerThread {
     }
 
     fn install(&mut self, specs: &[TensorSpec], adopt: bool) {
-        let n = self.cfg.num_workers as usize + self.cfg.layout.num_racks() as usize;
+        let n = (self.cfg.num_workers + self.cfg.relays) as usize;
         let layout = self.cfg.layout.clone();
         for s in specs {
             self.names.insert(s.key, s.name.clone());
@@ -576,7 +578,7 @@ impl ServerThread {
                 // (else, if ours, we own it, and the owner's rack is ours).
                 let mine = layout.num_racks() > 0 && s.slot_for(self.cfg.rack, c) == self.cfg.slot;
                 let upstream = (mine && slot != self.cfg.slot).then_some(slot);
-                let relay = upstream.map(|_| self.cfg.rack);
+                let relay_slot = |r: u32| s.slot_for(r, c);
                 if slot != self.cfg.slot && upstream.is_none() {
                     if rep == Some(self.cfg.slot) {
                         let new = replica::Replica { elems, state: None, done: None };
@@ -611,8 +613,10 @@ impl ServerThread {
                     dtype: s.dtype,
                     elems,
                     round: 0,
-                    pushers: layout.pushers_at(s.key, c as u32, self.cfg.rack, relay),
-                    init_from: layout.init_pusher(s.key, c as u32, self.cfg.rack, relay).unwrap_or(u32::MAX),
+                    pushers: layout.pushers_at(s.key, c as u32, self.cfg.rack, upstream.is_some(), &relay_slot),
+                    init_from: layout
+                        .init_pusher(s.key, c as u32, self.cfg.rack, upstream.is_some(), &relay_slot)
+                        .unwrap_or(u32::MAX),
                     upstream,
                     forwarded: false,
                     pushed: vec![false; n],
@@ -1053,7 +1057,7 @@ impl ServerThread {
                     return Err("second DataHello on one connection".into());
                 }
                 // Ranks after the workers' are other racks' relays (`HostLayout::relay_id`).
-                if r >= self.cfg.num_workers + self.cfg.layout.num_racks() {
+                if r >= self.cfg.num_workers + self.cfg.relays {
                     return Err(ConnError::Invalid(format!(
                         "worker rank {r} out of range (job has {} workers)",
                         self.cfg.num_workers
