@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from gradhub.bench import netns, profiles
-from gradhub.bench.runner import (Layout, allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes,
+from gradhub.bench.runner import (Layout, allreduce_time, byteps_optimum_time, core_link_bytes, host_link_bytes,
+                                  ring_core_link_bytes, ring_host_link_bytes,
                                   summarize)
 from conftest import job_env
 
@@ -84,6 +85,14 @@ def test_host_link_bytes_formula():
     assert ring_host_link_bytes(2, 4, M) == pytest.approx(2 * 7 / 8 * M)
     lay = Layout(2, 1, True, 1, 3)
     assert lay.num_workers == 6 and lay.num_servers == 3
+    assert lay.rack_of() == {}
+    # 4 hosts in 2 racks (contiguous), CPU-only servers round-robin; core links per direction.
+    racks = Layout(4, 2, True, 1, 1, racks=2)
+    assert racks.rack_of() == {"w0": 0, "w1": 0, "w2": 1, "w3": 1, "s0": 0, "s1": 1}
+    assert core_link_bytes(Layout(4, racks=2), M, False) == pytest.approx(2 * M)
+    assert core_link_bytes(Layout(4, racks=2), M, True) == pytest.approx(M)
+    assert core_link_bytes(Layout(6, racks=3), M, True) == pytest.approx(4 / 3 * M)
+    assert ring_core_link_bytes(Layout(4, racks=2), M) == pytest.approx(1.5 * M)
     assert lay.worker_slots() == [(0, "w0", 0), (1, "w0", 1), (2, "w0", 2), (3, "w1", 0), (4, "w1", 1), (5, "w1", 2)]
 
 
@@ -204,6 +213,34 @@ def test_train_two_workers_per_host_exact_updates(tmp_path):
     assert on["host_bytes_theory"] == pytest.approx(M) and off["host_bytes_theory"] == pytest.approx(2 * M)
     assert 0.9 <= on["host_tx_per_iter"] / M <= 1.3 and 0.9 <= on["host_rx_per_iter"] / M <= 1.3
     assert on["host_tx_per_iter"] < 0.75 * off["host_tx_per_iter"]
+
+
+def test_train_across_two_racks_two_levels_halve_the_core_link_bytes(tmp_path):
+    """4 emulated hosts in 2 racks joined by shaped core links: one level puts
+    2N(R-1)/R of the model on each core link and direction, two levels
+    2(R-1)/R (half, for N = 2 hosts per rack); both train exactly, and the
+    scheduler's choice is recorded."""
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "racks.jsonl"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "train", "--model", "alexnet", "--workers", "4",
+                        "--racks", "2", "--core-rate", "1gbit", "--scale", "64", "--iters", "3", "--warmup", "1",
+                        "--systems", "gradhub", "--variants", "flat,racks", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["label"]: r for r in map(json.loads, out.read_text().splitlines())}
+    flat, two = rows["gradhub/flat"], rows["gradhub/racks"]
+    M = flat["model_bytes"]
+    assert flat["core_bytes_theory"] == pytest.approx(2 * M) and two["core_bytes_theory"] == pytest.approx(M)
+    assert flat["rack_choice"].startswith("two-level reduction is off") and two["rack_choice"].startswith("two levels")
+    for r in (flat, two):
+        assert r["result_error"] < 1e-4, r["label"]
+        assert set(r["core_bytes"]) == {"core0", "core1"}, r["core_bytes"]
+        for rack, b in r["core_bytes"].items():
+            for way in ("tx", "rx"):
+                assert 0.9 <= b[way] / r["core_bytes_theory"] <= 1.3, (r["label"], rack, b)
+    assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
 @pytest.mark.parametrize("extra", [["--cpu-servers", "1"], ["--no-servers"]], ids=["k1", "no-servers"])

@@ -1853,9 +1853,17 @@ impl ServerThread {
         for ((key, round), (idxs, mut missing, waited)) in by_key {
             missing.sort_unstable();
             let name = self.names.get(&key).cloned().unwrap_or_default();
+            // Pushers after the workers are other racks' relays (`HostLayout::relay_id`).
+            let nw = self.cfg.num_workers;
+            let relays: Vec<u32> = missing.iter().filter(|&&r| r >= nw).map(|&r| r - nw).collect();
+            let workers: Vec<u32> = missing.iter().copied().filter(|&r| r < nw).collect();
+            let also = match relays.is_empty() {
+                true => String::new(),
+                false => format!(" and the rack relays at server thread slot(s) {relays:?}"),
+            };
             log::warn!(
                 target: &self.who(),
-                "stall: tensor '{name}' (key {key}) round {round} has waited {:.1}s for worker rank(s) {missing:?} ({} chunk(s) on this thread)",
+                "stall: tensor '{name}' (key {key}) round {round} has waited {:.1}s for worker rank(s) {workers:?}{also} ({} chunk(s) on this thread)",
                 waited.as_secs_f64(),
                 idxs.len()
             );

@@ -20,8 +20,8 @@ import json
 import sys
 
 from . import netns, profiles
-from .runner import (VARIANTS, Layout, allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes,
-                     run_job, server_link_bytes, variant_env)
+from .runner import (VARIANTS, Layout, allreduce_time, byteps_optimum_time, core_link_bytes, host_link_bytes,
+                     ring_core_link_bytes, ring_host_link_bytes, run_job, server_link_bytes, variant_env)
 
 
 def _add_cluster_args(p):
@@ -33,6 +33,12 @@ def _add_cluster_args(p):
     p.add_argument("--no-colocated", action="store_true", help="no server on the worker hosts")
     p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
     p.add_argument("--rate", default="1gbit", help="per-host rate in each direction, tc syntax (default 1gbit)")
+    p.add_argument("--racks", type=int, default=1, metavar="R",
+                   help="worker hosts in R racks (contiguous; CPU-only servers round-robin), each joined to the "
+                        "core by one link of --core-rate; gradhub's members name their rack and PHub's model "
+                        "decides on two-level reduction (variants flat, racks force it; default 1)")
+    p.add_argument("--core-rate", default=None,
+                   help="each rack's link to the core, each way, tc syntax (default: --rate)")
 
 
 def _add_compare_args(p):
@@ -196,6 +202,23 @@ def _server_lines(res: dict, theory: float | None) -> str:
     return out
 
 
+def _core_lines(res: dict, layout: Layout, system: str, model_bytes: float) -> str:
+    """With racks: each rack's core link (up/down MB per iteration) beside
+    the theory for what ran, and the scheduler's choice."""
+    core = res.get("core_bytes")
+    if not core:
+        return ""
+    choice = res.get("rack_choice") or ""
+    two = choice.startswith("two levels")
+    theory = {"ddp": ring_core_link_bytes(layout, model_bytes), "gradhub": core_link_bytes(layout, model_bytes, two)}
+    t = theory.get(system)
+    cells = ", ".join(f"{h} {v['tx'] / 1e6:.1f}/{v['rx'] / 1e6:.1f}" for h, v in sorted(core.items()))
+    out = f"\n    core links, up/down MB per iteration: {cells}" + (f" (theory {t / 1e6:.1f})" if t else "")
+    if system == "gradhub" and choice:
+        out += f"\n    racks: {choice}"
+    return out
+
+
 def _check(res: dict, label: str) -> str:
     err = res.get("result_error")
     if err is not None and err > 1e-3:
@@ -208,7 +231,7 @@ def _check(res: dict, label: str) -> str:
 def _layout(args, k=None, colocated=None) -> Layout:
     return Layout(args.workers, args.cpu_servers if k is None else k,
                   (not args.no_colocated) if colocated is None else colocated, args.server_threads,
-                  args.workers_per_host)
+                  args.workers_per_host, max(1, getattr(args, "racks", 1)))
 
 
 def gradhub_host_bytes(layout: Layout, model_bytes: float, host_reduce: bool) -> float:
@@ -228,6 +251,7 @@ def cmd_train(args) -> int:
           f"after /{args.scale:g}), {prof.time_per_batch * 1e3:.0f} ms compute per batch of {prof.batch}; "
           f"{args.workers} worker hosts x {W} workers, {args.cpu_servers} CPU-only servers, "
           f"colocated={layout.colocated}, rate {args.rate} (= {args.rate} x {args.scale:g} for the full model)"
+          + (f"; {layout.racks} racks, core links {args.core_rate or args.rate}" if layout.racks > 1 else "")
           + (f"; median of {args.trials} interleaved trials" if args.trials > 1 else ""))
     print(f"{'run':28s} {'samples/s':>10s} {'eff':>6s} {'p50 ms':>8s} {'p90 ms':>8s} {'cores':>6s} {'vs ddp':>7s}"
           f" {'up MB':>7s} {'down MB':>7s} {'theo MB':>7s} {'/theo':>6s}   (per host link and iteration)")
@@ -248,7 +272,7 @@ def cmd_train(args) -> int:
     for t in range(max(1, args.trials)):
         for label, system, v in runs:
             res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=variant_env(v),
-                          partition_bytes=partition)
+                          partition_bytes=partition, core_rate=args.core_rate)
             res.pop("raw", None)
             trials[label].append(res)
             if args.trials > 1:
@@ -271,9 +295,14 @@ def cmd_train(args) -> int:
               f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
               f"{cores if cores is not None else float('nan'):6.2f} {ratio}{_host_cols(res, theory)}"
               f"{_check(res, label)}{_server_lines(res, s_theory) if system == 'gradhub' else ''}"
+              + _core_lines(res, layout, system, M)
               + (f"\n  {res['sfb_layers']} layer(s) as sufficient factors; rebuilding their gradients took "
                  f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else ""),
               flush=True)
+        if res.get("core_bytes"):
+            two = (res.get("rack_choice") or "").startswith("two levels")
+            res["core_bytes_theory"] = ring_core_link_bytes(layout, M) if system == "ddp" else \
+                core_link_bytes(layout, M, two) if system == "gradhub" else None
         res.update(kind="train", label=label, model=args.model, scale=args.scale, variant=v,
                    host_reduce=host_reduce, host_bytes_theory=theory, server_bytes_theory=s_theory,
                    workers_per_host=W,
@@ -302,7 +331,7 @@ def cmd_goodput(args) -> int:
     for _ in range(max(1, args.trials)):
         for label, layout, system, env, hr, k in runs:
             res = run_job(layout, args.rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": args.iters},
-                          system, env=env)
+                          system, env=env, core_rate=args.core_rate)
             res.pop("raw", None)
             trials[label].append(res)
     for label, layout, system, env, hr, k in runs:
@@ -370,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             if layout.num_servers == 0:
                 ap.error("--no-colocated needs --cpu-servers >= 1 (or use --no-servers)")
         try:
-            return run_cluster(layout, args.rate, cmd, args.partition_bytes, host_reduce=not args.no_host_reduce)
+            return run_cluster(layout, args.rate, cmd, args.partition_bytes, host_reduce=not args.no_host_reduce,
+                               core_rate=args.core_rate)
         except netns.ClusterError as e:
             print(f"gradhub bench: {e}", file=sys.stderr)
             return 2

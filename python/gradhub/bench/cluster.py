@@ -38,11 +38,13 @@ def layout_summary(layout: Layout) -> str:
 
 
 def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_bytes: int | None = None,
-                extra_env: dict[str, str] | None = None, host_reduce: bool = True) -> int:
+                extra_env: dict[str, str] | None = None, host_reduce: bool = True, core_rate: str | None = None) -> int:
     if layout.workers < 1:
         print("gradhub bench cluster: need at least one worker host", file=sys.stderr)
         return 2
-    with EmulatedCluster(layout.host_names(), rate) as cluster:
+    racks = layout.rack_of()
+    with EmulatedCluster(layout.host_names(), rate, racks=racks,
+                         core_rate=(core_rate or rate) if racks else None) as cluster:
         sched = cluster.hosts["sched"]
         print(f"gradhub bench cluster: {layout_summary(layout)}, {rate or 'unshaped'} per host"
               + (f", {layout.workers_per_host} workers per host" if layout.workers_per_host > 1 else "")
@@ -72,6 +74,8 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
                 argv = py + ["server", "--threads", str(layout.server_threads)]
                 if name.startswith("w"):
                     argv.append("--colocated")
+                if racks:
+                    argv += ["--rack", f"r{racks[name]}"]
                 procs.append(Proc(f"server@{name}", cluster.hosts[name].cmd(argv), {**base, "GRADHUB_ROLE": "server"}))
         workers = []
         master = cluster.hosts["w0"].ip
@@ -81,6 +85,8 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
                    "WORLD_SIZE": str(layout.num_workers), "LOCAL_RANK": str(lr), "LOCAL_WORLD_SIZE": str(W),
                    "GRADHUB_LOCAL_RANK": str(lr), "GRADHUB_LOCAL_SIZE": str(W),
                    "MASTER_ADDR": master, "MASTER_PORT": str(GLOO_PORT), "GLOO_SOCKET_IFNAME": "eth0"}
+            if racks:
+                env["GRADHUB_RACK"] = f"r{racks[host]}"
             workers.append(Proc(f"worker {r}@{host}", cluster.hosts[host].cmd(command), env))
         procs += workers
         return supervise(procs, workers, "gradhub bench cluster")

@@ -97,11 +97,16 @@ class Host:
 class EmulatedCluster:
     """`with EmulatedCluster(["w0", "w1", "s0"], rate="1gbit") as c: c.hosts["w0"].cmd([...])`.
 
-    A host named "sched" (always added, unshaped) runs the scheduler."""
+    A host named "sched" (always added, unshaped) runs the scheduler. With
+    `racks` (host name -> rack index), each rack's hosts share a bridge of
+    their own (the top-of-rack switch, unlimited), joined to the core bridge
+    by one veth pair shaped to `core_rate` each way (the rack's oversubscribed
+    uplink); `core_links` names each rack's end (tx: the rack's upload)."""
 
     _count = 0
 
-    def __init__(self, names: list[str], rate: str | None = "1gbit", tag: str | None = None):
+    def __init__(self, names: list[str], rate: str | None = "1gbit", tag: str | None = None,
+                 racks: dict[str, int] | None = None, core_rate: str | None = None):
         why = check_available()
         if why:
             raise ClusterError(why)
@@ -114,6 +119,10 @@ class EmulatedCluster:
         self.names = ["sched"] + [n for n in names if n != "sched"]
         self.hosts: dict[str, Host] = {}
         self._old_handlers = {}
+        self.racks = dict(racks or {})
+        self.core_bps = parse_rate(core_rate) if core_rate else None
+        self.core_links: dict[int, str] = {}
+        self._rack_devs: list[str] = []
 
     def __enter__(self) -> "EmulatedCluster":
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -137,6 +146,21 @@ class EmulatedCluster:
     def _build(self):
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "link", "set", self.bridge, "up")
+        bridges = {}
+        for r in sorted(set(self.racks.values())):
+            br, up, down = f"{PREFIX}br{self.tag}r{r}", f"{PREFIX}{self.tag}c{r}", f"{PREFIX}{self.tag}k{r}"
+            _run("ip", "link", "add", br, "type", "bridge")
+            self._rack_devs += [up, br]
+            _run("ip", "link", "set", br, "up")
+            _run("ip", "link", "add", up, "type", "veth", "peer", "name", down)
+            _run("ip", "link", "set", up, "master", br)
+            _run("ip", "link", "set", down, "master", self.bridge)
+            for dev in (up, down):
+                _run("ip", "link", "set", dev, "up")
+                if self.core_bps:
+                    self._shape(["tc"], dev, self.core_bps)   # up: the rack's upload; down: its download
+            bridges[r] = br
+            self.core_links[r] = up
         for i, name in enumerate(self.names):
             ns, veth = f"{PREFIX}{self.tag}{name}", f"{PREFIX}{self.tag}v{i}"
             ip = f"{SUBNET}.{i // 250}.{i % 250 + 1}"
@@ -144,7 +168,7 @@ class EmulatedCluster:
             host = Host(name, ns, ip, veth)
             self.hosts[name] = host
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _run("ip", "link", "set", veth, "master", self.bridge)
+            _run("ip", "link", "set", veth, "master", bridges.get(self.racks.get(name, -1), self.bridge))
             _run("ip", "link", "set", veth, "up")
             _run("ip", "-n", ns, "addr", "add", f"{ip}/16", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
@@ -155,8 +179,8 @@ class EmulatedCluster:
         # Let the bridge forward without iptables in the way.
         _run("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0", check=False)
 
-    def _shape(self, tc: list[str], dev: str):
-        rate = self.rate_bps
+    def _shape(self, tc: list[str], dev: str, rate: int | None = None):
+        rate = rate or self.rate_bps
         # Token bucket: burst of ~4 ms at line rate (at least 64 KiB so GSO
         # super-packets pass), 20 ms of queue.
         burst = max(rate // 8 // 250, 64 * 1024)
@@ -180,4 +204,7 @@ class EmulatedCluster:
             _run("ip", "link", "del", h.veth, check=False)  # synchronous, unlike namespace teardown
             _run("ip", "netns", "del", h.ns, check=False)
         self.hosts.clear()
+        for dev in self._rack_devs:
+            _run("ip", "link", "del", dev, check=False)
+        self._rack_devs.clear()
         _run("ip", "link", "del", self.bridge, check=False)

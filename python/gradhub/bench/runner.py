@@ -34,6 +34,10 @@ VARIANTS = {
     # Failover off (read by the scheduler), and with it the replicas of the
     # server optimizer's state: "server" vs "server+nofailover" is their cost.
     "nofailover": {"GRADHUB_FAILOVER": "0"},
+    # With --racks: one level (every pusher crosses the core itself), or two
+    # levels forced (auto, the default, lets PHub's model decide).
+    "flat": {"GRADHUB_RACK_REDUCE": "off"},
+    "racks": {"GRADHUB_RACK_REDUCE": "on"},
     # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
     "nosfb": {"GRADHUB_SFB": "off"},
     "sfb": {"GRADHUB_SFB": "force"},
@@ -187,6 +191,7 @@ class Layout:
     colocated: bool = True      # a server on every worker host
     server_threads: int = 1
     workers_per_host: int = 1   # worker processes on each worker host
+    racks: int = 1              # worker hosts in this many racks (contiguous), CPU-only servers round-robin
 
     @property
     def num_servers(self) -> int:
@@ -204,6 +209,32 @@ class Layout:
 
     def host_names(self) -> list[str]:
         return [f"w{i}" for i in range(self.workers)] + [f"s{i}" for i in range(self.cpu_servers)]
+
+    def rack_of(self) -> dict[str, int]:
+        """Host name -> rack index (empty with one rack)."""
+        if self.racks <= 1:
+            return {}
+        out = {f"w{i}": i * self.racks // self.workers for i in range(self.workers)}
+        out.update({f"s{i}": i % self.racks for i in range(self.cpu_servers)})
+        return out
+
+
+def core_link_bytes(layout: Layout, model_bytes: float, two_level: bool) -> float:
+    """Theoretical bytes per iteration through one rack's core link, each
+    way, with colocated servers only and the host stage (N pushing hosts per
+    rack, R racks): one level, N(R-1)/R of the model out (pushes) plus as
+    much in results; two levels (PHub §3.4), the rack's sum out and its
+    result in instead: 2(R-1)/R."""
+    r = layout.racks
+    n = layout.workers / r
+    return 2 * (r - 1) / r * model_bytes * (1 if two_level else n)
+
+
+def ring_core_link_bytes(layout: Layout, model_bytes: float) -> float:
+    """DDP's ring in rank order (racks contiguous): one ring edge leaves
+    each rack and one enters, each carrying 2(n-1)/n of the model."""
+    n = layout.num_workers
+    return 2 * (n - 1) / n * model_bytes
 
 
 def _children_cpu() -> float:
@@ -288,12 +319,17 @@ class CpuSampler:
 
 
 def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: str, env: dict | None = None,
-            partition_bytes: int | None = None, timeout: float = 300, cluster: EmulatedCluster | None = None) -> dict:
+            partition_bytes: int | None = None, timeout: float = 300, cluster: EmulatedCluster | None = None,
+            core_rate: str | None = None) -> dict:
     """Start scheduler/servers (gradhub) and one worker process per worker host
-    running `python -m <module>`; returns the summary plus raw results."""
+    running `python -m <module>`; returns the summary plus raw results. With
+    racks, each rack's link to the core is shaped to `core_rate` (default
+    `rate`) and gradhub's members name their rack (GRADHUB_RACK)."""
     own = cluster is None
+    racks = layout.rack_of()
     if own:
-        cluster = EmulatedCluster(layout.host_names(), rate).__enter__()
+        cluster = EmulatedCluster(layout.host_names(), rate, racks=racks,
+                                  core_rate=(core_rate or rate) if racks else None).__enter__()
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         sched = cluster.hosts["sched"]
@@ -307,7 +343,12 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         c0, t0 = _children_cpu(), time.monotonic()
         # CPU-only server hosts' links, from the bridge-side veth (its rx is the host's upload).
         devs = {h.name: h.veth for h in cluster.hosts.values() if h.name.startswith("s") and h.name != "sched"}
+        devs.update({f"core{r}": dev for r, dev in cluster.core_links.items()})
         sampler = CpuSampler(period=0.05, netdevs=devs) if devs and cluster.rate_bps else CpuSampler()
+        if racks and system == "gradhub":
+            # What PHub's model needs, from the emulated links (Gbit/s).
+            base.setdefault("GRADHUB_LINK_GBIT", str(cluster.rate_bps / 1e9 if cluster.rate_bps else 0))
+            base.setdefault("GRADHUB_CORE_GBIT", str(cluster.core_bps / 1e9 if cluster.core_bps else 0))
         if system == "gradhub":
             if layout.num_servers < 1:
                 raise ValueError("gradhub needs at least one server (colocated or CPU-only)")
@@ -325,6 +366,8 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                 argv = [py, "-m", "gradhub", "server", "--threads", str(layout.server_threads)]
                 if name.startswith("w"):
                     argv.append("--colocated")
+                if racks:
+                    argv += ["--rack", f"r{racks[name]}"]
                 procs.append((f"server@{name}", subprocess.Popen(cluster.hosts[name].cmd(argv), env=base,
                                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
         workers = []
@@ -337,6 +380,8 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
             wenv = dict(base, GH_BENCH=json.dumps(wcfg), GRADHUB_RANK=str(r), GRADHUB_LOCAL_RANK=str(lr),
                         GRADHUB_LOCAL_SIZE=str(local), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(lr),
                         LOCAL_WORLD_SIZE=str(local))
+            if racks:
+                wenv["GRADHUB_RACK"] = f"r{racks[hname]}"
             p = subprocess.Popen(host.cmd([py, "-m", module]), env=wenv, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
             procs.append((f"worker{r}", p))
@@ -362,7 +407,7 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                 if not lines:
                     raise RuntimeError(f"{name} printed no RESULT:\n{text[-3000:]}")
                 results.append(json.loads(lines[-1][7:]))
-        shares = None
+        shares, rack_choice = None, None
         for name, p in procs:
             if not name.startswith("worker"):
                 try:
@@ -374,6 +419,8 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                     # The placement the scheduler chose (logged by builds that have it).
                     shares = next((l.split("summation shares per server:", 1)[1].strip() for l in text.splitlines()
                                    if "summation shares per server:" in l), None)
+                    rack_choice = next((l.split("]: ", 1)[1].strip() for l in text.splitlines()
+                                        if "scheduler] racks [" in l), None)
         wall = time.monotonic() - t0
         sampler.stop()
         # The window all workers were measuring; if they never overlapped
@@ -384,14 +431,21 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
             start, end = min(r["t_start"] for r in results), max(r["t_end"] for r in results)
         summary = summarize(results)
         # CPU-only server hosts: bytes over the common window, per mean iteration.
-        servers = {}
+        servers, core = {}, {}
         for name in sampler.netdevs:
             b = sampler.link_bytes(name, start, end)
             if b is not None and end > start:
                 per = summary["iter_time_mean"] / (end - start)
-                servers[name] = {"tx": b[0] * per, "rx": b[1] * per}   # veth rx = the host's upload
+                if name.startswith("core"):
+                    core[name] = {"tx": b[1] * per, "rx": b[0] * per}  # the rack's end: tx = its upload
+                else:
+                    servers[name] = {"tx": b[0] * per, "rx": b[1] * per}   # veth rx = the host's upload
         if servers:
             summary["server_host_bytes"] = servers
+        if core:
+            summary["core_bytes"] = core
+        if rack_choice:
+            summary["rack_choice"] = rack_choice
         if shares:
             summary["server_shares"] = shares
         summary.update(system=system, rate=rate, tc_drops=cluster.qdisc_drops(), busy_cores=sampler.busy_cores(start, end),
