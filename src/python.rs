@@ -610,6 +610,17 @@ impl PyClient {
         py.detach(move || c.shutdown())
     }
 
+    /// Record every chunk this worker pushes in a Chrome trace at `path`.
+    fn start_timeline(&self, path: String) -> PyResult<()> {
+        self.inner.start_timeline(&path).map_err(py_err)
+    }
+
+    /// Stop recording the chunks' timeline (returns once the file is written).
+    fn stop_timeline(&self, py: Python<'_>) {
+        let c = self.inner.clone();
+        py.detach(move || c.stop_timeline())
+    }
+
     /// Leave the job because this worker failed: every member is told `reason`.
     fn abort(&self, py: Python<'_>, reason: String) {
         let c = self.inner.clone();

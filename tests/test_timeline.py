@@ -45,3 +45,49 @@ def test_servers_and_workers_on_one_timeline(cluster_factory, tmp_path):
         for op, rnd in zip(ops, small):
             assert rnd["ts"] + rnd["dur"] <= op["ts"] + op["dur"] + 5_000, (rnd, op)
             assert rnd["ts"] + 5_000 >= op["ts"], (rnd, op)
+
+
+def test_a_workers_chunks_have_their_stages_on_the_timeline(cluster_factory, tmp_path):
+    """Beside each worker's operations its core records every chunk it
+    pushes: QUEUED, SEND and (when another push completed the round) RESULT,
+    back to back, within the operation that pushed it."""
+    c = cluster_factory(2, 2, GRADHUB_PARTITION_BYTES=65536)
+    for w in range(2):
+        # Hosts of their own: each worker pushes every chunk.
+        c.start_worker(w, "failover.py", {"steps": STEPS, "sleep": 0.05}, GRADHUB_HOST_ID=f"host{w}",
+                       GRADHUB_TIMELINE=str(tmp_path / "worker.{rank}.json"))
+    for name in ("worker0", "worker1", "scheduler", "server0", "server1"):
+        assert c.procs[name].wait(timeout=120) == 0, c.log(name)
+    for w in (0, 1):
+        ops = [e for e in json.loads((tmp_path / f"worker.{w}.json").read_text().rstrip().rstrip(",") + "]")
+               if e.get("ph") == "X"]
+        path = tmp_path / f"worker.{w}.chunks.json"
+        events = json.loads(path.read_text().rstrip().rstrip(",") + "]")
+        clock = [e for e in events if e.get("name") == "clock"]
+        assert len(clock) == 1 and all(e["pid"] == w for e in events), events[:3]
+        rows = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        stages = [e for e in events if e.get("ph") == "X"]
+        by_chunk = {}
+        for e in stages:
+            assert e["tid"] in rows and rows[e["tid"]] == f"{e['args']['tensor']} (chunks)", e
+            assert e["dur"] >= 0, e
+            by_chunk.setdefault((e["args"]["tensor"], e["args"]["chunk"], e["args"]["round"]), []).append(e)
+        # 'big' (300,000 floats) is 19 chunks of 64 KiB, each pushed once per step.
+        big = {k for k in by_chunk if k[0] == "big"}
+        assert big == {("big", ch, r) for ch in range(19) for r in range(STEPS)}, sorted(big)
+        finished_by_result = 0
+        for key, evs in by_chunk.items():
+            names = [e["name"] for e in sorted(evs, key=lambda e: e["ts"])]
+            assert names in (["QUEUED", "SEND", "RESULT"], ["QUEUED", "SEND"]), (key, names)
+            finished_by_result += names == ["QUEUED", "SEND"]
+            # Back to back: each stage starts where the one before it ended.
+            evs = sorted(evs, key=lambda e: e["ts"])
+            for a, b in zip(evs, evs[1:]):
+                assert abs(a["ts"] + a["dur"] - b["ts"]) < 1.0, (a, b)
+        # Some pushes completed their round (answered by the result itself), some waited for the other worker.
+        assert 0 < finished_by_result < len(by_chunk)
+        # Within the push_pull that sent them (one file's clock: the two files start within a moment).
+        small_ops = sorted((e for e in ops if e["args"]["tensor"] == "small"), key=lambda e: e["ts"])
+        small = sorted((e for e in stages if e["args"]["tensor"] == "small" and e["name"] == "QUEUED"),
+                       key=lambda e: e["ts"])
+        assert len(small_ops) == len(small) == STEPS

@@ -170,6 +170,11 @@ class Client:
     @property
     def local_ranks(self) -> list[int]:
         """Every worker's local rank, by rank."""
+    def start_timeline(self, path: str) -> None:
+        """Record every chunk this worker pushes in a Chrome trace at `path`:
+        queued, on the wire, waiting for its result."""
+    def stop_timeline(self) -> None:
+        """Stop recording the chunks' timeline (returns once the file is written)."""
     @property
     def num_servers(self) -> int: ...
     @property

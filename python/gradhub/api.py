@@ -114,7 +114,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                token=env.token, job=env.job, rack=env.rack, **kwargs)
         _joined = env.scheduler
         if env.timeline:
-            timeline.start(env.timeline, _client.rank)
+            timeline.start(env.timeline, _client.rank, _client)
     atexit.register(shutdown)
 
 
@@ -315,7 +315,8 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Record every push_pull of this job in a Chrome trace at `file_path`
     (written by worker 0, as Horovod's timeline; `mark_cycles` is ignored)."""
-    timeline.start(file_path, _require().rank)
+    c = _require()
+    timeline.start(file_path, c.rank, c)
 
 
 def stop_timeline() -> None:

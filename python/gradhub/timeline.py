@@ -2,7 +2,13 @@
 (open the file in chrome://tracing or https://ui.perfetto.dev).
 
 One row per tensor name; each operation is a complete event from the call to
-its result (or failure), with its size, dtype and priority. Every gradhub
+its result (or failure), with its size, dtype and priority. Beside it, the
+Rust core records every chunk the worker pushes in `chunk_path(path)`
+(`.chunks.json`), one row per tensor: QUEUED (behind higher priorities and
+the credit), SEND (until its server has it all) and RESULT (the other
+workers' pushes, the sum and the result in flight); servers record their
+side with `gradhub server --timeline` (WAIT_FOR_PUSHERS naming the last
+worker, FINISH_ROUND). Every gradhub
 and gradhub.torch operation goes through `api.push_pull_async`, so the
 timeline sees all of them (an allgather as its size exchange and its data).
 As in Horovod, only worker 0 writes it, unless the path contains `{rank}`:
@@ -23,6 +29,12 @@ from typing import Callable
 
 _lock = threading.Lock()
 _active: "Timeline | None" = None
+_chunks = None  # the client recording the chunks' side (`chunk_path`)
+
+
+def chunk_path(path: str) -> str:
+    """Where the chunks of the timeline at `path` are recorded."""
+    return (path[:-5] if path.endswith(".json") else path) + ".chunks.json"
 
 
 class Timeline:
@@ -84,10 +96,11 @@ class Timeline:
                 self._f = None
 
 
-def start(path: str, rank: int) -> None:
+def start(path: str, rank: int, client=None) -> None:
     """Start writing the timeline to `path` (worker 0 only, as Horovod; every
-    worker to its own file if the path contains `{rank}`)."""
-    global _active
+    worker to its own file if the path contains `{rank}`), and with `client`
+    (a `_core.Client`) its chunks to `chunk_path(path)`."""
+    global _active, _chunks
     if not path:
         raise ValueError("start_timeline needs a file path")
     if "{rank}" in path:
@@ -99,14 +112,20 @@ def start(path: str, rank: int) -> None:
         if _active is not None:
             _active.close()
         _active = Timeline(path, rank)
+        if client is not None:
+            client.start_timeline(chunk_path(path))
+        _chunks = client
 
 
 def stop() -> None:
-    global _active
+    global _active, _chunks
     with _lock:
         t, _active = _active, None
+        c, _chunks = _chunks, None
     if t is not None:
         t.close()
+    if c is not None:
+        c.stop_timeline()
 
 
 def active() -> Timeline | None:

@@ -98,6 +98,8 @@ struct ChunkSend {
     /// The data is in the host's shared segment, which the server maps:
     /// send only the header (PushRef).
     by_ref: bool,
+    /// When it was queued (the timeline's QUEUED stage).
+    queued: Instant,
 }
 
 /// Something waiting to be sent on a connection. Strict total order,
@@ -218,6 +220,18 @@ struct SendHalf {
     /// Copies of pushes being written when their chunk moved (`Io::detach`),
     /// kept until the frame is out.
     detached: Vec<Box<[u8]>>,
+    /// With a timeline: each chunk in flight's stages so far, by (key, chunk).
+    stamps: HashMap<(u32, u32), Stamp>,
+}
+
+/// When a chunk in flight was queued, started on the wire, and (if it was
+/// not the round's last push) received whole by its server.
+struct Stamp {
+    queued: Instant,
+    sent: Instant,
+    received: Option<Instant>,
+    round: u32,
+    len: usize,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
@@ -424,6 +438,10 @@ pub struct Io {
     /// By key, the newest placement a failover gave it, with the failover's
     /// batch (see `latest`).
     latest: Mutex<HashMap<u32, (u32, Arc<TensorSpec>)>>,
+    /// The chunks' timeline, while one is recorded (`start_timeline`), and
+    /// its writer thread.
+    trace: std::sync::RwLock<Option<Arc<crate::timeline::Trace>>>,
+    trace_writer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -485,9 +503,36 @@ impl Io {
             peer_timeout: failover.unwrap_or_default(),
             notes: Mutex::new(Vec::new()),
             latest: Mutex::new(HashMap::new()),
+            trace: Default::default(),
+            trace_writer: Mutex::new(None),
         };
         io.add_conns(streams)?;
         Ok(io)
+    }
+
+    /// Record every chunk this worker pushes from now on in a timeline at
+    /// `path` (`crate::timeline`), replacing one already recorded.
+    pub fn start_timeline(&self, path: &str) -> std::io::Result<()> {
+        let who = format!("worker {}", self.rank);
+        let (t, w) = crate::timeline::Trace::open(path, self.rank, &format!("gradhub {who}"), &[], &who)?;
+        self.stop_timeline();
+        *self.trace.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        *self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
+        Ok(())
+    }
+
+    /// Stop recording; returns once the file is written.
+    pub fn stop_timeline(&self) {
+        let t = self.trace.write().unwrap_or_else(|e| e.into_inner()).take();
+        drop(t);
+        // Ends when the last `Trace` is gone (the I/O thread may hold one for a moment).
+        if let Some(w) = self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = w.join();
+        }
+    }
+
+    fn tracing(&self) -> Option<Arc<crate::timeline::Trace>> {
+        self.trace.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Register data connections (the job's first servers', or one that
@@ -598,6 +643,7 @@ impl Io {
         st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
         st.unreceived.remove(key, chunk);
         st.unreturned.remove(key, chunk);
+        st.stamps.remove(&(key, chunk));
         if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
             // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
             let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
@@ -817,6 +863,7 @@ impl Io {
             ptr: src.ptr,
             len: src.len,
             by_ref: a.host.is_some() && self.conns[slot].by_ref,
+            queued: Instant::now(),
         }));
         slot
     }
@@ -870,6 +917,7 @@ impl Io {
         let c = &self.conns[i];
         let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
         let ns = self.namespace;
+        let (tracing, stamps) = (self.trace.read().map_or(false, |t| t.is_some()), &mut st.stamps);
         let next = || {
             if let SendItem::Chunk(top) = heap.peek()? {
                 let order = heap.peek()?.order();
@@ -894,6 +942,10 @@ impl Io {
                     };
                     unreceived.insert(ch.key, ch.chunk, order, ch.len);
                     unreturned.insert(ch.key, ch.chunk, order, ch.len);
+                    if tracing {
+                        let (queued, sent, round, len) = (ch.queued, Instant::now(), ch.round, ch.len);
+                        stamps.insert((ch.key, ch.chunk), Stamp { queued, sent, received: None, round, len });
+                    }
                     if ch.by_ref {
                         self.pushed_by_ref.fetch_add(1, Ordering::Relaxed);
                         h.msg_type = MsgType::PushRef;
@@ -933,6 +985,7 @@ impl Io {
             st.tx.clear();
             st.unreceived.clear();
             st.unreturned.clear();
+            st.stamps.clear();
         }
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
         drop(ops);
@@ -1199,6 +1252,7 @@ impl IoThread {
             st.tx.clear();
             st.unreceived.clear();
             st.unreturned.clear();
+            st.stamps.clear();
         }
         let (mut touched, mut restored, mut resent) = (Vec::new(), 0usize, 0usize);
         {
@@ -1541,11 +1595,17 @@ impl IoThread {
                 if hdr.payload_len != 0 {
                     return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
                 }
-                if !io.conns[i].send().unreceived.remove(hdr.key, hdr.chunk) {
-                    return Err(ConnError::Invalid(format!(
-                        "Received for key {} chunk {}, which is not in flight here",
-                        hdr.key, hdr.chunk
-                    )));
+                {
+                    let mut st = io.conns[i].send();
+                    if !st.unreceived.remove(hdr.key, hdr.chunk) {
+                        return Err(ConnError::Invalid(format!(
+                            "Received for key {} chunk {}, which is not in flight here",
+                            hdr.key, hdr.chunk
+                        )));
+                    }
+                    if let Some(s) = st.stamps.get_mut(&(hdr.key, hdr.chunk)) {
+                        s.received = Some(Instant::now());
+                    }
                 }
                 io.pump(i)
             }
@@ -1589,11 +1649,26 @@ impl IoThread {
 
     fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), ConnError> {
         let io = &self.shared.io;
-        {
+        let stamp = {
             let mut st = io.conns[i].send();
             // The push that completed the round gets no Received frame.
             st.unreceived.remove(key, chunk as u32);
             st.unreturned.remove(key, chunk as u32);
+            st.stamps.remove(&(key, chunk as u32))
+        };
+        if let (Some(s), Some(trace)) = (stamp, io.tracing()) {
+            let name = io.ops().active.get(&key).map(|a| a.spec.name.clone()).unwrap_or_default();
+            trace.chunk(&crate::timeline::ChunkStages {
+                tensor: &name,
+                chunk: chunk as u32,
+                round: s.round,
+                bytes: s.len,
+                server: io.conns[i].server,
+                queued: s.queued,
+                sent: s.sent,
+                received: s.received,
+                result: Instant::now(),
+            });
         }
         if let Some(h) = &io.host {
             let ops = io.ops();

@@ -1078,6 +1078,7 @@ impl Client {
         for t in threads {
             let _ = t.join();
         }
+        self.shared.io.stop_timeline();
         if let Some(h) = &self.shared.io.host {
             h.cleanup();
         }
@@ -1092,6 +1093,20 @@ impl Client {
 
     pub fn failure(&self) -> Option<String> {
         self.shared.failure()
+    }
+
+    /// Record every chunk this worker pushes in a timeline at `path`
+    /// (`crate::timeline`): queued, on the wire, waiting for the result.
+    pub fn start_timeline(&self, path: &str) -> Result<(), ClientError> {
+        self.shared
+            .io
+            .start_timeline(path)
+            .map_err(|e| ClientError::Usage(format!("cannot write the timeline {path}: {e}")))
+    }
+
+    /// Stop recording the chunks' timeline; returns once the file is written.
+    pub fn stop_timeline(&self) {
+        self.shared.io.stop_timeline()
     }
 
     /// Before a clean goodbye: the zeros this worker pushed for process

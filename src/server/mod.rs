@@ -8,7 +8,6 @@ mod optimizer;
 mod replica;
 mod service;
 mod thread;
-mod timeline;
 
 pub use service::{run_service_server, ServiceServerConfig};
 
@@ -195,7 +194,10 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let local = Arc::new(local);
     let (timeline, timeline_writer) = match &cfg.timeline {
         Some(path) => {
-            let (t, w) = timeline::Timeline::open(path, rank, threads as u32)
+            let path = path.replace("{rank}", &rank.to_string());
+            let rows: Vec<(u32, String)> = (0..threads as u32).map(|t| (t, format!("thread {t}"))).collect();
+            // Pids apart from the workers' (their ranks) in a merged trace.
+            let (t, w) = crate::timeline::Trace::open(&path, 1_000_000 + rank, &format!("gradhub {who}"), &rows, &who)
                 .map_err(|e| ServerError::Setup(format!("cannot write the timeline {path}: {e}")))?;
             (Some(t), Some(w))
         }

@@ -115,7 +115,7 @@ pub struct ThreadConfig {
     pub secret: Secret,
     /// What this server's threads summed (a shared service reports it).
     pub traffic: Arc<super::Traffic>,
-    pub timeline: Option<Arc<super::timeline::Timeline>>,
+    pub timeline: Option<Arc<crate::timeline::Trace>>,
 }
 
 enum ChunkBuf {
@@ -1571,7 +1571,7 @@ impl ServerThread {
             }
             if let (Some(tl), Some((first_push, last_push, round))) = (&self.cfg.timeline, waited) {
                 let ch = &self.chunks[idx];
-                tl.round(&super::timeline::Round {
+                tl.round(&crate::timeline::Round {
                     thread: self.cfg.thread,
                     tensor: self.names.get(&ch.key).map_or("?", String::as_str),
                     chunk: ch.chunk,

@@ -36,6 +36,10 @@ VARIANTS = {
     "nofailover": {"GRADHUB_FAILOVER": "0"},
     # With --racks: one level (every pusher crosses the core itself), or two
     # levels forced (auto, the default, lets PHub's model decide).
+    # Timelines on every worker (operations and chunk stages) and server:
+    # "priority" vs "priority+timeline" is what recording costs.
+    "timeline": {"GRADHUB_TIMELINE": "/tmp/gradhub-bench-timeline/worker.{rank}.json",
+                 "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline/server.{rank}.json"},
     "flat": {"GRADHUB_RACK_REDUCE": "off"},
     "racks": {"GRADHUB_RACK_REDUCE": "on"},
     # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
