@@ -917,7 +917,7 @@ impl Io {
         let c = &self.conns[i];
         let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
         let ns = self.namespace;
-        let (tracing, stamps) = (self.trace.read().map_or(false, |t| t.is_some()), &mut st.stamps);
+        let (tracing, stamps) = (self.trace.read().is_ok_and(|t| t.is_some()), &mut st.stamps);
         let next = || {
             if let SendItem::Chunk(top) = heap.peek()? {
                 let order = heap.peek()?.order();

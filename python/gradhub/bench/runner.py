@@ -39,7 +39,7 @@ VARIANTS = {
     # Timelines on every worker (operations and chunk stages) and server:
     # "priority" vs "priority+timeline" is what recording costs.
     "timeline": {"GRADHUB_TIMELINE": "/tmp/gradhub-bench-timeline/worker.{rank}.json",
-                 "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline/server.{rank}.json"},
+                 "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline-server.{rank}.json"},
     "flat": {"GRADHUB_RACK_REDUCE": "off"},
     "racks": {"GRADHUB_RACK_REDUCE": "on"},
     # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
