@@ -16,6 +16,23 @@ def test_training_matches_single_process(model, opt, overlap):
     assert_all_passed(rc, out, 4)
 
 
+@pytest.mark.parametrize("fusion,buckets,tensors", [(0, 0, 0), (262144, 1, 26), (1024, 2, 19)],
+                         ids=["off", "default", "small-buckets"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_tensor_fusion_trains_like_a_single_process(fusion, buckets, tensors, overlap):
+    # 6 Linear + LayerNorm blocks and a head (26 tensors, all small): by default one
+    # bucket carries all of them; with 1 KiB buckets only the 19 tensors of at
+    # most 256 bytes (biases, norms) travel packed, in 2 buckets. Parameters
+    # equal single-process training either way, with SGD and AdamW, and
+    # backward_passes_per_step (each bucket goes once its members' last pass is in).
+    for opt, passes in (("sgd", 1), ("adamw", 2)):
+        cfg = {"model": "deep", "opt": opt, "overlap": overlap, "steps": 10, "sfb": "off", "fusion": fusion,
+               "passes": passes}
+        rc, out = run_launch(3, 2, "torch_train.py", cfg, threads=1)
+        assert_all_passed(rc, out, 3)
+        assert out.count(f"FUSED {buckets} buckets of {tensors} tensors") == 3, out[-3000:]
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_overlap_with_parameters_used_outside_their_modules_forward(opt):
     # Tied weights, functional calls and a custom autograd function on

@@ -302,12 +302,18 @@ def server_env() -> ServerEnv:
 # ---------------------------------------------------------------- gradhub.torch
 
 
+# Bytes of a fusion bucket: gradients of at most a quarter of it travel
+# packed (docs/torch.md, "Tensor fusion"; chosen by docs/benchmarks.md).
+DEFAULT_FUSION_THRESHOLD = 256 << 10
+
+
 @dataclass
 class TorchOptions:
     overlap_forward: bool
     optimizer_on_server: bool
     scheduling: str                # priority or fifo
     sfb: str                       # sufficient factors: auto, off or force
+    fusion_threshold: int          # bytes of a fusion bucket (small gradients travel packed); 0: off
 
 
 def torch_options() -> TorchOptions:
@@ -317,4 +323,5 @@ def torch_options() -> TorchOptions:
         optimizer_on_server=get_flag("GRADHUB_OPTIMIZER_ON_SERVER"),
         scheduling=get_choice("GRADHUB_SCHEDULING", ("priority", "fifo"), "priority"),
         sfb=get_choice("GRADHUB_SFB", ("auto", "off", "force"), "auto"),
+        fusion_threshold=get_int("GRADHUB_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD),
     )

@@ -1,8 +1,8 @@
 """Worker: train a small model with gradhub.torch on this rank's shard and
 check it against single-process training on the combined batch.
 
-Config: model (mlp|cnn|plist|embed: sparse gradients|outside: parameters used outside their module's
-forward), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
+Config: model (mlp|cnn|deep: many small tensors|plist|embed: sparse gradients|outside: parameters used
+outside their module's forward), fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
@@ -126,6 +126,10 @@ def make_model():
         return EmbedNet()
     if model_kind == "mlp":
         return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 5))
+    if model_kind == "deep":
+        # Many small tensors (Linear + LayerNorm blocks): what tensor fusion packs.
+        blocks = [m for _ in range(6) for m in (nn.Linear(20, 20), nn.LayerNorm(20), nn.Tanh())]
+        return nn.Sequential(*blocks, nn.Linear(20, 5))
     return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 8, 3), nn.ReLU(),
                          nn.Flatten(), nn.Linear(8 * 2 * 2, 16), nn.ReLU(), nn.Linear(16, 5))
 
@@ -184,8 +188,10 @@ opt = hvd.DistributedOptimizer(make_opt(model.parameters()), named_parameters=mo
                                compression=compression, backward_passes_per_step=passes, overlap_forward=overlap,
                                optimizer_on_server=server, gradient_predivide_factor=CONFIG.get("predivide", 1.0),
                                sparse_as_dense=CONFIG.get("sparse_as_dense", False),
-                               sufficient_factors=CONFIG.get("sfb"))
+                               sufficient_factors=CONFIG.get("sfb"), fusion_threshold=CONFIG.get("fusion"))
 assert opt._gh_server == server
+fusion = opt._gh_fusion
+print(f"FUSED {len(fusion.buckets) if fusion else 0} buckets of {len(fusion.of) if fusion else 0} tensors", flush=True)
 hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 hvd.broadcast_optimizer_state(opt, root_rank=0)
 lr_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None

@@ -28,7 +28,8 @@ import torch
 
 from .. import _env
 from .. import api as _api
-from .compression import Compression
+from .compression import Compression, NoneCompressor
+from .fusion import Fusion
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
 from .process_sets import _resolve, global_process_set
 from .sufficient_factors import SufficientFactors
@@ -49,7 +50,8 @@ class _DistributedOptimizer:
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                  op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
-                 sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off"):
+                 sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off",
+                 fusion_threshold: int = 0):
         super().__init__(params)
         self._gh_ps = process_set
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
@@ -93,6 +95,13 @@ class _DistributedOptimizer:
         self._gh_by_id = {id(p): p for p in all_params}
         self._gh_fifo = fifo
         self._gh_own_cache: dict[int, list] = {}
+        # Small gradients travel packed (not with a compressor of the user's,
+        # nor with the optimizer on the servers, which keep state per tensor).
+        plain = isinstance(compression, type) and issubclass(compression, NoneCompressor)
+        fuse = fusion_threshold > 0 and plain and not self._gh_server
+        self._gh_fusion = Fusion(self, fusion_threshold, matrices=sfb == "off") if fuse else None
+        if self._gh_fusion is not None and not self._gh_fusion.buckets:
+            self._gh_fusion = None
         # Collective: blocks until every worker has built its optimizer.
         # (Over a process set, the workers outside it declare each tensor on
         # its first round instead, when they push zeros for it.)
@@ -113,22 +122,28 @@ class _DistributedOptimizer:
         approximates the order gradients become ready, which is the order the
         tensors used to be declared in on first use (it sets their keys, the
         tie-break between equal priorities)."""
+        fused = self._gh_fusion.of if self._gh_fusion is not None else {}
         specs = [(self._gh_push_name(p), _wire_spec(p, self._gh_compression))
-                 for p in reversed(self._gh_params) if p.requires_grad]
-        return [(name, spec) for name, spec in specs if spec is not None]
+                 for p in reversed(self._gh_params) if p.requires_grad and id(p) not in fused]
+        buckets = self._gh_fusion.declarations() if self._gh_fusion is not None else []
+        return [(name, spec) for name, spec in specs if spec is not None] + buckets
 
     def _gh_push_name(self, p) -> str:
         return self._gh_ps._name(f"allreduce.{self._gh_names[id(p)]}", "")
 
     def _gh_push(self, p, grad):
         """Start reducing p's gradient; returns an ops.Handle."""
+        return self._gh_reduce(grad, self._gh_push_name(p), self._gh_priority(p))
+
+    def _gh_reduce(self, grad, name: str, priority: int):
+        """Start reducing `grad` in place under `name` (a gradient, or a fusion bucket)."""
         if self._gh_predivide != 1.0:
             # Horovod's split average: 1/f before the sum, f/size after.
             f = self._gh_predivide
-            return _reduce_async(grad, self._gh_push_name(p), Sum, self._gh_priority(p), self._gh_compression, grad,
-                                 1.0 / f, f / self._gh_ps.size(), self._gh_ps)
-        return _push_pull_async(grad, self._gh_push_name(p), self._gh_op is Average, self._gh_priority(p),
-                                self._gh_compression, grad, self._gh_ps)
+            return _reduce_async(grad, name, Sum, priority, self._gh_compression, grad, 1.0 / f,
+                                 f / self._gh_ps.size(), self._gh_ps)
+        return _push_pull_async(grad, name, self._gh_op is Average, priority, self._gh_compression, grad,
+                                self._gh_ps)
 
     def _gh_check_gradient(self, pid: int) -> None:
         """Called when a gradient is accumulated, before it is counted."""
@@ -213,6 +228,9 @@ class _DistributedOptimizer:
             grad = p.grad = grad.to_dense()
             if not self._gh_sparse_as_dense:
                 self._gh_sparse.append(p)
+        if self._gh_fusion is not None and id(p) in self._gh_fusion.of:
+            self._gh_handles[id(p)] = self._gh_fusion.start(p, grad)
+            return
         h = self._gh_sfb.start(p, self._gh_priority(p)) if self._gh_sfb is not None else None
         self._gh_handles[id(p)] = h if h is not None else self._gh_push(p, grad)
 
@@ -288,7 +306,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, overlap_forward: bool | None = None,
-                         optimizer_on_server: bool | None = None, sufficient_factors: str | None = None):
+                         optimizer_on_server: bool | None = None, sufficient_factors: str | None = None,
+                         fusion_threshold: int | None = None):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
 
     Same signature as Horovod's: `gradient_predivide_factor` f splits the
@@ -352,7 +371,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                  base_cls=base, fifo=env.scheduling == "fifo", predivide=gradient_predivide_factor,
                  sparse_as_dense=sparse_as_dense, process_set=ps,
-                 sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors))
+                 sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors),
+                 fusion_threshold=max(0, env.fusion_threshold if fusion_threshold is None else int(fusion_threshold)))
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())

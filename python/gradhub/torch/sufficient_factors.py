@@ -105,7 +105,8 @@ class SufficientFactors:
         if not isinstance(module, torch.nn.Linear) or not inputs or not torch.is_grad_enabled():
             return
         w = module.weight
-        if id(w) not in self.opt._gh_by_id or not w.requires_grad:
+        fused = self.opt._gh_fusion is not None and id(w) in self.opt._gh_fusion.of
+        if id(w) not in self.opt._gh_by_id or not w.requires_grad or fused:
             return
         if self.decided and id(w) not in self.chosen:
             if id(w) in self.eligible and isinstance(inputs[0], torch.Tensor):  # only counted (see `_maybe_take`)
