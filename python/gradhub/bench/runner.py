@@ -40,6 +40,9 @@ VARIANTS = {
     # "priority" vs "priority+timeline" is what recording costs.
     "timeline": {"GRADHUB_TIMELINE": "/tmp/gradhub-bench-timeline/worker.{rank}.json",
                  "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline-server.{rank}.json"},
+    # Tensor fusion off (every gradient its own push_pull), or buckets of 1 MiB.
+    "nofusion": {"GRADHUB_FUSION_THRESHOLD": "0"},
+    "fusion1m": {"GRADHUB_FUSION_THRESHOLD": str(1 << 20)},
     "flat": {"GRADHUB_RACK_REDUCE": "off"},
     "racks": {"GRADHUB_RACK_REDUCE": "on"},
     # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
