@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from .._env import DEFAULT_FUSION_THRESHOLD
 from . import netns, profiles
 from .runner import (VARIANTS, Layout, allreduce_time, byteps_optimum_time, core_link_bytes, host_link_bytes,
                      ring_core_link_bytes, ring_host_link_bytes, run_job, server_link_bytes, variant_env)
@@ -271,7 +272,10 @@ def cmd_train(args) -> int:
     trials: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     for t in range(max(1, args.trials)):
         for label, system, v in runs:
-            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=variant_env(v),
+            env = variant_env(v)
+            # Fusion buckets scale with every other byte count (the same tensors are fused).
+            env.setdefault("GRADHUB_FUSION_THRESHOLD", str(max(1024, int(DEFAULT_FUSION_THRESHOLD / args.scale))))
+            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=env,
                           partition_bytes=partition, core_rate=args.core_rate)
             res.pop("raw", None)
             trials[label].append(res)

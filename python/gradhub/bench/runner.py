@@ -34,15 +34,15 @@ VARIANTS = {
     # Failover off (read by the scheduler), and with it the replicas of the
     # server optimizer's state: "server" vs "server+nofailover" is their cost.
     "nofailover": {"GRADHUB_FAILOVER": "0"},
-    # With --racks: one level (every pusher crosses the core itself), or two
-    # levels forced (auto, the default, lets PHub's model decide).
     # Timelines on every worker (operations and chunk stages) and server:
     # "priority" vs "priority+timeline" is what recording costs.
     "timeline": {"GRADHUB_TIMELINE": "/tmp/gradhub-bench-timeline/worker.{rank}.json",
                  "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline-server.{rank}.json"},
-    # Tensor fusion off (every gradient its own push_pull), or buckets of 1 MiB.
+    # Tensor fusion off (every gradient its own push_pull), or buckets of 1 MiB (unscaled).
     "nofusion": {"GRADHUB_FUSION_THRESHOLD": "0"},
     "fusion1m": {"GRADHUB_FUSION_THRESHOLD": str(1 << 20)},
+    # With --racks: one level (every pusher crosses the core itself), or two
+    # levels forced (auto, the default, lets PHub's model decide).
     "flat": {"GRADHUB_RACK_REDUCE": "off"},
     "racks": {"GRADHUB_RACK_REDUCE": "on"},
     # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
