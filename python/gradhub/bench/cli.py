@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                "(examples/tcp_baseline.rs) is built with `cargo build --release --example tcp_baseline` "
                "if it is missing")
     core.add_arguments(k)
+    ts = sub.add_parser("tensors", help="step cost with many small tensors, tensor fusion on and off (gradhub "
+                        "launch jobs on this machine)")
+    ts.add_argument("--mbytes", type=float, default=1.2, help="parameter bytes in all, MB (default 1.2)")
+    ts.add_argument("--counts", default="30,300", help="comma list of tensor counts (default 30,300)")
+    ts.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    ts.add_argument("--steps", type=int, default=200, help="steps per job (default 200)")
     o = sub.add_parser(
         "torch-options", help="examples/synthetic_benchmark.py under each DistributedOptimizer option "
                               "(source checkout)",
@@ -382,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         except CheckoutError as e:
             print(f"gradhub bench {args.cmd}: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "tensors":
+        from .tensors import run as run_tensors
+
+        counts = [int(x) for x in args.counts.split(",") if x.strip()]
+        return run_tensors(int(args.mbytes * 1e6), counts, args.workers, args.steps)
     if args.cmd == "tenancy":
         from .tenancy import main as run_tenancy
 
