@@ -10,12 +10,15 @@ step rather than hundreds.
   registration order (roughly the order backward produces them), grouped by
   dtype into buckets of at most `threshold` bytes. Each bucket is declared
   as one tensor (`allreduce.fusion.<first member's name>`).
-- **A step**: a member's gradient is copied into its slice of the bucket when
-  it is ready; the bucket is pushed when its last member's is, at the highest
-  priority of its members (forward order, as for any tensor). Waiting for a
-  member waits for its bucket and copies the member's slice back into
-  `.grad`. A parameter with no gradient this step is filled with zeros by
-  `synchronize()` as always, which completes its bucket.
+- **A step**: when the last member's gradient is ready, all of them are
+  packed into the bucket in one `torch.cat` and the bucket is pushed, at the
+  highest priority of its members (forward order, as for any tensor).
+  Waiting for a member waits for its bucket, whose first wait copies every
+  member's slice back into its `.grad` in one `_foreach_copy_` (the slices
+  are views of the bucket made once). So a member costs a few Python
+  operations per step, not torch calls of its own. A parameter with no
+  gradient this step is filled with zeros by `synchronize()` as always,
+  which completes its bucket.
 - Not fused: parameters above the size, gradients compressed (the wire
   dtype is the compressor's), the optimizer on the servers (whose state is
   kept per parameter on the servers), and, with sufficient factors on,
@@ -35,37 +38,46 @@ class _Bucket:
     def __init__(self, name: str, params: list, dtype: torch.dtype):
         self.name = name
         self.params = params
-        self.slices: dict[int, tuple[int, int]] = {}
-        off = 0
-        for p in params:
-            self.slices[id(p)] = (off, p.numel())
-            off += p.numel()
-        self.buf = torch.empty(off, dtype=dtype)
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.buf = torch.empty(sum(p.numel() for p in params), dtype=dtype)
+        # Each member's slice, shaped like it (views made once: the buffer stays).
+        self.views = list(torch.split(self.buf, [p.numel() for p in params]))
+        self.views = [v.view(p.shape) for v, p in zip(self.views, params)]
+        self.grads: list = [None] * len(params)
         self.ready = 0
         self.priority = None
         self.handle = None  # this step's operation, once every member is in
+        self.unpacked = False
+
+    def push(self, opt) -> None:
+        torch.cat([g.reshape(-1) for g in self.grads], out=self.buf)
+        self.handle = opt._gh_reduce(self.buf, self.name, self.priority)
+
+    def wait(self, timeout: float | None, who: str) -> None:
+        if self.handle is None:
+            missing = len(self.params) - self.ready
+            raise RuntimeError(f"'{who}' is fused in '{self.name}', which waits for {missing} more gradient(s) "
+                               f"of this step: call synchronize() (or step()) first")
+        if not self.unpacked:
+            self.handle.wait(timeout)
+            torch._foreach_copy_(self.grads, self.views)
+            self.unpacked = True
+            self.grads = [None] * len(self.params)
 
 
 class _Member:
     """What `DistributedOptimizer` holds for a fused parameter this step:
     quacks like `ops.Handle`."""
 
-    def __init__(self, bucket: _Bucket, p, grad: torch.Tensor, name: str):
+    def __init__(self, bucket: _Bucket, grad: torch.Tensor, name: str):
         self._b, self._grad = bucket, grad
-        self._off, self._n = bucket.slices[id(p)]
         self.name = name
 
     def done(self) -> bool:
         return self._b.handle is not None and self._b.handle.done()
 
     def wait(self, timeout: float | None = None):
-        b = self._b
-        if b.handle is None:
-            missing = len(b.params) - b.ready
-            raise RuntimeError(f"'{self.name}' is fused in '{b.name}', which waits for {missing} more gradient(s) "
-                               f"of this step: call synchronize() (or step()) first")
-        b.handle.wait(timeout)
-        self._grad.copy_(b.buf[self._off:self._off + self._n].view_as(self._grad))
+        self._b.wait(timeout, self.name)
         return self._grad
 
 
@@ -108,14 +120,14 @@ class Fusion:
         when it is whole."""
         opt = self._opt
         b = self.of[id(p)]
-        if b.ready == 0:
-            b.handle = None  # last step's, waited for already
-        off, n = b.slices[id(p)]
-        b.buf[off:off + n].copy_(grad.reshape(-1))
         prio = opt._gh_priority(p)
-        b.priority = prio if b.ready == 0 else max(b.priority, prio)
+        if b.ready == 0:
+            b.handle, b.unpacked, b.priority = None, False, prio  # last step's was waited for already
+        elif prio > b.priority:
+            b.priority = prio
+        b.grads[b.index[id(p)]] = grad
         b.ready += 1
         if b.ready == len(b.params):
             b.ready = 0
-            b.handle = opt._gh_reduce(b.buf, b.name, b.priority)
-        return _Member(b, p, grad, opt._gh_names[id(p)])
+            b.push(opt)
+        return _Member(b, grad, opt._gh_names[id(p)])
