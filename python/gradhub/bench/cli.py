@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                "(examples/tcp_baseline.rs) is built with `cargo build --release --example tcp_baseline` "
                "if it is missing")
     core.add_arguments(k)
+    tp2 = sub.add_parser("timeline-plot", help="a window of a merged timeline (gradhub timeline merge) as a PNG")
+    tp2.add_argument("trace", help="the merged trace")
+    tp2.add_argument("out", help="the picture to write (PNG)")
+    tp2.add_argument("--start", type=float, default=None, help="ms into the trace (default: the middle)")
+    tp2.add_argument("--span", type=float, default=600.0, help="ms to show (default 600)")
+    tp2.add_argument("--title", default="")
     ts = sub.add_parser("tensors", help="step cost with many small tensors, tensor fusion on and off (gradhub "
                         "launch jobs on this machine)")
     ts.add_argument("--mbytes", type=float, default=1.2, help="parameter bytes in all, MB (default 1.2)")
@@ -388,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         except CheckoutError as e:
             print(f"gradhub bench {args.cmd}: {e}", file=sys.stderr)
             return 2
+    if args.cmd == "timeline-plot":
+        from .timeline_plot import plot
+
+        print(plot(args.trace, args.out, args.start, args.span, args.title))
+        return 0
     if args.cmd == "tensors":
         from .tensors import run as run_tensors
 
