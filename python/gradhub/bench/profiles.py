@@ -209,14 +209,22 @@ def _transformer(name, vocab, positions, layers, d, ffn, tokens, time_per_batch,
     out = []
     emb = [vocab * d, positions * d] + ([2 * d, d, d] if bert else [])  # (+ token types, LayerNorm for BERT)
     out.append(Layer("embeddings", emb, 2.0 * d * tokens))
+    seq = 128 if bert else 1024
     for i in range(layers):
-        attn = [d * 3 * d, 3 * d, d * d, d]  # qkv + output projection
-        ln = [d, d]
-        mlp = [d * ffn, ffn, ffn * d, d]
-        seq = 128 if bert else 1024
-        attn_flops = 2.0 * tokens * (4 * d * d) + 4.0 * tokens * seq * d
-        out.append(Layer(f"layer{i}.attention", attn + ln, attn_flops))
-        out.append(Layer(f"layer{i}.mlp", mlp + ln, 2.0 * tokens * 2 * d * ffn))
+        # Each projection is a fully-connected layer over every token (typed,
+        # so the FC-faithful mode builds real nn.Linear layers with
+        # batch x sequence rows: K is large, and BestScheme keeps the servers).
+        def fc(part, fin, fout):
+            out.append(Layer(f"layer{i}.{part}", [fin * fout, fout], 2.0 * tokens * fin * fout, linear=(fin, fout)))
+
+        fc("attention.qkv", d, 3 * d)
+        # The attention itself (scores and weighted sum): FLOPs, no parameters.
+        out.append(Layer(f"layer{i}.attention.scores", [], 4.0 * tokens * seq * d))
+        fc("attention.output", d, d)
+        out.append(Layer(f"layer{i}.attention.norm", [d, d], 4.0 * d * tokens))
+        fc("mlp.fc1", d, ffn)
+        fc("mlp.fc2", ffn, d)
+        out.append(Layer(f"layer{i}.mlp.norm", [d, d], 4.0 * d * tokens))
     if bert:
         out.append(Layer("pooler", [d * d, d], 2.0 * d * d * tokens / 128))
     else:
