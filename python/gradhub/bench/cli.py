@@ -7,9 +7,13 @@
 - `core` and `torch-options`: the data plane on loopback against raw TCP, and
   the PyTorch scheduling options on this machine (developer benchmarks: they
   need the source checkout; `core` builds its compiled TCP baseline with cargo);
+- `tensors`: what a step costs with many small tensors, tensor fusion on
+  and off (`gradhub launch` jobs on this machine);
+- `timeline-plot`: a window of a merged timeline as a picture;
 - `cluster`, `train`, `goodput`, `sweep`, `suite`, `report`, `cleanup`: an
-  emulated cluster on one machine (network namespaces, veth, tc; needs root)
-  against DDP and the BytePS optimum.
+  emulated cluster on one machine (network namespaces, veth, tc; needs root;
+  `--racks` puts its hosts in racks behind shaped core links) against DDP and
+  the BytePS optimum.
 
 Kernel throughput is `cargo bench --bench kernels` (benches/kernels.rs)."""
 
