@@ -461,3 +461,37 @@ def test_bench_tenancy_quick(tmp_path):
     assert len(by_jobs[2]["per_job_bytes_per_s"]) == 2 and min(by_jobs[2]["per_job_bytes_per_s"]) > 0
     assert 0.5 <= by_jobs[2]["jain"] <= 1.0
     assert "Jain" in p.stdout
+
+
+def test_bench_tensors_reports_each_count_with_fusion_on_and_off():
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "tensors", "--counts", "4,40", "--steps", "30",
+                        "--mbytes", "0.04", "--workers", "2"], capture_output=True, text=True, timeout=300,
+                       env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [l.split() for l in p.stdout.splitlines() if len(l.split()) == 7 and l.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["4", "40"], p.stdout
+    for r in rows:
+        t, each, base, off, on, cpu_off, cpu_on = r
+        assert int(each) * int(t) == pytest.approx(40_000, rel=0.01)
+        assert all(float(x) > 0 for x in (base, off, on, cpu_off, cpu_on)), r
+
+
+def test_timeline_plot_draws_a_window_of_a_merged_trace(tmp_path):
+    events = [{"name": "clock", "ph": "M", "pid": 0, "args": {"unix_us": 0}}]
+    for i in range(50):  # a worker's chunks and operations, a server's rounds
+        t = 1000.0 * i
+        events += [
+            {"name": "PUSH_PULL", "ph": "X", "ts": t, "dur": 900, "pid": 0, "tid": 1, "args": {}},
+            {"name": "QUEUED", "ph": "X", "ts": t, "dur": 300, "pid": 0, "tid": 100000, "args": {}},
+            {"name": "SEND", "ph": "X", "ts": t + 300, "dur": 300, "pid": 0, "tid": 100000, "args": {}},
+            {"name": "RESULT", "ph": "X", "ts": t + 600, "dur": 300, "pid": 0, "tid": 100000, "args": {}},
+            {"name": "WAIT_FOR_PUSHERS", "ph": "X", "ts": t + 300, "dur": 400, "pid": 1_000_000, "tid": 0, "args": {}},
+        ]
+    trace, png = tmp_path / "merged.json", tmp_path / "step.png"
+    trace.write_text(json.dumps(events))
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "timeline-plot", str(trace), str(png),
+                        "--start", "10", "--span", "20"], capture_output=True, text=True, timeout=120, env=job_env())
+    assert p.returncode == 0, p.stdout + p.stderr
+    # 20 ms from 10 ms: 20 or 21 of each kind of span, in 3 bands (worker ops, worker chunks, server thread).
+    assert "in 3 rows, 20 ms from 10 ms" in p.stdout, p.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -80,7 +80,7 @@ def _job(tensors: int, numel: int, steps: int, workers: int, fusion: int | None)
 def run(total_bytes: int, counts: list[int], workers: int, steps: int) -> int:
     from .._env import DEFAULT_FUSION_THRESHOLD
 
-    print(f"{workers} workers, 1 server, loopback; {total_bytes / 1e6:.1f} MB of float32 parameters in T tensors; "
+    print(f"{workers} workers, 1 server, loopback; {total_bytes / 1e6:.2f} MB of float32 parameters in T tensors; "
           f"median step over {steps} steps (the first fifth left out); CPU: worker 0's, ms per step")
     print(f"{'T':>5s} {'bytes each':>11s} {'no sync ms':>11s} {'fusion off ms':>14s} {'fusion on ms':>13s} "
           f"{'off CPU ms':>11s} {'on CPU ms':>10s}")
