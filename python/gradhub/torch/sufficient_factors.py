@@ -96,10 +96,32 @@ class SufficientFactors:
         self.rows_now: dict[int, int] = {}
         self.steps = 0
         self.rebuild_seconds = 0.0  # worker CPU time spent rebuilding gradients from factors
+        # Every module's call until the decision (the Linear layers are
+        # found there); then only the hooks of the layers that can use factors.
         self.hook = torch.nn.modules.module.register_module_forward_hook(self._after_forward)
+        self.seen: dict[int, torch.nn.Linear] = {}  # weight id -> its layer, in the first step
+        self.module_hooks: list = []
 
     def remove(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        for h in self.module_hooks:
+            h.remove()
+        self.module_hooks = []
+
+    def _narrow_hooks(self) -> None:
+        """After the decision: hook only the layers that are eligible (their
+        rows are counted, see `_maybe_take`) or use factors, not every module
+        call of every step."""
+        if self.hook is None:
+            return
         self.hook.remove()
+        self.hook = None
+        for pid, module in self.seen.items():
+            if pid in self.eligible or pid in self.chosen:
+                self.module_hooks.append(module.register_forward_hook(self._after_forward))
+        self.seen.clear()
 
     def _after_forward(self, module, inputs, output):
         if not isinstance(module, torch.nn.Linear) or not inputs or not torch.is_grad_enabled():
@@ -108,6 +130,8 @@ class SufficientFactors:
         fused = self.opt._gh_fusion is not None and id(w) in self.opt._gh_fusion.of
         if id(w) not in self.opt._gh_by_id or not w.requires_grad or fused:
             return
+        if not self.decided:
+            self.seen[id(w)] = module
         if self.decided and id(w) not in self.chosen:
             if id(w) in self.eligible and isinstance(inputs[0], torch.Tensor):  # only counted (see `_maybe_take`)
                 self.rows_now[id(w)] = self.rows_now.get(id(w), 0) + inputs[0].numel() // w.shape[1]
@@ -237,6 +261,7 @@ class SufficientFactors:
         for pid in list(self.layers):
             if pid not in self.chosen:
                 del self.layers[pid]
+        self._narrow_hooks()
 
     def _maybe_take(self) -> None:
         """At the end of every step, on every worker alike: every
