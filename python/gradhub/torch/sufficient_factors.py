@@ -19,7 +19,8 @@ are exact), off.
 How, step by step:
 - Module hooks note each call's input and output gradient for every
   `nn.Linear` whose weight the optimizer holds (several calls per forward,
-  and several backward passes per step, add rows).
+  and several backward passes per step, add rows): a global hook until the
+  decision, then hooks on the layers that may use factors only.
 - The first step goes through the servers for every layer; meanwhile each
   worker checks that the weight's gradient equals the sum of its factors (it
   does not when the weight is also used elsewhere: tied, a functional call,
