@@ -48,12 +48,24 @@ class _Bucket:
         self.priority = None
         self.handle = None  # this step's operation, once every member is in
         self.unpacked = False
+        # Steps, counted when their first member arrives; and the last one
+        # unpacked (a member of an older step was copied back then).
+        self.gen = 0
+        self.unpacked_gen = -1
 
     def push(self, opt) -> None:
         torch.cat([g.reshape(-1) for g in self.grads], out=self.buf)
         self.handle = opt._gh_reduce(self.buf, self.name, self.priority)
 
-    def wait(self, timeout: float | None, who: str) -> None:
+    def wait(self, timeout: float | None, who: str, gen: int) -> None:
+        if gen != self.gen:
+            # An older step's member (forward overlap: an update applied
+            # late). Its step was unpacked before the next one began: a new
+            # step's first gradient comes from a parameter whose update was
+            # applied, which unpacked the bucket.
+            if gen > self.unpacked_gen:
+                raise RuntimeError(f"internal: '{who}' waits for step {gen} of '{self.name}', never unpacked")
+            return
         if self.handle is None:
             missing = len(self.params) - self.ready
             raise RuntimeError(f"'{who}' is fused in '{self.name}', which waits for {missing} more gradient(s) "
@@ -62,6 +74,7 @@ class _Bucket:
             self.handle.wait(timeout)
             torch._foreach_copy_(self.grads, self.views)
             self.unpacked = True
+            self.unpacked_gen = self.gen
             self.grads = [None] * len(self.params)
 
 
@@ -70,14 +83,15 @@ class _Member:
     quacks like `ops.Handle`."""
 
     def __init__(self, bucket: _Bucket, grad: torch.Tensor, name: str):
-        self._b, self._grad = bucket, grad
+        self._b, self._grad, self._gen = bucket, grad, bucket.gen
         self.name = name
 
     def done(self) -> bool:
-        return self._b.handle is not None and self._b.handle.done()
+        b = self._b
+        return self._gen != b.gen or (b.handle is not None and b.handle.done())
 
     def wait(self, timeout: float | None = None):
-        self._b.wait(timeout, self.name)
+        self._b.wait(timeout, self.name, self._gen)
         return self._grad
 
 
@@ -121,8 +135,9 @@ class Fusion:
         opt = self._opt
         b = self.of[id(p)]
         prio = opt._gh_priority(p)
-        if b.ready == 0:
-            b.handle, b.unpacked, b.priority = None, False, prio  # last step's was waited for already
+        if b.ready == 0:  # a new step (the last one's was unpacked: see `_Bucket.wait`)
+            b.handle, b.unpacked, b.priority = None, False, prio
+            b.gen += 1
         elif prio > b.priority:
             b.priority = prio
         b.grads[b.index[id(p)]] = grad
