@@ -228,3 +228,63 @@ def test_ddp_comm_hook_matches_gloo_allreduce():
 def test_user_errors_have_helpful_messages():
     rc, out = run_launch(2, 1, "torch_errors.py")
     assert_all_passed(rc, out, 2)
+
+
+def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step():
+    # The bucket logic alone, against a stand-in optimizer whose "reduction" doubles the bucket.
+    import torch
+
+    from gradhub.torch.fusion import Fusion
+
+    class Op:
+        def __init__(self, buf):
+            self.buf, self.waited = buf, False
+
+        def done(self):
+            return self.waited
+
+        def wait(self, timeout=None):
+            if not self.waited:
+                self.buf.mul_(2)
+                self.waited = True
+
+    class Ps:
+        def _name(self, name, _):
+            return name
+
+    class Opt:
+        _gh_ps = Ps()
+
+        def __init__(self, params):
+            self._gh_params = params
+            self._gh_names = {id(p): f"p{i}" for i, p in enumerate(params)}
+            self.pushed = []
+
+        def _gh_priority(self, p):
+            return next(i for i, q in enumerate(self._gh_params) if q is p)
+
+        def _gh_reduce(self, buf, name, priority):
+            self.pushed.append((name, priority, buf.clone()))
+            return Op(buf)
+
+    a, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))
+    big = torch.nn.Parameter(torch.zeros(10_000))
+    opt = Opt([a, b, big])
+    f = Fusion(opt, 1024)  # tensors of at most 256 bytes: a and b, not big
+    assert len(f.buckets) == 1 and set(f.of) == {id(a), id(b)} and f.declarations() == [("allreduce.fusion.p1",
+                                                                                          (10, "float32"))]
+    ga, gb = torch.arange(6.0).view(2, 3), torch.ones(4)
+    ma = f.start(a, ga)
+    with pytest.raises(RuntimeError, match="waits for 1 more gradient"):
+        ma.wait()
+    mb = f.start(b, gb)
+    # Packed in reverse registration order, pushed once at the members' highest priority.
+    name, prio, packed = opt.pushed[0]
+    assert (name, prio) == ("allreduce.fusion.p1", 1) and packed.tolist() == [1, 1, 1, 1, 0, 1, 2, 3, 4, 5]
+    assert ma.wait() is ga and ga.tolist() == [[0, 2, 4], [6, 8, 10]] and gb.tolist() == [2, 2, 2, 2]
+    assert mb.done() and mb.wait() is gb and gb.tolist() == [2, 2, 2, 2]  # unpacked once
+    # Next step: a's new gradient arrives while b's update of the last step is still to be applied.
+    ma2 = f.start(a, torch.ones(2, 3))
+    assert mb.wait() is gb and gb.tolist() == [2, 2, 2, 2] and not ma2.done()
+    f.start(b, torch.full((4,), 3.0))
+    assert ma2.wait().tolist() == [[2, 2, 2], [2, 2, 2]] and len(opt.pushed) == 2
