@@ -8,7 +8,7 @@ step rather than hundreds.
 - **Buckets** are fixed at construction, the same on every worker: the
   parameters whose gradient is at most `threshold / 4` bytes, in reverse
   registration order (roughly the order backward produces them), grouped by
-  dtype into buckets of at most `threshold` bytes. Each bucket is declared
+  dtype and device into buckets of at most `threshold` bytes. Each bucket is declared
   as one tensor (`allreduce.fusion.<first member's name>`).
 - **A step**: when the last member's gradient is ready, all of them are
   packed into the bucket in one `torch.cat` and the bucket is pushed, at the
@@ -39,7 +39,8 @@ class _Bucket:
         self.name = name
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
-        self.buf = torch.empty(sum(p.numel() for p in params), dtype=dtype)
+        # On the members' device: a CUDA bucket goes through PyTorch's copies like any CUDA gradient.
+        self.buf = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
         # Each member's slice, shaped like it (views made once: the buffer stays).
         self.views = list(torch.split(self.buf, [p.numel() for p in params]))
         self.views = [v.view(p.shape) for v, p in zip(self.views, params)]
@@ -100,14 +101,16 @@ class Fusion:
         self._opt = opt
         self.buckets: list[_Bucket] = []
         self.of: dict[int, _Bucket] = {}
-        open_: dict[torch.dtype, list] = {}
-        size: dict[torch.dtype, int] = {}
+        # Open buckets by (dtype, device): a bucket's members share both.
+        open_: dict[tuple, list] = {}
+        size: dict[tuple, int] = {}
 
-        def close(dtype):
-            params = open_.pop(dtype, [])
-            size.pop(dtype, None)
+        def close(kind):
+            params = open_.pop(kind, [])
+            size.pop(kind, None)
             if len(params) > 1:
-                b = _Bucket(opt._gh_ps._name(f"allreduce.fusion.{opt._gh_names[id(params[0])]}", ""), params, dtype)
+                name = opt._gh_ps._name(f"allreduce.fusion.{opt._gh_names[id(params[0])]}", "")
+                b = _Bucket(name, params, kind[0])
                 self.buckets.append(b)
                 self.of.update((id(p), b) for p in params)
 
@@ -117,12 +120,13 @@ class Fusion:
                 continue
             if p.dim() == 2 and not matrices:
                 continue
-            if size.get(p.dtype, 0) + nbytes > threshold:
-                close(p.dtype)
-            open_.setdefault(p.dtype, []).append(p)
-            size[p.dtype] = size.get(p.dtype, 0) + nbytes
-        for dtype in list(open_):
-            close(dtype)
+            kind = (p.dtype, p.device)
+            if size.get(kind, 0) + nbytes > threshold:
+                close(kind)
+            open_.setdefault(kind, []).append(p)
+            size[kind] = size.get(kind, 0) + nbytes
+        for kind in list(open_):
+            close(kind)
 
     def declarations(self) -> list:
         names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
