@@ -1220,7 +1220,9 @@ impl IoThread {
     fn check_lost(&mut self) {
         let io = &self.shared.io;
         let limit = io.peer_timeout * 3;
-        let late = (0..io.conns.len())
+        // Over the connections this thread has grown into: one added since
+        // (a server that joined, on the control thread) is not lost yet.
+        let late = (0..self.dead.len())
             .find(|&i| !self.dead[i] && io.conns[i].send().lost.is_some_and(|t| t.elapsed() > limit));
         if let Some(i) = late {
             let msg = format!(
@@ -1315,6 +1317,9 @@ impl IoThread {
                     if let Some(from) = io.conns.get(slot) {
                         if !from.written_off.load(Ordering::SeqCst) {
                             io.detach(from, key, c as u32);
+                            if slot >= self.moved_off.len() {
+                                self.grow(); // added (a server joined) since the loop grew
+                            }
                             self.moved_off[slot].insert((key, c as u32));
                             // Its windows have room now: what waits for it may go.
                             if !touched.contains(&slot) {
