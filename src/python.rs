@@ -496,11 +496,12 @@ impl PyClient {
         self.inner.partition_bytes
     }
 
-    /// Declare [(name, numel, dtype), ...] in one exchange.
-    fn declare(&self, py: Python<'_>, entries: Vec<(String, u64, String)>) -> PyResult<()> {
+    /// Declare [(name, numel, dtype, partition_bytes), ...] in one exchange
+    /// (partition_bytes 0: the job's).
+    fn declare(&self, py: Python<'_>, entries: Vec<(String, u64, String, u32)>) -> PyResult<()> {
         let entries = entries
             .into_iter()
-            .map(|(name, numel, d)| Ok(DeclEntry { name, numel, dtype: dtype_of(&d)? }))
+            .map(|(name, numel, d, partition)| Ok(DeclEntry { name, numel, dtype: dtype_of(&d)?, partition }))
             .collect::<PyResult<Vec<_>>>()?;
         let c = self.inner.clone();
         py.detach(move || c.declare(entries)).map_err(py_err)
@@ -619,6 +620,17 @@ impl PyClient {
     fn stop_timeline(&self, py: Python<'_>) {
         let c = self.inner.clone();
         py.detach(move || c.stop_timeline())
+    }
+
+    /// The base credit per connection, in bytes.
+    #[getter]
+    fn credit_bytes(&self) -> usize {
+        self.inner.credit()
+    }
+
+    /// Change the base credit per connection (from the next chunk sent).
+    fn set_credit(&self, bytes: usize) -> PyResult<()> {
+        self.inner.set_credit(bytes).map_err(py_err)
     }
 
     /// Leave the job because this worker failed: every member is told `reason`.

@@ -158,7 +158,7 @@ pub fn message(s: &mut Source) -> Control {
         }
         2 => Control::Declare {
             req: s.u32(),
-            entries: s.list(6, |s| DeclEntry { name: s.text(), numel: s.u64(), dtype: s.dtype() }),
+            entries: s.list(6, |s| DeclEntry { name: s.text(), numel: s.u64(), dtype: s.dtype(), partition: s.u32() }),
         },
         3 => Control::Declared { req: s.u32(), specs: s.list(4, |s| s.spec()) },
         4 => Control::DeclareError { req: s.u32(), message: s.text() },

@@ -176,11 +176,17 @@ class Client:
     def stop_timeline(self) -> None:
         """Stop recording the chunks' timeline (returns once the file is written)."""
     @property
+    def credit_bytes(self) -> int:
+        """The base credit per connection, in bytes."""
+    def set_credit(self, bytes: int) -> None:
+        """Change the base credit per connection (from the next chunk sent)."""
+    @property
     def num_servers(self) -> int: ...
     @property
     def partition_bytes(self) -> int: ...
-    def declare(self, entries: list[tuple[str, int, str]]) -> None:
-        """Declare [(name, numel, dtype), ...] in one exchange."""
+    def declare(self, entries: list[tuple[str, int, str, int]]) -> None:
+        """Declare [(name, numel, dtype, partition_bytes), ...] in one exchange
+        (partition_bytes 0: the job's; at most the job's)."""
     def push_pull_async(
         self,
         ptr: int,

@@ -370,18 +370,20 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
 
 def declare(tensors: Iterable[tuple[str, Any]] | dict) -> None:
     """Declare tensors ahead of their first push_pull, in one exchange with the
-    scheduler: [(name, tensor_or_array), ...], [(name, (numel, dtype)), ...] or
-    {name: tensor}. Blocks until every worker has declared them; checks that
-    every worker declares the same sizes and dtypes (raises otherwise)."""
+    scheduler: [(name, tensor_or_array), ...], [(name, (numel, dtype)), ...]
+    or {name: tensor}. A spec may name its chunk size, (numel, dtype,
+    partition_bytes), at most the job's partition size (the default). Blocks
+    until every worker has declared them; checks that every worker declares
+    the same sizes, dtypes and chunk sizes (raises otherwise)."""
     c = _require()
     items = tensors.items() if isinstance(tensors, dict) else tensors
     entries = []
     for name, t in items:
         if isinstance(t, tuple):
-            numel, dt = t
-            entries.append((name, int(numel), str(dt)))
+            numel, dt, *part = t
+            entries.append((name, int(numel), str(dt), int(part[0]) if part else 0))
         else:
-            entries.append((name, *describe(t)))
+            entries.append((name, *describe(t), 0))
     c.declare(entries)
 
 

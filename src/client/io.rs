@@ -409,7 +409,8 @@ pub struct Io {
     pub conns: ConnTable,
     registry: mio::Registry,
     ops: Mutex<OpTable>,
-    credit: usize,
+    /// The base credit per connection (`set_credit` may change it).
+    credit: AtomicUsize,
     /// Bytes of all declared tensors placed on each connection's server thread.
     placed: Mutex<Vec<u64>>,
     namespace: u32,
@@ -441,6 +442,8 @@ pub struct Io {
     /// The chunks' timeline, while one is recorded (`start_timeline`), and
     /// its writer thread.
     trace: std::sync::RwLock<Option<Arc<crate::timeline::Trace>>>,
+    /// Whether `trace` holds one: read per chunk sent, without the lock.
+    trace_on: AtomicBool,
     trace_writer: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -486,7 +489,7 @@ impl Io {
             conns: ConnTable::with_room(n),
             registry: poll.registry().try_clone()?,
             ops: Mutex::new(OpTable::default()),
-            credit,
+            credit: AtomicUsize::new(credit),
             namespace,
             max_payload,
             waker: Waker::new(poll.registry(), WAKER)?,
@@ -504,6 +507,7 @@ impl Io {
             notes: Mutex::new(Vec::new()),
             latest: Mutex::new(HashMap::new()),
             trace: Default::default(),
+            trace_on: AtomicBool::new(false),
             trace_writer: Mutex::new(None),
         };
         io.add_conns(streams)?;
@@ -517,12 +521,14 @@ impl Io {
         let (t, w) = crate::timeline::Trace::open(path, self.rank, &format!("gradhub {who}"), &[], &who)?;
         self.stop_timeline();
         *self.trace.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        self.trace_on.store(true, Ordering::Release);
         *self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
         Ok(())
     }
 
     /// Stop recording; returns once the file is written.
     pub fn stop_timeline(&self) {
+        self.trace_on.store(false, Ordering::Release);
         let t = self.trace.write().unwrap_or_else(|e| e.into_inner()).take();
         drop(t);
         // Ends when the last `Trace` is gone (the I/O thread may hold one for a moment).
@@ -542,7 +548,7 @@ impl Io {
         for nc in streams {
             let i = self.conns.len();
             let link = Connection::new(&self.registry, nc.stream, Token(i), nc.desc)?;
-            let mut send = SendHalf { credit: self.credit, ..Default::default() };
+            let mut send = SendHalf { credit: self.credit.load(Ordering::Relaxed), ..Default::default() };
             // seq 0: ahead of every frame queued later.
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key) = (self.namespace, self.rank);
@@ -586,9 +592,26 @@ impl Io {
             }
             bytes.clone()
         };
-        for (c, credit) in self.conns.iter().zip(split_credit(self.credit, &shares)) {
+        self.split_credit(&shares);
+    }
+
+    fn split_credit(&self, shares: &[u64]) {
+        for (c, credit) in self.conns.iter().zip(split_credit(self.credit.load(Ordering::Relaxed), shares)) {
             c.send().credit = credit;
         }
+    }
+
+    pub fn credit(&self) -> usize {
+        self.credit.load(Ordering::Relaxed)
+    }
+
+    /// Change the base credit per connection (autotuning); a larger window
+    /// is used from the next chunk each connection sends.
+    pub fn set_credit(&self, bytes: usize) {
+        self.credit.store(bytes.max(1), Ordering::Relaxed);
+        let shares = self.placed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.split_credit(&shares);
+        self.pump_all(&(0..self.conns.len()).collect::<Vec<_>>());
     }
 
     /// Drop this worker's state of a released tensor (nothing of it in
@@ -917,7 +940,7 @@ impl Io {
         let c = &self.conns[i];
         let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
         let ns = self.namespace;
-        let (tracing, stamps) = (self.trace.read().is_ok_and(|t| t.is_some()), &mut st.stamps);
+        let (tracing, stamps) = (self.trace_on.load(Ordering::Acquire), &mut st.stamps);
         let next = || {
             if let SendItem::Chunk(top) = heap.peek()? {
                 let order = heap.peek()?.order();
@@ -1661,7 +1684,8 @@ impl IoThread {
             st.unreturned.remove(key, chunk as u32);
             st.stamps.remove(&(key, chunk as u32))
         };
-        if let (Some(s), Some(trace)) = (stamp, io.tracing()) {
+        // Stamps exist only while a timeline is recorded: no lock otherwise.
+        if let Some((s, trace)) = stamp.and_then(|s| Some((s, io.tracing()?))) {
             let name = io.ops().active.get(&key).map(|a| a.spec.name.clone()).unwrap_or_default();
             trace.chunk(&crate::timeline::ChunkStages {
                 tensor: &name,

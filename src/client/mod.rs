@@ -784,7 +784,7 @@ impl Client {
             let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
             t.waiters.insert(req, Waiter::Async(vec![name.to_string()]));
             drop(t);
-            let e = DeclEntry { name: name.to_string(), numel, dtype };
+            let e = DeclEntry { name: name.to_string(), numel, dtype, partition: 0 };
             if let Err(msg) = self.shared.send_ctrl(&Control::Declare { req, entries: vec![e] }) {
                 self.shared.set_failure(msg.to_string());
             }
@@ -802,7 +802,7 @@ impl Client {
         numel: u64,
         cfg: crate::protocol::OptConfig,
     ) -> Result<(), ClientError> {
-        self.declare(vec![DeclEntry { name: name.to_string(), numel, dtype: DType::F32 }])?;
+        self.declare(vec![DeclEntry { name: name.to_string(), numel, dtype: DType::F32, partition: 0 }])?;
         let spec = self
             .shared
             .table()
@@ -1107,6 +1107,21 @@ impl Client {
     /// Stop recording the chunks' timeline; returns once the file is written.
     pub fn stop_timeline(&self) {
         self.shared.io.stop_timeline()
+    }
+
+    /// The base credit per connection, in bytes (`ClientConfig::credit_bytes`).
+    pub fn credit(&self) -> usize {
+        self.shared.io.credit()
+    }
+
+    /// Change the base credit per connection (autotuning): bytes a
+    /// connection may have pushed and not yet received whole by its server.
+    pub fn set_credit(&self, bytes: usize) -> Result<(), ClientError> {
+        if bytes == 0 {
+            return Err(ClientError::Usage("the credit must be at least one byte".into()));
+        }
+        self.shared.io.set_credit(bytes);
+        Ok(())
     }
 
     /// Before a clean goodbye: the zeros this worker pushed for process

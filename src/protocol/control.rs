@@ -127,6 +127,9 @@ pub struct DeclEntry {
     pub name: String,
     pub numel: u64,
     pub dtype: DType,
+    /// Bytes per chunk of this tensor; 0: the job's partition size, which
+    /// also bounds it (a data frame never exceeds the job's limit).
+    pub partition: u32,
 }
 
 /// Everything a worker and a server need to move one tensor: its key, how it
@@ -515,7 +518,7 @@ impl Control {
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
                 for e in entries {
-                    w.str(&e.name).u64(e.numel).u8(e.dtype as u8);
+                    w.str(&e.name).u64(e.numel).u8(e.dtype as u8).u32(e.partition);
                 }
             }
             Control::Declared { req, specs } => {
@@ -704,13 +707,14 @@ impl Control {
             }
             MsgType::Declare => {
                 let req = r.u32("req")?;
-                let n = r.count("entries", 13)?;
+                let n = r.count("entries", 17)?;
                 let mut entries = Vec::with_capacity(n);
                 for _ in 0..n {
                     let name = r.str("name")?;
                     let numel = r.u64("numel")?;
                     let dtype = get_dtype(&mut r)?;
-                    entries.push(DeclEntry { name, numel, dtype });
+                    let partition = r.u32("partition")?;
+                    entries.push(DeclEntry { name, numel, dtype, partition });
                 }
                 Control::Declare { req, entries }
             }

@@ -212,9 +212,9 @@ fn sample_controls() -> Vec<Control> {
         Control::Declare {
             req: 7,
             entries: vec![
-                DeclEntry { name: "layer1.weight".into(), numel: 1 << 20, dtype: DType::F32 },
-                DeclEntry { name: "layer1.bias".into(), numel: 0, dtype: DType::F16 },
-                DeclEntry { name: "emb.🚀.grad".into(), numel: u64::MAX, dtype: DType::BF16 },
+                DeclEntry { name: "layer1.weight".into(), numel: 1 << 20, dtype: DType::F32, partition: 0 },
+                DeclEntry { name: "layer1.bias".into(), numel: 0, dtype: DType::F16, partition: 64 << 10 },
+                DeclEntry { name: "emb.🚀.grad".into(), numel: u64::MAX, dtype: DType::BF16, partition: u32::MAX },
             ],
         },
         Control::Declare { req: u32::MAX, entries: vec![] },
@@ -909,7 +909,10 @@ fn control_rejects_bad_dtype_in_declaration() {
         assert_eq!(Control::decode(&h, &p), Err(ProtocolError::BadDtype(d)), "dtype {d}");
     }
     // Encoding a DType::None declaration produces something the peer rejects.
-    let msg = Control::Declare { req: 1, entries: vec![DeclEntry { name: "x".into(), numel: 1, dtype: DType::None }] };
+    let msg = Control::Declare {
+        req: 1,
+        entries: vec![DeclEntry { name: "x".into(), numel: 1, dtype: DType::None, partition: 0 }],
+    };
     assert_eq!(decode_frame(&msg.encode(NS)), Err(ProtocolError::BadDtype(0)));
 }
 

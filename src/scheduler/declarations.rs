@@ -15,6 +15,8 @@ use crate::protocol::{Control, DType, Role, TensorSpec};
 pub(super) struct Decl {
     numel: u64,
     dtype: DType,
+    /// Bytes per chunk (resolved: never 0).
+    partition: u32,
     first_rank: u32,
     declared_by: Vec<bool>,
     conflict: Option<String>,
@@ -92,7 +94,25 @@ pub(super) fn declare(
     let mut names = Vec::with_capacity(entries.len());
     let mut newly_complete = Vec::new();
     for e in &entries {
-        let ce = chunk_elems(shared.cfg.partition_bytes, e.dtype.size());
+        let job = shared.cfg.partition_bytes;
+        // A tensor may take smaller chunks than the job's (autotuning tries
+        // them), never larger: the job's partition bounds every data frame.
+        if e.partition != 0 && (e.partition < e.dtype.size() as u32 || e.partition > job) {
+            let message = format!(
+                "tensor '{}': a partition of {} bytes is outside {}..={job} (an element of {} up to the job's \
+                 partition size, the scheduler's --partition-bytes)",
+                e.name,
+                e.partition,
+                e.dtype.size(),
+                e.dtype.name()
+            );
+            if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
+                m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
+            }
+            return None;
+        }
+        let partition = if e.partition == 0 { job } else { e.partition };
+        let ce = chunk_elems(partition, e.dtype.size());
         let bytes = e.numel.checked_mul(e.dtype.size() as u64);
         // The reply lists one u32 slot per chunk; keep it well under the control-message limit.
         if bytes.is_none_or(|b| b > crate::protocol::control::MAX_TENSOR_BYTES)
@@ -103,7 +123,7 @@ pub(super) fn declare(
                 e.name,
                 e.numel,
                 e.dtype.name(),
-                shared.cfg.partition_bytes
+                partition
             );
             if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
                 m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
@@ -118,9 +138,11 @@ pub(super) fn declare(
         return None;
     }
     for e in entries {
+        let partition = if e.partition == 0 { shared.cfg.partition_bytes } else { e.partition };
         let d = st.decls.entry(e.name.clone()).or_insert_with(|| Decl {
             numel: e.numel,
             dtype: e.dtype,
+            partition,
             first_rank: rank,
             declared_by: vec![false; n],
             conflict: None,
@@ -129,16 +151,19 @@ pub(super) fn declare(
             since: Instant::now(),
             stall_reported: false,
         });
-        if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype) {
+        if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype || d.partition != partition) {
             d.conflict = Some(format!(
-                "tensor '{}' declared inconsistently: worker {} has {} elements of {}, worker {} has {} elements of {}",
+                "tensor '{}' declared inconsistently: worker {} has {} elements of {} in chunks of {} bytes, \
+                 worker {} has {} elements of {} in chunks of {} bytes",
                 e.name,
                 d.first_rank,
                 d.numel,
                 d.dtype.name(),
+                d.partition,
                 rank,
                 e.numel,
-                e.dtype.name()
+                e.dtype.name(),
+                partition
             ));
         }
         d.declared_by[rank as usize] = true;
@@ -156,7 +181,7 @@ pub(super) fn declare(
         st.next_key += 1;
         let Some(d) = st.decls.get(&name) else { continue };
         let (numel, dtype) = (d.numel, d.dtype);
-        let ce = chunk_elems(shared.cfg.partition_bytes, dtype.size());
+        let ce = chunk_elems(d.partition, dtype.size());
         let nchunks = numel.div_ceil(ce);
         let sizes = (0..nchunks).map(|c| (ce.min(numel - c * ce)) * dtype.size() as u64);
         let slots = match st.placer.as_mut() {

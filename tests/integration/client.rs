@@ -157,6 +157,8 @@ fn declare_many_tensors_in_one_exchange() {
             name: format!("p{i}"),
             numel: 10 + i * 97,
             dtype: if i % 4 == 0 { DType::BF16 } else { DType::F32 },
+            // Some in chunks of their own size (smaller than the job's).
+            partition: if i % 3 == 0 { 64 } else { 0 },
         })
         .collect();
     std::thread::scope(|s| {
@@ -174,7 +176,7 @@ fn declare_many_tensors_in_one_exchange() {
     std::thread::scope(|s| {
         for c in &clients {
             s.spawn(move || {
-                c.declare(vec![DeclEntry { name: "p1".into(), numel: 5, dtype: DType::F16 }]).unwrap();
+                c.declare(vec![DeclEntry { name: "p1".into(), numel: 5, dtype: DType::F16, partition: 0 }]).unwrap();
                 let got = push_pull(c, "p1", vec![f16::from_f32(1.0); 5], DType::F16, 0, 0).unwrap();
                 assert_eq!(got, vec![f16::from_f32(NW as f32); 5]);
             });
@@ -205,7 +207,8 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
             .iter()
             .map(|c| {
                 s.spawn(move || {
-                    let e = DeclEntry { name: "bad".into(), numel: 10 + c.rank as u64, dtype: DType::F32 };
+                    let e =
+                        DeclEntry { name: "bad".into(), numel: 10 + c.rank as u64, dtype: DType::F32, partition: 0 };
                     c.declare(vec![e]).unwrap_err().to_string()
                 })
             })
@@ -214,6 +217,25 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
     });
     for e in &errs {
         assert_contains(e, &["'bad'", "10", "11"]);
+    }
+    // Chunks larger than the job's partition, or of another size on another worker.
+    let errs: Vec<(String, String)> = std::thread::scope(|s| {
+        let hs: Vec<_> = clients
+            .iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let big = DeclEntry { name: "big".into(), numel: 10, dtype: DType::F32, partition: PARTITION + 4 };
+                    let e1 = c.declare(vec![big]).unwrap_err().to_string();
+                    let odd = DeclEntry { name: "odd".into(), numel: 10, dtype: DType::F32, partition: 8 + 8 * c.rank };
+                    (e1, c.declare(vec![odd]).unwrap_err().to_string())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (e1, e2) in &errs {
+        assert_contains(e1, &["'big'", "partition", &(PARTITION + 4).to_string()]);
+        assert_contains(e2, &["'odd'", "chunks of 8 bytes", "chunks of 16 bytes"]);
     }
     // Push-pulls of the same name fail the same way (declared on first use).
     let errs: Vec<String> = std::thread::scope(|s| {
@@ -324,7 +346,9 @@ fn after_shutdown_every_call_is_a_usage_error() {
     let e = push_pull(c0, "x", vec![1.0f32; 3], DType::F32, 0, 0).unwrap_err();
     assert_contains(&e, &["shut down"]);
     assert_contains(
-        &c0.declare(vec![DeclEntry { name: "y".into(), numel: 1, dtype: DType::F32 }]).unwrap_err().to_string(),
+        &c0.declare(vec![DeclEntry { name: "y".into(), numel: 1, dtype: DType::F32, partition: 0 }])
+            .unwrap_err()
+            .to_string(),
         &["shut down"],
     );
     assert_contains(&c0.barrier().unwrap_err().to_string(), &["shut down"]);
@@ -444,7 +468,7 @@ fn timeouts_quote_the_stall_reports_naming_the_missing_rank() {
     // SAFETY: both ops are waited until they fail, below, while the buffers live.
     let op_a = unsafe { c.push_pull(a.as_mut_ptr() as *mut u8, 40, DType::F32, "a", 0, 0, None) }.unwrap();
     // "b": worker 1 declares it but never pushes (the server's stall report).
-    let decl = DeclEntry { name: "b".into(), numel: 10, dtype: DType::F32 };
+    let decl = DeclEntry { name: "b".into(), numel: 10, dtype: DType::F32, partition: 0 };
     w1.send(&Control::Declare { req: 0, entries: vec![decl] }).unwrap();
     let mut b = vec![1.0f32; 10];
     let op_b = unsafe { c.push_pull(b.as_mut_ptr() as *mut u8, 40, DType::F32, "b", 0, 0, None) }.unwrap();
@@ -515,7 +539,9 @@ fn shutdown_fails_the_operations_in_flight() {
     // Declare first, so worker 0's op is submitted (not waiting for a declaration).
     std::thread::scope(|s| {
         for c in &clients {
-            s.spawn(move || c.declare(vec![DeclEntry { name: "x".into(), numel: 1000, dtype: DType::F32 }]).unwrap());
+            s.spawn(move || {
+                c.declare(vec![DeclEntry { name: "x".into(), numel: 1000, dtype: DType::F32, partition: 0 }]).unwrap()
+            });
         }
     });
     let mut buf = vec![1.0f32; 1000];
@@ -553,7 +579,7 @@ fn small_partitions_still_deliver_stall_notices() {
     let mut w1 = Member::register(job.addr, worker_reg(1, "h", 2, 1));
     assert_eq!(w1.welcome().rank, 1);
     let c = pending.join();
-    let decl = DeclEntry { name: "x".into(), numel: 4, dtype: DType::F32 };
+    let decl = DeclEntry { name: "x".into(), numel: 4, dtype: DType::F32, partition: 0 };
     w1.send(&Control::Declare { req: 0, entries: vec![decl] }).unwrap();
     let mut buf = vec![1.0f32; 4];
     // SAFETY: the op is waited for until it fails (below) while `buf` lives.

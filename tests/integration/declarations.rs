@@ -83,7 +83,9 @@ fn workers_declaring_in_different_orders_get_identical_specs() {
 }
 
 fn entries(e: &[(&str, u64, DType)]) -> Vec<gradhub::protocol::DeclEntry> {
-    e.iter().map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype }).collect()
+    e.iter()
+        .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype, partition: 0 })
+        .collect()
 }
 
 #[test]

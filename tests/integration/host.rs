@@ -352,7 +352,9 @@ fn a_round_waiting_for_a_local_worker_is_reported_naming_it() {
     // Declared by everyone, so the scheduler has nothing to report.
     std::thread::scope(|s| {
         for c in &clients {
-            s.spawn(move || c.declare(vec![DeclEntry { name: "x".into(), numel: 3000, dtype: DType::F32 }]).unwrap());
+            s.spawn(move || {
+                c.declare(vec![DeclEntry { name: "x".into(), numel: 3000, dtype: DType::F32, partition: 0 }]).unwrap()
+            });
         }
     });
     let mut bufs: Vec<Vec<f32>> = (0..3).map(|r| vec![r as f32; 3000]).collect();

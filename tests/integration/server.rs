@@ -47,7 +47,7 @@ impl DataJob {
     fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Vec<TensorSpec> {
         let e: Vec<_> = entries
             .iter()
-            .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype })
+            .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype, partition: 0 })
             .collect();
         for w in &self.workers {
             w.send(&Control::Declare { req, entries: e.clone() }).unwrap();
@@ -606,7 +606,7 @@ fn a_lost_servers_chunks_are_taken_over_restored_and_replayed() {
     let welcome = workers.iter_mut().map(|w| w.welcome()).collect::<Vec<_>>().remove(0);
     assert!(welcome.failover);
     let port = welcome.servers[0].ports[0];
-    let e = vec![gradhub::protocol::DeclEntry { name: "x".into(), numel: 2048, dtype: DType::F32 }];
+    let e = vec![gradhub::protocol::DeclEntry { name: "x".into(), numel: 2048, dtype: DType::F32, partition: 0 }];
     for w in &workers {
         w.send(&Control::Declare { req: 0, entries: e.clone() }).unwrap();
     }

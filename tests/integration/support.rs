@@ -269,7 +269,8 @@ impl Member {
 
     /// Declare and wait for the reply to this request (other messages are returned too).
     pub fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Control {
-        let entries = entries.iter().map(|&(n, numel, dtype)| DeclEntry { name: n.into(), numel, dtype }).collect();
+        let entries =
+            entries.iter().map(|&(n, numel, dtype)| DeclEntry { name: n.into(), numel, dtype, partition: 0 }).collect();
         self.send(&Control::Declare { req, entries }).expect("send Declare");
         self.recv()
     }
