@@ -1,5 +1,8 @@
 """gradhub.torch: training equivalence, the Horovod-compatible API, the DDP hook, user errors."""
 
+import json
+import re
+
 import pytest
 
 from conftest import assert_all_passed, free_port, run_launch
@@ -288,3 +291,96 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
     assert mb.wait() is gb and gb.tolist() == [2, 2, 2, 2] and not ma2.done()
     f.start(b, torch.full((4,), 3.0))
     assert ma2.wait().tolist() == [[2, 2, 2], [2, 2, 2]] and len(opt.pushed) == 2
+
+
+def test_autotune_trains_like_a_single_process_saves_and_reloads_its_choice(tmp_path):
+    # 3 workers tune overlap, fusion and chunk size (the job's 1 KiB, 512, 256:
+    # the model's 20x20 weights take 2, 4 and 7 chunks) while training; the
+    # credit is set by the user, so it stays. Every switch happens between
+    # steps, so the parameters still equal single-process training, and the
+    # tensors of every layout not chosen are released.
+    choice, log = tmp_path / "autotune.json", tmp_path / "trials.csv"
+    env = {"GRADHUB_AUTOTUNE": "1", "GRADHUB_AUTOTUNE_WARMUP_STEPS": "1", "GRADHUB_AUTOTUNE_STEPS_PER_TRIAL": "1",
+           "GRADHUB_AUTOTUNE_LOG": str(log), "GRADHUB_AUTOTUNE_FILE": str(choice),
+           "GRADHUB_CREDIT_BYTES": str(256 << 10)}
+    cfg = {"model": "deep", "opt": "sgd", "steps": 24, "sfb": "off", "autotune": True}
+    args = ["--partition-bytes", "1024"]
+    rc, out = run_launch(3, 2, "torch_train.py", cfg, launch_args=args, env=env)
+    assert_all_passed(rc, out, 3)
+    assert "7 trials of 1 steps after 1 warm-up steps" in out and "fixed: credit_bytes" in out, out[-4000:]
+    for k in range(1, 8):
+        assert f"autotune: trial {k}: " in out, out[-4000:]
+    assert "autotune: trial 8" not in out and "autotune: chose " in out, out[-4000:]
+    rows = log.read_text().splitlines()
+    assert rows[0].split(",") == ["trial", "overlap_forward", "fusion_threshold", "partition_bytes", "credit_bytes",
+                                  "step_seconds", "best"]
+    tried = [r.split(",") for r in rows[1:]]
+    assert len(tried) == 7 and {t[4] for t in tried} == {str(256 << 10)}, rows
+    assert {t[1] for t in tried} == {"False", "True"} and {t[3] for t in tried} == {"1024", "512", "256"}, rows
+    assert {t[2] for t in tried} == {"0", str(64 << 10), str(256 << 10), str(1 << 20)}, rows
+    saved = json.loads(choice.read_text())
+    assert saved["job"] == {"workers": 3, "tensors": 26, "bytes": 11460}, saved
+    held = set(re.findall(r"HELD (\d+) beyond", out))
+    assert len(held) == 1 and out.count("tuner done") == 3, out[-4000:]
+    # The next start loads the choice and runs no trial.
+    rc, out = run_launch(3, 2, "torch_train.py", cfg, launch_args=args, env=env)
+    assert_all_passed(rc, out, 3)
+    s = saved["settings"]
+    assert f"autotune: loaded overlap_forward={'on' if s['overlap_forward'] else 'off'}" in out, out[-4000:]
+    assert "autotune: trial" not in out, out[-4000:]
+    # As many tensors held beyond the layout as after tuning: nothing of the other layouts is left.
+    assert set(re.findall(r"HELD (\d+) beyond", out)) == held, out[-4000:]
+
+
+def test_autotune_keeps_the_start_unless_a_trial_is_faster_and_walks_one_knob_at_a_time(monkeypatch):
+    # The tuner's decisions with made-up step times: a trial replaces the
+    # best only when at least 2 % faster, each knob is tried at the best of
+    # the knobs before it, and the best is applied at the end.
+    from gradhub.torch import autotune
+
+    cost = {}
+
+    def step_time(s):
+        return cost.get(("fusion_threshold", s.fusion_threshold), 0) + cost.get(("credit_bytes", s.credit_bytes), 0) \
+            + cost.get(("overlap_forward", s.overlap_forward), 0) + 1.0
+
+    class Opt:
+        class _gh_ps:
+            rank, size = staticmethod(lambda: 1), staticmethod(lambda: 2)
+
+    applied = []
+    monkeypatch.setattr(autotune, "apply", lambda opt, s: applied.append(s))
+    monkeypatch.setattr(autotune.Autotuner, "_slowest", lambda self, t: t)
+    monkeypatch.setattr(autotune._api, "release", lambda *names: None)
+    start = autotune.Settings(False, 256 << 10, 1 << 20, 512 << 10)
+
+    def run(costs, tunable):
+        cost.clear()
+        cost.update(costs)
+        applied.clear()
+        clock = [0.0]
+        monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+        t = autotune.Autotuner(Opt(), start, tunable, 1 << 20, warmup=2, steps=3, log=None, file=None)
+        for _ in range(200):
+            if t.done:
+                break
+            clock[0] += step_time(t.current)
+            t.after_step()
+        assert t.done
+        return t
+
+    # Nothing measurably faster (1.5 % is noise): the start stays, and is
+    # applied again after the last trial.
+    t = run({("fusion_threshold", 64 << 10): -0.015, ("credit_bytes", 2 << 20): -0.01},
+            {"fusion_threshold", "credit_bytes"})
+    assert t.best == start and len(t.trials) == 1 + 3 + 3 and applied[-1] == start, (t.best, applied)
+    # Fusion off is 10 % faster, then a 2 MiB credit 5 % more: both kept, the
+    # credit tried with fusion off; the last trial (4x credit, slower) is
+    # followed by applying the best.
+    t = run({("fusion_threshold", 0): -0.1, ("credit_bytes", 1 << 20): -0.05, ("credit_bytes", 2 << 20): 0.3},
+            {"fusion_threshold", "credit_bytes", "overlap_forward"})
+    want = autotune.Settings(False, 0, 1 << 20, 1 << 20)
+    assert t.best == want and applied[-1] == want, (t.best, applied)
+    credit_trials = [tr["settings"] for tr in t.trials if tr["settings"].credit_bytes != start.credit_bytes]
+    assert credit_trials and all(s.fusion_threshold == 0 for s in credit_trials), credit_trials
+    assert [tr["settings"] for tr in t.trials][:2] == [start, autotune.Settings(True, 256 << 10, 1 << 20, 512 << 10)]

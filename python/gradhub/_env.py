@@ -316,6 +316,30 @@ class TorchOptions:
     fusion_threshold: int          # bytes of a fusion bucket (small gradients travel packed); 0: off
 
 
+@dataclass
+class AutotuneOptions:
+    enabled: bool                  # GRADHUB_AUTOTUNE (or HOROVOD_AUTOTUNE)
+    file: str | None               # GRADHUB_AUTOTUNE_FILE: load the choice from it if it is there, else save it
+    log: str | None                # GRADHUB_AUTOTUNE_LOG (or HOROVOD_AUTOTUNE_LOG): a CSV line per trial
+    warmup_steps: int              # GRADHUB_AUTOTUNE_WARMUP_STEPS: steps before the first trial
+    steps_per_trial: int           # GRADHUB_AUTOTUNE_STEPS_PER_TRIAL: steps timed per trial
+    # Which knobs were set by the user (environment), and stay as set.
+    fixed: frozenset
+
+
+def autotune_options() -> AutotuneOptions:
+    fixed = {knob for knob, var in (("overlap_forward", "GRADHUB_OVERLAP_FORWARD"),
+                                    ("fusion_threshold", "GRADHUB_FUSION_THRESHOLD"),
+                                    ("credit_bytes", "GRADHUB_CREDIT_BYTES")) if is_set(var)}
+    enabled = get_flag("GRADHUB_AUTOTUNE", get_flag("HOROVOD_AUTOTUNE"))
+    warmup, steps = get_int("GRADHUB_AUTOTUNE_WARMUP_STEPS", 3), get_int("GRADHUB_AUTOTUNE_STEPS_PER_TRIAL", 5)
+    if warmup < 0 or steps < 1:
+        raise ValueError("GRADHUB_AUTOTUNE_WARMUP_STEPS must be >= 0 and GRADHUB_AUTOTUNE_STEPS_PER_TRIAL >= 1")
+    return AutotuneOptions(enabled=enabled, file=get_str("GRADHUB_AUTOTUNE_FILE"),
+                           log=get_str("GRADHUB_AUTOTUNE_LOG", get_str("HOROVOD_AUTOTUNE_LOG")),
+                           warmup_steps=warmup, steps_per_trial=steps, fixed=frozenset(fixed))
+
+
 def torch_options() -> TorchOptions:
     """The DistributedOptimizer switches, so an unchanged Horovod script can use them."""
     return TorchOptions(

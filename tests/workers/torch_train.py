@@ -6,7 +6,8 @@ outside their module's forward), fusion (DistributedOptimizer's fusion_threshold
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
-step, which prints STEP k: the failover tests kill a server meanwhile).
+step, which prints STEP k: the failover tests kill a server meanwhile), autotune (bool: overlap left
+to GRADHUB_AUTOTUNE, and the tensors held at the end printed).
 """
 
 import copy
@@ -17,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import gradhub.api as gradhub_api
 import gradhub.torch as hvd
 from common import CONFIG
 
@@ -26,7 +28,8 @@ hvd.init()
 r, n = hvd.rank(), hvd.size()
 model_kind = CONFIG.get("model", "mlp")
 opt_kind = CONFIG.get("opt", "sgd")
-overlap = CONFIG.get("overlap", False)
+autotuned = CONFIG.get("autotune", False)
+overlap = None if autotuned else CONFIG.get("overlap", False)
 server = CONFIG.get("server", False)
 steps = CONFIG.get("steps", 20)
 passes = CONFIG.get("passes", 1)
@@ -228,6 +231,13 @@ for s in range(steps):
         time.sleep(CONFIG["step_sleep"])
 if hasattr(opt, "finish"):
     opt.finish()
+
+if autotuned:
+    # Every tensor of the layouts tried and not chosen was released.
+    held = gradhub_api._require().num_tensors()
+    print(f"HELD {held - len(opt._gh_declarations())} beyond the layout's; "
+          f"tuner {'done' if getattr(opt, '_gh_tuner', None) is None or opt._gh_tuner.done else 'not done'}",
+          flush=True)
 
 if "sfb_layers" in CONFIG:
     chosen = sorted(opt._gh_names[pid] for pid in opt._gh_sfb.chosen)

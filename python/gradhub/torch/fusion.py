@@ -109,7 +109,7 @@ class Fusion:
             params = open_.pop(kind, [])
             size.pop(kind, None)
             if len(params) > 1:
-                name = opt._gh_ps._name(f"allreduce.fusion.{opt._gh_names[id(params[0])]}", "")
+                name = opt._gh_ps._name(f"allreduce.fusion.{opt._gh_names[id(params[0])]}{opt._gh_tag()}", "")
                 b = _Bucket(name, params, kind[0])
                 self.buckets.append(b)
                 self.of.update((id(p), b) for p in params)

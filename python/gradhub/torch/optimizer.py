@@ -28,6 +28,7 @@ import torch
 
 from .. import _env
 from .. import api as _api
+from . import autotune
 from .compression import Compression, NoneCompressor
 from .fusion import Fusion
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
@@ -51,7 +52,7 @@ class _DistributedOptimizer:
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                  op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
                  sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off",
-                 fusion_threshold: int = 0):
+                 fusion_threshold: int = 0, partition_bytes: int = 0):
         super().__init__(params)
         self._gh_ps = process_set
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
@@ -98,10 +99,11 @@ class _DistributedOptimizer:
         # Small gradients travel packed (not with a compressor of the user's,
         # nor with the optimizer on the servers, which keep state per tensor).
         plain = isinstance(compression, type) and issubclass(compression, NoneCompressor)
-        fuse = fusion_threshold > 0 and plain and not self._gh_server
-        self._gh_fusion = Fusion(self, fusion_threshold, matrices=sfb == "off") if fuse else None
-        if self._gh_fusion is not None and not self._gh_fusion.buckets:
-            self._gh_fusion = None
+        self._gh_can_fuse = plain and not self._gh_server
+        self._gh_fuse_matrices = sfb == "off"
+        # Chunk size of the gradients pushed (0: the job's partition); autotune.
+        self._gh_partition = partition_bytes
+        self._gh_build_fusion(fusion_threshold)
         # Collective: blocks until every worker has built its optimizer.
         # (Over a process set, the workers outside it declare each tensor on
         # its first round instead, when they push zeros for it.)
@@ -126,10 +128,36 @@ class _DistributedOptimizer:
         specs = [(self._gh_push_name(p), _wire_spec(p, self._gh_compression))
                  for p in reversed(self._gh_params) if p.requires_grad and id(p) not in fused]
         buckets = self._gh_fusion.declarations() if self._gh_fusion is not None else []
-        return [(name, spec) for name, spec in specs if spec is not None] + buckets
+        return [(name, (*spec, self._gh_partition)) for name, spec in specs + buckets if spec is not None]
 
-    def _gh_push_name(self, p) -> str:
-        return self._gh_ps._name(f"allreduce.{self._gh_names[id(p)]}", "")
+    def _gh_push_name(self, p, tagged: bool = True) -> str:
+        """The name p's gradient is pushed under; with a chunk size of its
+        own, tagged with it (`tagged=False`: the base, for derived names)."""
+        return self._gh_ps._name(f"allreduce.{self._gh_names[id(p)]}{self._gh_tag() if tagged else ''}", "")
+
+    def _gh_tag(self) -> str:
+        return f"@{self._gh_partition}" if self._gh_partition else ""
+
+    def _gh_build_fusion(self, threshold: int) -> None:
+        self._gh_fusion_threshold = threshold
+        fusion = Fusion(self, threshold, matrices=self._gh_fuse_matrices) if threshold > 0 and self._gh_can_fuse \
+            else None
+        self._gh_fusion = fusion if fusion is not None and fusion.buckets else None
+
+    def _gh_relayout(self, fusion_threshold: int, partition_bytes: int) -> None:
+        """Autotuning, between steps with nothing in flight: push in buckets of
+        `fusion_threshold` and chunks of `partition_bytes` from the next step.
+        Collective: declares the new layout's tensors and releases the old's."""
+        if self._gh_handles:
+            raise RuntimeError("internal: the layout changes with reductions in flight")
+        before = {name for name, _ in self._gh_declarations()}
+        self._gh_partition = partition_bytes
+        self._gh_build_fusion(fusion_threshold)
+        now = self._gh_declarations()
+        _api.declare(now)
+        gone = before - {name for name, _ in now}
+        if gone:
+            _api.release(*sorted(gone))
 
     def _gh_push(self, p, grad):
         """Start reducing p's gradient; returns an ops.Handle."""
@@ -342,6 +370,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         raise ValueError(f"gradient_predivide_factor must be positive, not {gradient_predivide_factor}")
     _check_groups(optimizer, num_groups, groups)
     env = _env.torch_options()
+    tune = _env.autotune_options()
+    # Knobs the user set stay as set (autotune.py).
+    fixed = set(tune.fixed) | {k for k, v in (("overlap_forward", overlap_forward),
+                                             ("fusion_threshold", fusion_threshold)) if v is not None}
     if overlap_forward is None:
         overlap_forward = env.overlap_forward
     if optimizer_on_server is None:
@@ -361,22 +393,69 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
             warnings.warn(f"optimizer_on_server is not available here ({why}); the optimizer runs on the "
                           f"workers", stacklevel=2)
             optimizer_on_server = False
-    # Method resolution: server mode before overlap (its no-op per-parameter
-    # update wins), both before the base, all before the wrapped optimizer.
-    modes = [OptimizerOnServer] * bool(optimizer_on_server) + [OverlapForward] * bool(overlap_forward)
+    fusion_threshold = max(0, env.fusion_threshold if fusion_threshold is None else int(fusion_threshold))
+    client = _api._require()
+    start = autotune.Settings(bool(overlap_forward), fusion_threshold, client.partition_bytes, client.credit_bytes)
+    tunable: set = set()
+    if tune.enabled:
+        if not ps._is_global():
+            warnings.warn("autotune is not available with a process set; the settings stay as they are",
+                          stacklevel=2)
+        else:
+            tunable = _tunable(optimizer, base, compression, optimizer_on_server, fixed)
+    loaded = None
+    if tunable and tune.file:
+        loaded = autotune.load(tune.file, autotune.fingerprint_of(optimizer, ps), client.partition_bytes)
+        if loaded is not None:
+            # What the user set wins over the file.
+            start = autotune.Settings(*(getattr(loaded if k in tunable else start, k) for k in autotune.KNOBS))
+            tunable = set()
+    # Method resolution: the tuner outermost; server mode before overlap (its
+    # no-op per-parameter update wins), both before the base, all before the
+    # wrapped optimizer. When overlap is tuned it is there, switched on or off.
+    with_overlap = start.overlap_forward or "overlap_forward" in tunable
+    modes = ([autotune.Autotuned] * bool(tunable) + [OptimizerOnServer] * bool(optimizer_on_server)
+             + [OverlapForward] * with_overlap)
     cls = type(base.__name__, (*modes, _DistributedOptimizer, base), {})
     opt = cls.__new__(cls)
+    if with_overlap:
+        opt._gh_overlap_on = start.overlap_forward
     # Re-create with the same param_groups (hyperparameters included) and defaults.
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                  base_cls=base, fifo=env.scheduling == "fifo", predivide=gradient_predivide_factor,
                  sparse_as_dense=sparse_as_dense, process_set=ps,
                  sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors),
-                 fusion_threshold=max(0, env.fusion_threshold if fusion_threshold is None else int(fusion_threshold)))
+                 fusion_threshold=start.fusion_threshold,
+                 partition_bytes=0 if start.partition_bytes == client.partition_bytes else start.partition_bytes)
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
+    if start.credit_bytes != client.credit_bytes:
+        client.set_credit(start.credit_bytes)
+    if loaded is not None and ps.rank() == 0:
+        autotune.say(f"autotune: loaded {start.describe()} from {tune.file}")
+    if tunable:
+        opt._gh_tuner = autotune.Autotuner(opt, start, tunable, client.partition_bytes, warmup=tune.warmup_steps,
+                                           steps=tune.steps_per_trial, log=tune.log, file=tune.file)
     return opt
+
+
+def _tunable(optimizer, base, compression, on_server: bool, fixed: set) -> set:
+    """The knobs autotuning may change for this optimizer (autotune.py)."""
+    knobs = set(autotune.KNOBS) - fixed
+    plain = isinstance(compression, type) and issubclass(compression, NoneCompressor)
+    if on_server or not issubclass(base, ELEMENTWISE):
+        knobs.discard("overlap_forward")
+    if on_server or not plain:
+        knobs.discard("fusion_threshold")
+    # Every tensor must be declared ahead (a user's compressor's are not:
+    # they are declared on first use, in the job's chunks); the servers'
+    # optimizer state is kept per tensor.
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if on_server or any(_wire_spec(p, compression) is None for p in params):
+        knobs.discard("partition_bytes")
+    return knobs
 
 
 def _check_sfb(mode: str) -> str:

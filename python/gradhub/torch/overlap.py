@@ -66,6 +66,9 @@ class OverlapForward:
     """Mode mixin; see optimizer._DistributedOptimizer for the extension points."""
 
     _gh_overlap = True
+    # Autotuning may turn the overlap off (and on again) between steps: off,
+    # step() is the synchronous schedule's.
+    _gh_overlap_on = True
 
     def __init__(self, *args, **kwargs):
         self._gh_pending: dict[int, dict] = {}  # param id -> hyperparameters of its pending update
@@ -165,7 +168,7 @@ class OverlapForward:
             self._gh_apply(self._gh_by_id[pid])
 
     def step(self, closure=None):
-        if closure is None and not self._gh_skip_sync:
+        if closure is None and not self._gh_skip_sync and self._gh_overlap_on:
             # Previous step's stragglers (parameters unused in forward) first.
             self._gh_apply_all()
             self._gh_finalize_order()

@@ -171,7 +171,7 @@ class SufficientFactors:
         prev = layer.prev
         layer.clear()
         opt, ps = self.opt, self.opt._gh_ps
-        name = f"{opt._gh_push_name(p)}.sfb"
+        name = f"{opt._gh_push_name(p, tagged=False)}.sfb"
         gathered = _ThreadHandle(lambda: _allgather_impl(factors, name, ps, priority), name)
         divisor = ps.size() if opt._gh_op is Average else 1
 
