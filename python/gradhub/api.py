@@ -387,6 +387,23 @@ def declare(tensors: Iterable[tuple[str, Any]] | dict) -> None:
     c.declare(entries)
 
 
+def partition_bytes() -> int:
+    """The job's partition size: bytes per chunk of a tensor (at most)."""
+    return _require().partition_bytes
+
+
+def credit_bytes() -> int:
+    """This worker's base credit per server connection, in bytes."""
+    return _require().credit_bytes
+
+
+def set_credit(nbytes: int) -> None:
+    """Change this worker's base credit per server connection (bytes a
+    connection may have pushed and not yet received whole by its server),
+    from the next chunk it sends; autotuning tries several."""
+    _require().set_credit(int(nbytes))
+
+
 def release(*names: str) -> None:
     """Free the state of named tensors this job no longer uses: at once on
     this worker, on the servers and scheduler once every worker released

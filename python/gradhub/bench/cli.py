@@ -317,7 +317,9 @@ def cmd_train(args) -> int:
               f"{_check(res, label)}{_server_lines(res, s_theory) if system == 'gradhub' else ''}"
               + _core_lines(res, layout, system, M)
               + (f"\n  {res['sfb_layers']} layer(s) as sufficient factors; rebuilding their gradients took "
-                 f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else ""),
+                 f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else "")
+              + (f"\n  autotune: {res['autotune']['trials']} trials in {res['autotune']['steps']} untimed steps chose "
+                 f"{res['autotune']['choice']} ({res['autotune']['gain']:.2f}x its start)" if res.get("autotune") else ""),
               flush=True)
         if res.get("core_bytes"):
             two = (res.get("rack_choice") or "").startswith("two levels")

@@ -172,6 +172,14 @@ def main():
     # and at the start of one more, untimed, iteration: the same point of the
     # cycle, so traffic still in flight (forward overlap) counts once.
     extra = 1 if dev else 0
+    # GRADHUB_AUTOTUNE: the trials run first, untimed (every worker ends them
+    # at the same step: they take the same decisions).
+    tuner, tuning = getattr(opt, "_gh_tuner", None), 0
+    while tuner is not None and not tuner.done and tuning < 500:
+        opt.zero_grad()
+        model(x).backward()
+        opt.step()
+        tuning += 1
     for i in range(warmup + iters + extra):
         if i == warmup:
             net0 = link_counters(dev)
@@ -187,7 +195,7 @@ def main():
         opt.finish()
     if not extra:
         t_end = time.time()
-    steps = len(times)
+    steps = len(times) + tuning
     times = times[warmup:warmup + iters]
     res = {
         "rank": rank,
@@ -204,6 +212,9 @@ def main():
         "options": {k: os.environ.get(k) for k in ("GRADHUB_OVERLAP_FORWARD", "GRADHUB_OPTIMIZER_ON_SERVER",
                                                    "GRADHUB_SCHEDULING", "GRADHUB_HOST_REDUCE") if os.environ.get(k)},
     }
+    if tuner is not None:
+        res["autotune"] = {"steps": tuning, "trials": len(tuner.trials), "choice": tuner.best.describe(),
+                           "gain": tuner.start_time / tuner.best_time if tuner.best_time else None}
     sfb = getattr(opt, "_gh_sfb", None)
     if sfb is not None:
         res["sfb_layers"] = len(sfb.chosen)

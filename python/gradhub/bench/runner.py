@@ -48,6 +48,8 @@ VARIANTS = {
     # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
     "nosfb": {"GRADHUB_SFB": "off"},
     "sfb": {"GRADHUB_SFB": "force"},
+    # Autotuning during untimed steps before the timed ones (3 steps a trial).
+    "autotune": {"GRADHUB_AUTOTUNE": "1", "GRADHUB_AUTOTUNE_STEPS_PER_TRIAL": "3"},
 }
 
 
@@ -177,6 +179,8 @@ def summarize(results: list[dict]) -> dict:
         out["goodput_Bps"] = r0["bytes"] / out["iter_time_mean"]
     if "params_scaled" in r0:
         out["model_bytes"] = r0["params_scaled"] * 4
+    if "autotune" in r0:
+        out["autotune"] = r0["autotune"]
     if "sfb_layers" in r0:
         out["sfb_layers"] = r0["sfb_layers"]
         out["sfb_rebuild_ms"] = 1e3 * max(r["sfb_rebuild_s"] for r in results)

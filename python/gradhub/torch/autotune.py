@@ -247,12 +247,11 @@ def apply(opt, s: Settings) -> None:
     opt.finish()
     if hasattr(opt, "_gh_overlap_on"):
         opt._gh_overlap_on = s.overlap_forward
-    c = _api._require()
-    partition = 0 if s.partition_bytes == c.partition_bytes else s.partition_bytes  # 0: the job's
+    partition = 0 if s.partition_bytes == _api.partition_bytes() else s.partition_bytes  # 0: the job's
     if (s.fusion_threshold, partition) != (opt._gh_fusion_threshold, opt._gh_partition):
         opt._gh_relayout(s.fusion_threshold, partition)
-    if c.credit_bytes != s.credit_bytes:
-        c.set_credit(s.credit_bytes)
+    if _api.credit_bytes() != s.credit_bytes:
+        _api.set_credit(s.credit_bytes)
 
 
 class Autotuned:

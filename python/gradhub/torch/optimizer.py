@@ -394,8 +394,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                           f"workers", stacklevel=2)
             optimizer_on_server = False
     fusion_threshold = max(0, env.fusion_threshold if fusion_threshold is None else int(fusion_threshold))
-    client = _api._require()
-    start = autotune.Settings(bool(overlap_forward), fusion_threshold, client.partition_bytes, client.credit_bytes)
+    job_partition = _api.partition_bytes()
+    start = autotune.Settings(bool(overlap_forward), fusion_threshold, job_partition, _api.credit_bytes())
     tunable: set = set()
     if tune.enabled:
         if not ps._is_global():
@@ -405,7 +405,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
             tunable = _tunable(optimizer, base, compression, optimizer_on_server, fixed)
     loaded = None
     if tunable and tune.file:
-        loaded = autotune.load(tune.file, autotune.fingerprint_of(optimizer, ps), client.partition_bytes)
+        loaded = autotune.load(tune.file, autotune.fingerprint_of(optimizer, ps), job_partition)
         if loaded is not None:
             # What the user set wins over the file.
             start = autotune.Settings(*(getattr(loaded if k in tunable else start, k) for k in autotune.KNOBS))
@@ -427,16 +427,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                  sparse_as_dense=sparse_as_dense, process_set=ps,
                  sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors),
                  fusion_threshold=start.fusion_threshold,
-                 partition_bytes=0 if start.partition_bytes == client.partition_bytes else start.partition_bytes)
+                 partition_bytes=0 if start.partition_bytes == job_partition else start.partition_bytes)
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
-    if start.credit_bytes != client.credit_bytes:
-        client.set_credit(start.credit_bytes)
+    if start.credit_bytes != _api.credit_bytes():
+        _api.set_credit(start.credit_bytes)
     if loaded is not None and ps.rank() == 0:
         autotune.say(f"autotune: loaded {start.describe()} from {tune.file}")
     if tunable:
-        opt._gh_tuner = autotune.Autotuner(opt, start, tunable, client.partition_bytes, warmup=tune.warmup_steps,
+        opt._gh_tuner = autotune.Autotuner(opt, start, tunable, job_partition, warmup=tune.warmup_steps,
                                            steps=tune.steps_per_trial, log=tune.log, file=tune.file)
     return opt
 
