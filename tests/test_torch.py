@@ -257,14 +257,18 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
 
     class Opt:
         _gh_ps = Ps()
+        _gh_passes, _gh_sparse_as_dense, _gh_overlap, _gh_rank_of = 1, False, False, {}
 
         def __init__(self, params):
             self._gh_params = params
             self._gh_names = {id(p): f"p{i}" for i, p in enumerate(params)}
-            self.pushed = []
+            self._gh_handles, self._gh_sparse, self.pushed = {}, [], []
 
         def _gh_tag(self):
             return ""
+
+        def _gh_check_gradient(self, pid):
+            pass
 
         def _gh_priority(self, p):
             return next(i for i, q in enumerate(self._gh_params) if q is p)
@@ -279,21 +283,35 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
     f = Fusion(opt, 1024)  # tensors of at most 256 bytes: a and b, not big
     assert len(f.buckets) == 1 and set(f.of) == {id(a), id(b)} and f.declarations() == [("allreduce.fusion.p1",
                                                                                           (10, "float32"))]
-    ga, gb = torch.arange(6.0).view(2, 3), torch.ones(4)
-    ma = f.start(a, ga)
-    with pytest.raises(RuntimeError, match="waits for 1 more gradient"):
-        ma.wait()
-    mb = f.start(b, gb)
-    # Packed in reverse registration order, pushed once at the members' highest priority.
+    hook_a, hook_b = f.hook(a), f.hook(b)
+    a.grad, b.grad = torch.arange(6.0).view(2, 3), torch.ones(4)
+    ga, gb = a.grad, b.grad
+    hook_a(a)
+    assert opt.pushed == [] and opt._gh_handles == {}
+    hook_b(b)
+    # Packed in reverse registration order, pushed once at the members' highest priority,
+    # one operation the handle of both.
     name, prio, packed = opt.pushed[0]
     assert (name, prio) == ("allreduce.fusion.p1", 1) and packed.tolist() == [1, 1, 1, 1, 0, 1, 2, 3, 4, 5]
-    assert ma.wait() is ga and ga.tolist() == [[0, 2, 4], [6, 8, 10]] and gb.tolist() == [2, 2, 2, 2]
-    assert mb.done() and mb.wait() is gb and gb.tolist() == [2, 2, 2, 2]  # unpacked once
+    h1 = opt._gh_handles[id(a)]
+    assert opt._gh_handles == {id(a): h1, id(b): h1} and not h1.done()
+    with pytest.raises(RuntimeError, match="computed twice"):
+        hook_a(a)
+    opt._gh_handles.pop(id(a)).wait()
+    assert ga.tolist() == [[0, 2, 4], [6, 8, 10]] and gb.tolist() == [2, 2, 2, 2] and h1.done()
     # Next step: a's new gradient arrives while b's update of the last step is still to be applied.
-    ma2 = f.start(a, torch.ones(2, 3))
-    assert mb.wait() is gb and gb.tolist() == [2, 2, 2, 2] and not ma2.done()
-    f.start(b, torch.full((4,), 3.0))
-    assert ma2.wait().tolist() == [[2, 2, 2], [2, 2, 2]] and len(opt.pushed) == 2
+    a.grad = torch.ones(2, 3)
+    hook_a(a)
+    opt._gh_handles.pop(id(b)).wait()
+    assert gb.tolist() == [2, 2, 2, 2]  # its own step's, unpacked once
+    # b has no gradient this step: synchronize() fills it with zeros, which completes the bucket.
+    b.grad = torch.zeros(4)
+    f.fill(b)
+    assert len(opt.pushed) == 2 and opt.pushed[1][2].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    h2 = opt._gh_handles[id(a)]
+    assert h2 is not h1
+    h2.wait()
+    assert a.grad.tolist() == [[2, 2, 2], [2, 2, 2]] and b.grad.tolist() == [0, 0, 0, 0]
 
 
 def test_autotune_trains_like_a_single_process_saves_and_reloads_its_choice(tmp_path):

@@ -2,7 +2,7 @@
 DDP's buckets do): the gradients of small parameters travel packed in
 buckets, one push_pull per bucket and step instead of one per parameter, so
 a model with hundreds of small tensors (biases, norms) pays the per-operation
-cost (Python, the core's bookkeeping, a round trip per chunk) a few times per
+cost (the core's bookkeeping, a round trip per chunk, Python) a few times per
 step rather than hundreds.
 
 - **Buckets** are fixed at construction, the same on every worker: the
@@ -10,15 +10,21 @@ step rather than hundreds.
   registration order (roughly the order backward produces them), grouped by
   dtype and device into buckets of at most `threshold` bytes. Each bucket is declared
   as one tensor (`allreduce.fusion.<first member's name>`).
-- **A step**: when the last member's gradient is ready, all of them are
-  packed into the bucket in one `torch.cat` and the bucket is pushed, at the
-  highest priority of its members (forward order, as for any tensor).
-  Waiting for a member waits for its bucket, whose first wait copies every
-  member's slice back into its `.grad` in one `_foreach_copy_` (the slices
-  are views of the bucket made once). So a member costs a few Python
-  operations per step, not torch calls of its own. A parameter with no
-  gradient this step is filled with zeros by `synchronize()` as always,
-  which completes its bucket.
+- **A step**: a member's gradient hook only counts it in (a few bytecodes:
+  what remains per parameter is autograd's call of the hook). When the last
+  member's last backward pass is in, the members' gradients are packed into
+  the bucket in one `_foreach_copy_` and the bucket is pushed at the highest
+  priority of its members (forward order, as for any tensor; computed again
+  only when the order changes, once). Every member's handle is then the bucket's
+  operation of this step (`_BucketStep`), entered for all of them in one
+  dict update; its first wait copies every member's slice back into its
+  `.grad` in one `_foreach_copy_` (the slices are views of the bucket made
+  once). A parameter with no gradient this step is filled with zeros by
+  `synchronize()` as always (`Fusion.fill`), which completes its bucket.
+- An update applied late (forward overlap) waits on its own step's
+  operation, which holds that step's gradients: a bucket's next step cannot
+  be packed before then, since each member's update is applied before its
+  next gradient is accumulated.
 - Not fused: parameters above the size, gradients compressed (the wire
   dtype is the compressor's), the optimizer on the servers (whose state is
   kept per parameter on the servers), and, with sufficient factors on,
@@ -38,62 +44,39 @@ class _Bucket:
     def __init__(self, name: str, params: list, dtype: torch.dtype):
         self.name = name
         self.params = params
+        self.ids = [id(p) for p in params]
         self.index = {id(p): i for i, p in enumerate(params)}
         # On the members' device: a CUDA bucket goes through PyTorch's copies like any CUDA gradient.
         self.buf = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
         # Each member's slice, shaped like it (views made once: the buffer stays).
         self.views = list(torch.split(self.buf, [p.numel() for p in params]))
         self.views = [v.view(p.shape) for v, p in zip(self.views, params)]
-        self.grads: list = [None] * len(params)
-        self.ready = 0
-        self.priority = None
-        self.handle = None  # this step's operation, once every member is in
-        self.unpacked = False
-        # Steps, counted when their first member arrives; and the last one
-        # unpacked (a member of an older step was copied back then).
-        self.gen = 0
-        self.unpacked_gen = -1
-
-    def push(self, opt) -> None:
-        torch.cat([g.reshape(-1) for g in self.grads], out=self.buf)
-        self.handle = opt._gh_reduce(self.buf, self.name, self.priority)
-
-    def wait(self, timeout: float | None, who: str, gen: int) -> None:
-        if gen != self.gen:
-            # An older step's member (forward overlap: an update applied
-            # late). Its step was unpacked before the next one began: a new
-            # step's first gradient comes from a parameter whose update was
-            # applied, which unpacked the bucket.
-            if gen > self.unpacked_gen:
-                raise RuntimeError(f"internal: '{who}' waits for step {gen} of '{self.name}', never unpacked")
-            return
-        if self.handle is None:
-            missing = len(self.params) - self.ready
-            raise RuntimeError(f"'{who}' is fused in '{self.name}', which waits for {missing} more gradient(s) "
-                               f"of this step: call synchronize() (or step()) first")
-        if not self.unpacked:
-            self.handle.wait(timeout)
-            torch._foreach_copy_(self.grads, self.views)
-            self.unpacked = True
-            self.unpacked_gen = self.gen
-            self.grads = [None] * len(self.params)
+        self.counts = [0] * len(params)  # backward passes counted in this step, by member
+        self.arrived = 0                 # their sum
+        # The members' highest priority, and the order it was computed for
+        # (the optimizer replaces its order once, when the forward pass tells it).
+        self.priority = 0
+        self.priority_for = None
 
 
-class _Member:
-    """What `DistributedOptimizer` holds for a fused parameter this step:
-    quacks like `ops.Handle`."""
+class _BucketStep:
+    """One bucket's operation of one step: every member's handle (quacks
+    like `ops.Handle`)."""
 
-    def __init__(self, bucket: _Bucket, grad: torch.Tensor, name: str):
-        self._b, self._grad, self._gen = bucket, grad, bucket.gen
-        self.name = name
+    __slots__ = ("name", "_b", "_handle", "_grads", "_unpacked")
+
+    def __init__(self, bucket: _Bucket, handle, grads: list):
+        self.name = bucket.name
+        self._b, self._handle, self._grads, self._unpacked = bucket, handle, grads, False
 
     def done(self) -> bool:
-        b = self._b
-        return self._gen != b.gen or (b.handle is not None and b.handle.done())
+        return self._unpacked or self._handle.done()
 
     def wait(self, timeout: float | None = None):
-        self._b.wait(timeout, self.name, self._gen)
-        return self._grad
+        if not self._unpacked:
+            self._handle.wait(timeout)
+            torch._foreach_copy_(self._grads, self._b.views)
+            self._unpacked = True
 
 
 class Fusion:
@@ -133,20 +116,69 @@ class Fusion:
                  torch.float64: "float64"}
         return [(b.name, (b.buf.numel(), names[b.buf.dtype])) for b in self.buckets]
 
-    def start(self, p, grad: torch.Tensor) -> _Member:
-        """p's gradient of this step is ready: into its bucket, which goes
-        when it is whole."""
-        opt = self._opt
+    def hook(self, p):
+        """p's gradient hook: count p's backward pass into its bucket, which
+        goes when every member's last pass is in."""
+        opt, b = self._opt, self.of[id(p)]
+        i, pid, passes = b.index[id(p)], id(p), opt._gh_passes
+        full = len(b.params) * passes
+        # Forward overlap checks that no update is pending; the other modes check nothing.
+        check = opt._gh_check_gradient if opt._gh_overlap else None
+
+        def count(param):
+            if check is not None:
+                check(pid)
+            if pid in opt._gh_handles or b.counts[i] == passes:
+                raise RuntimeError(
+                    f"gradient of '{opt._gh_names[pid]}' was computed twice before step(); "
+                    f"call optimizer.step() (or use backward_passes_per_step) between backward passes")
+            b.counts[i] += 1
+            b.arrived += 1
+            if b.arrived == full:
+                self._push(b)
+
+        return count
+
+    def fill(self, p) -> None:
+        """synchronize(): p produced no gradient this step (its `.grad` is
+        set, to zeros if it was None): count it in whole."""
         b = self.of[id(p)]
-        prio = opt._gh_priority(p)
-        if b.ready == 0:  # a new step (the last one's was unpacked: see `_Bucket.wait`)
-            b.handle, b.unpacked, b.priority = None, False, prio
-            b.gen += 1
-        elif prio > b.priority:
-            b.priority = prio
-        b.grads[b.index[id(p)]] = grad
-        b.ready += 1
-        if b.ready == len(b.params):
-            b.ready = 0
-            b.push(opt)
-        return _Member(b, grad, opt._gh_names[id(p)])
+        i = b.index[id(p)]
+        b.arrived += self._opt._gh_passes - b.counts[i]
+        b.counts[i] = self._opt._gh_passes
+        if b.arrived == len(b.params) * self._opt._gh_passes:
+            self._push(b)
+
+    def accumulating(self) -> bool:
+        """Some member is between backward passes (backward_passes_per_step)."""
+        passes = self._opt._gh_passes
+        return passes > 1 and any(0 < c < passes for b in self.buckets for c in b.counts)
+
+    def flush(self) -> None:
+        """Push every bucket some member of which is in this step, with zeros
+        for the members that produced no gradient (forward overlap's step(),
+        which does not go through synchronize())."""
+        for b in self.buckets:
+            if b.arrived:
+                for p, c in zip(list(b.params), list(b.counts)):
+                    if c < self._opt._gh_passes:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        self.fill(p)
+
+    def _push(self, b: _Bucket) -> None:
+        opt = self._opt
+        grads = [p.grad for p in b.params]
+        for j, g in enumerate(grads):
+            if g.is_sparse:
+                # Reduced dense, made sparse again after (unless sparse_as_dense), as unfused.
+                grads[j] = b.params[j].grad = g.to_dense()
+                if not opt._gh_sparse_as_dense:
+                    opt._gh_sparse.append(b.params[j])
+        if b.priority_for is not opt._gh_rank_of:
+            b.priority, b.priority_for = max(opt._gh_priority(p) for p in b.params), opt._gh_rank_of
+        torch._foreach_copy_(b.views, grads)
+        step = _BucketStep(b, opt._gh_reduce(b.buf, b.name, b.priority), grads)
+        b.counts = [0] * len(b.params)
+        b.arrived = 0
+        opt._gh_handles.update(dict.fromkeys(b.ids, step))

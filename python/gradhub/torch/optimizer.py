@@ -110,9 +110,7 @@ class _DistributedOptimizer:
         if process_set._is_global():
             _api.declare(self._gh_declarations())
         self._gh_hooks = []
-        for p in all_params:
-            if p.requires_grad:
-                self._gh_hooks.append(p.register_post_accumulate_grad_hook(self._gh_make_hook(p)))
+        self._gh_register_hooks()
         self._gh_fwd_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._gh_forward_pre_hook)
         self._gh_sfb = SufficientFactors(self, sfb) if sfb != "off" and not self._gh_server else None
 
@@ -138,6 +136,16 @@ class _DistributedOptimizer:
     def _gh_tag(self) -> str:
         return f"@{self._gh_partition}" if self._gh_partition else ""
 
+    def _gh_register_hooks(self) -> None:
+        """A gradient hook on every parameter that requires grad: a fused
+        one's only counts it into its bucket (fusion.py)."""
+        for h in self._gh_hooks:
+            h.remove()
+        fused = self._gh_fusion.of if self._gh_fusion is not None else {}
+        self._gh_hooks = [p.register_post_accumulate_grad_hook(
+            self._gh_fusion.hook(p) if id(p) in fused else self._gh_make_hook(p))
+            for p in self._gh_params if p.requires_grad]
+
     def _gh_build_fusion(self, threshold: int) -> None:
         self._gh_fusion_threshold = threshold
         fusion = Fusion(self, threshold, matrices=self._gh_fuse_matrices) if threshold > 0 and self._gh_can_fuse \
@@ -153,6 +161,7 @@ class _DistributedOptimizer:
         before = {name for name, _ in self._gh_declarations()}
         self._gh_partition = partition_bytes
         self._gh_build_fusion(fusion_threshold)
+        self._gh_register_hooks()
         now = self._gh_declarations()
         _api.declare(now)
         gone = before - {name for name, _ in now}
@@ -257,7 +266,7 @@ class _DistributedOptimizer:
             if not self._gh_sparse_as_dense:
                 self._gh_sparse.append(p)
         if self._gh_fusion is not None and id(p) in self._gh_fusion.of:
-            self._gh_handles[id(p)] = self._gh_fusion.start(p, grad)
+            self._gh_fusion.fill(p)  # synchronize(): no gradient this step
             return
         h = self._gh_sfb.start(p, self._gh_priority(p)) if self._gh_sfb is not None else None
         self._gh_handles[id(p)] = h if h is not None else self._gh_push(p, grad)
@@ -277,7 +286,8 @@ class _DistributedOptimizer:
                     p.grad = torch.zeros_like(p)
                 self._gh_counts[id(p)] = 0
                 self._gh_start(p)
-        for pid, h in list(self._gh_handles.items()):
+        # Once per operation: a fusion bucket is the handle of all its members.
+        for h in {id(h): h for h in self._gh_handles.values()}.values():
             h.wait()
         for p in self._gh_sparse:
             p.grad = p.grad.to_sparse()

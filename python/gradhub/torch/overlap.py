@@ -172,8 +172,12 @@ class OverlapForward:
             # Previous step's stragglers (parameters unused in forward) first.
             self._gh_apply_all()
             self._gh_finalize_order()
-            if any(c != 0 for c in self._gh_counts.values()) and not self._gh_handles:
+            fusion = self._gh_fusion
+            if (any(c != 0 for c in self._gh_counts.values()) or (fusion is not None and fusion.accumulating())) \
+                    and not self._gh_handles:
                 return None  # accumulating (backward_passes_per_step)
+            if fusion is not None:
+                fusion.flush()  # buckets missing a gradient go now, with zeros for it, as synchronize() does
             for pid in list(self._gh_handles):
                 # Snapshot the hyperparameters: an LR scheduler may step before the update runs.
                 group = self._gh_group_of(self._gh_by_id[pid])
