@@ -34,6 +34,10 @@ def test_tensor_fusion_trains_like_a_single_process(fusion, buckets, tensors, ov
         rc, out = run_launch(3, 2, "torch_train.py", cfg, threads=1)
         assert_all_passed(rc, out, 3)
         assert out.count(f"FUSED {buckets} buckets of {tensors} tensors") == 3, out[-3000:]
+        if overlap:
+            # A module's weight and bias in one optimizer call before its forward; the
+            # last step's 26 in one at finish().
+            assert out.count("UPDATES IN GROUPS OF [2, 26]") == 3, out[-3000:]
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])

@@ -6,10 +6,12 @@ first use by any torch function during a forward pass (a parameter used
 outside its owner's forward(): a tied weight, a functional call, a custom
 autograd function; see `_FirstUse`), or at the next
 step()/synchronize()/finish(). Same arithmetic as the synchronous
-schedule, hence the same result: the update of one parameter is the wrapped
-optimizer's update restricted to it (a one-parameter optimizer of the same
-class sharing its state), with the hyperparameters as they were at step()
-(an LR scheduler may step before the update runs).
+schedule, hence the same result: the update of some parameters is the
+wrapped optimizer's update restricted to them (an optimizer of the same
+class over just them, sharing its state), with the hyperparameters as they
+were at step() (an LR scheduler may step before the update runs). A
+module's parameters due together are updated in one call (one per module,
+not one per parameter: a Linear's weight and bias, a norm's scale and shift).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class OverlapForward:
     def __init__(self, *args, **kwargs):
         self._gh_pending: dict[int, dict] = {}  # param id -> hyperparameters of its pending update
         self._gh_zero_after: set[int] = set()
-        self._gh_sub: dict[int, torch.optim.Optimizer] = {}
+        self._gh_sub: dict[tuple, torch.optim.Optimizer] = {}  # by the ids of the parameters it updates
         self._gh_first_use = _FirstUse(self)
         self._gh_depth = 0  # module calls under way (the mode is pushed at the outermost)
         self._gh_mode_on = False
@@ -127,45 +129,60 @@ class OverlapForward:
     def _gh_before_forward(self, own: list) -> None:
         super()._gh_before_forward(own)
         if self._gh_pending:
-            for p in own:
-                if id(p) in self._gh_pending:
-                    self._gh_apply(p)
+            due = [p for p in own if id(p) in self._gh_pending]
+            if due:
+                self._gh_apply_many(due)
 
-    def _gh_sub_optimizer(self, p, hyper: dict):
-        """An optimizer of the same class over one parameter, sharing state with
-        this one, so parameters can be updated one at a time.
-        `hyper`: the group's hyperparameters as they were at step()."""
-        sub = self._gh_sub.get(id(p))
+    def _gh_sub_optimizer(self, params: list, hyper: dict):
+        """An optimizer of the same class over `params` (of one group),
+        sharing state with this one, so parameters can be updated a module
+        at a time: one optimizer call for a module's parameters, not one
+        each. `hyper`: the group's hyperparameters as they were at step()."""
+        key = tuple(id(p) for p in params)
+        sub = self._gh_sub.get(key)
         if sub is None:
-            group = self._gh_group_of(p)
+            group = self._gh_group_of(params[0])
             base = self._gh_base_cls
             hyper0 = {k: v for k, v in group.items() if k != "params"}
-            sub = base([p], **{k: v for k, v in hyper0.items() if k in base.__init__.__code__.co_varnames})
+            sub = base(params, **{k: v for k, v in hyper0.items() if k in base.__init__.__code__.co_varnames})
             sub.state = self.state  # shared: keyed by parameter
-            self._gh_sub[id(p)] = sub
+            if len(self._gh_sub) >= 4096:  # sets that keep changing (stragglers): bounded
+                self._gh_sub.clear()
+            self._gh_sub[key] = sub
         sub.param_groups[0].update(hyper)
         return sub
 
-    def _gh_update_one(self, p, hyper: dict | None) -> None:
-        """Update p alone with its reduced gradient."""
+    def _gh_update_many(self, params: list, hyper: dict | None) -> None:
+        """Update `params` (of one group) with their reduced gradients."""
         if hyper is None:
-            hyper = {k: v for k, v in self._gh_group_of(p).items() if k != "params"}
+            hyper = {k: v for k, v in self._gh_group_of(params[0]).items() if k != "params"}
         with torch.no_grad():
-            self._gh_sub_optimizer(p, hyper).step()
+            self._gh_sub_optimizer(params, hyper).step()
 
     def _gh_apply(self, p):
         """Wait for p's reduced gradient and update p alone."""
-        h = self._gh_handles.pop(id(p), None)
-        if h is not None:
+        self._gh_apply_many([p])
+
+    def _gh_apply_many(self, params: list):
+        """Wait for the reduced gradients of `params` (each with an update
+        pending) and update them, one optimizer call per parameter group."""
+        handles, pending = self._gh_handles, self._gh_pending
+        for h in {id(h): h for h in (handles.pop(id(p), None) for p in params) if h is not None}.values():
             h.wait()
-        self._gh_update_one(p, self._gh_pending.pop(id(p), None))
-        if id(p) in self._gh_zero_after:
-            self._gh_zero_after.discard(id(p))
-            p.grad = None
+        by_group: dict = {}
+        for p in params:
+            by_group.setdefault(self._gh_group_idx[id(p)], ([], pending.pop(id(p), None)))[0].append(p)
+        for ps, hyper in by_group.values():
+            self._gh_update_many(ps, hyper)
+        if self._gh_zero_after:
+            for p in params:
+                if id(p) in self._gh_zero_after:
+                    self._gh_zero_after.discard(id(p))
+                    p.grad = None
 
     def _gh_apply_all(self):
-        for pid in list(self._gh_pending):
-            self._gh_apply(self._gh_by_id[pid])
+        if self._gh_pending:
+            self._gh_apply_many([self._gh_by_id[pid] for pid in list(self._gh_pending)])
 
     def step(self, closure=None):
         if closure is None and not self._gh_skip_sync and self._gh_overlap_on:

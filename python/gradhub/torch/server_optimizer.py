@@ -138,8 +138,8 @@ class OptimizerOnServer:
 
         return Handle(h, finish, name)
 
-    def _gh_update_one(self, p, hyper) -> None:
-        """overlap_forward: the servers ran p's update; its handle copied the new value in."""
+    def _gh_update_many(self, params, hyper) -> None:
+        """overlap_forward: the servers ran the updates; the handles copied the new values in."""
 
     def _gh_update(self, closure):
         # The servers ran the update; synchronize() copied the new values in.
