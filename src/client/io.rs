@@ -445,6 +445,8 @@ pub struct Io {
     /// Whether `trace` holds one: read per chunk sent, without the lock.
     trace_on: AtomicBool,
     trace_writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The receiving side, once the I/O thread runs (see `caller_poller`).
+    core: OnceLock<std::sync::Weak<Mutex<IoCore>>>,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -509,6 +511,7 @@ impl Io {
             trace: Default::default(),
             trace_on: AtomicBool::new(false),
             trace_writer: Mutex::new(None),
+            core: OnceLock::new(),
         };
         io.add_conns(streams)?;
         Ok(io)
@@ -699,6 +702,21 @@ impl Io {
         self.latest().get(&key).map(|(_, s)| s.clone())
     }
 
+    /// What a caller spinning on an op whose result comes on connection
+    /// `i` runs: read it, unless the I/O thread is at it (then that thread
+    /// delivers it). Saves the I/O thread's wake-up on the way from the
+    /// socket to the caller.
+    fn caller_poller(&self, i: usize) -> Option<Box<dyn Fn() + Send + Sync>> {
+        let core = self.core.get()?.clone();
+        Some(Box::new(move || {
+            if let Some(core) = core.upgrade() {
+                if let Ok(mut c) = core.try_lock() {
+                    c.poll_for(i);
+                }
+            }
+        }))
+    }
+
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
         let _ = self.waker.wake();
@@ -728,6 +746,12 @@ impl Io {
             ChunkSrc { ptr: unsafe { base.0.add(a * es) }, len: (b - a) * es }
         };
         let Some(h) = &self.host else {
+            if n == 1 {
+                // Small: its caller may read its result itself (`IoCore::poll_for`).
+                if let Some(poll) = self.caller_poller(s.spec.slots[0] as usize) {
+                    s.op.set_poller(poll);
+                }
+            }
             let all: Vec<usize> = (0..n).collect();
             self.start(s, round, None, &all, chunk_src, shared);
             return;
@@ -1083,9 +1107,22 @@ struct ResultDest {
     len: usize,
 }
 
-/// The receiving side, owned by the I/O thread.
+// SAFETY: `dst` points into an active op's buffer, which stays valid until
+// the op completes; results are written and ops completed only by the
+// holder of the `IoCore` lock (the I/O thread, or a caller waiting on a
+// one-chunk op: `IoCore::poll_for`).
+unsafe impl Send for ResultDest {}
+
+/// The I/O thread: waits for events and hands them to the receiving side.
 pub struct IoThread {
     poll: Poll,
+    core: Arc<Mutex<IoCore>>,
+}
+
+/// The receiving side: what the I/O thread does with events, behind a lock
+/// so that a caller waiting for a small result may read it itself (one
+/// thread hop fewer: `Io::caller_poller`).
+pub struct IoCore {
     shared: Arc<Shared>,
     rx: Vec<FrameReader<ResultDest>>,
     failed: bool,
@@ -1105,7 +1142,103 @@ impl IoThread {
         let n = shared.io.conns.len();
         let rx = (0..n).map(|_| FrameReader::default()).collect();
         let moved_off = (0..n).map(|_| HashSet::new()).collect();
-        IoThread { poll, shared, rx, failed: false, bells: 0, dead: vec![false; n], moved_off, seen: n }
+        let core =
+            IoCore { shared: shared.clone(), rx, failed: false, bells: 0, dead: vec![false; n], moved_off, seen: n };
+        let core = Arc::new(Mutex::new(core));
+        let _ = shared.io.core.set(Arc::downgrade(&core));
+        IoThread { poll, core }
+    }
+
+    fn core(&self) -> MutexGuard<'_, IoCore> {
+        self.core.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn run(mut self) {
+        let mut events = Events::with_capacity(256);
+        // Only the host stage has rounds to watch here (servers watch
+        // theirs), and lost connections wait for a failover.
+        let shared = self.core().shared.clone();
+        let io = &shared.io;
+        let tick = match (&io.host, io.failover) {
+            (None, false) => None,
+            _ => Some(
+                (io.stall.min(io.peer_timeout.max(Duration::from_millis(200))) / 4)
+                    .clamp(Duration::from_millis(50), Duration::from_secs(1)),
+            ),
+        };
+        loop {
+            {
+                let mut core = self.core();
+                core.grow();
+                if tick.is_some() && !core.failed {
+                    if io.host.is_some() {
+                        core.check_host_stalls();
+                    }
+                    core.check_lost();
+                }
+            }
+            if let Err(e) = self.poll.poll(&mut events, tick) {
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                self.core().fail(format!("worker I/O poll failed: {e}"), true);
+                return;
+            }
+            if !self.core().handle(&events) {
+                return;
+            }
+        }
+    }
+}
+
+impl IoCore {
+    /// Handle what one poll returned; false once shut down.
+    fn handle(&mut self, events: &Events) -> bool {
+        if self.shared.io.stop.load(Ordering::SeqCst) {
+            // Shut down: what was sent can no longer complete. Fail it
+            // here, where the receive buffers are owned.
+            self.fail("gradhub was shut down".into(), false);
+            return false;
+        }
+        let requested = self.shared.io.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(msg) = requested {
+            self.fail(msg, true);
+        }
+        self.grow();
+        let notes = std::mem::take(&mut *self.shared.io.notes.lock().unwrap_or_else(|e| e.into_inner()));
+        for note in notes {
+            if !self.failed {
+                self.apply_failover(note);
+            }
+        }
+        for ev in events.iter() {
+            if ev.token() == DOORBELL && !self.failed {
+                self.scan_host();
+                continue;
+            }
+            if ev.token() != WAKER {
+                let readable = ev.is_readable() || ev.is_read_closed() || ev.is_error();
+                self.on_event(ev.token().0, readable, ev.is_writable());
+            }
+        }
+        // A connection registered since (a server joined) may have had
+        // its first edge before it was in the table: read and write it
+        // once now, later edges come as events.
+        while self.seen < self.rx.len() {
+            self.seen += 1;
+            self.on_event(self.seen - 1, true, true);
+        }
+        true
+    }
+
+    /// A caller waiting for a one-chunk op reads connection `i` itself
+    /// (until it would block, as the I/O thread would on the event; the
+    /// event still comes, and finds nothing to read).
+    fn poll_for(&mut self, i: usize) {
+        self.grow();
+        if i < self.seen {
+            self.on_event(i, true, false);
+        }
     }
 
     /// Connections added since (a server joined): room to read them.
@@ -1126,70 +1259,6 @@ impl IoThread {
         });
         let shared = self.shared.clone();
         shared.io.fail_all(msg, &shared, job_failed);
-    }
-
-    pub fn run(mut self) {
-        let mut events = Events::with_capacity(256);
-        // Only the host stage has rounds to watch here (servers watch
-        // theirs), and lost connections wait for a failover.
-        let io = &self.shared.io;
-        let tick = match (&io.host, io.failover) {
-            (None, false) => None,
-            _ => Some(
-                (io.stall.min(io.peer_timeout.max(Duration::from_millis(200))) / 4)
-                    .clamp(Duration::from_millis(50), Duration::from_secs(1)),
-            ),
-        };
-        loop {
-            self.grow();
-            if tick.is_some() && !self.failed {
-                if self.shared.io.host.is_some() {
-                    self.check_host_stalls();
-                }
-                self.check_lost();
-            }
-            if let Err(e) = self.poll.poll(&mut events, tick) {
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                self.fail(format!("worker I/O poll failed: {e}"), true);
-                return;
-            }
-            if self.shared.io.stop.load(Ordering::SeqCst) {
-                // Shut down: what was sent can no longer complete. Fail it
-                // here, where the receive buffers are owned.
-                self.fail("gradhub was shut down".into(), false);
-                return;
-            }
-            let requested = self.shared.io.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take();
-            if let Some(msg) = requested {
-                self.fail(msg, true);
-            }
-            self.grow();
-            let notes = std::mem::take(&mut *self.shared.io.notes.lock().unwrap_or_else(|e| e.into_inner()));
-            for note in notes {
-                if !self.failed {
-                    self.apply_failover(note);
-                }
-            }
-            for ev in events.iter() {
-                if ev.token() == DOORBELL && !self.failed {
-                    self.scan_host();
-                    continue;
-                }
-                if ev.token() != WAKER {
-                    let readable = ev.is_readable() || ev.is_read_closed() || ev.is_error();
-                    self.on_event(ev.token().0, readable, ev.is_writable());
-                }
-            }
-            // A connection registered since (a server joined) may have had
-            // its first edge before it was in the table: read and write it
-            // once now, later edges come as events.
-            while self.seen < self.rx.len() {
-                self.seen += 1;
-                self.on_event(self.seen - 1, true, true);
-            }
-        }
     }
 
     fn on_event(&mut self, i: usize, readable: bool, writable: bool) {

@@ -55,6 +55,9 @@ pub struct Op {
     cv: Condvar,
     /// Mirrors `state.done` so a waiter can spin without the lock.
     done_flag: AtomicBool,
+    /// Run while spinning in `wait`: reads the result from the socket
+    /// on the caller's thread if it can (one-chunk ops; see `Io::submit`).
+    poller: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 /// How long `wait` spins before sleeping: a futex sleep/wake costs more than
@@ -80,7 +83,12 @@ impl Op {
             state: Mutex::new(OpState { keepalive, ..Default::default() }),
             cv: Condvar::new(),
             done_flag: AtomicBool::new(false),
+            poller: OnceLock::new(),
         }
+    }
+
+    pub(crate) fn set_poller(&self, poll: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.poller.set(poll);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OpState> {
@@ -136,8 +144,12 @@ impl Op {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
         let spin_until = start + spin_limit().min(timeout.unwrap_or(Duration::MAX));
+        let poll = self.poller.get();
         while !self.done_flag.load(Ordering::Acquire) && Instant::now() < spin_until {
-            std::hint::spin_loop();
+            match poll {
+                Some(p) => p(),
+                None => std::hint::spin_loop(),
+            }
         }
         let mut st = self.lock();
         while !st.done {

@@ -904,7 +904,7 @@ fn control_rejects_inconsistent_tensor_specs() {
 fn control_rejects_bad_dtype_in_declaration() {
     for d in [0u8, 7, 0x80, 0xff] {
         let mut p = w();
-        p.u32(1).u32(2).str("ok").u64(4).u8(1).str("bad").u64(4).u8(d);
+        p.u32(1).u32(2).str("ok").u64(4).u8(1).u32(0).str("bad").u64(4).u8(d).u32(0);
         let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);
         assert_eq!(Control::decode(&h, &p), Err(ProtocolError::BadDtype(d)), "dtype {d}");
     }
