@@ -521,7 +521,9 @@ impl PyClient {
     /// Start an in-place push_pull of raw memory. `owner` is kept alive until done.
     /// `release_after`: free the tensor once this round completes (a
     /// generated name, never used again).
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false))]
+    /// `live`: (from, to) bytes outside which the buffer is zeros (pushed as
+    /// header-only zero chunks); None: all of it.
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -534,6 +536,7 @@ impl PyClient {
         owner: Py<PyAny>,
         init: bool,
         release_after: bool,
+        live: Option<(usize, usize)>,
     ) -> PyResult<PyHandle> {
         let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 }
             | if init { crate::protocol::FLAG_INIT } else { 0 }
@@ -545,7 +548,7 @@ impl PyClient {
         // SAFETY: the Python layer passes the data pointer and size of a
         // contiguous, writable buffer owned by `owner`, which the op keeps alive.
         let op = unsafe {
-            self.inner.push_pull(ptr as *mut u8, nbytes, dtype, name, flags, priority, Some(Box::new(owner)))
+            self.inner.push_pull_live(ptr as *mut u8, nbytes, dtype, name, flags, priority, Some(Box::new(owner)), live)
         }
         .map_err(py_err)?;
         Ok(PyHandle { op })

@@ -198,9 +198,11 @@ class Client:
         owner: object,
         init: bool = False,
         release_after: bool = False,
+        live: tuple[int, int] | None = None,
     ) -> Handle:
         """Start an in-place push_pull of raw memory. `owner` is kept alive until done.
-        `release_after`: free the tensor once this round completes."""
+        `release_after`: free the tensor once this round completes. `live`: (from, to)
+        bytes outside which the memory is zeros (those chunks are pushed as zeros, header only)."""
     def release(self, names: list[str]) -> None:
         """Free named tensors (none in flight): here, and on the servers once every worker released them."""
     def num_tensors(self) -> int:

@@ -275,8 +275,11 @@ def auto_name(kind: str, persistent: bool = False) -> str:
         return f"{kind}{'.auto.' if persistent else AUTO_MARK}{next(_names)}"
 
 
+_ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
+
+
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
-                    dtype: str | None = None, init: bool = False) -> Handle:
+                    dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
@@ -294,6 +297,10 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     `init=True` (float32 only) gives the servers the initial values of a tensor
     whose optimizer runs on the servers (`set_server_optimizer`); the round
     returns worker 0's values.
+    `live=(start, stop)`: the tensor is zeros outside elements start..stop
+    (this worker's rows of an allgather, a broadcast from another worker),
+    so the chunks wholly outside them are pushed as a header saying "zeros"
+    instead of their bytes. The caller must make sure they are zeros.
     """
     c = _require()
     host = stage(tensor, dtype)
@@ -305,8 +312,11 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
         name = auto_name("push_pull")
     tl = timeline.active()
     end = tl.start(name, buf.nbytes, buf.dtype, int(priority)) if tl is not None else None
+    if live is not None:
+        es = _ELEM_BYTES[buf.dtype]
+        live = (max(0, int(live[0])) * es, max(0, int(live[1])) * es)
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
-                          init=bool(init), release_after=AUTO_MARK in name)
+                          init=bool(init), release_after=AUTO_MARK in name, live=live)
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)

@@ -430,6 +430,8 @@ pub struct Io {
     /// Chunks pushed by reference and through sockets, since the start.
     pub pushed_by_ref: AtomicU64,
     pub pushed_by_socket: AtomicU64,
+    /// Of those through sockets, pushes of zeros (a header only).
+    pub pushed_zeros: AtomicU64,
     /// The job survives a lost server (`Welcome::failover`): keep results
     /// apart (`Kept`) and wait for the failover when a connection breaks.
     pub failover: bool,
@@ -504,6 +506,7 @@ impl Io {
             left: AtomicU32::new(NONE_LEFT),
             pushed_by_ref: AtomicU64::new(0),
             pushed_by_socket: AtomicU64::new(0),
+            pushed_zeros: AtomicU64::new(0),
             failover: failover.is_some(),
             peer_timeout: failover.unwrap_or_default(),
             notes: Mutex::new(Vec::new()),
@@ -899,16 +902,20 @@ impl Io {
     fn queue_chunk(&self, seq: &mut u64, a: &Active, c: usize, src: ChunkSrc) -> usize {
         let slot = a.spec.slots[c] as usize;
         *seq += 1;
+        // Wholly outside the bytes the caller may have set: zeros, sent as a header.
+        let (lo, hi) = a.spec.chunk_range(c);
+        let es = a.spec.dtype.size();
+        let zeros = a.host.is_none() && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
         self.conns[slot].send().heap.push(SendItem::Chunk(ChunkSend {
             priority: a.priority,
             seq: *seq,
             key: a.spec.key,
             chunk: c as u32,
             round: a.round,
-            flags: a.flags,
+            flags: if zeros { a.flags | crate::protocol::FLAG_ZEROS } else { a.flags },
             dtype: a.spec.dtype,
             ptr: src.ptr,
-            len: src.len,
+            len: if zeros { 0 } else { src.len },
             by_ref: a.host.is_some() && self.conns[slot].by_ref,
             queued: Instant::now(),
         }));
@@ -1000,6 +1007,9 @@ impl Io {
                         return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
                     }
                     self.pushed_by_socket.fetch_add(1, Ordering::Relaxed);
+                    if ch.flags & crate::protocol::FLAG_ZEROS != 0 {
+                        self.pushed_zeros.fetch_add(1, Ordering::Relaxed);
+                    }
                     Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
                 }
                 SendItem::Control { mut header, payload, .. } => {

@@ -709,6 +709,29 @@ impl Client {
         priority: i32,
         keepalive: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<Arc<Op>, ClientError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.push_pull_live(ptr, nbytes, dtype, name, flags, priority, keepalive, None) }
+    }
+
+    /// `push_pull` of a buffer that is zeros outside bytes `live` (a
+    /// worker's own rows of an allgather, a broadcast from another worker):
+    /// the chunks wholly outside it are pushed as zeros, header only
+    /// (`FLAG_ZEROS`), unless the host stage sums this host's pushes first.
+    ///
+    /// # Safety
+    /// As `push_pull`; and the buffer must be zeros outside `live`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn push_pull_live(
+        &self,
+        ptr: *mut u8,
+        nbytes: usize,
+        dtype: DType,
+        name: &str,
+        flags: u16,
+        priority: i32,
+        keepalive: Option<Box<dyn std::any::Any + Send>>,
+        live: Option<(usize, usize)>,
+    ) -> Result<Arc<Op>, ClientError> {
         self.check_usable()?;
         if dtype == DType::None {
             return Err(ClientError::Usage("push_pull needs a float32, float16 or bfloat16 tensor".into()));
@@ -724,7 +747,7 @@ impl Client {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
         let (all_flags, flags, release_after) = (flags, flags & !RELEASE_AFTER, flags & RELEASE_AFTER != 0);
-        let op = Arc::new(Op::new(name.to_string(), keepalive));
+        let op = Arc::new(Op::new(name.to_string(), keepalive, live));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
         if t.specs.get(name).is_some_and(|s| check_matches(s, numel, dtype).is_err()) {
@@ -933,7 +956,7 @@ impl Client {
         let mut zeros = vec![0u8; bytes];
         // SAFETY: `zeros` is kept in `zero_pushes` (its heap buffer does not
         // move) until the op has completed.
-        let op = unsafe { self.push_pull(zeros.as_mut_ptr(), bytes, dtype, name, flags, 0, None)? };
+        let op = unsafe { self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, 0, None, Some((0, 0)))? };
         if background {
             let mut t = self.shared.table();
             if t.in_flight.contains(name) {
@@ -1180,10 +1203,11 @@ impl Client {
     }
 
     /// Chunks this worker pushed so far: (by reference through shared
-    /// memory, through a socket).
-    pub fn pushed_chunks(&self) -> (u64, u64) {
+    /// memory, through a socket, and of those as zeros: a header only).
+    pub fn pushed_chunks(&self) -> (u64, u64, u64) {
         let io = &self.shared.io;
-        (io.pushed_by_ref.load(Ordering::Relaxed), io.pushed_by_socket.load(Ordering::Relaxed))
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        (load(&io.pushed_by_ref), load(&io.pushed_by_socket), load(&io.pushed_zeros))
     }
 }
 

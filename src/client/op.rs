@@ -55,6 +55,9 @@ pub struct Op {
     cv: Condvar,
     /// Mirrors `state.done` so a waiter can spin without the lock.
     done_flag: AtomicBool,
+    /// Bytes `from..to` of the buffer may be nonzero; outside them it is
+    /// zeros, pushed as header-only zero pushes (`FLAG_ZEROS`). None: all.
+    pub(crate) live: Option<(usize, usize)>,
     /// Run while spinning in `wait`: reads the result from the socket
     /// on the caller's thread if it can (one-chunk ops; see `Io::submit`).
     poller: OnceLock<Box<dyn Fn() + Send + Sync>>,
@@ -77,9 +80,10 @@ fn spin_limit() -> Duration {
 }
 
 impl Op {
-    pub fn new(name: String, keepalive: Option<Box<dyn Any + Send>>) -> Op {
+    pub fn new(name: String, keepalive: Option<Box<dyn Any + Send>>, live: Option<(usize, usize)>) -> Op {
         Op {
             name,
+            live,
             state: Mutex::new(OpState { keepalive, ..Default::default() }),
             cv: Condvar::new(),
             done_flag: AtomicBool::new(false),

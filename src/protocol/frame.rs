@@ -21,7 +21,11 @@ pub const FLAG_AVERAGE: u16 = 1;
 /// Flag bit: this round carries initial parameter values for a server-side
 /// optimizer; the server keeps worker 0's and returns them.
 pub const FLAG_INIT: u16 = 2;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT;
+/// Flag bit, on a Push only, with no payload: this chunk is all zeros
+/// (a worker's part of an allgather or a broadcast that is not its own):
+/// counted as a push, adding nothing, and not sent over the wire.
+pub const FLAG_ZEROS: u16 = 4;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

@@ -55,6 +55,7 @@ use crate::placement::HostLayout;
 use crate::protocol::auth::{self, Secret};
 use crate::protocol::{
     encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
+    FLAG_ZEROS,
 };
 use crate::transport::{bytes, bytes_mut, cast, ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
 
@@ -1076,7 +1077,15 @@ impl ServerThread {
             MsgType::Push => {
                 let (idx, _, kind) = self.check_push(t, &hdr)?;
                 let ch = &self.chunks[idx];
-                let want = ch.elems * ch.dtype.size();
+                let zeros = hdr.flags & FLAG_ZEROS != 0;
+                if zeros && hdr.flags & FLAG_INIT != 0 {
+                    return Err(ConnError::Invalid(format!(
+                        "tensor '{}' chunk {}: a push of zeros cannot carry initial parameters",
+                        self.name(hdr.key),
+                        hdr.chunk
+                    )));
+                }
+                let want = if zeros { 0 } else { ch.elems * ch.dtype.size() };
                 if hdr.payload_len as usize != want {
                     return Err(ConnError::Invalid(format!(
                         "tensor '{}' chunk {}: payload of {} bytes, expected {want}",
@@ -1093,6 +1102,7 @@ impl ServerThread {
                     && ch.dtype == DType::F32
                     && !ch.direct_in_progress
                     && !init
+                    && !zeros
                     && !ch.adopted
                     && kind == PayloadKind::Push;
                 let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
@@ -1139,6 +1149,9 @@ impl ServerThread {
                 let (idx, rank, kind) = self.check_push(t, &hdr)?;
                 if hdr.payload_len != 0 {
                     return Err(format!("PushRef with a {}-byte payload", hdr.payload_len).into());
+                }
+                if hdr.flags & FLAG_ZEROS != 0 {
+                    return Err("PushRef flagged as zeros (only a Push may be)".into());
                 }
                 let local = self.cfg.local.get(rank as usize).copied().unwrap_or(false);
                 let Some(st) = self.shm.get(&hdr.key).filter(|_| local).cloned() else {
@@ -1291,7 +1304,8 @@ impl ServerThread {
         if let Some(why) = self.never_completes(ch) {
             return Err(ConnError::Invalid(why));
         }
-        if ch.count > 0 && hdr.flags != ch.flags {
+        // (Zeros or data is each pusher's own business.)
+        if ch.count > 0 && hdr.flags & !FLAG_ZEROS != ch.flags {
             return Err(ConnError::Invalid(format!(
                 "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
                 ch.round
@@ -1479,12 +1493,14 @@ impl ServerThread {
         let n = ch.elems;
         let first = ch.count == 0;
         let init = hdr.flags & FLAG_INIT != 0;
+        // A push of zeros adds nothing; as the first, it clears the sum.
+        let zeros = hdr.flags & FLAG_ZEROS != 0;
         let src: *const u8 = match shared {
             Some(p) => p,
             // Unused when direct; else the push was received into it.
             None => conn.scratch.as_ptr().cast(),
         };
-        if shared.is_none() && !direct && conn.scratch.len() * 4 < n * ch.dtype.size() {
+        if shared.is_none() && !direct && !zeros && conn.scratch.len() * 4 < n * ch.dtype.size() {
             return Err("internal: push data missing".into());
         }
         // SAFETY: n elements, aligned (checked for shared chunks; scratch is
@@ -1492,6 +1508,11 @@ impl ServerThread {
         let f32s = || unsafe { std::slice::from_raw_parts(src.cast::<f32>(), n) };
         let u16s = || unsafe { std::slice::from_raw_parts(src.cast::<u16>(), n) };
         match &mut ch.buf {
+            // (While a first push is still arriving straight into the sum, that push sets it.)
+            _ if zeros && (!first || ch.direct_in_progress) => {}
+            ChunkBuf::F32(b) if zeros => b[parity][..n].fill(0.0),
+            ChunkBuf::Half { acc, .. } if zeros => acc[..n].fill(0.0),
+            ChunkBuf::Exact(b) if zeros => bytes_mut(&mut b[parity])[..n * ch.dtype.size()].fill(0),
             ChunkBuf::F32(b) if init => {
                 if rank as u32 == ch.init_from {
                     b[parity].copy_from_slice(f32s());
@@ -1545,7 +1566,7 @@ impl ServerThread {
         if first {
             ch.started = Some(Instant::now());
             ch.first = rank as u32;
-            ch.flags = hdr.flags;
+            ch.flags = hdr.flags & !FLAG_ZEROS;
             ch.priority = hdr.priority;
         }
         ch.priority = ch.priority.max(hdr.priority);

@@ -596,3 +596,55 @@ fn small_partitions_still_deliver_stall_notices() {
     assert!(failure.is_none(), "a stall notice failed the client: {failure:?}");
     assert_contains(&e, &["did not complete", "[1]"]);
 }
+
+/// In-place push_pull of f32 `buf`, zeros outside bytes `live`.
+fn push_pull_live(c: &Client, name: &str, mut buf: Vec<f32>, live: (usize, usize)) -> Vec<f32> {
+    let nbytes = buf.len() * 4;
+    // SAFETY: buf lives until the op completes (waited below, or the test fails).
+    let op = unsafe { c.push_pull_live(buf.as_mut_ptr() as *mut u8, nbytes, DType::F32, name, 0, 0, None, Some(live)) }
+        .unwrap();
+    op.wait(Some(IO_TIMEOUT)).unwrap();
+    buf
+}
+
+#[test]
+fn chunks_outside_the_live_bytes_go_as_zeros_and_everything_sums_right() {
+    // Without the host stage the chunks wholly outside a worker's rows are
+    // header-only pushes of zeros; with it, the host's sum goes whole. The
+    // results are the same: every worker's rows, as an allgather.
+    for host_reduce in [false, true] {
+        let mut cfg = sched_config(3, 2);
+        cfg.host_reduce = host_reduce;
+        let job = real_job(cfg, &[(1, false), (2, false)]);
+        let clients = job.clients(3, 3, 2);
+        // 1000 values in chunks of 256 (PARTITION bytes): worker r owns 300r..300r+300 (not on chunk edges).
+        let val = |i: usize| (i % 97) as f32 + 1.0;
+        let want: Vec<f32> = (0..1000).map(|i| if i < 900 { val(i) } else { 0.0 }).collect();
+        std::thread::scope(|s| {
+            for c in &clients {
+                let want = &want;
+                s.spawn(move || {
+                    let r = c.rank as usize;
+                    let rows = 300 * r..300 * r + 300;
+                    let mine: Vec<f32> = (0..1000).map(|i| if rows.contains(&i) { val(i) } else { 0.0 }).collect();
+                    for round in 0..3 {
+                        let got = push_pull_live(c, "gather", mine.clone(), (rows.start * 4, rows.end * 4));
+                        assert_eq!(&got, want, "worker {r} round {round} host_reduce {host_reduce}");
+                    }
+                    // A broadcast from worker 0: the others push nothing but headers.
+                    let b: Vec<f32> = (0..1000).map(|i| if r == 0 { val(i) } else { 0.0 }).collect();
+                    let live = if r == 0 { (0, 4000) } else { (0, 0) };
+                    let got = push_pull_live(c, "bcast", b, live);
+                    assert_eq!(got, (0..1000).map(val).collect::<Vec<_>>(), "worker {r}");
+                    // Chunks of 256 values: 0..300 touches chunks 0-1, 300..600 chunks 1-2,
+                    // 600..900 chunks 2-3; the rest are zeros, 3 rounds of them, plus the broadcast's.
+                    let (_, _, zeros) = c.pushed_chunks();
+                    let want_zeros = if host_reduce { 0 } else { 3 * 2 + if r == 0 { 0 } else { 4 } };
+                    assert_eq!(zeros, want_zeros, "worker {r} host_reduce {host_reduce}");
+                });
+            }
+        });
+        shutdown_all(clients);
+        job.finish_ok();
+    }
+}

@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use gradhub::protocol::{decode_stall, Control, DType, Header, MsgType, TensorSpec, Welcome, FLAG_AVERAGE};
+use gradhub::protocol::{
+    decode_stall, Control, DType, Header, MsgType, TensorSpec, Welcome, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS,
+};
 use half::{bf16, f16};
 
 use crate::support::*;
@@ -83,6 +85,7 @@ impl DataJob {
 /// Run one round of `spec` with the fake workers in `order`: each pushes all
 /// chunks, non-final pushers get Received for each, then every worker gets
 /// every Result. Returns each worker's result bytes per chunk, concatenated.
+/// An empty payload is a push of zeros (`FLAG_ZEROS`, header only).
 fn round(
     conns: &mut [Vec<DataConn>],
     spec: &TensorSpec,
@@ -95,8 +98,11 @@ fn round(
     for (i, &r) in order.iter().enumerate() {
         for c in 0..spec.num_chunks() {
             let (a, b) = spec.chunk_range(c);
-            let p = &payloads[r][a * es..b * es];
-            conns[r][spec.slots[c] as usize].push(spec, c, round, flags, p);
+            let conn = &mut conns[r][spec.slots[c] as usize];
+            match payloads[r].is_empty() {
+                true => conn.push(spec, c, round, flags | FLAG_ZEROS, &[]),
+                false => conn.push(spec, c, round, flags, &payloads[r][a * es..b * es]),
+            }
         }
         if i + 1 < order.len() {
             // Not the last pusher: each push is acknowledged (credit), no result yet.
@@ -145,6 +151,49 @@ fn f32_pushes_are_summed_and_returned_to_every_worker() {
             (0..600).map(|i| (vals[0][i] * r as f32 + vals[1][i] * r as f32) + vals[2][i] * r as f32).collect();
         for res in round(&mut conns, &spec, r, 0, &[1, 2, 0], &scaled) {
             assert_eq!(bytes_f32(&res), want, "round {r}");
+        }
+    }
+    drop(conns);
+    job.finish();
+}
+
+#[test]
+fn pushes_of_zeros_add_nothing_first_in_between_or_last_in_every_dtype() {
+    let mut job = data_job(3, 1, |_| {});
+    let specs = job
+        .declare(0, &[("f", 600, DType::F32), ("h", 700, DType::F16), ("b", 300, DType::BF16), ("d", 200, DType::F64)]);
+    let mut conns: Vec<Vec<DataConn>> = (0..3).map(|r| vec![job.conn(0, r)]).collect();
+    let vals = |r: usize, i: usize| ((i % 13) as f32 - 6.0) * 0.5 * (r + 1) as f32;
+    for (k, spec) in specs.iter().enumerate() {
+        let n = spec.numel as usize;
+        let payload = |r: usize| -> Vec<u8> {
+            match spec.dtype {
+                DType::F32 => f32_bytes(&(0..n).map(|i| vals(r, i)).collect::<Vec<_>>()),
+                DType::F16 => u16_bytes(&(0..n).map(|i| f16::from_f32(vals(r, i)).to_bits()).collect::<Vec<_>>()),
+                DType::BF16 => u16_bytes(&(0..n).map(|i| bf16::from_f32(vals(r, i)).to_bits()).collect::<Vec<_>>()),
+                _ => (0..n).flat_map(|i| (vals(r, i) as f64).to_le_bytes()).collect(),
+            }
+        };
+        // Worker 1 pushes zeros; it comes first, in between, and last. (All
+        // these values are exact in every dtype, so the sum is too.)
+        for (round_no, order) in [[1usize, 0, 2], [0, 1, 2], [2, 0, 1]].iter().enumerate() {
+            let payloads = vec![payload(0), Vec::new(), payload(2)];
+            let want: Vec<u8> = {
+                let sum: Vec<f32> = (0..n).map(|i| vals(0, i) + vals(2, i)).collect();
+                match spec.dtype {
+                    DType::F32 => f32_bytes(&sum),
+                    DType::F16 => u16_bytes(&sum.iter().map(|&x| f16::from_f32(x).to_bits()).collect::<Vec<_>>()),
+                    DType::BF16 => u16_bytes(&sum.iter().map(|&x| bf16::from_f32(x).to_bits()).collect::<Vec<_>>()),
+                    _ => sum.iter().flat_map(|&x| (x as f64).to_le_bytes()).collect(),
+                }
+            };
+            for res in round(&mut conns, spec, round_no as u32, 0, order, &payloads) {
+                assert_eq!(res, want, "tensor {k} order {order:?}");
+            }
+        }
+        // Every worker pushing zeros: zeros come back (the last round's sum is not left over).
+        for res in round(&mut conns, spec, 3, 0, &[0, 1, 2], &[Vec::new(), Vec::new(), Vec::new()]) {
+            assert!(res.iter().all(|&b| b == 0), "tensor {k}");
         }
     }
     drop(conns);
@@ -264,6 +313,18 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     let e = c.expect_error("payload");
     assert_contains(&e, &["100", "256"]);
 
+    // A push of zeros carries no payload, and no initial parameters.
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| h.flags = FLAG_ZEROS));
+    let e = c.expect_error("payload");
+    assert_contains(&e, &["256", "expected 0"]);
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| {
+        h.flags = FLAG_ZEROS | FLAG_INIT;
+        h.payload_len = 0;
+    }));
+    c.expect_error("zeros cannot carry initial");
+
     // Over the partition but within the notice limit: refused by its exact length...
     let mut c = job.conn(0, 1);
     c.send_header(&hdr(&spec, |h| h.payload_len = PARTITION + 4));
@@ -289,6 +350,14 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     let mut c = job.conn(0, 1);
     c.hello(1);
     c.expect_error("second DataHello");
+
+    let mut c = job.conn(0, 1);
+    c.send_header(&hdr(&spec, |h| {
+        h.msg_type = MsgType::PushRef;
+        h.flags = FLAG_ZEROS;
+        h.payload_len = 0;
+    }));
+    c.expect_error("flagged as zeros");
 
     // A push by reference from a worker that shares no memory with this server.
     let mut c = job.conn(0, 1);

@@ -412,7 +412,8 @@ def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_pr
     roots = torch.zeros(n, dtype=torch.int64)
     roots[me] = root_rank + 1
     roots_h = ps._push_pull_async(roots, f"{name}.root", False)
-    h = ps._push_pull_async(buf, name, False)
+    # Only the root's bytes travel: the others push zeros, header only.
+    h = ps._push_pull_async(buf, name, False, live=None if _api.rank() == root_rank else (0, 0))
 
     def finish():
         roots_h.wait()
@@ -508,7 +509,10 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
         buf = torch.zeros(total * row * width, dtype=torch.float32)
         buf[start * row * width:(start + t.shape[0]) * row * width] = _bytes_as_f32(t)
     # The size may differ from the last call's: then the name is a new tensor.
-    ps._push_pull_async(buf, f"{name}.data", False, priority).wait()
+    # Only this worker's rows travel from it: the chunks of the others' go as zeros, header only.
+    width = 1 if native else t.element_size()
+    live = (start * row * width, (start + t.shape[0]) * row * width)
+    ps._push_pull_async(buf, f"{name}.data", False, priority, live=live).wait()
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:

@@ -73,15 +73,16 @@ class ProcessSet:
                 name = f"{kind}{_api.AUTO_MARK}{next(self._names)}"
         return f"ps{self.process_set_id}.{name}"
 
-    def _push_pull_async(self, buf, name: str, average: bool, priority: int = 0):
+    def _push_pull_async(self, buf, name: str, average: bool, priority: int = 0, live=None):
         """Sum `buf` over the set's members (average: global set only; a
         set's average is divided by its caller). The first member tells the
-        workers outside the set to push zeros for it."""
+        workers outside the set to push zeros for it. `live`: see
+        `gradhub.api.push_pull_async` (buf is zeros outside it)."""
         if self._is_global():
-            return _api.push_pull_async(buf, name=name, average=average, priority=priority)
+            return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live)
         if average:
             raise AssertionError("a process set's average is divided by the caller")
-        h = _api.push_pull_async(buf, name=name, average=False, priority=priority)
+        h = _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live)
         if self._members()[0] == _api.rank():
             _api.announce(name, [r for r in range(_api.size()) if r not in self.ranks])
         return h
