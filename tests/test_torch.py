@@ -409,3 +409,23 @@ def test_autotune_keeps_the_start_unless_a_trial_is_faster_and_walks_one_knob_at
     credit_trials = [tr["settings"] for tr in t.trials if tr["settings"].credit_bytes != start.credit_bytes]
     assert credit_trials and all(s.fusion_threshold == 0 for s in credit_trials), credit_trials
     assert [tr["settings"] for tr in t.trials][:2] == [start, autotune.Settings(True, 256 << 10, 1 << 20, 512 << 10)]
+
+
+def test_autotune_file_from_another_job_or_unreadable_is_tuned_again(tmp_path, capsys):
+    # A saved choice is used only for the same workers and parameters, in
+    # range for this job; anything else says why and tunes again.
+    from gradhub.torch import autotune
+
+    job = {"workers": 2, "tensors": 3, "bytes": 1200}
+    path = tmp_path / "choice.json"
+    s = autotune.Settings(True, 64 << 10, 128 << 10, 1 << 20)
+    autotune.save(str(path), job, s, 0.1, 0.2)
+    assert autotune.load(str(path), job, 256 << 10) == s
+    assert autotune.load(str(tmp_path / "none.json"), job, 256 << 10) is None
+    assert autotune.load(str(path), dict(job, workers=4), 256 << 10) is None
+    assert "tuned for" in capsys.readouterr().err
+    assert autotune.load(str(path), job, 64 << 10) is None  # chunks larger than this job's partition
+    assert "out of range" in capsys.readouterr().err
+    path.write_text("{not json")
+    assert autotune.load(str(path), job, 256 << 10) is None
+    assert "cannot use" in capsys.readouterr().err

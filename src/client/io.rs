@@ -447,8 +447,9 @@ pub struct Io {
     /// Whether `trace` holds one: read per chunk sent, without the lock.
     trace_on: AtomicBool,
     trace_writer: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// The receiving side, once the I/O thread runs (see `caller_poller`).
-    core: OnceLock<std::sync::Weak<Mutex<IoCore>>>,
+    /// Reads a connection on a waiting caller's thread, once the I/O thread
+    /// runs (see `IoCore::poll_for`).
+    poller: OnceLock<super::op::Poller>,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -514,7 +515,7 @@ impl Io {
             trace: Default::default(),
             trace_on: AtomicBool::new(false),
             trace_writer: Mutex::new(None),
-            core: OnceLock::new(),
+            poller: OnceLock::new(),
         };
         io.add_conns(streams)?;
         Ok(io)
@@ -705,21 +706,6 @@ impl Io {
         self.latest().get(&key).map(|(_, s)| s.clone())
     }
 
-    /// What a caller spinning on an op whose result comes on connection
-    /// `i` runs: read it, unless the I/O thread is at it (then that thread
-    /// delivers it). Saves the I/O thread's wake-up on the way from the
-    /// socket to the caller.
-    fn caller_poller(&self, i: usize) -> Option<Box<dyn Fn() + Send + Sync>> {
-        let core = self.core.get()?.clone();
-        Some(Box::new(move || {
-            if let Some(core) = core.upgrade() {
-                if let Ok(mut c) = core.try_lock() {
-                    c.poll_for(i);
-                }
-            }
-        }))
-    }
-
     pub fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
         let _ = self.waker.wake();
@@ -751,8 +737,8 @@ impl Io {
         let Some(h) = &self.host else {
             if n == 1 {
                 // Small: its caller may read its result itself (`IoCore::poll_for`).
-                if let Some(poll) = self.caller_poller(s.spec.slots[0] as usize) {
-                    s.op.set_poller(poll);
+                if let Some(poll) = self.poller.get() {
+                    s.op.set_poller(poll.clone(), s.spec.slots[0] as usize);
                 }
             }
             let all: Vec<usize> = (0..n).collect();
@@ -1131,7 +1117,7 @@ pub struct IoThread {
 
 /// The receiving side: what the I/O thread does with events, behind a lock
 /// so that a caller waiting for a small result may read it itself (one
-/// thread hop fewer: `Io::caller_poller`).
+/// thread hop fewer: `Io::poller`).
 pub struct IoCore {
     shared: Arc<Shared>,
     rx: Vec<FrameReader<ResultDest>>,
@@ -1155,7 +1141,18 @@ impl IoThread {
         let core =
             IoCore { shared: shared.clone(), rx, failed: false, bells: 0, dead: vec![false; n], moved_off, seen: n };
         let core = Arc::new(Mutex::new(core));
-        let _ = shared.io.core.set(Arc::downgrade(&core));
+        // What a caller spinning on an op whose result comes on connection
+        // `i` runs: read it, unless the I/O thread is at it (then that
+        // thread delivers it). Saves the I/O thread's wake-up on the way
+        // from the socket to the caller. (Weak: the ops hold it.)
+        let weak = Arc::downgrade(&core);
+        let _ = shared.io.poller.set(Arc::new(move |i| {
+            if let Some(core) = weak.upgrade() {
+                if let Ok(mut c) = core.try_lock() {
+                    c.poll_for(i);
+                }
+            }
+        }));
         IoThread { poll, core }
     }
 

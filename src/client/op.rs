@@ -20,6 +20,10 @@ pub enum OpError {
 /// gradhub's locks, so it must be quick and must not block.
 pub type Callback = Box<dyn FnOnce(Result<(), String>) + Send>;
 
+/// Reads a connection on the caller's thread if it can (`Io::submit`);
+/// one per worker, shared by its ops.
+pub(crate) type Poller = std::sync::Arc<dyn Fn(usize) + Send + Sync>;
+
 #[derive(Default)]
 struct OpState {
     done: bool,
@@ -60,7 +64,7 @@ pub struct Op {
     pub(crate) live: Option<(usize, usize)>,
     /// Run while spinning in `wait`: reads the result from the socket
     /// on the caller's thread if it can (one-chunk ops; see `Io::submit`).
-    poller: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    poller: OnceLock<(Poller, usize)>,
 }
 
 /// How long `wait` spins before sleeping: a futex sleep/wake costs more than
@@ -91,8 +95,9 @@ impl Op {
         }
     }
 
-    pub(crate) fn set_poller(&self, poll: Box<dyn Fn() + Send + Sync>) {
-        let _ = self.poller.set(poll);
+    /// Have `wait` run `poll(conn)` while it spins.
+    pub(crate) fn set_poller(&self, poll: Poller, conn: usize) {
+        let _ = self.poller.set((poll, conn));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, OpState> {
@@ -151,7 +156,7 @@ impl Op {
         let poll = self.poller.get();
         while !self.done_flag.load(Ordering::Acquire) && Instant::now() < spin_until {
             match poll {
-                Some(p) => p(),
+                Some((p, conn)) => p(*conn),
                 None => std::hint::spin_loop(),
             }
         }
