@@ -37,6 +37,9 @@ mod python;
 pub const DEFAULT_PARTITION_BYTES: u32 = 256 << 10;
 /// Default per-connection credit (bytes in flight). See docs/benchmarks.md.
 pub const DEFAULT_CREDIT_BYTES: usize = 512 << 10;
+/// Default spread (`client::io::Spread`), in credits: 2 MiB at the default
+/// credit. See docs/benchmarks.md.
+pub const SPREAD_CREDITS: usize = 4;
 
 /// This member's host identity: which workers share a machine (and its
 /// memory). `GRADHUB_HOST_ID` if set; else the host name and the network

@@ -429,7 +429,7 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None, job=None, rack=String::new()))]
+    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None, job=None, rack=String::new(), spread_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -446,6 +446,7 @@ impl PyClient {
         token: Option<String>,
         job: Option<String>,
         rack: String,
+        spread_bytes: Option<usize>,
     ) -> PyResult<Self> {
         let (secret, namespace) = member_secret(token, job, namespace)?;
         let cfg = ClientConfig {
@@ -455,6 +456,7 @@ impl PyClient {
             num_servers,
             namespace,
             credit_bytes,
+            spread_bytes,
             connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
             local_rank,
             local_size,

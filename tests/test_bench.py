@@ -148,11 +148,17 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
     # Nothing is left behind.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ghb" not in left
+    # --env reaches every gradhub role: with the narrowest spread (one
+    # chunk at a time past the oldest unreceived) across hosts, every sum
+    # still comes out exact (a wrong one fails the run).
     g = subprocess.run([sys.executable, "-m", "gradhub", "bench", "goodput", "--workers", "2", "--k", "0,1",
-                        "--mbytes", "4", "--iters", "2", "--rate", "1gbit"], capture_output=True, text=True,
-                       timeout=600, env=job_env())
+                        "--mbytes", "4", "--iters", "2", "--rate", "1gbit", "--env", "GRADHUB_SPREAD_BYTES=1"],
+                       capture_output=True, text=True, timeout=600, env=job_env())
     assert g.returncode == 0, g.stdout + g.stderr
     assert "gradhub k=1" in g.stdout and "gloo all-reduce" in g.stdout
+    bad = subprocess.run([sys.executable, "-m", "gradhub", "bench", "goodput", "--env", "GRADHUB_SPREAD_BYTES"],
+                         capture_output=True, text=True, timeout=60, env=job_env())
+    assert bad.returncode == 2 and "expected NAME=VALUE" in bad.stderr, bad.stderr
 
 
 def test_two_workers_per_host_host_stage_halves_the_host_link_bytes(tmp_path):

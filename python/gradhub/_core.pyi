@@ -158,6 +158,7 @@ class Client:
         token: str | None = None,
         job: str | None = None,  # this job's name on a shared service (its namespace derives from it)
         rack: str = "",  # this worker's rack (GRADHUB_RACK); "" none
+        spread_bytes: int | None = None,  # GRADHUB_SPREAD_BYTES; None: 4 x the credit, 0: no limit
     ) -> None: ...
     @property
     def rank(self) -> int: ...

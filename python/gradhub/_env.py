@@ -84,6 +84,7 @@ class WorkerEnv:
     local_size: int | None
     namespace: int
     credit_bytes: int | None
+    spread_bytes: int | None       # GRADHUB_SPREAD_BYTES: None = 4 x the credit, 0 = no limit
     connect_timeout: float
     server_shm: bool               # GRADHUB_SERVER_SHM: push to a server on this host through shared memory
     token: str | None              # GRADHUB_JOB_TOKEN(_FILE): see job_token()
@@ -121,6 +122,7 @@ def worker_env() -> WorkerEnv:
         local_size=local_size,
         namespace=get_int("GRADHUB_NAMESPACE", 0),
         credit_bytes=get_int("GRADHUB_CREDIT_BYTES"),
+        spread_bytes=get_int("GRADHUB_SPREAD_BYTES"),
         connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
         server_shm=get_flag("GRADHUB_SERVER_SHM", True),
         token=job_token(),

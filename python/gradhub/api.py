@@ -103,6 +103,8 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
         kwargs = {}
         if env.credit_bytes is not None:
             kwargs["credit_bytes"] = env.credit_bytes
+        if env.spread_bytes is not None:
+            kwargs["spread_bytes"] = env.spread_bytes
         # A local rank/size the launcher gave is checked by the scheduler
         # against the hosts that registered (a wrong one fails init()).
         _install_exit_hook()

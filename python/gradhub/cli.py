@@ -28,6 +28,9 @@ environment (flags win over variables):
   GRADHUB_ADVERTISE_ADDR   address a server tells workers to use
   GRADHUB_PARTITION_BYTES  chunk size (scheduler decides for the job)
   GRADHUB_CREDIT_BYTES     bytes in flight per server-thread connection (workers)
+  GRADHUB_SPREAD_BYTES     how far a worker's pushes may run ahead, in the
+                           job's order, of its oldest one its server has not
+                           received (default 4 x the credit; 0: no limit)
   GRADHUB_STALL_SECONDS    report rounds stalled longer than this
   GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead
                            (at least 2: two heartbeats); set on the scheduler,

@@ -191,6 +191,41 @@ impl Window {
     }
 }
 
+/// Worker-wide: every chunk queued or in flight on any connection and not
+/// yet received whole by its server. A chunk may go only while the bytes
+/// before it in the job-wide order stay under the spread limit, so no
+/// connection runs ahead of a slower one by more than that: each server's
+/// flow then moves at its share of the worker's link (BytePS's split
+/// assumes it), instead of TCP's equal share per flow, which let the flows
+/// to colocated servers finish early and left the links of CPU-only
+/// servers the last ones busy.
+#[derive(Default)]
+struct Spread {
+    window: Window,
+    /// Each entry's connection, to drop a lost one's.
+    slot: HashMap<(u32, u32), usize>,
+}
+
+impl Spread {
+    fn insert(&mut self, key: u32, chunk: u32, order: Order, len: usize, slot: usize) {
+        // A chunk re-queued (failover) replaces its entry.
+        self.window.remove(key, chunk);
+        self.window.insert(key, chunk, order, len);
+        self.slot.insert((key, chunk), slot);
+    }
+    fn remove(&mut self, key: u32, chunk: u32) {
+        if self.window.remove(key, chunk) {
+            self.slot.remove(&(key, chunk));
+        }
+    }
+    fn drop_slot(&mut self, slot: usize) {
+        let gone: Vec<(u32, u32)> = self.slot.iter().filter(|(_, &s)| s == slot).map(|(&k, _)| k).collect();
+        for (key, chunk) in gone {
+            self.remove(key, chunk);
+        }
+    }
+}
+
 impl Ord for SendItem {
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
         // BinaryHeap pops the greatest: the greatest is the soonest.
@@ -247,6 +282,8 @@ pub struct Conn {
     /// Its server shares this host's memory, so the host's sums go to it
     /// by reference.
     by_ref: bool,
+    /// Its next chunk waits for the worker's spread to shrink (`Spread`).
+    spread_blocked: AtomicBool,
 }
 
 /// A data connection to register: to thread `desc` of server `server`.
@@ -450,6 +487,11 @@ pub struct Io {
     /// Reads a connection on a waiting caller's thread, once the I/O thread
     /// runs (see `IoCore::poll_for`).
     poller: OnceLock<super::op::Poller>,
+    /// See `Spread` and `spread_limit`.
+    spread: Mutex<Spread>,
+    spread_fixed: Option<usize>,
+    /// Some connection waits for the spread to shrink (see `Conn::spread_blocked`).
+    spread_blocked: AtomicBool,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -477,7 +519,7 @@ impl Io {
         poll: &Poll,
         streams: Vec<NewConn>,
         rank: u32,
-        credit: usize,
+        (credit, spread): (usize, Option<usize>),
         namespace: u32,
         max_payload: u32,
         layout: Arc<HostLayout>,
@@ -516,6 +558,9 @@ impl Io {
             trace_on: AtomicBool::new(false),
             trace_writer: Mutex::new(None),
             poller: OnceLock::new(),
+            spread: Mutex::new(Spread::default()),
+            spread_fixed: spread,
+            spread_blocked: AtomicBool::new(false),
         };
         io.add_conns(streams)?;
         Ok(io)
@@ -561,8 +606,14 @@ impl Io {
             (hello.namespace, hello.key) = (self.namespace, self.rank);
             send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
             let by_ref = nc.by_ref && self.host.is_some();
-            let conn =
-                Conn { link, send: Mutex::new(send), written_off: AtomicBool::new(false), server: nc.server, by_ref };
+            let conn = Conn {
+                link,
+                send: Mutex::new(send),
+                written_off: AtomicBool::new(false),
+                server: nc.server,
+                by_ref,
+                spread_blocked: AtomicBool::new(false),
+            };
             if self.conns.push(conn).is_none() {
                 return Err(std::io::Error::other(format!("no room for data connection {i}")));
             }
@@ -674,6 +725,7 @@ impl Io {
         st.unreceived.remove(key, chunk);
         st.unreturned.remove(key, chunk);
         st.stamps.remove(&(key, chunk));
+        self.spread().remove(key, chunk);
         if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
             // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
             let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
@@ -892,6 +944,12 @@ impl Io {
         let (lo, hi) = a.spec.chunk_range(c);
         let es = a.spec.dtype.size();
         let zeros = a.host.is_none() && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
+        let len = if zeros { 0 } else { src.len };
+        if self.spread_limit() > 0 {
+            // Before it is on a queue, so it cannot be sent (and received) first.
+            let order = (std::cmp::Reverse(a.priority), a.spec.key, c as u32, *seq);
+            self.spread().insert(a.spec.key, c as u32, order, len, slot);
+        }
         self.conns[slot].send().heap.push(SendItem::Chunk(ChunkSend {
             priority: a.priority,
             seq: *seq,
@@ -901,11 +959,44 @@ impl Io {
             flags: if zeros { a.flags | crate::protocol::FLAG_ZEROS } else { a.flags },
             dtype: a.spec.dtype,
             ptr: src.ptr,
-            len: if zeros { 0 } else { src.len },
+            len,
             by_ref: a.host.is_some() && self.conns[slot].by_ref,
             queued: Instant::now(),
         }));
         slot
+    }
+
+    /// See `Client::unreceived`.
+    pub fn unreceived(&self) -> (usize, usize) {
+        let sp = self.spread();
+        (sp.slot.len(), sp.window.bytes)
+    }
+
+    /// Bytes that may come before a chunk in the spread for it to go; 0: no limit.
+    fn spread_limit(&self) -> usize {
+        self.spread_fixed.unwrap_or_else(|| self.credit() * crate::SPREAD_CREDITS)
+    }
+
+    fn spread(&self) -> MutexGuard<'_, Spread> {
+        self.spread.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Chunk `chunk` of `key` is no longer in the spread: pump the
+    /// connections that waited for it to shrink.
+    fn spread_done(&self, key: u32, chunk: u32) -> Result<(), ConnError> {
+        {
+            let mut sp = self.spread();
+            sp.remove(key, chunk);
+            if !self.spread_blocked.swap(false, Ordering::AcqRel) {
+                return Ok(());
+            }
+        }
+        for i in 0..self.conns.len() {
+            if self.conns[i].spread_blocked.swap(false, Ordering::AcqRel) {
+                self.pump(i)?;
+            }
+        }
+        Ok(())
     }
 
     fn pump_all(&self, slots: &[usize]) {
@@ -963,6 +1054,17 @@ impl Io {
                 let order = heap.peek()?.order();
                 if !(unreceived.admits(order, top.len, credit) && unreturned.admits_before(order, top.len, credit)) {
                     return None;
+                }
+                let limit = self.spread_limit();
+                if limit > 0 {
+                    // Flags set under the lock, so a `spread_done` either
+                    // came before this check or sees them.
+                    let sp = self.spread();
+                    if !sp.window.admits_before(order, top.len, limit) {
+                        c.spread_blocked.store(true, Ordering::Release);
+                        self.spread_blocked.store(true, Ordering::Release);
+                        return None;
+                    }
                 }
             }
             let item = heap.pop()?;
@@ -1030,6 +1132,7 @@ impl Io {
             st.unreturned.clear();
             st.stamps.clear();
         }
+        *self.spread() = Spread::default();
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
         drop(ops);
         if job_failed {
@@ -1354,6 +1457,9 @@ impl IoCore {
             st.unreceived.clear();
             st.unreturned.clear();
             st.stamps.clear();
+            drop(st);
+            // What it held is re-queued below, or waits for nothing any more.
+            io.spread().drop_slot(i);
         }
         let (mut touched, mut restored, mut resent) = (Vec::new(), 0usize, 0usize);
         {
@@ -1711,7 +1817,8 @@ impl IoCore {
                         s.received = Some(Instant::now());
                     }
                 }
-                io.pump(i)
+                io.pump(i)?;
+                io.spread_done(hdr.key, hdr.chunk)
             }
             MsgType::Stall | MsgType::Error => {
                 self.rx[i].receive_owned(hdr);
@@ -1791,7 +1898,8 @@ impl IoCore {
         }
         self.mark_got(key, chunk);
         // Outstanding room came back: keep the connection busy.
-        self.shared.io.pump(i)
+        self.shared.io.pump(i)?;
+        self.shared.io.spread_done(key, chunk as u32)
     }
 
     /// Chunk `chunk`'s result is in (in `Kept` with failover on and no host
@@ -1831,7 +1939,7 @@ impl IoCore {
 
 #[cfg(test)]
 mod tests {
-    use super::{split_credit, Order, Window};
+    use super::{split_credit, Order, Spread, Window};
     use std::cmp::Reverse;
 
     fn order(priority: i32, key: u32, chunk: u32) -> Order {
@@ -1860,6 +1968,30 @@ mod tests {
         assert_eq!(w.bytes, 120);
         w.clear();
         assert_eq!(w.bytes, 0);
+    }
+
+    #[test]
+    fn the_spread_counts_each_chunk_once_until_received_or_its_connection_is_lost() {
+        let mut s = Spread::default();
+        s.insert(1, 0, order(0, 1, 0), 100, 0);
+        s.insert(1, 1, order(0, 1, 1), 100, 1);
+        s.insert(1, 2, order(0, 1, 2), 100, 0);
+        // Only what comes before a chunk counts: the first always goes.
+        assert!(s.window.admits_before(order(0, 1, 0), 100, 150));
+        assert!(s.window.admits_before(order(0, 1, 1), 100, 250));
+        assert!(!s.window.admits_before(order(0, 1, 2), 100, 250));
+        // Re-queued (failover): replaced, not counted twice.
+        s.insert(1, 1, order(0, 1, 1), 100, 2);
+        assert_eq!((s.slot.len(), s.window.bytes), (3, 300));
+        // Received: gone; removing twice changes nothing.
+        s.remove(1, 0);
+        s.remove(1, 0);
+        assert_eq!((s.slot.len(), s.window.bytes), (2, 200));
+        assert!(s.window.admits_before(order(0, 1, 2), 100, 250));
+        // A lost connection's entries go; the others stay.
+        s.drop_slot(0);
+        assert_eq!((s.slot.len(), s.window.bytes), (1, 100));
+        assert!(s.window.contains(1, 1) && !s.window.contains(1, 2));
     }
 
     #[test]

@@ -38,6 +38,11 @@ pub struct ClientConfig {
     pub namespace: u32,
     /// Max bytes in flight per server-thread connection.
     pub credit_bytes: usize,
+    /// How many bytes, in the job-wide order, may stand between the next
+    /// chunk this worker sends and its oldest one not yet received by its
+    /// server (`io::Spread`). None: `SPREAD_CREDITS` x the credit (and it
+    /// follows `set_credit`); Some(0): no limit.
+    pub spread_bytes: Option<usize>,
     pub connect_timeout: Duration,
     /// This worker's local rank and the number of workers on its host, as
     /// the launcher says (-1: not given, the scheduler assigns them by rank
@@ -65,6 +70,7 @@ impl Default for ClientConfig {
             num_servers: 0,
             namespace: 0,
             credit_bytes: crate::DEFAULT_CREDIT_BYTES,
+            spread_bytes: None,
             connect_timeout: Duration::from_secs(60),
             local_rank: -1,
             local_size: -1,
@@ -402,6 +408,7 @@ impl Shared {
             let desc = format!("server {} ({addr}) thread {t}", s.rank);
             let setup = |e: std::io::Error| ClientError::Setup(format!("{desc}, which joined the job: {e}"));
             let stream = connect_authenticated(&addr, self.connect_timeout, &self.secret).map_err(setup)?;
+            crate::transport::tune_data_socket(&stream);
             stream.set_nonblocking(true).map_err(setup)?;
             conns.push(io::NewConn {
                 stream: mio::net::TcpStream::from_std(stream),
@@ -589,6 +596,7 @@ impl Client {
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
                 let stream =
                     connect_authenticated(&addr, cfg.connect_timeout, &cfg.secret).map_err(|e| setup(&desc, e))?;
+                crate::transport::tune_data_socket(&stream);
                 stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
                 conns.push(io::NewConn { stream: mio::net::TcpStream::from_std(stream), desc, server: s.rank, by_ref });
             }
@@ -598,9 +606,9 @@ impl Client {
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
         let stall = Duration::from_millis(w.stall_ms as u64);
         let failover = w.failover.then(|| Duration::from_millis(w.peer_timeout_ms as u64));
-        let io =
-            Io::new(&poll, conns, w.rank, cfg.credit_bytes, ns, limit, Arc::new(layout), host_stage, stall, failover)
-                .map_err(|e| setup("data connections", e))?;
+        let credit = (cfg.credit_bytes, cfg.spread_bytes);
+        let io = Io::new(&poll, conns, w.rank, credit, ns, limit, Arc::new(layout), host_stage, stall, failover)
+            .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),
             secret: cfg.secret.clone(),
@@ -1208,6 +1216,13 @@ impl Client {
         let io = &self.shared.io;
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         (load(&io.pushed_by_ref), load(&io.pushed_by_socket), load(&io.pushed_zeros))
+    }
+
+    /// Chunks queued or in flight that their servers have not received
+    /// whole yet, and their bytes (what the spread counts; none once every
+    /// op is done).
+    pub fn unreceived(&self) -> (usize, usize) {
+        self.shared.io.unreceived()
     }
 }
 

@@ -451,7 +451,7 @@ impl ServerThread {
         loop {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
-                    let _ = stream.set_nodelay(true);
+                    crate::transport::tune_data_socket(&stream);
                     // Best effort: without it results are still ordered, only less strictly.
                     let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
                     if let Err(e) = self.add_conn(stream, peer.to_string(), auth::Listener::default()) {
@@ -500,7 +500,7 @@ impl ServerThread {
             LinkTo::Owner => "owner",
         };
         let registered = stream.set_nonblocking(true).and_then(|()| {
-            let _ = stream.set_nodelay(true);
+            crate::transport::tune_data_socket(&stream);
             // As on accepted sockets: the relay's pushes queue in priority order here.
             let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
             self.add_conn(

@@ -166,7 +166,7 @@ impl Connection {
         max_payload: u32,
         dst: impl FnOnce(T) -> &'d mut [u8],
     ) -> Result<Option<Frame<T>>, ConnError> {
-        Ok(rx.read_from(&self.stream, max_payload, dst)?)
+        Ok(rx.read_edge(&self.stream, max_payload, dst)?)
     }
 
     /// Write frames until `next` has none left or the socket is full, then

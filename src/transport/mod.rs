@@ -128,6 +128,40 @@ pub fn cast<T: Plain, U: Plain>(s: &[T]) -> &[U] {
     unsafe { std::slice::from_raw_parts(s.as_ptr() as *const U, n) }
 }
 
+/// Congestion control for data connections (`GRADHUB_TCP_CONGESTION`):
+/// "cubic" unless set; "system" (or empty) keeps the system's default.
+/// Read once per process.
+fn congestion_control() -> Option<&'static str> {
+    static CC: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    CC.get_or_init(|| match std::env::var("GRADHUB_TCP_CONGESTION") {
+        Ok(v) if v.is_empty() || v == "system" => None,
+        Ok(v) => Some(v),
+        Err(_) => Some("cubic".to_string()),
+    })
+    .as_deref()
+}
+
+/// Options every data connection gets, at both ends: no Nagle delay, and
+/// the congestion control (`congestion_control`). A job's flows restart
+/// every round, app-limited, many into one server at once: measured on the
+/// emulated cluster, BBR (a common system default) let a CPU-only server's
+/// flows stall for 40-60 ms a few times a second, cubic did not
+/// (docs/benchmarks.md). One that cannot be set (not built into the
+/// kernel, or not allowed to unprivileged users) is warned about once and
+/// the system's default is used.
+pub fn tune_data_socket<S: std::os::fd::AsFd>(s: &S) {
+    let sock = socket2::SockRef::from(s);
+    let _ = sock.set_tcp_nodelay(true);
+    if let Some(cc) = congestion_control() {
+        if let Err(e) = sock.set_tcp_congestion(cc.as_bytes()) {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                log::warn!(target: "gradhub", "GRADHUB_TCP_CONGESTION={cc:?} cannot be set ({e}); using the system's default")
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

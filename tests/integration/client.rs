@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gradhub::client::Client;
+use gradhub::client::{Client, ClientConfig};
 use gradhub::protocol::{Control, DType, DeclEntry, MsgType, Role, FLAG_AVERAGE};
 use half::{bf16, f16};
 
@@ -98,9 +98,27 @@ fn push_pull_sums_tensors_of_every_size_across_workers() {
 
 #[test]
 fn many_push_pulls_in_flight_at_once_with_priorities() {
+    many_in_flight(&[(2, false)], None);
+}
+
+/// A spread of one byte: a chunk goes only when nothing before it in the
+/// job-wide order is still unreceived, on any connection. Everything still
+/// completes (the job's first unfinished chunk always may go), and nothing
+/// is left counted afterwards.
+#[test]
+fn the_narrowest_spread_still_completes_everything() {
+    many_in_flight(&[(2, false), (1, false), (1, true)], Some(1));
+}
+
+fn many_in_flight(servers: &[(usize, bool)], spread: Option<usize>) {
     const NW: u32 = 2;
-    let job = real_job(sched_config(NW, 1), &[(2, false)]);
-    let clients = job.clients(NW, NW, 1);
+    let ns = servers.len() as u32;
+    let job = real_job(sched_config(NW, ns), servers);
+    let pending: Vec<_> = (0..NW)
+        .map(|_| spawn_client(ClientConfig { spread_bytes: spread, ..client_config(job.addr, -1, NW, ns) }))
+        .collect();
+    let mut clients: Vec<Client> = pending.into_iter().map(|p| p.join()).collect();
+    clients.sort_by_key(|c| c.rank);
     std::thread::scope(|s| {
         for c in &clients {
             s.spawn(move || {
@@ -140,6 +158,7 @@ fn many_push_pulls_in_flight_at_once_with_priorities() {
                         assert_eq!(b, &want, "tensor t{t} round {round}");
                     }
                 }
+                assert_eq!(c.unreceived(), (0, 0), "worker {}: chunks left in the spread", c.rank);
             });
         }
     });

@@ -54,6 +54,10 @@ def _add_compare_args(p):
                    help="run every configuration this many times, interleaved, and report the median "
                         "(by iteration time; default 1)")
     p.add_argument("--json", help="append results to this JSON-lines file")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set this variable for every gradhub role of every run (repeatable), e.g. "
+                        "GRADHUB_SPREAD_BYTES=0; the bench passes no GRADHUB_* variable of its own "
+                        "environment through")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +178,16 @@ def _emit(args, rec):
             f.write(json.dumps(rec) + "\n")
 
 
+def _user_env(args) -> dict[str, str]:
+    env = {}
+    for kv in args.env:
+        name, sep, value = kv.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env {kv!r}: expected NAME=VALUE")
+        env[name] = value
+    return env
+
+
 def _host_variants(variant: str, host_reduce: str) -> list[str]:
     """The gradhub variant(s) to run for one --variants entry under --host-reduce."""
     off = "+".join(x for x in [variant, "nohost"] if x)
@@ -285,10 +299,15 @@ def cmd_train(args) -> int:
                     print(f"gradhub bench: {e}", file=sys.stderr)
                     return 2
                 runs.append((f"gradhub/{hv}" if hv else "gradhub", system, hv))
+    try:
+        user_env = _user_env(args)
+    except ValueError as e:
+        print(f"gradhub bench: {e}", file=sys.stderr)
+        return 2
     trials: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
     for t in range(max(1, args.trials)):
         for label, system, v in runs:
-            env = variant_env(v)
+            env = {**variant_env(v), **(user_env if system == "gradhub" else {})}
             # Fusion buckets scale with every other byte count (the same tensors are fused).
             env.setdefault("GRADHUB_FUSION_THRESHOLD", str(max(1024, int(DEFAULT_FUSION_THRESHOLD / args.scale))))
             res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=env,
@@ -342,11 +361,17 @@ def cmd_goodput(args) -> int:
           + (f"; median of {args.trials} interleaved trials" if args.trials > 1 else ""))
     print(f"{'config':26s} {'time ms':>9s} {'goodput GB/s':>13s} {'optimum ms':>11s} {'of optimum':>11s} "
           f"{'cores':>6s} {'up MB':>7s} {'down MB':>7s} {'theo MB':>7s} {'/theo':>6s}")
+    try:
+        user_env = _user_env(args)
+    except ValueError as e:
+        print(f"gradhub bench: {e}", file=sys.stderr)
+        return 2
     runs = []   # (label, layout, system, env, host_reduce, k)
     for k in [int(x) for x in args.k.split(",")]:
         for hr in {"on": [True], "off": [False], "both": [True, False]}[args.host_reduce]:
             label = f"gradhub k={k}" + ("" if hr else " nohost")
-            runs.append((label, _layout(args, k=k), "gradhub", {} if hr else variant_env("nohost"), hr, k))
+            runs.append((label, _layout(args, k=k), "gradhub", {**({} if hr else variant_env("nohost")), **user_env},
+                         hr, k))
     if not args.no_ddp:
         runs.append(("gloo all-reduce", _layout(args, k=0, colocated=False), "ddp", {}, None, None))
     trials: dict[str, list[dict]] = {r[0]: [] for r in runs}
