@@ -31,6 +31,8 @@ environment (flags win over variables):
   GRADHUB_SPREAD_BYTES     how far a worker's pushes may run ahead, in the
                            job's order, of its oldest one its server has not
                            received (default 4 x the credit; 0: no limit)
+  GRADHUB_TCP_CONGESTION   congestion control of data connections (default
+                           cubic; system: the machine's default)
   GRADHUB_STALL_SECONDS    report rounds stalled longer than this
   GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead
                            (at least 2: two heartbeats); set on the scheduler,

@@ -257,6 +257,8 @@ struct SendHalf {
     detached: Vec<Box<[u8]>>,
     /// With a timeline: each chunk in flight's stages so far, by (key, chunk).
     stamps: HashMap<(u32, u32), Stamp>,
+    /// Callers reading this connection themselves (`Io::quiet`).
+    quiet_callers: u32,
 }
 
 /// When a chunk in flight was queued, started on the wire, and (if it was
@@ -966,6 +968,23 @@ impl Io {
         slot
     }
 
+    /// Callers reading connection `i` themselves (`CallerPoller`): the I/O
+    /// thread is not woken for its data while there are any.
+    fn quiet(&self, i: usize, on: bool) {
+        let Some(c) = self.conns.get(i) else { return };
+        let mut guard = c.send();
+        let st = &mut *guard;
+        if st.lost.is_some() || c.written_off.load(Ordering::SeqCst) {
+            return; // taken out of the poller for good
+        }
+        st.quiet_callers = if on { st.quiet_callers + 1 } else { st.quiet_callers.saturating_sub(1) };
+        if let Err(e) = c.link.quiet(&self.registry, &mut st.tx, st.quiet_callers > 0) {
+            drop(guard);
+            // Not watched any more would be a hang: fail loudly instead.
+            self.request_fail(format!("{}: cannot change what the I/O thread watches: {e}", c.desc()));
+        }
+    }
+
     /// See `Client::unreceived`.
     pub fn unreceived(&self) -> (usize, usize) {
         let sp = self.spread();
@@ -1212,6 +1231,32 @@ struct ResultDest {
 // one-chunk op: `IoCore::poll_for`).
 unsafe impl Send for ResultDest {}
 
+/// What a caller spinning on an op whose result comes on connection `i`
+/// runs: read it, unless the I/O thread is at it (then that thread delivers
+/// it); meanwhile the I/O thread is not woken for that connection. Saves
+/// the I/O thread's wake-up on the way from the socket to the caller, which
+/// on a small round trip competes for the cores with the server and the
+/// caller. (Weak: the ops hold it.)
+struct CallerPoller {
+    core: std::sync::Weak<Mutex<IoCore>>,
+    shared: std::sync::Weak<Shared>,
+}
+
+impl super::op::ConnPoller for CallerPoller {
+    fn poll(&self, i: usize) {
+        if let Some(core) = self.core.upgrade() {
+            if let Ok(mut c) = core.try_lock() {
+                c.poll_for(i);
+            }
+        }
+    }
+    fn quiet(&self, i: usize, on: bool) {
+        if let Some(shared) = self.shared.upgrade() {
+            shared.io.quiet(i, on);
+        }
+    }
+}
+
 /// The I/O thread: waits for events and hands them to the receiving side.
 pub struct IoThread {
     poll: Poll,
@@ -1244,18 +1289,8 @@ impl IoThread {
         let core =
             IoCore { shared: shared.clone(), rx, failed: false, bells: 0, dead: vec![false; n], moved_off, seen: n };
         let core = Arc::new(Mutex::new(core));
-        // What a caller spinning on an op whose result comes on connection
-        // `i` runs: read it, unless the I/O thread is at it (then that
-        // thread delivers it). Saves the I/O thread's wake-up on the way
-        // from the socket to the caller. (Weak: the ops hold it.)
-        let weak = Arc::downgrade(&core);
-        let _ = shared.io.poller.set(Arc::new(move |i| {
-            if let Some(core) = weak.upgrade() {
-                if let Ok(mut c) = core.try_lock() {
-                    c.poll_for(i);
-                }
-            }
-        }));
+        let poller = CallerPoller { core: Arc::downgrade(&core), shared: Arc::downgrade(&shared) };
+        let _ = shared.io.poller.set(Arc::new(poller));
         IoThread { poll, core }
     }
 

@@ -22,7 +22,14 @@ pub type Callback = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 /// Reads a connection on the caller's thread if it can (`Io::submit`);
 /// one per worker, shared by its ops.
-pub(crate) type Poller = std::sync::Arc<dyn Fn(usize) + Send + Sync>;
+pub(crate) trait ConnPoller: Send + Sync {
+    /// Read connection `conn`, unless another thread is at it.
+    fn poll(&self, conn: usize);
+    /// While on, arriving data on `conn` does not wake the I/O thread (the
+    /// caller reads it); off again re-checks, so nothing is missed.
+    fn quiet(&self, conn: usize, on: bool);
+}
+pub(crate) type Poller = std::sync::Arc<dyn ConnPoller>;
 
 #[derive(Default)]
 struct OpState {
@@ -153,11 +160,19 @@ impl Op {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
         let spin_until = start + spin_limit().min(timeout.unwrap_or(Duration::MAX));
-        let poll = self.poller.get();
-        while !self.done_flag.load(Ordering::Acquire) && Instant::now() < spin_until {
-            match poll {
-                Some((p, conn)) => p(*conn),
-                None => std::hint::spin_loop(),
+        match self.poller.get() {
+            Some((p, conn)) if !self.done_flag.load(Ordering::Acquire) => {
+                p.quiet(*conn, true);
+                while !self.done_flag.load(Ordering::Acquire) && Instant::now() < spin_until {
+                    p.poll(*conn);
+                }
+                p.quiet(*conn, false);
+            }
+            Some(_) => {}
+            None => {
+                while !self.done_flag.load(Ordering::Acquire) && Instant::now() < spin_until {
+                    std::hint::spin_loop();
+                }
             }
         }
         let mut st = self.lock();

@@ -249,6 +249,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             .iter()
             .flat_map(|s| s.ports.iter().map(|&p| crate::transport::join_host_port(&s.addr, p)))
             .collect(),
+        names: welcome.servers.iter().flat_map(slot_names).collect(),
         made: HashSet::new(),
         secret: cfg.secret.clone(),
         namespace: ns,
@@ -348,6 +349,7 @@ fn control_loop(
             Control::ServerJoined { server } => {
                 log::info!(target: &who, "server {} joined the job at {}", server.rank, server.addr);
                 links.addrs.extend(server.ports.iter().map(|&p| crate::transport::join_host_port(&server.addr, p)));
+                links.names.extend(slot_names(&server));
             }
             Control::ServerRelease { keys } => {
                 segments.release(&keys);
@@ -383,13 +385,19 @@ fn to_threads(
 /// The links this server's threads open to other server threads: to the
 /// threads replicating their chunks (`replica`), and, as a rack's relay
 /// (two-level reduction), to the owners of the chunks they relay. One per
+/// Who serves each of a server's slots.
+fn slot_names(s: &crate::protocol::ServerInfo) -> Vec<String> {
+    (0..s.ports.len()).map(|t| format!("server {} thread {t}", s.rank)).collect()
+}
+
 /// (thread, slot) and kind, opened here, on the control loop, before the
 /// specs that need it are installed.
 struct Links {
     first_slot: u32,
     threads: u32,
-    /// Every slot's address, host:port.
+    /// Every slot's address, host:port, and who serves it.
     addrs: Vec<String>,
+    names: Vec<String>,
     made: HashSet<(u32, u32)>,
     secret: Secret,
     namespace: u32,
@@ -404,7 +412,7 @@ impl Links {
     /// One that cannot be opened (its server is being lost) is logged: the
     /// chunks it would serve hold their results until a failover gives
     /// them another replica.
-    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, std::net::TcpStream, LinkTo)>> {
+    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, std::net::TcpStream, LinkTo, String)>> {
         let mut out: Vec<Vec<_>> = (0..self.threads).map(|_| Vec::new()).collect();
         if let Some((rack, id)) = self.relay {
             for s in specs {
@@ -417,7 +425,7 @@ impl Links {
                     let mut hello = Header::new(MsgType::DataHello);
                     (hello.namespace, hello.key) = (self.namespace, id + t);
                     match self.connect(owner, &hello.encode()) {
-                        Ok(stream) => out[t as usize].push((owner, stream, LinkTo::Owner)),
+                        Ok(stream) => out[t as usize].push((owner, stream, LinkTo::Owner, self.name(owner))),
                         // Its server is gone (the job is failing): the
                         // relay's rounds fail with that.
                         Err(e) => log::warn!(target: "server", "thread {t}: no link to owner slot {owner}: {e}"),
@@ -432,7 +440,7 @@ impl Links {
                     continue;
                 }
                 match self.connect(r, &replica::hello_frame(self.namespace, self.first_slot + t)) {
-                    Ok(stream) => out[t as usize].push((r, stream, LinkTo::Replica)),
+                    Ok(stream) => out[t as usize].push((r, stream, LinkTo::Replica, self.name(r))),
                     Err(e) => {
                         self.made.remove(&(t, r));
                         log::warn!(target: "server", "thread {t}: no link to replica slot {r}: {e}");
@@ -441,6 +449,14 @@ impl Links {
             }
         }
         out
+    }
+
+    /// Who serves `slot`, for messages.
+    fn name(&self, slot: u32) -> String {
+        match self.names.get(slot as usize) {
+            Some(n) => format!("{n} (slot {slot})"),
+            None => format!("server thread slot {slot}"),
+        }
     }
 
     /// An authenticated link to `slot`, introduced by `hello`.

@@ -77,7 +77,13 @@ pub enum ThreadCmd {
     /// relay for our rack. With the tensors' shared segments when workers
     /// on this host push by reference, and new links (authenticated and
     /// introduced) to other server threads, by slot.
-    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<(u32, std::net::TcpStream, LinkTo)>, Sender<()>),
+    Declare(
+        Vec<TensorSpec>,
+        bool,
+        Vec<(u32, Arc<Staging>)>,
+        Vec<(u32, std::net::TcpStream, LinkTo, String)>,
+        Sender<()>,
+    ),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     /// Chunks move to a server that joined (`scheduler::failover::take_in`):
@@ -415,8 +421,8 @@ impl ServerThread {
             while let Ok(cmd) = self.cmds.try_recv() {
                 match cmd {
                     ThreadCmd::Declare(specs, adopt, shm, links, ack) => {
-                        for (slot, stream, to) in links {
-                            self.add_link(slot, stream, to);
+                        for (slot, stream, to, name) in links {
+                            self.add_link(slot, stream, to, &name);
                         }
                         self.install(&specs, adopt);
                         self.shm.extend(shm);
@@ -493,7 +499,7 @@ impl ServerThread {
     /// Our link to the thread at `slot`, which replicates chunks of ours
     /// or owns chunks we relay (authenticated and introduced by the control
     /// loop).
-    fn add_link(&mut self, slot: u32, stream: std::net::TcpStream, to: LinkTo) {
+    fn add_link(&mut self, slot: u32, stream: std::net::TcpStream, to: LinkTo, name: &str) {
         let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let what = match to {
             LinkTo::Replica => "replica",
@@ -505,7 +511,7 @@ impl ServerThread {
             let _ = socket2::SockRef::from(&stream).set_tcp_notsent_lowat(NOTSENT_LOWAT);
             self.add_conn(
                 mio::net::TcpStream::from_std(stream),
-                format!("{what} slot {slot} ({peer})"),
+                format!("{what} {name} ({peer})"),
                 auth::Listener::Done { job: String::new() },
             )
         });
@@ -522,7 +528,7 @@ impl ServerThread {
                     self.close(old, "replaced by a new link");
                 }
             }
-            Err(e) => log::warn!(target: &self.who(), "cannot register the link to {what} slot {slot}: {e}"),
+            Err(e) => log::warn!(target: &self.who(), "cannot register the link to {what} {name}: {e}"),
         }
     }
 
@@ -884,7 +890,8 @@ impl ServerThread {
                     .collect();
                 if !stuck.is_empty() {
                     let why = format!(
-                        "the link to server thread slot {slot}, which owns chunks this rack sums here first, closed{}",
+                        "the link to {}, which owns chunks this rack sums here first, closed{}",
+                        c.link.peer,
                         if why.is_empty() { String::new() } else { format!(": {why}") }
                     );
                     self.fail_pushers(&stuck, &why);

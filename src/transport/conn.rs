@@ -109,11 +109,13 @@ pub struct FrameWriter<I> {
     cur: Option<Outgoing<I>>,
     /// Registered for writability (only while a write would block).
     watching_writable: bool,
+    /// Not registered for readability (`Connection::quiet`).
+    quiet: bool,
 }
 
 impl<I> Default for FrameWriter<I> {
     fn default() -> Self {
-        FrameWriter { cur: None, watching_writable: false }
+        FrameWriter { cur: None, watching_writable: false, quiet: false }
     }
 }
 
@@ -141,13 +143,16 @@ pub struct Connection {
     token: Token,
     /// Who is at the other end, for messages.
     pub peer: String,
+    /// In the poller's set (not after `deregister`, or while quiet with
+    /// nothing to watch).
+    registered: std::sync::atomic::AtomicBool,
 }
 
 impl Connection {
     /// Registers `stream` for readability under `token`.
     pub fn new(registry: &Registry, mut stream: TcpStream, token: Token, peer: String) -> io::Result<Connection> {
         registry.register(&mut stream, token, Interest::READABLE)?;
-        Ok(Connection { stream, token, peer })
+        Ok(Connection { stream, token, peer, registered: std::sync::atomic::AtomicBool::new(true) })
     }
 
     pub fn stream(&self) -> &TcpStream {
@@ -155,7 +160,9 @@ impl Connection {
     }
 
     pub fn deregister(&self, registry: &Registry) {
-        let _ = registry.deregister(&mut SourceFd(&self.stream.as_raw_fd()));
+        if self.registered.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            let _ = registry.deregister(&mut SourceFd(&self.stream.as_raw_fd()));
+        }
     }
 
     /// Read until one frame event is complete (`Ok(Some)`) or the socket has
@@ -206,12 +213,43 @@ impl Connection {
             }
         };
         if blocked != tx.watching_writable {
-            let interest = if blocked { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
-            // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
-            registry.reregister(&mut SourceFd(&self.stream.as_raw_fd()), self.token, interest)?;
+            self.watch(registry, !tx.quiet, blocked)?;
             tx.watching_writable = blocked;
         }
         Ok(())
+    }
+
+    /// Stop (or resume) waking the poller when data arrives, while someone
+    /// else reads this connection (a caller waiting for a small result:
+    /// one wake-up fewer per round trip). `tx` is the connection's writer,
+    /// whose lock serializes every change of what is watched.
+    pub fn quiet<I>(&self, registry: &Registry, tx: &mut FrameWriter<I>, on: bool) -> io::Result<()> {
+        if tx.quiet != on {
+            // Resuming re-checks readiness: data that came meanwhile raises an event.
+            self.watch(registry, !on, tx.watching_writable)?;
+            tx.quiet = on;
+        }
+        Ok(())
+    }
+
+    fn watch(&self, registry: &Registry, readable: bool, writable: bool) -> io::Result<()> {
+        let fd = &mut SourceFd(&self.stream.as_raw_fd());
+        let interest = match (readable, writable) {
+            (true, true) => Interest::READABLE | Interest::WRITABLE,
+            (true, false) => Interest::READABLE,
+            (false, true) => Interest::WRITABLE,
+            (false, false) => {
+                // Nothing to watch (mio cannot express it): out of the set.
+                self.registered.store(false, std::sync::atomic::Ordering::Relaxed);
+                return registry.deregister(fd);
+            }
+        };
+        // EPOLL_CTL_MOD re-checks readiness, so no wakeup is lost in between.
+        if self.registered.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            registry.reregister(fd, self.token, interest)
+        } else {
+            registry.register(fd, self.token, interest)
+        }
     }
 
     /// Best effort, nonblocking: e.g. an Error frame before closing, written

@@ -155,11 +155,15 @@ class Fusion:
         return passes > 1 and any(0 < c < passes for b in self.buckets for c in b.counts)
 
     def flush(self) -> None:
-        """Push every bucket some member of which is in this step, with zeros
-        for the members that produced no gradient (forward overlap's step(),
-        which does not go through synchronize())."""
+        """Push every bucket not pushed yet this step, with zeros for the
+        members that produced no gradient (forward overlap's step(), which
+        does not go through synchronize()): every worker reduces every
+        bucket every step, as synchronize() has it, or a worker that used
+        none of a bucket's members this step would push it a step late, into
+        the other workers' round of this one."""
+        handles = self._opt._gh_handles
         for b in self.buckets:
-            if b.arrived:
+            if b.arrived or not any(id(p) in handles for p in b.params):
                 for p, c in zip(list(b.params), list(b.counts)):
                     if c < self._opt._gh_passes:
                         if p.grad is None:

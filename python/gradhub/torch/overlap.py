@@ -193,6 +193,16 @@ class OverlapForward:
             if (any(c != 0 for c in self._gh_counts.values()) or (fusion is not None and fusion.accumulating())) \
                     and not self._gh_handles:
                 return None  # accumulating (backward_passes_per_step)
+            # As synchronize(): a parameter this worker produced no gradient
+            # for (a branch not taken here) is reduced with zeros, or its
+            # push would come a step late, into the others' next round.
+            for p in self._gh_params:
+                pid = id(p)
+                if p.requires_grad and pid not in self._gh_handles and (fusion is None or pid not in fusion.of):
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    self._gh_counts[pid] = 0
+                    self._gh_start(p)
             if fusion is not None:
                 fusion.flush()  # buckets missing a gradient go now, with zeros for it, as synchronize() does
             for pid in list(self._gh_handles):
