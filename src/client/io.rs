@@ -1001,21 +1001,19 @@ impl Io {
     }
 
     /// Chunk `chunk` of `key` is no longer in the spread: pump the
-    /// connections that waited for it to shrink.
-    fn spread_done(&self, key: u32, chunk: u32) -> Result<(), ConnError> {
+    /// connections that waited for it to shrink (a failure there is theirs,
+    /// not the caller's connection's).
+    fn spread_done(&self, key: u32, chunk: u32) {
         {
             let mut sp = self.spread();
             sp.remove(key, chunk);
             if !self.spread_blocked.swap(false, Ordering::AcqRel) {
-                return Ok(());
+                return;
             }
         }
-        for i in 0..self.conns.len() {
-            if self.conns[i].spread_blocked.swap(false, Ordering::AcqRel) {
-                self.pump(i)?;
-            }
-        }
-        Ok(())
+        let blocked: Vec<usize> =
+            (0..self.conns.len()).filter(|&i| self.conns[i].spread_blocked.swap(false, Ordering::AcqRel)).collect();
+        self.pump_all(&blocked);
     }
 
     fn pump_all(&self, slots: &[usize]) {
@@ -1852,8 +1850,8 @@ impl IoCore {
                         s.received = Some(Instant::now());
                     }
                 }
-                io.pump(i)?;
-                io.spread_done(hdr.key, hdr.chunk)
+                io.spread_done(hdr.key, hdr.chunk);
+                io.pump(i)
             }
             MsgType::Stall | MsgType::Error => {
                 self.rx[i].receive_owned(hdr);
@@ -1933,8 +1931,8 @@ impl IoCore {
         }
         self.mark_got(key, chunk);
         // Outstanding room came back: keep the connection busy.
-        self.shared.io.pump(i)?;
-        self.shared.io.spread_done(key, chunk as u32)
+        self.shared.io.spread_done(key, chunk as u32);
+        self.shared.io.pump(i)
     }
 
     /// Chunk `chunk`'s result is in (in `Kept` with failover on and no host
