@@ -1900,6 +1900,9 @@ impl IoCore {
             st.unreturned.remove(key, chunk as u32);
             st.stamps.remove(&(key, chunk as u32))
         };
+        // Before the op can complete: its caller may queue the chunk's next
+        // round at once, which must not find this one still counted.
+        io.spread_done(key, chunk as u32);
         // Stamps exist only while a timeline is recorded: no lock otherwise.
         if let Some((s, trace)) = stamp.and_then(|s| Some((s, io.tracing()?))) {
             let name = io.ops().active.get(&key).map(|a| a.spec.name.clone()).unwrap_or_default();
@@ -1931,7 +1934,6 @@ impl IoCore {
         }
         self.mark_got(key, chunk);
         // Outstanding room came back: keep the connection busy.
-        self.shared.io.spread_done(key, chunk as u32);
         self.shared.io.pump(i)
     }
 
