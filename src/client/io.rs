@@ -947,12 +947,7 @@ impl Io {
         let es = a.spec.dtype.size();
         let zeros = a.host.is_none() && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
         let len = if zeros { 0 } else { src.len };
-        if self.spread_limit() > 0 {
-            // Before it is on a queue, so it cannot be sent (and received) first.
-            let order = (std::cmp::Reverse(a.priority), a.spec.key, c as u32, *seq);
-            self.spread().insert(a.spec.key, c as u32, order, len, slot);
-        }
-        self.conns[slot].send().heap.push(SendItem::Chunk(ChunkSend {
+        let item = SendItem::Chunk(ChunkSend {
             priority: a.priority,
             seq: *seq,
             key: a.spec.key,
@@ -964,7 +959,12 @@ impl Io {
             len,
             by_ref: a.host.is_some() && self.conns[slot].by_ref,
             queued: Instant::now(),
-        }));
+        });
+        if self.spread_limit() > 0 {
+            // Before it is on a queue, so it cannot be sent (and received) first.
+            self.spread().insert(a.spec.key, c as u32, item.order(), len, slot);
+        }
+        self.conns[slot].send().heap.push(item);
         slot
     }
 
@@ -1004,6 +1004,9 @@ impl Io {
     /// connections that waited for it to shrink (a failure there is theirs,
     /// not the caller's connection's).
     fn spread_done(&self, key: u32, chunk: u32) {
+        if self.spread_fixed == Some(0) {
+            return; // off for good: nothing was counted
+        }
         {
             let mut sp = self.spread();
             sp.remove(key, chunk);

@@ -244,12 +244,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let mut links = Links {
         first_slot,
         threads: threads as u32,
-        addrs: welcome
-            .servers
-            .iter()
-            .flat_map(|s| s.ports.iter().map(|&p| crate::transport::join_host_port(&s.addr, p)))
-            .collect(),
-        names: welcome.servers.iter().flat_map(slot_names).collect(),
+        slots: welcome.servers.iter().flat_map(slots_of).collect(),
         made: HashSet::new(),
         secret: cfg.secret.clone(),
         namespace: ns,
@@ -348,8 +343,7 @@ fn control_loop(
             }
             Control::ServerJoined { server } => {
                 log::info!(target: &who, "server {} joined the job at {}", server.rank, server.addr);
-                links.addrs.extend(server.ports.iter().map(|&p| crate::transport::join_host_port(&server.addr, p)));
-                links.names.extend(slot_names(&server));
+                links.slots.extend(slots_of(&server));
             }
             Control::ServerRelease { keys } => {
                 segments.release(&keys);
@@ -382,22 +376,22 @@ fn to_threads(
     Ok(())
 }
 
+/// Each of a server's slots (one per thread): its address, and who serves it.
+fn slots_of(s: &crate::protocol::ServerInfo) -> Vec<(String, String)> {
+    let who = |t| format!("server {} thread {t}", s.rank);
+    s.ports.iter().enumerate().map(|(t, &p)| (crate::transport::join_host_port(&s.addr, p), who(t))).collect()
+}
+
 /// The links this server's threads open to other server threads: to the
 /// threads replicating their chunks (`replica`), and, as a rack's relay
 /// (two-level reduction), to the owners of the chunks they relay. One per
-/// Who serves each of a server's slots.
-fn slot_names(s: &crate::protocol::ServerInfo) -> Vec<String> {
-    (0..s.ports.len()).map(|t| format!("server {} thread {t}", s.rank)).collect()
-}
-
 /// (thread, slot) and kind, opened here, on the control loop, before the
 /// specs that need it are installed.
 struct Links {
     first_slot: u32,
     threads: u32,
-    /// Every slot's address, host:port, and who serves it.
-    addrs: Vec<String>,
-    names: Vec<String>,
+    /// Every slot's address (host:port) and who serves it.
+    slots: Vec<(String, String)>,
     made: HashSet<(u32, u32)>,
     secret: Secret,
     namespace: u32,
@@ -428,7 +422,9 @@ impl Links {
                         Ok(stream) => out[t as usize].push((owner, stream, LinkTo::Owner, self.name(owner))),
                         // Its server is gone (the job is failing): the
                         // relay's rounds fail with that.
-                        Err(e) => log::warn!(target: "server", "thread {t}: no link to owner slot {owner}: {e}"),
+                        Err(e) => {
+                            log::warn!(target: "server", "thread {t}: no link to owner {}: {e}", self.name(owner))
+                        }
                     }
                 }
             }
@@ -443,7 +439,7 @@ impl Links {
                     Ok(stream) => out[t as usize].push((r, stream, LinkTo::Replica, self.name(r))),
                     Err(e) => {
                         self.made.remove(&(t, r));
-                        log::warn!(target: "server", "thread {t}: no link to replica slot {r}: {e}");
+                        log::warn!(target: "server", "thread {t}: no link to replica {}: {e}", self.name(r));
                     }
                 }
             }
@@ -453,15 +449,15 @@ impl Links {
 
     /// Who serves `slot`, for messages.
     fn name(&self, slot: u32) -> String {
-        match self.names.get(slot as usize) {
-            Some(n) => format!("{n} (slot {slot})"),
+        match self.slots.get(slot as usize) {
+            Some((_, who)) => format!("{who} (slot {slot})"),
             None => format!("server thread slot {slot}"),
         }
     }
 
     /// An authenticated link to `slot`, introduced by `hello`.
     fn connect(&self, slot: u32, hello: &[u8]) -> std::io::Result<std::net::TcpStream> {
-        let addr = self.addrs.get(slot as usize).ok_or_else(|| std::io::Error::other("no such slot"))?;
+        let (addr, _) = self.slots.get(slot as usize).ok_or_else(|| std::io::Error::other("no such slot"))?;
         // One attempt: the thread's listener exists since its server
         // registered; a refusal means it is gone.
         let mut stream = crate::transport::connect_authenticated(addr, Duration::ZERO, &self.secret)?;
