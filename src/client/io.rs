@@ -61,7 +61,7 @@ use super::{ClientError, Shared};
 use crate::host::{HostStage, Staging};
 use crate::placement::HostLayout;
 use crate::protocol::{decode_stall, DType, Header, MsgType, ReadError, TensorSpec, MAX_JOINED_SLOTS, NO_SERVER};
-use crate::transport::{ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
+use crate::transport::{ConnError, Connection, Drain, Frame, FrameReader, FrameWriter, Outgoing};
 
 pub const WAKER: Token = Token(usize::MAX);
 /// This worker's doorbell (host stage): a local peer published something.
@@ -1364,15 +1364,16 @@ impl IoCore {
             }
             if ev.token() != WAKER {
                 let readable = ev.is_readable() || ev.is_read_closed() || ev.is_error();
-                self.on_event(ev.token().0, readable, ev.is_writable());
+                self.on_event(ev.token().0, readable.then(|| Drain::of(ev)), ev.is_writable());
             }
         }
         // A connection registered since (a server joined) may have had
-        // its first edge before it was in the table: read and write it
-        // once now, later edges come as events.
+        // its first edge before it was in the table: read (to EOF, as that
+        // edge may have been its close) and write it once now, later edges
+        // come as events.
         while self.seen < self.rx.len() {
             self.seen += 1;
-            self.on_event(self.seen - 1, true, true);
+            self.on_event(self.seen - 1, Some(Drain::Full), true);
         }
         true
     }
@@ -1383,7 +1384,7 @@ impl IoCore {
     fn poll_for(&mut self, i: usize) {
         self.grow();
         if i < self.seen {
-            self.on_event(i, true, false);
+            self.on_event(i, Some(Drain::Short), false);
         }
     }
 
@@ -1407,13 +1408,14 @@ impl IoCore {
         shared.io.fail_all(msg, &shared, job_failed);
     }
 
-    fn on_event(&mut self, i: usize, readable: bool, writable: bool) {
+    /// `read`: whether to read, and how far (`Drain`).
+    fn on_event(&mut self, i: usize, read: Option<Drain>, writable: bool) {
         if self.failed || i >= self.rx.len() || self.dead[i] {
             return;
         }
         let mut res = Ok(());
-        if readable {
-            res = self.on_readable(i);
+        if let Some(drain) = read {
+            res = self.on_readable(i, drain);
         }
         if res.is_ok() && writable {
             res = self.shared.io.pump(i);
@@ -1731,7 +1733,7 @@ impl IoCore {
         }
     }
 
-    fn on_readable(&mut self, i: usize) -> Result<(), ConnError> {
+    fn on_readable(&mut self, i: usize, drain: Drain) -> Result<(), ConnError> {
         let shared = self.shared.clone();
         let conn = &shared.io.conns[i];
         let link = &conn.link;
@@ -1742,7 +1744,7 @@ impl IoCore {
             // SAFETY: the destination is this chunk's range in an active op's
             // buffer, which stays alive until this thread completes the op.
             let dst = |d: ResultDest| unsafe { std::slice::from_raw_parts_mut(d.dst, d.len) };
-            match link.read_frame(&mut self.rx[i], shared.io.max_payload, dst)? {
+            match link.read_frame(&mut self.rx[i], shared.io.max_payload, dst, drain)? {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(i, hdr)?,
                 Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk)?,

@@ -58,7 +58,8 @@ fn read_nb<R: Read>(mut r: R, buf: &mut [u8]) -> io::Result<Progress> {
 /// `edge`: a nonblocking source watched edge-triggered, where a short read
 /// already shows the socket drained (data arriving later raises a new
 /// edge), so the read that would only say `WouldBlock` is skipped: one
-/// syscall fewer per small frame.
+/// syscall fewer per small frame. Not after an event that reported the
+/// peer's close: see `transport::Drain`.
 fn fill<R: Read>(r: &mut R, buf: &mut [u8], got: &mut usize, at_boundary: bool, edge: bool) -> Result<bool, ReadError> {
     while *got < buf.len() {
         match read_nb(&mut *r, &mut buf[*got..])? {

@@ -57,7 +57,9 @@ use crate::protocol::{
     encode_stall, DType, Header, MsgType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_AVERAGE, FLAG_INIT,
     FLAG_ZEROS,
 };
-use crate::transport::{bytes, bytes_mut, cast, ConnError, Connection, Frame, FrameReader, FrameWriter, Outgoing};
+use crate::transport::{
+    bytes, bytes_mut, cast, ConnError, Connection, Drain, Frame, FrameReader, FrameWriter, Outgoing,
+};
 
 pub const LISTENER: Token = Token(0);
 pub const WAKER: Token = Token(1);
@@ -403,7 +405,7 @@ impl ServerThread {
                     Token(t) => {
                         let mut res = Ok(());
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            res = self.on_readable(t);
+                            res = self.on_readable(t, Drain::of(ev));
                         }
                         let acks = self.conns.get(&t).is_some_and(|c| !c.acks.is_empty());
                         if res.is_ok() && (ev.is_writable() || acks) {
@@ -905,7 +907,7 @@ impl ServerThread {
         }
     }
 
-    fn on_readable(&mut self, t: usize) -> ConnResult {
+    fn on_readable(&mut self, t: usize, drain: Drain) -> ConnResult {
         loop {
             let Some(conn) = self.conns.get_mut(&t) else { return Ok(()) };
             let chunks = &mut self.chunks;
@@ -917,25 +919,30 @@ impl ServerThread {
                 (true, None) => data,
                 (false, _) => auth::MAX_AUTH_PAYLOAD,
             };
-            let frame = conn.link.read_frame(&mut conn.rx, limit, |d| {
-                if d.kind == PayloadKind::Upstream {
-                    let p = d.parity;
-                    match &mut chunks[d.chunk].buf {
-                        ChunkBuf::F32(b) => &mut bytes_mut(&mut b[p])[..d.len],
-                        ChunkBuf::Half { out, .. } => &mut bytes_mut(&mut out[p])[..d.len],
-                        ChunkBuf::Exact(b) => &mut bytes_mut(&mut b[p])[..d.len],
+            let frame = conn.link.read_frame(
+                &mut conn.rx,
+                limit,
+                |d| {
+                    if d.kind == PayloadKind::Upstream {
+                        let p = d.parity;
+                        match &mut chunks[d.chunk].buf {
+                            ChunkBuf::F32(b) => &mut bytes_mut(&mut b[p])[..d.len],
+                            ChunkBuf::Half { out, .. } => &mut bytes_mut(&mut out[p])[..d.len],
+                            ChunkBuf::Exact(b) => &mut bytes_mut(&mut b[p])[..d.len],
+                        }
+                    } else if d.direct {
+                        match &mut chunks[d.chunk].buf {
+                            ChunkBuf::F32(b) => &mut bytes_mut(&mut b[d.parity])[..d.len],
+                            // Never chosen: only f32 chunks are received directly.
+                            ChunkBuf::Half { acc, .. } => &mut bytes_mut(acc)[..0],
+                            ChunkBuf::Exact(b) => &mut bytes_mut(&mut b[d.parity])[..0],
+                        }
+                    } else {
+                        &mut bytes_mut(scratch)[..d.len]
                     }
-                } else if d.direct {
-                    match &mut chunks[d.chunk].buf {
-                        ChunkBuf::F32(b) => &mut bytes_mut(&mut b[d.parity])[..d.len],
-                        // Never chosen: only f32 chunks are received directly.
-                        ChunkBuf::Half { acc, .. } => &mut bytes_mut(acc)[..0],
-                        ChunkBuf::Exact(b) => &mut bytes_mut(&mut b[d.parity])[..0],
-                    }
-                } else {
-                    &mut bytes_mut(scratch)[..d.len]
-                }
-            })?;
+                },
+                drain,
+            )?;
             if frame.is_some() {
                 conn.last_frame = Instant::now();
             }

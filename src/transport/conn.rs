@@ -50,6 +50,31 @@ impl From<&str> for ConnError {
     }
 }
 
+/// How far `Connection::read_frame` reads before it reports "nothing more
+/// for now". The socket is watched edge-triggered, so a short read normally
+/// means drained: anything arriving later raises a new edge. But an event that
+/// already reported the peer's close (or an error) raises no further edge, and
+/// the EOF may sit right behind the data of that same event: then the reader
+/// must go on until `WouldBlock` or EOF, or the close is never seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drain {
+    /// Stop at a short read.
+    Short,
+    /// Stop only at `WouldBlock` or EOF.
+    Full,
+}
+
+impl Drain {
+    /// What an event from the poller asks for.
+    pub fn of(ev: &mio::event::Event) -> Drain {
+        if ev.is_read_closed() || ev.is_error() {
+            Drain::Full
+        } else {
+            Drain::Short
+        }
+    }
+}
+
 /// Outcome of one nonblocking write attempt.
 enum Wrote {
     Moved(usize),
@@ -166,14 +191,19 @@ impl Connection {
     }
 
     /// Read until one frame event is complete (`Ok(Some)`) or the socket has
-    /// nothing more for now (`Ok(None)`); see `FrameReader::read_from`.
+    /// nothing more for now (`Ok(None)`, as far as `drain` says); see
+    /// `FrameReader::read_from`.
     pub fn read_frame<'d, T: Copy>(
         &self,
         rx: &mut FrameReader<T>,
         max_payload: u32,
         dst: impl FnOnce(T) -> &'d mut [u8],
+        drain: Drain,
     ) -> Result<Option<Frame<T>>, ConnError> {
-        Ok(rx.read_edge(&self.stream, max_payload, dst)?)
+        Ok(match drain {
+            Drain::Short => rx.read_edge(&self.stream, max_payload, dst)?,
+            Drain::Full => rx.read_from(&self.stream, max_payload, dst)?,
+        })
     }
 
     /// Write frames until `next` has none left or the socket is full, then
@@ -287,7 +317,7 @@ mod tests {
     fn next<T: Copy>(c: &Connection, rx: &mut FrameReader<T>, dst: &mut [u8]) -> Result<Frame<T>, ConnError> {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            if let Some(f) = c.read_frame(rx, 1 << 20, |_| &mut *dst)? {
+            if let Some(f) = c.read_frame(rx, 1 << 20, |_| &mut *dst, Drain::Short)? {
                 return Ok(f);
             }
             assert!(Instant::now() < deadline, "no frame within 5 s");
@@ -331,6 +361,45 @@ mod tests {
         drop(writer.join().unwrap());
         // Closed between frames: a clean close.
         assert!(matches!(next(&c, &mut rx, &mut dst), Err(ConnError::Read(ReadError::Closed))));
+    }
+
+    /// The way an event loop reads: only when the poller reports an event,
+    /// each time until `read_frame` says "nothing more for now".
+    fn on_events(poll: &mut mio::Poll, c: &Connection, rx: &mut FrameReader<()>) -> Result<(), ConnError> {
+        let mut events = mio::Events::with_capacity(8);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            poll.poll(&mut events, Some(Duration::from_millis(200)))?;
+            for ev in events.iter() {
+                if let Some(f) = c.read_frame(rx, 1 << 20, |_| &mut [], Drain::of(ev))? {
+                    panic!("no whole frame was sent, got {f:?}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_close_behind_the_data_of_the_same_event_is_seen() {
+        // Part of a header, then the close, both queued before the first
+        // event is read: a short read of the data must not end the attempt,
+        // or no later edge ever reports the close (a frame "stalled" forever).
+        let (mut poll, c, mut peer) = pair();
+        peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
+        drop(peer);
+        std::thread::sleep(Duration::from_millis(50));
+        let mut rx = FrameReader::<()>::default();
+        let res = on_events(&mut poll, &c, &mut rx);
+        assert!(matches!(res, Err(ConnError::Read(ReadError::ClosedMidFrame))), "{res:?}");
+
+        // Without a close, a short read does end the attempt.
+        let (_poll, c, mut peer) = pair();
+        peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let mut rx = FrameReader::<()>::default();
+        assert!(matches!(c.read_frame(&mut rx, 1 << 20, |_| &mut [], Drain::Short), Ok(None)));
+        assert!(matches!(c.read_frame(&mut rx, 1 << 20, |_| &mut [], Drain::Full), Ok(None)));
+        drop(peer);
     }
 
     #[test]

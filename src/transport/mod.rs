@@ -7,7 +7,7 @@ mod conn;
 pub mod shm;
 
 pub use crate::protocol::{Frame, FrameReader};
-pub use conn::{ConnError, Connection, FrameWriter, Outgoing};
+pub use conn::{ConnError, Connection, Drain, FrameWriter, Outgoing};
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
