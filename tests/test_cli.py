@@ -113,3 +113,17 @@ def test_launch_gives_local_ranks_and_a_wrong_local_size_is_an_error():
     rc, out = run_launch(3, 1, "check_sums.py", {"sizes": [10]}, env={"GRADHUB_LOCAL_SIZE": "2"}, timeout=120)
     assert rc != 0, out[-3000:]
     assert "was told its host has 2 workers, but 3 registered from host" in out, out[-3000:]
+
+
+def test_a_congestion_control_that_cannot_be_set_is_warned_about_once_per_process():
+    cfg = {"sizes": [300_000], "dtypes": ["float32"], "rounds": 3}
+    rc, out = run_launch(2, 1, "check_sums.py", cfg, env={"GRADHUB_TCP_CONGESTION": "no_such_cc"}, timeout=120)
+    assert_all_passed(rc, out, 2)
+    warned = [line for line in out.splitlines() if 'GRADHUB_TCP_CONGESTION="no_such_cc" cannot be set' in line]
+    # Every data socket tries it (the server's accepts, each worker's
+    # connects), and each process says so once.
+    assert sorted(line.split(" [gradhub tcp] warning:")[0] for line in warned) == [
+        "[server 0]", "[worker 0]", "[worker 1]"], out[-3000:]
+    rc, out = run_launch(2, 1, "check_sums.py", cfg, env={"GRADHUB_TCP_CONGESTION": "system"}, timeout=120)
+    assert_all_passed(rc, out, 2)
+    assert "GRADHUB_TCP_CONGESTION" not in out, out[-3000:]

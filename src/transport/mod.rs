@@ -156,7 +156,7 @@ pub fn tune_data_socket<S: std::os::fd::AsFd>(s: &S) {
         if let Err(e) = sock.set_tcp_congestion(cc.as_bytes()) {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
-                log::warn!(target: "gradhub", "GRADHUB_TCP_CONGESTION={cc:?} cannot be set ({e}); using the system's default")
+                log::warn!(target: "tcp", "GRADHUB_TCP_CONGESTION={cc:?} cannot be set ({e}); using the system's default")
             });
         }
     }
