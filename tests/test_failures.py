@@ -1,6 +1,7 @@
 """Failure handling: dead and stalled peers, bad input, user errors."""
 
 import os
+import resource
 import signal
 import socket
 import struct
@@ -221,3 +222,45 @@ def test_errors_before_init():
     out = subprocess.run([sys.executable, "-c", code], env=job_env(), capture_output=True, text=True, timeout=60)
     assert "E1 gradhub is not initialized: call gradhub.init() first" in out.stdout, out
     assert "E2 gradhub.init(): no scheduler address" in out.stdout, out
+
+
+def test_a_member_out_of_file_descriptors_accepts_what_waited_once_some_free_up(cluster_factory, tmp_path):
+    # A scheduler or server at its descriptor limit cannot accept: the
+    # connection waits in the listen queue. Nothing may be stranded there
+    # (the server's listener is edge-triggered: no new edge comes for it),
+    # and the retries must not flood the log or spin.
+    port = free_port()
+    go = tmp_path / "go"
+    c = cluster_factory(2, 1, server_ports=[port])
+    cfg = {"go_file": str(go), "size": 100_000, "extra_rounds": 3}
+    c.start_worker(0, "hold.py", cfg)
+    c.start_worker(1, "hold.py", cfg)
+    c.wait_for("worker0", "WAITING")
+    c.wait_for("worker1", "READY")
+    bad_magic = struct.pack("<HBBHBBIIIIiI", 0x1234, PROTOCOL_VERSION, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    for name, addr_port in (("scheduler", c.port), ("server0", port)):
+        pid = c.procs[name].pid
+        old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        used = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        lowest_free = min(set(range(len(used) + 1)) - used)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, old[1]))  # no descriptor left
+        with socket.create_connection(("127.0.0.1", addr_port), timeout=15) as s:
+            s.sendall(bad_magic)
+            c.wait_for(name, "accept failed", timeout=10)
+            time.sleep(2.5)
+            warnings = c.log(name).count("accept failed")
+            assert 1 <= warnings <= 4, c.log(name)[-3000:]  # at most about one a second
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+            try:
+                reply = s.recv(4096)  # the member accepts it now, and refuses it
+            except ConnectionResetError:
+                reply = b"reset"
+            except socket.timeout:
+                raise AssertionError(f"{name} never accepted the connection that waited:\n{c.log(name)[-3000:]}")
+        if name == "server0":
+            assert b"bad magic" in reply, reply
+    go.write_text("go")
+    c.wait_for("worker0", "PASS")
+    c.wait_for("worker1", "PASS")
+    assert c.procs["server0"].wait(timeout=20) == 0

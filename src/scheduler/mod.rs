@@ -22,7 +22,6 @@ mod state;
 pub use racks::RackMode;
 pub use service::{service_status, start_service, ServiceConfig, ServiceHandle};
 
-use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -31,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use crate::protocol::auth::{self, Secret};
 use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
-use crate::transport::DeadlineReader;
+use crate::transport::{AcceptErrors, AcceptFailure, DeadlineReader};
 use declarations::{declare, free_on_servers, install, release, report_declaration_stalls};
 use membership::{check_registration, enter_barrier, join, lost_reason, say_goodbye};
 use state::{Member, Shared, State};
@@ -169,6 +168,7 @@ pub fn run_scheduler(cfg: SchedulerConfig) -> Result<(), SchedulerError> {
 fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), SchedulerError> {
     let job = Job::start(shared.clone());
     let (mut refused, mut last_refusal_log) = (0u64, Instant::now() - Duration::from_secs(1));
+    let mut accept_errors = AcceptErrors::default();
     while !job.over() {
         match listener.accept() {
             Ok((stream, peer)) => {
@@ -196,8 +196,10 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) -> Result<(), Schedul
                     log::warn!(target: "scheduler", "cannot serve {peer}: {e}");
                 }
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(20)),
-            Err(e) => log::warn!(target: "scheduler", "accept failed: {e}"),
+            Err(e) => match accept_errors.on_error("scheduler", &e) {
+                AcceptFailure::Skip => {}
+                AcceptFailure::Drained | AcceptFailure::Later => thread::sleep(Duration::from_millis(20)),
+            },
         }
     }
     job.conclude()

@@ -30,6 +30,7 @@ use super::declarations::held;
 use super::membership::check_registration;
 use super::state::Shared;
 use crate::logging::json_str as js;
+use crate::transport::{AcceptErrors, AcceptFailure};
 
 use super::{admit, checked, expect_register, greet, serve_member, Job, SchedulerConfig, SchedulerError};
 use crate::protocol::auth::{job_namespace, Secret};
@@ -155,12 +156,14 @@ pub fn start_service(cfg: ServiceConfig) -> Result<ServiceHandle, SchedulerError
 fn accept_loop(svc: Arc<Service>, listener: TcpListener) -> Result<(), SchedulerError> {
     log::info!(target: "service", "listening on {}; up to {} jobs", svc.addr, svc.cfg.max_jobs);
     let mut last_refusal_log = Instant::now() - Duration::from_secs(1);
+    let mut accept_errors = AcceptErrors::default();
     loop {
         let (stream, peer) = match listener.accept() {
             Ok(c) => c,
             Err(e) => {
-                log::warn!(target: "service", "accept failed: {e}");
-                thread::sleep(Duration::from_millis(20));
+                if accept_errors.on_error("service", &e) != AcceptFailure::Skip {
+                    thread::sleep(Duration::from_millis(20));
+                }
                 continue;
             }
         };

@@ -58,7 +58,8 @@ use crate::protocol::{
     FLAG_ZEROS,
 };
 use crate::transport::{
-    bytes, bytes_mut, cast, ConnError, Connection, Drain, Frame, FrameReader, FrameWriter, Outgoing,
+    bytes, bytes_mut, cast, AcceptErrors, AcceptFailure, ConnError, Connection, Drain, Frame, FrameReader, FrameWriter,
+    Outgoing,
 };
 
 pub const LISTENER: Token = Token(0);
@@ -337,7 +338,14 @@ pub struct ServerThread {
     /// Indices in `chunks` given up while a frame was still being read into
     /// or written from them: freed once none is (`free_retired`).
     retired: Vec<usize>,
+    accept_errors: AcceptErrors,
+    /// When to accept again after running out of descriptors: connections
+    /// already queued raise no new edge (`AcceptFailure::Later`).
+    accept_retry: Option<Instant>,
 }
+
+/// The pause before accepting again after running out of descriptors.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 
 /// How many released keys a thread remembers (keys are never reused).
 const FREED_MEMORY: usize = 1 << 16;
@@ -370,6 +378,8 @@ impl ServerThread {
             replicas: Replicas::default(),
             links: HashMap::new(),
             uplinks: HashMap::new(),
+            accept_errors: AcceptErrors::default(),
+            accept_retry: None,
             moved_away: HashSet::new(),
             retired: Vec::new(),
         }
@@ -446,6 +456,9 @@ impl ServerThread {
                     }
                 }
             }
+            if self.accept_retry.is_some_and(|t| Instant::now() >= t) {
+                self.accept();
+            }
             self.check_stalls();
             self.close_idle();
             self.check_held();
@@ -456,6 +469,7 @@ impl ServerThread {
     }
 
     fn accept(&mut self) {
+        self.accept_retry = None;
         loop {
             match self.listener.accept() {
                 Ok((stream, peer)) => {
@@ -466,11 +480,14 @@ impl ServerThread {
                         log::warn!(target: &self.who(), "cannot register connection from {peer}: {e}");
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-                Err(e) => {
-                    log::warn!(target: &self.who(), "accept failed: {e}");
-                    return;
-                }
+                Err(e) => match self.accept_errors.on_error(&self.who(), &e) {
+                    AcceptFailure::Skip => {}
+                    AcceptFailure::Drained => return,
+                    AcceptFailure::Later => {
+                        self.accept_retry = Some(Instant::now() + ACCEPT_RETRY);
+                        return;
+                    }
+                },
             }
         }
     }

@@ -31,6 +31,54 @@ pub fn join_host_port(host: &str, port: u16) -> String {
     }
 }
 
+/// What a listener does after `accept` failed (`AcceptErrors::on_error`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AcceptFailure {
+    /// Nothing is waiting.
+    Drained,
+    /// That one connection went away before it was accepted: accept on.
+    Skip,
+    /// Out of descriptors or memory: the connection stays queued. Retry
+    /// after a pause (not in a loop, which would spin), and do retry even
+    /// without a new event: an edge-triggered listener gets no new edge for
+    /// connections already queued, so they would wait for the next stranger.
+    Later,
+}
+
+/// A listener's accept errors: classified, and lasting ones warned about at
+/// most once a second (a member out of descriptors retries all the while).
+#[derive(Debug, Default)]
+pub struct AcceptErrors {
+    since_warned: u64,
+    warned: Option<Instant>,
+}
+
+impl AcceptErrors {
+    pub fn on_error(&mut self, who: &str, e: &io::Error) -> AcceptFailure {
+        match e.kind() {
+            io::ErrorKind::WouldBlock => return AcceptFailure::Drained,
+            io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::Interrupted => {
+                return AcceptFailure::Skip
+            }
+            _ => {}
+        }
+        self.since_warned += 1;
+        if self.warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+            let hint = match e.raw_os_error() {
+                Some(libc::EMFILE | libc::ENFILE) => " (raise the open-file limit, `ulimit -n`)",
+                _ => "",
+            };
+            let count = match self.since_warned {
+                1 => String::new(),
+                n => format!(" ({n} failures since the last warning)"),
+            };
+            log::warn!(target: who, "accept failed: {e}{hint}; connections wait queued and are retried{count}");
+            (self.since_warned, self.warned) = (0, Some(Instant::now()));
+        }
+        AcceptFailure::Later
+    }
+}
+
 /// Connect, retrying while the peer is not up yet (roles start in any order).
 pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
     let deadline = Instant::now() + timeout;
@@ -174,5 +222,19 @@ mod tests {
         assert_eq!(bytes(&w).len(), 8);
         assert_eq!(join_host_port("::1", 5), "[::1]:5");
         assert_eq!(join_host_port("10.0.0.1", 5), "10.0.0.1:5");
+    }
+
+    #[test]
+    fn accept_errors_are_told_apart() {
+        let mut errs = AcceptErrors::default();
+        let kind = |k| io::Error::from(k);
+        assert_eq!(errs.on_error("t", &kind(io::ErrorKind::WouldBlock)), AcceptFailure::Drained);
+        assert_eq!(errs.on_error("t", &kind(io::ErrorKind::ConnectionAborted)), AcceptFailure::Skip);
+        let emfile = io::Error::from_raw_os_error(libc::EMFILE);
+        assert_eq!(errs.on_error("t", &emfile), AcceptFailure::Later);
+        assert!(errs.warned.is_some() && errs.since_warned == 0);
+        // Within the second: counted, not warned again.
+        assert_eq!(errs.on_error("t", &emfile), AcceptFailure::Later);
+        assert_eq!(errs.since_warned, 1);
     }
 }
