@@ -401,7 +401,8 @@ impl ServerThread {
         let tick =
             (self.cfg.stall.min(self.cfg.peer_timeout) / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
         loop {
-            if let Err(e) = self.poll.poll(&mut events, Some(tick)) {
+            let wait = self.accept_retry.map_or(tick, |t| t.saturating_duration_since(Instant::now()).min(tick));
+            if let Err(e) = self.poll.poll(&mut events, Some(wait)) {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
