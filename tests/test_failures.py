@@ -152,15 +152,27 @@ def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared, ho
         c.wait_for(who, "stall resolved")
 
 
-def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, tmp_path):
+def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=PROTOCOL_VERSION):
+    """A data-plane frame header (protocol/frame.rs)."""
+    return struct.pack("<HBBHBBIIIIiI", magic, ver, mtype, flags, dtype, 0, 0, key, chunk, rnd, 0, plen)
+
+
+def held_job(cluster_factory, go, extra_rounds):
+    """2 workers and a server on a known port, running: worker 0 waits in a
+    round for worker 1, which waits for the file `go`. Returns (cluster, port)."""
     port = free_port()
-    go = tmp_path / "go"
     c = cluster_factory(2, 1, server_ports=[port])
-    cfg = {"go_file": str(go), "size": 100_000, "extra_rounds": 5}
+    cfg = {"go_file": str(go), "size": 100_000, "extra_rounds": extra_rounds}
     c.start_worker(0, "hold.py", cfg)
     c.start_worker(1, "hold.py", cfg)
     c.wait_for("worker0", "WAITING")
     c.wait_for("worker1", "READY")
+    return c, port
+
+
+def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, tmp_path):
+    go = tmp_path / "go"
+    c, port = held_job(cluster_factory, go, extra_rounds=5)
 
     def send(data: bytes) -> bytes:
         """Send raw bytes, return whatever the server answers before closing."""
@@ -177,9 +189,6 @@ def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, t
             except OSError:
                 pass
         return b"".join(chunks)
-
-    def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=PROTOCOL_VERSION):
-        return struct.pack("<HBBHBBIIIIiI", magic, ver, mtype, flags, dtype, 0, 0, key, chunk, rnd, 0, plen)
 
     rng = np.random.default_rng(0)
     send(rng.integers(0, 256, 5000, dtype=np.uint8).tobytes())                     # random bytes
@@ -229,15 +238,8 @@ def test_a_member_out_of_file_descriptors_accepts_what_waited_once_some_free_up(
     # connection waits in the listen queue. Nothing may be stranded there
     # (the server's listener is edge-triggered: no new edge comes for it),
     # and the retries must not flood the log or spin.
-    port = free_port()
     go = tmp_path / "go"
-    c = cluster_factory(2, 1, server_ports=[port])
-    cfg = {"go_file": str(go), "size": 100_000, "extra_rounds": 3}
-    c.start_worker(0, "hold.py", cfg)
-    c.start_worker(1, "hold.py", cfg)
-    c.wait_for("worker0", "WAITING")
-    c.wait_for("worker1", "READY")
-    bad_magic = struct.pack("<HBBHBBIIIIiI", 0x1234, PROTOCOL_VERSION, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    c, port = held_job(cluster_factory, go, extra_rounds=3)
 
     for name, addr_port in (("scheduler", c.port), ("server0", port)):
         pid = c.procs[name].pid
@@ -246,7 +248,7 @@ def test_a_member_out_of_file_descriptors_accepts_what_waited_once_some_free_up(
         lowest_free = min(set(range(len(used) + 1)) - used)
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (lowest_free, old[1]))  # no descriptor left
         with socket.create_connection(("127.0.0.1", addr_port), timeout=15) as s:
-            s.sendall(bad_magic)
+            s.sendall(header(2, magic=0x1234))
             c.wait_for(name, "accept failed", timeout=10)
             first = time.monotonic()
             time.sleep(2.5)
