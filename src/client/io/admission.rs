@@ -1,0 +1,262 @@
+//! Admission: when a queued chunk may go on the wire. Per connection two
+//! credit windows (`Window`: unreceived, unreturned), worker-wide the
+//! spread (`Spread`), and the credit split across connections in
+//! proportion to the bytes placed on each (`split_credit`).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
+
+use super::flow::Order;
+use super::Io;
+use crate::protocol::TensorSpec;
+
+/// Chunks pushed on a connection and not yet released: their bytes and order.
+#[derive(Default)]
+pub(super) struct Window {
+    pub(super) bytes: usize,
+    pub(super) by_chunk: HashMap<(u32, u32), (Order, usize)>,
+    pub(super) orders: std::collections::BTreeMap<Order, usize>,
+}
+
+impl Window {
+    pub(super) fn insert(&mut self, key: u32, chunk: u32, order: Order, len: usize) {
+        self.bytes += len;
+        self.by_chunk.insert((key, chunk), (order, len));
+        self.orders.insert(order, len);
+    }
+    pub(super) fn remove(&mut self, key: u32, chunk: u32) -> bool {
+        match self.by_chunk.remove(&(key, chunk)) {
+            Some((order, len)) => {
+                self.bytes -= len;
+                self.orders.remove(&order);
+                true
+            }
+            None => false,
+        }
+    }
+    #[cfg(test)]
+    pub(super) fn contains(&self, key: u32, chunk: u32) -> bool {
+        self.by_chunk.contains_key(&(key, chunk))
+    }
+    /// Whether a chunk of this order may go: within `limit`, or, over it,
+    /// if it comes before every chunk in the window (preemption).
+    pub(super) fn admits(&self, order: Order, len: usize, limit: usize) -> bool {
+        self.bytes == 0 || self.bytes + len <= limit || self.orders.keys().next().is_some_and(|&f| order < f)
+    }
+    /// Whether a chunk of this order may go when only the chunks that come
+    /// before it in the job-wide order count against `limit`. The first
+    /// unfinished chunk of the job has none before it, so it can always
+    /// move (no deadlock), and a newly urgent tensor is not held back by
+    /// less urgent chunks still waiting for other workers.
+    pub(super) fn admits_before(&self, order: Order, len: usize, limit: usize) -> bool {
+        let mut ahead = 0;
+        for (_, &l) in self.orders.range(..order) {
+            ahead += l;
+            if ahead + len > limit {
+                return false;
+            }
+        }
+        true
+    }
+    pub(super) fn clear(&mut self) {
+        *self = Window::default();
+    }
+}
+
+/// Worker-wide: every chunk queued or in flight on any connection and not
+/// yet received whole by its server. A chunk may go only while the bytes
+/// before it in the job-wide order stay under the spread limit, so no
+/// connection runs ahead of a slower one by more than that: each server's
+/// flow then moves at its share of the worker's link (BytePS's split
+/// assumes it), instead of TCP's equal share per flow, which let the flows
+/// to colocated servers finish early and left the links of CPU-only
+/// servers the last ones busy.
+#[derive(Default)]
+pub(super) struct Spread {
+    pub(super) window: Window,
+    /// Each entry's connection, to drop a lost one's.
+    pub(super) slot: HashMap<(u32, u32), usize>,
+}
+
+impl Spread {
+    pub(super) fn insert(&mut self, key: u32, chunk: u32, order: Order, len: usize, slot: usize) {
+        // A chunk re-queued (failover) replaces its entry.
+        self.window.remove(key, chunk);
+        self.window.insert(key, chunk, order, len);
+        self.slot.insert((key, chunk), slot);
+    }
+    pub(super) fn remove(&mut self, key: u32, chunk: u32) {
+        if self.window.remove(key, chunk) {
+            self.slot.remove(&(key, chunk));
+        }
+    }
+    pub(super) fn drop_slot(&mut self, slot: usize) {
+        let gone: Vec<(u32, u32)> = self.slot.iter().filter(|(_, &s)| s == slot).map(|(&k, _)| k).collect();
+        for (key, chunk) in gone {
+            self.remove(key, chunk);
+        }
+    }
+}
+
+/// Per-connection credits: `base` x (connections with bytes placed), split in
+/// proportion to `placed`; never below `base / 4`, so a connection can always
+/// keep a chunk moving. Before any placement every connection gets `base`.
+pub fn split_credit(base: usize, placed: &[u64]) -> Vec<usize> {
+    let total: u64 = placed.iter().sum();
+    if total == 0 {
+        return vec![base; placed.len()];
+    }
+    let budget = (base * placed.iter().filter(|&&b| b > 0).count()) as f64;
+    placed.iter().map(|&b| ((budget * b as f64 / total as f64) as usize).max(base / 4)).collect()
+}
+
+impl Io {
+    /// Split the credit across connections in proportion to the bytes placed
+    /// on each (the whole budget is `credit` x connections in use). A
+    /// window-limited connection moves credit/RTT, so equal credits would
+    /// give every server the same rate, while the BytePS split gives a
+    /// CPU-only server up to 2(n-1)/(n-k) times a colocated one's bytes;
+    /// with equal credits its links idle while the small shares finish.
+    /// `placed`: the tensor was declared (true) or released (false).
+    pub fn note_placement(&self, spec: &TensorSpec, placed: bool) {
+        let shares = {
+            let mut bytes = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+            for (c, &slot) in spec.slots.iter().enumerate() {
+                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
+                    continue; // another worker on this host pushes it
+                }
+                let (lo, hi) = spec.chunk_range(c);
+                let n = ((hi - lo) * spec.dtype.size()) as u64;
+                if let Some(b) = bytes.get_mut(slot as usize) {
+                    *b = if placed { *b + n } else { b.saturating_sub(n) };
+                }
+            }
+            bytes.clone()
+        };
+        self.split_credit(&shares);
+    }
+
+    pub(super) fn split_credit(&self, shares: &[u64]) {
+        for (c, credit) in self.conns.iter().zip(split_credit(self.credit.load(Ordering::Relaxed), shares)) {
+            c.send().credit = credit;
+        }
+    }
+
+    pub fn credit(&self) -> usize {
+        self.credit.load(Ordering::Relaxed)
+    }
+
+    /// Change the base credit per connection (autotuning); a larger window
+    /// is used from the next chunk each connection sends.
+    pub fn set_credit(&self, bytes: usize) {
+        self.credit.store(bytes.max(1), Ordering::Relaxed);
+        let shares = self.placed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.split_credit(&shares);
+        self.pump_all(&(0..self.conns.len()).collect::<Vec<_>>());
+    }
+
+    /// See `Client::unreceived`.
+    pub fn unreceived(&self) -> (usize, usize) {
+        let sp = self.spread();
+        (sp.slot.len(), sp.window.bytes)
+    }
+
+    /// Bytes that may come before a chunk in the spread for it to go; 0: no limit.
+    pub(super) fn spread_limit(&self) -> usize {
+        self.spread_fixed.unwrap_or_else(|| self.credit() * crate::SPREAD_CREDITS)
+    }
+
+    pub(super) fn spread(&self) -> MutexGuard<'_, Spread> {
+        self.spread.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Chunk `chunk` of `key` is no longer in the spread: pump the
+    /// connections that waited for it to shrink (a failure there is theirs,
+    /// not the caller's connection's).
+    pub(super) fn spread_done(&self, key: u32, chunk: u32) {
+        if self.spread_fixed == Some(0) {
+            return; // off for good: nothing was counted
+        }
+        {
+            let mut sp = self.spread();
+            sp.remove(key, chunk);
+            if !self.spread_blocked.swap(false, Ordering::AcqRel) {
+                return;
+            }
+        }
+        let blocked: Vec<usize> =
+            (0..self.conns.len()).filter(|&i| self.conns[i].spread_blocked.swap(false, Ordering::AcqRel)).collect();
+        self.pump_all(&blocked);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{split_credit, Order, Spread, Window};
+    use std::cmp::Reverse;
+
+    fn order(priority: i32, key: u32, chunk: u32) -> Order {
+        (Reverse(priority), key, chunk, 0)
+    }
+
+    #[test]
+    fn windows_preempt_and_count_only_what_comes_first() {
+        let mut w = Window::default();
+        // Empty: anything goes, even a chunk larger than the limit.
+        assert!(w.admits(order(0, 1, 0), 500, 100) && w.admits_before(order(0, 1, 0), 500, 100));
+        w.insert(1, 0, order(0, 1, 0), 60);
+        w.insert(1, 1, order(0, 1, 1), 60);
+        // Over the limit, a later chunk of the same tensor waits...
+        assert!(!w.admits(order(0, 1, 2), 60, 100));
+        assert!(!w.admits_before(order(0, 1, 2), 60, 100));
+        // ...a more urgent one preempts: nothing in the window comes before it.
+        assert!(w.admits(order(5, 2, 0), 60, 100));
+        assert!(w.admits_before(order(5, 2, 0), 60, 100));
+        // Once urgent chunks are out, the next urgent chunk counts only them.
+        w.insert(2, 0, order(5, 2, 0), 60);
+        assert!(!w.admits(order(5, 2, 1), 30, 100)); // 150 bytes in flight
+        assert!(w.admits_before(order(5, 2, 1), 30, 100)); // 60 before it
+        assert!(!w.admits_before(order(5, 2, 1), 50, 100));
+        assert!(w.remove(1, 0) && !w.remove(1, 0) && w.contains(1, 1) && !w.contains(1, 0));
+        assert_eq!(w.bytes, 120);
+        w.clear();
+        assert_eq!(w.bytes, 0);
+    }
+
+    #[test]
+    fn the_spread_counts_each_chunk_once_until_received_or_its_connection_is_lost() {
+        let mut s = Spread::default();
+        s.insert(1, 0, order(0, 1, 0), 100, 0);
+        s.insert(1, 1, order(0, 1, 1), 100, 1);
+        s.insert(1, 2, order(0, 1, 2), 100, 0);
+        // Only what comes before a chunk counts: the first always goes.
+        assert!(s.window.admits_before(order(0, 1, 0), 100, 150));
+        assert!(s.window.admits_before(order(0, 1, 1), 100, 250));
+        assert!(!s.window.admits_before(order(0, 1, 2), 100, 250));
+        // Re-queued (failover): replaced, not counted twice.
+        s.insert(1, 1, order(0, 1, 1), 100, 2);
+        assert_eq!((s.slot.len(), s.window.bytes), (3, 300));
+        // Received: gone; removing twice changes nothing.
+        s.remove(1, 0);
+        s.remove(1, 0);
+        assert_eq!((s.slot.len(), s.window.bytes), (2, 200));
+        assert!(s.window.admits_before(order(0, 1, 2), 100, 250));
+        // A lost connection's entries go; the others stay.
+        s.drop_slot(0);
+        assert_eq!((s.slot.len(), s.window.bytes), (1, 100));
+        assert!(s.window.contains(1, 1) && !s.window.contains(1, 2));
+    }
+
+    #[test]
+    fn credit_follows_the_placed_bytes() {
+        // Before any tensor is placed: the base credit everywhere.
+        assert_eq!(split_credit(100, &[0, 0, 0]), vec![100, 100, 100]);
+        // Equal shares keep the base credit.
+        assert_eq!(split_credit(100, &[5, 5, 5, 5]), vec![100; 4]);
+        // BytePS k=2, n=4: CPU-only servers 0.3 M each, colocated 0.1 M each.
+        assert_eq!(split_credit(1000, &[3, 3, 1, 1, 1, 1]), vec![1800, 1800, 600, 600, 600, 600]);
+        // Unused connections keep a floor and do not dilute the budget.
+        assert_eq!(split_credit(400, &[1, 1, 0]), vec![400, 400, 100]);
+    }
+}

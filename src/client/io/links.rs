@@ -1,0 +1,311 @@
+//! The data connections (links) to server threads: their table (`ConnTable`),
+//! each one's send half (priority queue, windows, writer) and `LinkState`,
+//! and the pump that writes as much as admission and the socket allow.
+
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Instant;
+
+use mio::net::TcpStream;
+use mio::Token;
+
+use super::admission::Window;
+use super::flow::{Carry, SendItem};
+use super::trace::Stamp;
+use super::Io;
+use crate::client::ClientError;
+use crate::protocol::{Header, MsgType, ReadError, MAX_JOINED_SLOTS};
+use crate::transport::{ConnError, Connection, FrameWriter, Outgoing};
+
+#[derive(Default)]
+pub(super) struct SendHalf {
+    pub(super) heap: BinaryHeap<SendItem>,
+    pub(super) tx: FrameWriter<Carry>,
+    /// Pushed, not yet received whole by the server (bounded by `credit`).
+    pub(super) unreceived: Window,
+    /// Pushed, result not back yet: at most `credit` bytes of it may come
+    /// before a chunk in the job-wide order for that chunk to go.
+    pub(super) unreturned: Window,
+    /// This connection's credit (bytes); see `Io::note_placement`.
+    pub(super) credit: usize,
+    /// When the connection broke (its server lost, see `scheduler::failover`):
+    /// nothing is written to it any more.
+    pub(super) lost: Option<Instant>,
+    /// Copies of pushes being written when their chunk moved (`Io::detach`),
+    /// kept until the frame is out.
+    pub(super) detached: Vec<Box<[u8]>>,
+    /// With a timeline: each chunk in flight's stages so far, by (key, chunk).
+    pub(super) stamps: HashMap<(u32, u32), Stamp>,
+    /// Callers reading this connection themselves (`Io::quiet`).
+    pub(super) quiet_callers: u32,
+}
+// SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
+unsafe impl Send for SendHalf {}
+
+pub struct Conn {
+    pub(super) link: Connection,
+    pub(super) send: Mutex<SendHalf>,
+    /// Its server was lost (`Io::write_off`): whatever still comes from it
+    /// is ignored, even before the I/O thread applies the failover.
+    pub(super) written_off: AtomicBool,
+    /// The server (rank) at the other end.
+    pub server: u32,
+    /// Its server shares this host's memory, so the host's sums go to it
+    /// by reference.
+    pub(super) by_ref: bool,
+    /// Its next chunk waits for the worker's spread to shrink (`Spread`).
+    pub(super) spread_blocked: AtomicBool,
+}
+
+/// A data connection to register: to thread `desc` of server `server`.
+pub struct NewConn {
+    pub stream: TcpStream,
+    pub desc: String,
+    pub server: u32,
+    pub by_ref: bool,
+}
+
+/// The data connections, by slot: room for the job's first servers' threads
+/// and `MAX_JOINED_SLOTS` more that may join while it runs. Appended by one
+/// thread at a time; read by every thread without a lock (a slot, once
+/// set, never changes), as the send path indexes it for every chunk.
+pub struct ConnTable {
+    pub(super) slots: Box<[OnceLock<Conn>]>,
+    pub(super) len: AtomicUsize,
+    pub(super) append: Mutex<()>,
+}
+
+impl ConnTable {
+    pub(super) fn with_room(n: usize) -> ConnTable {
+        let slots = (0..n + MAX_JOINED_SLOTS).map(|_| OnceLock::new()).collect();
+        ConnTable { slots, len: AtomicUsize::new(0), append: Mutex::new(()) }
+    }
+    /// Append `c`; returns its slot, or None when there is no room.
+    pub(super) fn push(&self, c: Conn) -> Option<usize> {
+        let _one = self.append.lock().unwrap_or_else(|e| e.into_inner());
+        let i = self.len.load(Ordering::Acquire);
+        self.slots.get(i)?.set(c).ok()?;
+        self.len.store(i + 1, Ordering::Release);
+        Some(i)
+    }
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+    pub fn get(&self, i: usize) -> Option<&Conn> {
+        if i < self.len() {
+            self.slots[i].get()
+        } else {
+            None
+        }
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &Conn> {
+        (0..self.len()).filter_map(|i| self.get(i))
+    }
+}
+
+impl std::ops::Index<usize> for ConnTable {
+    type Output = Conn;
+    /// Slots come from specs checked against `len()` when an op starts.
+    fn index(&self, i: usize) -> &Conn {
+        match self.get(i) {
+            Some(c) => c,
+            None => panic!("no data connection for slot {i} (the job has {})", self.len()),
+        }
+    }
+}
+
+impl Conn {
+    pub fn desc(&self) -> &str {
+        &self.link.peer
+    }
+    pub(super) fn send(&self) -> MutexGuard<'_, SendHalf> {
+        self.send.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Io {
+    /// Register data connections (the job's first servers', or one that
+    /// joined: `ServerJoined`) as the next slots, each saying DataHello
+    /// (this worker's rank) before anything else.
+    pub fn add_conns(&self, streams: Vec<NewConn>) -> std::io::Result<()> {
+        for nc in streams {
+            let i = self.conns.len();
+            let link = Connection::new(&self.registry, nc.stream, Token(i), nc.desc)?;
+            let mut send = SendHalf { credit: self.credit.load(Ordering::Relaxed), ..Default::default() };
+            // seq 0: ahead of every frame queued later.
+            let mut hello = Header::new(MsgType::DataHello);
+            (hello.namespace, hello.key) = (self.namespace, self.rank);
+            send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
+            let by_ref = nc.by_ref && self.host.is_some();
+            let conn = Conn {
+                link,
+                send: Mutex::new(send),
+                written_off: AtomicBool::new(false),
+                server: nc.server,
+                by_ref,
+                spread_blocked: AtomicBool::new(false),
+            };
+            if self.conns.push(conn).is_none() {
+                return Err(std::io::Error::other(format!("no room for data connection {i}")));
+            }
+            self.placed.lock().unwrap_or_else(|e| e.into_inner()).push(0);
+            let _ = self.waker.wake(); // the I/O thread makes room to read it
+            self.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", self.conns[i].desc())))?;
+        }
+        Ok(())
+    }
+
+    /// Server connections `conns` belong to a lost server: from now on
+    /// nothing read from them counts. (A server that was only frozen may
+    /// come back and answer rounds its chunks' new servers now hold.)
+    pub fn write_off(&self, conns: &[usize]) {
+        for &i in conns {
+            if let Some(c) = self.conns.get(i) {
+                c.written_off.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Callers reading connection `i` themselves (`CallerPoller`): the I/O
+    /// thread is not woken for its data while there are any.
+    pub(super) fn quiet(&self, i: usize, on: bool) {
+        let Some(c) = self.conns.get(i) else { return };
+        let mut guard = c.send();
+        let st = &mut *guard;
+        if st.lost.is_some() || c.written_off.load(Ordering::SeqCst) {
+            return; // taken out of the poller for good
+        }
+        st.quiet_callers = if on { st.quiet_callers + 1 } else { st.quiet_callers.saturating_sub(1) };
+        if let Err(e) = c.link.quiet(&self.registry, &mut st.tx, st.quiet_callers > 0) {
+            drop(guard);
+            // Not watched any more would be a hang: fail loudly instead.
+            self.request_fail(format!("{}: cannot change what the I/O thread watches: {e}", c.desc()));
+        }
+    }
+
+    pub(super) fn pump_all(&self, slots: &[usize]) {
+        for &slot in slots {
+            if let Err(why) = self.pump(slot) {
+                self.request_fail(format!("{}: {why}", self.conns[slot].desc()));
+                return;
+            }
+        }
+    }
+
+    /// Queue a control frame for `key` on connection `slot`, ahead of any
+    /// push queued after it (highest priority, FIFO among equals).
+    pub fn send_control(&self, slot: usize, key: u32, msg_type: MsgType, payload: Vec<u8>) -> Result<(), ClientError> {
+        let c = self.conns.get(slot).ok_or_else(|| ClientError::Failed(format!("no connection for slot {slot}")))?;
+        {
+            let mut ops = self.ops();
+            if let Some(f) = &ops.failed {
+                return Err(ClientError::Failed(f.clone()));
+            }
+            ops.seq += 1;
+            let mut header = Header::new(msg_type);
+            (header.namespace, header.key) = (self.namespace, key);
+            c.send().heap.push(SendItem::Control { seq: ops.seq, header, payload });
+        }
+        self.pump(slot).map_err(|e| ClientError::Failed(format!("{}: {e}", c.desc())))
+    }
+
+    /// Send as much as the credit and the socket allow on connection `i`.
+    pub(super) fn pump(&self, i: usize) -> Result<(), ConnError> {
+        let c = &self.conns[i];
+        let mut guard = c.send();
+        if guard.lost.is_some() {
+            return Ok(());
+        }
+        let result = self.pump_locked(i, &mut guard);
+        match result {
+            Err(e) if self.failover && broke(&e) => {
+                // The server may be lost: its chunks will move (or the wait times out).
+                log::warn!(target: &format!("worker {}", self.rank), "{}: {e}; waiting for the scheduler", c.desc());
+                guard.lost = Some(Instant::now());
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    pub(super) fn pump_locked(&self, i: usize, st: &mut SendHalf) -> Result<(), ConnError> {
+        let c = &self.conns[i];
+        let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
+        let ns = self.namespace;
+        let (tracing, stamps) = (self.trace_on.load(Ordering::Acquire), &mut st.stamps);
+        let next = || {
+            if let SendItem::Chunk(top) = heap.peek()? {
+                let order = heap.peek()?.order();
+                if !(unreceived.admits(order, top.len, credit) && unreturned.admits_before(order, top.len, credit)) {
+                    return None;
+                }
+                let limit = self.spread_limit();
+                if limit > 0 {
+                    // Flags set under the lock, so a `spread_done` either
+                    // came before this check or sees them.
+                    let sp = self.spread();
+                    if !sp.window.admits_before(order, top.len, limit) {
+                        c.spread_blocked.store(true, Ordering::Release);
+                        self.spread_blocked.store(true, Ordering::Release);
+                        return None;
+                    }
+                }
+            }
+            let item = heap.pop()?;
+            let order = item.order();
+            match item {
+                SendItem::Chunk(ch) => {
+                    let mut h = Header {
+                        msg_type: MsgType::Push,
+                        flags: ch.flags,
+                        dtype: ch.dtype,
+                        namespace: ns,
+                        key: ch.key,
+                        chunk: ch.chunk,
+                        round: ch.round,
+                        priority: ch.priority,
+                        payload_len: ch.len as u32,
+                    };
+                    unreceived.insert(ch.key, ch.chunk, order, ch.len);
+                    unreturned.insert(ch.key, ch.chunk, order, ch.len);
+                    if tracing {
+                        let (queued, sent, round, len) = (ch.queued, Instant::now(), ch.round, ch.len);
+                        stamps.insert((ch.key, ch.chunk), Stamp { queued, sent, received: None, round, len });
+                    }
+                    if ch.by_ref {
+                        self.pushed_by_ref.fetch_add(1, Ordering::Relaxed);
+                        h.msg_type = MsgType::PushRef;
+                        h.payload_len = 0;
+                        return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
+                    }
+                    self.pushed_by_socket.fetch_add(1, Ordering::Relaxed);
+                    if ch.flags & crate::protocol::FLAG_ZEROS != 0 {
+                        self.pushed_zeros.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
+                }
+                SendItem::Control { mut header, payload, .. } => {
+                    header.payload_len = payload.len() as u32;
+                    Some(Outgoing::encoded(Carry::Encoded, [&header.encode()[..], &payload].concat()))
+                }
+            }
+        };
+        let payload = |c: &Carry| match *c {
+            // SAFETY: ptr/len describe a chunk of a live caller buffer (see BufPtr).
+            Carry::Chunk { ptr, len } => unsafe { std::slice::from_raw_parts(ptr, len) },
+            Carry::Encoded => &[],
+        };
+        let r = c.link.pump(&self.registry, &mut st.tx, next, payload);
+        if !st.detached.is_empty() && st.tx.idle() {
+            st.detached.clear();
+        }
+        r
+    }
+}
+
+/// Whether an error means the connection broke (its server may be lost),
+/// not that the server said or sent something wrong.
+pub(super) fn broke(e: &ConnError) -> bool {
+    matches!(e, ConnError::Io(_) | ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame | ReadError::Io(_)))
+}

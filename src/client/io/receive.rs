@@ -1,0 +1,271 @@
+//! What servers send this worker, frame by frame: results (into the
+//! caller's buffer, a kept copy or the host's segment), `Received` acks
+//! (credit back), stall reports and errors; completing ops.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::thread::IoCore;
+use crate::protocol::{decode_stall, Header, MsgType};
+use crate::transport::{ConnError, Drain, Frame};
+
+/// Where an incoming result goes: chunk `chunk` of tensor `key`, `len`
+/// bytes at `dst` in the caller's buffer.
+#[derive(Clone, Copy)]
+pub(super) struct ResultDest {
+    pub(super) key: u32,
+    pub(super) chunk: usize,
+    pub(super) dst: *mut u8,
+    pub(super) len: usize,
+}
+
+// SAFETY: `dst` points into an active op's buffer, which stays valid until
+// the op completes; results are written and ops completed only by the
+// holder of the `IoCore` lock (the I/O thread, or a caller waiting on a
+// one-chunk op: `IoCore::poll_for`).
+unsafe impl Send for ResultDest {}
+
+impl IoCore {
+    pub(super) fn on_readable(&mut self, i: usize, drain: Drain) -> Result<(), ConnError> {
+        let io = self.io.clone();
+        let conn = &io.conns[i];
+        let link = &conn.link;
+        loop {
+            if conn.written_off.load(Ordering::SeqCst) {
+                return Ok(()); // its server was lost; the failover closes it
+            }
+            // SAFETY: the destination is this chunk's range in an active op's
+            // buffer, which stays alive until this thread completes the op.
+            let dst = |d: ResultDest| unsafe { std::slice::from_raw_parts_mut(d.dst, d.len) };
+            match link.read_frame(&mut self.rx[i], io.max_payload, dst, drain)? {
+                None => return Ok(()),
+                Some(Frame::Header(hdr)) => self.on_header(i, hdr)?,
+                Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk)?,
+                Some(Frame::Message(hdr, buf)) => self.on_small(i, hdr, buf)?,
+            }
+        }
+    }
+
+    pub(super) fn on_header(&mut self, i: usize, hdr: Header) -> Result<(), ConnError> {
+        let io = &self.io;
+        if hdr.namespace != io.namespace {
+            return Err(ConnError::Invalid(format!(
+                "frame for namespace {} (this job is {})",
+                hdr.namespace, io.namespace
+            )));
+        }
+        let stale = !self.moved_off[i].is_empty()
+            && matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received)
+            && self.moved_off[i].contains(&(hdr.key, hdr.chunk));
+        if stale {
+            // Of a chunk moved off this server (`Io::detach`): read and dropped.
+            self.rx[i].receive_owned(hdr);
+            return Ok(());
+        }
+        match hdr.msg_type {
+            MsgType::Result | MsgType::ResultRef => {
+                let by_ref = hdr.msg_type == MsgType::ResultRef;
+                let mut guard = io.ops();
+                let ops = &mut *guard;
+                let a = ops
+                    .active
+                    .get(&hdr.key)
+                    .ok_or_else(|| format!("result for key {} which has no push_pull in flight", hdr.key))?;
+                let c = hdr.chunk as usize;
+                if c >= a.spec.num_chunks() || a.spec.slots[c] as usize != i {
+                    return Err(ConnError::Invalid(format!(
+                        "result for tensor '{}' chunk {c} on the wrong connection",
+                        a.spec.name
+                    )));
+                }
+                if hdr.round != a.round || a.got[c] {
+                    return Err(ConnError::Invalid(format!(
+                        "unexpected result for tensor '{}' chunk {c} round {} (expected round {})",
+                        a.spec.name, hdr.round, a.round
+                    )));
+                }
+                let len = a.spec.chunk_bytes(c);
+                let sent = if by_ref { 0 } else { len };
+                if by_ref && !(io.conns[i].by_ref && a.host.as_ref().is_some_and(|h| h.owned[c])) {
+                    return Err(ConnError::Invalid(format!(
+                        "result by reference for tensor '{}' chunk {c}, which this worker did not push by reference",
+                        a.spec.name
+                    )));
+                }
+                if hdr.payload_len as usize != sent || hdr.dtype != a.spec.dtype {
+                    return Err(ConnError::Invalid(format!(
+                        "result for tensor '{}' chunk {c}: {} bytes of {}, expected {sent} bytes of {}",
+                        a.spec.name,
+                        hdr.payload_len,
+                        hdr.dtype.name(),
+                        a.spec.dtype.name()
+                    )));
+                }
+                let dst = match &a.host {
+                    // A chunk this worker pushes for its host: into the shared buffer.
+                    Some(h) if h.owned[c] => h.staging.result(c).0,
+                    Some(_) => {
+                        return Err(ConnError::Invalid(format!(
+                            "result for tensor '{}' chunk {c}, which another worker of this host pushes",
+                            a.spec.name
+                        )))
+                    }
+                    None => {
+                        let (start, _) = a.spec.chunk_range(c);
+                        let at = start * a.spec.dtype.size();
+                        match ops.kept.get_mut(&hdr.key) {
+                            // Kept apart until whole (see `Kept`).
+                            Some(k) => k.buf[at..].as_mut_ptr(),
+                            // SAFETY: start is within the tensor.
+                            None => unsafe { a.ptr.0.add(at) },
+                        }
+                    }
+                };
+                drop(guard);
+                if by_ref {
+                    // Already in the shared buffer.
+                    return self.chunk_done(i, hdr.key, c);
+                }
+                self.rx[i].receive_into(hdr, ResultDest { key: hdr.key, chunk: c, dst, len });
+                Ok(())
+            }
+            MsgType::Received => {
+                // The push is off the wire: its bytes no longer stand between
+                // an urgent chunk and the server, so they leave the credit now,
+                // not when the result (which waits for every worker) returns.
+                if hdr.payload_len != 0 {
+                    return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
+                }
+                {
+                    let mut st = io.conns[i].send();
+                    if !st.unreceived.remove(hdr.key, hdr.chunk) {
+                        return Err(ConnError::Invalid(format!(
+                            "Received for key {} chunk {}, which is not in flight here",
+                            hdr.key, hdr.chunk
+                        )));
+                    }
+                    if let Some(s) = st.stamps.get_mut(&(hdr.key, hdr.chunk)) {
+                        s.received = Some(Instant::now());
+                    }
+                }
+                io.spread_done(hdr.key, hdr.chunk);
+                io.pump(i)
+            }
+            MsgType::Stall | MsgType::Error => {
+                self.rx[i].receive_owned(hdr);
+                Ok(())
+            }
+            other => Err(ConnError::Invalid(format!("unexpected {other:?} frame from the server"))),
+        }
+    }
+
+    pub(super) fn on_small(&mut self, i: usize, hdr: Header, buf: Vec<u8>) -> Result<(), ConnError> {
+        if matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received) {
+            return Ok(()); // stale: see `on_header`
+        }
+        if hdr.msg_type == MsgType::Error {
+            let msg = format!("server reported an error: {}", String::from_utf8_lossy(&buf));
+            // The server refused this worker (e.g. a round that can never
+            // complete): the scheduler may not know, so tell it.
+            let io = &self.io;
+            self.owner.fail_job(format!("worker {}: {}: {msg}", io.rank, io.conns[i].desc()));
+            return Err(ConnError::Invalid(msg));
+        }
+        let s = decode_stall(&buf).map_err(|e| format!("bad stall report: {e}"))?;
+        let io = &self.io;
+        if let Some(a) = io.ops().active.get(&hdr.key) {
+            let msg = format!(
+                "server {} thread {} ({}) reports tensor '{}' round {} has waited {:.1}s for worker rank(s) {:?}",
+                s.server,
+                s.thread,
+                io.conns[i].desc(),
+                a.spec.name,
+                hdr.round,
+                s.waited_ms as f64 / 1000.0,
+                s.missing
+            );
+            a.op.set_stall(msg);
+        }
+        Ok(())
+    }
+
+    pub(super) fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), ConnError> {
+        let io = &self.io;
+        let stamp = {
+            let mut st = io.conns[i].send();
+            // The push that completed the round gets no Received frame.
+            st.unreceived.remove(key, chunk as u32);
+            st.unreturned.remove(key, chunk as u32);
+            st.stamps.remove(&(key, chunk as u32))
+        };
+        // Before the op can complete: its caller may queue the chunk's next
+        // round at once, which must not find this one still counted.
+        io.spread_done(key, chunk as u32);
+        // Stamps exist only while a timeline is recorded: no lock otherwise.
+        if let Some((s, trace)) = stamp.and_then(|s| Some((s, io.tracing()?))) {
+            let name = io.ops().active.get(&key).map(|a| a.spec.name.clone()).unwrap_or_default();
+            trace.chunk(&crate::timeline::ChunkStages {
+                tensor: &name,
+                chunk: chunk as u32,
+                round: s.round,
+                bytes: s.len,
+                server: io.conns[i].server,
+                queued: s.queued,
+                sent: s.sent,
+                received: s.received,
+                result: Instant::now(),
+            });
+        }
+        if let Some(h) = &io.host {
+            let ops = io.ops();
+            if let Some(hr) = ops.active.get(&key).and_then(|a| a.host.as_ref().map(|hr| (a, hr))) {
+                let (a, hr) = hr;
+                // The result is in the shared buffer: take a copy, let the others take theirs.
+                let (src, len) = hr.staging.result(chunk);
+                let (start, _) = a.spec.chunk_range(chunk);
+                // SAFETY: both ranges are this chunk's; the op is active and
+                // only this thread completes it.
+                unsafe { std::ptr::copy_nonoverlapping(src, a.ptr.0.add(start * a.spec.dtype.size()), len) };
+                hr.staging.publish(chunk, a.round);
+                self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
+            }
+        }
+        self.mark_got(key, chunk);
+        // Outstanding room came back: keep the connection busy.
+        self.io.pump(i)
+    }
+
+    /// Chunk `chunk`'s result is in (in `Kept` with failover on and no host
+    /// stage: copied to the caller's buffer now); complete the op with its
+    /// last chunk.
+    pub(super) fn mark_got(&mut self, key: u32, chunk: usize) {
+        let io = &self.io;
+        let done = {
+            let mut guard = io.ops();
+            let ops = &mut *guard;
+            let Some(a) = ops.active.get_mut(&key) else { return };
+            if let Some(k) = ops.kept.get_mut(&key) {
+                // The whole result is in: now it may replace this worker's push.
+                let (start, end) = a.spec.chunk_range(chunk);
+                let es = a.spec.dtype.size();
+                let src = &k.buf[start * es..end * es];
+                // SAFETY: the chunk's range in the caller's buffer of an active op.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), a.ptr.0.add(start * es), src.len()) };
+                k.round[chunk] = a.round;
+            }
+            a.got[chunk] = true;
+            a.remaining -= 1;
+            let finished = if a.remaining == 0 { ops.active.remove(&key) } else { None };
+            if let Some(a) = &finished {
+                ops.rounds.insert(key, a.round.wrapping_add(1));
+            }
+            finished
+        };
+        if let Some(a) = done {
+            if a.host.as_ref().is_some_and(|h| h.stall_reported) {
+                log::info!(target: &format!("worker {}", io.rank), "stall resolved: tensor '{}' round {} complete", a.spec.name, a.round);
+            }
+            self.owner.finish_op(&a.op, None);
+        }
+    }
+}

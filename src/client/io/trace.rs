@@ -1,0 +1,48 @@
+//! The chunk timeline (`crate::timeline`) as this worker records it: each
+//! chunk's stamps (queued, on the wire, received, result) while a
+//! timeline is being recorded, and nothing otherwise.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::Io;
+
+/// When a chunk in flight was queued, started on the wire, and (if it was
+/// not the round's last push) received whole by its server.
+pub(super) struct Stamp {
+    pub(super) queued: Instant,
+    pub(super) sent: Instant,
+    pub(super) received: Option<Instant>,
+    pub(super) round: u32,
+    pub(super) len: usize,
+}
+
+impl Io {
+    /// Record every chunk this worker pushes from now on in a timeline at
+    /// `path` (`crate::timeline`), replacing one already recorded.
+    pub fn start_timeline(&self, path: &str) -> std::io::Result<()> {
+        let who = format!("worker {}", self.rank);
+        let (t, w) = crate::timeline::Trace::open(path, self.rank, &format!("gradhub {who}"), &[], &who)?;
+        self.stop_timeline();
+        *self.trace.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        self.trace_on.store(true, Ordering::Release);
+        *self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
+        Ok(())
+    }
+
+    /// Stop recording; returns once the file is written.
+    pub fn stop_timeline(&self) {
+        self.trace_on.store(false, Ordering::Release);
+        let t = self.trace.write().unwrap_or_else(|e| e.into_inner()).take();
+        drop(t);
+        // Ends when the last `Trace` is gone (the I/O thread may hold one for a moment).
+        if let Some(w) = self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = w.join();
+        }
+    }
+
+    pub(super) fn tracing(&self) -> Option<Arc<crate::timeline::Trace>> {
+        self.trace.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}

@@ -1,0 +1,234 @@
+//! Horovod's join and process sets on the worker: taking part with zeros in
+//! operations other workers announce (`join()`, the process-set thread),
+//! and announcing this worker's own to them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, MutexGuard, Weak};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::bounded;
+
+use super::op::Op;
+use super::table::JOIN_QUEUE;
+use super::{Client, ClientError};
+use crate::protocol::{Control, DType};
+
+/// Zero pushes in flight, by name, with the buffers they read.
+pub(super) type ZeroPushes = HashMap<String, (Arc<Op>, Vec<u8>)>;
+
+/// The thread behind `Client::serve_set_ops`: pushes zeros for each
+/// announced operation of a process set this worker is not in, until the
+/// client is closed or dropped (it holds the client only while working).
+pub(super) fn set_ops_loop(client: Weak<Client>, rx: crossbeam_channel::Receiver<Control>) {
+    loop {
+        let msg = rx.recv_timeout(Duration::from_millis(100));
+        let Some(c) = client.upgrade() else { return };
+        if c.check_usable().is_err() {
+            return;
+        }
+        match msg {
+            Ok(Control::JoinOp { name, numel, dtype, flags, round }) => {
+                if let Err(e) = c.push_zeros(&name, numel, dtype, flags, round, true) {
+                    // The job failed (and says why) or is closing.
+                    log::debug!(target: &format!("worker {}", c.rank), "process-set thread ends: {e}");
+                    return;
+                }
+            }
+            Ok(_) | Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+impl Client {
+    /// Horovod's join: this worker has no more data. Until every worker has
+    /// joined, it takes part in the others' operations with zeros (an
+    /// average still divides by every worker, as in Horovod). Returns the
+    /// rank that joined last and the names this worker pushed meanwhile.
+    /// Nothing of this worker's own may be in flight.
+    pub fn join(&self) -> Result<(u32, Vec<String>), ClientError> {
+        self.check_usable()?;
+        let (tx, rx) = bounded(JOIN_QUEUE);
+        {
+            let mut t = self.shared.table();
+            if t.in_flight.iter().any(|n| !t.set_pushes.contains(n)) {
+                let mut names: Vec<&str> =
+                    t.in_flight.iter().filter(|n| !t.set_pushes.contains(*n)).map(String::as_str).collect();
+                names.sort_unstable();
+                return Err(ClientError::Usage(format!(
+                    "join() with operations in flight ({}): wait for them first",
+                    names.join(", ")
+                )));
+            }
+            if t.join_events.is_some() {
+                return Err(ClientError::Usage("join() is already running on another thread".into()));
+            }
+            t.join_events = Some(tx);
+        }
+        let result = self.join_loop(&rx);
+        self.shared.table().join_events = None;
+        result
+    }
+
+    fn join_loop(&self, rx: &crossbeam_channel::Receiver<Control>) -> Result<(u32, Vec<String>), ClientError> {
+        self.shared.send_ctrl(&Control::Join).map_err(|e| ClientError::Failed(e.to_string()))?;
+        let mut pushed: Vec<String> = Vec::new();
+        loop {
+            let msg = match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(m) => m,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                    self.check_usable()?;
+                    if let Some(gone) = self.shared.table().left {
+                        let why = format!(
+                            "worker {gone} left the job without calling join(), so join() on worker {} can never \
+                             complete: every worker must join",
+                            self.rank
+                        );
+                        self.shared.fail_job(why.clone());
+                        return Err(ClientError::Failed(why));
+                    }
+                    continue;
+                }
+                Err(_) => return Err(ClientError::Failed("client closed".into())),
+            };
+            match msg {
+                Control::JoinDone { last } => {
+                    let ops: Vec<Arc<Op>> = {
+                        let z = self.zero_pushes();
+                        pushed.iter().filter_map(|n| z.get(n).map(|(op, _)| op.clone())).collect()
+                    };
+                    for op in ops {
+                        op.wait(None).map_err(|e| ClientError::Failed(e.to_string()))?;
+                    }
+                    return Ok((last, pushed));
+                }
+                Control::JoinOp { name, numel, dtype, flags, round } => {
+                    let took_part = self.push_zeros(&name, numel, dtype, flags, round, false)?;
+                    pushed.extend(took_part.then_some(name));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Take part with zeros in the `round`-th use of `name`, which another
+    /// worker announced (`JoinOp`: this worker joined, or is outside the
+    /// process set of the operation). Returns false for a round this worker
+    /// took part in already. `background`: for the set-op thread (see
+    /// `serve_set_ops`), so that leaving waits for it.
+    fn push_zeros(
+        &self,
+        name: &str,
+        numel: u64,
+        dtype: DType,
+        flags: u16,
+        round: u32,
+        background: bool,
+    ) -> Result<bool, ClientError> {
+        let (done, finished) = {
+            let t = self.shared.table();
+            (t.uses.get(name).map_or(0, |u| u.round), t.recent_transient.1.contains(name))
+        };
+        if finished || round.wrapping_sub(done) as i32 <= 0 {
+            return Ok(false);
+        }
+        if flags & crate::protocol::FLAG_INIT != 0 {
+            let why = format!(
+                "worker {} takes part with zeros (it joined, or is outside a process set) in the initial \
+                 parameters of '{name}' for a server-side optimizer: that is not possible",
+                self.rank
+            );
+            self.shared.fail_job(why.clone());
+            return Err(ClientError::Failed(why));
+        }
+        // A name's rounds follow one another: the last one completes first.
+        let last = self.zero_pushes().remove(name);
+        if let Some((op, _)) = last {
+            op.wait(None).map_err(|e| ClientError::Failed(e.to_string()))?;
+        }
+        let bytes = usize::try_from(numel)
+            .ok()
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| ClientError::Failed(format!("'{name}' is too large")))?;
+        let mut zeros = vec![0u8; bytes];
+        // SAFETY: `zeros` is kept in `zero_pushes` (its heap buffer does not
+        // move) until the op has completed.
+        let op = unsafe { self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, 0, None, Some((0, 0)))? };
+        if background {
+            let mut t = self.shared.table();
+            if t.in_flight.contains(name) {
+                t.set_pushes.insert(name.to_string());
+            }
+        }
+        let mut z = self.zero_pushes();
+        z.retain(|_, (op, _)| !op.done());
+        z.insert(name.to_string(), (op, zeros));
+        Ok(true)
+    }
+
+    fn zero_pushes(&self) -> MutexGuard<'_, ZeroPushes> {
+        self.zero_pushes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Take part, from now on, in the operations of process sets this
+    /// worker is not in: their first member announces each one (`announce`)
+    /// and a thread of this worker pushes zeros for it (an operation needs
+    /// every worker's push). Idempotent; the thread ends with the client.
+    pub fn serve_set_ops(self: &Arc<Self>) -> Result<(), ClientError> {
+        self.check_usable()?;
+        let (tx, rx) = bounded(JOIN_QUEUE);
+        {
+            let mut t = self.shared.table();
+            if t.set_events.is_some() {
+                return Ok(());
+            }
+            t.set_events = Some(tx);
+        }
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("gradhub-set-ops".into())
+            .spawn(move || set_ops_loop(me, rx))
+            .map(|_| ())
+            .map_err(|e| ClientError::Failed(format!("cannot start the process-set thread: {e}")))
+    }
+
+    /// Announce the operation just started on `name` (this worker is the
+    /// first member of its process set) to the workers `to`, outside the
+    /// set: they push zeros for it.
+    pub fn announce(&self, name: &str, to: Vec<u32>) -> Result<(), ClientError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        let u = self.shared.table().uses.get(name).copied();
+        let u = u.ok_or_else(|| ClientError::Usage(format!("announce('{name}') before its push_pull")))?;
+        let msg = Control::SetOp {
+            to,
+            name: name.to_string(),
+            numel: u.numel,
+            dtype: u.dtype,
+            flags: u.flags,
+            round: u.round,
+        };
+        self.shared.send_ctrl(&msg).map_err(|e| ClientError::Failed(e.to_string()))
+    }
+
+    /// Before a clean goodbye: the zeros this worker pushed for process
+    /// sets it is not in complete once the sets' members pushed theirs
+    /// (they have announced them, so they are on their way): wait for
+    /// that, at most a peer timeout, rather than leave them in flight.
+    pub(super) fn finish_set_pushes(&self) {
+        let deadline = Instant::now() + self.shared.io.peer_timeout.max(Duration::from_secs(5));
+        loop {
+            {
+                let t = self.shared.table();
+                if t.set_pushes.is_empty() || t.in_flight.iter().any(|n| !t.set_pushes.contains(n)) {
+                    return;
+                }
+            }
+            if Instant::now() >= deadline || self.shared.failure().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
