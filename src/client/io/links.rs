@@ -3,7 +3,7 @@
 //! and the pump that writes as much as admission and the socket allow.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
@@ -29,9 +29,9 @@ pub(super) struct SendHalf {
     pub(super) unreturned: Window,
     /// This connection's credit (bytes); see `Io::note_placement`.
     pub(super) credit: usize,
-    /// When the connection broke (its server lost, see `scheduler::failover`):
-    /// nothing is written to it any more.
-    pub(super) lost: Option<Instant>,
+    /// When the link stopped being `Live` for writing (broke, or its
+    /// server was lost): `IoCore::check_lost` bounds the wait for a failover.
+    pub(super) broken_at: Option<Instant>,
     /// Copies of pushes being written when their chunk moved (`Io::detach`),
     /// kept until the frame is out.
     pub(super) detached: Vec<Box<[u8]>>,
@@ -46,9 +46,8 @@ unsafe impl Send for SendHalf {}
 pub struct Conn {
     pub(super) link: Connection,
     pub(super) send: Mutex<SendHalf>,
-    /// Its server was lost (`Io::write_off`): whatever still comes from it
-    /// is ignored, even before the I/O thread applies the failover.
-    pub(super) written_off: AtomicBool,
+    /// Where it is in its life (`LinkState`), read without the send lock.
+    state: AtomicU8,
     /// The server (rank) at the other end.
     pub server: u32,
     /// Its server shares this host's memory, so the host's sums go to it
@@ -115,7 +114,48 @@ impl std::ops::Index<usize> for ConnTable {
     }
 }
 
+/// A link's life, which only moves forward (a link may skip states):
+/// - `Live`: in use;
+/// - `Broken`: its socket failed (with failover on): nothing is written to
+///   it, and the I/O thread waits for the scheduler to say where its
+///   chunks went (`IoCore::check_lost` bounds that wait);
+/// - `WrittenOff`: the scheduler says its server was lost: nothing read
+///   from it counts any more (a frozen server may come back and answer
+///   rounds that moved), even before the failover is applied;
+/// - `Dead`: the failover is applied: deregistered, never touched again.
+#[repr(u8)]
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum LinkState {
+    Live = 0,
+    Broken = 1,
+    WrittenOff = 2,
+    Dead = 3,
+}
+
+impl LinkState {
+    fn of(v: u8) -> LinkState {
+        match v {
+            0 => LinkState::Live,
+            1 => LinkState::Broken,
+            2 => LinkState::WrittenOff,
+            _ => LinkState::Dead,
+        }
+    }
+}
+
 impl Conn {
+    pub fn state(&self) -> LinkState {
+        LinkState::of(self.state.load(Ordering::SeqCst))
+    }
+    /// Move forward to `to` (never back); returns the state before.
+    pub(super) fn advance(&self, to: LinkState) -> LinkState {
+        LinkState::of(self.state.fetch_max(to as u8, Ordering::SeqCst))
+    }
+    /// The link failed under the send lock `st`: at least `Broken` from now.
+    pub(super) fn broke(&self, st: &mut SendHalf) {
+        self.advance(LinkState::Broken);
+        st.broken_at.get_or_insert_with(Instant::now);
+    }
     pub fn desc(&self) -> &str {
         &self.link.peer
     }
@@ -141,7 +181,7 @@ impl Io {
             let conn = Conn {
                 link,
                 send: Mutex::new(send),
-                written_off: AtomicBool::new(false),
+                state: AtomicU8::new(LinkState::Live as u8),
                 server: nc.server,
                 by_ref,
                 spread_blocked: AtomicBool::new(false),
@@ -162,7 +202,7 @@ impl Io {
     pub fn write_off(&self, conns: &[usize]) {
         for &i in conns {
             if let Some(c) = self.conns.get(i) {
-                c.written_off.store(true, Ordering::SeqCst);
+                c.advance(LinkState::WrittenOff);
             }
         }
     }
@@ -173,7 +213,7 @@ impl Io {
         let Some(c) = self.conns.get(i) else { return };
         let mut guard = c.send();
         let st = &mut *guard;
-        if st.lost.is_some() || c.written_off.load(Ordering::SeqCst) {
+        if c.state() != LinkState::Live {
             return; // taken out of the poller for good
         }
         st.quiet_callers = if on { st.quiet_callers + 1 } else { st.quiet_callers.saturating_sub(1) };
@@ -214,15 +254,15 @@ impl Io {
     pub(super) fn pump(&self, i: usize) -> Result<(), ConnError> {
         let c = &self.conns[i];
         let mut guard = c.send();
-        if guard.lost.is_some() {
-            return Ok(());
+        if c.state() != LinkState::Live {
+            return Ok(()); // nothing is written to a link that broke or was written off
         }
         let result = self.pump_locked(i, &mut guard);
         match result {
             Err(e) if self.failover && broke(&e) => {
                 // The server may be lost: its chunks will move (or the wait times out).
                 log::warn!(target: &format!("worker {}", self.rank), "{}: {e}; waiting for the scheduler", c.desc());
-                guard.lost = Some(Instant::now());
+                c.broke(&mut guard);
                 Ok(())
             }
             other => other,

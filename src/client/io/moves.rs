@@ -5,12 +5,11 @@
 
 use super::flow::Carry;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
 use super::flow::{ChunkSrc, SendItem};
-use super::links::Conn;
+use super::links::{Conn, LinkState};
 use super::thread::IoCore;
 use super::{Io, OpTable};
 use crate::host::Staging;
@@ -187,15 +186,14 @@ impl IoCore {
         let io = self.io.clone();
         let io = &*io;
         for &i in &note.conns {
-            if i >= self.dead.len() || self.dead[i] {
+            let Some(c) = io.conns.get(i).filter(|_| i < self.rx.len()) else { continue };
+            if c.advance(LinkState::Dead) == LinkState::Dead {
                 continue;
             }
-            self.dead[i] = true;
             self.rx[i].reset();
-            let c = &io.conns[i];
             c.link.deregister(&io.registry);
             let mut st = c.send();
-            st.lost.get_or_insert_with(Instant::now);
+            st.broken_at.get_or_insert_with(Instant::now);
             st.heap.clear();
             st.tx.clear();
             st.unreceived.clear();
@@ -264,7 +262,7 @@ impl IoCore {
                 for &c in &moved {
                     let slot = old.slots[c] as usize;
                     if let Some(from) = io.conns.get(slot) {
-                        if !from.written_off.load(Ordering::SeqCst) {
+                        if from.state() < LinkState::WrittenOff {
                             io.detach(from, key, c as u32);
                             if slot >= self.moved_off.len() {
                                 self.grow(); // added (a server joined) since the loop grew

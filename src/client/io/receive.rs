@@ -2,9 +2,9 @@
 //! caller's buffer, a kept copy or the host's segment), `Received` acks
 //! (credit back), stall reports and errors; completing ops.
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::links::LinkState;
 use super::thread::IoCore;
 use crate::protocol::{decode_stall, Header, MsgType};
 use crate::transport::{ConnError, Drain, Frame};
@@ -31,7 +31,7 @@ impl IoCore {
         let conn = &io.conns[i];
         let link = &conn.link;
         loop {
-            if conn.written_off.load(Ordering::SeqCst) {
+            if conn.state() >= LinkState::WrittenOff {
                 return Ok(()); // its server was lost; the failover closes it
             }
             // SAFETY: the destination is this chunk's range in an active op's

@@ -6,11 +6,11 @@
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mio::{Events, Poll};
 
-use super::links::broke;
+use super::links::{broke, LinkState};
 use super::receive::ResultDest;
 use super::{Completion, Io};
 use super::{DOORBELL, WAKER};
@@ -60,8 +60,6 @@ pub struct IoCore {
     pub(super) failed: bool,
     /// Local workers to ring once the current event is handled (host stage).
     pub(super) bells: u64,
-    /// By connection: its server was lost and taken over (never read again).
-    pub(super) dead: Vec<bool>,
     /// By connection: chunks moved off its (live) server to one that
     /// joined; whatever it still sends about them is stale and dropped.
     pub(super) moved_off: Vec<HashSet<(u32, u32)>>,
@@ -74,8 +72,7 @@ impl IoThread {
         let n = io.conns.len();
         let rx = (0..n).map(|_| FrameReader::default()).collect();
         let moved_off = (0..n).map(|_| HashSet::new()).collect();
-        let core =
-            IoCore { io: io.clone(), owner, rx, failed: false, bells: 0, dead: vec![false; n], moved_off, seen: n };
+        let core = IoCore { io: io.clone(), owner, rx, failed: false, bells: 0, moved_off, seen: n };
         let core = Arc::new(Mutex::new(core));
         let poller = CallerPoller { core: Arc::downgrade(&core), io: Arc::downgrade(&io) };
         let _ = io.poller.set(Arc::new(poller));
@@ -179,7 +176,6 @@ impl IoCore {
         let n = self.io.conns.len();
         if n > self.rx.len() {
             self.rx.resize_with(n, FrameReader::default);
-            self.dead.resize(n, false);
             self.moved_off.resize_with(n, HashSet::new);
         }
     }
@@ -195,7 +191,7 @@ impl IoCore {
 
     /// `read`: whether to read, and how far (`Drain`).
     pub(super) fn on_event(&mut self, i: usize, read: Option<Drain>, writable: bool) {
-        if self.failed || i >= self.rx.len() || self.dead[i] {
+        if self.failed || i >= self.rx.len() || self.io.conns[i].state() == LinkState::Dead {
             return;
         }
         let mut res = Ok(());
@@ -232,10 +228,7 @@ impl IoCore {
         let c = &io.conns[i];
         self.rx[i].reset();
         c.link.deregister(&io.registry);
-        let mut st = c.send();
-        if st.lost.is_none() {
-            st.lost = Some(Instant::now());
-        }
+        c.broke(&mut c.send());
         log::warn!(target: &format!("worker {}", io.rank), "{}: {why}; waiting for the scheduler's failover", c.desc());
     }
 
@@ -247,8 +240,10 @@ impl IoCore {
         let limit = io.peer_timeout * 3;
         // Over the connections this thread has grown into: one added since
         // (a server that joined, on the control thread) is not lost yet.
-        let late = (0..self.dead.len())
-            .find(|&i| !self.dead[i] && io.conns[i].send().lost.is_some_and(|t| t.elapsed() > limit));
+        let late = (0..self.rx.len()).find(|&i| {
+            let c = &io.conns[i];
+            c.state() != LinkState::Dead && c.send().broken_at.is_some_and(|t| t.elapsed() > limit)
+        });
         if let Some(i) = late {
             let msg = format!(
                 "{}: the connection broke and the scheduler reported no failover within {:.1}s",
