@@ -3,7 +3,7 @@
 //! spread (`Spread`), and the credit split across connections in
 //! proportion to the bytes placed on each (`split_credit`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
@@ -11,33 +11,25 @@ use super::flow::Order;
 use super::Io;
 use crate::protocol::TensorSpec;
 
-/// Chunks pushed on a connection and not yet released: their bytes and order.
+/// Bytes in a window, by their place in the job-wide order: what the
+/// admission rules count. Its owner knows which chunk holds which order.
 #[derive(Default)]
 pub(super) struct Window {
     pub(super) bytes: usize,
-    pub(super) by_chunk: HashMap<(u32, u32), (Order, usize)>,
-    pub(super) orders: std::collections::BTreeMap<Order, usize>,
+    orders: BTreeMap<Order, usize>,
 }
 
 impl Window {
-    pub(super) fn insert(&mut self, key: u32, chunk: u32, order: Order, len: usize) {
+    pub(super) fn insert(&mut self, order: Order, len: usize) {
         self.bytes += len;
-        self.by_chunk.insert((key, chunk), (order, len));
-        self.orders.insert(order, len);
-    }
-    pub(super) fn remove(&mut self, key: u32, chunk: u32) -> bool {
-        match self.by_chunk.remove(&(key, chunk)) {
-            Some((order, len)) => {
-                self.bytes -= len;
-                self.orders.remove(&order);
-                true
-            }
-            None => false,
+        if let Some(old) = self.orders.insert(order, len) {
+            self.bytes -= old;
         }
     }
-    #[cfg(test)]
-    pub(super) fn contains(&self, key: u32, chunk: u32) -> bool {
-        self.by_chunk.contains_key(&(key, chunk))
+    pub(super) fn remove(&mut self, order: &Order) {
+        if let Some(len) = self.orders.remove(order) {
+            self.bytes -= len;
+        }
     }
     /// Whether a chunk of this order may go: within `limit`, or, over it,
     /// if it comes before every chunk in the window (preemption).
@@ -59,9 +51,6 @@ impl Window {
         }
         true
     }
-    pub(super) fn clear(&mut self) {
-        *self = Window::default();
-    }
 }
 
 /// Worker-wide: every chunk queued or in flight on any connection and not
@@ -75,24 +64,24 @@ impl Window {
 #[derive(Default)]
 pub(super) struct Spread {
     pub(super) window: Window,
-    /// Each entry's connection, to drop a lost one's.
-    pub(super) slot: HashMap<(u32, u32), usize>,
+    /// Each chunk's order and connection (to drop a lost one's).
+    pub(super) entries: HashMap<(u32, u32), (Order, usize)>,
 }
 
 impl Spread {
     pub(super) fn insert(&mut self, key: u32, chunk: u32, order: Order, len: usize, slot: usize) {
         // A chunk re-queued (failover) replaces its entry.
-        self.window.remove(key, chunk);
-        self.window.insert(key, chunk, order, len);
-        self.slot.insert((key, chunk), slot);
+        self.remove(key, chunk);
+        self.window.insert(order, len);
+        self.entries.insert((key, chunk), (order, slot));
     }
     pub(super) fn remove(&mut self, key: u32, chunk: u32) {
-        if self.window.remove(key, chunk) {
-            self.slot.remove(&(key, chunk));
+        if let Some((order, _)) = self.entries.remove(&(key, chunk)) {
+            self.window.remove(&order);
         }
     }
     pub(super) fn drop_slot(&mut self, slot: usize) {
-        let gone: Vec<(u32, u32)> = self.slot.iter().filter(|(_, &s)| s == slot).map(|(&k, _)| k).collect();
+        let gone: Vec<(u32, u32)> = self.entries.iter().filter(|(_, &(_, s))| s == slot).map(|(&k, _)| k).collect();
         for (key, chunk) in gone {
             self.remove(key, chunk);
         }
@@ -159,7 +148,7 @@ impl Io {
     /// See `Client::unreceived`.
     pub fn unreceived(&self) -> (usize, usize) {
         let sp = self.spread();
-        (sp.slot.len(), sp.window.bytes)
+        (sp.entries.len(), sp.window.bytes)
     }
 
     /// Bytes that may come before a chunk in the spread for it to go; 0: no limit.
@@ -205,8 +194,8 @@ mod tests {
         let mut w = Window::default();
         // Empty: anything goes, even a chunk larger than the limit.
         assert!(w.admits(order(0, 1, 0), 500, 100) && w.admits_before(order(0, 1, 0), 500, 100));
-        w.insert(1, 0, order(0, 1, 0), 60);
-        w.insert(1, 1, order(0, 1, 1), 60);
+        w.insert(order(0, 1, 0), 60);
+        w.insert(order(0, 1, 1), 60);
         // Over the limit, a later chunk of the same tensor waits...
         assert!(!w.admits(order(0, 1, 2), 60, 100));
         assert!(!w.admits_before(order(0, 1, 2), 60, 100));
@@ -214,14 +203,14 @@ mod tests {
         assert!(w.admits(order(5, 2, 0), 60, 100));
         assert!(w.admits_before(order(5, 2, 0), 60, 100));
         // Once urgent chunks are out, the next urgent chunk counts only them.
-        w.insert(2, 0, order(5, 2, 0), 60);
+        w.insert(order(5, 2, 0), 60);
         assert!(!w.admits(order(5, 2, 1), 30, 100)); // 150 bytes in flight
         assert!(w.admits_before(order(5, 2, 1), 30, 100)); // 60 before it
         assert!(!w.admits_before(order(5, 2, 1), 50, 100));
-        assert!(w.remove(1, 0) && !w.remove(1, 0) && w.contains(1, 1) && !w.contains(1, 0));
+        // Removing twice takes the bytes once.
+        w.remove(&order(0, 1, 0));
+        w.remove(&order(0, 1, 0));
         assert_eq!(w.bytes, 120);
-        w.clear();
-        assert_eq!(w.bytes, 0);
     }
 
     #[test]
@@ -236,16 +225,16 @@ mod tests {
         assert!(!s.window.admits_before(order(0, 1, 2), 100, 250));
         // Re-queued (failover): replaced, not counted twice.
         s.insert(1, 1, order(0, 1, 1), 100, 2);
-        assert_eq!((s.slot.len(), s.window.bytes), (3, 300));
+        assert_eq!((s.entries.len(), s.window.bytes), (3, 300));
         // Received: gone; removing twice changes nothing.
         s.remove(1, 0);
         s.remove(1, 0);
-        assert_eq!((s.slot.len(), s.window.bytes), (2, 200));
+        assert_eq!((s.entries.len(), s.window.bytes), (2, 200));
         assert!(s.window.admits_before(order(0, 1, 2), 100, 250));
         // A lost connection's entries go; the others stay.
         s.drop_slot(0);
-        assert_eq!((s.slot.len(), s.window.bytes), (1, 100));
-        assert!(s.window.contains(1, 1) && !s.window.contains(1, 2));
+        assert_eq!((s.entries.len(), s.window.bytes), (1, 100));
+        assert!(s.entries.contains_key(&(1, 1)) && !s.entries.contains_key(&(1, 2)));
     }
 
     #[test]

@@ -2,10 +2,13 @@
 //! (`SendItem`, in the job-wide `Order`), where its bytes come from
 //! (`ChunkSrc`), and the active round it belongs to (`Active`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::admission::Window;
 use super::host::HostRound;
+use super::trace::Stamp;
 use super::BufPtr;
 use crate::client::op::Op;
 use crate::protocol::{DType, Header, TensorSpec};
@@ -94,4 +97,127 @@ pub(super) struct Active {
 pub(super) struct ChunkSrc {
     pub(super) ptr: *const u8,
     pub(super) len: usize,
+}
+
+/// Where a chunk this worker pushed on a connection is. Queued chunks are
+/// in the connection's heap, done ones are gone:
+/// queued → `OnWire` (`InFlight::sent`) → `Received` (the server's
+/// Received ack: `InFlight::received`) → done (its result is in:
+/// `InFlight::done`; the push that completes a round skips `Received`).
+/// A chunk moved to another server, or a connection lost, leaves at any
+/// phase (`InFlight::forget`, `InFlight::clear`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Phase {
+    OnWire,
+    Received,
+}
+
+struct Flight {
+    order: Order,
+    phase: Phase,
+    /// Its stages so far, while a timeline is recorded.
+    stamp: Option<Stamp>,
+}
+
+/// A connection's chunks between queued and done, each in its `Phase`, and
+/// the two credit windows that follow from the phases: `unreceived` holds
+/// the chunks `OnWire` (bounded by the credit), `unreturned` every chunk
+/// here (only what comes before a chunk counts, see `Window::admits_before`).
+/// Every change goes through the transitions below, so the windows and
+/// the stamps never disagree.
+#[derive(Default)]
+pub(super) struct InFlight {
+    chunks: HashMap<(u32, u32), Flight>,
+    pub(super) unreceived: Window,
+    pub(super) unreturned: Window,
+}
+
+impl InFlight {
+    /// Queued → on the wire.
+    pub(super) fn sent(&mut self, key: u32, chunk: u32, order: Order, len: usize, stamp: Option<Stamp>) {
+        self.forget(key, chunk); // never twice (a chunk re-sent after a move)
+        self.unreceived.insert(order, len);
+        self.unreturned.insert(order, len);
+        self.chunks.insert((key, chunk), Flight { order, phase: Phase::OnWire, stamp });
+    }
+
+    /// On the wire → received whole by the server: its bytes leave the
+    /// unreceived window. False if the chunk is not on the wire here.
+    pub(super) fn received(&mut self, key: u32, chunk: u32) -> bool {
+        let Some(f) = self.chunks.get_mut(&(key, chunk)).filter(|f| f.phase == Phase::OnWire) else {
+            return false;
+        };
+        f.phase = Phase::Received;
+        if let Some(s) = &mut f.stamp {
+            s.received = Some(Instant::now());
+        }
+        self.unreceived.remove(&f.order);
+        true
+    }
+
+    /// Its result is in: done, out of both windows; its stamps, if recorded.
+    pub(super) fn done(&mut self, key: u32, chunk: u32) -> Option<Stamp> {
+        self.forget(key, chunk)
+    }
+
+    /// Leaves at whatever phase it is in (moved to another server).
+    pub(super) fn forget(&mut self, key: u32, chunk: u32) -> Option<Stamp> {
+        let f = self.chunks.remove(&(key, chunk))?;
+        if f.phase == Phase::OnWire {
+            self.unreceived.remove(&f.order);
+        }
+        self.unreturned.remove(&f.order);
+        f.stamp
+    }
+
+    /// Everything leaves (the connection is lost, or the job failed).
+    pub(super) fn clear(&mut self) {
+        *self = InFlight::default();
+    }
+
+    #[cfg(test)]
+    pub(super) fn phase(&self, key: u32, chunk: u32) -> Option<Phase> {
+        self.chunks.get(&(key, chunk)).map(|f| f.phase)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{InFlight, Order, Phase};
+    use std::cmp::Reverse;
+
+    fn order(key: u32, chunk: u32) -> Order {
+        (Reverse(0), key, chunk, 0)
+    }
+
+    #[test]
+    fn a_chunk_moves_through_its_phases_and_the_windows_follow() {
+        let mut f = InFlight::default();
+        f.sent(1, 0, order(1, 0), 100, None);
+        f.sent(1, 1, order(1, 1), 50, None);
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes), (150, 150));
+        assert_eq!(f.phase(1, 0), Some(Phase::OnWire));
+        // Received: out of the unreceived window only; a second ack is refused.
+        assert!(f.received(1, 0));
+        assert!(!f.received(1, 0));
+        assert_eq!(f.phase(1, 0), Some(Phase::Received));
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes), (50, 150));
+        // An ack for a chunk never sent here is refused.
+        assert!(!f.received(2, 0));
+        // Done from Received, and straight from OnWire (the round's last push).
+        f.done(1, 0);
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes), (50, 50));
+        f.done(1, 1);
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes), (0, 0));
+        assert_eq!(f.phase(1, 1), None);
+        // Sent again (re-sent after a move): counted once.
+        f.sent(3, 0, order(3, 0), 10, None);
+        f.sent(3, 0, order(3, 0), 10, None);
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes), (10, 10));
+        f.forget(3, 0);
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes), (0, 0));
+        f.sent(4, 0, order(4, 0), 10, None);
+        f.clear();
+        assert_eq!((f.unreceived.bytes, f.unreturned.bytes, f.phase(4, 0)), (0, 0, None));
+    }
 }

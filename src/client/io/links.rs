@@ -2,7 +2,7 @@
 //! each one's send half (priority queue, windows, writer) and `LinkState`,
 //! and the pump that writes as much as admission and the socket allow.
 
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
@@ -10,8 +10,7 @@ use std::time::Instant;
 use mio::net::TcpStream;
 use mio::Token;
 
-use super::admission::Window;
-use super::flow::{Carry, SendItem};
+use super::flow::{Carry, InFlight, SendItem};
 use super::trace::Stamp;
 use super::Io;
 use crate::client::ClientError;
@@ -22,11 +21,9 @@ use crate::transport::{ConnError, Connection, FrameWriter, Outgoing};
 pub(super) struct SendHalf {
     pub(super) heap: BinaryHeap<SendItem>,
     pub(super) tx: FrameWriter<Carry>,
-    /// Pushed, not yet received whole by the server (bounded by `credit`).
-    pub(super) unreceived: Window,
-    /// Pushed, result not back yet: at most `credit` bytes of it may come
-    /// before a chunk in the job-wide order for that chunk to go.
-    pub(super) unreturned: Window,
+    /// Pushed, result not back yet: each chunk's phase, and the credit
+    /// windows (`InFlight`).
+    pub(super) flights: InFlight,
     /// This connection's credit (bytes); see `Io::note_placement`.
     pub(super) credit: usize,
     /// When the link stopped being `Live` for writing (broke, or its
@@ -35,8 +32,6 @@ pub(super) struct SendHalf {
     /// Copies of pushes being written when their chunk moved (`Io::detach`),
     /// kept until the frame is out.
     pub(super) detached: Vec<Box<[u8]>>,
-    /// With a timeline: each chunk in flight's stages so far, by (key, chunk).
-    pub(super) stamps: HashMap<(u32, u32), Stamp>,
     /// Callers reading this connection themselves (`Io::quiet`).
     pub(super) quiet_callers: u32,
 }
@@ -140,6 +135,15 @@ impl LinkState {
             2 => LinkState::WrittenOff,
             _ => LinkState::Dead,
         }
+    }
+}
+
+impl SendHalf {
+    /// Nothing queued, being written or in flight any more.
+    pub(super) fn clear(&mut self) {
+        self.heap.clear();
+        self.tx.clear();
+        self.flights.clear();
     }
 }
 
@@ -271,13 +275,15 @@ impl Io {
 
     pub(super) fn pump_locked(&self, i: usize, st: &mut SendHalf) -> Result<(), ConnError> {
         let c = &self.conns[i];
-        let (heap, unreceived, unreturned, credit) = (&mut st.heap, &mut st.unreceived, &mut st.unreturned, st.credit);
+        let (heap, flights, credit) = (&mut st.heap, &mut st.flights, st.credit);
         let ns = self.namespace;
-        let (tracing, stamps) = (self.trace_on.load(Ordering::Acquire), &mut st.stamps);
+        let tracing = self.trace_on.load(Ordering::Acquire);
         let next = || {
             if let SendItem::Chunk(top) = heap.peek()? {
                 let order = heap.peek()?.order();
-                if !(unreceived.admits(order, top.len, credit) && unreturned.admits_before(order, top.len, credit)) {
+                if !(flights.unreceived.admits(order, top.len, credit)
+                    && flights.unreturned.admits_before(order, top.len, credit))
+                {
                     return None;
                 }
                 let limit = self.spread_limit();
@@ -307,12 +313,8 @@ impl Io {
                         priority: ch.priority,
                         payload_len: ch.len as u32,
                     };
-                    unreceived.insert(ch.key, ch.chunk, order, ch.len);
-                    unreturned.insert(ch.key, ch.chunk, order, ch.len);
-                    if tracing {
-                        let (queued, sent, round, len) = (ch.queued, Instant::now(), ch.round, ch.len);
-                        stamps.insert((ch.key, ch.chunk), Stamp { queued, sent, received: None, round, len });
-                    }
+                    let stamp = tracing.then(|| Stamp::sent(ch.queued, ch.round, ch.len));
+                    flights.sent(ch.key, ch.chunk, order, ch.len, stamp);
                     if ch.by_ref {
                         self.pushed_by_ref.fetch_add(1, Ordering::Relaxed);
                         h.msg_type = MsgType::PushRef;

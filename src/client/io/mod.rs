@@ -268,12 +268,7 @@ impl Io {
         let mut ops = self.ops();
         let msg = ops.failed.get_or_insert(msg).clone();
         for c in self.conns.iter() {
-            let mut st = c.send();
-            st.heap.clear();
-            st.tx.clear();
-            st.unreceived.clear();
-            st.unreturned.clear();
-            st.stamps.clear();
+            c.send().clear();
         }
         *self.spread() = Spread::default();
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();

@@ -93,9 +93,7 @@ impl Io {
     pub(super) fn detach(&self, from: &Conn, key: u32, chunk: u32) {
         let mut st = from.send();
         st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
-        st.unreceived.remove(key, chunk);
-        st.unreturned.remove(key, chunk);
-        st.stamps.remove(&(key, chunk));
+        st.flights.forget(key, chunk);
         self.spread().remove(key, chunk);
         if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
             // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
@@ -194,11 +192,7 @@ impl IoCore {
             c.link.deregister(&io.registry);
             let mut st = c.send();
             st.broken_at.get_or_insert_with(Instant::now);
-            st.heap.clear();
-            st.tx.clear();
-            st.unreceived.clear();
-            st.unreturned.clear();
-            st.stamps.clear();
+            st.clear();
             drop(st);
             // What it held is re-queued below, or waits for nothing any more.
             io.spread().drop_slot(i);

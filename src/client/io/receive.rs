@@ -136,17 +136,11 @@ impl IoCore {
                 if hdr.payload_len != 0 {
                     return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
                 }
-                {
-                    let mut st = io.conns[i].send();
-                    if !st.unreceived.remove(hdr.key, hdr.chunk) {
-                        return Err(ConnError::Invalid(format!(
-                            "Received for key {} chunk {}, which is not in flight here",
-                            hdr.key, hdr.chunk
-                        )));
-                    }
-                    if let Some(s) = st.stamps.get_mut(&(hdr.key, hdr.chunk)) {
-                        s.received = Some(Instant::now());
-                    }
+                if !io.conns[i].send().flights.received(hdr.key, hdr.chunk) {
+                    return Err(ConnError::Invalid(format!(
+                        "Received for key {} chunk {}, which is not in flight here",
+                        hdr.key, hdr.chunk
+                    )));
                 }
                 io.spread_done(hdr.key, hdr.chunk);
                 io.pump(i)
@@ -191,13 +185,7 @@ impl IoCore {
 
     pub(super) fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), ConnError> {
         let io = &self.io;
-        let stamp = {
-            let mut st = io.conns[i].send();
-            // The push that completed the round gets no Received frame.
-            st.unreceived.remove(key, chunk as u32);
-            st.unreturned.remove(key, chunk as u32);
-            st.stamps.remove(&(key, chunk as u32))
-        };
+        let stamp = io.conns[i].send().flights.done(key, chunk as u32);
         // Before the op can complete: its caller may queue the chunk's next
         // round at once, which must not find this one still counted.
         io.spread_done(key, chunk as u32);

@@ -18,6 +18,13 @@ pub(super) struct Stamp {
     pub(super) len: usize,
 }
 
+impl Stamp {
+    /// A chunk queued at `queued` goes on the wire now.
+    pub(super) fn sent(queued: Instant, round: u32, len: usize) -> Stamp {
+        Stamp { queued, sent: Instant::now(), received: None, round, len }
+    }
+}
+
 impl Io {
     /// Record every chunk this worker pushes from now on in a timeline at
     /// `path` (`crate::timeline`), replacing one already recorded.
