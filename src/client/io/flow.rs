@@ -80,6 +80,7 @@ impl PartialOrd for SendItem {
     }
 }
 
+/// A push_pull in flight: one round of one tensor.
 pub(super) struct Active {
     pub(super) op: Arc<Op>,
     pub(super) spec: Arc<TensorSpec>,
@@ -87,13 +88,73 @@ pub(super) struct Active {
     pub(super) round: u32,
     pub(super) priority: i32,
     pub(super) flags: u16,
+    /// By chunk: its result is in the caller's buffer.
     pub(super) got: Vec<bool>,
     pub(super) remaining: usize,
     /// Set when the host's workers sum this tensor together first.
     pub(super) host: Option<HostRound>,
+    /// Results land in the tensor's kept copy first (`Route::Kept`).
+    pub(super) kept: bool,
 }
 
-/// Where the chunks of a submission come from and go to.
+/// Where one chunk of an active round goes through this worker, fixed when
+/// the round starts (`Active::route`). It answers every "where": which
+/// bytes a push reads (`Active::push_src`), where the result lands
+/// (`IoCore::on_header`), and how it reaches the caller once whole
+/// (`IoCore::land`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Route {
+    /// Pushed from the caller's buffer; the result lands there.
+    Caller,
+    /// Pushed from the caller's buffer; the result lands in the tensor's
+    /// kept copy and is copied over once whole (failover on: the buffer
+    /// holds this worker's push until then, see `moves::Kept`).
+    Kept,
+    /// The host's sum in shared memory, which this worker pushes for its
+    /// host (by reference when its server maps the segment); the result
+    /// lands in the segment, then is copied to the caller and published.
+    HostOwner,
+    /// Another worker of this host pushes it: its result is copied from
+    /// the segment once that worker publishes it.
+    HostPeer,
+}
+
+impl Active {
+    pub(super) fn route(&self, c: usize) -> Route {
+        match &self.host {
+            Some(h) if h.owned[c] => Route::HostOwner,
+            Some(_) => Route::HostPeer,
+            None if self.kept => Route::Kept,
+            None => Route::Caller,
+        }
+    }
+
+    /// Chunk `c`'s bytes in the caller's buffer.
+    pub(super) fn caller_chunk(&self, c: usize) -> (*mut u8, usize) {
+        let (a, b) = self.spec.chunk_range(c);
+        let es = self.spec.dtype.size();
+        // SAFETY: a..b lies within the buffer of numel elements the caller passed.
+        (unsafe { self.ptr.0.add(a * es) }, (b - a) * es)
+    }
+
+    /// What this worker's push of chunk `c` reads; None if another worker
+    /// of this host pushes it.
+    pub(super) fn push_src(&self, c: usize) -> Option<ChunkSrc> {
+        match (self.route(c), &self.host) {
+            (Route::HostOwner, Some(h)) => {
+                let (ptr, len) = h.staging.wire(c, self.round);
+                Some(ChunkSrc { ptr, len })
+            }
+            (Route::Caller | Route::Kept, _) => {
+                let (ptr, len) = self.caller_chunk(c);
+                Some(ChunkSrc { ptr, len })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The bytes a push of one chunk reads.
 pub(super) struct ChunkSrc {
     pub(super) ptr: *const u8,
     pub(super) len: usize,

@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use super::flow::ChunkSrc;
 use super::thread::IoCore;
 use super::Io;
 use crate::host::Staging;
@@ -82,7 +81,7 @@ impl IoCore {
         let Some(h) = &io.host else { return };
         h.doorbell.drain();
         let mut touched = Vec::new();
-        let mut copies = Vec::new();
+        let mut published = Vec::new();
         {
             let mut guard = io.ops();
             let ops = &mut *guard;
@@ -98,32 +97,24 @@ impl IoCore {
                             push.push(c);
                         }
                     } else if hr.staging.has_result(c, a.round) {
-                        let (src, len) = hr.staging.result(c);
-                        let (start, _) = a.spec.chunk_range(c);
-                        // SAFETY: start is within the tensor.
-                        let dst = unsafe { a.ptr.0.add(start * a.spec.dtype.size()) };
-                        copies.push((a.spec.key, c, src, dst, len));
+                        published.push((a.spec.key, c));
                     }
                 }
-                let staging = hr.staging.clone();
                 for c in push {
-                    let (ptr, len) = staging.wire(c, a.round);
-                    let slot = io.queue_chunk(&mut ops.seq, a, c, ChunkSrc { ptr, len });
                     if let Some(hr) = &mut a.host {
                         hr.pushed[c] = true;
                     }
-                    if !touched.contains(&slot) {
-                        touched.push(slot);
+                    if let Some(slot) = io.queue_chunk(&mut ops.seq, a, c) {
+                        if !touched.contains(&slot) {
+                            touched.push(slot);
+                        }
                     }
                 }
             }
         }
         io.pump_all(&touched);
-        for (key, c, src, dst, len) in copies {
-            // SAFETY: the published result in shared memory, into the
-            // caller's buffer of an active op (only this thread completes it).
-            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-            self.mark_got(key, c);
+        for (key, c) in published {
+            self.land(key, c);
         }
     }
 }

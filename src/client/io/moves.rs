@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, MutexGuard};
 use std::time::Instant;
 
-use super::flow::{ChunkSrc, SendItem};
+use super::flow::SendItem;
 use super::links::{Conn, LinkState};
 use super::thread::IoCore;
 use super::{Io, OpTable};
@@ -128,7 +128,7 @@ impl Io {
 pub(super) struct Held<'a> {
     pub(super) spec: &'a TensorSpec,
     pub(super) kept: Option<&'a Kept>,
-    pub(super) staging: Option<&'a Arc<Staging>>,
+    pub(super) staging: Option<Arc<Staging>>,
 }
 
 impl Io {
@@ -144,7 +144,7 @@ impl Io {
     ) -> bool {
         let Some(round) = last else { return false };
         let spec = from.spec;
-        let data: Vec<u8> = match (from.staging, from.kept) {
+        let data: Vec<u8> = match (&from.staging, from.kept) {
             (Some(st), _) => {
                 if self.layout.owner(self.rank, spec.key, c as u32) != self.rank || !st.has_result(c, round) {
                     return false;
@@ -174,6 +174,60 @@ impl Io {
         }
         true
     }
+}
+
+/// What this worker holds of a tensor whose chunks move.
+#[derive(Clone, Copy)]
+pub(super) enum Holding<'a> {
+    /// A round in flight: its number, which chunks' results are in, and
+    /// (host stage) which chunks this worker has pushed for its host.
+    Active { round: u32, got: &'a [bool], pushed: Option<&'a [bool]> },
+    /// Nothing in flight: the last round this worker completed, if any.
+    Idle { last: Option<u32> },
+}
+
+/// What to do about one chunk that changed server.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) struct Move {
+    pub(super) chunk: usize,
+    /// Its old and new connections (slots).
+    pub(super) from: usize,
+    pub(super) to: usize,
+    /// Its old server is live (a move to one that joined): drop it from
+    /// that connection's queue and windows, ignore what it still says.
+    pub(super) detach: bool,
+    /// The round of the last result to restore on the new server, if this
+    /// worker received one (another worker may have missed it).
+    pub(super) restore: Option<u32>,
+    /// Push it again to the new server: the old one had not answered.
+    pub(super) resend: bool,
+}
+
+/// The pure part of a move (torchft's way: no sockets, tested alone):
+/// from the old and new placement of a tensor, what this worker holds of
+/// it, and whether each connection still counts (`live`: not written
+/// off), which chunks move and what each needs. Chunks move only off
+/// lost servers or to servers that joined: whatever changed server is
+/// re-sent and restored, whichever loss a note is for (with two at once,
+/// the later placement may come first).
+pub(super) fn plan(old: &TensorSpec, new: &TensorSpec, holding: Holding, live: impl Fn(usize) -> bool) -> Vec<Move> {
+    let n = old.num_chunks().min(new.num_chunks());
+    (0..n)
+        .filter(|&c| old.slots[c] != new.slots[c])
+        .map(|c| {
+            let (from, to) = (old.slots[c] as usize, new.slots[c] as usize);
+            let (restore, resend) = match holding {
+                Holding::Active { round, got, pushed } => {
+                    let restore = if got[c] { Some(round) } else { round.checked_sub(1) };
+                    // Through the host stage a chunk not pushed yet goes to
+                    // the new server when the host's sum is ready.
+                    (restore, !got[c] && pushed.is_none_or(|p| p[c]))
+                }
+                Holding::Idle { last } => (last, false),
+            };
+            Move { chunk: c, from, to, detach: live(from), restore, resend }
+        })
+        .collect()
 }
 
 impl IoCore {
@@ -235,95 +289,68 @@ impl IoCore {
                 }
                 // Nothing of it here (never used by this worker yet).
                 let Some(old) = old else { continue };
-                // Chunks move only off lost servers: whatever changed server
-                // is re-sent and restored, whichever loss this note is for
-                // (with two at once, the later placement may come first).
-                let n = old.num_chunks().min(spec.num_chunks());
-                let moved: Vec<usize> = (0..n).filter(|&c| old.slots[c] != spec.slots[c]).collect();
+                let released = ops.released.iter().find(|r| r.spec.key == key);
+                let holding = match (ops.active.get(&key), released) {
+                    (Some(a), _) => {
+                        Holding::Active { round: a.round, got: &a.got, pushed: a.host.as_ref().map(|h| &h.pushed[..]) }
+                    }
+                    (None, Some(r)) => Holding::Idle { last: r.last_round },
+                    (None, None) => Holding::Idle { last: ops.rounds.get(&key).and_then(|r| r.checked_sub(1)) },
+                };
+                let live = |slot: usize| io.conns.get(slot).is_some_and(|c| c.state() < LinkState::WrittenOff);
+                let moves = plan(&old, spec, holding, live);
                 log::debug!(
                     target: &format!("worker {}", io.rank),
-                    "failover from server {}: tensor '{}' chunks {:?} move from slots {:?} to {:?} (in flight: round {:?}, got {:?})",
+                    "failover from server {}: tensor '{}' moves {moves:?}",
                     note.lost,
                     spec.name,
-                    moved,
-                    moved.iter().map(|&c| old.slots[c]).collect::<Vec<_>>(),
-                    moved.iter().map(|&c| spec.slots[c]).collect::<Vec<_>>(),
-                    ops.active.get(&key).map(|a| a.round),
-                    ops.active.get(&key).map(|a| moved.iter().map(|&c| a.got[c]).collect::<Vec<_>>()),
                 );
-                // Off a live server (a move to one that joined): stop
-                // counting on it for these chunks.
-                for &c in &moved {
-                    let slot = old.slots[c] as usize;
-                    if let Some(from) = io.conns.get(slot) {
-                        if from.state() < LinkState::WrittenOff {
-                            io.detach(from, key, c as u32);
-                            if slot >= self.moved_off.len() {
-                                self.grow(); // added (a server joined) since the loop grew
-                            }
-                            self.moved_off[slot].insert((key, c as u32));
-                            // Its windows have room now: what waits for it may go.
+                for m in &moves {
+                    if m.detach {
+                        // Off a live server (a move to one that joined): stop
+                        // counting on it for this chunk.
+                        io.detach(&io.conns[m.from], key, m.chunk as u32);
+                        if m.from >= self.moved_off.len() {
+                            self.grow(); // added (a server joined) since the loop grew
+                        }
+                        self.moved_off[m.from].insert((key, m.chunk as u32));
+                        // Its windows have room now: what waits for it may go.
+                        if !touched.contains(&m.from) {
+                            touched.push(m.from);
+                        }
+                    }
+                    if let Some(back) = self.moved_off.get_mut(m.to) {
+                        back.remove(&(key, m.chunk as u32)); // moved back
+                    }
+                }
+                // Its next rounds go to the new slots (a released tensor has none).
+                if ops.active.contains_key(&key) || released.is_none() {
+                    io.note_placement(&old, false);
+                    io.note_placement(spec, true);
+                }
+                let seq = &mut ops.seq;
+                let from = match (ops.active.get(&key), released) {
+                    (Some(a), _) => {
+                        Held { spec, kept: ops.kept.get(&key), staging: a.host.as_ref().map(|h| h.staging.clone()) }
+                    }
+                    (None, Some(r)) => Held { spec, kept: r.kept.as_ref(), staging: r.staging.clone() },
+                    (None, None) => {
+                        Held { spec, kept: ops.kept.get(&key), staging: io.host.as_ref().and_then(|h| h.mapped(key)) }
+                    }
+                };
+                for m in &moves {
+                    restored += io.queue_restore(seq, &from, m.chunk, m.restore, &mut touched) as usize;
+                }
+                if let Some(a) = ops.active.get_mut(&key) {
+                    a.spec = spec.clone();
+                    for m in moves.iter().filter(|m| m.resend) {
+                        if let Some(slot) = io.queue_chunk(seq, a, m.chunk) {
+                            resent += 1;
                             if !touched.contains(&slot) {
                                 touched.push(slot);
                             }
                         }
                     }
-                    if let Some(back) = self.moved_off.get_mut(spec.slots[c] as usize) {
-                        back.remove(&(key, c as u32)); // moved back
-                    }
-                }
-                let seq = &mut ops.seq;
-                if let Some(a) = ops.active.get_mut(&key) {
-                    io.note_placement(&a.spec, false);
-                    io.note_placement(spec, true);
-                    a.spec = spec.clone();
-                    for &c in &moved {
-                        let last = if a.got[c] { Some(a.round) } else { a.round.checked_sub(1) };
-                        let from =
-                            Held { spec, kept: ops.kept.get(&key), staging: a.host.as_ref().map(|h| &h.staging) };
-                        restored += io.queue_restore(seq, &from, c, last, &mut touched) as usize;
-                        if a.got[c] {
-                            continue;
-                        }
-                        let src = match &a.host {
-                            Some(h) if h.pushed[c] => {
-                                let (ptr, len) = h.staging.wire(c, a.round);
-                                ChunkSrc { ptr, len }
-                            }
-                            Some(_) => continue, // pushed when the host's sum is ready, to the new server
-                            None => {
-                                let (s, e) = spec.chunk_range(c);
-                                let es = spec.dtype.size();
-                                // SAFETY: the chunk's range in the op's buffer.
-                                ChunkSrc { ptr: unsafe { a.ptr.0.add(s * es) }, len: (e - s) * es }
-                            }
-                        };
-                        let slot = io.queue_chunk(seq, a, c, src);
-                        resent += 1;
-                        if !touched.contains(&slot) {
-                            touched.push(slot);
-                        }
-                    }
-                    continue;
-                }
-                // Not in flight here: restore the last round this worker completed.
-                let (last, kept, staging, released);
-                if let Some(r) = ops.released.iter().find(|r| r.spec.key == key) {
-                    (last, kept, staging, released) = (r.last_round, r.kept.as_ref(), r.staging.clone(), true);
-                } else {
-                    last = ops.rounds.get(&key).and_then(|r| r.checked_sub(1));
-                    kept = ops.kept.get(&key);
-                    staging = io.host.as_ref().and_then(|h| h.mapped(key));
-                    released = false;
-                }
-                if !released {
-                    // Its next rounds go to the new slots.
-                    io.note_placement(&old, false);
-                    io.note_placement(spec, true);
-                }
-                let from = Held { spec, kept, staging: staging.as_ref() };
-                for &c in &moved {
-                    restored += io.queue_restore(seq, &from, c, last, &mut touched) as usize;
                 }
             }
         }
@@ -338,5 +365,74 @@ impl IoCore {
             ),
         }
         io.pump_all(&touched);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{plan, Holding, Move};
+    use crate::protocol::{DType, TensorSpec};
+
+    fn spec(slots: &[u32]) -> TensorSpec {
+        TensorSpec {
+            key: 7,
+            name: "t".into(),
+            numel: 4 * slots.len() as u64,
+            dtype: DType::F32,
+            chunk_elems: 4,
+            slots: slots.to_vec(),
+            replicas: Vec::new(),
+            relays: Vec::new(),
+        }
+    }
+
+    fn mv(chunk: usize, from: usize, to: usize, detach: bool, restore: Option<u32>, resend: bool) -> Move {
+        Move { chunk, from, to, detach, restore, resend }
+    }
+
+    #[test]
+    fn only_chunks_that_changed_server_move_and_a_lost_server_is_not_detached() {
+        let (old, new) = (spec(&[0, 1, 2, 1]), spec(&[0, 3, 2, 0]));
+        // Slot 1's server was lost (written off): nothing to detach there.
+        let got = [true, false, false, true];
+        let moves = plan(&old, &new, Holding::Active { round: 5, got: &got, pushed: None }, |s| s != 1);
+        assert_eq!(
+            moves,
+            // Chunk 1: no result yet, so re-sent; the last result to restore is
+            // the previous round's. Chunk 3: its result is in: restore this
+            // round's, nothing to re-send.
+            vec![mv(1, 1, 3, false, Some(4), true), mv(3, 1, 0, false, Some(5), false)]
+        );
+    }
+
+    #[test]
+    fn a_move_to_a_server_that_joined_detaches_from_the_live_one() {
+        let (old, new) = (spec(&[0, 1]), spec(&[2, 1]));
+        let moves = plan(&old, &new, Holding::Active { round: 0, got: &[false, false], pushed: None }, |_| true);
+        // Round 0 has no earlier result to restore.
+        assert_eq!(moves, vec![mv(0, 0, 2, true, None, true)]);
+    }
+
+    #[test]
+    fn through_the_host_stage_only_what_was_pushed_is_resent() {
+        let (old, new) = (spec(&[0, 0, 0]), spec(&[1, 1, 1]));
+        let holding = Holding::Active { round: 2, got: &[false, false, true], pushed: Some(&[true, false, true]) };
+        let moves = plan(&old, &new, holding, |_| false);
+        let resend: Vec<bool> = moves.iter().map(|m| m.resend).collect();
+        // Chunk 1 is pushed to its new server when the host's sum is ready;
+        // chunk 2's result is in.
+        assert_eq!(resend, vec![true, false, false]);
+    }
+
+    #[test]
+    fn an_idle_tensor_restores_its_last_round_and_resends_nothing() {
+        let (old, new) = (spec(&[0, 1]), spec(&[1, 1]));
+        assert_eq!(
+            plan(&old, &new, Holding::Idle { last: Some(9) }, |_| false),
+            vec![mv(0, 0, 1, false, Some(9), false)]
+        );
+        assert_eq!(plan(&old, &new, Holding::Idle { last: None }, |_| false), vec![mv(0, 0, 1, false, None, false)]);
+        // A placement with fewer chunks (never in practice) moves only the common ones.
+        assert!(plan(&spec(&[0, 1, 2]), &spec(&[0]), Holding::Idle { last: None }, |_| true).is_empty());
     }
 }

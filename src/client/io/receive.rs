@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::flow::Route;
 use super::links::LinkState;
 use super::thread::IoCore;
 use crate::protocol::{decode_stall, Header, MsgType};
@@ -86,7 +87,8 @@ impl IoCore {
                 }
                 let len = a.spec.chunk_bytes(c);
                 let sent = if by_ref { 0 } else { len };
-                if by_ref && !(io.conns[i].by_ref && a.host.as_ref().is_some_and(|h| h.owned[c])) {
+                let route = a.route(c);
+                if by_ref && !(io.conns[i].by_ref && route == Route::HostOwner) {
                     return Err(ConnError::Invalid(format!(
                         "result by reference for tensor '{}' chunk {c}, which this worker did not push by reference",
                         a.spec.name
@@ -101,24 +103,18 @@ impl IoCore {
                         a.spec.dtype.name()
                     )));
                 }
-                let dst = match &a.host {
-                    // A chunk this worker pushes for its host: into the shared buffer.
-                    Some(h) if h.owned[c] => h.staging.result(c).0,
-                    Some(_) => {
+                let dst = match (route, &a.host, ops.kept.get_mut(&hdr.key)) {
+                    (Route::HostOwner, Some(h), _) => h.staging.result(c).0,
+                    (Route::Kept, _, Some(k)) => {
+                        let (start, _) = a.spec.chunk_range(c);
+                        k.buf[start * a.spec.dtype.size()..].as_mut_ptr()
+                    }
+                    (Route::Caller, _, _) => a.caller_chunk(c).0,
+                    _ => {
                         return Err(ConnError::Invalid(format!(
                             "result for tensor '{}' chunk {c}, which another worker of this host pushes",
                             a.spec.name
                         )))
-                    }
-                    None => {
-                        let (start, _) = a.spec.chunk_range(c);
-                        let at = start * a.spec.dtype.size();
-                        match ops.kept.get_mut(&hdr.key) {
-                            // Kept apart until whole (see `Kept`).
-                            Some(k) => k.buf[at..].as_mut_ptr(),
-                            // SAFETY: start is within the tensor.
-                            None => unsafe { a.ptr.0.add(at) },
-                        }
                     }
                 };
                 drop(guard);
@@ -204,42 +200,51 @@ impl IoCore {
                 result: Instant::now(),
             });
         }
-        if let Some(h) = &io.host {
-            let ops = io.ops();
-            if let Some(hr) = ops.active.get(&key).and_then(|a| a.host.as_ref().map(|hr| (a, hr))) {
-                let (a, hr) = hr;
-                // The result is in the shared buffer: take a copy, let the others take theirs.
-                let (src, len) = hr.staging.result(chunk);
-                let (start, _) = a.spec.chunk_range(chunk);
-                // SAFETY: both ranges are this chunk's; the op is active and
-                // only this thread completes it.
-                unsafe { std::ptr::copy_nonoverlapping(src, a.ptr.0.add(start * a.spec.dtype.size()), len) };
-                hr.staging.publish(chunk, a.round);
-                self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
-            }
-        }
-        self.mark_got(key, chunk);
+        self.land(key, chunk);
         // Outstanding room came back: keep the connection busy.
         self.io.pump(i)
     }
 
-    /// Chunk `chunk`'s result is in (in `Kept` with failover on and no host
-    /// stage: copied to the caller's buffer now); complete the op with its
-    /// last chunk.
-    pub(super) fn mark_got(&mut self, key: u32, chunk: usize) {
-        let io = &self.io;
+    /// Chunk `chunk`'s result is whole where its route put it: bring it to
+    /// the caller's buffer (`Route`), and complete the op with its last chunk.
+    pub(super) fn land(&mut self, key: u32, chunk: usize) {
+        let io = self.io.clone();
         let done = {
             let mut guard = io.ops();
             let ops = &mut *guard;
             let Some(a) = ops.active.get_mut(&key) else { return };
-            if let Some(k) = ops.kept.get_mut(&key) {
-                // The whole result is in: now it may replace this worker's push.
-                let (start, end) = a.spec.chunk_range(chunk);
-                let es = a.spec.dtype.size();
-                let src = &k.buf[start * es..end * es];
-                // SAFETY: the chunk's range in the caller's buffer of an active op.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), a.ptr.0.add(start * es), src.len()) };
-                k.round[chunk] = a.round;
+            let (dst, len) = a.caller_chunk(chunk);
+            match (a.route(chunk), &a.host, ops.kept.get_mut(&key)) {
+                (Route::Caller, ..) => {}
+                (Route::Kept, _, Some(k)) => {
+                    // The whole result is in: now it may replace this worker's push.
+                    let (start, _) = a.spec.chunk_range(chunk);
+                    let at = start * a.spec.dtype.size();
+                    // SAFETY: the chunk's range in the caller's buffer of an active op.
+                    unsafe { std::ptr::copy_nonoverlapping(k.buf[at..at + len].as_ptr(), dst, len) };
+                    k.round[chunk] = a.round;
+                }
+                (Route::HostOwner, Some(hr), _) => {
+                    // In the shared buffer: take a copy, let the others take theirs.
+                    let (src, _) = hr.staging.result(chunk);
+                    // SAFETY: both ranges are this chunk's; the op is active and
+                    // only this thread completes it.
+                    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+                    hr.staging.publish(chunk, a.round);
+                    if let Some(h) = &io.host {
+                        self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
+                    }
+                }
+                (Route::HostPeer, Some(hr), _) => {
+                    // Published by the worker of this host that pushed it.
+                    let (src, _) = hr.staging.result(chunk);
+                    // SAFETY: as above.
+                    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+                }
+                (route, ..) => {
+                    // Not reachable: a route is fixed with what it needs.
+                    log::error!(target: &format!("worker {}", io.rank), "chunk {chunk} of key {key}: no place for its {route:?} result");
+                }
             }
             a.got[chunk] = true;
             a.remaining -= 1;

@@ -6,7 +6,7 @@ use super::Completion;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::flow::{Active, ChunkSend, ChunkSrc, SendItem};
+use super::flow::{Active, ChunkSend, Route, SendItem};
 use super::host::HostRound;
 use super::moves::{Kept, NO_ROUND};
 use super::{left_message, Io, Submission, NONE_LEFT};
@@ -21,13 +21,6 @@ impl Io {
             Err(e) => return owner.finish_op(&s.op, Some(e)),
         };
         let n = s.spec.num_chunks();
-        let es = s.spec.dtype.size();
-        let (spec, base) = (s.spec.clone(), s.ptr);
-        let chunk_src = move |c: usize| {
-            let (a, b) = spec.chunk_range(c);
-            // SAFETY: a..b lies within the buffer of numel elements the caller passed.
-            ChunkSrc { ptr: unsafe { base.0.add(a * es) }, len: (b - a) * es }
-        };
         let Some(h) = &self.host else {
             if n == 1 {
                 // Small: its caller may read its result itself (`IoCore::poll_for`).
@@ -36,7 +29,7 @@ impl Io {
                 }
             }
             let all: Vec<usize> = (0..n).collect();
-            self.start(s, round, None, &all, chunk_src, owner);
+            self.start(s, round, None, &all, owner);
             return;
         };
         let staging = match h.staging(&s.spec) {
@@ -73,11 +66,7 @@ impl Io {
             since: std::time::Instant::now(),
             stall_reported: false,
         };
-        let wire = |c: usize| {
-            let (ptr, len) = staging.wire(c, round);
-            ChunkSrc { ptr, len }
-        };
-        if self.start(s, round, Some(hr), &ready, wire, owner) {
+        if self.start(s, round, Some(hr), &ready, owner) {
             h.bells.ring_mask(ring | 1 << h.local);
         }
         // A local worker left while this was being submitted: see `Shared::on_peer_left`.
@@ -110,15 +99,14 @@ impl Io {
         Ok(Some(round))
     }
 
-    /// Make the op active and queue the chunks `push` (their bytes from
-    /// `src`). Returns false if the job had failed meanwhile.
+    /// Make the op active and queue the chunks `push`. Returns false if
+    /// the job had failed meanwhile.
     pub(super) fn start(
         &self,
         s: Submission,
         round: u32,
         host: Option<HostRound>,
         push: &[usize],
-        src: impl Fn(usize) -> ChunkSrc,
         owner: &dyn Completion,
     ) -> bool {
         let key = s.spec.key;
@@ -134,7 +122,8 @@ impl Io {
             }
             // Submitted with a spec a failover replaced meanwhile.
             let spec = self.latest_spec(key).unwrap_or(s.spec);
-            if self.failover && host.is_none() && !ops.kept.contains_key(&key) {
+            let kept = self.failover && host.is_none();
+            if kept && !ops.kept.contains_key(&key) {
                 let bytes = spec.numel as usize * spec.dtype.size();
                 ops.kept.insert(key, Kept { buf: vec![0u8; bytes].into(), round: vec![NO_ROUND; n] });
             }
@@ -148,6 +137,7 @@ impl Io {
                 got: vec![false; n],
                 remaining: n,
                 host,
+                kept,
             };
             // Items go on the queues while `ops` is held, so a concurrent
             // failure either sees them (and drops them) or runs before them.
@@ -155,9 +145,10 @@ impl Io {
                 if let Some(h) = &mut a.host {
                     h.pushed[c] = true;
                 }
-                let slot = self.queue_chunk(&mut ops.seq, &a, c, src(c));
-                if !touched.contains(&slot) {
-                    touched.push(slot);
+                if let Some(slot) = self.queue_chunk(&mut ops.seq, &a, c) {
+                    if !touched.contains(&slot) {
+                        touched.push(slot);
+                    }
                 }
             }
             ops.active.insert(key, a);
@@ -166,14 +157,18 @@ impl Io {
         true
     }
 
-    /// Put chunk `c` of an active op on its connection's queue.
-    pub(super) fn queue_chunk(&self, seq: &mut u64, a: &Active, c: usize, src: ChunkSrc) -> usize {
+    /// Put this worker's push of chunk `c` of an active op on its
+    /// connection's queue; its slot (None: another worker pushes it).
+    pub(super) fn queue_chunk(&self, seq: &mut u64, a: &Active, c: usize) -> Option<usize> {
+        let src = a.push_src(c)?;
+        let route = a.route(c);
         let slot = a.spec.slots[c] as usize;
         *seq += 1;
         // Wholly outside the bytes the caller may have set: zeros, sent as a header.
         let (lo, hi) = a.spec.chunk_range(c);
         let es = a.spec.dtype.size();
-        let zeros = a.host.is_none() && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
+        let zeros = matches!(route, Route::Caller | Route::Kept)
+            && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
         let len = if zeros { 0 } else { src.len };
         let item = SendItem::Chunk(ChunkSend {
             priority: a.priority,
@@ -185,7 +180,7 @@ impl Io {
             dtype: a.spec.dtype,
             ptr: src.ptr,
             len,
-            by_ref: a.host.is_some() && self.conns[slot].by_ref,
+            by_ref: route == Route::HostOwner && self.conns[slot].by_ref,
             queued: Instant::now(),
         });
         if self.spread_limit() > 0 {
@@ -193,6 +188,6 @@ impl Io {
             self.spread().insert(a.spec.key, c as u32, item.order(), len, slot);
         }
         self.conns[slot].send().heap.push(item);
-        slot
+        Some(slot)
     }
 }
