@@ -517,7 +517,7 @@ impl PyClient {
 
     /// Tensors this worker holds state for (declared, not released).
     fn num_tensors(&self) -> usize {
-        self.inner.num_tensors()
+        self.inner.stats().tensors
     }
 
     /// Start an in-place push_pull of raw memory. `owner` is kept alive until done.

@@ -23,6 +23,7 @@ mod shared;
 mod table;
 
 pub use config::{ClientConfig, ClientError};
+pub use io::IoStats;
 pub use op::{Callback, Op, OpError};
 pub use table::RELEASE_AFTER;
 
@@ -542,25 +543,21 @@ impl Client {
         Ok(())
     }
 
+    /// What this worker holds and has done so far, in one snapshot (for
+    /// tests, benchmarks and diagnostics).
+    pub fn stats(&self) -> ClientStats {
+        let tensors = self.shared.table().specs.len();
+        ClientStats { tensors, data: self.shared.io.stats() }
+    }
+}
+
+/// A snapshot of a worker's counters (`Client::stats`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientStats {
     /// Tensors this worker holds state for (declared and not released).
-    pub fn num_tensors(&self) -> usize {
-        self.shared.table().specs.len()
-    }
-
-    /// Chunks this worker pushed so far: (by reference through shared
-    /// memory, through a socket, and of those as zeros: a header only).
-    pub fn pushed_chunks(&self) -> (u64, u64, u64) {
-        let io = &self.shared.io;
-        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-        (load(&io.pushed_by_ref), load(&io.pushed_by_socket), load(&io.pushed_zeros))
-    }
-
-    /// Chunks queued or in flight that their servers have not received
-    /// whole yet, and their bytes (what the spread counts; none once every
-    /// op is done).
-    pub fn unreceived(&self) -> (usize, usize) {
-        self.shared.io.unreceived()
-    }
+    pub tensors: usize,
+    /// The data plane's counters.
+    pub data: IoStats,
 }
 
 impl Drop for Client {

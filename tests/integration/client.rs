@@ -158,7 +158,13 @@ fn many_in_flight(servers: &[(usize, bool)], spread: Option<usize>) {
                         assert_eq!(b, &want, "tensor t{t} round {round}");
                     }
                 }
-                assert_eq!(c.unreceived(), (0, 0), "worker {}: chunks left in the spread", c.rank);
+                let d = c.stats().data;
+                assert_eq!(
+                    (d.unreceived_chunks, d.unreceived_bytes),
+                    (0, 0),
+                    "worker {}: chunks left in the spread",
+                    c.rank
+                );
             });
         }
     });
@@ -657,7 +663,7 @@ fn chunks_outside_the_live_bytes_go_as_zeros_and_everything_sums_right() {
                     assert_eq!(got, (0..1000).map(val).collect::<Vec<_>>(), "worker {r}");
                     // Chunks of 256 values: 0..300 touches chunks 0-1, 300..600 chunks 1-2,
                     // 600..900 chunks 2-3; the rest are zeros, 3 rounds of them, plus the broadcast's.
-                    let (_, _, zeros) = c.pushed_chunks();
+                    let zeros = c.stats().data.pushed_zeros;
                     let want_zeros = if host_reduce { 0 } else { 3 * 2 + if r == 0 { 0 } else { 4 } };
                     assert_eq!(zeros, want_zeros, "worker {r} host_reduce {host_reduce}");
                 });

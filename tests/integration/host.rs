@@ -143,8 +143,8 @@ fn exact_sums_shm(hosts: &[&str], servers: &[(usize, bool)], reduce: bool, shm: 
     let placed = server_hosts(hosts, servers);
     for h in hosts {
         let on_h: Vec<&Client> = clients.iter().filter(|c| hosts[c.rank as usize] == *h).collect();
-        let by_ref: u64 = on_h.iter().map(|c| c.pushed_chunks().0).sum();
-        let by_socket: u64 = on_h.iter().map(|c| c.pushed_chunks().1).sum();
+        let by_ref: u64 = on_h.iter().map(|c| c.stats().data.pushed_by_ref).sum();
+        let by_socket: u64 = on_h.iter().map(|c| c.stats().data.pushed_by_socket).sum();
         let shares = placed.iter().any(|p| p.as_deref() == Some(*h));
         if shm && reduce && on_h.len() > 1 && shares {
             assert!(by_ref > 0, "host {h}: no push by reference ({by_socket} through sockets)");
@@ -392,15 +392,15 @@ fn unnamed_ops_and_reshaped_names_free_their_state_through_the_host_stage() {
                     let want: Vec<f32> = (0..n).map(|j| (0..3).map(|r| v(r, j)).sum()).collect();
                     assert_eq!(got, want, "worker {} op {i}", c.rank);
                 }
-                assert_eq!(c.num_tensors(), 0, "worker {} kept state of unnamed ops", c.rank);
+                assert_eq!(c.stats().tensors, 0, "worker {} kept state of unnamed ops", c.rank);
                 // One name, three shapes: each change is a new tensor.
                 for (i, n) in [1000usize, 10, 1000].into_iter().enumerate() {
                     let got = push_pull(c, "x", vec![(i + 1) as f32; n], DType::F32, 0, 0).unwrap();
                     assert_eq!(got, vec![3.0 * (i + 1) as f32; n], "worker {} shape {n}", c.rank);
                 }
-                assert_eq!(c.num_tensors(), 1);
+                assert_eq!(c.stats().tensors, 1);
                 c.release(&["x".to_string()]).unwrap();
-                assert_eq!(c.num_tensors(), 0);
+                assert_eq!(c.stats().tensors, 0);
                 let e = c.release(&["x".to_string()]).unwrap_err().to_string();
                 assert_contains(&e, &["tensor 'x' is not declared"]);
             });

@@ -145,8 +145,8 @@ impl Io {
         self.pump_all(&(0..self.conns.len()).collect::<Vec<_>>());
     }
 
-    /// See `Client::unreceived`.
-    pub fn unreceived(&self) -> (usize, usize) {
+    /// Chunks in the spread, and their bytes (see `IoStats`).
+    pub(super) fn unreceived(&self) -> (usize, usize) {
         let sp = self.spread();
         (sp.entries.len(), sp.window.bytes)
     }

@@ -37,7 +37,7 @@
 //! doorbells wake this thread for both. Everything above holds per pusher.
 //!
 //! Failover (`scheduler::failover`): when a server is lost its connections
-//! go quiet here (`SendHalf::lost`) until the scheduler says where its
+//! go quiet here (`LinkState::Broken`) until the scheduler says where its
 //! chunks went, at most a few peer timeouts. Then this thread re-sends every
 //! push the lost server had not answered (a caller's buffer, or the host's
 //! sum, still holds it: results land apart, in `Kept` or the segment's
@@ -45,8 +45,28 @@
 //! result it holds of each moved chunk, which other workers may have
 //! missed. Tensors released lately keep theirs a while (`Released`).
 //!
-//! Locks: `ops` before a connection's `send`, never the reverse; the client's
-//! table lock is only taken inside `ops` (completing an op), never around it.
+//! Two state machines carry all of this (docs/architecture.md draws them):
+//! each chunk pushed on a connection is in a `flow::Phase` (queued, on the
+//! wire, received, done; `flow::InFlight` keeps the credit windows and the
+//! timeline stamps in step with it) and follows a `flow::Route` fixed when
+//! its round starts (caller's buffer, kept copy, host owner, host peer);
+//! each connection is in a `links::LinkState` (live, broken, written off,
+//! dead). The data plane reports back to the client only through
+//! `Completion`.
+//!
+//! Where things are: `submit` (starting a round), `admission` (windows,
+//! the spread, credit split), `links` (the connection table, the pump),
+//! `flow` (phases, routes), `receive` (frame handlers, landing results),
+//! `thread` (the I/O thread's loop and its checks), `host` (the host
+//! stage), `moves` (failover and joins: a pure `moves::plan`, then applied),
+//! `trace` (the chunk timeline).
+//!
+//! Locks, outermost first; a lock is never taken while one after it is
+//! held: the I/O thread's `IoCore` → `ops` (the op table) → a connection's
+//! `send` → `spread`. Leaf locks (nothing taken while held): `latest`,
+//! `placed`, `notes`, `fail_requested`, `trace`, `trace_writer`, the
+//! connection table's `append`. The client's table lock is never taken
+//! while `ops` is held: ops complete after it is released.
 
 mod admission;
 mod flow;
@@ -137,10 +157,10 @@ pub struct Io {
     /// A worker that left the job (`NONE_LEFT`: none); see `Shared::on_peer_left`.
     pub left: AtomicU32,
     /// Chunks pushed by reference and through sockets, since the start.
-    pub pushed_by_ref: AtomicU64,
-    pub pushed_by_socket: AtomicU64,
+    pushed_by_ref: AtomicU64,
+    pushed_by_socket: AtomicU64,
     /// Of those through sockets, pushes of zeros (a header only).
-    pub pushed_zeros: AtomicU64,
+    pushed_zeros: AtomicU64,
     /// The job survives a lost server (`Welcome::failover`): keep results
     /// apart (`Kept`) and wait for the failover when a connection breaks.
     pub failover: bool,
@@ -167,6 +187,21 @@ pub struct Io {
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
+
+/// The data plane's counters (`Io::stats`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IoStats {
+    /// Chunks pushed by reference, through shared memory (host stage).
+    pub pushed_by_ref: u64,
+    /// Chunks pushed through a socket, and of those, zeros (a header only).
+    pub pushed_by_socket: u64,
+    pub pushed_zeros: u64,
+    /// Chunks queued or in flight that their servers have not received
+    /// whole yet, and their bytes (what the spread counts; none once
+    /// every op is done).
+    pub unreceived_chunks: usize,
+    pub unreceived_bytes: usize,
+}
 
 /// The data plane's one way back to the client: an op is complete (or
 /// failed), the job must fail (told to every member), has it failed.
@@ -239,6 +274,18 @@ impl Io {
         };
         io.add_conns(streams)?;
         Ok(io)
+    }
+
+    pub fn stats(&self) -> IoStats {
+        let (unreceived_chunks, unreceived_bytes) = self.unreceived();
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        IoStats {
+            pushed_by_ref: load(&self.pushed_by_ref),
+            pushed_by_socket: load(&self.pushed_by_socket),
+            pushed_zeros: load(&self.pushed_zeros),
+            unreceived_chunks,
+            unreceived_bytes,
+        }
     }
 
     pub fn rank(&self) -> u32 {
