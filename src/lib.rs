@@ -27,6 +27,7 @@ pub mod protocol;
 pub mod scheduler;
 pub mod server;
 pub mod session;
+pub mod stall;
 pub mod timeline;
 pub mod transport;
 

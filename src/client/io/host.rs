@@ -8,6 +8,7 @@ use std::sync::Arc;
 use super::thread::IoCore;
 use super::Io;
 use crate::host::Staging;
+use crate::stall::StallWatch;
 
 /// A round through the host stage: which chunks this worker pushes (for
 /// the host, from `staging`), and which of those it has queued.
@@ -15,9 +16,8 @@ pub(super) struct HostRound {
     pub(super) staging: Arc<Staging>,
     pub(super) owned: Vec<bool>,
     pub(super) pushed: Vec<bool>,
-    /// When this worker contributed, and whether a stall was reported.
-    pub(super) since: std::time::Instant,
-    pub(super) stall_reported: bool,
+    /// Since this worker contributed.
+    pub(super) stall: StallWatch,
 }
 
 impl Io {
@@ -51,15 +51,11 @@ impl IoCore {
         let mut ops = io.ops();
         for a in ops.active.values_mut() {
             let Some(hr) = &mut a.host else { continue };
-            let waited = hr.since.elapsed();
-            if hr.stall_reported || waited < io.stall {
-                continue;
-            }
             let missing = hr.staging.missing(a.round);
             if missing == 0 {
                 continue; // the host's sums are complete: servers watch the rest
             }
-            hr.stall_reported = true;
+            let Some(waited) = hr.stall.overdue(io.stall) else { continue };
             let ranks: Vec<u32> =
                 h.workers.iter().enumerate().filter(|(l, _)| missing >> l & 1 == 1).map(|(_, &r)| r).collect();
             let msg = format!(

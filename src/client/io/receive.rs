@@ -255,7 +255,7 @@ impl IoCore {
             finished
         };
         if let Some(a) = done {
-            if a.host.as_ref().is_some_and(|h| h.stall_reported) {
+            if a.host.as_ref().is_some_and(|h| h.stall.reported()) {
                 log::info!(target: &format!("worker {}", io.rank), "stall resolved: tensor '{}' round {} complete", a.spec.name, a.round);
             }
             self.owner.finish_op(&a.op, None);

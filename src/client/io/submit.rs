@@ -10,6 +10,7 @@ use super::flow::{Active, ChunkSend, Route, SendItem};
 use super::host::HostRound;
 use super::moves::{Kept, NO_ROUND};
 use super::{left_message, Io, Submission, NONE_LEFT};
+use crate::stall::StallWatch;
 
 impl Io {
     /// Start a push_pull: queue its chunks and start sending from this
@@ -59,13 +60,7 @@ impl Io {
             owner.fail_job(msg.clone());
             return owner.finish_op(&s.op, Some(msg));
         }
-        let hr = HostRound {
-            staging: staging.clone(),
-            owned,
-            pushed: vec![false; n],
-            since: std::time::Instant::now(),
-            stall_reported: false,
-        };
+        let hr = HostRound { staging: staging.clone(), owned, pushed: vec![false; n], stall: StallWatch::start() };
         if self.start(s, round, Some(hr), &ready, owner) {
             h.bells.ring_mask(ring | 1 << h.local);
         }

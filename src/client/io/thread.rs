@@ -90,10 +90,7 @@ impl IoThread {
         let io = self.core().io.clone();
         let tick = match (&io.host, io.failover) {
             (None, false) => None,
-            _ => Some(
-                (io.stall.min(io.peer_timeout.max(Duration::from_millis(200))) / 4)
-                    .clamp(Duration::from_millis(50), Duration::from_secs(1)),
-            ),
+            _ => Some(crate::stall::tick(io.stall, io.peer_timeout.max(Duration::from_millis(200)))),
         };
         loop {
             {
