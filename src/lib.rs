@@ -27,9 +27,9 @@ pub mod protocol;
 pub mod scheduler;
 pub mod server;
 pub mod session;
-pub mod stall;
 pub mod timeline;
 pub mod transport;
+pub mod waits;
 
 #[cfg(feature = "python")]
 mod python;

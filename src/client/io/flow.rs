@@ -10,6 +10,7 @@ use super::admission::Window;
 use super::host::HostRound;
 use super::trace::Stamp;
 use super::BufPtr;
+use super::Io;
 use crate::client::op::Op;
 use crate::protocol::{DType, Header, TensorSpec};
 
@@ -239,6 +240,27 @@ impl InFlight {
     #[cfg(test)]
     pub(super) fn phase(&self, key: u32, chunk: u32) -> Option<Phase> {
         self.chunks.get(&(key, chunk)).map(|f| f.phase)
+    }
+}
+
+impl Io {
+    /// Chunk (`key`, `chunk`) on connection `i`: on the wire → received
+    /// (`InFlight::received`), and out of the spread. False if it was not
+    /// on the wire there.
+    pub(super) fn chunk_received(&self, i: usize, key: u32, chunk: u32) -> bool {
+        if !self.conns[i].send().flights.received(key, chunk) {
+            return false;
+        }
+        self.spread_done(key, chunk);
+        true
+    }
+
+    /// Its result is in: done on connection `i` (`InFlight::done`) and out
+    /// of the spread; its stamps, if a timeline is recorded.
+    pub(super) fn chunk_returned(&self, i: usize, key: u32, chunk: u32) -> Option<Stamp> {
+        let stamp = self.conns[i].send().flights.done(key, chunk);
+        self.spread_done(key, chunk);
+        stamp
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::thread::IoCore;
 use super::Io;
 use crate::host::Staging;
-use crate::stall::StallWatch;
+use crate::waits::StallWatch;
 
 /// A round through the host stage: which chunks this worker pushes (for
 /// the host, from `staging`), and which of those it has queued.

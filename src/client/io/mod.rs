@@ -214,10 +214,7 @@ pub trait Completion: Send + Sync {
 
 /// Why something waiting for a worker that left can never complete.
 pub fn left_message(left: u32, me: u32, what: &str) -> String {
-    format!(
-        "worker {left} has left the job (it shut down or exited) while worker {me} still needs it for {what}: \
-         every worker must run the same collective operations"
-    )
+    crate::waits::left_message(&format!("worker {left}"), &format!("while worker {me} still needs it for {what}"))
 }
 
 impl Io {

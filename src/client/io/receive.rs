@@ -132,13 +132,12 @@ impl IoCore {
                 if hdr.payload_len != 0 {
                     return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
                 }
-                if !io.conns[i].send().flights.received(hdr.key, hdr.chunk) {
+                if !io.chunk_received(i, hdr.key, hdr.chunk) {
                     return Err(ConnError::Invalid(format!(
                         "Received for key {} chunk {}, which is not in flight here",
                         hdr.key, hdr.chunk
                     )));
                 }
-                io.spread_done(hdr.key, hdr.chunk);
                 io.pump(i)
             }
             MsgType::Stall | MsgType::Error => {
@@ -181,10 +180,9 @@ impl IoCore {
 
     pub(super) fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), ConnError> {
         let io = &self.io;
-        let stamp = io.conns[i].send().flights.done(key, chunk as u32);
         // Before the op can complete: its caller may queue the chunk's next
         // round at once, which must not find this one still counted.
-        io.spread_done(key, chunk as u32);
+        let stamp = io.chunk_returned(i, key, chunk as u32);
         // Stamps exist only while a timeline is recorded: no lock otherwise.
         if let Some((s, trace)) = stamp.and_then(|s| Some((s, io.tracing()?))) {
             let name = io.ops().active.get(&key).map(|a| a.spec.name.clone()).unwrap_or_default();

@@ -10,7 +10,7 @@ use super::flow::{Active, ChunkSend, Route, SendItem};
 use super::host::HostRound;
 use super::moves::{Kept, NO_ROUND};
 use super::{left_message, Io, Submission, NONE_LEFT};
-use crate::stall::StallWatch;
+use crate::waits::StallWatch;
 
 impl Io {
     /// Start a push_pull: queue its chunks and start sending from this

@@ -90,7 +90,7 @@ impl IoThread {
         let io = self.core().io.clone();
         let tick = match (&io.host, io.failover) {
             (None, false) => None,
-            _ => Some(crate::stall::tick(io.stall, io.peer_timeout.max(Duration::from_millis(200)))),
+            _ => Some(crate::waits::tick(io.stall, io.peer_timeout.max(Duration::from_millis(200)))),
         };
         loop {
             {

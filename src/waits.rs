@@ -1,8 +1,11 @@
-//! The one stall watch every role uses: something that may wait too long
-//! (a server's round for pushes, a worker's host-stage round for its local
-//! workers, the scheduler's declaration for workers) is reported once when
-//! it has waited past the job's stall threshold, and its end is logged if it
-//! was reported. Each role checks its watches on the same tick (`tick`).
+//! What every role does about something it waits for (a server's round for
+//! pushes, a worker's host-stage round for its local workers, the
+//! scheduler's declarations and barriers for workers):
+//! - it waits too long: one stall watch (`StallWatch`), reported once past
+//!   the job's stall threshold, its end logged if it was reported; each role
+//!   checks its watches on the same tick (`tick`);
+//! - it can never end, because a worker it needs left the job: one message
+//!   (`left_message`), the same from every role.
 
 use std::time::{Duration, Instant};
 
@@ -47,6 +50,12 @@ impl StallWatch {
     pub fn reported(&self) -> bool {
         self.reported
     }
+}
+
+/// Why something can never complete: `who` (e.g. "worker 3") left the job;
+/// `then` says what still needed them.
+pub fn left_message(who: &str, then: &str) -> String {
+    format!("{who} left the job (shut down or exited) {then}: every worker must run the same collective operations")
 }
 
 /// How often a role checks its watches (and other deadlines of the same
