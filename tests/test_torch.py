@@ -261,9 +261,12 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
         def _name(self, name, _):
             return name
 
+    class Mode:  # the synchronous schedule: checks no gradient
+        checks_gradients = False
+
     class Opt:
-        _gh_ps = Ps()
-        _gh_passes, _gh_sparse_as_dense, _gh_overlap, _gh_rank_of = 1, False, False, {}
+        _gh_ps, _gh_mode = Ps(), Mode()
+        _gh_passes, _gh_sparse_as_dense, _gh_rank_of = 1, False, {}
 
         def __init__(self, params):
             self._gh_params = params
@@ -272,9 +275,6 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
 
         def _gh_tag(self):
             return ""
-
-        def _gh_check_gradient(self, pid):
-            pass
 
         def _gh_priority(self, p):
             return next(i for i, q in enumerate(self._gh_params) if q is p)
@@ -321,7 +321,7 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
 
 
 def test_autotune_trains_like_a_single_process_saves_and_reloads_its_choice(tmp_path):
-    # 3 workers tune overlap, fusion and chunk size (the job's 1 KiB, 512, 256:
+    # 3 workers tune overlap (allowed: auto), fusion and chunk size (the job's 1 KiB, 512, 256:
     # the model's 20x20 weights take 2, 4 and 7 chunks) while training; the
     # credit is set by the user, so it stays. Every switch happens between
     # steps, so the parameters still equal single-process training, and the
@@ -329,7 +329,7 @@ def test_autotune_trains_like_a_single_process_saves_and_reloads_its_choice(tmp_
     choice, log = tmp_path / "autotune.json", tmp_path / "trials.csv"
     env = {"GRADHUB_AUTOTUNE": "1", "GRADHUB_AUTOTUNE_WARMUP_STEPS": "1", "GRADHUB_AUTOTUNE_STEPS_PER_TRIAL": "1",
            "GRADHUB_AUTOTUNE_LOG": str(log), "GRADHUB_AUTOTUNE_FILE": str(choice),
-           "GRADHUB_CREDIT_BYTES": str(256 << 10)}
+           "GRADHUB_CREDIT_BYTES": str(256 << 10), "GRADHUB_OVERLAP_FORWARD": "auto"}
     cfg = {"model": "deep", "opt": "sgd", "steps": 24, "sfb": "off", "autotune": True}
     args = ["--partition-bytes", "1024"]
     rc, out = run_launch(3, 2, "torch_train.py", cfg, launch_args=args, env=env)
@@ -359,6 +359,31 @@ def test_autotune_trains_like_a_single_process_saves_and_reloads_its_choice(tmp_
     assert set(re.findall(r"HELD (\d+) beyond", out)) == held, out[-4000:]
 
 
+def _tune(monkeypatch, start, tunable: set, step_time, applied: list):
+    """Run an Autotuner (of a fake worker 1 of 2) to its end on a made-up
+    clock, a step of settings s taking step_time(s); the settings it applies
+    are appended to `applied`."""
+    from gradhub.torch import autotune
+
+    class Opt:
+        class _gh_ps:
+            rank, size = staticmethod(lambda: 1), staticmethod(lambda: 2)
+
+    clock = [0.0]
+    monkeypatch.setattr(autotune, "apply", lambda opt, s: applied.append(s))
+    monkeypatch.setattr(autotune.Autotuner, "_slowest", lambda self, t: t)
+    monkeypatch.setattr(autotune._api, "release", lambda *names: None)
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+    t = autotune.Autotuner(Opt(), start, tunable, 1 << 20, warmup=2, steps=3, log=None, file=None)
+    for _ in range(200):
+        if t.done:
+            break
+        clock[0] += step_time(t.current)
+        t.after_step()
+    assert t.done
+    return t
+
+
 def test_autotune_keeps_the_start_unless_a_trial_is_faster_and_walks_one_knob_at_a_time(monkeypatch):
     # The tuner's decisions with made-up step times: a trial replaces the
     # best only when at least 2 % faster, each knob is tried at the best of
@@ -371,30 +396,14 @@ def test_autotune_keeps_the_start_unless_a_trial_is_faster_and_walks_one_knob_at
         return cost.get(("fusion_threshold", s.fusion_threshold), 0) + cost.get(("credit_bytes", s.credit_bytes), 0) \
             + cost.get(("overlap_forward", s.overlap_forward), 0) + 1.0
 
-    class Opt:
-        class _gh_ps:
-            rank, size = staticmethod(lambda: 1), staticmethod(lambda: 2)
-
-    applied = []
-    monkeypatch.setattr(autotune, "apply", lambda opt, s: applied.append(s))
-    monkeypatch.setattr(autotune.Autotuner, "_slowest", lambda self, t: t)
-    monkeypatch.setattr(autotune._api, "release", lambda *names: None)
     start = autotune.Settings(False, 256 << 10, 1 << 20, 512 << 10)
+    applied = []
 
     def run(costs, tunable):
         cost.clear()
         cost.update(costs)
         applied.clear()
-        clock = [0.0]
-        monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
-        t = autotune.Autotuner(Opt(), start, tunable, 1 << 20, warmup=2, steps=3, log=None, file=None)
-        for _ in range(200):
-            if t.done:
-                break
-            clock[0] += step_time(t.current)
-            t.after_step()
-        assert t.done
-        return t
+        return _tune(monkeypatch, start, tunable, step_time, applied)
 
     # Nothing measurably faster (1.5 % is noise): the start stays, and is
     # applied again after the last trial.
@@ -411,6 +420,39 @@ def test_autotune_keeps_the_start_unless_a_trial_is_faster_and_walks_one_knob_at
     credit_trials = [tr["settings"] for tr in t.trials if tr["settings"].credit_bytes != start.credit_bytes]
     assert credit_trials and all(s.fusion_threshold == 0 for s in credit_trials), credit_trials
     assert [tr["settings"] for tr in t.trials][:2] == [start, autotune.Settings(True, 256 << 10, 1 << 20, 512 << 10)]
+
+
+def test_autotune_tries_forward_overlap_only_when_the_user_allowed_it(monkeypatch):
+    # Forward overlap changes what training does (parameters updated at the
+    # next forward): autotune tries it only with overlap_forward="auto" (or
+    # GRADHUB_OVERLAP_FORWARD=auto), never when it is left unset.
+    from gradhub import _env
+    from gradhub.torch import autotune
+
+    here = dict(elementwise=True, on_server=False, plain=True, declared_ahead=True)
+    others = {"fusion_threshold", "partition_bytes", "credit_bytes"}
+    assert autotune.tunable(set(), overlap_auto=False, **here) == others
+    assert autotune.tunable(set(), overlap_auto=True, **here) == set(autotune.KNOBS)
+    # Allowed, but not where it does not apply; the knobs the user set stay.
+    assert autotune.tunable(set(), overlap_auto=True, **dict(here, elementwise=False)) == others
+    assert autotune.tunable(set(), overlap_auto=True, **dict(here, on_server=True)) == {"credit_bytes"}
+    assert autotune.tunable({"credit_bytes"}, overlap_auto=True, **dict(here, plain=False, declared_ahead=False)) \
+        == {"overlap_forward"}
+    # The environment: unset or a flag is not "auto"; "auto" is not a fixed knob.
+    for var in ("GRADHUB_OVERLAP_FORWARD", "GRADHUB_FUSION_THRESHOLD", "GRADHUB_CREDIT_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    assert _env.torch_options().overlap_forward is False
+    monkeypatch.setenv("GRADHUB_OVERLAP_FORWARD", "1")
+    assert _env.torch_options().overlap_forward is True
+    monkeypatch.setenv("GRADHUB_OVERLAP_FORWARD", "Auto")
+    assert _env.torch_options().overlap_forward == "auto" and _env.autotune_options().fixed == frozenset()
+
+    # A tuner of the other knobs never switches overlap on, however much faster it would be.
+    applied = []
+    t = _tune(monkeypatch, autotune.Settings(False, 256 << 10, 1 << 20, 512 << 10),
+              autotune.tunable(set(), overlap_auto=False, **here), lambda s: 0.1 if s.overlap_forward else 1.0, applied)
+    assert t.trials and all(not tr["settings"].overlap_forward for tr in t.trials) and applied, t.trials
+    assert all(not s.overlap_forward for s in applied) and not t.best.overlap_forward
 
 
 def test_autotune_file_from_another_job_or_unreadable_is_tuned_again(tmp_path, capsys):

@@ -311,7 +311,7 @@ DEFAULT_FUSION_THRESHOLD = 256 << 10
 
 @dataclass
 class TorchOptions:
-    overlap_forward: bool
+    overlap_forward: bool | str    # or "auto": off unless autotuning tries it
     optimizer_on_server: bool
     scheduling: str                # priority or fifo
     sfb: str                       # sufficient factors: auto, off or force
@@ -330,8 +330,8 @@ class AutotuneOptions:
 
 
 def autotune_options() -> AutotuneOptions:
-    fixed = {knob for knob, var in (("overlap_forward", "GRADHUB_OVERLAP_FORWARD"),
-                                    ("fusion_threshold", "GRADHUB_FUSION_THRESHOLD"),
+    # (Forward overlap is tried only when allowed: GRADHUB_OVERLAP_FORWARD=auto.)
+    fixed = {knob for knob, var in (("fusion_threshold", "GRADHUB_FUSION_THRESHOLD"),
                                     ("credit_bytes", "GRADHUB_CREDIT_BYTES")) if is_set(var)}
     enabled = get_flag("GRADHUB_AUTOTUNE", get_flag("HOROVOD_AUTOTUNE"))
     warmup, steps = get_int("GRADHUB_AUTOTUNE_WARMUP_STEPS", 3), get_int("GRADHUB_AUTOTUNE_STEPS_PER_TRIAL", 5)
@@ -345,7 +345,8 @@ def autotune_options() -> AutotuneOptions:
 def torch_options() -> TorchOptions:
     """The DistributedOptimizer switches, so an unchanged Horovod script can use them."""
     return TorchOptions(
-        overlap_forward=get_flag("GRADHUB_OVERLAP_FORWARD"),
+        overlap_forward="auto" if (get_str("GRADHUB_OVERLAP_FORWARD") or "").lower() == "auto"
+        else get_flag("GRADHUB_OVERLAP_FORWARD"),
         optimizer_on_server=get_flag("GRADHUB_OPTIMIZER_ON_SERVER"),
         scheduling=get_choice("GRADHUB_SCHEDULING", ("priority", "fifo"), "priority"),
         sfb=get_choice("GRADHUB_SFB", ("auto", "off", "force"), "auto"),

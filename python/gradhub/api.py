@@ -256,6 +256,24 @@ class Handle:
 AUTO_MARK = ".noname."
 
 
+class AutoName(str):
+    """A name gradhub generated for an unnamed operation (`auto_name`), or
+    one derived from such a name (`derive_name`): the explicit mark, carried
+    from where the name is made to the push, that the tensor is freed once
+    its round completes (nobody uses the name again). Any other name,
+    whatever it reads, is kept until released."""
+
+    __slots__ = ()
+
+
+def derive_name(name: str, suffix: str) -> str:
+    """`name` + `suffix`, the name of a part of `name`'s operation (a
+    broadcast's root check, an allgather's sizes, a gradient): generated
+    (freed after its round) if `name` was."""
+    out = f"{name}{suffix}"
+    return AutoName(out) if isinstance(name, AutoName) else out
+
+
 def _advance_names(at_least: int) -> None:
     """Make the next automatic name's number at least `at_least`."""
     global _names
@@ -269,12 +287,14 @@ def auto_name(kind: str, persistent: bool = False) -> str:
     order by one counter shared by every layer (gradhub and gradhub.torch), so
     unnamed calls never collide. The call order must be the same on every worker.
 
-    A push_pull whose name contains `.noname.` (this name, or one derived from
-    it) frees its tensor once its round completes: the name is never used
-    again, so nothing accumulates over many unnamed calls. `persistent=True`
-    gives a name for state reused across calls instead (`<kind>.auto.<n>`)."""
+    The name is an `AutoName`: a push_pull under it (or a name derived from
+    it with `derive_name`) frees its tensor once its round completes, since
+    the name is never used again, so nothing accumulates over many unnamed
+    calls. `persistent=True` gives a plain name for state reused across
+    calls instead (`<kind>.auto.<n>`)."""
     with _names_lock:
-        return f"{kind}{'.auto.' if persistent else AUTO_MARK}{next(_names)}"
+        n = next(_names)
+    return f"{kind}.auto.{n}" if persistent else AutoName(f"{kind}{AUTO_MARK}{n}")
 
 
 _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32": 4, "int64": 8}
@@ -318,7 +338,7 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
         es = _ELEM_BYTES[buf.dtype]
         live = (max(0, int(live[0])) * es, max(0, int(live[1])) * es)
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
-                          init=bool(init), release_after=AUTO_MARK in name, live=live)
+                          init=bool(init), release_after=isinstance(name, AutoName), live=live)
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)
@@ -368,7 +388,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
     # Every worker's root first: with different ones the data would be a sum.
     roots = np.zeros(c.size, dtype=np.int64)
     roots[c.rank] = root_rank + 1  # plus one: a worker in join() adds zeros
-    push_pull(roots, name=f"{name}.root")
+    push_pull(roots, name=derive_name(name, ".root"))
     if ((roots != root_rank + 1) & (roots != 0)).any():
         raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
                          + ", ".join(f"worker {q} says {int(x) - 1}" for q, x in enumerate(roots) if x != 0))

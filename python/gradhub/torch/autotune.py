@@ -5,7 +5,7 @@ the knobs that decide how gradients travel, time the steps, keep the fastest.
 Knobs, tried in this order, each at the best value found so far for the
 others (coordinate descent: a model's step time depends on them mostly one at
 a time, and a dozen trials fit in the first minute of a job):
-- `overlap_forward` (P3's forward overlap): off, on;
+- `overlap_forward` (P3's forward overlap): off, on (only when allowed, below);
 - `fusion_threshold` (bucket bytes; small gradients travel packed): off,
   64 KiB, 256 KiB, 1 MiB;
 - `partition_bytes` (the chunk size of the optimizer's tensors): the job's
@@ -18,7 +18,11 @@ a time, and a dozen trials fit in the first minute of a job):
 A knob the user set (an argument of DistributedOptimizer or its environment
 variable) stays as set; a knob that does not apply (forward overlap for an
 optimizer it does not support, fusion with a compressor, chunk sizes with the
-optimizer on the servers) is not tried.
+optimizer on the servers) is not tried. Forward overlap is the one knob that
+changes what training does (a parameter holds its old value after step()
+until its module's next forward; a model that uses a parameter outside every
+module's forward() fails), so it is tried only when the user allowed it:
+`overlap_forward="auto"` or GRADHUB_OVERLAP_FORWARD=auto (see `tunable`).
 
 A trial: after switching (between steps, with nothing in flight: pending
 updates are applied, new tensors declared, tensors of the old layout
@@ -78,6 +82,26 @@ def _size(n: int) -> str:
     if n % (1 << 10) == 0:
         return f"{n >> 10} KiB"
     return f"{n} B"
+
+
+def tunable(fixed: set, *, overlap_auto: bool, elementwise: bool, on_server: bool, plain: bool,
+            declared_ahead: bool) -> set:
+    """The knobs autotuning may change for an optimizer: not those the user
+    set (`fixed`), and only those that apply. `overlap_auto`: the user
+    allowed forward overlap to be tried (overlap_forward="auto"), which
+    needs an `elementwise` optimizer (overlap.py) on the workers; `plain`: no
+    compressor (fusion packs the wire dtype); `declared_ahead`: every
+    tensor is declared at construction (a user's compressor's are not:
+    they are declared on first use, in the job's chunks). The servers'
+    optimizer state is kept per tensor: no fusion, no other chunks."""
+    knobs = set(KNOBS) - set(fixed)
+    if not (overlap_auto and elementwise) or on_server:
+        knobs.discard("overlap_forward")
+    if on_server or not plain:
+        knobs.discard("fusion_threshold")
+    if on_server or not declared_ahead:
+        knobs.discard("partition_bytes")
+    return knobs
 
 
 def candidates(start: Settings, tunable: set, job_partition: int) -> dict:
@@ -245,19 +269,10 @@ def apply(opt, s: Settings) -> None:
     """Switch `opt` to settings `s` between steps: pending updates applied
     first, then the new layout declared (collective) and the old released."""
     opt.finish()
-    if hasattr(opt, "_gh_overlap_on"):
-        opt._gh_overlap_on = s.overlap_forward
+    opt._gh_mode.switch_overlap(s.overlap_forward)
     partition = 0 if s.partition_bytes == _api.partition_bytes() else s.partition_bytes  # 0: the job's
     if (s.fusion_threshold, partition) != (opt._gh_fusion_threshold, opt._gh_partition):
         opt._gh_relayout(s.fusion_threshold, partition)
     if _api.credit_bytes() != s.credit_bytes:
         _api.set_credit(s.credit_bytes)
 
-
-class Autotuned:
-    """Mode mixin (outermost): the tuner sees the end of every step()."""
-
-    def step(self, closure=None):
-        out = super().step(closure)
-        self._gh_tuner.after_step()
-        return out

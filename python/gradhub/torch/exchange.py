@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .. import GradhubTimeoutError
+from ..api import derive_name as _derive
 from .compression import Compression
 from .ops import Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op
 from .process_sets import ProcessSet, _resolve, global_process_set
@@ -119,7 +120,7 @@ class _ReducescatterFn(torch.autograd.Function):
     def backward(ctx, grad):
         # d(my rows)/d(every worker's input rows): each worker's rows of the
         # output came from everyone's same rows, scaled.
-        g = _allgather_impl(grad.contiguous(), f"{ctx.name}.grad", ctx.ps)[0]
+        g = _allgather_impl(grad.contiguous(), _derive(ctx.name, ".grad"), ctx.ps)[0]
         return g * ctx.scale, None, None, None, None, None
 
 
@@ -136,7 +137,7 @@ def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_reducescatter")
-    return _GroupHandle([_reducescatter_async(t, op, f"{base}.{i}", ps, prescale_factor, postscale_factor)
+    return _GroupHandle([_reducescatter_async(t, op, _derive(base, f".{i}"), ps, prescale_factor, postscale_factor)
                          for i, t in enumerate(tensors)], base)
 
 
@@ -146,7 +147,7 @@ def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_pro
     base = ps._name(name, "grouped_reducescatter")
     out = []
     for i, t in enumerate(tensors):
-        n = f"{base}.{i}"
+        n = _derive(base, f".{i}")
         out.append(_ReducescatterFn.apply(t, _check_scatter_op(op), n, prescale_factor, postscale_factor, ps)
                    if t.requires_grad and torch.is_grad_enabled() else
                    _reducescatter_async(t, op, n, ps, prescale_factor, postscale_factor).wait())
@@ -168,7 +169,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_allgather")
     ts = [t.detach() for t in tensors]
-    return _ThreadHandle(lambda: [_allgather_impl(t, f"{base}.{i}", ps)[0] for i, t in enumerate(ts)], base)
+    return _ThreadHandle(lambda: [_allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(ts)], base)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -176,8 +177,8 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_allgather")
-    return [_AllgatherFn.apply(t, f"{base}.{i}", ps) if t.requires_grad and torch.is_grad_enabled()
-            else _allgather_impl(t, f"{base}.{i}", ps)[0] for i, t in enumerate(tensors)]
+    return [_AllgatherFn.apply(t, _derive(base, f".{i}"), ps) if t.requires_grad and torch.is_grad_enabled()
+            else _allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(tensors)]
 
 
 # ---------------------------------------------------------------- alltoall
@@ -200,8 +201,8 @@ def _alltoall_impl(tensor: torch.Tensor, splits, name: str, ps: ProcessSet) -> t
                              f"dimension, {t.shape[0]}")
     # Every worker's splits (row q: what worker q sends to each), then every
     # worker's rows, concatenated in rank order.
-    matrix = _allgather_impl(torch.tensor([send], dtype=torch.int64), f"{name}.splits", ps)[0]
-    rows, _ = _allgather_impl(t, f"{name}.data", ps)
+    matrix = _allgather_impl(torch.tensor([send], dtype=torch.int64), _derive(name, ".splits"), ps)[0]
+    rows, _ = _allgather_impl(t, _derive(name, ".data"), ps)
     out, base = [], 0
     for q in range(n):
         sent = matrix[q].tolist()
@@ -232,7 +233,7 @@ class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         # The rows go back where they came from.
-        g, _ = _alltoall_impl(grad.contiguous(), ctx.received, f"{ctx.name}.grad", ctx.ps)
+        g, _ = _alltoall_impl(grad.contiguous(), ctx.received, _derive(ctx.name, ".grad"), ctx.ps)
         return g, None, None, None
 
 
@@ -266,8 +267,8 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
     n = ps.size()
 
     def run():
-        idx = _allgather_impl(t.indices().t().contiguous(), f"{name}.indices", ps)[0].t()
-        vals = _allgather_impl(t.values().contiguous(), f"{name}.values", ps)[0]
+        idx = _allgather_impl(t.indices().t().contiguous(), _derive(name, ".indices"), ps)[0].t()
+        vals = _allgather_impl(t.values().contiguous(), _derive(name, ".values"), ps)[0]
         if op is Average:
             vals = vals / n
         return torch.sparse_coo_tensor(idx, vals, t.shape).to(tensor.device)

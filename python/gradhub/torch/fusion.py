@@ -123,7 +123,7 @@ class Fusion:
         i, pid, passes = b.index[id(p)], id(p), opt._gh_passes
         full = len(b.params) * passes
         # Forward overlap checks that no update is pending; the other modes check nothing.
-        check = opt._gh_check_gradient if opt._gh_overlap else None
+        check = opt._gh_mode.check_gradient if opt._gh_mode.checks_gradients else None
 
         def count(param):
             if check is not None:

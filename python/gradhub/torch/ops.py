@@ -43,6 +43,7 @@ _GATHERED = {Min: lambda t: t.amin(0), Max: lambda t: t.amax(0), Product: lambda
 
 _NATIVE = (torch.float32, torch.float16, torch.bfloat16)
 _auto_name = _api.auto_name
+_derive = _api.derive_name  # a part of an operation's name: freed after its round if the name was generated
 
 
 def _resolve_op(average, op):
@@ -249,7 +250,7 @@ class _AllreduceFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        g = _reduce_async(grad.contiguous(), f"{ctx.name}.grad", ctx.op, 0, ctx.compression, None, ctx.scale[0],
+        g = _reduce_async(grad.contiguous(), _derive(ctx.name, ".grad"), ctx.op, 0, ctx.compression, None, ctx.scale[0],
                           ctx.scale[1], ctx.ps)
         return g.wait(), None, None, None, None, None, None
 
@@ -317,7 +318,7 @@ class _GroupHandle(Handle):
 
 def _group_names(tensors, name, kind, ps):
     base = ps._name(name, kind)
-    return [f"{base}.{i}" for i in range(len(tensors))]
+    return [_derive(base, f".{i}") for i in range(len(tensors))]
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -411,7 +412,7 @@ def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_pr
     # a disagreement (the data would be a sum).
     roots = torch.zeros(n, dtype=torch.int64)
     roots[me] = root_rank + 1
-    roots_h = ps._push_pull_async(roots, f"{name}.root", False)
+    roots_h = ps._push_pull_async(roots, _derive(name, ".root"), False)
     # Only the root's bytes travel: the others push zeros, header only.
     h = ps._push_pull_async(buf, name, False, live=None if _api.rank() == root_rank else (0, 0))
 
@@ -442,7 +443,7 @@ class _BroadcastFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # As Horovod: every worker's gradient, averaged, flows to the root's input only.
-        g = _reduce_async(grad.contiguous(), f"{ctx.name}.grad", Average, 0, Compression.none, None, 1.0, 1.0,
+        g = _reduce_async(grad.contiguous(), _derive(ctx.name, ".grad"), Average, 0, Compression.none, None, 1.0, 1.0,
                           ctx.ps).wait()
         if _api.rank() != ctx.root_rank:
             g = torch.zeros_like(g)
@@ -486,7 +487,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     # shape and the dtype (a row count, and a checksum of both).
     meta = torch.zeros((n, 3), dtype=torch.int64)
     meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode())])
-    ps._push_pull_async(meta, f"{name}.counts", False, priority).wait()
+    ps._push_pull_async(meta, _derive(name, ".counts"), False, priority).wait()
     # A worker in join() adds a row of zeros: it has nothing to give.
     present = meta.ne(0).any(1)
     if not bool((meta[present, 1:] == meta[r, 1:]).all()):
@@ -512,7 +513,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     # Only this worker's rows travel from it: the chunks of the others' go as zeros, header only.
     width = 1 if native else t.element_size()
     live = (start * row * width, (start + t.shape[0]) * row * width)
-    ps._push_pull_async(buf, f"{name}.data", False, priority, live=live).wait()
+    ps._push_pull_async(buf, _derive(name, ".data"), False, priority, live=live).wait()
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:
@@ -531,7 +532,7 @@ class _AllgatherFn(torch.autograd.Function):
     def backward(ctx, grad):
         # As Horovod: the workers' gradients of the whole output, averaged; each takes its rows.
         r = ctx.ps.rank()
-        g = _reduce_async(grad.contiguous(), f"{ctx.name}.grad", Average, 0, Compression.none, None, 1.0, 1.0,
+        g = _reduce_async(grad.contiguous(), _derive(ctx.name, ".grad"), Average, 0, Compression.none, None, 1.0, 1.0,
                           ctx.ps).wait()
         start = sum(ctx.counts[:r])
         return g[start:start + ctx.counts[r]], None, None
@@ -562,11 +563,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     else:
         payload = None
         size = torch.zeros(1, dtype=torch.int64)
-    size = _broadcast_async(size, root_rank, f"{name}.size", None, ps).wait()
+    size = _broadcast_async(size, root_rank, _derive(name, ".size"), None, ps).wait()
     n = int(size.item())
     if payload is None:
         payload = torch.zeros((n + 7) // 8, dtype=torch.int64)
-    data = _broadcast_async(payload, root_rank, f"{name}.data", None, ps).wait()
+    data = _broadcast_async(payload, root_rank, _derive(name, ".data"), None, ps).wait()
     return pickle.loads(data.numpy().tobytes()[:n])
 
 
@@ -575,8 +576,8 @@ def allgather_object(obj: Any, name: str | None = None, process_set=None) -> lis
     ps = _resolve(process_set)
     name = ps._name(name, "allgather_object")
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = _allgather_impl(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.sizes", ps)[0].tolist()
-    data = _allgather_impl(payload, f"{name}.data", ps)[0].numpy().tobytes()
+    sizes = _allgather_impl(torch.tensor([payload.numel()], dtype=torch.int64), _derive(name, ".sizes"), ps)[0].tolist()
+    data = _allgather_impl(payload, _derive(name, ".data"), ps)[0].numpy().tobytes()
     out, at = [], 0
     for s in sizes:
         out.append(pickle.loads(data[at:at + s]))

@@ -10,12 +10,12 @@
 - Every tensor the optimizer will push is declared in one batched exchange when
   it is built, so no step pays a scheduler round trip.
 
-This module holds the base every mode shares (hooks, priorities, synchronize,
+This module holds what every mode shares (hooks, priorities, synchronize,
 skip_synchronize, the Horovod API) and the `DistributedOptimizer` factory,
-which combines it with the modes:
-- overlap.py: `overlap_forward` (P3), each parameter updated just before its
-  module's next forward;
-- server_optimizer.py: `optimizer_on_server` (PHub), the servers run the update.
+which picks the mode once: a strategy object (modes.py), the schedule
+(`Synchronous`, or overlap.py's `ForwardOverlap` for `overlap_forward`, P3)
+holding where updates run (`OnWorkers`, or server_optimizer.py's `OnServers`
+for `optimizer_on_server`, PHub). Autotuning (autotune.py) watches step().
 """
 
 from __future__ import annotations
@@ -31,28 +31,28 @@ from .. import api as _api
 from . import autotune
 from .compression import Compression, NoneCompressor
 from .fusion import Fusion
+from .modes import OnWorkers, Synchronous
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
 from .process_sets import _resolve, global_process_set
 from .sufficient_factors import SufficientFactors
-from .overlap import ELEMENTWISE, OverlapForward
-from .server_optimizer import OptimizerOnServer, server_unsupported
+from .overlap import ELEMENTWISE, ForwardOverlap
+from .server_optimizer import OnServers, server_unsupported
 
 
 class _DistributedOptimizer:
-    """The synchronous schedule, and the base of the other modes.
+    """The wrapper every mode shares.
 
     `DistributedOptimizer(opt)` builds a subclass of opt's class with this
-    class (and any mode mixins) in front, so `isinstance(dopt, type(opt))`
-    holds; `super().step()` etc. reach the wrapped optimizer's methods. Modes
-    extend it through the `_gh_*` methods documented below."""
-
-    _gh_overlap = False
-    _gh_server = False
+    class in front, so `isinstance(dopt, type(opt))` holds, as in Horovod;
+    `opt._gh_base_cls` is the wrapped optimizer's class. What differs between
+    the modes is delegated to `_gh_mode`, the strategy chosen at
+    construction (modes.py)."""
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                  op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
                  sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off",
-                 fusion_threshold: int = 0, partition_bytes: int = 0):
+                 fusion_threshold: int = 0, partition_bytes: int = 0, schedule: type = Synchronous,
+                 where: type = OnWorkers):
         super().__init__(params)
         self._gh_ps = process_set
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
@@ -96,6 +96,10 @@ class _DistributedOptimizer:
         self._gh_by_id = {id(p): p for p in all_params}
         self._gh_fifo = fifo
         self._gh_own_cache: dict[int, list] = {}
+        self._gh_tuner = None  # an autotune.Autotuner while tuning
+        # The mode, chosen once: the schedule, holding where updates run.
+        self._gh_mode = schedule(self, where(self))
+        self._gh_server = where.on_server
         # Small gradients travel packed (not with a compressor of the user's,
         # nor with the optimizer on the servers, which keep state per tensor).
         plain = isinstance(compression, type) and issubclass(compression, NoneCompressor)
@@ -113,25 +117,19 @@ class _DistributedOptimizer:
         self._gh_register_hooks()
         self._gh_fwd_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._gh_forward_pre_hook)
         self._gh_sfb = SufficientFactors(self, sfb) if sfb != "off" and not self._gh_server else None
+        self._gh_mode.attach()
 
-    # -------------------------------------------------------------- extension points of the modes
+    # -------------------------------------------------------------- layout
 
     def _gh_declarations(self) -> list:
-        """[(name, (numel, dtype)), ...] of every tensor this optimizer pushes,
-        declared in one exchange at construction. Reverse registration order
-        approximates the order gradients become ready, which is the order the
-        tensors used to be declared in on first use (it sets their keys, the
-        tie-break between equal priorities)."""
-        fused = self._gh_fusion.of if self._gh_fusion is not None else {}
-        specs = [(self._gh_push_name(p), _wire_spec(p, self._gh_compression))
-                 for p in reversed(self._gh_params) if p.requires_grad and id(p) not in fused]
-        buckets = self._gh_fusion.declarations() if self._gh_fusion is not None else []
-        return [(name, (*spec, self._gh_partition)) for name, spec in specs + buckets if spec is not None]
+        """[(name, (numel, dtype, partition)), ...] of every tensor this
+        optimizer pushes, declared in one exchange at construction."""
+        return self._gh_mode.where.declarations()
 
     def _gh_push_name(self, p, tagged: bool = True) -> str:
-        """The name p's gradient is pushed under; with a chunk size of its
-        own, tagged with it (`tagged=False`: the base, for derived names)."""
-        return self._gh_ps._name(f"allreduce.{self._gh_names[id(p)]}{self._gh_tag() if tagged else ''}", "")
+        """The name p's gradient is pushed under (`tagged=False`: without
+        its chunk size, the base for derived names)."""
+        return self._gh_mode.where.push_name(p, tagged)
 
     def _gh_tag(self) -> str:
         return f"@{self._gh_partition}" if self._gh_partition else ""
@@ -168,10 +166,6 @@ class _DistributedOptimizer:
         if gone:
             _api.release(*sorted(gone))
 
-    def _gh_push(self, p, grad):
-        """Start reducing p's gradient; returns an ops.Handle."""
-        return self._gh_reduce(grad, self._gh_push_name(p), self._gh_priority(p))
-
     def _gh_reduce(self, grad, name: str, priority: int):
         """Start reducing `grad` in place under `name` (a gradient, or a fusion bucket)."""
         if self._gh_predivide != 1.0:
@@ -181,16 +175,6 @@ class _DistributedOptimizer:
                                  f / self._gh_ps.size(), self._gh_ps)
         return _push_pull_async(grad, name, self._gh_op is Average, priority, self._gh_compression, grad,
                                 self._gh_ps)
-
-    def _gh_check_gradient(self, pid: int) -> None:
-        """Called when a gradient is accumulated, before it is counted."""
-
-    def _gh_before_forward(self, own: list) -> None:
-        """Called before a module that uses parameters `own` runs forward."""
-
-    def _gh_update(self, closure):
-        """The update after synchronize(): the wrapped optimizer's step."""
-        return super().step(closure)
 
     # -------------------------------------------------------------- scheduling
 
@@ -226,7 +210,7 @@ class _DistributedOptimizer:
         if not self._gh_order_final:
             for p in own:
                 self._gh_forward_seen.setdefault(id(p), len(self._gh_forward_seen))
-        self._gh_before_forward(own)
+        self._gh_mode.before_forward(own)
 
     def _gh_finalize_order(self):
         """After the first forward+backward: fix priorities to forward order
@@ -239,9 +223,13 @@ class _DistributedOptimizer:
         self._gh_order_final = True
 
     def _gh_make_hook(self, p):
+        # Forward overlap checks that no update is pending; the other modes check nothing.
+        check = self._gh_mode.check_gradient if self._gh_mode.checks_gradients else None
+
         def hook(param):
             pid = id(param)
-            self._gh_check_gradient(pid)
+            if check is not None:
+                check(pid)
             if pid in self._gh_handles:
                 raise RuntimeError(
                     f"gradient of '{self._gh_names[pid]}' was computed twice before step(); "
@@ -269,7 +257,7 @@ class _DistributedOptimizer:
             self._gh_fusion.fill(p)  # synchronize(): no gradient this step
             return
         h = self._gh_sfb.start(p, self._gh_priority(p)) if self._gh_sfb is not None else None
-        self._gh_handles[id(p)] = h if h is not None else self._gh_push(p, grad)
+        self._gh_handles[id(p)] = h if h is not None else self._gh_mode.where.push(p, grad)
 
     # -------------------------------------------------------------- Horovod API
 
@@ -309,29 +297,27 @@ class _DistributedOptimizer:
             self._gh_skip_sync = False
 
     def step(self, closure=None):
-        if not self._gh_skip_sync:
-            if self._gh_synchronized:
-                # Horovod's warning: the gradients are synchronized already.
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                              "your code.", stacklevel=2)
-            else:
-                self.synchronize()
-        self._gh_synchronized = False
-        return self._gh_update(closure)
+        mode = self._gh_mode
+        mode.where.before_step()
+        out = mode.step(closure)
+        if self._gh_tuner is not None:
+            self._gh_tuner.after_step()  # autotune.py: times the steps, switches between them
+        return out
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._gh_handles:
-            raise RuntimeError("zero_grad() called while gradients are still being reduced; "
-                               "call step() or synchronize() first")
-        return super().zero_grad(set_to_none)
+        return self._gh_mode.zero_grad(set_to_none)
 
     def finish(self):
         """Apply every pending update now (overlap_forward), e.g. before
         evaluation or saving; nothing to do in the other modes."""
+        self._gh_mode.finish()
+
+    def state_dict(self):
+        self._gh_mode.finish()
+        return super().state_dict()
 
     def remove_hooks(self):
+        self._gh_mode.remove()
         for h in self._gh_hooks:
             h.remove()
         self._gh_fwd_hook.remove()
@@ -343,7 +329,7 @@ class _DistributedOptimizer:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,
                          compression=Compression.none, backward_passes_per_step: int = 1, op=Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False, process_set=None, overlap_forward: bool | None = None,
+                         sparse_as_dense: bool = False, process_set=None, overlap_forward: bool | str | None = None,
                          optimizer_on_server: bool | None = None, sufficient_factors: str | None = None,
                          fusion_threshold: int | None = None):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
@@ -361,11 +347,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     `nn.Linear` layers as Poseidon's sufficient factors where that moves fewer
     bytes (see torch/sufficient_factors.py), and two scheduling options:
     `overlap_forward=True` lets the next forward pass start before every
-    gradient has arrived (SGD, Adam, AdamW); `optimizer_on_server=True` runs
-    the update on the summation servers (SGD, AdamW; float32). Left unset,
-    they come from GRADHUB_OVERLAP_FORWARD / GRADHUB_OPTIMIZER_ON_SERVER, so an
-    unchanged Horovod script can use them; GRADHUB_SCHEDULING=fifo turns the
-    forward-order priorities off (for comparisons).
+    gradient has arrived (SGD, Adam, AdamW; "auto": off, but autotuning may
+    try it, which it does only when allowed so); `optimizer_on_server=True`
+    runs the update on the summation servers (SGD, AdamW; float32). Left
+    unset, they come from GRADHUB_OVERLAP_FORWARD (1, 0 or auto) /
+    GRADHUB_OPTIMIZER_ON_SERVER, so an unchanged Horovod script can use them;
+    GRADHUB_SCHEDULING=fifo turns the forward-order priorities off (for
+    comparisons).
 
     Construction is collective: every tensor the optimizer will push is
     declared with the scheduler in one batched exchange, which returns once
@@ -381,11 +369,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     _check_groups(optimizer, num_groups, groups)
     env = _env.torch_options()
     tune = _env.autotune_options()
-    # Knobs the user set stay as set (autotune.py).
-    fixed = set(tune.fixed) | {k for k, v in (("overlap_forward", overlap_forward),
-                                             ("fusion_threshold", fusion_threshold)) if v is not None}
     if overlap_forward is None:
         overlap_forward = env.overlap_forward
+    elif isinstance(overlap_forward, str) and overlap_forward != "auto":
+        raise ValueError(f"overlap_forward must be True, False or 'auto', not {overlap_forward!r}")
+    # "auto": off unless autotuning tries it and finds it faster.
+    overlap_auto = overlap_forward == "auto"
+    overlap_forward = bool(overlap_forward) and not overlap_auto
     if optimizer_on_server is None:
         optimizer_on_server = env.optimizer_on_server
     base = optimizer.__class__
@@ -403,16 +393,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
             warnings.warn(f"optimizer_on_server is not available here ({why}); the optimizer runs on the "
                           f"workers", stacklevel=2)
             optimizer_on_server = False
+    # Knobs the user set stay as set (autotune.py).
+    fixed = set(tune.fixed) | ({"fusion_threshold"} if fusion_threshold is not None else set())
     fusion_threshold = max(0, env.fusion_threshold if fusion_threshold is None else int(fusion_threshold))
     job_partition = _api.partition_bytes()
-    start = autotune.Settings(bool(overlap_forward), fusion_threshold, job_partition, _api.credit_bytes())
+    start = autotune.Settings(overlap_forward, fusion_threshold, job_partition, _api.credit_bytes())
     tunable: set = set()
     if tune.enabled:
         if not ps._is_global():
             warnings.warn("autotune is not available with a process set; the settings stay as they are",
                           stacklevel=2)
         else:
-            tunable = _tunable(optimizer, base, compression, optimizer_on_server, fixed)
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            tunable = autotune.tunable(
+                fixed, overlap_auto=overlap_auto, elementwise=issubclass(base, ELEMENTWISE),
+                on_server=optimizer_on_server,
+                plain=isinstance(compression, type) and issubclass(compression, NoneCompressor),
+                declared_ahead=all(_wire_spec(p, compression) is not None for p in params))
     loaded = None
     if tunable and tune.file:
         loaded = autotune.load(tune.file, autotune.fingerprint_of(optimizer, ps), job_partition)
@@ -420,16 +417,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
             # What the user set wins over the file.
             start = autotune.Settings(*(getattr(loaded if k in tunable else start, k) for k in autotune.KNOBS))
             tunable = set()
-    # Method resolution: the tuner outermost; server mode before overlap (its
-    # no-op per-parameter update wins), both before the base, all before the
-    # wrapped optimizer. When overlap is tuned it is there, switched on or off.
+    # The mode, chosen once. When overlap is tuned its schedule is there,
+    # switched on or off between steps.
     with_overlap = start.overlap_forward or "overlap_forward" in tunable
-    modes = ([autotune.Autotuned] * bool(tunable) + [OptimizerOnServer] * bool(optimizer_on_server)
-             + [OverlapForward] * with_overlap)
-    cls = type(base.__name__, (*modes, _DistributedOptimizer, base), {})
+    cls = type(base.__name__, (_DistributedOptimizer, base), {})
     opt = cls.__new__(cls)
-    if with_overlap:
-        opt._gh_overlap_on = start.overlap_forward
     # Re-create with the same param_groups (hyperparameters included) and defaults.
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
@@ -437,7 +429,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                  sparse_as_dense=sparse_as_dense, process_set=ps,
                  sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors),
                  fusion_threshold=start.fusion_threshold,
-                 partition_bytes=0 if start.partition_bytes == job_partition else start.partition_bytes)
+                 partition_bytes=0 if start.partition_bytes == job_partition else start.partition_bytes,
+                 schedule=ForwardOverlap if with_overlap else Synchronous,
+                 where=OnServers if optimizer_on_server else OnWorkers)
+    opt._gh_mode.switch_overlap(start.overlap_forward)
     opt.defaults = optimizer.defaults
     if optimizer.state:
         opt.load_state_dict(optimizer.state_dict())
@@ -449,23 +444,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         opt._gh_tuner = autotune.Autotuner(opt, start, tunable, job_partition, warmup=tune.warmup_steps,
                                            steps=tune.steps_per_trial, log=tune.log, file=tune.file)
     return opt
-
-
-def _tunable(optimizer, base, compression, on_server: bool, fixed: set) -> set:
-    """The knobs autotuning may change for this optimizer (autotune.py)."""
-    knobs = set(autotune.KNOBS) - fixed
-    plain = isinstance(compression, type) and issubclass(compression, NoneCompressor)
-    if on_server or not issubclass(base, ELEMENTWISE):
-        knobs.discard("overlap_forward")
-    if on_server or not plain:
-        knobs.discard("fusion_threshold")
-    # Every tensor must be declared ahead (a user's compressor's are not:
-    # they are declared on first use, in the job's chunks); the servers'
-    # optimizer state is kept per tensor.
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if on_server or any(_wire_spec(p, compression) is None for p in params):
-        knobs.discard("partition_bytes")
-    return knobs
 
 
 def _check_sfb(mode: str) -> str:

@@ -70,8 +70,10 @@ class ProcessSet:
             return name or _api.auto_name(kind)
         if name is None:
             with self._lock:
-                name = f"{kind}{_api.AUTO_MARK}{next(self._names)}"
-        return f"ps{self.process_set_id}.{name}"
+                name = _api.AutoName(f"{kind}{_api.AUTO_MARK}{next(self._names)}")
+        prefixed = f"ps{self.process_set_id}.{name}"
+        # Generated (freed after its round) if the name was.
+        return _api.AutoName(prefixed) if isinstance(name, _api.AutoName) else prefixed
 
     def _push_pull_async(self, buf, name: str, average: bool, priority: int = 0, live=None):
         """Sum `buf` over the set's members (average: global set only; a

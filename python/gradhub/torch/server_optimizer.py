@@ -1,4 +1,5 @@
-"""DistributedOptimizer(optimizer_on_server=True) (PHub): the servers keep the
+"""DistributedOptimizer(optimizer_on_server=True) (PHub): `OnServers`, the
+place of the update in the optimizer's strategy (modes.py). The servers keep the
 parameters and optimizer state and run the update fused per chunk; a round
 returns new parameters, which are copied into the model. SGD (momentum,
 dampening, Nesterov, weight decay) and AdamW (and Adam without weight decay),
@@ -20,6 +21,7 @@ import torch
 
 from .. import api as _api
 from .compression import Compression
+from .modes import OnWorkers
 from .ops import Average, Handle
 
 
@@ -42,94 +44,97 @@ def server_unsupported(optimizer: torch.optim.Optimizer, compression) -> str | N
     return f"{type(optimizer).__name__} is not one of SGD, Adam, AdamW"
 
 
-class OptimizerOnServer:
-    """Mode mixin; see optimizer._DistributedOptimizer for the extension points."""
+class OnServers(OnWorkers):
+    """Updates run on the servers (see the module's doc)."""
 
-    _gh_server = True
+    on_server = True
 
-    def __init__(self, *args, **kwargs):
-        self._gh_inited: set[int] = set()
-        self._gh_init_handles: dict[int, tuple] = {}
-        self._gh_steps = 0                          # step() calls: group configs are read once per step
-        self._gh_group_cfg: dict[int, list] = {}    # group index -> [step read, config, version]
-        self._gh_cfg_sent: dict[int, int] = {}      # param id -> config version sent
-        super().__init__(*args, **kwargs)
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.inited: set[int] = set()
+        self.init_handles: dict[int, tuple] = {}
+        self.steps = 0                          # step() calls: group configs are read once per step
+        self.group_cfg: dict[int, list] = {}    # group index -> [step read, config, version]
+        self.cfg_sent: dict[int, int] = {}      # param id -> config version sent
 
-    def _gh_push_name(self, p) -> str:
-        return f"server_opt.{self._gh_names[id(p)]}"
+    def push_name(self, p, tagged: bool = True) -> str:
+        return f"server_opt.{self.opt._gh_names[id(p)]}"
 
-    def _gh_declarations(self) -> list:
+    def declarations(self) -> list:
         # Every parameter: each one is initialized on the servers, also those
         # without gradients. Registration order approximates the first forward
         # pass, where the tensors used to be declared on first use.
-        return [(self._gh_push_name(p), (p.numel(), "float32")) for p in self._gh_params]
+        return [(self.push_name(p), (p.numel(), "float32")) for p in self.opt._gh_params]
 
     # -------------------------------------------------------------- configuration
 
-    def _gh_config(self, g: dict) -> tuple:
-        if isinstance(self, torch.optim.SGD):
+    def _config(self, g: dict) -> tuple:
+        if isinstance(self.opt, torch.optim.SGD):
             return ("sgd", float(g["lr"]), float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0)),
                     float(g.get("weight_decay", 0.0)), bool(g.get("nesterov", False)), 0.9, 0.999, 1e-8)
         b1, b2 = g["betas"]
         return ("adamw", float(g["lr"]), 0.0, 0.0, float(g.get("weight_decay", 0.0)), False, float(b1), float(b2),
                 float(g["eps"]))
 
-    def _gh_send_server_config(self, p):
+    def _send_config(self, p):
         """Tell the servers p's hyperparameters, if its group's changed since
         they were last sent for p (LR schedules)."""
-        gi = self._gh_group_idx[id(p)]
-        st = self._gh_group_cfg.get(gi)
-        if st is None or st[0] != self._gh_steps:
-            cfg = self._gh_config(self.param_groups[gi])
+        gi = self.opt._gh_group_idx[id(p)]
+        st = self.group_cfg.get(gi)
+        if st is None or st[0] != self.steps:
+            cfg = self._config(self.opt.param_groups[gi])
             if st is None:
-                st = self._gh_group_cfg[gi] = [self._gh_steps, cfg, 0]
+                st = self.group_cfg[gi] = [self.steps, cfg, 0]
             elif cfg != st[1]:
                 st[1], st[2] = cfg, st[2] + 1
-            st[0] = self._gh_steps
+            st[0] = self.steps
         _, cfg, version = st
-        if self._gh_cfg_sent.get(id(p)) == version:
+        if self.cfg_sent.get(id(p)) == version:
             return
         kind, lr, mom, damp, wd, nest, b1, b2, eps = cfg
-        _api.set_server_optimizer(self._gh_push_name(p), p.numel(), kind, lr, momentum=mom, dampening=damp,
+        _api.set_server_optimizer(self.push_name(p), p.numel(), kind, lr, momentum=mom, dampening=damp,
                                   weight_decay=wd, nesterov=nest, beta1=b1, beta2=b2, eps=eps)
-        self._gh_cfg_sent[id(p)] = version
+        self.cfg_sent[id(p)] = version
 
     # -------------------------------------------------------------- initial values
 
-    def _gh_server_init(self, p):
+    def _init(self, p):
         """Give the servers p's initial values (worker 0's), asynchronously."""
-        if id(p) in self._gh_inited:
+        if id(p) in self.inited:
             return
-        self._gh_inited.add(id(p))
-        self._gh_send_server_config(p)
+        self.inited.add(id(p))
+        self._send_config(p)
         buf = p.detach().float().contiguous().clone()
-        h = _api.push_pull_async(buf, name=self._gh_push_name(p), average=False, priority=self._gh_priority(p),
+        h = _api.push_pull_async(buf, name=self.push_name(p), average=False, priority=self.opt._gh_priority(p),
                                  init=True)
-        self._gh_init_handles[id(p)] = (h, buf)
+        self.init_handles[id(p)] = (h, buf)
 
-    def _gh_server_init_wait(self, p):
-        self._gh_server_init(p)
-        pending = self._gh_init_handles.pop(id(p), None)
+    def _init_wait(self, p):
+        self._init(p)
+        pending = self.init_handles.pop(id(p), None)
         if pending is not None:
             h, buf = pending
             h.wait()
             with torch.no_grad():
                 p.copy_(buf.view_as(p))
 
-    # -------------------------------------------------------------- extension points
+    # -------------------------------------------------------------- the strategy's points
 
-    def _gh_before_forward(self, own: list) -> None:
+    def before_forward(self, own: list) -> None:
         for p in own:
-            self._gh_server_init(p)
-        super()._gh_before_forward(own)
+            self._init(p)
 
-    def _gh_push(self, p, grad):
+    def before_step(self) -> None:
+        self.steps += 1
+
+    def push(self, p, grad):
         """Push p's gradient; the round returns p's new value."""
-        self._gh_server_init_wait(p)
-        self._gh_send_server_config(p)
+        self._init_wait(p)
+        self._send_config(p)
         buf = grad.detach().float().contiguous().clone()
-        name = self._gh_push_name(p)
-        h = _api.push_pull_async(buf, name=name, average=self._gh_op is Average, priority=self._gh_priority(p))
+        name = self.push_name(p)
+        h = _api.push_pull_async(buf, name=name, average=self.opt._gh_op is Average,
+                                 priority=self.opt._gh_priority(p))
 
         def finish():
             with torch.no_grad():
@@ -138,10 +143,7 @@ class OptimizerOnServer:
 
         return Handle(h, finish, name)
 
-    def _gh_update_many(self, params, hyper) -> None:
-        """overlap_forward: the servers ran the updates; the handles copied the new values in."""
-
-    def _gh_update(self, closure):
+    def update(self, closure):
         # The servers ran the update; synchronize() copied the new values in.
         loss = None
         if closure is not None:
@@ -149,6 +151,5 @@ class OptimizerOnServer:
                 loss = closure()
         return loss
 
-    def step(self, closure=None):
-        self._gh_steps += 1
-        return super().step(closure)
+    def update_some(self, params: list, hyper: dict | None) -> None:
+        """Forward overlap: the servers ran the updates; the handles copied the new values in."""

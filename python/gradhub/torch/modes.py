@@ -1,0 +1,157 @@
+"""The strategy a `DistributedOptimizer` delegates its mode to, chosen once
+at construction (optimizer.py): a schedule, which says when the update of
+each parameter runs, holding the place where it runs.
+
+- Schedules: `Synchronous` here (plain wait-free backprop: step() waits for
+  every reduced gradient, then updates) and `ForwardOverlap` (overlap.py:
+  each update deferred to just before its module's next forward).
+- Places: `OnWorkers` here (the wrapped optimizer updates the parameters
+  from their averaged gradients) and `OnServers` (server_optimizer.py: the
+  servers run the update; a round returns the new parameters).
+
+The optimizer keeps what every mode shares (gradient hooks, priorities,
+fusion, synchronize(), the Horovod API) and calls the strategy at the
+points where the modes differ; a strategy reads the optimizer's `_gh_*`
+state, as fusion.py and sufficient_factors.py do.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .ops import _wire_spec
+
+
+class OnWorkers:
+    """Updates run on the workers: gradients are reduced under
+    `allreduce.<name>`, and the wrapped optimizer applies them."""
+
+    on_server = False
+
+    def __init__(self, opt):
+        self.opt = opt
+        # ForwardOverlap's updates of a module's parameters: an optimizer of
+        # the wrapped class over just them, by the ids of the parameters.
+        self.sub: dict[tuple, torch.optim.Optimizer] = {}
+
+    def push_name(self, p, tagged: bool = True) -> str:
+        """The name p's gradient is pushed under; with a chunk size of its
+        own, tagged with it (`tagged=False`: the base, for derived names)."""
+        opt = self.opt
+        return opt._gh_ps._name(f"allreduce.{opt._gh_names[id(p)]}{opt._gh_tag() if tagged else ''}", "")
+
+    def declarations(self) -> list:
+        """[(name, (numel, dtype, partition)), ...] of every tensor pushed,
+        declared in one exchange at construction. Reverse registration order
+        approximates the order gradients become ready, which is the order the
+        tensors used to be declared in on first use (it sets their keys, the
+        tie-break between equal priorities)."""
+        opt = self.opt
+        fused = opt._gh_fusion.of if opt._gh_fusion is not None else {}
+        specs = [(self.push_name(p), _wire_spec(p, opt._gh_compression))
+                 for p in reversed(opt._gh_params) if p.requires_grad and id(p) not in fused]
+        buckets = opt._gh_fusion.declarations() if opt._gh_fusion is not None else []
+        return [(name, (*spec, opt._gh_partition)) for name, spec in specs + buckets if spec is not None]
+
+    def push(self, p, grad):
+        """Start reducing p's gradient; returns an ops.Handle."""
+        opt = self.opt
+        return opt._gh_reduce(grad, self.push_name(p), opt._gh_priority(p))
+
+    def before_forward(self, own: list) -> None:
+        """A module using parameters `own` is about to run forward."""
+
+    def before_step(self) -> None:
+        """step() was called."""
+
+    def update(self, closure):
+        """The update after synchronize(): the wrapped optimizer's step."""
+        opt = self.opt
+        return opt._gh_base_cls.step(opt, closure)
+
+    def update_some(self, params: list, hyper: dict | None) -> None:
+        """Update `params` (of one group) with their reduced gradients, with
+        the group's hyperparameters `hyper` as they were at step() (None:
+        as they are), through an optimizer of the same class over them that
+        shares the state, so a module's parameters take one optimizer call."""
+        opt = self.opt
+        group = opt._gh_group_of(params[0])
+        if hyper is None:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+        key = tuple(id(p) for p in params)
+        sub = self.sub.get(key)
+        if sub is None:
+            base = opt._gh_base_cls
+            hyper0 = {k: v for k, v in group.items() if k != "params"}
+            sub = base(params, **{k: v for k, v in hyper0.items() if k in base.__init__.__code__.co_varnames})
+            sub.state = opt.state  # shared: keyed by parameter
+            if len(self.sub) >= 4096:  # sets that keep changing (stragglers): bounded
+                self.sub.clear()
+            self.sub[key] = sub
+        sub.param_groups[0].update(hyper)
+        with torch.no_grad():
+            sub.step()
+
+
+class Synchronous:
+    """Plain wait-free backprop: each gradient is pushed as autograd
+    produces it, step() waits for them all and then runs the update."""
+
+    # Whether check_gradient does anything: the gradient hooks skip the call when not.
+    checks_gradients = False
+
+    def __init__(self, opt, where: OnWorkers):
+        self.opt = opt
+        self.where = where
+
+    def attach(self) -> None:
+        """Hooks of the schedule's own, registered after the optimizer's."""
+
+    def remove(self) -> None:
+        """Remove them (remove_hooks())."""
+
+    def switch_overlap(self, on: bool) -> None:
+        """Autotuning: forward overlap on or off from the next step."""
+        if on:
+            raise RuntimeError("internal: forward overlap switched on for an optimizer built without it")
+
+    def check_gradient(self, pid: int) -> None:
+        """A gradient is accumulated, before it is counted."""
+
+    def before_forward(self, own: list) -> None:
+        """A module using parameters `own` is about to run forward."""
+        self.where.before_forward(own)
+
+    def step(self, closure):
+        """The optimizer's step()."""
+        return self.step_synchronously(closure)
+
+    def step_synchronously(self, closure):
+        """Synchronize (unless under skip_synchronize()), then update. Called
+        by each schedule's step() only (see the warning's stack level)."""
+        opt = self.opt
+        if not opt._gh_skip_sync:
+            if opt._gh_synchronized:
+                # Horovod's warning: the gradients are synchronized already.
+                # Pointing at the caller of step(): this, the schedule's
+                # step(), the optimizer's, torch's step hook wrapper, the caller.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                              "your code.", stacklevel=5)
+            else:
+                opt.synchronize()
+        opt._gh_synchronized = False
+        return self.where.update(closure)
+
+    def zero_grad(self, set_to_none: bool):
+        opt = self.opt
+        if opt._gh_handles:
+            raise RuntimeError("zero_grad() called while gradients are still being reduced; "
+                               "call step() or synchronize() first")
+        return opt._gh_base_cls.zero_grad(opt, set_to_none)
+
+    def finish(self) -> None:
+        """Apply every pending update now; none here."""
