@@ -49,7 +49,8 @@ VARIANTS = {
     "nosfb": {"GRADHUB_SFB": "off"},
     "sfb": {"GRADHUB_SFB": "force"},
     # Autotuning during untimed steps before the timed ones (3 steps a trial).
-    "autotune": {"GRADHUB_AUTOTUNE": "1", "GRADHUB_AUTOTUNE_STEPS_PER_TRIAL": "3"},
+    # Overlap changes training semantics: autotune tries it only when allowed.
+    "autotune": {"GRADHUB_AUTOTUNE": "1", "GRADHUB_AUTOTUNE_STEPS_PER_TRIAL": "3", "GRADHUB_OVERLAP_FORWARD": "auto"},
 }
 
 
