@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from . import _core, _env, timeline
-from ._core import GradhubTimeoutError
+from ._core import GradhubError, GradhubTimeoutError
 from .buffers import INTEGER_DTYPES, describe, get_buffer, is_torch_tensor, stage, validate
 
 _lock = threading.Lock()
@@ -32,10 +32,23 @@ _names = itertools.count()
 _names_lock = threading.Lock()
 
 
+class NotInitializedError(RuntimeError, ValueError):
+    """gradhub is not initialized. A RuntimeError (gradhub's type for it) and
+    a ValueError (Horovod's "Horovod has not been initialized"), so handlers
+    written for either keep working."""
+
+
+class GradhubMismatchError(GradhubError, ValueError):
+    """Workers disagree on an operation (its root rank, shape or dtype); every
+    worker raises it. A GradhubError, so a RuntimeError as Horovod's
+    HorovodInternalError for the same cases, and a ValueError (gradhub's
+    type for it before)."""
+
+
 def _require() -> _core.Client:
     c = _client
     if c is None:
-        raise RuntimeError("gradhub is not initialized: call gradhub.init() first")
+        raise NotInitializedError("gradhub is not initialized: call gradhub.init() first")
     return c
 
 
@@ -390,7 +403,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, dtype: str |
     roots[c.rank] = root_rank + 1  # plus one: a worker in join() adds zeros
     push_pull(roots, name=derive_name(name, ".root"))
     if ((roots != root_rank + 1) & (roots != 0)).any():
-        raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
+        raise GradhubMismatchError(f"broadcast '{name}': workers disagree on the root rank: "
                          + ", ".join(f"worker {q} says {int(x) - 1}" for q, x in enumerate(roots) if x != 0))
     if c.rank != root_rank:
         if is_torch_tensor(tensor):

@@ -1,7 +1,8 @@
 """Worker: Horovod's join for uneven data. Worker r has 2 + 2r batches; a
 worker out of data joins, and takes part in the others' allreduces,
-allgathers, broadcasts, unnamed calls and DistributedOptimizer gradients
-with zeros (an average still divides by every worker, as in Horovod). The
+unnamed calls and DistributedOptimizer gradients with zeros (an average
+still divides by every worker, as in Horovod); an allgather (or broadcast)
+then raises on the others, as in Horovod. The
 parameters are checked against the same training computed here, and after
 the join every worker takes the last one's parameters and goes on in step
 (a second epoch)."""
@@ -60,8 +61,13 @@ for s in range(batches(r)):
     assert got.item() == sum(k + 1 for k in range(n) if s < batches(k)), (s, got)
     unnamed = hvd.allreduce(torch.ones(3), op=hvd.Sum)
     assert torch.equal(unnamed, torch.full((3,), float(active))), (s, unnamed)
-    rows = hvd.allgather(torch.full((r + 1, 2), float(r)), name="rows")
-    assert rows.shape[0] == sum(k + 1 for k in range(n) if s < batches(k)), (s, rows.shape)
+    # As in Horovod, an allgather while a worker has joined raises on the others.
+    try:
+        rows = hvd.allgather(torch.full((r + 1, 2), float(r)), name="rows")
+    except RuntimeError as e:
+        assert active < n and "joined" in str(e), (s, e)
+    else:
+        assert active == n and rows.shape[0] == sum(k + 1 for k in range(n)), (s, rows.shape)
 last = hvd.join()
 assert last == n - 1, last  # the worker with the most data joins last
 # A joined worker's model stopped at its last batch: take the last one's,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import GradhubError, GradhubTimeoutError
+from ..api import GradhubMismatchError, NotInitializedError
 from ..api import barrier as _barrier
 from ..api import cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size
 from ..api import init as _init
@@ -19,6 +20,7 @@ from ..api import join as _join
 from ..api import start_timeline, stop_timeline
 from .compression import Compression, Compressor
 from .ddp import HookState, ddp_comm_hook
+from .ops import _settle_started
 from .ops import (
     Adasum,
     Average,
@@ -83,17 +85,24 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set=None):
-    """Block until every worker (of `process_set`) has entered the barrier."""
+    """Block until every worker (of `process_set`) has entered the barrier,
+    and the operations this worker started before it (async ones) have
+    completed: the barrier returns after them, as Horovod's. They are waited
+    for after the barrier, not before it, so one that another worker starts
+    only after the barrier does not hang it."""
     ps = _resolve(process_set)
     if ps._is_global():
         _barrier()
-        return
-    # A set's barrier: a sum of one element over its members.
-    ps._push_pull_async(torch.zeros(1), ps._name(None, "barrier"), False).wait()
+    else:
+        # A set's barrier: a sum of one element over its members.
+        ps._push_pull_async(torch.zeros(1), ps._name(None, "barrier"), False).wait()
+    _settle_started()
 
 
-# Horovod raises HorovodInternalError when a collective fails because a peer
-# was lost; gradhub raises GradhubError then (naming the peer and why).
+# Horovod raises HorovodInternalError (a RuntimeError) when a collective
+# fails: a peer was lost (gradhub: GradhubError, naming it and why), or the
+# workers disagree on it (GradhubMismatchError, a GradhubError and a
+# ValueError, gradhub's type for it before).
 HorovodInternalError = GradhubError
 
 
@@ -129,7 +138,8 @@ elastic = _Elastic()
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "GradhubError", "GradhubTimeoutError",
-    "Handle", "HookState", "HorovodInternalError", "Max", "Min", "Product", "Sum", "SyncBatchNorm", "allgather",
+    "GradhubMismatchError", "Handle", "HookState", "HorovodInternalError", "NotInitializedError", "Max", "Min",
+    "Product", "Sum", "SyncBatchNorm", "allgather",
     "ProcessSet", "add_process_set", "global_process_set", "remove_process_set", "alltoall", "alltoall_async",
     "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "reducescatter", "reducescatter_async", "sparse_allreduce_async", "start_timeline", "stop_timeline", "join",

@@ -19,21 +19,35 @@ from typing import Any, Callable
 import torch
 
 from .. import GradhubTimeoutError
+from .. import api as _api
 from ..api import derive_name as _derive
 from .compression import Compression
-from .ops import Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op
+from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op, _track
 from .process_sets import ProcessSet, _resolve, global_process_set
 
 
 # ---------------------------------------------------------------- handles
 
 
+_in_flight: set[str] = set()  # explicit names of these operations now running on this worker
+_in_flight_lock = threading.Lock()
+
+
 class _ThreadHandle(Handle):
     """An operation of several rounds, run on a thread of its own: done when
-    the thread is; `wait()` returns its result or raises its error."""
+    the thread is; `wait()` returns its result or raises its error. As in
+    Horovod, starting one under an explicit name while another of that name
+    is in flight here is a ValueError (generated names never collide)."""
 
     def __init__(self, fn: Callable[[], Any], name: str):
         super().__init__(None, lambda: None, name)
+        claimed = not isinstance(name, _api.AutoName)
+        if claimed:
+            with _in_flight_lock:
+                if name in _in_flight:
+                    raise ValueError(f"'{name}' is already in flight on this worker: as in Horovod, an operation's "
+                                     "name must not be reused before the previous one completed")
+                _in_flight.add(name)
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -45,6 +59,9 @@ class _ThreadHandle(Handle):
                 self._value = fn()
             except BaseException as e:  # handed to whoever waits
                 self._error = e
+            if claimed:
+                with _in_flight_lock:
+                    _in_flight.discard(name)
             with self._cb_lock:
                 self._event.set()
                 callbacks, self._callbacks = self._callbacks, []
@@ -55,6 +72,9 @@ class _ThreadHandle(Handle):
 
     def done(self) -> bool:
         return self._event.is_set()
+
+    def _settle(self) -> None:
+        self._event.wait()
 
     def wait(self, timeout: float | None = None):
         if not self._event.wait(timeout):
@@ -85,6 +105,8 @@ def _my_rows(t: torch.Tensor, counts: list[int], r: int) -> torch.Tensor:
 
 
 def _check_scatter_op(op) -> Any:
+    if op is Adasum:  # a RuntimeError, as Horovod's
+        raise NotImplementedError("reducescatter does not support Adasum (nor does Horovod's): use Average or Sum")
     if op is not Average and op is not Sum:
         raise ValueError("reducescatter supports op=Average or op=Sum")
     return op
@@ -95,7 +117,8 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=global_proces
     """Reduce `tensor` across workers and keep this worker's rows of the
     result (dim 0 split evenly, the first workers taking one more)."""
     ps = _resolve(process_set)
-    return _reducescatter_async(tensor, op, ps._name(name, "reducescatter"), ps, prescale_factor, postscale_factor)
+    return _track(_reducescatter_async(tensor, op, ps._name(name, "reducescatter"), ps, prescale_factor,
+                                       postscale_factor))
 
 
 def _reducescatter_async(tensor, op, name: str, ps: ProcessSet, prescale: float, postscale: float) -> Handle:
@@ -103,7 +126,7 @@ def _reducescatter_async(tensor, op, name: str, ps: ProcessSet, prescale: float,
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     counts, r = _rows(tensor.shape[0], ps.size()), ps.rank()
-    h = _reduce_async(tensor, name, op, 0, Compression.none, None, prescale, postscale, ps)
+    h = _reduce_async(tensor, name, op, 0, Compression.none, None, prescale, postscale, ps, check=True)
     finish = h._finish
     h._finish = lambda: _my_rows(finish(), counts, r).clone()
     return h
@@ -112,7 +135,9 @@ def _reducescatter_async(tensor, op, name: str, ps: ProcessSet, prescale: float,
 class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, name, prescale, postscale, ps):
-        ctx.scale = prescale * postscale / (ps.size() if op is Average else 1)
+        # As Horovod: the allgather of the output gradients, times the size
+        # for Sum (once for Average), and the scaling.
+        ctx.scale = prescale * postscale * (ps.size() if op is Sum else 1)
         ctx.name, ctx.ps = name, ps
         return _reducescatter_async(tensor, op, name, ps, prescale, postscale).wait()
 
@@ -137,8 +162,8 @@ def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_reducescatter")
-    return _GroupHandle([_reducescatter_async(t, op, _derive(base, f".{i}"), ps, prescale_factor, postscale_factor)
-                         for i, t in enumerate(tensors)], base)
+    return _track(_GroupHandle([_reducescatter_async(t, op, _derive(base, f".{i}"), ps, prescale_factor,
+                                                     postscale_factor) for i, t in enumerate(tensors)], base))
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
@@ -162,14 +187,15 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle
     ps = _resolve(process_set)
     name = ps._name(name, "allgather")
     t = tensor.detach()
-    return _ThreadHandle(lambda: _allgather_impl(t, name, ps)[0], name)
+    return _track(_ThreadHandle(lambda: _allgather_impl(t, name, ps)[0], name))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> Handle:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_allgather")
     ts = [t.detach() for t in tensors]
-    return _ThreadHandle(lambda: [_allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(ts)], base)
+    return _track(_ThreadHandle(lambda: [_allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(ts)],
+                                base))
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -217,7 +243,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """alltoall in the background; `synchronize` returns (output, received splits)."""
     ps = _resolve(process_set)
     name = ps._name(name, "alltoall")
-    return _ThreadHandle(lambda: _alltoall_impl(tensor, splits, name, ps), name)
+    return _track(_ThreadHandle(lambda: _alltoall_impl(tensor, splits, name, ps), name))
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -253,9 +279,18 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 # ---------------------------------------------------------------- sparse
 
 
+class _SparseHandle(_ThreadHandle):
+    """Horovod's sparse_allreduce_async returns a function that gives the
+    result: this handle is one too (`handle()`), and works with `synchronize`."""
+
+    def __call__(self):
+        return self.wait()
+
+
 def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set) -> Handle:
     """Horovod's sparse allreduce: every worker's indices and values,
-    gathered; `synchronize` returns the sparse sum (or average), uncoalesced."""
+    gathered; `handle()` (or `synchronize(handle)`) returns the sparse sum
+    (or average), uncoalesced."""
     ps = _resolve(process_set)
     op = _resolve_op(None, op)
     if op is not Average and op is not Sum:
@@ -273,4 +308,4 @@ def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_pro
             vals = vals / n
         return torch.sparse_coo_tensor(idx, vals, t.shape).to(tensor.device)
 
-    return _ThreadHandle(run, name)
+    return _track(_SparseHandle(run, name))

@@ -175,10 +175,9 @@ class Fusion:
         grads = [p.grad for p in b.params]
         for j, g in enumerate(grads):
             if g.is_sparse:
-                # Reduced dense, made sparse again after (unless sparse_as_dense), as unfused.
+                # Reduced dense, made sparse again at synchronize(), as unfused.
                 grads[j] = b.params[j].grad = g.to_dense()
-                if not opt._gh_sparse_as_dense:
-                    opt._gh_sparse.append(b.params[j])
+                opt._gh_sparse.append((b.params[j], g.sparse_dim()))
         if b.priority_for is not opt._gh_rank_of:
             b.priority, b.priority_for = max(opt._gh_priority(p) for p in b.params), opt._gh_rank_of
         torch._foreach_copy_(b.views, grads)

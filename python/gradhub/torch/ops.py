@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import weakref
 import zlib
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from .. import api as _api
+from ..api import GradhubError, GradhubMismatchError
 from .compression import Compression
 from .process_sets import ProcessSet, _resolve, global_process_set
 
@@ -84,6 +86,15 @@ class Handle:
                     self._done = True
         return self._result
 
+    def _settle(self) -> None:
+        """Wait until the operation has finished, without taking its result
+        or failure (for `barrier()`; `wait()` still gives them)."""
+        if self._h is not None:
+            try:
+                self._h.wait()
+            except Exception:  # noqa: BLE001 - the caller's wait() raises it
+                pass
+
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Call `fn(handle)` once the operation has finished: from a core
         thread, or at once if it is already done. Inside `fn`,
@@ -93,6 +104,23 @@ class Handle:
             fn(self)
         else:
             self._h.add_done_callback(lambda _h: fn(self))
+
+
+# The operations the user started asynchronously and may not have waited
+# for: `barrier()` lets them finish first, as Horovod's does. (Public async
+# calls only: the optimizer's gradients never reach a barrier in flight.)
+_started: "weakref.WeakSet[Handle]" = weakref.WeakSet()
+
+
+def _track(h: Handle) -> Handle:
+    _started.add(h)
+    return h
+
+
+def _settle_started() -> None:
+    """Wait for every operation this worker started asynchronously (barrier)."""
+    for h in list(_started):
+        h._settle()
 
 
 _WIRE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -155,7 +183,8 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
     # The buffer is summed in place: never the caller's own memory unless asked.
     if buf.data_ptr() == src.data_ptr() or not buf.is_contiguous():
         buf = buf.contiguous().clone() if inplace_target is None else buf.contiguous()
-    # Integers are summed exactly; their average is rounded here. The
+    # Integers are summed exactly; their average is scaled here, as Horovod
+    # does (times 1/n in float64, truncated toward zero). The
     # servers average over every worker: a process set's is divided here.
     int_average = average and not wire.is_floating_point
     server_average = average and wire.is_floating_point and ps._is_global()
@@ -166,7 +195,7 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
     def finish():
         out = buf
         if int_average:
-            out = (out.double() / n).round().to(out.dtype)
+            out = _scaled(out, 1.0 / n)
         elif local_average:
             out.div_(n)
         if wire_cast is not None:
@@ -196,29 +225,79 @@ def push_pull(tensor, average=True, name=None, priority=0, compression=Compressi
 
 
 def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """`t` times `factor` in its own dtype (Horovod's pre/postscale)."""
+    """`t` times `factor` (Horovod's pre/postscale): in its own dtype for
+    floating types; integers in float64, truncated toward zero, as Horovod."""
     if factor == 1.0:
         return t
-    return (t.double() * factor).round().to(t.dtype) if not t.dtype.is_floating_point else t * factor
+    return (t.double() * factor).to(t.dtype) if not t.dtype.is_floating_point else t * factor
+
+
+def _start_shape_check(tensors, name: str, ps: ProcessSet):
+    """Horovod's check that every worker reduces the same shapes and dtypes
+    under a name: the core compares element counts only. One more round of
+    `size` int64s (each worker's signature in its slot), started beside the
+    data; returns what to call once the data is in (raises on every worker
+    alike). Public collectives only: DistributedOptimizer's gradients were
+    declared, sizes and dtypes, at its construction."""
+    n, r = ps.size(), ps.rank()
+    if n == 1:
+        return None
+    mine = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
+    sig = torch.zeros(n, dtype=torch.int64)
+    sig[r] = zlib.crc32(mine.encode()) + 1  # never 0: a worker in join() adds zeros
+    h = ps._push_pull_async(sig, _derive(name, ".shape"), False)
+
+    def check():
+        h.wait()
+        odd = ((sig != sig[r]) & (sig != 0)).nonzero().flatten().tolist()
+        if odd:
+            raise GradhubMismatchError(
+                f"'{name}': workers reduce different shapes or dtypes under one name: worker {_api.rank()} has "
+                f"{mine[1:-1]}, worker{'s' if len(odd) > 1 else ''} {', '.join(str(ps._members()[q]) for q in odd)} "
+                "another (as in Horovod, every worker must give the same shape and dtype)")
+
+    return check
+
+
+def _after(h: Handle, check) -> Handle:
+    """`h`, whose result is given only once `check()` passed."""
+    if check is not None:
+        finish = h._finish
+
+        def checked():
+            check()
+            return finish()
+
+        h._finish = checked
+    return h
 
 
 def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, prescale: float,
-                  postscale: float, ps: ProcessSet = global_process_set) -> Handle:
+                  postscale: float, ps: ProcessSet = global_process_set, check: bool = False) -> Handle:
     """allreduce(_async)(_)'s one path: summed (averaged) on the servers, or
-    gathered and reduced here (Min, Max, Product), scaled before and after."""
+    gathered and reduced here (Min, Max, Product), scaled before and after.
+    `check`: Horovod's shape check across workers (public collectives)."""
+    check = _start_shape_check([tensor], name, ps) if check else None
     if op in _GATHERED:
         t = _scaled(tensor.detach(), prescale).reshape(1, -1)
-        out = _scaled(_GATHERED[op](_allgather_impl(t, name, ps)[0]).to(tensor.dtype), postscale).view_as(tensor)
+        gathered = _allgather_impl(t, name, ps)[0]
+        if check is not None:
+            check()
+        out = _scaled(_GATHERED[op](gathered).to(tensor.dtype), postscale).view_as(tensor)
         if inplace_target is not None:
             inplace_target.copy_(out)
             out = inplace_target
         return Handle(None, lambda: out, name)
+    if op is Average and not tensor.dtype.is_floating_point:
+        # As Horovod: an integer average is the sum times postscale/size,
+        # truncated once (not rounded, then scaled again).
+        op, postscale = Sum, postscale / ps.size()
     if prescale != 1.0:
         tensor = _scaled(tensor.detach(), prescale)
         if inplace_target is not None:
             inplace_target.copy_(tensor)
             tensor = inplace_target
-    h = _push_pull_async(tensor, name, op is Average, priority, compression, inplace_target, ps)
+    h = _after(_push_pull_async(tensor, name, op is Average, priority, compression, inplace_target, ps), check)
     if postscale == 1.0:
         return h
     finish = h._finish
@@ -238,15 +317,15 @@ def allreduce_async(tensor, average=None, name=None, compression=Compression.non
                     prescale_factor=1.0, postscale_factor=1.0, process_set=None) -> Handle:
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    return _reduce_async(tensor, ps._name(name, "allreduce"), op, priority, compression, None,
-                         prescale_factor, postscale_factor, ps)
+    return _track(_reduce_async(tensor, ps._name(name, "allreduce"), op, priority, compression, None,
+                                prescale_factor, postscale_factor, ps, check=True))
 
 
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, compression, prescale, postscale, ps):
         ctx.op, ctx.compression, ctx.name, ctx.scale, ctx.ps = op, compression, name, (prescale, postscale), ps
-        return _reduce_async(tensor, name, op, 0, compression, None, prescale, postscale, ps).wait()
+        return _reduce_async(tensor, name, op, 0, compression, None, prescale, postscale, ps, check=True).wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -270,7 +349,7 @@ def _allreduce(tensor, name, op, compression, prescale, postscale, ps):
     """allreduce under its final name: through autograd when it is differentiable."""
     if tensor.requires_grad and torch.is_grad_enabled() and op not in _GATHERED:
         return _AllreduceFn.apply(tensor, name, op, compression, prescale, postscale, ps)
-    return _reduce_async(tensor, name, op, 0, compression, None, prescale, postscale, ps).wait()
+    return _reduce_async(tensor, name, op, 0, compression, None, prescale, postscale, ps, check=True).wait()
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compression=Compression.none,
@@ -279,8 +358,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, priority=0, compr
     ps = _resolve(process_set)
     _check_inplace(tensor, "allreduce_")
     op = _resolve_op(average, op)
-    return _reduce_async(tensor, ps._name(name, "allreduce"), op, priority, compression, tensor,
-                         prescale_factor, postscale_factor, ps)
+    return _track(_reduce_async(tensor, ps._name(name, "allreduce"), op, priority, compression, tensor,
+                                prescale_factor, postscale_factor, ps, check=True))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, compression=Compression.none, prescale_factor=1.0,
@@ -298,6 +377,10 @@ class _GroupHandle(Handle):
 
     def done(self) -> bool:
         return self._done or all(h.done() for h in self._members)
+
+    def _settle(self) -> None:
+        for h in self._members:
+            h._settle()
 
     def add_done_callback(self, fn) -> None:
         left = [len(self._members)]
@@ -327,8 +410,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, compression=Compre
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
     names = _group_names(tensors, name, "grouped_allreduce", ps)
-    return _GroupHandle([_reduce_async(t, n, op, priority, compression, None, prescale_factor, postscale_factor, ps)
-                         for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce")
+    return _track(_GroupHandle([_reduce_async(t, n, op, priority, compression, None, prescale_factor,
+                                              postscale_factor, ps, check=True)
+                                for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce"))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -341,7 +425,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
         return [_allreduce(t, n, op, compression, prescale_factor, postscale_factor, ps)
                 for t, n in zip(tensors, names)]
-    handles = [_reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps)
+    handles = [_reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps, check=True)
                for t, n in zip(tensors, names)]
     return [h.wait() for h in handles]
 
@@ -354,8 +438,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     for t in tensors:
         _check_inplace(t, "grouped_allreduce_")
     names = _group_names(tensors, name, "grouped_allreduce", ps)
-    return _GroupHandle([_reduce_async(t, n, op, priority, compression, t, prescale_factor, postscale_factor, ps)
-                         for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce")
+    return _track(_GroupHandle([_reduce_async(t, n, op, priority, compression, t, prescale_factor,
+                                              postscale_factor, ps, check=True)
+                                for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce"))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -388,7 +473,7 @@ def _bytes_as_f32(t: torch.Tensor) -> torch.Tensor:
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> Handle:
     """Start replacing `tensor`'s value with root_rank's; out of place."""
     ps = _resolve(process_set)
-    return _broadcast_async(tensor, root_rank, ps._name(name, "broadcast"), None, ps)
+    return _track(_broadcast_async(tensor, root_rank, ps._name(name, "broadcast"), None, ps))
 
 
 def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_process_set) -> Handle:
@@ -409,19 +494,26 @@ def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_pr
     if _api.rank() != root_rank:
         buf.zero_()
     # Every member's root (plus one: a worker in join() adds zeros), to tell
-    # a disagreement (the data would be a sum).
-    roots = torch.zeros(n, dtype=torch.int64)
-    roots[me] = root_rank + 1
+    # a disagreement (the data would be a sum), and its shape and dtype, which
+    # Horovod checks too (the core compares sizes only).
+    roots = torch.zeros((n, 2), dtype=torch.int64)
+    roots[me, 0] = root_rank + 1
+    roots[me, 1] = zlib.crc32(f"{tuple(src.shape)} {src.dtype}".encode())
     roots_h = ps._push_pull_async(roots, _derive(name, ".root"), False)
     # Only the root's bytes travel: the others push zeros, header only.
     h = ps._push_pull_async(buf, name, False, live=None if _api.rank() == root_rank else (0, 0))
 
     def finish():
         roots_h.wait()
-        if bool(((roots != root_rank + 1) & (roots != 0)).any()):
-            raise ValueError(f"broadcast '{name}': workers disagree on the root rank: "
-                             + ", ".join(f"worker {members[q]} says {int(x) - 1}"
-                                         for q, x in enumerate(roots.tolist()) if x != 0))
+        _check_none_joined(roots[:, 0] != 0, "broadcast", name, members)
+        if bool((roots[:, 0] != root_rank + 1).any()):
+            raise GradhubMismatchError(f"broadcast '{name}': workers disagree on the root rank: "
+                                       + ", ".join(f"worker {members[q]} says {int(x) - 1}"
+                                                   for q, x in enumerate(roots[:, 0].tolist())))
+        if bool((roots[:, 1] != roots[me, 1]).any()):
+            raise GradhubMismatchError(f"broadcast '{name}': workers broadcast different shapes or dtypes (worker "
+                                       f"{_api.rank()}: {tuple(src.shape)} {src.dtype}); as in Horovod, every worker "
+                                       "must give the same")
         if exact_bytes:
             out = buf.to(torch.uint8).view(src.dtype).reshape(src.shape)
         else:
@@ -463,7 +555,7 @@ def broadcast(tensor, root_rank, name=None, process_set=None):
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
     ps = _resolve(process_set)
     _check_inplace(tensor, "broadcast_")
-    return _broadcast_async(tensor, root_rank, ps._name(name, "broadcast"), tensor, ps)
+    return _track(_broadcast_async(tensor, root_rank, ps._name(name, "broadcast"), tensor, ps))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None):
@@ -472,6 +564,17 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 
 
 # ---------------------------------------------------------------- allgather
+
+
+def _check_none_joined(present: torch.Tensor, what: str, name: str, members: list[int]) -> None:
+    """As Horovod: a broadcast or allgather while a worker is in join() is an
+    error on the others (a worker in join() pushed zeros: not `present`)."""
+    if not bool(present.all()):
+        gone = [members[q] for q in (~present).nonzero().flatten().tolist()]
+        raise GradhubError(f"{what} '{name}': worker{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
+                           "joined (join()): as in Horovod, only allreduce (and the optimizer's gradients) take part "
+                           "in join; call join() on this worker too")
+
 
 
 def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set,
@@ -486,18 +589,19 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     # Every worker's first dimension, and what must agree: the rest of the
     # shape and the dtype (a row count, and a checksum of both).
     meta = torch.zeros((n, 3), dtype=torch.int64)
-    meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode())])
+    meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode()) + 1])
     ps._push_pull_async(meta, _derive(name, ".counts"), False, priority).wait()
-    # A worker in join() adds a row of zeros: it has nothing to give.
-    present = meta.ne(0).any(1)
-    if not bool((meta[present, 1:] == meta[r, 1:]).all()):
-        q = int(((meta[:, 1:] != meta[r, 1:]).any(1) & present).nonzero()[0])
-        q = ps._members()[q]
-        what = (f"rows of {int(meta[q, 1])} elements, worker {r} of {row} ({tuple(t.shape[1:])})"
-                if int(meta[q, 1]) != row else f"the same row size, but worker {r}'s {tuple(t.shape[1:])} {t.dtype} "
+    # A worker in join() adds a row of zeros (the checksum, plus one, is
+    # never 0): as in Horovod, the others raise.
+    _check_none_joined(meta.ne(0).any(1), "allgather", name, ps._members())
+    if not bool((meta[:, 1:] == meta[r, 1:]).all()):
+        qi = int((meta[:, 1:] != meta[r, 1:]).any(1).nonzero()[0])
+        q = ps._members()[qi]
+        what = (f"rows of {int(meta[qi, 1])} elements, worker {r} of {row} ({tuple(t.shape[1:])})"
+                if int(meta[qi, 1]) != row else f"the same row size, but worker {r}'s {tuple(t.shape[1:])} {t.dtype} "
                                                 "differs in shape or dtype")
-        raise ValueError(f"allgather '{name}': workers disagree on everything but the first dimension: "
-                         f"worker {q} gives {what}")
+        raise GradhubMismatchError(f"allgather '{name}': workers disagree on everything but the first "
+                                   f"dimension: worker {q} gives {what}")
     counts_l = [int(x) for x in meta[:, 0].tolist()]
     total = sum(counts_l)
     start = sum(counts_l[:r])
@@ -612,7 +716,8 @@ def _make_state(optimizer: torch.optim.Optimizer) -> None:
     (momentum buffers, Adam's moments and step count, ...) from one step with
     zero gradients, so every worker holds the same state afterwards. With
     weight decay that step moves the parameters, as in Horovod (identically
-    on every worker). The gradients are put back."""
+    on every worker). The gradients are put back; a parameter that had none
+    keeps its zeros, as in Horovod (sparse ones for SparseAdam)."""
     if optimizer.state_dict()["state"] or getattr(optimizer, "_gh_server", False):
         return  # stepped already, or the state lives on the servers
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -621,8 +726,11 @@ def _make_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad:
-                saved.append((p, p.grad))
+                if p.grad is not None:
+                    saved.append((p, p.grad))
                 p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
     # The wrapped optimizer's own step: a DistributedOptimizer's would reduce.
     getattr(optimizer, "_gh_base_cls", type(optimizer)).step(optimizer)
     for p, g in saved:

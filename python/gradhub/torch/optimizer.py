@@ -82,6 +82,8 @@ class _DistributedOptimizer:
         else:
             names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
         self._gh_names = names
+        # Horovod's attribute, which scripts and wrappers read: parameter -> name.
+        self._parameter_names = {p: names[id(p)] for p in all_params}
         self._gh_params = all_params
         # Registration order until the first forward pass tells the real order.
         self._gh_rank_of = {id(p): i for i, p in enumerate(all_params)}
@@ -249,10 +251,10 @@ class _DistributedOptimizer:
             return
         if grad.is_sparse:
             # Reduced dense (the same values Horovod's sparse allgather sums
-            # to); made sparse again after, unless sparse_as_dense.
+            # to), and made sparse again at synchronize().
+            sparse_dim = grad.sparse_dim()
             grad = p.grad = grad.to_dense()
-            if not self._gh_sparse_as_dense:
-                self._gh_sparse.append(p)
+            self._gh_sparse.append((p, sparse_dim))
         if self._gh_fusion is not None and id(p) in self._gh_fusion.of:
             self._gh_fusion.fill(p)  # synchronize(): no gradient this step
             return
@@ -277,8 +279,10 @@ class _DistributedOptimizer:
         # Once per operation: a fusion bucket is the handle of all its members.
         for h in {id(h): h for h in self._gh_handles.values()}.values():
             h.wait()
-        for p in self._gh_sparse:
-            p.grad = p.grad.to_sparse()
+        # As Horovod, a sparse gradient is sparse again after its reduction,
+        # also with sparse_as_dense (which only says how it travels).
+        for p, sparse_dim in self._gh_sparse:
+            p.grad = p.grad.to_sparse(sparse_dim)
         self._gh_sparse.clear()
         if self._gh_sfb is not None:
             self._gh_sfb.decide()
@@ -360,8 +364,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     every worker has built its DistributedOptimizer (as every Horovod script
     does), and raises if the workers' parameters differ in size or dtype."""
     if not _api.is_initialized():
-        raise RuntimeError("gradhub is not initialized: call gradhub.torch.init() before DistributedOptimizer")
-    ps = _resolve(process_set)
+        raise _api.NotInitializedError("gradhub is not initialized: call gradhub.torch.init() before "
+                                       "DistributedOptimizer")
+    ps = _resolve(process_set, members_only=False)
+    if not ps.included():
+        # As Horovod: a worker outside the set keeps a local optimizer.
+        return _outside_set(optimizer, named_parameters)
     if gradient_predivide_factor != 1.0 and _resolve_op(None, op) is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if gradient_predivide_factor <= 0:
@@ -443,6 +451,41 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     if tunable:
         opt._gh_tuner = autotune.Autotuner(opt, start, tunable, job_partition, warmup=tune.warmup_steps,
                                            steps=tune.steps_per_trial, log=tune.log, file=tune.file)
+    return opt
+
+
+class _OutsideSet:
+    """DistributedOptimizer(process_set=s) on a worker outside s, as in
+    Horovod: the wrapped optimizer, reducing nothing."""
+
+    def __init__(self, params, named_parameters):
+        super().__init__(params)
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        names = {id(p): n for n, p in (named_parameters or [])}
+        self._parameter_names = {p: names.get(id(p), f"param.{i}") for i, p in enumerate(all_params)}
+
+    def synchronize(self):
+        return []
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def finish(self):
+        pass
+
+    def remove_hooks(self):
+        pass
+
+
+def _outside_set(optimizer, named_parameters):
+    cls = type(optimizer.__class__.__name__, (_OutsideSet, optimizer.__class__), {})
+    opt = cls.__new__(cls)
+    opt.defaults = optimizer.defaults
+    cls.__init__(opt, optimizer.param_groups, None if named_parameters is None else list(named_parameters))
+    opt._gh_base_cls = optimizer.__class__
+    if optimizer.state:
+        opt.load_state_dict(optimizer.state_dict())
     return opt
 
 

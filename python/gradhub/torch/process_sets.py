@@ -99,15 +99,16 @@ _next_id = itertools.count(1)
 _registry_lock = threading.Lock()
 
 
-def _resolve(process_set) -> ProcessSet:
-    """The set a collective runs over (None: the global set); this worker must be in it."""
+def _resolve(process_set, members_only: bool = True) -> ProcessSet:
+    """The set a collective runs over (None: the global set); this worker
+    must be in it (unless not `members_only`)."""
     if process_set is None or process_set is global_process_set:
         return global_process_set
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a gradhub.torch.ProcessSet, not {type(process_set).__name__}")
     if _sets.get(process_set.process_set_id) is not process_set:
         raise ValueError(f"{process_set!r} is not registered: call add_process_set() on every worker first")
-    if not process_set.included():
+    if members_only and not process_set.included():
         raise ValueError(f"worker {_api.rank()} is not in {process_set!r}: only its members call its collectives")
     return process_set
 
