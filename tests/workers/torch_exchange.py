@@ -46,14 +46,15 @@ outs = hvd.grouped_reducescatter([x, 2 * x], op=hvd.Sum, name="grs")
 assert torch.equal(outs[0], got) and torch.equal(outs[1], 2 * got)
 outs = hvd.synchronize(hvd.grouped_reducescatter_async([x, 3 * x], op=hvd.Sum, name="grs.async"))
 assert torch.equal(outs[1], 3 * got)
-# Its gradient: every worker's output gradient, back to the rows it came from.
+# Its gradient, as Horovod's: every worker's output gradient, back to the
+# rows it came from (for Average not divided by the size; for Sum times it).
 x = mine((6, 2)).requires_grad_()
 y = hvd.reducescatter(x, name="rs.grad")  # average
 (y * (r + 1)).sum().backward()
 start_of = [rows_of(6, k) for k in range(n)]
 want = torch.zeros(6, 2)
 for k, (s, c) in enumerate(start_of):
-    want[s:s + c] = (k + 1) / n
+    want[s:s + c] = k + 1
 assert torch.allclose(x.grad, want), (x.grad, want)
 
 # alltoall, even split: block q of this worker goes to worker q.
