@@ -10,7 +10,6 @@ built on gradhub's push_pull (a sum across workers).
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import weakref
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .. import _env
 from .. import api as _api
 from ..api import GradhubError, GradhubMismatchError
 from .compression import Compression
@@ -235,7 +235,7 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 # GRADHUB_SHAPE_CHECK=0 (the same on every worker) drops the check below,
 # for scripts of many small allreduces that need the latency (docs/torch.md).
-_SHAPE_CHECK = os.environ.get("GRADHUB_SHAPE_CHECK", "1") != "0"
+_SHAPE_CHECK = _env.get_flag("GRADHUB_SHAPE_CHECK", True)
 
 
 def _start_shape_check(tensors, name: str, ps: ProcessSet):
