@@ -251,9 +251,9 @@ def _start_shape_check(tensors, name: str, ps: ProcessSet):
     mine = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
     sig = torch.zeros(n, dtype=torch.int64)
     sig[r] = zlib.crc32(mine.encode()) + 1  # never 0: a worker in join() adds zeros
-    # Freed after its round, also for a named operation: it holds nothing
-    # between calls, and `release(name)` stays all a named one needs.
-    h = ps._push_pull_async(sig, _api.AutoName(f"{name}.shape"), False)
+    # Named as its operation's part: freed after its round if the name was
+    # generated, held like the data tensor (until released) if not.
+    h = ps._push_pull_async(sig, _derive(name, ".shape"), False)
 
     def check():
         h.wait()
