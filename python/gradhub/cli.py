@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("-w", "--workers", type=int, required=True, help="number of worker processes")
     lp.add_argument("-s", "--servers", type=int, default=1, help="number of summation servers (default 1)")
     lp.add_argument("--server-threads", type=int, default=venv.threads or 1,
-                    help="threads per server (GRADHUB_SERVER_THREADS; default 1)")
+                    help="threads per server (GRADHUB_SERVER_THREADS, else 1)")
     g = lp.add_mutually_exclusive_group()
     g.add_argument("--colocated", action="store_true",
                    help="mark every server as colocated with a worker (all-reduce-like traffic split)")
@@ -138,13 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vp.add_argument("--scheduler", default=venv.scheduler,
                     help="scheduler host:port (GRADHUB_SCHEDULER)")
-    vp.add_argument("--threads", type=int, default=venv.threads if venv.threads is not None else roles.default_server_threads(),
-                    help="server threads (GRADHUB_SERVER_THREADS; default: number of cores)")
+    vp.add_argument("--threads", type=int,
+                    default=venv.threads if venv.threads is not None else roles.default_server_threads(),
+                    help="server threads (GRADHUB_SERVER_THREADS, else one per core)")
     vp.add_argument("--colocated", action="store_true", default=venv.colocated,
                     help="this server runs on a worker machine (GRADHUB_COLOCATED=1)")
     vp.add_argument("--advertise-addr", default=venv.advertise,
-                    help="address workers should connect to (GRADHUB_ADVERTISE_ADDR; default: the local "
-                    "address of the interface that reaches the scheduler)")
+                    help="address workers should connect to " + _env.fallback("GRADHUB_ADVERTISE_ADDR"))
     vp.add_argument("--bind-host", default=None,
                     help="host to listen on (default: 127.0.0.1 if the scheduler is on loopback, else 0.0.0.0)")
     vp.add_argument("--insecure", action="store_true", default=_env.insecure(),
