@@ -55,6 +55,19 @@ pub struct ServiceConfig {
     pub max_pending: usize,
 }
 
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            bind: "0.0.0.0:9000".into(),
+            master: Secret::none(),
+            job: SchedulerConfig::default(),
+            max_jobs: 16,
+            max_workers: 4096,
+            max_pending: 512,
+        }
+    }
+}
+
 pub struct ServiceHandle {
     pub addr: SocketAddr,
     join: thread::JoinHandle<Result<(), SchedulerError>>,
