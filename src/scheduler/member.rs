@@ -12,7 +12,7 @@ pub(super) struct Member {
     pub role: Role,
     pub rank: u32,
     pub peer: SocketAddr,
-    pub writer: Mutex<TcpStream>,
+    writer: Mutex<TcpStream>,
 }
 
 impl Member {

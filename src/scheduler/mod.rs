@@ -11,6 +11,10 @@
 //! - watches liveness: a member that disconnects or stops heartbeating is
 //!   reported to everyone (PeerLost), which fails the job instead of hanging it;
 //! - ends the job when every worker said goodbye, telling servers to exit.
+//!
+//! Its state is made of sub-states, each owned by its module and composed
+//! in `state::State`; dependencies between the modules go one way (see
+//! docs/architecture.md, "Scheduler").
 
 mod config;
 mod declarations;
