@@ -6,15 +6,14 @@
 //! and tells the workers.
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 
 use super::config::SchedulerConfig;
 use super::declarations::Declarations;
 use super::installs::Installs;
 use super::member::Member;
-use super::membership::{Members, Refusal};
-use crate::protocol::{Register, Role, ServerInfo, TensorSpec, Welcome, MAX_JOINED_SLOTS};
+use super::membership::{Members, Refusal, Registration};
+use crate::protocol::{Role, ServerInfo, TensorSpec, Welcome, MAX_JOINED_SLOTS};
 
 #[derive(Default)]
 pub(super) struct Moves {
@@ -56,17 +55,15 @@ impl Moves {
     /// placement and tell every member where it is, before any declaration
     /// can be placed on it. The move to it is then under way until
     /// `end_take_in`.
-    #[allow(clippy::too_many_arguments)]
     pub fn admit_late(
         &mut self,
         cfg: &SchedulerConfig,
         members: &mut Members,
         decls: &mut Declarations,
         installs: &mut Installs,
-        reg: Register,
-        peer: SocketAddr,
-        stream: TcpStream,
+        joining: Registration,
     ) -> Result<Arc<Member>, Refusal> {
+        let Registration { reg, peer, stream } = joining;
         let racks = members.welcome().is_some_and(|w| w.rack_reduce);
         if !cfg.failover || cfg.num_servers < 2 || racks {
             let why = match cfg.failover {

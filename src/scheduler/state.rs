@@ -17,7 +17,7 @@ use super::declarations::Declarations;
 use super::installs::Installs;
 use super::joins::{set_op_targets, JoinOps, JoinStep};
 use super::member::Member;
-use super::membership::{Members, Refusal};
+use super::membership::{Members, Refusal, Registration};
 use super::moves::Moves;
 use crate::protocol::{Control, DeclEntry, Register, Role, TensorSpec};
 
@@ -157,7 +157,9 @@ impl Shared {
                 JobPhase::Running => {}
             }
             let State { members, decls, installs, moves, .. } = st;
-            return moves.admit_late(cfg, members, decls, installs, reg, peer, stream).map(|m| (m, true));
+            return moves
+                .admit_late(cfg, members, decls, installs, Registration { reg, peer, stream })
+                .map(|m| (m, true));
         }
         let slot = st.members.register(reg, peer, stream);
         if st.members.registered() == (cfg.num_workers + cfg.num_servers) as usize {
