@@ -5,8 +5,9 @@
 //! declare; free tensors every worker released. The placer lives here:
 //! moves (`moves`) place chunks again through `in_use`.
 
+use crate::waits::{left_message, StallWatch};
 use std::collections::{HashMap, HashSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::config::SchedulerConfig;
 use super::membership::Members;
@@ -23,8 +24,8 @@ struct Decl {
     conflict: Option<String>,
     spec: Option<TensorSpec>,
     installed: bool,
-    since: Instant,
-    stall_reported: bool,
+    /// Since its first declaration (`crate::waits`).
+    stall: StallWatch,
 }
 
 /// A released tensor: out of use by name (declaring the name again makes a
@@ -189,8 +190,7 @@ impl Declarations {
                 conflict: None,
                 spec: None,
                 installed: false,
-                since: Instant::now(),
-                stall_reported: false,
+                stall: StallWatch::start(),
             });
             if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype || d.partition != partition) {
                 d.conflict = Some(format!(
@@ -322,10 +322,9 @@ impl Declarations {
                     continue;
                 }
                 gone.sort_unstable();
-                return Some(format!(
-                    "worker(s) {gone:?} left the job (shut down or exited) without declaring tensor '{name}', \
-                     which worker {} waits for: every worker must run the same collective operations",
-                    p.rank
+                return Some(left_message(
+                    &format!("worker(s) {gone:?}"),
+                    &format!("without declaring tensor '{name}', which worker {} waits for", p.rank),
                 ));
             }
         }
@@ -337,14 +336,14 @@ impl Declarations {
     pub fn stalls(&mut self, stall: Duration) -> Vec<Stall> {
         let mut reports = Vec::new();
         for (name, d) in self.decls.iter_mut() {
-            if d.spec.is_some() || d.conflict.is_some() || d.stall_reported || d.since.elapsed() < stall {
+            if d.spec.is_some() || d.conflict.is_some() {
                 continue;
             }
-            d.stall_reported = true;
+            let Some(waited) = d.stall.overdue(stall) else { continue };
             let by = &d.declared_by;
             let missing: Vec<u32> = (0..by.len() as u32).filter(|&r| !by[r as usize]).collect();
             let waiting: Vec<u32> = (0..by.len() as u32).filter(|&r| by[r as usize]).collect();
-            reports.push(Stall { name: name.clone(), missing, waiting, waited: d.since.elapsed() });
+            reports.push(Stall { name: name.clone(), missing, waiting, waited });
         }
         reports
     }

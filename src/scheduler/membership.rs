@@ -3,6 +3,7 @@
 //! only here). Liveness failures are worded here (`lost_reason`); failing
 //! the job is `state`'s.
 
+use crate::waits::left_message;
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -142,9 +143,9 @@ impl Members {
         let set = self.barriers.entry(id).or_default();
         set.insert(rank);
         if let Some(gone) = self.said_goodbye.iter().find(|r| !set.contains(r)) {
-            return Err(format!(
-                "worker {gone} left the job (shut down or exited) before barrier {id}, which worker {rank} entered: \
-                 every worker must run the same collective operations"
+            return Err(left_message(
+                &format!("worker {gone}"),
+                &format!("before barrier {id}, which worker {rank} entered"),
             ));
         }
         if set.len() == num_workers as usize {
@@ -165,10 +166,7 @@ impl Members {
     /// Why worker `rank` leaving fails the job: others wait for it in a barrier.
     pub fn barrier_without(&self, rank: u32) -> Option<String> {
         let (id, _) = self.barriers.iter().find(|(_, entered)| !entered.contains(&rank))?;
-        Some(format!(
-            "worker {rank} left the job (shut down or exited) while others wait in barrier {id}: \
-             every worker must run the same collective operations"
-        ))
+        Some(left_message(&format!("worker {rank}"), &format!("while others wait in barrier {id}")))
     }
 
     /// Everyone registered: assign ranks, create every member and send each
