@@ -5,7 +5,6 @@
 //! declare; free tensors every worker released. The placer lives here:
 //! moves (`moves`) place chunks again through `in_use`.
 
-use crate::waits::{left_message, StallWatch};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use super::config::SchedulerConfig;
 use super::membership::Members;
 use crate::placement::{chunk_elems, Placer};
 use crate::protocol::{Control, DType, DeclEntry, TensorSpec};
+use crate::waits::{left_message, StallWatch};
 
 struct Decl {
     numel: u64,

@@ -3,7 +3,6 @@
 //! only here). Liveness failures are worded here (`lost_reason`); failing
 //! the job is `state`'s.
 
-use crate::waits::left_message;
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -12,6 +11,7 @@ use super::config::SchedulerConfig;
 use super::member::Member;
 use crate::placement::{HostLayout, Placer};
 use crate::protocol::{Control, ReadError, Register, Role, ServerInfo, Welcome};
+use crate::waits::left_message;
 
 pub(super) struct Registration {
     pub reg: Register,
