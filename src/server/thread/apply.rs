@@ -16,22 +16,7 @@ use crate::transport::ConnError;
 impl ServerThread {
     /// Carry out what a frame's header asked for (see `parse`).
     pub(super) fn apply(&mut self, t: usize, hdr: Header, cmd: Command) -> ConnResult {
-        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         match cmd {
-            Command::Whole => {
-                conn.rx.receive_owned(hdr);
-                Ok(())
-            }
-            Command::ServerHello(slot) => {
-                conn.server = Some(slot);
-                Ok(())
-            }
-            Command::DataHello(rank) => {
-                conn.rank = Some(rank);
-                self.worker_conn[rank as usize] = Some(t);
-                Ok(())
-            }
-            Command::Moved => self.drop_moved(t, hdr),
             Command::Receive(d) => self.receive(t, hdr, d),
             Command::PushRef { chunk, at, replay } => {
                 self.chunks[chunk].round.learn(hdr.round);
@@ -40,11 +25,24 @@ impl ServerThread {
                     false => self.add_push(t, hdr, chunk, Source::Shared(at)),
                 }
             }
+            Command::Moved => self.drop_moved(t, hdr),
             Command::ReplicaAck => {
                 self.on_replica_ack(&hdr);
                 Ok(())
             }
             Command::Nothing => Ok(()),
+            Command::Whole | Command::ServerHello(_) | Command::DataHello(_) => {
+                let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+                match cmd {
+                    Command::ServerHello(slot) => conn.server = Some(slot),
+                    Command::DataHello(rank) => {
+                        conn.rank = Some(rank);
+                        self.worker_conn[rank as usize] = Some(t);
+                    }
+                    _ => conn.rx.receive_owned(hdr),
+                }
+                Ok(())
+            }
         }
     }
 
@@ -53,7 +51,7 @@ impl ServerThread {
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         let partition = self.cfg.partition_bytes as usize;
         match d.kind {
-            PayloadKind::Push | PayloadKind::Replay | PayloadKind::Moved => {
+            PayloadKind::Push | PayloadKind::Replay => {
                 self.chunks[d.chunk].round.learn(hdr.round);
                 if d.direct {
                     self.chunks[d.chunk].direct_in_progress = true;
@@ -68,12 +66,13 @@ impl ServerThread {
                     };
                 }
             }
-            PayloadKind::Restore | PayloadKind::Discard => {
+            // (`drop_moved` receives the payloads of moved chunks itself.)
+            PayloadKind::Restore | PayloadKind::Discard | PayloadKind::Moved => {
                 conn.scratch_for(d.len, partition, &mut self.pool);
                 if d.len == 0 {
                     return match d.kind {
-                        PayloadKind::Discard => Ok(()),
-                        _ => self.restore(t, hdr, d.chunk),
+                        PayloadKind::Restore => self.restore(t, hdr, d.chunk),
+                        _ => Ok(()),
                     };
                 }
             }

@@ -129,9 +129,10 @@ pub struct ThreadConfig {
     pub namespace: u32,
     pub partition_bytes: u32,
     pub stall: Duration,
-    /// A connection that has not said DataHello, or has sent part of a frame
-    /// and nothing more, for this long is closed (a broken or hostile peer
-    /// must not hold a connection forever).
+    /// A connection that has not authenticated and said DataHello, or has
+    /// sent part of a frame and nothing more, for this long is closed (a
+    /// broken or hostile peer must not hold a connection forever). The job's
+    /// peer timeout, which also bounds the scheduler's handshakes.
     pub peer_timeout: Duration,
     /// The job's token, which every connecting worker must prove.
     pub secret: Secret,

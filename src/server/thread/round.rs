@@ -3,20 +3,26 @@
 //! its own), so every transition is unit-tested below.
 //!
 //! ```text
-//!            learn(r) / restore            (origin Adopted starts here)
-//!   Unknown ───────────────────┐
-//!                              v
-//!   ┌──────────────────────> Idle ── add (first push) ──> Summing ── add (last push) ──┐
-//!   │                          ^                              │                          │
-//!   │                          │               restore of     │             ┌────────────┼───────────┐
-//!   │                          │               this round ────┘             v            v           v
-//!   │                          │                                   Forwarded       Held (owner  complete
-//!   │                          │                                   (relay: sum     with replica: (owner)
-//!   │                          │                                   to the owner)   awaits ack)     │
-//!   │                          │                                        │              │          │
-//!   └── complete(): done = r, number = r + 1, results to the pushers <──┴──────────────┴──────────┘
+//!                 first push / restore          (an adopted chunk starts here)
+//!      Unknown ──────────────────────────┐
+//!                                        v
+//!   ┌─────────────────────────────────> Idle ── add: first push ──> Summing
+//!   │                                                                │
+//!   │                        add: last push ─────────────────────────┤
+//!   │            ┌─────────────────────┬─────────────────────────────┤
+//!   │            v                     v                             v
+//!   │       Forwarded              Held                      (owner, no replica
+//!   │     (relay: the rack's     (owner: waits for            to wait for)
+//!   │      sum went to the        its replica's ack)               │
+//!   │      owner)  │                   │ ack, or no replica         │
+//!   │              │ owner's result    │ any more                   │
+//!   │              v                   v                            v
+//!   └──────────────────── complete(): done = r, next round r + 1 ───┘
+//!                         (results to round r's pushers)
 //!
-//!   any phase ── retire() ──> Retired (released, given up, or its replica never acked)
+//!   A restored result of the current round completes it from Unknown,
+//!   Idle or Summing. Any phase ── retire() ──> Retired (released, given
+//!   up, or its replica never acked: no round runs any more).
 //! ```
 //!
 //! The result of round r is in buffer parity r & 1 (`parity`): a pusher
@@ -72,6 +78,8 @@ pub(super) enum Refusal {
     NotAPusher,
     /// The rank already pushed this round.
     Twice,
+    /// No round runs any more (`Phase::Retired`).
+    Retired,
 }
 
 /// What an admitted push is.
@@ -189,6 +197,9 @@ impl Round {
     /// Whether rank may push `round` now, and as what. An adopted chunk
     /// that does not know its round takes the push's (`learn`, on apply).
     pub fn admit(&self, rank: u32, round: u32) -> Result<Admit, Refusal> {
+        if self.phase == Phase::Retired {
+            return Err(Refusal::Retired);
+        }
         let at = if self.phase == Phase::Unknown { round } else { self.number };
         if self.origin == Origin::Adopted && round != at && self.done == Some(round) && self.pushers.contains(&rank) {
             return Ok(Admit::Replay);
@@ -484,5 +495,6 @@ mod tests {
         r.retire();
         assert_eq!(r.phase, Phase::Retired);
         assert!(r.untouched() && r.pushed_ranks().count() == 0 && !r.in_flight());
+        assert_eq!(r.admit(1, 0), Err(Refusal::Retired));
     }
 }

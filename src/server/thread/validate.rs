@@ -261,7 +261,8 @@ impl ServerThread {
         let name = self.name(hdr.key);
         // A replay is checked by the round alone (an adopted chunk's round
         // already complete here); everything else must fit the round.
-        if ch.round.admit(rank, hdr.round) == Ok(Admit::Replay) {
+        let admit = ch.round.admit(rank, hdr.round);
+        if admit == Ok(Admit::Replay) {
             return Ok((idx, rank, PayloadKind::Replay));
         }
         if hdr.dtype != ch.dtype {
@@ -272,8 +273,14 @@ impl ServerThread {
                 ch.dtype.name()
             )));
         }
-        match ch.round.admit(rank, hdr.round) {
+        match admit {
             Ok(_) => {}
+            Err(Refusal::Retired) => {
+                return Err(invalid(format!(
+                    "tensor '{name}' chunk {}: no longer summed here (the job is failing)",
+                    hdr.chunk
+                )))
+            }
             Err(Refusal::Round { at }) => {
                 return Err(invalid(format!(
                     "tensor '{name}' chunk {}: push for round {} but the chunk is at round {at}",
