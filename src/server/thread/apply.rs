@@ -135,7 +135,7 @@ impl ServerThread {
             flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
             return Ok(());
         }
-        let waited = ch.round.since().map(|t| (t, Instant::now(), ch.round.number));
+        let waited = ch.round.since().map(|t| (t, Instant::now(), ch.round.number()));
         match ch.round.upstream() {
             Some(slot) => self.forward(idx, slot),
             None => self.finish_round(idx),

@@ -68,7 +68,7 @@ impl ServerThread {
                 target: &who,
                 "stall resolved: tensor '{name}' chunk {} round {} complete",
                 ch.chunk,
-                ch.round.number
+                ch.round.number()
             );
         }
         if let Some((slot, frame)) = forward {
@@ -169,11 +169,11 @@ impl ServerThread {
              optimizer update for {:.1}s, and no failover came",
             self.name(ch.key),
             ch.chunk,
-            ch.round.number,
+            ch.round.number(),
             ch.round.replica().map_or("none".to_string(), |s| s.to_string()),
             limit.as_secs_f64()
         );
-        for c in self.chunks.iter_mut().filter(|c| matches!(c.round.phase, super::round::Phase::Held { .. })) {
+        for c in self.chunks.iter_mut().filter(|c| matches!(c.round.phase(), super::round::Phase::Held { .. })) {
             c.round.retire();
         }
         let workers: Vec<usize> = self.conns.iter().filter(|(_, c)| c.rank.is_some()).map(|(&t, _)| t).collect();
@@ -190,7 +190,7 @@ impl ServerThread {
         for (i, ch) in self.chunks.iter_mut().enumerate() {
             // A held round waits for its replica, not for a worker (`check_held`).
             let Some(waited) = ch.round.stalled(now, self.cfg.stall) else { continue };
-            let e = by_key.entry((ch.key, ch.round.number)).or_insert_with(|| (Vec::new(), Vec::new(), waited));
+            let e = by_key.entry((ch.key, ch.round.number())).or_insert_with(|| (Vec::new(), Vec::new(), waited));
             e.0.push(i);
             for r in ch.round.missing() {
                 if !e.1.contains(&r) {

@@ -43,11 +43,8 @@ impl ServerThread {
                 }
                 self.moved_away.remove(&at);
                 if let Some(&idx) = self.index.get(&at) {
-                    if let Role::Owner { replica } = &mut self.chunks[idx].round.role {
-                        if *replica != rep {
-                            *replica = rep;
-                            self.sync_replica(idx);
-                        }
+                    if self.chunks[idx].round.set_replica(rep) {
+                        self.sync_replica(idx);
                     }
                     continue;
                 }
@@ -131,7 +128,7 @@ impl ServerThread {
                 if !ch.round.untouched() {
                     // Only a worker breaking the protocol can have pushed it.
                     let who = format!("server {}/t{}", self.cfg.server, self.cfg.thread);
-                    log::warn!(target: &who, "tensor key {key} released with a partial round {}", ch.round.number);
+                    log::warn!(target: &who, "tensor key {key} released with a partial round {}", ch.round.number());
                 }
                 ch.round.retire();
                 ch.buf = ChunkBuf::empty();
@@ -258,14 +255,13 @@ impl ServerThread {
         let conn = self.conns.get(&t).ok_or("internal: no connection")?;
         let ch = &mut self.chunks[idx];
         let s = hdr.round;
-        let effect = ch.round.restore(s);
+        let effect = ch.round.restore(s, hdr.priority);
         if effect == Restored::Stale {
             return Ok(());
         }
         let src = &bytes(&conn.scratch)[..ch.bytes()];
         ch.write_result((s & 1) as usize, src);
         if effect == Restored::Completes {
-            ch.round.priority = ch.round.priority.max(hdr.priority);
             self.send_results(idx);
         }
         Ok(())

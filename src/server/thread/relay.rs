@@ -20,7 +20,7 @@ impl ServerThread {
         // From now on the round waits for the owner, whose stall reports are its own.
         ch.round.forward();
         self.cfg.traffic.relay();
-        let (priority, round) = (ch.round.priority, ch.round.number);
+        let (priority, round) = (ch.round.priority, ch.round.number());
         let (key, chunk) = (ch.key, ch.chunk);
         let Some(&t) = self.uplinks.get(&slot) else {
             let why = format!(
@@ -99,13 +99,13 @@ impl ServerThread {
         let ch = &self.chunks[idx];
         let (key, chunk, ns) = (ch.key, ch.chunk, self.cfg.namespace);
         let (Some(state), Some(slot)) = (ch.opt.as_ref(), ch.round.replica()) else {
-            if matches!(ch.round.phase, Phase::Held { .. }) && ch.round.replica().is_none() {
+            if matches!(ch.round.phase(), Phase::Held { .. }) && ch.round.replica().is_none() {
                 self.send_results(idx);
             }
             return;
         };
         // A held round is done already: the new replica acks that one.
-        let round = ch.round.done.unwrap_or(ch.round.number.wrapping_sub(1));
+        let round = ch.round.done().unwrap_or(ch.round.number().wrapping_sub(1));
         let snapshot = replica::snapshot_frame(ns, (key, chunk, round), state);
         if let Some(cfg) = self.opt_cfg.get(&key) {
             let frame = replica::config_frame(ns, key, cfg);

@@ -102,14 +102,15 @@ pub(super) enum Restored {
     Completes,
 }
 
+/// Phase, number and role change only through the transitions below.
 pub(super) struct Round {
     /// The round being summed (or, `Unknown`, not known yet).
-    pub number: u32,
-    pub phase: Phase,
-    pub role: Role,
-    pub origin: Origin,
+    number: u32,
+    phase: Phase,
+    role: Role,
+    origin: Origin,
     /// The last complete round, whose result is in its parity's buffer.
-    pub done: Option<u32>,
+    done: Option<u32>,
     /// The workers that push this chunk (one per host), by rank, and the
     /// relays of other racks (`HostLayout::pushers_at`).
     pub pushers: Vec<u32>,
@@ -143,6 +144,34 @@ impl Round {
             pushed: vec![false; ranks],
             by_ref: vec![false; ranks],
             count: 0,
+        }
+    }
+
+    pub fn number(&self) -> u32 {
+        self.number
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    pub fn done(&self) -> Option<u32> {
+        self.done
+    }
+
+    /// An owner's replica is now at `replica`: true if that is a change
+    /// (the new one needs the whole state). A relay has none.
+    pub fn set_replica(&mut self, replica: Option<u32>) -> bool {
+        match &mut self.role {
+            Role::Owner { replica: r } if *r != replica => {
+                *r = replica;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -309,7 +338,7 @@ impl Round {
     /// A restored result of round s: what it does, and the round it sets.
     /// Unless `Stale`, the caller writes it into parity s & 1; on
     /// `Completes`, it then completes the round (`complete`).
-    pub fn restore(&mut self, s: u32) -> Restored {
+    pub fn restore(&mut self, s: u32, priority: i32) -> Restored {
         let completes = self.phase == Phase::Unknown || s == self.number;
         if !completes && (s.wrapping_add(1) != self.number || self.done == Some(s)) {
             return Restored::Stale;
@@ -320,6 +349,7 @@ impl Round {
         }
         self.learn(s);
         self.number = s;
+        self.priority = self.priority.max(priority);
         Restored::Completes
     }
 
@@ -468,22 +498,22 @@ mod tests {
     fn restored_results_set_complete_or_are_stale() {
         let mut r = Round::new(Role::Owner { replica: None }, Origin::Adopted, vec![0, 1], 0, 2);
         // Unknown: a restore of round 4 completes it; the round goes on at 5.
-        assert_eq!(r.restore(4), Restored::Completes);
+        assert_eq!(r.restore(4, 0), Restored::Completes);
         assert_eq!((r.number, r.phase), (4, Phase::Idle));
         assert_eq!(r.complete(), 4);
         // The previous round again: every worker had it.
-        assert_eq!(r.restore(4), Restored::Stale);
-        assert_eq!(r.restore(2), Restored::Stale);
+        assert_eq!(r.restore(4, 0), Restored::Stale);
+        assert_eq!(r.restore(2, 0), Restored::Stale);
         // The current round, with one push in: the restore completes it for that pusher.
         r.add(1, 0, 0, false, Instant::now);
-        assert_eq!(r.restore(5), Restored::Completes);
+        assert_eq!(r.restore(5, 0), Restored::Completes);
         assert_eq!(r.complete(), 5);
         assert_eq!(r.pushed_ranks().collect::<Vec<_>>(), vec![1]);
         r.delivered();
         // Round 5 unknown as done (a fresh adopted chunk at 6): kept for replays.
         let mut k = Round::new(Role::Owner { replica: None }, Origin::Adopted, vec![0], 0, 1);
         k.learn(6);
-        assert_eq!(k.restore(5), Restored::Kept);
+        assert_eq!(k.restore(5, 0), Restored::Kept);
         assert_eq!((k.done, k.number), (Some(5), 6));
         assert_eq!(k.admit(0, 5), Ok(Admit::Replay));
     }

@@ -231,7 +231,7 @@ impl Chunk {
         let parity = self.round.parity();
         let average = self.round.flags & FLAG_AVERAGE != 0;
         let scale = if average { 1.0 / nw as f32 } else { 1.0 };
-        let at = (self.key, self.chunk, self.round.number);
+        let at = (self.key, self.chunk, self.round.number());
         let (flags, replica) = (self.round.flags, self.round.replica());
         match &mut self.buf {
             ChunkBuf::F32(b) if flags & FLAG_INIT != 0 => {

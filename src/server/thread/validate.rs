@@ -180,7 +180,7 @@ impl ServerThread {
             && !ch.direct_in_progress
             && !init
             && !zeros
-            && ch.round.origin == Origin::Installed
+            && ch.round.origin() == Origin::Installed
             && kind == PayloadKind::Push;
         let parity = (hdr.round & 1) as usize;
         Ok(Command::Receive(Dest { chunk: idx, direct, parity, len: want, kind }))
@@ -225,8 +225,8 @@ impl ServerThread {
                 let idx = self.index.get(&(hdr.key, hdr.chunk)).copied();
                 let ch = idx
                     .map(|i| &self.chunks[i])
-                    .filter(|c| c.round.upstream() == up && c.round.phase == super::round::Phase::Forwarded);
-                let Some(ch) = ch.filter(|c| c.round.number == hdr.round && c.dtype == hdr.dtype) else {
+                    .filter(|c| c.round.upstream() == up && c.round.phase() == super::round::Phase::Forwarded);
+                let Some(ch) = ch.filter(|c| c.round.number() == hdr.round && c.dtype == hdr.dtype) else {
                     return Err(invalid(format!(
                         "a result for key {} chunk {} round {} that this thread did not push there",
                         hdr.key, hdr.chunk, hdr.round
@@ -347,8 +347,8 @@ impl ServerThread {
         let ch = &self.chunks[idx];
         let name = self.name(hdr.key);
         let want = ch.bytes();
-        let known = ch.round.phase != super::round::Phase::Unknown;
-        if ch.round.origin != Origin::Adopted {
+        let known = ch.round.phase() != super::round::Phase::Unknown;
+        if ch.round.origin() != Origin::Adopted {
             return Err(ConnError::Invalid(format!(
                 "tensor '{name}' chunk {}: a restored result for a chunk this server did not take over",
                 hdr.chunk
@@ -365,10 +365,12 @@ impl ServerThread {
                 ch.round.pushers
             )));
         }
-        if known && hdr.round > ch.round.number {
+        if known && hdr.round > ch.round.number() {
             return Err(ConnError::Invalid(format!(
                 "tensor '{name}' chunk {}: restored result of round {} but the chunk is at round {}",
-                hdr.chunk, hdr.round, ch.round.number
+                hdr.chunk,
+                hdr.round,
+                ch.round.number()
             )));
         }
         if self.opt_cfg.contains_key(&ch.key) {
@@ -376,7 +378,7 @@ impl ServerThread {
             if ch.opt.is_none() {
                 return Err(ConnError::Invalid(self.no_parameters(ch)));
             }
-            if known && hdr.round == ch.round.number {
+            if known && hdr.round == ch.round.number() {
                 return Err(ConnError::Invalid(format!(
                     "tensor '{name}' chunk {}: worker {rank} restored round {} of a server-side optimizer, which \
                      its replica never had",
@@ -396,13 +398,13 @@ impl ServerThread {
             "worker {gone} has left the job (it shut down or exited), so tensor '{}' round {} can never complete: \
              every worker must run the same collective operations",
             self.name(ch.key),
-            ch.round.number
+            ch.round.number()
         ))
     }
 
     /// Why a chunk of a tensor with a server-side optimizer has no state here.
     fn no_parameters(&self, ch: &Chunk) -> String {
-        let why = match ch.round.origin {
+        let why = match ch.round.origin() {
             Origin::Adopted => {
                 "its server was lost and the state had no replica (failover off, no other server, or the \
                      replica was lost too)"
