@@ -244,8 +244,7 @@ impl ServerThread {
 
     pub fn run(mut self) {
         let mut events = Events::with_capacity(256);
-        let tick =
-            (self.cfg.stall.min(self.cfg.peer_timeout) / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let tick = crate::waits::tick(self.cfg.stall, self.cfg.peer_timeout);
         loop {
             let wait = self.accept_retry.map_or(tick, |t| t.saturating_duration_since(Instant::now()).min(tick));
             if let Err(e) = self.poll.poll(&mut events, Some(wait)) {

@@ -29,6 +29,7 @@
 //! only pushes round r + 2 after every pusher received round r, so that
 //! buffer is never overwritten while it is being sent.
 
+use crate::waits::StallWatch;
 use std::time::{Duration, Instant};
 
 /// Where a chunk's current round is.
@@ -39,8 +40,8 @@ pub(super) enum Phase {
     Unknown,
     /// Waiting for the round's first push.
     Idle,
-    /// Some pushes are in, the first at `since`; a stall was logged if `stall_reported`.
-    Summing { since: Instant, stall_reported: bool },
+    /// Some pushes are in, the first when `stall` started (`crate::waits`).
+    Summing { stall: StallWatch },
     /// A relay's round: the rack's sum went to the owner, whose result completes it.
     Forwarded,
     /// An owner's round is summed, its results wait for the replica's ack (since `since`).
@@ -262,7 +263,7 @@ impl Round {
     /// `now` is read for a round's first push only (one clock read a round).
     pub fn add(&mut self, rank: u32, flags: u16, priority: i32, by_ref: bool, now: impl FnOnce() -> Instant) -> bool {
         if self.count == 0 {
-            self.phase = Phase::Summing { since: now(), stall_reported: false };
+            self.phase = Phase::Summing { stall: StallWatch::since(now()) };
             (self.first, self.flags, self.priority) = (rank, flags, priority);
         }
         self.priority = self.priority.max(priority);
@@ -275,25 +276,20 @@ impl Round {
     /// When the round's first push came, while it is being summed.
     pub fn since(&self) -> Option<Instant> {
         match self.phase {
-            Phase::Summing { since, .. } => Some(since),
+            Phase::Summing { stall } => Some(stall.started()),
             _ => None,
         }
     }
 
     pub fn stall_reported(&self) -> bool {
-        matches!(self.phase, Phase::Summing { stall_reported: true, .. })
+        matches!(self.phase, Phase::Summing { stall } if stall.reported())
     }
 
     /// Summing for `limit` or longer and not reported yet: marks it
     /// reported and says how long it waited.
     pub fn stalled(&mut self, now: Instant, limit: Duration) -> Option<Duration> {
-        let Phase::Summing { since, stall_reported } = &mut self.phase else { return None };
-        let waited = now.saturating_duration_since(*since);
-        if *stall_reported || waited < limit {
-            return None;
-        }
-        *stall_reported = true;
-        Some(waited)
+        let Phase::Summing { stall } = &mut self.phase else { return None };
+        stall.overdue_at(now, limit)
     }
 
     /// Summing -> Forwarded (a relay pushed its rack's sum to the owner).
@@ -378,7 +374,7 @@ mod tests {
         assert_eq!(r.phase, Phase::Idle);
         assert_eq!(r.admit(2, 0), Ok(Admit::Push));
         assert!(!r.add(2, 0, 3, false, || t0));
-        assert_eq!(r.phase, Phase::Summing { since: t0, stall_reported: false });
+        assert_eq!(r.phase, Phase::Summing { stall: StallWatch::since(t0) });
         assert_eq!((r.first, r.priority), (2, 3));
         assert_eq!(r.admit(2, 0), Err(Refusal::Twice));
         assert_eq!(r.admit(1, 0), Err(Refusal::NotAPusher));

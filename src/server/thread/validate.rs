@@ -394,12 +394,8 @@ impl ServerThread {
     /// so every round it took part in is complete.)
     pub(super) fn never_completes(&self, ch: &Chunk) -> Option<String> {
         let gone = ch.round.missing().find(|&p| self.left[p as usize])?;
-        Some(format!(
-            "worker {gone} has left the job (it shut down or exited), so tensor '{}' round {} can never complete: \
-             every worker must run the same collective operations",
-            self.name(ch.key),
-            ch.round.number()
-        ))
+        let then = format!("so tensor '{}' round {} can never complete", self.name(ch.key), ch.round.number());
+        Some(crate::waits::left_message(&format!("worker {gone}"), &then))
     }
 
     /// Why a chunk of a tensor with a server-side optimizer has no state here.
