@@ -29,8 +29,9 @@
 //! only pushes round r + 2 after every pusher received round r, so that
 //! buffer is never overwritten while it is being sent.
 
-use crate::waits::StallWatch;
 use std::time::{Duration, Instant};
+
+use crate::waits::StallWatch;
 
 /// Where a chunk's current round is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
