@@ -15,6 +15,8 @@
 //!   pushes by reference)
 //! - `error`: the one error type of the entry points (for the bindings)
 //! - `logging`: one log format for every role (`GRADHUB_LOG`)
+//! - `settings`: every `GRADHUB_*` setting, declared once; the only reader
+//!   of the environment
 //! - `python` (feature "python"): the PyO3 extension `gradhub._core`
 
 pub mod client;
@@ -27,6 +29,7 @@ pub mod protocol;
 pub mod scheduler;
 pub mod server;
 pub mod session;
+pub mod settings;
 pub mod timeline;
 pub mod transport;
 pub mod waits;
@@ -47,10 +50,8 @@ pub const SPREAD_CREDITS: usize = 4;
 /// namespace, so hosts emulated as namespaces on one machine count as
 /// separate hosts, as they are for the network.
 pub fn host_id() -> String {
-    if let Ok(id) = std::env::var("GRADHUB_HOST_ID") {
-        if !id.trim().is_empty() {
-            return id.trim().to_string();
-        }
+    if let Some(id) = settings::host_id() {
+        return id;
     }
     match std::fs::read_link("/proc/self/ns/net") {
         Ok(ns) => format!("{} {}", hostname(), ns.display()),
@@ -64,6 +65,6 @@ pub fn hostname() -> String {
         .map(|s| s.trim().to_string())
         .ok()
         .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(settings::hostname_var)
         .unwrap_or_else(|| "localhost".into())
 }

@@ -11,7 +11,7 @@ use std::io::Write;
 pub fn init() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let raw = std::env::var("GRADHUB_LOG").unwrap_or_default();
+        let raw = crate::settings::log_level();
         let (level, bad) = match raw.trim().to_ascii_lowercase().as_str() {
             "" | "info" => (log::LevelFilter::Info, false),
             "error" => (log::LevelFilter::Error, false),

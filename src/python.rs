@@ -1,5 +1,6 @@
 //! PyO3 bindings: the `gradhub._core` extension module (typed in
-//! `python/gradhub/_core.pyi`). Thin: argument conversion, releasing the GIL
+//! `python/gradhub/_core.pyi`); the config objects Python passes in are in
+//! `python/config.rs`. Thin: argument conversion, releasing the GIL
 //! around anything that blocks, completion callbacks, and the one mapping
 //! from `crate::error::Error` to Python exceptions. The Python package builds
 //! the user API on this.
@@ -12,12 +13,15 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::client::{Client, ClientConfig, ClientError, Op, OpError};
+use crate::client::{Client, ClientError, Op, OpError};
 use crate::error::Error;
 use crate::protocol::auth::Secret;
 use crate::protocol::{DType, DeclEntry};
-use crate::scheduler::{self, SchedulerConfig};
-use crate::server::{self, ServerConfig};
+use crate::scheduler;
+use crate::server;
+
+mod config;
+use config::{PyClientConfig, PySchedulerConfig, PyServerConfig, PyServiceConfig, PyServiceServerConfig};
 
 create_exception!(_core, GradhubError, PyRuntimeError, "A gradhub job or operation failed.");
 create_exception!(_core, GradhubTimeoutError, PyTimeoutError, "A gradhub operation did not finish in time.");
@@ -66,110 +70,15 @@ fn run_callback(f: Py<PyAny>, err: Option<String>) {
     });
 }
 
-/// The job's token (`None` or empty: no token, see `protocol::auth`).
-fn secret_of(token: Option<String>) -> Secret {
-    token.map(|t| Secret::new(t.as_bytes())).unwrap_or_else(Secret::none)
-}
-
-/// A member's token, announced as job `job` of a shared service if given,
-/// and the namespace its frames carry (a service job's is derived from its
-/// name).
-fn member_secret(token: Option<String>, job: Option<String>, namespace: u32) -> PyResult<(Secret, u32)> {
-    match job.filter(|j| !j.is_empty()) {
-        None => Ok((secret_of(token), namespace)),
-        Some(j) => {
-            let s = secret_of(token).for_job(&j).map_err(|e| PyValueError::new_err(e.to_string()))?;
-            // On a shared service the name decides the namespace.
-            let _ = namespace;
-            Ok((s, crate::protocol::auth::job_namespace(&j)))
-        }
-    }
-}
-
 fn dtype_of(s: &str) -> PyResult<DType> {
     DType::from_name(s)
         .ok_or_else(|| PyValueError::new_err(format!("unsupported dtype '{s}' (use float32, float16 or bfloat16)")))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn scheduler_config(
-    bind: String,
-    num_workers: u32,
-    num_servers: u32,
-    partition_bytes: u32,
-    heartbeat_ms: u32,
-    peer_timeout_ms: u32,
-    stall_ms: u32,
-    join_timeout_ms: u32,
-    namespace: u32,
-    host_reduce: bool,
-    failover: bool,
-    token: Option<String>,
-) -> SchedulerConfig {
-    SchedulerConfig {
-        bind,
-        num_workers,
-        num_servers,
-        partition_bytes,
-        heartbeat_ms,
-        peer_timeout_ms,
-        stall_ms,
-        join_timeout_ms,
-        namespace,
-        host_reduce,
-        failover,
-        secret: secret_of(token),
-        ..SchedulerConfig::default()
-    }
-}
-
-/// Two-level reduction across racks: the mode and PHub's bandwidths.
-fn with_racks(cfg: SchedulerConfig, mode: &str, link_gbit: f64, core_gbit: f64) -> PyResult<SchedulerConfig> {
-    let rack_reduce = scheduler::RackMode::parse(mode)
-        .ok_or_else(|| PyValueError::new_err(format!("rack_reduce must be auto, on or off, not '{mode}'")))?;
-    if !(link_gbit >= 0.0 && core_gbit >= 0.0 && link_gbit.is_finite() && core_gbit.is_finite()) {
-        return Err(PyValueError::new_err("bandwidths must be finite and not negative"));
-    }
-    Ok(SchedulerConfig { rack_reduce, link_gbit, core_gbit, ..cfg })
-}
-
 /// Run a scheduler until the job ends (blocking, without the GIL).
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None, rack_reduce="auto".to_string(), link_gbit=0.0, core_gbit=0.0))]
-#[allow(clippy::too_many_arguments)]
-fn run_scheduler(
-    py: Python<'_>,
-    bind: String,
-    num_workers: u32,
-    num_servers: u32,
-    partition_bytes: u32,
-    heartbeat_ms: u32,
-    peer_timeout_ms: u32,
-    stall_ms: u32,
-    join_timeout_ms: u32,
-    namespace: u32,
-    host_reduce: bool,
-    failover: bool,
-    token: Option<String>,
-    rack_reduce: String,
-    link_gbit: f64,
-    core_gbit: f64,
-) -> PyResult<()> {
-    let cfg = scheduler_config(
-        bind,
-        num_workers,
-        num_servers,
-        partition_bytes,
-        heartbeat_ms,
-        peer_timeout_ms,
-        stall_ms,
-        join_timeout_ms,
-        namespace,
-        host_reduce,
-        failover,
-        token,
-    );
-    let cfg = with_racks(cfg, &rack_reduce, link_gbit, core_gbit)?;
+fn run_scheduler(py: Python<'_>, config: PyRef<'_, PySchedulerConfig>) -> PyResult<()> {
+    let cfg = config.cfg.clone();
     py.detach(|| scheduler::run_scheduler(cfg)).map_err(py_err)
 }
 
@@ -196,161 +105,33 @@ impl SchedulerHandle {
     }
 }
 
+/// Start a scheduler on a background thread of this process.
 #[pyfunction]
-#[pyo3(signature = (bind, num_workers, num_servers, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, namespace=0, host_reduce=true, failover=true, token=None, rack_reduce="auto".to_string(), link_gbit=0.0, core_gbit=0.0))]
-#[allow(clippy::too_many_arguments)]
-fn start_scheduler(
-    bind: String,
-    num_workers: u32,
-    num_servers: u32,
-    partition_bytes: u32,
-    heartbeat_ms: u32,
-    peer_timeout_ms: u32,
-    stall_ms: u32,
-    join_timeout_ms: u32,
-    namespace: u32,
-    host_reduce: bool,
-    failover: bool,
-    token: Option<String>,
-    rack_reduce: String,
-    link_gbit: f64,
-    core_gbit: f64,
-) -> PyResult<SchedulerHandle> {
-    let cfg = scheduler_config(
-        bind,
-        num_workers,
-        num_servers,
-        partition_bytes,
-        heartbeat_ms,
-        peer_timeout_ms,
-        stall_ms,
-        join_timeout_ms,
-        namespace,
-        host_reduce,
-        failover,
-        token,
-    );
-    let cfg = with_racks(cfg, &rack_reduce, link_gbit, core_gbit)?;
-    let h = scheduler::start_scheduler(cfg).map_err(py_err)?;
+fn start_scheduler(config: PyRef<'_, PySchedulerConfig>) -> PyResult<SchedulerHandle> {
+    let h = scheduler::start_scheduler(config.cfg.clone()).map_err(py_err)?;
     Ok(SchedulerHandle { addr: h.addr.to_string(), inner: std::sync::Mutex::new(Some(h)) })
 }
 
+/// Run a summation server until the job ends (blocking, without the GIL).
 #[pyfunction]
-#[pyo3(signature = (scheduler, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), base_port=0, rank=-1, num_workers=0, num_servers=0, namespace=0, connect_timeout=60.0, token=None, timeline=None, rack=String::new()))]
-#[allow(clippy::too_many_arguments)]
-fn run_server(
-    py: Python<'_>,
-    scheduler: String,
-    threads: usize,
-    colocated: bool,
-    advertise: Option<String>,
-    bind_host: String,
-    base_port: u16,
-    rank: i32,
-    num_workers: u32,
-    num_servers: u32,
-    namespace: u32,
-    connect_timeout: f64,
-    token: Option<String>,
-    timeline: Option<String>,
-    rack: String,
-) -> PyResult<()> {
-    let cfg = ServerConfig {
-        scheduler,
-        threads,
-        colocated,
-        advertise,
-        bind_host,
-        base_port,
-        rank,
-        num_workers,
-        num_servers,
-        namespace,
-        connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
-        // GRADHUB_HOST_ID, read by crate::host_id.
-        host: None,
-        secret: secret_of(token),
-        traffic: Default::default(),
-        timeline,
-        rack,
-    };
+fn run_server(py: Python<'_>, config: PyRef<'_, PyServerConfig>) -> PyResult<()> {
+    let cfg = config.cfg.clone();
     py.detach(|| server::run_server(cfg)).map_err(py_err)
 }
 
-/// Serve every job of the shared service at `service` (blocking, without
-/// the GIL) until the service goes away. `token` is the service's master.
+/// Serve every job of the shared service (blocking, without the GIL)
+/// until the service goes away.
 #[pyfunction]
-#[pyo3(signature = (service, token, threads=1, colocated=false, advertise=None, bind_host="0.0.0.0".to_string(), connect_timeout=60.0, peer_timeout=10.0))]
-#[allow(clippy::too_many_arguments)]
-fn run_service_server(
-    py: Python<'_>,
-    service: String,
-    token: String,
-    threads: usize,
-    colocated: bool,
-    advertise: Option<String>,
-    bind_host: String,
-    connect_timeout: f64,
-    peer_timeout: f64,
-) -> PyResult<()> {
-    let cfg = server::ServiceServerConfig {
-        server: ServerConfig {
-            scheduler: service,
-            threads,
-            colocated,
-            advertise,
-            bind_host,
-            connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
-            ..ServerConfig::default()
-        },
-        master: Secret::new(token.as_bytes()),
-        peer_timeout: Duration::from_secs_f64(peer_timeout.max(0.1)),
-    };
+fn run_service_server(py: Python<'_>, config: PyRef<'_, PyServiceServerConfig>) -> PyResult<()> {
+    let cfg = config.cfg.clone();
     py.detach(|| server::run_service_server(cfg)).map_err(py_err)
 }
 
 /// Run a shared service (blocking, without the GIL): many jobs, each with
-/// the token `job_token(token, name)`. Limits of 0 mean none.
+/// the token `job_token(master, name)`. Limits of 0 mean none.
 #[pyfunction]
-#[pyo3(signature = (bind, token, partition_bytes, heartbeat_ms=1000, peer_timeout_ms=10000, stall_ms=30000, join_timeout_ms=300000, host_reduce=true, failover=true, max_jobs=16, max_tensors=0, max_bytes=0, max_pending=512, max_workers=4096))]
-#[allow(clippy::too_many_arguments)]
-fn run_service(
-    py: Python<'_>,
-    bind: String,
-    token: String,
-    partition_bytes: u32,
-    heartbeat_ms: u32,
-    peer_timeout_ms: u32,
-    stall_ms: u32,
-    join_timeout_ms: u32,
-    host_reduce: bool,
-    failover: bool,
-    max_jobs: u32,
-    max_tensors: u32,
-    max_bytes: u64,
-    max_pending: usize,
-    max_workers: u32,
-) -> PyResult<()> {
-    let cfg = scheduler::ServiceConfig {
-        bind,
-        master: Secret::new(token.as_bytes()),
-        job: SchedulerConfig {
-            partition_bytes,
-            heartbeat_ms,
-            peer_timeout_ms,
-            stall_ms,
-            join_timeout_ms,
-            host_reduce,
-            failover,
-            max_tensors,
-            max_bytes,
-            ..SchedulerConfig::default()
-        },
-        max_jobs,
-        max_pending,
-        max_workers,
-    };
-    let h = scheduler::start_service(cfg).map_err(py_err)?;
+fn run_service(py: Python<'_>, config: PyRef<'_, PyServiceConfig>) -> PyResult<()> {
+    let h = scheduler::start_service(config.cfg.clone()).map_err(py_err)?;
     py.detach(|| h.wait()).map_err(py_err)
 }
 
@@ -429,43 +210,8 @@ struct PyClient {
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (scheduler, rank=-1, num_workers=0, num_servers=0, namespace=0, credit_bytes=crate::DEFAULT_CREDIT_BYTES, connect_timeout=60.0, local_rank=-1, local_size=-1, server_shm=true, token=None, job=None, rack=String::new(), spread_bytes=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        scheduler: String,
-        rank: i32,
-        num_workers: u32,
-        num_servers: u32,
-        namespace: u32,
-        credit_bytes: usize,
-        connect_timeout: f64,
-        local_rank: i32,
-        local_size: i32,
-        server_shm: bool,
-        token: Option<String>,
-        job: Option<String>,
-        rack: String,
-        spread_bytes: Option<usize>,
-    ) -> PyResult<Self> {
-        let (secret, namespace) = member_secret(token, job, namespace)?;
-        let cfg = ClientConfig {
-            scheduler,
-            rank,
-            num_workers,
-            num_servers,
-            namespace,
-            credit_bytes,
-            spread_bytes,
-            connect_timeout: Duration::from_secs_f64(connect_timeout.max(0.0)),
-            local_rank,
-            local_size,
-            // GRADHUB_HOST_ID, read by crate::host_id.
-            host: None,
-            server_shm,
-            secret,
-            rack,
-        };
+    fn new(py: Python<'_>, config: PyRef<'_, PyClientConfig>) -> PyResult<Self> {
+        let cfg = config.cfg.clone();
         let c = py.detach(|| Client::connect(cfg)).map_err(py_err)?;
         Ok(PyClient { inner: Arc::new(c) })
     }
@@ -666,6 +412,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(job_token, m)?)?;
     m.add_function(wrap_pyfunction!(service_status, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(config::settings, m)?)?;
+    m.add_class::<PyClientConfig>()?;
+    m.add_class::<PySchedulerConfig>()?;
+    m.add_class::<PyServerConfig>()?;
+    m.add_class::<PyServiceConfig>()?;
+    m.add_class::<PyServiceServerConfig>()?;
     m.add_class::<PyClient>()?;
     m.add_class::<PyHandle>()?;
     m.add_class::<SchedulerHandle>()?;

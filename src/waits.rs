@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 /// One wait, from `start` (or the last `restart`) until it ends.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StallWatch {
     since: Instant,
     reported: bool,
@@ -30,6 +30,11 @@ impl StallWatch {
         *self = StallWatch::start();
     }
 
+    /// When it started.
+    pub fn started(&self) -> Instant {
+        self.since
+    }
+
     /// How long it has waited.
     pub fn waited(&self) -> Duration {
         self.since.elapsed()
@@ -38,7 +43,12 @@ impl StallWatch {
     /// The time waited, the first time a check finds it at least `limit`
     /// (the caller reports it then); None before and after.
     pub fn overdue(&mut self, limit: Duration) -> Option<Duration> {
-        let waited = self.waited();
+        self.overdue_at(Instant::now(), limit)
+    }
+
+    /// `overdue`, with the clock read by the caller (once for many watches).
+    pub fn overdue_at(&mut self, now: Instant, limit: Duration) -> Option<Duration> {
+        let waited = now.saturating_duration_since(self.since);
         if self.reported || waited < limit {
             return None;
         }

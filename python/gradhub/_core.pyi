@@ -21,91 +21,120 @@ class GradhubTimeoutError(TimeoutError):
     tensor stays in use until it completes; `gradhub.push_pull` attaches the
     operation as `handle` (a `gradhub.Handle`) to wait on it again."""
 
-def run_scheduler(
-    bind: str,
-    num_workers: int,
-    num_servers: int,
-    partition_bytes: int,
-    heartbeat_ms: int = 1000,
-    peer_timeout_ms: int = 10000,
-    stall_ms: int = 30000,
-    join_timeout_ms: int = 300000,
-    namespace: int = 0,
-    host_reduce: bool = True,
-    failover: bool = True,
-    token: str | None = None,  # the job's secret (protocol::auth); None: no token
-    rack_reduce: str = "auto",  # two-level reduction across racks: auto (PHub's model), on or off
-    link_gbit: float = 0.0,  # each host's link, Gbit/s, for PHub's model (0: not given, 10 assumed)
-    core_gbit: float = 0.0,  # each rack's link to the core, Gbit/s (0: not given, one host link assumed)
-) -> None:
+class SchedulerConfig:
+    """A job scheduler's config (a shared service's per-job part too). Every
+    keyword is optional: None takes the core's default (src/scheduler's
+    `SchedulerConfig::default`)."""
+
+    def __init__(
+        self,
+        bind: str | None = None,  # host:port to listen on
+        num_workers: int | None = None,
+        num_servers: int | None = None,
+        partition_bytes: int | None = None,
+        heartbeat_ms: int | None = None,
+        peer_timeout_ms: int | None = None,
+        stall_ms: int | None = None,
+        join_timeout_ms: int | None = None,
+        namespace: int | None = None,
+        host_reduce: bool | None = None,
+        failover: bool | None = None,
+        token: str | None = None,  # the job's secret (protocol::auth); None: no token
+        rack_reduce: str | None = None,  # two-level reduction across racks: auto (PHub's model), on or off
+        link_gbit: float | None = None,  # each host's link, Gbit/s, for PHub's model (0: not given, 10 assumed)
+        core_gbit: float | None = None,  # each rack's link to the core, Gbit/s (0: not given, one host link assumed)
+        max_tensors: int | None = None,  # a service job's limit; 0: none
+        max_bytes: int | None = None,  # a service job's limit; 0: none
+    ) -> None:
+        """ValueError for a bad rack_reduce or bandwidth."""
+
+class ServerConfig:
+    """A summation server's config (a service server's per-job instances
+    too). None takes the core's default (`ServerConfig::default`)."""
+
+    def __init__(
+        self,
+        scheduler: str,
+        threads: int | None = None,
+        colocated: bool | None = None,
+        advertise: str | None = None,  # None: the address of the interface that reaches the scheduler
+        bind_host: str | None = None,
+        base_port: int | None = None,  # thread t listens on base_port + t; 0: free ports
+        rank: int | None = None,  # -1: assigned
+        num_workers: int | None = None,
+        num_servers: int | None = None,
+        namespace: int | None = None,
+        connect_timeout: float | None = None,  # seconds
+        token: str | None = None,  # the job's secret (protocol::auth); None: no token
+        timeline: str | None = None,  # Chrome trace of the chunk rounds ({rank}: the server's rank)
+        rack: str | None = None,  # this server's rack (GRADHUB_RACK); "" none
+    ) -> None: ...
+
+class ServiceConfig:
+    """A shared service's config: `token` is the master every job's token
+    derives from, `job` what each job gets (None: the defaults)."""
+
+    def __init__(
+        self,
+        bind: str,
+        token: str,
+        job: SchedulerConfig | None = None,
+        max_jobs: int | None = None,
+        max_workers: int | None = None,  # per job
+        max_pending: int | None = None,  # connections authenticating at once
+    ) -> None: ...
+    @property
+    def max_jobs(self) -> int: ...
+    @property
+    def max_workers(self) -> int: ...
+
+class ServiceServerConfig:
+    """A server of a shared service: `server` is what each job's instance is
+    made of, `token` the service's master token."""
+
+    def __init__(self, server: ServerConfig, token: str, peer_timeout: float | None = None) -> None: ...
+
+class ClientConfig:
+    """A worker's config. None takes the core's default (`ClientConfig::default`)."""
+
+    def __init__(
+        self,
+        scheduler: str,
+        rank: int | None = None,  # -1: assigned
+        num_workers: int | None = None,
+        num_servers: int | None = None,
+        namespace: int | None = None,
+        credit_bytes: int | None = None,  # DEFAULT_CREDIT_BYTES
+        spread_bytes: int | None = None,  # GRADHUB_SPREAD_BYTES; None: 4 x the credit, 0: no limit
+        connect_timeout: float | None = None,  # seconds
+        local_rank: int | None = None,  # -1: assigned by the scheduler
+        local_size: int | None = None,
+        server_shm: bool | None = None,
+        token: str | None = None,
+        job: str | None = None,  # this job's name on a shared service (its namespace derives from it)
+        rack: str | None = None,  # this worker's rack (GRADHUB_RACK); "" none
+    ) -> None:
+        """ValueError for an invalid job name."""
+
+def settings() -> list[tuple[str, str, str | None, str, list[str], str, list[str], list[str]]]:
+    """Every GRADHUB_* setting (src/settings.rs): (name, kind, default as
+    written or None, default as documented, roles, help, choices, aliases)."""
+
+def run_scheduler(config: SchedulerConfig) -> None:
     """Run a scheduler until the job ends (blocking, without the GIL)."""
 
-def start_scheduler(
-    bind: str,
-    num_workers: int,
-    num_servers: int,
-    partition_bytes: int,
-    heartbeat_ms: int = 1000,
-    peer_timeout_ms: int = 10000,
-    stall_ms: int = 30000,
-    join_timeout_ms: int = 300000,
-    namespace: int = 0,
-    host_reduce: bool = True,
-    failover: bool = True,
-    token: str | None = None,  # the job's secret (protocol::auth); None: no token
-    rack_reduce: str = "auto",  # two-level reduction across racks: auto (PHub's model), on or off
-    link_gbit: float = 0.0,  # each host's link, Gbit/s, for PHub's model (0: not given, 10 assumed)
-    core_gbit: float = 0.0,  # each rack's link to the core, Gbit/s (0: not given, one host link assumed)
-) -> SchedulerHandle:
+def start_scheduler(config: SchedulerConfig) -> SchedulerHandle:
     """Start a scheduler on a background thread of this process."""
 
-def run_server(
-    scheduler: str,
-    threads: int = 1,
-    colocated: bool = False,
-    advertise: str | None = None,
-    bind_host: str = "0.0.0.0",
-    base_port: int = 0,
-    rank: int = -1,
-    num_workers: int = 0,
-    num_servers: int = 0,
-    namespace: int = 0,
-    connect_timeout: float = 60.0,
-    token: str | None = None,  # the job's secret (protocol::auth); None: no token
-    timeline: str | None = None,  # Chrome trace of the chunk rounds ({rank}: the server's rank)
-    rack: str = "",  # this server's rack (GRADHUB_RACK); "" none
-) -> None:
+def run_server(config: ServerConfig) -> None:
     """Run a summation server until the job ends (blocking, without the GIL)."""
 
-def run_service_server(
-    service: str,
-    token: str,  # the service's master token
-    threads: int = 1,
-    colocated: bool = False,
-    advertise: str | None = None,
-    bind_host: str = "0.0.0.0",
-    connect_timeout: float = 60.0,
-    peer_timeout: float = 10.0,
-) -> None:
-    """Serve every job of the shared service at `service`, one server
-    instance per job, until the service goes away (blocking, without the GIL)."""
+def run_service_server(config: ServiceServerConfig) -> None:
+    """Serve every job of the shared service at `config.server`'s scheduler,
+    one server instance per job, until the service goes away (blocking,
+    without the GIL)."""
 
-def run_service(
-    bind: str,
-    token: str,  # the master token every job's token derives from
-    partition_bytes: int,
-    heartbeat_ms: int = 1000,
-    peer_timeout_ms: int = 10000,
-    stall_ms: int = 30000,
-    join_timeout_ms: int = 300000,
-    host_reduce: bool = True,
-    failover: bool = True,
-    max_jobs: int = 16,
-    max_tensors: int = 0,  # per job; 0: no limit
-    max_bytes: int = 0,  # per job; 0: no limit
-    max_pending: int = 512,
-    max_workers: int = 4096,  # per job
-) -> None:
+def run_service(config: ServiceConfig) -> None:
     """Run a shared service hosting many jobs (blocking, without the GIL)."""
 
 def job_token(master: str, job: str) -> str:
@@ -143,23 +172,8 @@ class Handle:
 class Client:
     """A worker's connection to the job: joins on construction (blocking)."""
 
-    def __init__(
-        self,
-        scheduler: str,
-        rank: int = -1,
-        num_workers: int = 0,
-        num_servers: int = 0,
-        namespace: int = 0,
-        credit_bytes: int = 524288,  # DEFAULT_CREDIT_BYTES
-        connect_timeout: float = 60.0,
-        local_rank: int = -1,
-        local_size: int = -1,
-        server_shm: bool = True,
-        token: str | None = None,
-        job: str | None = None,  # this job's name on a shared service (its namespace derives from it)
-        rack: str = "",  # this worker's rack (GRADHUB_RACK); "" none
-        spread_bytes: int | None = None,  # GRADHUB_SPREAD_BYTES; None: 4 x the credit, 0: no limit
-    ) -> None: ...
+    def __init__(self, config: ClientConfig) -> None:
+        """Join the job (blocking, without the GIL)."""
     @property
     def rank(self) -> int: ...
     @property

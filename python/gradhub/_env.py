@@ -1,4 +1,6 @@
-"""Every setting gradhub reads from the environment, parsed in one place.
+"""Every setting gradhub reads from the environment, parsed in one place,
+by the registry the core declares them in (src/settings.rs, as
+`_core.settings()`): name, type, default, roles, help.
 
 gradhub reads its own GRADHUB_* variables first and falls back to torchrun's
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a
@@ -8,67 +10,135 @@ that does not parse raises a ValueError naming the variable.
 Readers by role: `worker_env()` (gradhub.init), `scheduler_env()` and
 `server_env()` (the `gradhub scheduler|server` commands, GRADHUB_ROLE and the
 torchrun-embedded roles), `role()`, `torch_options()` (DistributedOptimizer).
-GRADHUB_LOG is read by the Rust core itself.
+GRADHUB_LOG, GRADHUB_KERNELS, GRADHUB_SPIN_US, GRADHUB_TCP_CONGESTION and
+GRADHUB_HOST_ID are read by the Rust core itself, through the same registry.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import textwrap
 from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from . import _core
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def get_str(name: str, default: str | None = None) -> str | None:
-    """The variable's value, or `default` if it is unset or empty."""
+class Setting(NamedTuple):
+    """A row of the registry (src/settings.rs)."""
+    name: str
+    kind: str                      # str, int, float, flag or choice
+    default: str | None            # as the variable would be written; None: unset
+    default_doc: str               # the default as the docs show it
+    roles: tuple[str, ...]         # worker, server, scheduler, launcher, bench
+    help: str
+    choices: tuple[str, ...]
+    aliases: tuple[str, ...]       # older names read when this one is not set (Horovod's)
+
+
+SETTINGS: dict[str, Setting] = {
+    r[0]: Setting(r[0], r[1], r[2], r[3], tuple(r[4]), r[5], tuple(r[6]), tuple(r[7])) for r in _core.settings()
+}
+
+_REGISTRY = object()  # get()'s default: the registry's
+
+
+def setting(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a gradhub setting: declare it in src/settings.rs") from None
+
+
+def _present(name: str, flag: bool) -> str | None:
     v = os.environ.get(name)
-    return default if v is None or v.strip() == "" else v.strip()
+    if v is None or (not flag and v.strip() == ""):
+        return None
+    return v
+
+
+def _parse(name: str, kind: str, v: str, choices: tuple[str, ...] = ()) -> Any:
+    """`v`, the value of variable `name`, as `kind`; ValueError naming it."""
+    if kind == "int":
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+    if kind == "float":
+        try:
+            return float(v)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+    if kind == "flag":
+        s = v.strip().lower()
+        if s in _TRUE:
+            return True
+        if s in _FALSE:
+            return False
+        raise ValueError(f"environment variable {name}={v!r} is not a flag (use 1/0, true/false, yes/no or on/off)")
+    if kind == "choice":
+        s = v.strip().lower()
+        if s not in choices:
+            expected = ", ".join(choices[:-1]) + " or " + choices[-1]
+            raise ValueError(f"environment variable {name}={s!r}: expected {expected}")
+        return s
+    return v.strip()
+
+
+def get(name: str, default: Any = _REGISTRY) -> Any:
+    """Setting `name` (or an alias) as its registry type; if unset (empty,
+    except for a flag), `default`, else the registry's default (None: it
+    has none). A malformed value raises ValueError naming the variable."""
+    s = setting(name)
+    flag = s.kind == "flag"
+    for var in (name, *s.aliases):
+        v = _present(var, flag)
+        if v is not None:
+            return _parse(var, s.kind, v, s.choices)
+    if default is not _REGISTRY:
+        return default
+    return None if s.default is None else _parse(name, s.kind, s.default, s.choices)
 
 
 def is_set(name: str) -> bool:
-    return get_str(name) is not None
+    return _present(setting(name).name, setting(name).kind == "flag") is not None
 
 
-def get_int(name: str, default: int | None = None) -> int | None:
-    v = get_str(name)
-    if v is None:
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+def _torchrun_int(name: str, default: int | None = None) -> int | None:
+    """One of torchrun's variables (not gradhub settings): RANK, WORLD_SIZE, ..."""
+    v = _present(name, False)
+    return default if v is None else _parse(name, "int", v)
 
 
-def get_float(name: str, default: float | None = None) -> float | None:
-    v = get_str(name)
-    if v is None:
-        return default
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={v!r} is not a number") from None
+def fallback(name: str) -> str:
+    """A command-line flag's help suffix: the variable it falls back to and
+    the default from the registry."""
+    return f"({name}; default {setting(name).default_doc})"
 
 
-def get_flag(name: str, default: bool = False) -> bool:
-    v = os.environ.get(name)
-    if v is None:
-        return default
-    s = v.strip().lower()
-    if s in _TRUE:
-        return True
-    if s in _FALSE:
-        return False
-    raise ValueError(f"environment variable {name}={v!r} is not a flag (use 1/0, true/false, yes/no or on/off)")
+def env_help(roles: tuple[str, ...]) -> str:
+    """The `gradhub <cmd> --help` epilog: every setting a role reads."""
+    lines = ["environment (flags win over variables):"]
+    for s in SETTINGS.values():
+        if not set(s.roles) & set(roles):
+            continue
+        alias = f" (or {', '.join(s.aliases)})" if s.aliases else ""
+        lines.append(f"  {s.name}{alias}  [default: {s.default_doc}]")
+        lines += textwrap.wrap(s.help.replace("`", ""), 76, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines) + "\n"
 
 
-def get_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    v = (get_str(name) or default).lower()
-    if v not in choices:
-        expected = ", ".join(choices[:-1]) + " or " + choices[-1]
-        raise ValueError(f"environment variable {name}={v!r}: expected {expected}")
-    return v
+def markdown_table() -> str:
+    """README's settings table (`gradhub settings --markdown`)."""
+    rows = ["| variable | default | read by | meaning |", "| --- | --- | --- | --- |"]
+    for s in SETTINGS.values():
+        name = f"`{s.name}`" + "".join(f" (or `{a}`)" for a in s.aliases)
+        rows.append(f"| {name} | {s.default_doc} | {', '.join(s.roles)} | {s.help} |")
+    return "\n".join(rows) + "\n"
 
 
 # ---------------------------------------------------------------- workers
@@ -100,36 +170,36 @@ class WorkerEnv:
 
 def worker_env() -> WorkerEnv:
     torchrun = "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ
-    scheduler = get_str("GRADHUB_SCHEDULER")
+    scheduler = get("GRADHUB_SCHEDULER")
     embedded = torchrun and scheduler is None
     if embedded:
-        port = get_int("GRADHUB_SCHEDULER_PORT") or (get_int("MASTER_PORT", 29500) + 1)
+        port = get("GRADHUB_SCHEDULER_PORT") or (_torchrun_int("MASTER_PORT", 29500) + 1)
         scheduler = f"{os.environ['MASTER_ADDR']}:{port}"
-    num_workers = get_int("GRADHUB_NUM_WORKERS", get_int("WORLD_SIZE", 0))
+    num_workers = get("GRADHUB_NUM_WORKERS", _torchrun_int("WORLD_SIZE", 0))
     # Checked by the scheduler against the host identities (GRADHUB_HOST_ID, or
     # host name and network namespace) of every worker that registered.
-    local_size = get_int("GRADHUB_LOCAL_SIZE", get_int("LOCAL_WORLD_SIZE"))
+    local_size = get("GRADHUB_LOCAL_SIZE", _torchrun_int("LOCAL_WORLD_SIZE"))
     default_servers = 0
-    job = get_str("GRADHUB_JOB")
+    job = get("GRADHUB_JOB")
     if torchrun and num_workers and local_size and job is None:
         default_servers = max(1, num_workers // local_size)  # one per node
     return WorkerEnv(
         scheduler=scheduler,
-        rank=get_int("GRADHUB_RANK", get_int("RANK", -1)),
+        rank=get("GRADHUB_RANK", _torchrun_int("RANK", -1)),
         num_workers=num_workers,
-        num_servers=get_int("GRADHUB_NUM_SERVERS", default_servers),
-        local_rank=get_int("GRADHUB_LOCAL_RANK", get_int("LOCAL_RANK")),
+        num_servers=get("GRADHUB_NUM_SERVERS", default_servers),
+        local_rank=get("GRADHUB_LOCAL_RANK", _torchrun_int("LOCAL_RANK")),
         local_size=local_size,
-        namespace=get_int("GRADHUB_NAMESPACE", 0),
-        credit_bytes=get_int("GRADHUB_CREDIT_BYTES"),
-        spread_bytes=get_int("GRADHUB_SPREAD_BYTES"),
-        connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
-        server_shm=get_flag("GRADHUB_SERVER_SHM", True),
+        namespace=get("GRADHUB_NAMESPACE"),
+        credit_bytes=get("GRADHUB_CREDIT_BYTES", None),
+        spread_bytes=get("GRADHUB_SPREAD_BYTES"),
+        connect_timeout=get("GRADHUB_CONNECT_TIMEOUT"),
+        server_shm=get("GRADHUB_SERVER_SHM"),
         token=job_token(),
         insecure=insecure(),
         job=job,
-        timeline=get_str("GRADHUB_TIMELINE") or get_str("HOROVOD_TIMELINE"),
-        rack=get_str("GRADHUB_RACK", ""),
+        timeline=get("GRADHUB_TIMELINE"),
+        rack=get("GRADHUB_RACK"),
         torchrun=torchrun,
         embedded=embedded,
     )
@@ -137,7 +207,7 @@ def worker_env() -> WorkerEnv:
 
 def role() -> str:
     """GRADHUB_ROLE: worker (default), server or scheduler."""
-    return get_choice("GRADHUB_ROLE", ("worker", "server", "scheduler"), "worker")
+    return get("GRADHUB_ROLE")
 
 
 # ---------------------------------------------------------------- authentication
@@ -146,10 +216,10 @@ def role() -> str:
 def _secret(var: str) -> str | None:
     """`var`, or the contents of the file `var`_FILE names (surrounding
     whitespace stripped)."""
-    token = get_str(var)
+    token = get(var)
     if token is not None:
         return token
-    path = get_str(f"{var}_FILE")
+    path = get(f"{var}_FILE")
     if path is None:
         return None
     try:
@@ -202,7 +272,7 @@ def torchrun_token(rank: int, timeout: float) -> str | None:
 
 def insecure() -> bool:
     """GRADHUB_INSECURE: run a job reachable from other hosts without a token."""
-    return get_flag("GRADHUB_INSECURE")
+    return get("GRADHUB_INSECURE")
 
 
 def is_loopback(host: str) -> bool:
@@ -253,18 +323,18 @@ class SchedulerEnv:
 
 def scheduler_env() -> SchedulerEnv:
     return SchedulerEnv(
-        scheduler=get_str("GRADHUB_SCHEDULER"),
-        num_workers=get_int("GRADHUB_NUM_WORKERS"),
-        num_servers=get_int("GRADHUB_NUM_SERVERS"),
-        partition_bytes=get_int("GRADHUB_PARTITION_BYTES"),
-        stall_seconds=get_float("GRADHUB_STALL_SECONDS", 30.0),
-        peer_timeout=get_float("GRADHUB_PEER_TIMEOUT", 10.0),
-        namespace=get_int("GRADHUB_NAMESPACE", 0),
-        host_reduce=get_flag("GRADHUB_HOST_REDUCE", True),
-        failover=get_flag("GRADHUB_FAILOVER", True),
-        rack_reduce=get_choice("GRADHUB_RACK_REDUCE", ("auto", "on", "off"), "auto"),
-        link_gbit=get_float("GRADHUB_LINK_GBIT", 0.0),
-        core_gbit=get_float("GRADHUB_CORE_GBIT", 0.0),
+        scheduler=get("GRADHUB_SCHEDULER"),
+        num_workers=get("GRADHUB_NUM_WORKERS"),
+        num_servers=get("GRADHUB_NUM_SERVERS"),
+        partition_bytes=get("GRADHUB_PARTITION_BYTES", None),
+        stall_seconds=get("GRADHUB_STALL_SECONDS"),
+        peer_timeout=get("GRADHUB_PEER_TIMEOUT"),
+        namespace=get("GRADHUB_NAMESPACE"),
+        host_reduce=get("GRADHUB_HOST_REDUCE"),
+        failover=get("GRADHUB_FAILOVER"),
+        rack_reduce=get("GRADHUB_RACK_REDUCE"),
+        link_gbit=get("GRADHUB_LINK_GBIT"),
+        core_gbit=get("GRADHUB_CORE_GBIT"),
     )
 
 
@@ -286,27 +356,26 @@ class ServerEnv:
 
 def server_env() -> ServerEnv:
     return ServerEnv(
-        scheduler=get_str("GRADHUB_SCHEDULER"),
-        threads=get_int("GRADHUB_SERVER_THREADS"),
-        colocated=get_flag("GRADHUB_COLOCATED"),
-        advertise=get_str("GRADHUB_ADVERTISE_ADDR"),
-        port=get_int("GRADHUB_SERVER_PORT", 0),
-        rank=get_int("GRADHUB_SERVER_RANK", -1),
-        num_workers=get_int("GRADHUB_NUM_WORKERS", 0),
-        num_servers=get_int("GRADHUB_NUM_SERVERS", 0),
-        namespace=get_int("GRADHUB_NAMESPACE", 0),
-        connect_timeout=get_float("GRADHUB_CONNECT_TIMEOUT", 60.0),
-        timeline=get_str("GRADHUB_SERVER_TIMELINE"),
-        rack=get_str("GRADHUB_RACK", ""),
+        scheduler=get("GRADHUB_SCHEDULER"),
+        threads=get("GRADHUB_SERVER_THREADS"),
+        colocated=get("GRADHUB_COLOCATED"),
+        advertise=get("GRADHUB_ADVERTISE_ADDR"),
+        port=get("GRADHUB_SERVER_PORT"),
+        rank=get("GRADHUB_SERVER_RANK"),
+        num_workers=get("GRADHUB_NUM_WORKERS", 0),
+        num_servers=get("GRADHUB_NUM_SERVERS", 0),
+        namespace=get("GRADHUB_NAMESPACE"),
+        connect_timeout=get("GRADHUB_CONNECT_TIMEOUT"),
+        timeline=get("GRADHUB_SERVER_TIMELINE"),
+        rack=get("GRADHUB_RACK"),
     )
 
 
 # ---------------------------------------------------------------- gradhub.torch
 
 
-# Bytes of a fusion bucket: gradients of at most a quarter of it travel
-# packed (docs/torch.md, "Tensor fusion"; chosen by docs/benchmarks.md).
-DEFAULT_FUSION_THRESHOLD = 256 << 10
+# Bytes of a fusion bucket (the registry's GRADHUB_FUSION_THRESHOLD).
+DEFAULT_FUSION_THRESHOLD = int(setting("GRADHUB_FUSION_THRESHOLD").default)
 
 
 @dataclass
@@ -333,22 +402,23 @@ def autotune_options() -> AutotuneOptions:
     # (Forward overlap is tried only when allowed: GRADHUB_OVERLAP_FORWARD=auto.)
     fixed = {knob for knob, var in (("fusion_threshold", "GRADHUB_FUSION_THRESHOLD"),
                                     ("credit_bytes", "GRADHUB_CREDIT_BYTES")) if is_set(var)}
-    enabled = get_flag("GRADHUB_AUTOTUNE", get_flag("HOROVOD_AUTOTUNE"))
-    warmup, steps = get_int("GRADHUB_AUTOTUNE_WARMUP_STEPS", 3), get_int("GRADHUB_AUTOTUNE_STEPS_PER_TRIAL", 5)
+    enabled = get("GRADHUB_AUTOTUNE")
+    warmup, steps = get("GRADHUB_AUTOTUNE_WARMUP_STEPS"), get("GRADHUB_AUTOTUNE_STEPS_PER_TRIAL")
     if warmup < 0 or steps < 1:
         raise ValueError("GRADHUB_AUTOTUNE_WARMUP_STEPS must be >= 0 and GRADHUB_AUTOTUNE_STEPS_PER_TRIAL >= 1")
-    return AutotuneOptions(enabled=enabled, file=get_str("GRADHUB_AUTOTUNE_FILE"),
-                           log=get_str("GRADHUB_AUTOTUNE_LOG", get_str("HOROVOD_AUTOTUNE_LOG")),
+    return AutotuneOptions(enabled=enabled, file=get("GRADHUB_AUTOTUNE_FILE"),
+                           log=get("GRADHUB_AUTOTUNE_LOG"),
                            warmup_steps=warmup, steps_per_trial=steps, fixed=frozenset(fixed))
 
 
 def torch_options() -> TorchOptions:
     """The DistributedOptimizer switches, so an unchanged Horovod script can use them."""
     return TorchOptions(
-        overlap_forward="auto" if (get_str("GRADHUB_OVERLAP_FORWARD") or "").lower() == "auto"
-        else get_flag("GRADHUB_OVERLAP_FORWARD"),
-        optimizer_on_server=get_flag("GRADHUB_OPTIMIZER_ON_SERVER"),
-        scheduling=get_choice("GRADHUB_SCHEDULING", ("priority", "fifo"), "priority"),
-        sfb=get_choice("GRADHUB_SFB", ("auto", "off", "force"), "auto"),
-        fusion_threshold=get_int("GRADHUB_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD),
+        # A flag, or `auto`: off, and autotune may try it.
+        overlap_forward="auto" if os.environ.get("GRADHUB_OVERLAP_FORWARD", "").strip().lower() == "auto"
+        else get("GRADHUB_OVERLAP_FORWARD"),
+        optimizer_on_server=get("GRADHUB_OPTIMIZER_ON_SERVER"),
+        scheduling=get("GRADHUB_SCHEDULING"),
+        sfb=get("GRADHUB_SFB"),
+        fusion_threshold=get("GRADHUB_FUSION_THRESHOLD"),
     )

@@ -113,20 +113,17 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             from .roles import Embedded
 
             _embedded = Embedded(env)
-        kwargs = {}
-        if env.credit_bytes is not None:
-            kwargs["credit_bytes"] = env.credit_bytes
-        if env.spread_bytes is not None:
-            kwargs["spread_bytes"] = env.spread_bytes
         # A local rank/size the launcher gave is checked by the scheduler
         # against the hosts that registered (a wrong one fails init()).
+        # None (not set): the core's default.
+        config = _core.ClientConfig(env.scheduler, rank=env.rank, num_workers=env.num_workers,
+                                    num_servers=env.num_servers, namespace=env.namespace,
+                                    credit_bytes=env.credit_bytes, spread_bytes=env.spread_bytes,
+                                    connect_timeout=env.connect_timeout, server_shm=env.server_shm,
+                                    local_rank=env.local_rank, local_size=env.local_size,
+                                    token=env.token, job=env.job, rack=env.rack)
         _install_exit_hook()
-        _client = _core.Client(env.scheduler, rank=env.rank, num_workers=env.num_workers,
-                               num_servers=env.num_servers, namespace=env.namespace,
-                               connect_timeout=env.connect_timeout, server_shm=env.server_shm,
-                               local_rank=-1 if env.local_rank is None else env.local_rank,
-                               local_size=-1 if env.local_size is None else env.local_size,
-                               token=env.token, job=env.job, rack=env.rack, **kwargs)
+        _client = _core.Client(config)
         _joined = env.scheduler
         if env.timeline:
             timeline.start(env.timeline, _client.rank, _client)

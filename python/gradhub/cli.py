@@ -10,67 +10,21 @@ import argparse
 import json
 import sys
 
-from . import _env, roles
+from . import _core, _env, roles
 
-ENV_HELP = """
-environment (flags win over variables):
-  GRADHUB_SCHEDULER        scheduler host:port (all roles)
-  GRADHUB_JOB_TOKEN        the job's secret, the same on every member: every
-                           connection proves it (launch makes one up); or
-  GRADHUB_JOB_TOKEN_FILE   a file holding it
-  GRADHUB_INSECURE=1       allow a job reachable from other machines without
-                           a token (anyone reaching its ports can join)
-  GRADHUB_NUM_WORKERS      number of workers in the job
-  GRADHUB_NUM_SERVERS      number of summation servers in the job
-  GRADHUB_SERVER_THREADS   threads (cores) per server (default: launch 1, server
-                           the number of cores, torchrun-embedded server 1)
-  GRADHUB_COLOCATED=1      this server shares a machine with a worker
-  GRADHUB_ADVERTISE_ADDR   address a server tells workers to use
-  GRADHUB_PARTITION_BYTES  chunk size (scheduler decides for the job)
-  GRADHUB_CREDIT_BYTES     bytes in flight per server-thread connection (workers)
-  GRADHUB_SPREAD_BYTES     how far a worker's pushes may run ahead, in the
-                           job's order, of its oldest one its server has not
-                           received (default 4 x the credit; 0: no limit)
-  GRADHUB_TCP_CONGESTION   congestion control of data connections (default
-                           cubic; system: the machine's default)
-  GRADHUB_STALL_SECONDS    report rounds stalled longer than this
-  GRADHUB_PEER_TIMEOUT     seconds of silence before a member is declared dead
-                           (at least 2: two heartbeats); set on the scheduler,
-                           which tells every member
-  GRADHUB_LOG              log level of every role: error, warn, info (default)
-                           or debug
-  GRADHUB_LOCAL_RANK/SIZE  a worker's rank among its host's workers and their
-                           number (default: torchrun's LOCAL_RANK and
-                           LOCAL_WORLD_SIZE); checked by the scheduler
-  GRADHUB_HOST_ID          which workers share a machine (default: host name
-                           and network namespace)
-  GRADHUB_HOST_REDUCE=0    workers that share a machine do not sum there
-                           first (scheduler; default on)
-  GRADHUB_FAILOVER=0       losing a server fails the job instead of moving
-                           its chunks to the others (scheduler; default on)
-  GRADHUB_RACK             the rack of a worker or server (every member or
-                           none): each rack may sum a chunk before the core
-  GRADHUB_RACK_REDUCE      auto (default: PHub's model decides), on or off
-                           (scheduler)
-  GRADHUB_LINK_GBIT        each host's link, Gbit/s, for the model (scheduler)
-  GRADHUB_CORE_GBIT        each rack's link to the network core, Gbit/s
-shared service (many jobs on one scheduler and set of servers):
-  GRADHUB_SERVICE_TOKEN    the service's master token (its scheduler, servers
-                           and operator only); or
-  GRADHUB_SERVICE_TOKEN_FILE  a file holding it
-  GRADHUB_JOB              a worker's job name on the service; its
-                           GRADHUB_JOB_TOKEN is `gradhub token JOB`
-"""
+# The `--help` epilogs: the settings each command's roles read, from the
+# registry (src/settings.rs), so they show its defaults.
+ALL_ROLES = ("worker", "server", "scheduler", "launcher")
 
 
 def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> None:
     p.add_argument("--partition-bytes", type=int, default=env.partition_bytes,
-                   help="chunk size in bytes (default: GRADHUB_PARTITION_BYTES or 256 KiB)")
+                   help="chunk size in bytes " + _env.fallback("GRADHUB_PARTITION_BYTES"))
     p.add_argument("--stall-seconds", type=float, default=env.stall_seconds,
-                   help="servers report a round that waited longer than this (default 30)")
+                   help="servers report a round that waited longer than this " + _env.fallback("GRADHUB_STALL_SECONDS"))
     p.add_argument("--peer-timeout", type=float, default=env.peer_timeout,
                    help="seconds without a heartbeat before any member is declared dead; the scheduler tells "
-                   "every member (GRADHUB_PEER_TIMEOUT; default 10)")
+                   "every member " + _env.fallback("GRADHUB_PEER_TIMEOUT"))
     p.add_argument("--no-host-reduce", dest="host_reduce", action="store_false", default=env.host_reduce,
                    help="workers that share a machine each push everything themselves instead of summing in "
                    "shared memory first and pushing one share each (GRADHUB_HOST_REDUCE=0)")
@@ -79,13 +33,13 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
                    "and going on (GRADHUB_FAILOVER=0)")
     p.add_argument("--rack-reduce", choices=["auto", "on", "off"], default=env.rack_reduce,
                    help="with members in racks (GRADHUB_RACK), sum each chunk within each rack before it crosses "
-                   "the core: auto lets PHub's model decide from --link-gbit and --core-gbit (GRADHUB_RACK_REDUCE; "
-                   "default auto; a single job only)")
+                   "the core: auto lets PHub's model decide from --link-gbit and --core-gbit; a single job only "
+                   + _env.fallback("GRADHUB_RACK_REDUCE"))
     p.add_argument("--link-gbit", type=_count(0, float), default=env.link_gbit,
-                   help="each host's link in Gbit/s, for the model (GRADHUB_LINK_GBIT; default: 10 assumed)")
+                   help="each host's link in Gbit/s, for the model; 0: 10 assumed " + _env.fallback("GRADHUB_LINK_GBIT"))
     p.add_argument("--core-gbit", type=_count(0, float), default=env.core_gbit,
-                   help="each rack's link to the network core in Gbit/s (GRADHUB_CORE_GBIT; default: one host link "
-                   "assumed)")
+                   help="each rack's link to the network core in Gbit/s; 0: one host link assumed "
+                   + _env.fallback("GRADHUB_CORE_GBIT"))
 
 
 def _count(least: int, kind=int):
@@ -110,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradhub",
         description="gradhub: gradient synchronization for data-parallel training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=ENV_HELP,
+        epilog=_env.env_help(ALL_ROLES),
     )
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
@@ -121,12 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a scheduler, K servers and N workers on this machine. Each worker runs the "
         "given command with GRADHUB_* set; output lines are prefixed with role and rank. If any process "
         "fails, everything is stopped and its exit code is returned.",
-        epilog="example:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n" + ENV_HELP,
+        epilog="example:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n\n" + _env.env_help(ALL_ROLES),
     )
     lp.add_argument("-w", "--workers", type=int, required=True, help="number of worker processes")
     lp.add_argument("-s", "--servers", type=int, default=1, help="number of summation servers (default 1)")
     lp.add_argument("--server-threads", type=int, default=venv.threads or 1,
-                    help="threads per server (GRADHUB_SERVER_THREADS; default 1)")
+                    help="threads per server (GRADHUB_SERVER_THREADS, else 1)")
     g = lp.add_mutually_exclusive_group()
     g.add_argument("--colocated", action="store_true",
                    help="mark every server as colocated with a worker (all-reduce-like traffic split)")
@@ -142,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the rendezvous/declaration/liveness service of one job. Exits 0 when every "
         "worker has finished, 1 if the job failed.",
-        epilog=ENV_HELP,
+        epilog=_env.env_help(("scheduler",)),
     )
     sp.add_argument("--bind", default=None,
                     help="host:port to listen on (default: the port of GRADHUB_SCHEDULER, or 9000, on its host "
@@ -161,12 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "--service`; a job's first worker starts it on every server; --workers/--servers "
                               "do not apply.")
     g.add_argument("--service", action="store_true", help="run as a shared service")
-    g.add_argument("--max-jobs", type=_count(1), default=16, help="jobs running at once (default 16)")
-    g.add_argument("--job-max-workers", type=_count(1), default=4096,
-                   help="workers a job may have (default 4096)")
-    g.add_argument("--job-max-tensors", type=_count(0), default=0,
+    service = _core.ServiceConfig("", "")  # its defaults
+    g.add_argument("--max-jobs", type=_count(1), default=None,
+                   help=f"jobs running at once (default {service.max_jobs})")
+    g.add_argument("--job-max-workers", type=_count(1), default=None,
+                   help=f"workers a job may have (default {service.max_workers})")
+    g.add_argument("--job-max-tensors", type=_count(0), default=None,
                    help="tensors a job may hold on the service at once (default: no limit)")
-    g.add_argument("--job-max-mib", type=_count(0, float), default=0,
+    g.add_argument("--job-max-mib", type=_count(0, float), default=None,
                    help="MiB of tensors a job may hold on the service, what its servers keep for it "
                    "(default: no limit)")
 
@@ -178,27 +134,27 @@ def build_parser() -> argparse.ArgumentParser:
         "chunks. Registers with the scheduler and exits when the job ends. Started while the job runs "
         "(a job that began with two or more servers, failover on), it joins it: the scheduler moves "
         "its share of the chunks to it at once, and training goes on with the same sums.",
-        epilog=ENV_HELP,
+        epilog=_env.env_help(("server",)),
     )
     vp.add_argument("--scheduler", default=venv.scheduler,
                     help="scheduler host:port (GRADHUB_SCHEDULER)")
-    vp.add_argument("--threads", type=int, default=venv.threads if venv.threads is not None else roles.default_server_threads(),
-                    help="server threads (GRADHUB_SERVER_THREADS; default: number of cores)")
+    vp.add_argument("--threads", type=int,
+                    default=venv.threads if venv.threads is not None else roles.default_server_threads(),
+                    help="server threads (GRADHUB_SERVER_THREADS, else one per core)")
     vp.add_argument("--colocated", action="store_true", default=venv.colocated,
                     help="this server runs on a worker machine (GRADHUB_COLOCATED=1)")
     vp.add_argument("--advertise-addr", default=venv.advertise,
-                    help="address workers should connect to (GRADHUB_ADVERTISE_ADDR; default: the local "
-                    "address of the interface that reaches the scheduler)")
+                    help="address workers should connect to " + _env.fallback("GRADHUB_ADVERTISE_ADDR"))
     vp.add_argument("--bind-host", default=None,
                     help="host to listen on (default: 127.0.0.1 if the scheduler is on loopback, else 0.0.0.0)")
     vp.add_argument("--insecure", action="store_true", default=_env.insecure(),
                     help="reach beyond loopback without a job token (GRADHUB_INSECURE=1)")
     vp.add_argument("--port", type=int, default=venv.port,
-                    help="first port; thread t listens on port+t (GRADHUB_SERVER_PORT; default: free ports)")
+                    help="first port; thread t listens on port+t; 0: free ports " + _env.fallback("GRADHUB_SERVER_PORT"))
     vp.add_argument("--rank", type=int, default=venv.rank,
-                    help="request this server rank (GRADHUB_SERVER_RANK; default: assigned)")
+                    help="request this server rank; -1: assigned " + _env.fallback("GRADHUB_SERVER_RANK"))
     vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
-                    help="seconds to keep retrying the scheduler (GRADHUB_CONNECT_TIMEOUT; default 60)")
+                    help="seconds to keep retrying the scheduler " + _env.fallback("GRADHUB_CONNECT_TIMEOUT"))
     vp.add_argument("--rack", default=venv.rack,
                     help="this server's rack, when the job's members are in racks (GRADHUB_RACK; workers set the "
                     "variable): a rack's workers may sum a chunk on their rack's servers before the core")
@@ -231,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("action", choices=["merge"])
     tl.add_argument("out", help="the merged trace to write")
     tl.add_argument("files", nargs="+", help="the workers' (and servers': gradhub server --timeline) timeline files")
+    stg = sub.add_parser(
+        "settings", help="list every GRADHUB_* setting: default, who reads it, what it does",
+        description="Every GRADHUB_* setting, from the registry the core declares them in (src/settings.rs). "
+        "--markdown prints README's settings table.")
+    stg.add_argument("--markdown", action="store_true", help="print the table in README form")
     sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
                    "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
                    add_help=False)
@@ -239,30 +200,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_scheduler(args) -> int:
     e = _env.scheduler_env()
+    timing = dict(partition_bytes=args.partition_bytes, stall_seconds=args.stall_seconds,
+                  peer_timeout=args.peer_timeout, host_reduce=args.host_reduce, failover=args.failover)
     if args.service:
-        return roles.run_service(args.bind, args.partition_bytes, args.stall_seconds, args.peer_timeout,
-                                 scheduler=e.scheduler, host_reduce=args.host_reduce, failover=args.failover,
-                                 max_jobs=args.max_jobs, job_max_tensors=args.job_max_tensors,
-                                 job_max_mib=args.job_max_mib, job_max_workers=args.job_max_workers)
-    return roles.run_scheduler(args.bind, args.workers, args.servers, args.partition_bytes, args.stall_seconds,
-                               args.peer_timeout, e.namespace, scheduler=e.scheduler, host_reduce=args.host_reduce,
-                               failover=args.failover, token=_env.job_token(), insecure=args.insecure,
-                               rack_reduce=args.rack_reduce, link_gbit=args.link_gbit, core_gbit=args.core_gbit)
+        return roles.run_service(args.bind, scheduler=e.scheduler, max_jobs=args.max_jobs,
+                                 job_max_tensors=args.job_max_tensors, job_max_mib=args.job_max_mib,
+                                 job_max_workers=args.job_max_workers, **timing)
+    stall, peer = timing.pop("stall_seconds"), timing.pop("peer_timeout")
+    return roles.run_scheduler(args.bind, args.workers, args.servers, scheduler=e.scheduler, token=_env.job_token(),
+                               insecure=args.insecure, stall_ms=int(stall * 1000), peer_timeout_ms=int(peer * 1000),
+                               namespace=e.namespace, rack_reduce=args.rack_reduce, link_gbit=args.link_gbit,
+                               core_gbit=args.core_gbit, **timing)
 
 
 def _run_server(args) -> int:
     e = _env.server_env()
+    common = dict(bind_host=args.bind_host, colocated=args.colocated, advertise=args.advertise_addr,
+                  connect_timeout=args.connect_timeout)
     if args.service:
-        return roles.run_service_server(args.scheduler, args.threads, args.colocated, args.advertise_addr,
-                                        args.bind_host, args.connect_timeout)
-    return roles.run_server(args.scheduler, args.threads, args.colocated, args.advertise_addr, args.bind_host,
-                            args.port, args.rank, e.num_workers, e.num_servers, e.namespace, args.connect_timeout,
-                            token=_env.job_token(), insecure=args.insecure, timeline=args.timeline, rack=args.rack)
+        return roles.run_service_server(args.scheduler, args.threads, **common)
+    return roles.run_server(args.scheduler, args.threads, token=_env.job_token(), insecure=args.insecure,
+                            base_port=args.port, rank=args.rank, num_workers=e.num_workers,
+                            num_servers=e.num_servers, namespace=e.namespace, timeline=args.timeline,
+                            rack=args.rack, **common)
+
+
+def _settings(args) -> int:
+    if args.markdown:
+        print(_env.markdown_table(), end="")
+        return 0
+    print(_env.env_help(ALL_ROLES + ("bench",)), end="")
+    return 0
 
 
 def _token(args) -> int:
-    from . import _core
-
     master = _env.service_token()
     if master is None:
         print("gradhub token: set GRADHUB_SERVICE_TOKEN (or GRADHUB_SERVICE_TOKEN_FILE) to the service's master "
@@ -277,10 +248,6 @@ def _token(args) -> int:
 
 
 def _status(args) -> int:
-    import json
-
-    from . import _core
-
     master = _env.service_token()
     if master is None or not args.scheduler:
         print("gradhub status: needs --scheduler (or GRADHUB_SCHEDULER) and GRADHUB_SERVICE_TOKEN", file=sys.stderr)
@@ -322,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 2
+    if args.cmd == "settings":
+        return _settings(args)
     if args.cmd == "timeline":
         from . import timeline
 

@@ -50,15 +50,26 @@ def _bind_address(bind: str | None, scheduler: str | None) -> str:
     return bind if ":" in bind else f"{bind}:{DEFAULT_SCHEDULER_PORT}"
 
 
-def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None,
-                  partition_bytes: int | None = None, stall_seconds: float = 30.0, peer_timeout: float = 10.0,
-                  namespace: int = 0, scheduler: str | None = None, host_reduce: bool = True,
-                  failover: bool = True, token: str | None = None, insecure: bool = False,
-                  rack_reduce: str = "auto", link_gbit: float = 0.0, core_gbit: float = 0.0) -> int:
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else int(seconds * 1000)
+
+
+def scheduler_settings(e: _env.SchedulerEnv) -> dict:
+    """A job scheduler's settings from the environment, as
+    `_core.SchedulerConfig` keywords (None: the core's default)."""
+    return dict(partition_bytes=e.partition_bytes, stall_ms=_ms(e.stall_seconds),
+                peer_timeout_ms=_ms(e.peer_timeout), namespace=e.namespace, host_reduce=e.host_reduce,
+                failover=e.failover, rack_reduce=e.rack_reduce, link_gbit=e.link_gbit, core_gbit=e.core_gbit)
+
+
+def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None, *,
+                  scheduler: str | None = None, token: str | None = None, insecure: bool = False,
+                  **settings) -> int:
     """Run the job's scheduler until the job ends; returns an exit code
     (0 done, 1 the job failed, 2 bad settings). `bind` defaults to the port of
     `scheduler` (GRADHUB_SCHEDULER), or 9000, on its host if that is loopback,
-    else on 0.0.0.0. Listening beyond loopback needs `token` or `insecure`."""
+    else on 0.0.0.0. Listening beyond loopback needs `token` or `insecure`.
+    `settings`: `_core.SchedulerConfig` keywords (None: the default)."""
     if num_workers is None or num_servers is None:
         print("gradhub scheduler: --workers and --servers (or GRADHUB_NUM_WORKERS/GRADHUB_NUM_SERVERS) "
               "are required", file=sys.stderr)
@@ -66,29 +77,25 @@ def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | 
     bind = _bind_address(bind, scheduler)
     try:
         _env.check_exposure("gradhub scheduler", [split_hostport(bind, 0)[0]], token, insecure)
+        cfg = _core.SchedulerConfig(bind, num_workers, num_servers, token=token, **settings)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
     _native_sigint()
     try:
-        _core.run_scheduler(bind, num_workers, num_servers, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
-                            peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
-                            namespace=namespace, host_reduce=host_reduce, failover=failover, token=token,
-                            rack_reduce=rack_reduce, link_gbit=link_gbit, core_gbit=core_gbit)
+        _core.run_scheduler(cfg)
     except _core.GradhubError as e:
         print(f"gradhub scheduler: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def run_server(scheduler: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
-               bind_host: str | None = None, port: int = 0, rank: int = -1, num_workers: int = 0,
-               num_servers: int = 0, namespace: int = 0, connect_timeout: float = 60.0,
-               token: str | None = None, insecure: bool = False, timeline: str | None = None,
-               rack: str = "") -> int:
+def run_server(scheduler: str | None, threads: int, *, bind_host: str | None = None, token: str | None = None,
+               insecure: bool = False, **settings) -> int:
     """Run one summation server until the job ends; returns an exit code.
     `bind_host` defaults to loopback when the scheduler is on loopback, else
-    0.0.0.0; reaching beyond loopback needs `token` or `insecure`."""
+    0.0.0.0; reaching beyond loopback needs `token` or `insecure`.
+    `settings`: `_core.ServerConfig` keywords (None: the default)."""
     if not scheduler:
         print("gradhub server: --scheduler (or GRADHUB_SCHEDULER) is required", file=sys.stderr)
         return 2
@@ -100,49 +107,47 @@ def run_server(scheduler: str | None, threads: int, colocated: bool = False, adv
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    cfg = _core.ServerConfig(scheduler, threads=threads, bind_host=bind_host, token=token, **settings)
     _native_sigint()
     try:
-        _core.run_server(scheduler, threads=max(1, threads), colocated=colocated, advertise=advertise,
-                         bind_host=bind_host, base_port=port, rank=rank, num_workers=num_workers,
-                         num_servers=num_servers, namespace=namespace, connect_timeout=connect_timeout,
-                         token=token, timeline=timeline, rack=rack)
+        _core.run_server(cfg)
     except _core.GradhubError as e:
         print(f"gradhub server: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def run_service(bind: str | None, partition_bytes: int | None = None, stall_seconds: float = 30.0,
-                peer_timeout: float = 10.0, scheduler: str | None = None, host_reduce: bool = True,
-                failover: bool = True, max_jobs: int = 16, job_max_tensors: int = 0, job_max_mib: float = 0,
-                job_max_workers: int = 4096) -> int:
+def run_service(bind: str | None, *, scheduler: str | None = None, stall_seconds: float | None = None,
+                peer_timeout: float | None = None, max_jobs: int | None = None, job_max_tensors: int | None = None,
+                job_max_mib: float | None = None, job_max_workers: int | None = None, **job) -> int:
     """Run a shared service (`gradhub scheduler --service`) until it is
     stopped; returns an exit code. Needs the master token
-    (GRADHUB_SERVICE_TOKEN or GRADHUB_SERVICE_TOKEN_FILE)."""
+    (GRADHUB_SERVICE_TOKEN or GRADHUB_SERVICE_TOKEN_FILE). `job`: the
+    `_core.SchedulerConfig` keywords every job gets."""
     master = _env.service_token()
     if master is None:
         print("gradhub scheduler --service: set GRADHUB_SERVICE_TOKEN (or GRADHUB_SERVICE_TOKEN_FILE) to the "
               "service's master token: every job's token derives from it (`gradhub token JOB`)", file=sys.stderr)
         return 2
     bind = _bind_address(bind, scheduler)
+    max_bytes = None if job_max_mib is None else int(job_max_mib * (1 << 20))
+    each = _core.SchedulerConfig(stall_ms=_ms(stall_seconds), peer_timeout_ms=_ms(peer_timeout),
+                                 max_tensors=job_max_tensors, max_bytes=max_bytes, **job)
+    cfg = _core.ServiceConfig(bind, master, each, max_jobs=max_jobs, max_workers=job_max_workers)
     _native_sigint()
     try:
-        _core.run_service(bind, master, partition_bytes or _core.DEFAULT_PARTITION_BYTES,
-                          peer_timeout_ms=int(peer_timeout * 1000), stall_ms=int(stall_seconds * 1000),
-                          host_reduce=host_reduce, failover=failover, max_jobs=max_jobs,
-                          max_tensors=job_max_tensors, max_bytes=int(job_max_mib * (1 << 20)),
-                          max_workers=job_max_workers)
+        _core.run_service(cfg)
     except _core.GradhubError as e:
         print(f"gradhub scheduler --service: {e}", file=sys.stderr)
         return 1
     return 0
 
 
-def run_service_server(service: str | None, threads: int, colocated: bool = False, advertise: str | None = None,
-                       bind_host: str | None = None, connect_timeout: float = 60.0,
-                       peer_timeout: float = 10.0) -> int:
+def run_service_server(service: str | None, threads: int, *, bind_host: str | None = None,
+                       peer_timeout: float | None = None, **settings) -> int:
     """Serve a shared service's jobs (`gradhub server --service`) until the
-    service goes away; returns an exit code."""
+    service goes away; returns an exit code. `settings`: the
+    `_core.ServerConfig` keywords of each job's instance."""
     if not service:
         print("gradhub server --service: --scheduler (or GRADHUB_SCHEDULER), the service's address, is required",
               file=sys.stderr)
@@ -155,10 +160,10 @@ def run_service_server(service: str | None, threads: int, colocated: bool = Fals
     shost, _ = split_hostport(service, DEFAULT_SCHEDULER_PORT)
     if bind_host is None:
         bind_host = "127.0.0.1" if _env.is_loopback(shost) else "0.0.0.0"
+    server = _core.ServerConfig(service, threads=threads, bind_host=bind_host, **settings)
     _native_sigint()
     try:
-        _core.run_service_server(service, master, threads=max(1, threads), colocated=colocated, advertise=advertise,
-                                 bind_host=bind_host, connect_timeout=connect_timeout, peer_timeout=peer_timeout)
+        _core.run_service_server(_core.ServiceServerConfig(server, master, peer_timeout=peer_timeout))
     except _core.GradhubError as e:
         print(f"gradhub server --service: {e}", file=sys.stderr)
         return 1
@@ -172,18 +177,17 @@ def default_server_threads() -> int:
 
 def scheduler_from_env() -> int:
     e = _env.scheduler_env()
-    return run_scheduler(None, e.num_workers, e.num_servers, e.partition_bytes, e.stall_seconds, e.peer_timeout,
-                         e.namespace, scheduler=e.scheduler, host_reduce=e.host_reduce, failover=e.failover,
-                         token=_env.job_token(), insecure=_env.insecure(), rack_reduce=e.rack_reduce,
-                         link_gbit=e.link_gbit, core_gbit=e.core_gbit)
+    return run_scheduler(None, e.num_workers, e.num_servers, scheduler=e.scheduler, token=_env.job_token(),
+                         insecure=_env.insecure(), **scheduler_settings(e))
 
 
 def server_from_env() -> int:
     e = _env.server_env()
-    return run_server(e.scheduler, e.threads if e.threads is not None else default_server_threads(), e.colocated,
-                      e.advertise, None, e.port, e.rank, e.num_workers, e.num_servers, e.namespace,
-                      e.connect_timeout, token=_env.job_token(), insecure=_env.insecure(), timeline=e.timeline,
-                      rack=e.rack)
+    return run_server(e.scheduler, e.threads if e.threads is not None else default_server_threads(),
+                      token=_env.job_token(), insecure=_env.insecure(), colocated=e.colocated,
+                      advertise=e.advertise, base_port=e.port, rank=e.rank, num_workers=e.num_workers,
+                      num_servers=e.num_servers, namespace=e.namespace, connect_timeout=e.connect_timeout,
+                      timeline=e.timeline, rack=e.rack)
 
 
 def run_role(role: str) -> int:
@@ -207,21 +211,19 @@ class Embedded:
         shost, port = split_hostport(env.scheduler, DEFAULT_SCHEDULER_PORT)
         bind_host = shost if _env.is_loopback(shost) else "0.0.0.0"
         if env.rank == 0:
-            s = _env.scheduler_env()
-            self._scheduler = _core.start_scheduler(
-                f"{bind_host}:{port}", env.num_workers, env.num_servers,
-                s.partition_bytes or _core.DEFAULT_PARTITION_BYTES,
-                peer_timeout_ms=int(s.peer_timeout * 1000), stall_ms=int(s.stall_seconds * 1000),
-                namespace=env.namespace, host_reduce=s.host_reduce, failover=s.failover, token=env.token,
-                rack_reduce=s.rack_reduce, link_gbit=s.link_gbit, core_gbit=s.core_gbit)
+            settings = {**scheduler_settings(_env.scheduler_env()), "namespace": env.namespace}
+            self._scheduler = _core.start_scheduler(_core.SchedulerConfig(
+                f"{bind_host}:{port}", env.num_workers, env.num_servers, token=env.token, **settings))
         if (env.local_rank or 0) == 0:
             threads = _env.server_env().threads or 1
+            timeline = _env.server_env().timeline
 
             def serve():
                 try:
-                    _core.run_server(env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
-                                     num_servers=env.num_servers, namespace=env.namespace, bind_host=bind_host,
-                                     token=env.token, timeline=_env.server_env().timeline, rack=env.rack)
+                    _core.run_server(_core.ServerConfig(
+                        env.scheduler, threads=threads, colocated=True, num_workers=env.num_workers,
+                        num_servers=env.num_servers, namespace=env.namespace, bind_host=bind_host,
+                        token=env.token, timeline=timeline, rack=env.rack))
                 except _core.GradhubError as e:  # reported to workers by the scheduler too
                     print(f"[gradhub] embedded server: {e}", file=sys.stderr)
 

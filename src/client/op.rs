@@ -78,16 +78,7 @@ pub struct Op {
 /// a small round trip, so short waits are much faster when spun.
 fn spin_limit() -> Duration {
     static SPIN: OnceLock<Duration> = OnceLock::new();
-    *SPIN.get_or_init(|| {
-        let us = match std::env::var("GRADHUB_SPIN_US") {
-            Err(_) => 50,
-            Ok(v) => v.trim().parse().unwrap_or_else(|_| {
-                log::warn!(target: "worker", "GRADHUB_SPIN_US={v:?} is not a number of microseconds; using 50");
-                50
-            }),
-        };
-        Duration::from_micros(us)
-    })
+    *SPIN.get_or_init(crate::settings::spin)
 }
 
 impl Op {

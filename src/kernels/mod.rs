@@ -171,7 +171,7 @@ pub fn available() -> Vec<Kernels> {
 /// The kernels the free functions use, chosen on first call and cached for the process.
 pub fn selected() -> &'static Kernels {
     static SELECTED: OnceLock<Kernels> = OnceLock::new();
-    SELECTED.get_or_init(|| select(std::env::var("GRADHUB_KERNELS").ok().as_deref()))
+    SELECTED.get_or_init(|| select(crate::settings::kernels().as_deref()))
 }
 
 fn select(forced: Option<&str>) -> Kernels {

@@ -1,18 +1,20 @@
-//! Declarations: collect each worker's tensor declarations, check they
-//! agree, place each complete tensor once (so placement is identical on
-//! every worker), install it on every server and only then answer the
-//! workers; report tensors some workers never declare; free tensors every
-//! worker released.
+//! Declarations (`Declarations`, edited only here): collect each worker's
+//! tensor declarations, check they agree, place each complete tensor once
+//! (so placement is identical on every worker), answer the workers once it
+//! is installed on every server; report tensors some workers never
+//! declare; free tensors every worker released. The placer lives here:
+//! moves (`moves`) place chunks again through `in_use`.
 
-use std::collections::HashMap;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
-use super::state::{Member, Shared, State};
-use crate::placement::chunk_elems;
-use crate::protocol::{Control, DType, Role, TensorSpec};
+use super::config::SchedulerConfig;
+use super::membership::Members;
+use crate::placement::{chunk_elems, Placer};
+use crate::protocol::{Control, DType, DeclEntry, TensorSpec};
+use crate::waits::{left_message, StallWatch};
 
-pub(super) struct Decl {
+struct Decl {
     numel: u64,
     dtype: DType,
     /// Bytes per chunk (resolved: never 0).
@@ -22,94 +24,123 @@ pub(super) struct Decl {
     conflict: Option<String>,
     spec: Option<TensorSpec>,
     installed: bool,
-    since: Instant,
-    stall_reported: bool,
+    /// Since its first declaration (`crate::waits`).
+    stall: StallWatch,
 }
 
 /// A released tensor: out of use by name (declaring the name again makes a
 /// new tensor), freed on the servers once every worker released it.
-pub(super) struct Retiring {
+struct Retiring {
     spec: TensorSpec,
     released_by: Vec<bool>,
 }
 
-pub(super) struct PendingReq {
+struct PendingReq {
     rank: u32,
     req: u32,
     names: Vec<String>,
 }
 
-/// Tensors the job holds (declared, or released by some workers only) and
-/// their bytes.
-pub(super) fn held(st: &State) -> (usize, u64) {
-    let size = |numel: u64, dtype: DType| numel.saturating_mul(dtype.size() as u64);
-    let bytes = st.decls.values().map(|d| size(d.numel, d.dtype)).sum::<u64>()
-        + st.retiring.values().map(|r| size(r.spec.numel, r.spec.dtype)).sum::<u64>();
-    (st.decls.len() + st.retiring.len(), bytes)
+/// A tensor some workers declared long ago and others never did.
+pub(super) struct Stall {
+    pub name: String,
+    pub missing: Vec<u32>,
+    pub waiting: Vec<u32>,
+    pub waited: Duration,
 }
 
-/// Why declaring `entries` would take the job past its limits on a shared
-/// service (tensors held at once, and their bytes), if it would.
-fn over_limits(cfg: &super::SchedulerConfig, st: &State, entries: &[crate::protocol::DeclEntry]) -> Option<String> {
-    if cfg.max_tensors == 0 && cfg.max_bytes == 0 {
-        return None;
+#[derive(Default)]
+pub(super) struct Declarations {
+    /// Set once every member registered (`membership`).
+    placer: Option<Placer>,
+    decls: HashMap<String, Decl>,
+    /// The name of every placed tensor, by key (for `Release`).
+    by_key: HashMap<u32, String>,
+    /// Tensors some workers released and others not yet, by key.
+    retiring: HashMap<u32, Retiring>,
+    /// Tensors every worker released, not yet freed on the servers (sent
+    /// with the next install or heartbeat: see `release`).
+    to_free: Vec<u32>,
+    next_key: u32,
+    /// Declarations a worker waits to have answered.
+    pending: Vec<PendingReq>,
+}
+
+/// Released keys sent to the servers at once, without waiting for the next
+/// install or heartbeat (which take them along: one wake-up of a server for
+/// both, not one more per unnamed operation).
+const FREE_BATCH: usize = 1024;
+
+impl Declarations {
+    pub fn set_placer(&mut self, placer: Placer) {
+        self.placer = Some(placer);
     }
-    let mut new: Vec<&crate::protocol::DeclEntry> = Vec::new();
-    for e in entries {
-        if !st.decls.contains_key(&e.name) && !new.iter().any(|n| n.name == e.name) {
-            new.push(e);
+
+    pub fn placer(&self) -> Option<&Placer> {
+        self.placer.as_ref()
+    }
+
+    pub fn placer_mut(&mut self) -> Option<&mut Placer> {
+        self.placer.as_mut()
+    }
+
+    /// Tensors the job holds (declared, or released by some workers only)
+    /// and their bytes.
+    pub fn held(&self) -> (usize, u64) {
+        let size = |numel: u64, dtype: DType| numel.saturating_mul(dtype.size() as u64);
+        let bytes = self.decls.values().map(|d| size(d.numel, d.dtype)).sum::<u64>()
+            + self.retiring.values().map(|r| size(r.spec.numel, r.spec.dtype)).sum::<u64>();
+        (self.decls.len() + self.retiring.len(), bytes)
+    }
+
+    /// Why declaring `entries` would take the job past its limits on a shared
+    /// service (tensors held at once, and their bytes), if it would.
+    fn over_limits(&self, cfg: &SchedulerConfig, entries: &[DeclEntry]) -> Option<String> {
+        if cfg.max_tensors == 0 && cfg.max_bytes == 0 {
+            return None;
         }
+        let mut new: Vec<&DeclEntry> = Vec::new();
+        for e in entries {
+            if !self.decls.contains_key(&e.name) && !new.iter().any(|n| n.name == e.name) {
+                new.push(e);
+            }
+        }
+        let (held, held_bytes) = self.held();
+        let tensors = held + new.len();
+        let bytes = held_bytes + new.iter().map(|e| e.numel.saturating_mul(e.dtype.size() as u64)).sum::<u64>();
+        if cfg.max_tensors > 0 && tensors > cfg.max_tensors as usize {
+            return Some(format!(
+                "this job would hold {tensors} tensors on the service, over its limit of {} per job \
+                 (the service's --job-max-tensors)",
+                cfg.max_tensors
+            ));
+        }
+        if cfg.max_bytes > 0 && bytes > cfg.max_bytes {
+            return Some(format!(
+                "this job would hold {:.1} MiB of tensors on the service, over its limit of {:.1} MiB per job \
+                 (the service's --job-max-mib)",
+                bytes as f64 / (1 << 20) as f64,
+                cfg.max_bytes as f64 / (1 << 20) as f64
+            ));
+        }
+        None
     }
-    let (held, held_bytes) = held(st);
-    let tensors = held + new.len();
-    let bytes = held_bytes + new.iter().map(|e| e.numel.saturating_mul(e.dtype.size() as u64)).sum::<u64>();
-    if cfg.max_tensors > 0 && tensors > cfg.max_tensors as usize {
-        return Some(format!(
-            "this job would hold {tensors} tensors on the service, over its limit of {} per job \
-             (the service's --job-max-tensors)",
-            cfg.max_tensors
-        ));
-    }
-    if cfg.max_bytes > 0 && bytes > cfg.max_bytes {
-        return Some(format!(
-            "this job would hold {:.1} MiB of tensors on the service, over its limit of {:.1} MiB per job \
-             (the service's --job-max-mib)",
-            bytes as f64 / (1 << 20) as f64,
-            cfg.max_bytes as f64 / (1 << 20) as f64
-        ));
-    }
-    None
-}
 
-/// Record a worker's declarations. Returns a batch of newly complete specs
-/// that must be installed on the servers before anyone is answered.
-pub(super) fn declare(
-    shared: &Shared,
-    st: &mut State,
-    rank: u32,
-    req: u32,
-    entries: Vec<crate::protocol::DeclEntry>,
-) -> Option<(u32, Vec<TensorSpec>)> {
-    let n = shared.cfg.num_workers as usize;
-    let mut names = Vec::with_capacity(entries.len());
-    let mut newly_complete = Vec::new();
-    for e in &entries {
-        let job = shared.cfg.partition_bytes;
+    /// Why an entry cannot be declared (sent back as a `DeclareError`), if
+    /// one cannot.
+    fn check(cfg: &SchedulerConfig, e: &DeclEntry) -> Option<String> {
+        let job = cfg.partition_bytes;
         // A tensor may take smaller chunks than the job's (autotuning tries
         // them), never larger: the job's partition bounds every data frame.
         if e.partition != 0 && (e.partition < e.dtype.size() as u32 || e.partition > job) {
-            let message = format!(
+            return Some(format!(
                 "tensor '{}': a partition of {} bytes is outside {}..={job} (an element of {} up to the job's \
                  partition size, the scheduler's --partition-bytes)",
                 e.name,
                 e.partition,
                 e.dtype.size(),
                 e.dtype.name()
-            );
-            if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
-                m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
-            }
-            return None;
+            ));
         }
         let partition = if e.partition == 0 { job } else { e.partition };
         let ce = chunk_elems(partition, e.dtype.size());
@@ -118,285 +149,393 @@ pub(super) fn declare(
         if bytes.is_none_or(|b| b > crate::protocol::control::MAX_TENSOR_BYTES)
             || e.numel.div_ceil(ce) > (crate::protocol::MAX_CONTROL_PAYLOAD / 16) as u64
         {
-            let message = format!(
+            return Some(format!(
                 "tensor '{}' with {} elements of {} is too large for partitions of {} bytes",
                 e.name,
                 e.numel,
                 e.dtype.name(),
                 partition
-            );
-            if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
-                m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
-            }
-            return None;
-        }
-    }
-    if let Some(message) = over_limits(&shared.cfg, st, &entries) {
-        if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == rank) {
-            m.send(&Control::DeclareError { req, message }, shared.cfg.namespace);
-        }
-        return None;
-    }
-    for e in entries {
-        let partition = if e.partition == 0 { shared.cfg.partition_bytes } else { e.partition };
-        let d = st.decls.entry(e.name.clone()).or_insert_with(|| Decl {
-            numel: e.numel,
-            dtype: e.dtype,
-            partition,
-            first_rank: rank,
-            declared_by: vec![false; n],
-            conflict: None,
-            spec: None,
-            installed: false,
-            since: Instant::now(),
-            stall_reported: false,
-        });
-        if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype || d.partition != partition) {
-            d.conflict = Some(format!(
-                "tensor '{}' declared inconsistently: worker {} has {} elements of {} in chunks of {} bytes, \
-                 worker {} has {} elements of {} in chunks of {} bytes",
-                e.name,
-                d.first_rank,
-                d.numel,
-                d.dtype.name(),
-                d.partition,
-                rank,
-                e.numel,
-                e.dtype.name(),
-                partition
             ));
         }
-        d.declared_by[rank as usize] = true;
-        // A name repeated in one request completes (and is placed) once.
-        let complete = d.declared_by.iter().all(|&b| b);
-        if d.conflict.is_none() && d.spec.is_none() && complete && !newly_complete.contains(&e.name) {
-            newly_complete.push(e.name.clone());
-        }
-        names.push(e.name);
+        None
     }
-    st.pending.push(PendingReq { rank, req, names });
-    let mut specs = Vec::new();
-    for name in newly_complete {
-        let key = st.next_key;
-        st.next_key += 1;
-        let Some(d) = st.decls.get(&name) else { continue };
-        let (numel, dtype) = (d.numel, d.dtype);
-        let ce = chunk_elems(d.partition, dtype.size());
-        let nchunks = numel.div_ceil(ce);
-        let sizes = (0..nchunks).map(|c| (ce.min(numel - c * ce)) * dtype.size() as u64);
-        let slots = match st.placer.as_mut() {
-            Some(p) => p.place(sizes),
-            None => continue,
-        };
-        let mut spec = TensorSpec {
-            key,
-            name: name.clone(),
-            numel,
-            dtype,
-            chunk_elems: ce,
-            slots,
-            replicas: Vec::new(),
-            relays: Vec::new(),
-        };
-        if let Some(p) = st.placer.as_mut() {
-            spec.replicas = p.place_replicas(&spec);
-            spec.relays = p.place_relays(&spec);
-        }
-        if let Some(d) = st.decls.get_mut(&name) {
-            d.spec = Some(spec.clone());
-        }
-        st.by_key.insert(key, name.clone());
-        specs.push(spec);
-    }
-    answer_ready(shared, st);
-    if let Some(why) = waiting_on_departed(st) {
-        shared.fail(st, None, why);
-        return None;
-    }
-    if specs.is_empty() {
-        return None;
-    }
-    let batch = st.next_batch;
-    st.next_batch += 1;
-    Some((batch, specs))
-}
 
-/// Worker `rank` is done with tensors `keys` (`Control::Release`). A
-/// worker releases a tensor only once its last round completed there, which
-/// means every worker pushed that round: nobody can push it again, so the
-/// name is free at once, and the servers free its chunks when the last
-/// worker (the last to receive the result) released it. Errors name a
-/// protocol violation (an unknown key, a second release).
-pub(super) fn release(shared: &Shared, st: &mut State, rank: u32, keys: Vec<u32>) -> Result<(), String> {
-    let n = shared.cfg.num_workers as usize;
-    let mut freed = Vec::new();
-    for key in keys {
-        if !st.retiring.contains_key(&key) {
-            let installed = st.by_key.get(&key).and_then(|name| st.decls.get(name)).is_some_and(|d| d.installed);
-            let spec = match st.by_key.remove(&key).and_then(|name| st.decls.remove(&name)).and_then(|d| d.spec) {
-                Some(spec) if installed => spec,
-                _ => return Err(format!("worker {rank} released tensor key {key}, which is not in use")),
-            };
-            st.retiring.insert(key, Retiring { spec, released_by: vec![false; n] });
+    /// Record worker `rank`'s declarations (request `req`). Returns the
+    /// newly complete tensors, placed (to install on the servers before
+    /// anyone is answered), or why the request is refused.
+    pub fn declare(
+        &mut self,
+        cfg: &SchedulerConfig,
+        rank: u32,
+        req: u32,
+        entries: Vec<DeclEntry>,
+    ) -> Result<Vec<TensorSpec>, String> {
+        if let Some(message) = entries.iter().find_map(|e| Self::check(cfg, e)) {
+            return Err(message);
         }
-        let Some(r) = st.retiring.get_mut(&key) else { continue };
-        if std::mem::replace(&mut r.released_by[rank as usize], true) {
-            return Err(format!("worker {rank} released tensor '{}' twice", r.spec.name));
+        if let Some(message) = self.over_limits(cfg, &entries) {
+            return Err(message);
         }
-        if r.released_by.iter().all(|&b| b) {
-            let Some(r) = st.retiring.remove(&key) else { continue };
-            let s = &r.spec;
-            if let Some(p) = st.placer.as_mut() {
-                p.unplace(s);
+        let n = cfg.num_workers as usize;
+        let mut names = Vec::with_capacity(entries.len());
+        let mut newly_complete = Vec::new();
+        for e in entries {
+            let partition = if e.partition == 0 { cfg.partition_bytes } else { e.partition };
+            let d = self.decls.entry(e.name.clone()).or_insert_with(|| Decl {
+                numel: e.numel,
+                dtype: e.dtype,
+                partition,
+                first_rank: rank,
+                declared_by: vec![false; n],
+                conflict: None,
+                spec: None,
+                installed: false,
+                stall: StallWatch::start(),
+            });
+            if d.conflict.is_none() && (d.numel != e.numel || d.dtype != e.dtype || d.partition != partition) {
+                d.conflict = Some(format!(
+                    "tensor '{}' declared inconsistently: worker {} has {} elements of {} in chunks of {} bytes, \
+                     worker {} has {} elements of {} in chunks of {} bytes",
+                    e.name,
+                    d.first_rank,
+                    d.numel,
+                    d.dtype.name(),
+                    d.partition,
+                    rank,
+                    e.numel,
+                    e.dtype.name(),
+                    partition
+                ));
             }
-            freed.push(key);
+            d.declared_by[rank as usize] = true;
+            // A name repeated in one request completes (and is placed) once.
+            let complete = d.declared_by.iter().all(|&b| b);
+            if d.conflict.is_none() && d.spec.is_none() && complete && !newly_complete.contains(&e.name) {
+                newly_complete.push(e.name.clone());
+            }
+            names.push(e.name);
+        }
+        self.pending.push(PendingReq { rank, req, names });
+        let mut specs = Vec::new();
+        for name in newly_complete {
+            let key = self.next_key;
+            self.next_key += 1;
+            let Some(d) = self.decls.get(&name) else { continue };
+            let (numel, dtype) = (d.numel, d.dtype);
+            let ce = chunk_elems(d.partition, dtype.size());
+            let nchunks = numel.div_ceil(ce);
+            let sizes = (0..nchunks).map(|c| (ce.min(numel - c * ce)) * dtype.size() as u64);
+            let Some(placer) = self.placer.as_mut() else { continue };
+            let slots = placer.place(sizes);
+            let mut spec = TensorSpec {
+                key,
+                name: name.clone(),
+                numel,
+                dtype,
+                chunk_elems: ce,
+                slots,
+                replicas: Vec::new(),
+                relays: Vec::new(),
+            };
+            spec.replicas = placer.place_replicas(&spec);
+            spec.relays = placer.place_relays(&spec);
+            if let Some(d) = self.decls.get_mut(&name) {
+                d.spec = Some(spec.clone());
+            }
+            self.by_key.insert(key, name.clone());
+            specs.push(spec);
+        }
+        Ok(specs)
+    }
+
+    /// The tensors of a batch are installed on every server.
+    pub fn installed(&mut self, specs: &[TensorSpec]) {
+        for s in specs {
+            if let Some(d) = self.decls.get_mut(&s.name) {
+                d.installed = true;
+            }
         }
     }
-    st.to_free.extend(freed);
-    if st.to_free.len() >= FREE_BATCH {
-        free_on_servers(shared, st);
-    }
-    Ok(())
-}
 
-/// Released keys sent to the servers at once, without waiting for the next
-/// install or heartbeat (which take them along: one wake-up of a server for
-/// both, not one more per unnamed operation).
-const FREE_BATCH: usize = 1024;
-
-/// Tell the servers to free the tensors every worker released.
-pub(super) fn free_on_servers(shared: &Shared, st: &mut State) {
-    if st.to_free.is_empty() {
-        return;
+    /// Worker `rank` (of `num_workers`) is done with tensors `keys`
+    /// (`Control::Release`). A worker releases a tensor only once its last
+    /// round completed there, which means every worker pushed that round:
+    /// nobody can push it again, so the name is free at once, and the
+    /// servers free its chunks when the last worker (the last to receive
+    /// the result) released it. Returns whether enough keys wait to be
+    /// freed to send them now; errors name a protocol violation (an unknown
+    /// key, a second release).
+    pub fn release(&mut self, rank: u32, num_workers: u32, keys: Vec<u32>) -> Result<bool, String> {
+        let n = num_workers as usize;
+        for key in keys {
+            if !self.retiring.contains_key(&key) {
+                let installed =
+                    self.by_key.get(&key).and_then(|name| self.decls.get(name)).is_some_and(|d| d.installed);
+                let spec = match self.by_key.remove(&key).and_then(|name| self.decls.remove(&name)).and_then(|d| d.spec)
+                {
+                    Some(spec) if installed => spec,
+                    _ => return Err(format!("worker {rank} released tensor key {key}, which is not in use")),
+                };
+                self.retiring.insert(key, Retiring { spec, released_by: vec![false; n] });
+            }
+            let Some(r) = self.retiring.get_mut(&key) else { continue };
+            if std::mem::replace(&mut r.released_by[rank as usize], true) {
+                return Err(format!("worker {rank} released tensor '{}' twice", r.spec.name));
+            }
+            if r.released_by.iter().all(|&b| b) {
+                let Some(r) = self.retiring.remove(&key) else { continue };
+                if let Some(p) = self.placer.as_mut() {
+                    p.unplace(&r.spec);
+                }
+                self.to_free.push(key);
+            }
+        }
+        Ok(self.to_free.len() >= FREE_BATCH)
     }
-    let msg = Control::ServerRelease { keys: std::mem::take(&mut st.to_free) };
-    for m in st.members.iter().filter(|m| m.role == Role::Server) {
-        m.send(&msg, shared.cfg.namespace);
-    }
-}
 
-/// A declaration a worker still waits for that can never complete: a
-/// worker that left the job (goodbye) never declared it.
-pub(super) fn waiting_on_departed(st: &State) -> Option<String> {
-    for p in st.pending.iter().filter(|p| !st.said_goodbye.contains(&p.rank)) {
-        for name in &p.names {
-            let Some(d) = st.decls.get(name).filter(|d| d.spec.is_none() && d.conflict.is_none()) else { continue };
-            let mut gone: Vec<u32> = st.said_goodbye.iter().copied().filter(|&r| !d.declared_by[r as usize]).collect();
-            if gone.is_empty() {
+    /// The keys every worker released, to free on the servers (taken).
+    pub fn take_to_free(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.to_free)
+    }
+
+    /// Tell the servers to free the tensors every worker released.
+    pub fn free_on_servers(&mut self, members: &Members, ns: u32) {
+        if self.to_free.is_empty() {
+            return;
+        }
+        let msg = Control::ServerRelease { keys: self.take_to_free() };
+        for m in members.servers() {
+            m.send(&msg, ns);
+        }
+    }
+
+    /// A declaration a worker still waits for that can never complete: a
+    /// worker that left the job (`left`: said goodbye) never declared it.
+    pub fn waiting_on_departed(&self, left: &HashSet<u32>) -> Option<String> {
+        for p in self.pending.iter().filter(|p| !left.contains(&p.rank)) {
+            for name in &p.names {
+                let Some(d) = self.decls.get(name).filter(|d| d.spec.is_none() && d.conflict.is_none()) else {
+                    continue;
+                };
+                let mut gone: Vec<u32> = left.iter().copied().filter(|&r| !d.declared_by[r as usize]).collect();
+                if gone.is_empty() {
+                    continue;
+                }
+                gone.sort_unstable();
+                return Some(left_message(
+                    &format!("worker(s) {gone:?}"),
+                    &format!("without declaring tensor '{name}', which worker {} waits for", p.rank),
+                ));
+            }
+        }
+        None
+    }
+
+    /// Tensors some workers declared over `stall` ago and others never did,
+    /// each reported once.
+    pub fn stalls(&mut self, stall: Duration) -> Vec<Stall> {
+        let mut reports = Vec::new();
+        for (name, d) in self.decls.iter_mut() {
+            if d.spec.is_some() || d.conflict.is_some() {
                 continue;
             }
-            gone.sort_unstable();
-            return Some(format!(
-                "worker(s) {gone:?} left the job (shut down or exited) without declaring tensor '{name}', \
-                 which worker {} waits for: every worker must run the same collective operations",
-                p.rank
-            ));
+            let Some(waited) = d.stall.overdue(stall) else { continue };
+            let by = &d.declared_by;
+            let missing: Vec<u32> = (0..by.len() as u32).filter(|&r| !by[r as usize]).collect();
+            let waiting: Vec<u32> = (0..by.len() as u32).filter(|&r| by[r as usize]).collect();
+            reports.push(Stall { name: name.clone(), missing, waiting, waited });
+        }
+        reports
+    }
+
+    /// Answer every pending declaration whose tensors are all installed, or
+    /// that contains a conflicting tensor (the caller holds them back
+    /// during a move: their placement may still change).
+    pub fn answer_ready(&mut self, members: &Members, ns: u32) {
+        for (rank, reply) in self.ready() {
+            if let Some(m) = members.worker(rank) {
+                m.send(&reply, ns);
+            }
         }
     }
-    None
+
+    /// The answers `answer_ready` sends, by worker rank (taken from `pending`).
+    fn ready(&mut self) -> Vec<(u32, Control)> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &self.pending[i];
+            let conflict = p.names.iter().find_map(|n| self.decls.get(n).and_then(|d| d.conflict.clone()));
+            let ready = p.names.iter().all(|n| self.decls.get(n).is_some_and(|d| d.installed));
+            if conflict.is_none() && !ready {
+                i += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(i);
+            let reply = match conflict {
+                Some(message) => Control::DeclareError { req: p.req, message },
+                None => Control::Declared {
+                    req: p.req,
+                    specs: p.names.iter().filter_map(|n| self.decls.get(n).and_then(|d| d.spec.clone())).collect(),
+                },
+            };
+            out.push((p.rank, reply));
+        }
+        out
+    }
+
+    /// The placer and every placed tensor some worker may still use
+    /// (declared, or released by some workers only): what a move changes.
+    pub fn in_use(&mut self) -> (Option<&mut Placer>, impl Iterator<Item = &mut TensorSpec>) {
+        let specs = self
+            .decls
+            .values_mut()
+            .filter_map(|d| d.spec.as_mut())
+            .chain(self.retiring.values_mut().map(|r| &mut r.spec));
+        (self.placer.as_mut(), specs)
+    }
 }
 
-/// A tensor some workers declared long ago and others never did: log who is
-/// missing and tell the workers waiting on it (their timeouts will name them).
-pub(super) fn report_declaration_stalls(shared: &Shared) {
-    let stall = Duration::from_millis(shared.cfg.stall_ms as u64);
-    let mut st = shared.lock();
-    let mut reports = Vec::new();
-    for (name, d) in st.decls.iter_mut() {
-        if d.spec.is_some() || d.conflict.is_some() || d.stall_reported || d.since.elapsed() < stall {
-            continue;
-        }
-        d.stall_reported = true;
-        let missing: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| !d.declared_by[r as usize]).collect();
-        let waiting: Vec<u32> = (0..d.declared_by.len() as u32).filter(|&r| d.declared_by[r as usize]).collect();
-        reports.push((name.clone(), missing, waiting, d.since.elapsed()));
-    }
-    for (name, missing, waiting, waited) in reports {
-        log::warn!(target: "scheduler",
-            "stall: tensor '{name}' has waited {:.1}s for worker rank(s) {missing:?} to declare it (push_pull it)",
-            waited.as_secs_f64()
-        );
-        let msg = Control::DeclareStall { name, missing, waited_ms: waited.as_millis() as u64 };
-        for m in st.members.iter().filter(|m| m.role == Role::Worker && waiting.contains(&m.rank)) {
-            m.send(&msg, shared.cfg.namespace);
-        }
-    }
-    drop(st);
-}
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::protocol::ServerInfo;
 
-/// Send the specs to every server, wait for all acks, then answer workers.
-pub(super) fn install(shared: &Shared, batch: u32, specs: Vec<TensorSpec>) {
-    let ns = shared.cfg.namespace;
-    let (servers, free) = {
-        let mut st = shared.lock();
-        let servers: Vec<Arc<Member>> = st.members.iter().filter(|m| m.role == Role::Server).cloned().collect();
-        (servers, std::mem::take(&mut st.to_free))
-    };
-    let mut msgs = vec![Control::ServerDeclare { batch, specs: specs.clone() }];
-    if !free.is_empty() {
-        msgs.insert(0, Control::ServerRelease { keys: free });
+    /// `n` servers of `threads` threads each (CPU-only), by rank.
+    pub(in crate::scheduler) fn servers(n: u32, threads: u16) -> Vec<ServerInfo> {
+        (0..n)
+            .map(|rank| ServerInfo {
+                rank,
+                addr: format!("10.0.0.{rank}"),
+                ports: (0..threads).map(|p| 9000 + p).collect(),
+                colocated: false,
+                host: format!("s{rank}"),
+                rack: 0,
+            })
+            .collect()
     }
-    for s in &servers {
-        s.send_all(&msgs, ns);
-    }
-    let mut st = shared.wait_installed(batch);
-    for s in &specs {
-        if let Some(d) = st.decls.get_mut(&s.name) {
-            d.installed = true;
-        }
-    }
-    answer_ready(shared, &mut st);
-}
 
-/// Answer every pending declaration whose tensors are all installed, or that
-/// contains a conflicting tensor (not during a failover: see `failover`).
-pub(super) fn answer_ready(shared: &Shared, st: &mut State) {
-    let ns = shared.cfg.namespace;
-    if st.failing_over > 0 {
-        return;
-    }
-    let mut i = 0;
-    while i < st.pending.len() {
-        let p = &st.pending[i];
-        let conflict = p.names.iter().find_map(|n| st.decls.get(n).and_then(|d| d.conflict.clone()));
-        let ready = p.names.iter().all(|n| st.decls.get(n).is_some_and(|d| d.installed));
-        if conflict.is_none() && !ready {
-            i += 1;
-            continue;
-        }
-        let p = st.pending.swap_remove(i);
-        let reply = match conflict {
-            Some(message) => Control::DeclareError { req: p.req, message },
-            None => Control::Declared {
-                req: p.req,
-                specs: p.names.iter().filter_map(|n| st.decls.get(n).and_then(|d| d.spec.clone())).collect(),
-            },
+    /// A job of `workers` workers on `servers`, with replicas, placed as
+    /// the scheduler places it; chunks of 64 bytes.
+    pub(in crate::scheduler) fn job(workers: u32, servers: &[ServerInfo]) -> (SchedulerConfig, Declarations) {
+        let cfg = SchedulerConfig {
+            num_workers: workers,
+            num_servers: servers.len() as u32,
+            partition_bytes: 64,
+            ..SchedulerConfig::default()
         };
-        if let Some(m) = st.members.iter().find(|m| m.role == Role::Worker && m.rank == p.rank) {
-            m.send(&reply, ns);
+        let mut d = Declarations::default();
+        d.set_placer(Placer::new(servers, workers as usize).with_replicas(true));
+        (cfg, d)
+    }
+
+    pub(in crate::scheduler) fn entry(name: &str, numel: u64) -> DeclEntry {
+        DeclEntry { name: name.into(), numel, dtype: DType::F32, partition: 0 }
+    }
+
+    /// Every worker declares `entries` (request 0); the tensors placed.
+    pub(in crate::scheduler) fn declare_all(
+        cfg: &SchedulerConfig,
+        d: &mut Declarations,
+        entries: &[DeclEntry],
+    ) -> Vec<TensorSpec> {
+        let mut specs = Vec::new();
+        for rank in 0..cfg.num_workers {
+            specs.extend(d.declare(cfg, rank, 0, entries.to_vec()).unwrap());
+        }
+        d.installed(&specs);
+        specs
+    }
+
+    fn answers(d: &mut Declarations) -> Vec<(u32, Control)> {
+        let mut a = d.ready();
+        a.sort_by_key(|x| x.0);
+        a
+    }
+
+    #[test]
+    fn a_tensor_is_placed_once_every_worker_declared_it_and_answered_once_installed() {
+        let (cfg, mut d) = job(2, &servers(2, 1));
+        let a = d.declare(&cfg, 1, 7, vec![entry("w", 40), entry("b", 3)]).unwrap();
+        assert!(a.is_empty(), "worker 0 has not declared yet");
+        assert!(answers(&mut d).is_empty());
+        // Worker 0 declares them in another order, one twice: placed once each.
+        let specs = d.declare(&cfg, 0, 9, vec![entry("b", 3), entry("w", 40), entry("b", 3)]).unwrap();
+        assert_eq!(specs.iter().map(|s| s.name.as_str()).collect::<Vec<_>>(), ["b", "w"]);
+        assert_eq!(specs.iter().map(|s| s.key).collect::<Vec<_>>(), [0, 1]);
+        let w = &specs[1];
+        assert_eq!((w.chunk_elems, w.num_chunks()), (16, 3));
+        assert_eq!(w.replicas.len(), 3, "replicas with two servers");
+        assert!(answers(&mut d).is_empty(), "not installed yet");
+        d.installed(&specs);
+        let a = answers(&mut d);
+        assert_eq!(a.len(), 2);
+        assert!(matches!(&a[0].1, Control::Declared { req: 9, specs } if specs.len() == 3));
+        assert!(matches!(&a[1].1, Control::Declared { req: 7, specs } if specs.len() == 2));
+        assert_eq!(d.held(), (2, (40 + 3) * 4));
+    }
+
+    #[test]
+    fn disagreeing_declarations_are_answered_with_the_conflict() {
+        let (cfg, mut d) = job(2, &servers(1, 1));
+        d.declare(&cfg, 0, 1, vec![entry("w", 40)]).unwrap();
+        let placed = d.declare(&cfg, 1, 2, vec![entry("w", 41)]).unwrap();
+        assert!(placed.is_empty());
+        let a = answers(&mut d);
+        assert_eq!(a.len(), 2);
+        for (_, reply) in &a {
+            let Control::DeclareError { message, .. } = reply else { panic!("{reply:?}") };
+            assert!(message.contains("declared inconsistently") && message.contains("worker 1 has 41"), "{message}");
         }
     }
-}
 
-/// Every placed tensor some worker may still use: declared, or released
-/// by some workers only.
-pub(super) fn specs_in_use<'a>(
-    decls: &'a mut HashMap<String, Decl>,
-    retiring: &'a mut HashMap<u32, Retiring>,
-) -> impl Iterator<Item = &'a mut TensorSpec> {
-    decls.values_mut().filter_map(|d| d.spec.as_mut()).chain(retiring.values_mut().map(|r| &mut r.spec))
-}
-
-/// Place again every chunk on the slots `gone` (a lost server's), in
-/// tensors still in use by some worker; returns the specs that changed.
-pub(super) fn place_again(st: &mut State, gone: &[u32]) -> Vec<TensorSpec> {
-    let Some(placer) = st.placer.as_mut() else { return Vec::new() };
-    let mut changed = Vec::new();
-    for spec in specs_in_use(&mut st.decls, &mut st.retiring) {
-        if placer.replace(spec, gone) {
-            changed.push(spec.clone());
-        }
+    #[test]
+    fn bad_partitions_and_limits_refuse_the_request() {
+        let (mut cfg, mut d) = job(1, &servers(1, 1));
+        let e = DeclEntry { partition: 128, ..entry("w", 40) };
+        assert!(d.declare(&cfg, 0, 0, vec![e]).unwrap_err().contains("outside 4..=64"));
+        let e = DeclEntry { partition: 2, ..entry("w", 40) };
+        assert!(d.declare(&cfg, 0, 0, vec![e]).is_err());
+        cfg.max_tensors = 1;
+        assert!(d.declare(&cfg, 0, 0, vec![entry("a", 1), entry("b", 1)]).unwrap_err().contains("2 tensors"));
+        assert_eq!(d.declare(&cfg, 0, 0, vec![entry("a", 1), entry("a", 1)]).unwrap().len(), 1);
+        (cfg.max_tensors, cfg.max_bytes) = (0, 8);
+        assert!(d.declare(&cfg, 0, 0, vec![entry("c", 4)]).unwrap_err().contains("MiB"));
     }
-    changed.sort_by_key(|s| s.key);
-    changed
+
+    #[test]
+    fn a_tensor_is_freed_when_the_last_worker_released_it() {
+        let (cfg, mut d) = job(2, &servers(2, 1));
+        let specs = declare_all(&cfg, &mut d, &[entry("w", 40)]);
+        let key = specs[0].key;
+        assert!(d.release(0, 2, vec![key + 1]).unwrap_err().contains("not in use"));
+        assert_eq!(d.release(0, 2, vec![key]), Ok(false));
+        assert!(d.release(0, 2, vec![key]).unwrap_err().contains("released tensor 'w' twice"));
+        assert!(d.take_to_free().is_empty(), "worker 1 still uses it");
+        assert_eq!(d.held().0, 1);
+        assert_eq!(d.release(1, 2, vec![key]), Ok(false));
+        assert_eq!(d.take_to_free(), vec![key]);
+        assert_eq!(d.held(), (0, 0));
+        // The name is free again: a new tensor with a new key.
+        let again = declare_all(&cfg, &mut d, &[entry("w", 40)]);
+        assert_ne!(again[0].key, key);
+    }
+
+    #[test]
+    fn a_declaration_waiting_on_a_worker_that_left_is_named() {
+        let (cfg, mut d) = job(3, &servers(1, 1));
+        d.declare(&cfg, 0, 0, vec![entry("w", 4)]).unwrap();
+        d.declare(&cfg, 1, 0, vec![entry("w", 4)]).unwrap();
+        let left: HashSet<u32> = [2].into();
+        let why = d.waiting_on_departed(&left).unwrap();
+        assert!(why.contains("worker(s) [2] left") && why.contains("tensor 'w'"), "{why}");
+        // Worker 0 left after declaring it: worker 1 still waits on worker 2.
+        assert!(d.waiting_on_departed(&[0].into()).is_none());
+        // Nobody waits on a tensor only departed workers declared.
+        let (cfg, mut d) = job(2, &servers(1, 1));
+        d.declare(&cfg, 0, 0, vec![entry("w", 4)]).unwrap();
+        assert!(d.waiting_on_departed(&[0].into()).is_none());
+        assert!(d.stalls(Duration::ZERO).iter().any(|s| s.name == "w" && s.missing == [1] && s.waiting == [0]));
+        assert!(d.stalls(Duration::ZERO).is_empty(), "reported once");
+    }
 }

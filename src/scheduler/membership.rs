@@ -1,20 +1,295 @@
 //! Membership: registration checks, rank assignment, the Welcome with the
-//! cluster map, barriers, goodbyes and liveness (a member that disconnects
-//! or stops heartbeating fails the job, and everyone is told who and why).
+//! cluster map, barriers, goodbyes, and who is in the job (`Members`, edited
+//! only here). Liveness failures are worded here (`lost_reason`); failing
+//! the job is `state`'s.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use super::state::{Member, Shared, State};
-use super::SchedulerConfig;
+use super::config::SchedulerConfig;
+use super::member::Member;
 use crate::placement::{HostLayout, Placer};
 use crate::protocol::{Control, ReadError, Register, Role, ServerInfo, Welcome};
+use crate::waits::left_message;
 
 pub(super) struct Registration {
     pub reg: Register,
     pub peer: SocketAddr,
     pub stream: TcpStream,
+}
+
+/// Who is in the job: the registrations until everyone has registered,
+/// then the members (lost servers out, servers that joined later in), the
+/// cluster map they were welcomed with, barriers and goodbyes.
+#[derive(Default)]
+pub(super) struct Members {
+    joining: Vec<Registration>,
+    /// Every member in the job (workers that said goodbye included).
+    live: Vec<Arc<Member>>,
+    /// The member created for each registration slot, in join order.
+    by_slot: Vec<Arc<Member>>,
+    barriers: HashMap<u32, HashSet<u32>>,
+    said_goodbye: HashSet<u32>,
+    /// Every server the job has had, lost ones included, by rank (slots
+    /// are numbered over all of them), and the Welcome every member got
+    /// (for a server that joins while the job runs).
+    servers: Vec<ServerInfo>,
+    welcome: Option<Welcome>,
+}
+
+impl Members {
+    /// Add a registration; returns its slot (join order).
+    pub fn register(&mut self, reg: Register, peer: SocketAddr, stream: TcpStream) -> usize {
+        self.joining.push(Registration { reg, peer, stream });
+        self.joining.len() - 1
+    }
+
+    /// Whether everyone registered and was welcomed (ranks assigned).
+    pub fn welcomed(&self) -> bool {
+        self.welcome.is_some()
+    }
+
+    /// Registrations waiting for the others.
+    pub fn registered(&self) -> usize {
+        self.joining.len()
+    }
+
+    /// The member welcomed for registration slot `slot`.
+    pub fn for_slot(&self, slot: usize) -> Option<Arc<Member>> {
+        self.by_slot.get(slot).cloned()
+    }
+
+    /// Tell the members not welcomed yet (reachable only through their
+    /// registration streams) why the job failed.
+    pub fn reject_joining(&mut self, message: &str, ns: u32) {
+        for r in &mut self.joining {
+            let _ = crate::protocol::write_control(&mut r.stream, &Control::Error { message: message.into() }, ns);
+        }
+    }
+
+    /// Cut every connection off (the job is over).
+    pub fn disconnect_all(&mut self) {
+        for m in &self.live {
+            m.disconnect();
+        }
+        for r in &self.joining {
+            let _ = r.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Every member in the job.
+    pub fn all(&self) -> &[Arc<Member>] {
+        &self.live
+    }
+
+    pub fn servers(&self) -> impl Iterator<Item = &Arc<Member>> {
+        self.live.iter().filter(|m| m.role == Role::Server)
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = &Arc<Member>> {
+        self.live.iter().filter(|m| m.role == Role::Worker)
+    }
+
+    pub fn worker(&self, rank: u32) -> Option<&Arc<Member>> {
+        self.workers().find(|m| m.rank == rank)
+    }
+
+    /// Every member but the workers that said goodbye.
+    pub fn staying(&self) -> impl Iterator<Item = &Arc<Member>> {
+        self.live.iter().filter(|m| !(m.role == Role::Worker && self.said_goodbye.contains(&m.rank)))
+    }
+
+    /// The workers that did not say goodbye.
+    pub fn staying_workers(&self) -> impl Iterator<Item = &Arc<Member>> {
+        self.staying().filter(|m| m.role == Role::Worker)
+    }
+
+    /// Whether worker `rank` said goodbye; and all that did.
+    pub fn has_left(&self, rank: u32) -> bool {
+        self.said_goodbye.contains(&rank)
+    }
+    pub fn left(&self) -> &HashSet<u32> {
+        &self.said_goodbye
+    }
+
+    /// Every server the job has had, by rank; the Welcome template.
+    pub fn server_infos(&self) -> &[ServerInfo] {
+        &self.servers
+    }
+    pub fn welcome(&self) -> Option<&Welcome> {
+        self.welcome.as_ref()
+    }
+
+    /// Server `rank` is out of the job (lost).
+    pub fn remove_server(&mut self, rank: u32) {
+        self.live.retain(|m| !(m.role == Role::Server && m.rank == rank));
+    }
+
+    /// A server welcomed into the running job: every member staying is told
+    /// where it is before anything can name its slots.
+    pub fn add_server(&mut self, info: ServerInfo, member: Arc<Member>, ns: u32) {
+        let joined = Control::ServerJoined { server: info.clone() };
+        for m in self.staying() {
+            m.send(&joined, ns);
+        }
+        self.servers.push(info);
+        self.live.push(member);
+    }
+
+    /// A worker entered barrier `id`; the last one releases everyone.
+    /// Returns why the job fails instead, if it must.
+    pub fn enter_barrier(&mut self, rank: u32, id: u32, num_workers: u32, ns: u32) -> Result<(), String> {
+        let set = self.barriers.entry(id).or_default();
+        set.insert(rank);
+        if let Some(gone) = self.said_goodbye.iter().find(|r| !set.contains(r)) {
+            return Err(left_message(
+                &format!("worker {gone}"),
+                &format!("before barrier {id}, which worker {rank} entered"),
+            ));
+        }
+        if set.len() == num_workers as usize {
+            self.barriers.remove(&id);
+            for m in self.workers() {
+                m.send(&Control::BarrierDone { id }, ns);
+            }
+        }
+        Ok(())
+    }
+
+    /// Worker `rank` said goodbye; returns whether every worker now has.
+    pub fn say_goodbye(&mut self, rank: u32, num_workers: u32) -> bool {
+        self.said_goodbye.insert(rank);
+        self.said_goodbye.len() == num_workers as usize
+    }
+
+    /// Why worker `rank` leaving fails the job: others wait for it in a barrier.
+    pub fn barrier_without(&self, rank: u32) -> Option<String> {
+        let (id, _) = self.barriers.iter().find(|(_, entered)| !entered.contains(&rank))?;
+        Some(left_message(&format!("worker {rank}"), &format!("while others wait in barrier {id}")))
+    }
+
+    /// Everyone registered: assign ranks, create every member and send each
+    /// its Welcome with the cluster map (state lock held, so each member is
+    /// known before anyone can send it anything else); returns the job's
+    /// placer. On an error the registrations stay, for the failure to reach them.
+    pub fn welcome_everyone(&mut self, cfg: &SchedulerConfig) -> Result<Placer, String> {
+        let claims: Vec<(Role, i32, SocketAddr)> =
+            self.joining.iter().map(|g| (g.reg.role, g.reg.requested_rank, g.peer)).collect();
+        let assigned = assign_ranks(cfg, &claims)?;
+        let regs: Vec<Registration> = std::mem::take(&mut self.joining);
+        let mut servers: Vec<ServerInfo> = assigned
+            .iter()
+            .zip(regs.iter())
+            .filter(|((r, _), _)| *r == Role::Server)
+            .map(|((_, rank), g)| ServerInfo {
+                rank: *rank,
+                addr: g.reg.addr.clone(),
+                ports: g.reg.ports.clone(),
+                colocated: g.reg.colocated,
+                host: g.reg.hostname.clone(),
+                rack: 0,
+            })
+            .collect();
+        servers.sort_by_key(|s| s.rank);
+        let mut hosts = vec![String::new(); cfg.num_workers as usize];
+        let mut claims = vec![(-1, -1); cfg.num_workers as usize];
+        let mut worker_racks = vec![String::new(); cfg.num_workers as usize];
+        let mut server_racks = vec![String::new(); servers.len()];
+        for ((r, rank), g) in assigned.iter().zip(regs.iter()) {
+            match *r {
+                Role::Worker => {
+                    hosts[*rank as usize] = g.reg.hostname.clone();
+                    claims[*rank as usize] = (g.reg.local_rank, g.reg.local_size);
+                    worker_racks[*rank as usize] = g.reg.rack.clone();
+                }
+                _ => {
+                    if let Some(x) = server_racks.get_mut(*rank as usize) {
+                        *x = g.reg.rack.clone();
+                    }
+                }
+            }
+        }
+        let layout = local_ranks(&hosts, &claims).and_then(|l| {
+            let layout = HostLayout::new(&hosts, &l, cfg.host_reduce)?;
+            let pushers: Vec<usize> = (0..cfg.num_workers).map(|r| layout.host_index(r)).collect();
+            let bw = super::racks::Bandwidths { link_gbit: cfg.link_gbit, core_gbit: cfg.core_gbit };
+            let plan = super::racks::plan(&worker_racks, &server_racks, &pushers, cfg.rack_reduce, bw)?;
+            let racks = if plan.reduce { plan.racks.len() as u32 } else { 0 };
+            let pushing = layout.num_hosts();
+            layout.with_racks(&plan.worker_racks, racks)?;
+            Ok((l, pushing, plan))
+        });
+        let (local_ranks, pushing, plan) = match layout {
+            Ok(l) => l,
+            Err(msg) => {
+                // Put the registrations back: the failure reaches them there.
+                self.joining = regs;
+                return Err(msg);
+            }
+        };
+        for s in servers.iter_mut() {
+            s.rack = plan.server_racks.get(s.rank as usize).copied().unwrap_or(0);
+        }
+        // What pushes is one worker per host (host stage) or every worker: the
+        // BytePS split counts those machines, not the workers on them.
+        // Replicas of every chunk on a second server, so a lost server's
+        // chunks, server-side optimizer state included, can move (`failover`);
+        // not with two levels, whose relays a failover would not move.
+        let failover = cfg.failover && cfg.num_servers > 1 && !plan.reduce;
+        let mut placer = Placer::new(&servers, pushing).with_replicas(failover);
+        if plan.reduce {
+            let mut with_workers = vec![false; plan.racks.len()];
+            for &r in &plan.worker_racks {
+                with_workers[r as usize] = true;
+            }
+            placer = placer.with_racks(&plan.server_racks, with_workers);
+        }
+        log::info!(
+            target: "scheduler",
+            "{} workers on {pushing} pushing machines{}; summation shares per server: {}",
+            cfg.num_workers,
+            if cfg.host_reduce { "" } else { " (host reduction off)" },
+            placer.describe_shares(&servers)
+        );
+        if plan.racks.len() > 1 {
+            log::info!(target: "scheduler", "racks {:?}: {}", plan.racks, plan.why);
+            if plan.reduce && cfg.failover && cfg.num_servers > 1 {
+                log::warn!(target: "scheduler", "failover is off: a lost server fails a job that reduces within racks");
+            }
+        }
+        let template = Welcome {
+            rank: 0,
+            num_workers: cfg.num_workers,
+            partition_bytes: cfg.partition_bytes,
+            heartbeat_ms: cfg.heartbeat_ms,
+            stall_ms: cfg.stall_ms,
+            peer_timeout_ms: cfg.peer_timeout_ms,
+            servers: servers.clone(),
+            worker_hosts: hosts,
+            worker_local_ranks: local_ranks,
+            job_id: random_job_id(),
+            host_reduce: cfg.host_reduce,
+            failover,
+            late: false,
+            racks: plan.racks,
+            worker_racks: plan.worker_racks,
+            rack_reduce: plan.reduce,
+        };
+        for ((role, rank), g) in assigned.iter().zip(regs) {
+            let member = Arc::new(Member::new(*role, *rank, g.peer, g.stream));
+            let welcome = Control::Welcome(Welcome { rank: *rank, ..template.clone() });
+            if !member.send(&welcome, cfg.namespace) {
+                log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
+            }
+            self.live.push(member.clone());
+            self.by_slot.push(member);
+        }
+        self.servers = servers;
+        self.welcome = Some(template);
+        log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
+        Ok(placer)
+    }
 }
 
 /// Why a registration is refused; the message is sent to the member.
@@ -55,170 +330,6 @@ pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Resul
         return Err(Refusal::NoAddress);
     }
     Ok(())
-}
-
-/// Register a member and block until everyone has joined; returns this member.
-///
-/// The thread that completes the registration creates every member and sends
-/// every Welcome while holding the state lock, so each member is known (and
-/// welcomed) before anyone can send it anything else — a server must not miss
-/// a tensor installation because its own thread had not run yet.
-pub(super) fn join(
-    shared: &Shared,
-    reg: Register,
-    peer: SocketAddr,
-    stream: TcpStream,
-) -> Result<(Arc<Member>, bool), Refusal> {
-    let cfg = &shared.cfg;
-    let mut st = shared.lock();
-    if st.assigned.is_some() {
-        if reg.role == Role::Server {
-            // A server joining the running job (`failover::take_in`).
-            return super::failover::admit_late(shared, &mut st, reg, peer, stream).map(|m| (m, true));
-        }
-        return Err(Refusal::Full);
-    }
-    let slot = st.joining.len();
-    st.joining.push(Some(Registration { reg, peer, stream }));
-    let total = (cfg.num_workers + cfg.num_servers) as usize;
-    if st.joining.len() == total {
-        match assign_ranks(cfg, &st.joining) {
-            Ok(a) => welcome_all(shared, &mut st, a),
-            Err(msg) => {
-                shared.fail(&mut st, None, msg.clone());
-                shared.reject_joining(&mut st, &msg);
-            }
-        }
-        shared.cv.notify_all();
-    }
-    while st.assigned.is_none() && st.failed.is_none() {
-        st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-    }
-    if let Some(f) = &st.failed {
-        return Err(Refusal::JobFailed(f.clone()));
-    }
-    let me = st.slot_members.get(slot).cloned().flatten().ok_or(Refusal::Internal("no member for this slot"))?;
-    Ok((me, false))
-}
-
-/// Create every member, send each its Welcome (state lock held).
-fn welcome_all(shared: &Shared, st: &mut State, assigned: Vec<(Role, u32)>) {
-    let cfg = &shared.cfg;
-    let regs: Vec<Registration> = st.joining.drain(..).flatten().collect();
-    let mut servers: Vec<ServerInfo> = assigned
-        .iter()
-        .zip(regs.iter())
-        .filter(|((r, _), _)| *r == Role::Server)
-        .map(|((_, rank), g)| ServerInfo {
-            rank: *rank,
-            addr: g.reg.addr.clone(),
-            ports: g.reg.ports.clone(),
-            colocated: g.reg.colocated,
-            host: g.reg.hostname.clone(),
-            rack: 0,
-        })
-        .collect();
-    servers.sort_by_key(|s| s.rank);
-    let mut hosts = vec![String::new(); cfg.num_workers as usize];
-    let mut claims = vec![(-1, -1); cfg.num_workers as usize];
-    let mut worker_racks = vec![String::new(); cfg.num_workers as usize];
-    let mut server_racks = vec![String::new(); servers.len()];
-    for ((r, rank), g) in assigned.iter().zip(regs.iter()) {
-        match *r {
-            Role::Worker => {
-                hosts[*rank as usize] = g.reg.hostname.clone();
-                claims[*rank as usize] = (g.reg.local_rank, g.reg.local_size);
-                worker_racks[*rank as usize] = g.reg.rack.clone();
-            }
-            _ => {
-                if let Some(x) = server_racks.get_mut(*rank as usize) {
-                    *x = g.reg.rack.clone();
-                }
-            }
-        }
-    }
-    let layout = local_ranks(&hosts, &claims).and_then(|l| {
-        let layout = HostLayout::new(&hosts, &l, cfg.host_reduce)?;
-        let pushers: Vec<usize> = (0..cfg.num_workers).map(|r| layout.host_index(r)).collect();
-        let bw = super::racks::Bandwidths { link_gbit: cfg.link_gbit, core_gbit: cfg.core_gbit };
-        let plan = super::racks::plan(&worker_racks, &server_racks, &pushers, cfg.rack_reduce, bw)?;
-        let racks = if plan.reduce { plan.racks.len() as u32 } else { 0 };
-        let pushing = layout.num_hosts();
-        layout.with_racks(&plan.worker_racks, racks)?;
-        Ok((l, pushing, plan))
-    });
-    let (local_ranks, pushing, plan) = match layout {
-        Ok(l) => l,
-        Err(msg) => {
-            // Put the registrations back: the failure reaches them there.
-            st.joining = regs.into_iter().map(Some).collect();
-            shared.fail(st, None, msg.clone());
-            shared.reject_joining(st, &msg);
-            return;
-        }
-    };
-    for s in servers.iter_mut() {
-        s.rack = plan.server_racks.get(s.rank as usize).copied().unwrap_or(0);
-    }
-    // What pushes is one worker per host (host stage) or every worker: the
-    // BytePS split counts those machines, not the workers on them.
-    // Replicas of every chunk on a second server, so a lost server's
-    // chunks, server-side optimizer state included, can move (`failover`);
-    // not with two levels, whose relays a failover would not move.
-    let failover = cfg.failover && cfg.num_servers > 1 && !plan.reduce;
-    let mut placer = Placer::new(&servers, pushing).with_replicas(failover);
-    if plan.reduce {
-        let mut with_workers = vec![false; plan.racks.len()];
-        for &r in &plan.worker_racks {
-            with_workers[r as usize] = true;
-        }
-        placer = placer.with_racks(&plan.server_racks, with_workers);
-    }
-    log::info!(
-        target: "scheduler",
-        "{} workers on {pushing} pushing machines{}; summation shares per server: {}",
-        cfg.num_workers,
-        if cfg.host_reduce { "" } else { " (host reduction off)" },
-        placer.describe_shares(&servers)
-    );
-    if plan.racks.len() > 1 {
-        log::info!(target: "scheduler", "racks {:?}: {}", plan.racks, plan.why);
-        if plan.reduce && cfg.failover && cfg.num_servers > 1 {
-            log::warn!(target: "scheduler", "failover is off: a lost server fails a job that reduces within racks");
-        }
-    }
-    st.placer = Some(placer);
-    let template = Welcome {
-        rank: 0,
-        num_workers: cfg.num_workers,
-        partition_bytes: cfg.partition_bytes,
-        heartbeat_ms: cfg.heartbeat_ms,
-        stall_ms: cfg.stall_ms,
-        peer_timeout_ms: cfg.peer_timeout_ms,
-        servers: servers.clone(),
-        worker_hosts: hosts,
-        worker_local_ranks: local_ranks,
-        job_id: random_job_id(),
-        host_reduce: cfg.host_reduce,
-        failover,
-        late: false,
-        racks: plan.racks,
-        worker_racks: plan.worker_racks,
-        rack_reduce: plan.reduce,
-    };
-    for ((role, rank), g) in assigned.iter().zip(regs) {
-        let member = Arc::new(Member { role: *role, rank: *rank, peer: g.peer, writer: Mutex::new(g.stream) });
-        let welcome = Control::Welcome(Welcome { rank: *rank, ..template.clone() });
-        if !member.send(&welcome, cfg.namespace) {
-            log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
-        }
-        st.members.push(member.clone());
-        st.slot_members.push(Some(member));
-    }
-    st.assigned = Some(assigned);
-    st.servers = servers;
-    st.welcome = Some(template);
-    log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
 }
 
 /// A job identifier no other job on the same hosts will have: std's
@@ -283,26 +394,23 @@ pub(super) fn local_ranks(hosts: &[String], claims: &[(i32, i32)]) -> Result<Vec
     Ok(out)
 }
 
-/// Requested ranks are honoured (and must be unique); the rest are filled in join order.
-fn assign_ranks(cfg: &SchedulerConfig, joining: &[Option<Registration>]) -> Result<Vec<(Role, u32)>, String> {
-    let mut out = Vec::with_capacity(joining.len());
+/// Requested ranks are honoured (and must be unique); the rest are filled
+/// in join order. `regs` is each registration's role, requested rank (-1:
+/// none) and address, in join order.
+fn assign_ranks(cfg: &SchedulerConfig, regs: &[(Role, i32, SocketAddr)]) -> Result<Vec<(Role, u32)>, String> {
+    let mut out = Vec::with_capacity(regs.len());
     let mut taken: HashMap<(u8, u32), SocketAddr> = HashMap::new();
     let role_id = |r: Role| if r == Role::Worker { 0u8 } else { 1u8 };
     let (mut nw, mut ns) = (0u32, 0u32);
-    for j in joining.iter().flatten() {
-        match j.reg.role {
+    for &(role, requested, peer) in regs {
+        match role {
             Role::Worker => nw += 1,
             Role::Server => ns += 1,
         }
-        if j.reg.requested_rank >= 0 {
-            let key = (role_id(j.reg.role), j.reg.requested_rank as u32);
-            if let Some(prev) = taken.insert(key, j.peer) {
-                return Err(format!(
-                    "two {}s ({prev} and {}) both asked for rank {}",
-                    j.reg.role.name(),
-                    j.peer,
-                    j.reg.requested_rank
-                ));
+        if requested >= 0 {
+            let key = (role_id(role), requested as u32);
+            if let Some(prev) = taken.insert(key, peer) {
+                return Err(format!("two {}s ({prev} and {peer}) both asked for rank {requested}", role.name()));
             }
         }
     }
@@ -312,148 +420,21 @@ fn assign_ranks(cfg: &SchedulerConfig, joining: &[Option<Registration>]) -> Resu
             cfg.num_workers, cfg.num_servers
         ));
     }
-    for j in joining.iter().flatten() {
-        let rid = role_id(j.reg.role);
-        let rank = if j.reg.requested_rank >= 0 {
-            j.reg.requested_rank as u32
+    for &(role, requested, peer) in regs {
+        let rid = role_id(role);
+        let rank = if requested >= 0 {
+            requested as u32
         } else {
             let mut r = 0;
             while taken.contains_key(&(rid, r)) {
                 r += 1;
             }
-            taken.insert((rid, r), j.peer);
+            taken.insert((rid, r), peer);
             r
         };
-        out.push((j.reg.role, rank));
+        out.push((role, rank));
     }
     Ok(out)
-}
-
-/// A worker entered barrier `id`; the last one releases everyone.
-pub(super) fn enter_barrier(shared: &Shared, st: &mut State, rank: u32, id: u32) {
-    let set = st.barriers.entry(id).or_default();
-    set.insert(rank);
-    if let Some(gone) = st.said_goodbye.iter().find(|r| !set.contains(r)) {
-        let why = format!(
-            "worker {gone} left the job (shut down or exited) before barrier {id}, which worker {rank} entered: \
-             every worker must run the same collective operations"
-        );
-        shared.fail(st, None, why);
-        return;
-    }
-    if set.len() == shared.cfg.num_workers as usize {
-        st.barriers.remove(&id);
-        for m in st.members.iter().filter(|m| m.role == Role::Worker) {
-            m.send(&Control::BarrierDone { id }, shared.cfg.namespace);
-        }
-    }
-}
-
-/// A worker finished; when every worker has, the servers are told to exit.
-/// Before that, everyone still in the job is told it left (`PeerLeft`):
-/// whatever it did not take part in can never complete, and must fail
-/// rather than wait (e.g. a worker that runs more steps than the others).
-/// Horovod's join: worker `rank` has no more data. Until every worker has
-/// joined, the others announce their operations (`JoinOp`) and the joined
-/// ones push zeros for them; then everyone is told who joined last.
-pub(super) fn join_worker(shared: &Shared, st: &mut State, rank: u32) {
-    let ns = shared.cfg.namespace;
-    if !st.joined.insert(rank) {
-        let reason = format!("worker {rank} called join() twice");
-        shared.fail(st, None, reason);
-        return;
-    }
-    st.join_last = rank;
-    let workers: Vec<Arc<super::state::Member>> =
-        st.members.iter().filter(|m| m.role == Role::Worker).cloned().collect();
-    if st.joined.len() == shared.cfg.num_workers as usize {
-        st.joined.clear();
-        st.join_ops.clear();
-        for m in workers {
-            m.send(&Control::JoinDone { last: rank }, ns);
-        }
-        return;
-    }
-    // The others announce what they have in flight (each such operation
-    // needs this worker now) and everything they start from then on.
-    for m in workers {
-        m.send(&Control::Joined { rank }, ns);
-    }
-}
-
-/// An operation a worker started while others have joined: the joined
-/// workers push zeros for it (each (name, round) once, whoever announces it).
-pub(super) fn forward_join_op(shared: &Shared, st: &mut State, op: Control) {
-    let Control::JoinOp { name, round, .. } = &op else { return };
-    if st.joined.is_empty() {
-        return;
-    }
-    // Each round to each joined worker once, whoever announces it; rounds
-    // of one name only move forward.
-    let entry = st.join_ops.entry(name.clone()).or_insert((*round, HashSet::new()));
-    if round.wrapping_sub(entry.0) as i32 > 0 {
-        *entry = (*round, HashSet::new());
-    } else if *round != entry.0 {
-        return;
-    }
-    let ns = shared.cfg.namespace;
-    let targets: Vec<u32> = st.joined.iter().copied().filter(|r| !entry.1.contains(r)).collect();
-    entry.1.extend(targets.iter().copied());
-    for m in st.members.iter().filter(|m| m.role == Role::Worker && targets.contains(&m.rank)) {
-        m.send(&op, ns);
-    }
-}
-
-/// An operation of a process set, announced by the set's first member:
-/// the workers `to`, outside the set, push zeros for it (sent as a
-/// `JoinOp`). Returns why the announcement is invalid, if it is.
-pub(super) fn forward_set_op(shared: &Shared, st: &State, from: u32, op: Control) -> Result<(), String> {
-    let Control::SetOp { to, name, numel, dtype, flags, round } = op else { return Ok(()) };
-    let n = shared.cfg.num_workers;
-    let mut seen = HashSet::new();
-    if let Some(bad) = to.iter().find(|&&r| r >= n || r == from || !seen.insert(r)) {
-        return Err(format!(
-            "worker {from} announced '{name}' of a process set to worker {bad}, which is out of range, \
-             itself or listed twice (the job has {n} workers)"
-        ));
-    }
-    let msg = Control::JoinOp { name, numel, dtype, flags, round };
-    // One that left is not waited for: the announcer's op fails on its PeerLeft.
-    for m in st.members.iter().filter(|m| m.role == Role::Worker && seen.contains(&m.rank)) {
-        m.send(&msg, shared.cfg.namespace);
-    }
-    Ok(())
-}
-
-pub(super) fn say_goodbye(shared: &Shared, st: &mut State, rank: u32) {
-    st.said_goodbye.insert(rank);
-    let done = st.finished || st.failed.is_some();
-    if done {
-        return;
-    }
-    if st.said_goodbye.len() == shared.cfg.num_workers as usize {
-        st.finished = true;
-        for m in st.members.iter().filter(|m| m.role == Role::Server) {
-            m.send(&Control::Shutdown, shared.cfg.namespace);
-        }
-        shared.cv.notify_all();
-        return;
-    }
-    if let Some(why) = super::declarations::waiting_on_departed(st) {
-        shared.fail(st, None, why);
-        return;
-    }
-    if let Some((id, _)) = st.barriers.iter().find(|(_, entered)| !entered.contains(&rank)) {
-        let why = format!(
-            "worker {rank} left the job (shut down or exited) while others wait in barrier {id}: \
-             every worker must run the same collective operations"
-        );
-        shared.fail(st, None, why);
-        return;
-    }
-    for m in st.members.iter().filter(|m| !(m.role == Role::Worker && st.said_goodbye.contains(&m.rank))) {
-        m.send(&Control::PeerLeft { rank }, shared.cfg.namespace);
-    }
 }
 
 /// Why a member's control connection failed, in words for everyone else.
@@ -469,7 +450,85 @@ pub(super) fn lost_reason(cfg: &SchedulerConfig, me: &Member, e: &ReadError) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::local_ranks;
+    use super::*;
+
+    fn cfg(num_workers: u32, num_servers: u32) -> SchedulerConfig {
+        SchedulerConfig { num_workers, num_servers, ..SchedulerConfig::default() }
+    }
+
+    fn peer(i: u16) -> SocketAddr {
+        SocketAddr::from(([10, 0, 0, 1], 5000 + i))
+    }
+
+    #[test]
+    fn requested_ranks_are_kept_and_the_rest_filled_in_join_order() {
+        let regs = [
+            (Role::Server, -1, peer(0)),
+            (Role::Worker, 1, peer(1)),
+            (Role::Worker, -1, peer(2)),
+            (Role::Server, 0, peer(3)),
+            (Role::Worker, -1, peer(4)),
+        ];
+        let a = assign_ranks(&cfg(3, 2), &regs).unwrap();
+        assert_eq!(a, [(Role::Server, 1), (Role::Worker, 1), (Role::Worker, 0), (Role::Server, 0), (Role::Worker, 2)]);
+        // Workers and servers have ranks of their own: both may ask for 0.
+        let regs = [(Role::Worker, 0, peer(0)), (Role::Server, 0, peer(1))];
+        assert_eq!(assign_ranks(&cfg(1, 1), &regs).unwrap(), [(Role::Worker, 0), (Role::Server, 0)]);
+    }
+
+    #[test]
+    fn a_rank_asked_for_twice_or_a_wrong_mix_is_refused() {
+        let regs = [(Role::Worker, 0, peer(0)), (Role::Worker, 0, peer(1)), (Role::Server, -1, peer(2))];
+        let e = assign_ranks(&cfg(2, 1), &regs).unwrap_err();
+        assert!(e.contains("two workers") && e.contains("10.0.0.1:5000") && e.contains("rank 0"), "{e}");
+        let regs = [(Role::Worker, -1, peer(0)), (Role::Worker, -1, peer(1))];
+        let e = assign_ranks(&cfg(1, 1), &regs).unwrap_err();
+        assert!(e.contains("expected 1 workers and 1 servers, got 2 workers and 0 servers"), "{e}");
+    }
+
+    #[test]
+    fn registrations_are_checked_against_the_job() {
+        let reg = |role, requested_rank, num_workers| Register {
+            role,
+            requested_rank,
+            num_workers,
+            hostname: "h".into(),
+            addr: "10.0.0.1".into(),
+            ports: vec![9000],
+            colocated: false,
+            num_servers: 0,
+            local_rank: -1,
+            local_size: -1,
+            rack: String::new(),
+        };
+        assert!(check_registration(&cfg(2, 1), &reg(Role::Worker, 1, 2)).is_ok());
+        assert!(check_registration(&cfg(2, 1), &reg(Role::Worker, -1, 0)).is_ok());
+        let e = check_registration(&cfg(2, 1), &reg(Role::Worker, -1, 3)).unwrap_err().to_string();
+        assert!(e.contains("started for 3 workers but the scheduler expects 2"), "{e}");
+        let e = check_registration(&cfg(2, 1), &reg(Role::Server, 1, 0)).unwrap_err().to_string();
+        assert!(e.contains("server rank 1 but the job has 1"), "{e}");
+        let no_ports = Register { ports: Vec::new(), ..reg(Role::Server, -1, 0) };
+        assert!(matches!(check_registration(&cfg(2, 1), &no_ports), Err(Refusal::NoAddress)));
+    }
+
+    #[test]
+    fn a_barrier_or_goodbye_that_can_never_complete_is_named() {
+        let mut m = Members::default();
+        assert_eq!(m.enter_barrier(0, 7, 3, 0), Ok(()));
+        assert!(m.barrier_without(1).unwrap().contains("worker 1 left the job"));
+        assert!(m.barrier_without(0).is_none(), "worker 0 is in the barrier");
+        assert!(!m.say_goodbye(2, 3));
+        let e = m.enter_barrier(1, 7, 3, 0).unwrap_err();
+        assert!(e.contains("worker 2 left the job") && e.contains("barrier 7, which worker 1 entered"), "{e}");
+        assert!(m.has_left(2) && !m.has_left(1));
+        assert!(!m.say_goodbye(0, 3));
+        assert!(m.say_goodbye(1, 3), "every worker said goodbye");
+        // The last one into a barrier releases it.
+        let mut m = Members::default();
+        assert_eq!(m.enter_barrier(1, 3, 2, 0), Ok(()));
+        assert_eq!(m.enter_barrier(0, 3, 2, 0), Ok(()));
+        assert!(m.barrier_without(5).is_none(), "barrier 3 is over");
+    }
 
     fn hosts(h: &[&str]) -> Vec<String> {
         h.iter().map(|s| s.to_string()).collect()

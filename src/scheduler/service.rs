@@ -26,13 +26,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::declarations::held;
 use super::membership::check_registration;
 use super::state::Shared;
 use crate::logging::json_str as js;
 use crate::transport::{AcceptErrors, AcceptFailure};
 
-use super::{admit, checked, expect_register, greet, serve_member, Job, SchedulerConfig, SchedulerError};
+use super::config::{checked, SchedulerConfig, SchedulerError};
+use super::job::{admit, expect_register, greet, serve_member, Job};
 use crate::protocol::auth::{job_namespace, Secret};
 use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
 
@@ -53,6 +53,19 @@ pub struct ServiceConfig {
     /// Connections authenticating or registering at once (each holds a
     /// thread until it has, or its peer timeout passed).
     pub max_pending: usize,
+}
+
+impl Default for ServiceConfig {
+    fn default() -> Self {
+        ServiceConfig {
+            bind: "0.0.0.0:9000".into(),
+            master: Secret::none(),
+            job: SchedulerConfig::default(),
+            max_jobs: 16,
+            max_workers: 4096,
+            max_pending: 512,
+        }
+    }
 }
 
 pub struct ServiceHandle {
@@ -429,13 +442,8 @@ fn status_json(svc: &Service) -> String {
             (b, r, t.bytes_per_s)
         };
         let st = j.shared.lock();
-        let state = match (&st.failed, st.finished, st.assigned.is_some()) {
-            (Some(_), _, _) => "failed",
-            (None, true, _) => "finished",
-            (None, false, true) => "running",
-            (None, false, false) => "registering",
-        };
-        let (tensors, held_bytes) = held(&st);
+        let state = st.phase_name();
+        let (tensors, held_bytes) = st.decls.held();
         let _ = write!(
             o,
             "{}{{\"name\": {}, \"namespace\": {}, \"state\": {}, \"age_s\": {:.1}, \"workers\": {}, \"servers\": {}, \
@@ -449,7 +457,7 @@ fn status_json(svc: &Service) -> String {
             j.shared.cfg.num_workers,
             j.shared.cfg.num_servers,
         );
-        for (k, m) in st.members.iter().enumerate() {
+        for (k, m) in st.members.all().iter().enumerate() {
             let _ = write!(
                 o,
                 "{}{{\"role\": {}, \"rank\": {}, \"peer\": {}}}",

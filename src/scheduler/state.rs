@@ -1,118 +1,82 @@
-//! The scheduler's shared state, in one place: who is in the job
-//! (membership) and what tensors it has (declarations), behind one mutex
-//! with a condition variable for the threads waiting on either.
+//! The scheduler's state behind its one mutex (`Shared`, with a condition
+//! variable for the threads waiting on it), composed of sub-states each
+//! owned and edited by its module: who is in the job (`membership`), what
+//! tensors it has (`declarations`), the batches installed on the servers
+//! (`installs`), chunks moving between servers (`moves`), Horovod's join
+//! (`joins`); and the job's phase. The operations here are those that span
+//! several sub-states, fail the job or wait on the lock; each sub-state's
+//! own rules are in its module.
 
-use std::collections::{HashMap, HashSet};
-use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
-use super::declarations::{Decl, PendingReq, Retiring};
-use super::membership::Registration;
-use super::SchedulerConfig;
-use crate::placement::Placer;
-use crate::protocol::{write_control, Control, Role};
+use super::config::SchedulerConfig;
+use super::declarations::Declarations;
+use super::installs::Installs;
+use super::joins::{set_op_targets, JoinOps, JoinStep};
+use super::member::Member;
+use super::membership::{Members, Refusal, Registration};
+use super::moves::Moves;
+use crate::protocol::{Control, DeclEntry, Register, Role, TensorSpec};
 
-pub(super) struct Member {
-    pub role: Role,
-    pub rank: u32,
-    pub peer: SocketAddr,
-    pub writer: Mutex<TcpStream>,
-}
-
-impl Member {
-    pub fn send(&self, msg: &Control, ns: u32) -> bool {
-        match self.writer.lock() {
-            Ok(mut w) => write_control(&mut *w, msg, ns).is_ok(),
-            Err(_) => false,
-        }
-    }
-    /// Several messages in one write (one wake-up of the member).
-    pub fn send_all(&self, msgs: &[Control], ns: u32) -> bool {
-        let buf: Vec<u8> = msgs.iter().flat_map(|m| m.encode(ns)).collect();
-        match self.writer.lock() {
-            Ok(mut w) => w.write_all(&buf).is_ok(),
-            Err(_) => false,
-        }
-    }
-    pub fn describe(&self) -> String {
-        format!("{} {} ({})", self.role.name(), self.rank, self.peer)
-    }
-    /// Nothing more will be sent to the member (it said goodbye).
-    pub fn finish_writing(&self) {
-        if let Ok(w) = self.writer.lock() {
-            let _ = w.shutdown(std::net::Shutdown::Write);
-        }
-    }
-    /// Cut the member off (a lost server that may come back to life).
-    pub fn disconnect(&self) {
-        if let Ok(w) = self.writer.lock() {
-            let _ = w.shutdown(std::net::Shutdown::Both);
-        }
-    }
-}
-
-impl State {
-    /// Whether every server still in the job installed `batch`.
-    pub fn installed_everywhere(&self, batch: u32) -> bool {
-        let acked = self.acks.get(&batch);
-        // A server that joined later was not sent earlier batches.
-        let sent = |rank: u32| self.joined_at.get(&rank).is_none_or(|&first| batch >= first);
-        self.members
-            .iter()
-            .filter(|m| m.role == Role::Server && sent(m.rank))
-            .all(|m| acked.is_some_and(|a| a.contains(&m.rank)))
-    }
+/// Where the job is. Registration is part of `Running`: whether everyone
+/// registered is `Members::welcomed`. Finished and failed are final.
+#[derive(Default)]
+enum JobPhase {
+    #[default]
+    Running,
+    /// Every worker said goodbye; the servers were told to exit.
+    Finished,
+    Failed(String),
 }
 
 #[derive(Default)]
 pub(super) struct State {
-    // Membership.
-    pub joining: Vec<Option<Registration>>,
-    /// Set once everyone registered: (role, rank) of each joining slot.
-    pub assigned: Option<Vec<(Role, u32)>>,
-    pub members: Vec<Arc<Member>>,
-    /// The member created for each registration slot, in join order.
-    pub slot_members: Vec<Option<Arc<Member>>>,
-    pub barriers: HashMap<u32, HashSet<u32>>,
-    pub said_goodbye: HashSet<u32>,
-    // Declarations.
-    pub placer: Option<Placer>,
-    pub decls: HashMap<String, Decl>,
-    /// The name of every placed tensor, by key (for `Release`).
-    pub by_key: HashMap<u32, String>,
-    /// Tensors some workers released and others not yet, by key.
-    pub retiring: HashMap<u32, Retiring>,
-    /// Tensors every worker released, not yet freed on the servers (sent
-    /// with the next install or heartbeat: see `declarations::release`).
-    pub to_free: Vec<u32>,
-    pub next_key: u32,
-    pub next_batch: u32,
-    /// Which servers (ranks) installed each batch of specs.
-    pub acks: HashMap<u32, HashSet<u32>>,
-    /// Servers lost and taken over (`failover`); failovers under way, during
-    /// which no declaration is answered (its placement may still move).
-    pub lost_servers: Vec<u32>,
-    pub failing_over: u32,
-    /// Every server the job has had, lost ones included, by rank (slots
-    /// are numbered over all of them); the Welcome every member got, for
-    /// a server that joins while the job runs; the first batch each such
-    /// server was sent; the chunks servers kept in a move (by batch).
-    pub servers: Vec<crate::protocol::ServerInfo>,
-    pub welcome: Option<crate::protocol::Welcome>,
-    pub joined_at: HashMap<u32, u32>,
-    pub move_kept: HashMap<u32, Vec<(u32, u32)>>,
-    /// A server is joining (`failover::take_in`): one at a time.
-    pub taking_in: bool,
-    pub pending: Vec<PendingReq>,
-    /// Horovod's join: the workers that joined so far, the last of them,
-    /// and by name the latest round announced and who it went to.
-    pub joined: HashSet<u32>,
-    pub join_last: u32,
-    pub join_ops: HashMap<String, (u32, HashSet<u32>)>,
-    // The job.
-    pub finished: bool,
-    pub failed: Option<String>,
+    phase: JobPhase,
+    pub members: Members,
+    pub decls: Declarations,
+    pub installs: Installs,
+    pub moves: Moves,
+    pub joins: JoinOps,
+}
+
+impl State {
+    /// Whether the job ended, finished or failed.
+    pub fn is_over(&self) -> bool {
+        !matches!(self.phase, JobPhase::Running)
+    }
+
+    pub fn failed(&self) -> Option<&str> {
+        match &self.phase {
+            JobPhase::Failed(why) => Some(why),
+            _ => None,
+        }
+    }
+
+    /// The phase in words (`gradhub status`).
+    pub fn phase_name(&self) -> &'static str {
+        match self.phase {
+            JobPhase::Failed(_) => "failed",
+            JobPhase::Finished => "finished",
+            JobPhase::Running if self.members.welcomed() => "running",
+            JobPhase::Running => "registering",
+        }
+    }
+
+    /// Whether every server still in the job installed `batch`.
+    fn installed_everywhere(&self, batch: u32) -> bool {
+        self.installs.installed_everywhere(batch, self.members.servers().map(|m| m.rank))
+    }
+
+    /// Answer every declaration that can be answered, unless chunks are
+    /// moving (their placement may still change: see `failover`).
+    pub fn answer_ready(&mut self, ns: u32) {
+        if !self.moves.busy() {
+            self.decls.answer_ready(&self.members, ns);
+        }
+    }
 }
 
 pub(super) struct Shared {
@@ -120,10 +84,14 @@ pub(super) struct Shared {
     pub state: Mutex<State>,
     pub cv: Condvar,
     /// Connections accepted and not yet registered (or refused).
-    pub pending: std::sync::atomic::AtomicUsize,
+    pub pending: AtomicUsize,
 }
 
 impl Shared {
+    pub fn new(cfg: SchedulerConfig) -> Arc<Shared> {
+        Arc::new(Shared { cfg, state: Mutex::new(State::default()), cv: Condvar::new(), pending: AtomicUsize::new(0) })
+    }
+
     pub fn lock(&self) -> MutexGuard<'_, State> {
         // A panicking member thread must not take the whole scheduler down.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -131,13 +99,12 @@ impl Shared {
 
     /// Mark the job failed and tell every other member who is gone and why.
     pub fn fail(&self, st: &mut State, who: Option<&Member>, reason: String) {
-        if st.finished || st.failed.is_some() {
+        if st.is_over() {
             return;
         }
         log::error!(target: "scheduler", "job failed: {reason}");
-        st.failed = Some(reason.clone());
-        let members = st.members.clone();
-        for m in members {
+        st.phase = JobPhase::Failed(reason.clone());
+        for m in st.members.all() {
             if let Some(w) = who {
                 if m.role == w.role && m.rank == w.rank {
                     continue;
@@ -150,22 +117,225 @@ impl Shared {
         self.cv.notify_all();
     }
 
+    /// Fail the job, telling the members not welcomed yet too.
+    pub fn fail_registration(&self, st: &mut State, message: String) {
+        self.fail(st, None, message.clone());
+        st.members.reject_joining(&message, self.cfg.namespace);
+    }
+
     /// Wait until every server still in the job installed `batch` (or the
     /// job failed); returns the state, locked.
     pub fn wait_installed(&self, batch: u32) -> MutexGuard<'_, State> {
         let mut st = self.lock();
-        while !st.installed_everywhere(batch) && st.failed.is_none() {
+        while !st.installed_everywhere(batch) && st.failed().is_none() {
             st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
-        st.acks.remove(&batch);
+        st.installs.forget(batch);
         st
     }
 
-    /// Tell the members not welcomed yet (reachable only through their
-    /// registration streams) why the job failed.
-    pub fn reject_joining(&self, st: &mut State, message: &str) {
-        for r in st.joining.iter_mut().flatten() {
-            let _ = write_control(&mut r.stream, &Control::Error { message: message.to_string() }, self.cfg.namespace);
+    /// Register a member and block until everyone has joined; returns this
+    /// member, and whether it is a server joining the running job.
+    ///
+    /// The thread that completes the registration creates every member and
+    /// sends every Welcome while holding the state lock, so each member is
+    /// known (and welcomed) before anyone can send it anything else — a
+    /// server must not miss a tensor installation because its own thread
+    /// had not run yet.
+    pub fn join(&self, reg: Register, peer: SocketAddr, stream: TcpStream) -> Result<(Arc<Member>, bool), Refusal> {
+        let cfg = &self.cfg;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        if st.members.welcomed() {
+            if reg.role != Role::Server {
+                return Err(Refusal::Full);
+            }
+            // A server joining the running job (`failover::take_in`).
+            match &st.phase {
+                JobPhase::Failed(f) => return Err(Refusal::JobFailed(f.clone())),
+                JobPhase::Finished => return Err(Refusal::Late("the job has finished".into())),
+                JobPhase::Running => {}
+            }
+            let State { members, decls, installs, moves, .. } = st;
+            return moves
+                .admit_late(cfg, members, decls, installs, Registration { reg, peer, stream })
+                .map(|m| (m, true));
         }
+        let slot = st.members.register(reg, peer, stream);
+        if st.members.registered() == (cfg.num_workers + cfg.num_servers) as usize {
+            match st.members.welcome_everyone(cfg) {
+                Ok(placer) => st.decls.set_placer(placer),
+                Err(msg) => self.fail_registration(st, msg),
+            }
+            self.cv.notify_all();
+        }
+        while !guard.members.welcomed() && guard.failed().is_none() {
+            guard = self.cv.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+        if let Some(f) = guard.failed() {
+            return Err(Refusal::JobFailed(f.to_string()));
+        }
+        let me = guard.members.for_slot(slot).ok_or(Refusal::Internal("no member for this slot"))?;
+        Ok((me, false))
+    }
+
+    /// Record a worker's declarations. Returns a batch of newly complete
+    /// specs that must be installed on the servers before anyone is answered.
+    pub fn declare(
+        &self,
+        st: &mut State,
+        rank: u32,
+        req: u32,
+        entries: Vec<DeclEntry>,
+    ) -> Option<(u32, Vec<TensorSpec>)> {
+        let ns = self.cfg.namespace;
+        let specs = match st.decls.declare(&self.cfg, rank, req, entries) {
+            Ok(specs) => specs,
+            Err(message) => {
+                if let Some(m) = st.members.worker(rank) {
+                    m.send(&Control::DeclareError { req, message }, ns);
+                }
+                return None;
+            }
+        };
+        st.answer_ready(ns);
+        if let Some(why) = st.decls.waiting_on_departed(st.members.left()) {
+            self.fail(st, None, why);
+            return None;
+        }
+        if specs.is_empty() {
+            return None;
+        }
+        Some((st.installs.next_batch(), specs))
+    }
+
+    /// Send the specs to every server, wait for all acks, then answer workers.
+    pub fn install(&self, batch: u32, specs: Vec<TensorSpec>) {
+        let ns = self.cfg.namespace;
+        let (servers, free) = {
+            let mut st = self.lock();
+            let servers: Vec<Arc<Member>> = st.members.servers().cloned().collect();
+            (servers, st.decls.take_to_free())
+        };
+        let mut msgs = vec![Control::ServerDeclare { batch, specs: specs.clone() }];
+        if !free.is_empty() {
+            msgs.insert(0, Control::ServerRelease { keys: free });
+        }
+        for s in &servers {
+            s.send_all(&msgs, ns);
+        }
+        let mut st = self.wait_installed(batch);
+        st.decls.installed(&specs);
+        st.answer_ready(ns);
+    }
+
+    /// Worker `rank` released tensors `keys` (see `Declarations::release`);
+    /// an error names a protocol violation.
+    pub fn release(&self, st: &mut State, rank: u32, keys: Vec<u32>) -> Result<(), String> {
+        if st.decls.release(rank, self.cfg.num_workers, keys)? {
+            self.free_on_servers(st);
+        }
+        Ok(())
+    }
+
+    /// Tell the servers to free the tensors every worker released.
+    pub fn free_on_servers(&self, st: &mut State) {
+        st.decls.free_on_servers(&st.members, self.cfg.namespace);
+    }
+
+    /// A tensor some workers declared long ago and others never did: log
+    /// who is missing and tell the workers waiting on it (their timeouts
+    /// will name them).
+    pub fn report_declaration_stalls(&self) {
+        let stall = Duration::from_millis(self.cfg.stall_ms as u64);
+        let mut st = self.lock();
+        for s in st.decls.stalls(stall) {
+            log::warn!(target: "scheduler",
+                "stall: tensor '{}' has waited {:.1}s for worker rank(s) {:?} to declare it (push_pull it)",
+                s.name, s.waited.as_secs_f64(), s.missing
+            );
+            let msg =
+                Control::DeclareStall { name: s.name, missing: s.missing, waited_ms: s.waited.as_millis() as u64 };
+            for m in st.members.workers().filter(|m| s.waiting.contains(&m.rank)) {
+                m.send(&msg, self.cfg.namespace);
+            }
+        }
+    }
+
+    /// A worker entered barrier `id`; the last one releases everyone.
+    pub fn enter_barrier(&self, st: &mut State, rank: u32, id: u32) {
+        if let Err(why) = st.members.enter_barrier(rank, id, self.cfg.num_workers, self.cfg.namespace) {
+            self.fail(st, None, why);
+        }
+    }
+
+    /// A worker finished; when every worker has, the servers are told to
+    /// exit. Before that, everyone still in the job is told it left
+    /// (`PeerLeft`): whatever it did not take part in can never complete,
+    /// and must fail rather than wait (e.g. a worker that runs more steps
+    /// than the others).
+    pub fn say_goodbye(&self, st: &mut State, rank: u32) {
+        let ns = self.cfg.namespace;
+        let everyone = st.members.say_goodbye(rank, self.cfg.num_workers);
+        if st.is_over() {
+            return;
+        }
+        if everyone {
+            st.phase = JobPhase::Finished;
+            for m in st.members.servers() {
+                m.send(&Control::Shutdown, ns);
+            }
+            self.cv.notify_all();
+            return;
+        }
+        let stuck = st.decls.waiting_on_departed(st.members.left()).or_else(|| st.members.barrier_without(rank));
+        if let Some(why) = stuck {
+            self.fail(st, None, why);
+            return;
+        }
+        for m in st.members.staying() {
+            m.send(&Control::PeerLeft { rank }, ns);
+        }
+    }
+
+    /// Horovod's join: worker `rank` has no more data. Until every worker
+    /// has joined, the others announce their operations (`JoinOp`) and the
+    /// joined ones push zeros for them; then everyone is told who joined last.
+    pub fn join_worker(&self, st: &mut State, rank: u32) {
+        let msg = match st.joins.join(rank, self.cfg.num_workers) {
+            Err(reason) => return self.fail(st, None, reason),
+            Ok(JoinStep::AllJoined) => Control::JoinDone { last: rank },
+            // The others announce what they have in flight (each such
+            // operation needs this worker now) and everything they start
+            // from then on.
+            Ok(JoinStep::Joined) => Control::Joined { rank },
+        };
+        for m in st.members.workers() {
+            m.send(&msg, self.cfg.namespace);
+        }
+    }
+
+    /// An operation a worker started while others have joined: the joined
+    /// workers push zeros for it (each (name, round) once, whoever announces it).
+    pub fn forward_join_op(&self, st: &mut State, op: Control) {
+        let Control::JoinOp { name, round, .. } = &op else { return };
+        let targets = st.joins.targets(name, *round);
+        for m in st.members.workers().filter(|m| targets.contains(&m.rank)) {
+            m.send(&op, self.cfg.namespace);
+        }
+    }
+
+    /// An operation of a process set, announced by the set's first member:
+    /// the workers `to`, outside the set, push zeros for it (sent as a
+    /// `JoinOp`). Returns why the announcement is invalid, if it is.
+    pub fn forward_set_op(&self, st: &State, from: u32, op: Control) -> Result<(), String> {
+        let Control::SetOp { to, name, numel, dtype, flags, round } = op else { return Ok(()) };
+        let to = set_op_targets(from, &to, &name, self.cfg.num_workers)?;
+        let msg = Control::JoinOp { name, numel, dtype, flags, round };
+        // One that left is not waited for: the announcer's op fails on its PeerLeft.
+        for m in st.members.workers().filter(|m| to.contains(&m.rank)) {
+            m.send(&msg, self.cfg.namespace);
+        }
+        Ok(())
     }
 }

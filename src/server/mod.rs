@@ -115,6 +115,9 @@ pub enum ServerError {
     JobFailed(String),
 }
 
+/// The accept queue asked for on every data port (see `run_server`).
+const LISTEN_BACKLOG: i32 = 4096;
+
 pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     crate::logging::init();
     let setup = |what: &str, e: std::io::Error| ServerError::Setup(format!("{what}: {e}"));
@@ -126,7 +129,12 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         let port = if cfg.base_port == 0 { 0 } else { cfg.base_port + t as u16 };
         let addr = format!("{}:{port}", cfg.bind_host);
         let l = std::net::TcpListener::bind(&addr).map_err(|e| setup(&format!("cannot listen on {addr}"), e))?;
-
+        // A deep accept queue (the kernel caps it at somaxconn): with std's
+        // 128, a burst of connections (strangers' or a large job's) overflows
+        // it, and those the kernel then drops wait seconds for SYN
+        // retransmits before the thread can even start their handshake
+        // timeout. Best effort: a shorter queue only delays them.
+        let _ = socket2::SockRef::from(&l).listen(LISTEN_BACKLOG);
         l.set_nonblocking(true).map_err(|e| setup("listener", e))?;
         listeners.push(l);
     }

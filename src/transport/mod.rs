@@ -181,12 +181,7 @@ pub fn cast<T: Plain, U: Plain>(s: &[T]) -> &[U] {
 /// Read once per process.
 fn congestion_control() -> Option<&'static str> {
     static CC: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    CC.get_or_init(|| match std::env::var("GRADHUB_TCP_CONGESTION") {
-        Ok(v) if v.is_empty() || v == "system" => None,
-        Ok(v) => Some(v),
-        Err(_) => Some("cubic".to_string()),
-    })
-    .as_deref()
+    CC.get_or_init(crate::settings::tcp_congestion).as_deref()
 }
 
 /// Options every data connection gets, at both ends: no Nagle delay, and

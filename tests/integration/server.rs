@@ -805,3 +805,42 @@ fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate
     drop((grouped, link));
     job.finish();
 }
+
+#[test]
+fn strangers_that_never_authenticate_are_closed_after_the_handshake_timeout() {
+    use std::io::Read;
+    use std::net::TcpStream;
+
+    // A short peer timeout, which bounds the handshake too (the server learns it from Welcome).
+    let mut job = data_job(1, 1, |c| c.peer_timeout_ms = 600);
+    job.workers[0].start_heartbeat(Duration::from_millis(100));
+    let specs = job.declare(0, &[("t", 64, DType::F32)]);
+    let port = job.port(0);
+    let start = Instant::now();
+    // Many idle connections at once, not a byte sent: the accept queue
+    // takes the burst (else the kernel drops some, and their SYN retransmits
+    // delay them by seconds before the thread even sees them).
+    let idle: Vec<TcpStream> = (0..1000).map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap()).collect();
+    // Each is closed once the handshake timeout passed (with an Error frame
+    // that says only that authentication did not happen in time).
+    let mut open = 0;
+    for (i, mut s) in idle.into_iter().enumerate() {
+        let left = Duration::from_secs(4).saturating_sub(start.elapsed()).max(Duration::from_millis(10));
+        s.set_read_timeout(Some(left)).unwrap();
+        let mut sink = Vec::new();
+        if s.read_to_end(&mut sink).is_err() {
+            open += 1;
+        } else if i == 0 {
+            assert_contains(&String::from_utf8_lossy(&sink), &["no authentication handshake within 0.6s"]);
+        }
+    }
+    let took = start.elapsed();
+    assert_eq!(open, 0, "{open} of 1000 idle connections were still open after {took:?}");
+    assert!(took >= Duration::from_millis(550), "closed after {took:?}, before the timeout");
+    // The job goes on: a real worker's round completes.
+    let mut w0 = job.conn(0, 0);
+    w0.push(&specs[0], 0, 0, 0, &f32_bytes(&[1.5; 64]));
+    assert_eq!(bytes_f32(&w0.expect_result(&specs[0], 0, 0)), vec![1.5; 64]);
+    job.workers[0].stop_heartbeat();
+    job.finish();
+}

@@ -18,15 +18,15 @@ phase = sys.argv[1]
 def register(sched):
     for token, what in (("not-the-job-token", "worker with a wrong token"), (None, "worker without a token")):
         try:
-            _core.Client(sched, rank=0, num_workers=2, connect_timeout=5.0, token=token)
+            _core.Client(_core.ClientConfig(sched, rank=0, num_workers=2, connect_timeout=5.0, token=token))
             print(f"ACCEPTED {what}", flush=True)
         except _core.GradhubError as e:
             assert "authentication failed" in str(e), e
             print(f"REFUSED {what}", flush=True)
 
     try:
-        _core.run_server(sched, threads=1, advertise=None, bind_host="0.0.0.0", connect_timeout=5.0,
-                         token="not-the-job-token")
+        _core.run_server(_core.ServerConfig(sched, threads=1, advertise=None, bind_host="0.0.0.0",
+                                            connect_timeout=5.0, token="not-the-job-token"))
         print("ACCEPTED server", flush=True)
     except _core.GradhubError as e:
         assert "authentication failed" in str(e), e

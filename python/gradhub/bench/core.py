@@ -87,12 +87,13 @@ class Job:
 
     def __init__(self, partition: int, credit: int, threads: int = 1, workers: int = 1):
         port = free_port()
-        self.sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, 1, partition, token=_env.job_token())
+        self.sched = _core.start_scheduler(_core.SchedulerConfig(f"127.0.0.1:{port}", workers, 1, partition,
+                                                                token=_env.job_token()))
         self.server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler",
                                         f"127.0.0.1:{port}", "--threads", str(threads), "--advertise-addr",
                                         "127.0.0.1"], stderr=subprocess.DEVNULL)
-        self.client = _core.Client(f"127.0.0.1:{port}", rank=0, num_workers=workers, num_servers=1,
-                                   credit_bytes=credit, token=_env.job_token())
+        self.client = _core.Client(_core.ClientConfig(f"127.0.0.1:{port}", rank=0, num_workers=workers, num_servers=1,
+                                                      credit_bytes=credit, token=_env.job_token()))
 
     def push_pull(self, a: np.ndarray, name: str, priority: int = 0):
         return self.client.push_pull_async(a.ctypes.data, a.nbytes, "float32", name, False, priority, a)
@@ -329,7 +330,8 @@ def _start_workers(bench: str, call: str, workers: int) -> list[subprocess.Popen
 
 def _host_worker(port: int, rank: int, workers: int, nbytes: int, reps: int, server_shm: bool) -> None:
     """One worker of `bench_host`."""
-    c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=1, server_shm=server_shm, token=_env.job_token())
+    c = _core.Client(_core.ClientConfig(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=1,
+                                        server_shm=server_shm, token=_env.job_token()))
     _timed_push_pulls(c, rank, workers, nbytes, reps)
 
 
@@ -337,7 +339,8 @@ def host_push_pull(workers: int, nbytes: int, reps: int, reduce: bool, server_sh
     """W worker processes and one colocated server on this host: the best
     time per push_pull (rank 0's), CPU per wall second over every process."""
     port = free_port()
-    sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, 1, _core.DEFAULT_PARTITION_BYTES, host_reduce=reduce, token=_env.job_token())
+    sched = _core.start_scheduler(_core.SchedulerConfig(f"127.0.0.1:{port}", workers, 1, host_reduce=reduce,
+                                                        token=_env.job_token()))
     server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
                                "--threads", "1", "--colocated", "--advertise-addr", "127.0.0.1"],
                               stderr=subprocess.DEVNULL)
@@ -398,7 +401,8 @@ def _failover_worker(port: int, rank: int, workers: int, servers: int, nbytes: i
     """One worker of `bench_failover` (a child process, a host of its own):
     prints "go" before its timed loop, then the times and its CPU."""
     os.environ["GRADHUB_HOST_ID"] = f"failover-bench-{rank}"
-    c = _core.Client(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=servers, token=_env.job_token())
+    c = _core.Client(_core.ClientConfig(f"127.0.0.1:{port}", rank=rank, num_workers=workers, num_servers=servers,
+                                        token=_env.job_token()))
     _timed_push_pulls(c, rank, workers, nbytes, reps)
 
 
@@ -408,8 +412,8 @@ def failover_run(nbytes: int, reps: int, failover: bool, kill_after: float | Non
     killed that many seconds into the timed loop."""
     workers, servers = 2, 3
     port = free_port()
-    sched = _core.start_scheduler(f"127.0.0.1:{port}", workers, servers, _core.DEFAULT_PARTITION_BYTES,
-                                  peer_timeout_ms=2000, failover=failover, token=_env.job_token())
+    sched = _core.start_scheduler(_core.SchedulerConfig(f"127.0.0.1:{port}", workers, servers, peer_timeout_ms=2000,
+                                                        failover=failover, token=_env.job_token()))
     srv = [subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler", f"127.0.0.1:{port}",
                              "--threads", "1", "--rank", str(s), "--advertise-addr", "127.0.0.1"],
                             stderr=subprocess.DEVNULL) for s in range(servers)]

@@ -17,6 +17,8 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
+from .. import _env
+
 PREFIX = "ghb"
 SUBNET = "10.231"
 
@@ -185,7 +187,7 @@ class EmulatedCluster:
         # super-packets pass), 20 ms of queue.
         burst = max(rate // 8 // 250, 64 * 1024)
         _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-             "latency", os.environ.get("GRADHUB_BENCH_TBF_LATENCY", "20ms"))
+             "latency", _env.get("GRADHUB_BENCH_TBF_LATENCY"))
 
     def qdisc_drops(self) -> int:
         """Packets the token buckets dropped so far (all hosts, both

@@ -1,0 +1,263 @@
+//! One job's life (`Job`: its heartbeats, its registration deadline, its
+//! end) and each member's connection to it: the handshake, the
+//! registration, then the member's messages, dispatched to the state's
+//! operations (`state`, `failover`).
+
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::config::SchedulerError;
+use super::failover;
+use super::member::Member;
+use super::membership::{check_registration, lost_reason};
+use super::state::Shared;
+use crate::protocol::auth::{self, Secret};
+use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
+use crate::transport::DeadlineReader;
+
+/// One job's life: its heartbeats, its registration deadline, its end.
+pub(super) struct Job {
+    shared: Arc<Shared>,
+    started: Instant,
+    heartbeats: thread::JoinHandle<()>,
+}
+
+impl Job {
+    pub fn start(shared: Arc<Shared>) -> Job {
+        let heartbeats = {
+            let shared = shared.clone();
+            thread::spawn(move || heartbeat_loop(shared))
+        };
+        Job { shared, started: Instant::now(), heartbeats }
+    }
+
+    /// Whether the job ended (finished or failed); fails it when not every
+    /// member registered within the join timeout.
+    pub fn over(&self) -> bool {
+        let shared = &self.shared;
+        let mut st = shared.lock();
+        if st.is_over() {
+            return true;
+        }
+        let join_timeout = Duration::from_millis(shared.cfg.join_timeout_ms as u64);
+        if !st.members.welcomed() && self.started.elapsed() > join_timeout {
+            let n = st.members.registered();
+            let msg = format!(
+                "only {n} of {} members registered within {:.1}s",
+                shared.cfg.num_workers as u64 + shared.cfg.num_servers as u64,
+                join_timeout.as_secs_f64()
+            );
+            shared.fail_registration(&mut st, msg);
+            return true;
+        }
+        false
+    }
+
+    /// After `over`: how the job ended. Every member still connected is
+    /// then cut off, so no thread of the job outlives it.
+    pub fn conclude(self) -> Result<(), SchedulerError> {
+        let _ = self.heartbeats.join();
+        // Give member threads a moment to flush final messages.
+        thread::sleep(Duration::from_millis(200));
+        let mut st = self.shared.lock();
+        st.members.disconnect_all();
+        match st.failed() {
+            Some(reason) => Err(SchedulerError::JobFailed(reason.to_string())),
+            None => {
+                log::info!(target: "scheduler", "all workers finished; job complete");
+                Ok(())
+            }
+        }
+    }
+}
+
+fn heartbeat_loop(shared: Arc<Shared>) {
+    let period = Duration::from_millis(shared.cfg.heartbeat_ms.max(10) as u64);
+    loop {
+        let members = {
+            let st = shared.lock();
+            if st.is_over() {
+                return;
+            }
+            st.members.all().to_vec()
+        };
+        for m in members {
+            m.send(&Control::Heartbeat, shared.cfg.namespace);
+        }
+        shared.report_declaration_stalls();
+        shared.free_on_servers(&mut shared.lock());
+        thread::sleep(period);
+    }
+}
+
+/// A new connection's handshake and first message (the job it announced and
+/// what it sent), or None, logged, if it failed. Before it has registered, a
+/// peer gets a small frame and the peer timeout for the handshake and that
+/// message together, so a stranger can hold neither memory nor a thread.
+pub(super) fn greet(
+    stream: &TcpStream,
+    peer: SocketAddr,
+    keys: &impl Fn(&str) -> Secret,
+    timeout: Duration,
+    namespace_of: impl Fn(&str) -> u32,
+) -> Option<(String, Result<Control, crate::protocol::ReadError>)> {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_write_timeout(Some(timeout));
+    let mut within = DeadlineReader::new(stream, timeout);
+    let job = match auth::listen_blocking(&mut within, &mut &*stream, keys) {
+        Ok(job) => job,
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: {e}");
+            return None;
+        }
+    };
+    let first = read_control_limited(&mut within, namespace_of(&job), MAX_REGISTER_PAYLOAD);
+    let _ = stream.set_read_timeout(Some(timeout));
+    Some((job, first))
+}
+
+/// The Register a member's first message must be (else it is told why).
+pub(super) fn expect_register(
+    mut stream: &TcpStream,
+    peer: SocketAddr,
+    first: Result<Control, crate::protocol::ReadError>,
+    ns: u32,
+) -> Option<crate::protocol::Register> {
+    match first {
+        Ok(Control::Register(r)) => Some(r),
+        Ok(other) => {
+            let message = format!("expected Register, got {:?}", other.msg_type());
+            log::warn!(target: "scheduler", "rejecting {peer}: {message}");
+            let _ = write_control(&mut stream, &Control::Error { message }, ns);
+            None
+        }
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: bad registration: {e}");
+            let _ = write_control(&mut stream, &Control::Error { message: format!("bad registration: {e}") }, ns);
+            None
+        }
+    }
+}
+
+/// Check a registration and join the job with it (blocks until everyone has).
+pub(super) fn admit(
+    shared: &Arc<Shared>,
+    reg: crate::protocol::Register,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+) -> Option<(Arc<Member>, TcpStream)> {
+    let ns = shared.cfg.namespace;
+    if let Err(why) = check_registration(&shared.cfg, &reg) {
+        log::warn!(target: "scheduler", "rejecting {} at {peer}: {why}", reg.role.name());
+        let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
+        return None;
+    }
+    // The member's writer: a clone, so this thread keeps reading from `stream`.
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
+            return None;
+        }
+    };
+    let me = match shared.join(reg, peer, writer) {
+        Ok((m, false)) => m,
+        Ok((m, true)) => {
+            // Joined the running job: move chunks to it, on a thread of its
+            // own (this one reads the acks it waits for).
+            let (sh, new) = (shared.clone(), m.clone());
+            let moved =
+                thread::Builder::new().name("gradhub-take-in".into()).spawn(move || failover::take_in(&sh, &new));
+            if let Err(e) = moved {
+                let mut st = shared.lock();
+                shared.fail(&mut st, None, format!("cannot start moving chunks to {}: {e}", m.describe()));
+            }
+            m
+        }
+        Err(why) => {
+            let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
+            return None;
+        }
+    };
+    Some((me, stream))
+}
+
+pub(super) fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
+    let ns = shared.cfg.namespace;
+    loop {
+        let msg = read_control(&mut stream, ns);
+        let mut st = shared.lock();
+        let done = st.is_over();
+        let gone = me.role == Role::Worker && st.members.has_left(me.rank);
+        match msg {
+            // A job that is over keeps no member (a shared service frees it).
+            Ok(Control::Heartbeat) if done => return,
+            Ok(Control::Heartbeat) => {}
+            Ok(Control::Declare { req, entries }) if me.role == Role::Worker => {
+                let batch = shared.declare(&mut st, me.rank, req, entries);
+                drop(st);
+                if let Some((batch, specs)) = batch {
+                    shared.install(batch, specs);
+                }
+                continue;
+            }
+            Ok(Control::ServerDeclareAck { batch }) if me.role == Role::Server => {
+                st.installs.ack(batch, me.rank);
+                shared.cv.notify_all();
+            }
+            Ok(Control::ServerMoveAck { batch, kept }) if me.role == Role::Server => {
+                st.installs.ack_move(batch, me.rank, kept);
+                shared.cv.notify_all();
+            }
+            Ok(Control::Barrier { id }) if me.role == Role::Worker => shared.enter_barrier(&mut st, me.rank, id),
+            Ok(Control::Join) if me.role == Role::Worker => shared.join_worker(&mut st, me.rank),
+            Ok(op @ Control::JoinOp { .. }) if me.role == Role::Worker => shared.forward_join_op(&mut st, op),
+            Ok(op @ Control::SetOp { .. }) if me.role == Role::Worker => {
+                if let Err(reason) = shared.forward_set_op(&st, me.rank, op) {
+                    me.send(&Control::Error { message: reason.clone() }, ns);
+                    shared.fail(&mut st, Some(me), reason);
+                    return;
+                }
+            }
+            Ok(Control::Release { keys }) if me.role == Role::Worker => {
+                if let Err(reason) = shared.release(&mut st, me.rank, keys) {
+                    me.send(&Control::Error { message: reason.clone() }, ns);
+                    shared.fail(&mut st, Some(me), reason);
+                    return;
+                }
+            }
+            Ok(Control::Goodbye) if me.role == Role::Worker => {
+                shared.say_goodbye(&mut st, me.rank);
+                // Nothing more for it: its session sees the end at once (see `SessionSender::close`).
+                me.finish_writing();
+            }
+            Ok(Control::Error { message }) => {
+                let reason = format!("{} reported an error: {message}", me.describe());
+                shared.fail(&mut st, Some(me), reason);
+                return;
+            }
+            Ok(other) => {
+                let reason = format!("{} sent an unexpected {:?}", me.describe(), other.msg_type());
+                me.send(&Control::Error { message: reason.clone() }, ns);
+                shared.fail(&mut st, Some(me), reason);
+                return;
+            }
+            Err(e) => {
+                if done || gone {
+                    return;
+                }
+                let reason = lost_reason(&shared.cfg, me, &e);
+                if me.role == Role::Server {
+                    drop(st);
+                    failover::take_over(shared, me, reason);
+                    return;
+                }
+                shared.fail(&mut st, Some(me), reason);
+                return;
+            }
+        }
+    }
+}
