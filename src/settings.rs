@@ -226,6 +226,8 @@ pub static SETTINGS: &[Setting] = &[
         "`DistributedOptimizer`: push the gradients the next forward pass needs first (`priority`), or in the order they are ready (`fifo`)"),
     setting!("GRADHUB_SFB", Choice(&["auto", "off", "force"]), Value(|| "auto".into()), WORKER,
         "`DistributedOptimizer`: exchange `nn.Linear` weight gradients as Poseidon's sufficient factors where that moves fewer bytes (`auto`), wherever exact (`force`), or never (`off`); the same on every worker (docs/torch.md)"),
+    setting!("GRADHUB_SHAPE_CHECK", Flag, Value(|| flag(true)), WORKER,
+        "`allreduce`, grouped allreduce and `reducescatter` check, as Horovod, that every worker passes the same shapes and dtypes (one more small round beside the data; never on `DistributedOptimizer`'s gradients); 0: off, the same on every worker (docs/torch.md)"),
     setting!("GRADHUB_FUSION_THRESHOLD", Int, Value(|| (256 << 10).to_string()), WORKER,
         "`DistributedOptimizer`: bytes of a fusion bucket; gradients of at most a quarter of it travel packed, one push_pull per bucket and step (docs/torch.md, \"Tensor fusion\"; chosen by docs/benchmarks.md); 0: off; the same on every worker"),
     setting!("GRADHUB_AUTOTUNE", Flag, Value(|| flag(false)), WORKER,

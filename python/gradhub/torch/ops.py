@@ -235,7 +235,7 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 # GRADHUB_SHAPE_CHECK=0 (the same on every worker) drops the check below,
 # for scripts of many small allreduces that need the latency (docs/torch.md).
-_SHAPE_CHECK = _env.get_flag("GRADHUB_SHAPE_CHECK", True)
+_SHAPE_CHECK = _env.get("GRADHUB_SHAPE_CHECK")
 
 
 def _start_shape_check(tensors, name: str, ps: ProcessSet):
