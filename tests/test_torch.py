@@ -50,6 +50,15 @@ def test_overlap_with_parameters_used_outside_their_modules_forward(opt):
     assert_all_passed(rc, out, 2)
 
 
+def test_overlap_with_custom_autograd_functions_on_parameters_of_modules_never_called():
+    # The parent's forward() applies custom autograd functions (computing out
+    # of sight of torch function modes) to its children's parameters: found in
+    # autograd's graph, and updated before the parent's forward.
+    cfg = {"model": "funcs", "opt": "sgd", "overlap": True, "steps": 12}
+    rc, out = run_launch(2, 1, "torch_train.py", cfg)
+    assert_all_passed(rc, out, 2)
+
+
 @pytest.mark.parametrize("model,opt,sfb,overlap,passes", [
     ("fc", "sgd", "force", True, 1), ("fc", "adamw", "force", False, 2), ("mlp", "sgd", "auto", False, 1),
     ("cnn", "sgd", "force", False, 1)])

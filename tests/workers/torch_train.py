@@ -2,7 +2,7 @@
 check it against single-process training on the combined batch.
 
 Config: model (mlp|cnn|deep: many small tensors|plist|embed: sparse gradients|outside: parameters used
-outside their module's forward), fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
+outside their module's forward|funcs: custom autograd functions on parameters no torch function is given), fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
@@ -94,6 +94,43 @@ class OutsideNet(nn.Module):
         return self.head(torch.tanh(F.linear(h, self.enc.weight.t())))
 
 
+class _KernelLinear(torch.autograd.Function):
+    """x @ w.T + b with its own backward, computed as an extension kernel
+    would be: out of sight of torch function modes (so only autograd's graph
+    records that w and b were used)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        with torch._C.DisableTorchFunction():
+            return torch.addmm(b, x, w.t())
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x, g.sum(0)
+
+
+class FuncsNet(nn.Module):
+    """Layers as custom autograd functions that the parent's forward() applies
+    to the parameters (p0, p1) of child modules that are never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList()
+        for fan_in, fan_out in ((20, 32), (32, 32), (32, 5)):
+            blk = nn.Module()
+            blk.p0 = nn.Parameter(torch.randn(fan_out, fan_in) / fan_in ** 0.5)
+            blk.p1 = nn.Parameter(torch.zeros(fan_out))
+            self.blocks.append(blk)
+
+    def forward(self, x):
+        for i, blk in enumerate(self.blocks):
+            x = _KernelLinear.apply(x, blk.p0, blk.p1)
+            x = torch.tanh(x) if i + 1 < len(self.blocks) else x
+        return x
+
+
 class FcNet(nn.Module):
     """Fully-connected layers in every case sufficient factors must handle:
     3-D input (rows = batch x positions), a layer called twice per forward,
@@ -125,6 +162,8 @@ def make_model():
         return PListNet()
     if model_kind == "outside":
         return OutsideNet()
+    if model_kind == "funcs":
+        return FuncsNet()
     if model_kind == "embed":
         return EmbedNet()
     if model_kind == "mlp":

@@ -191,8 +191,9 @@ class _DistributedOptimizer:
         return len(self._gh_params) - self._gh_rank_of[id(p)]
 
     def _gh_module_params(self, module):
-        """Parameters a module's forward uses directly: its own, and those of
-        ParameterList/ParameterDict children (containers that are never called)."""
+        """Parameters a module's forward uses directly: its own, those of
+        ParameterList/ParameterDict children (containers that are never
+        called), and those forward overlap found it uses (`_gh_uses_too`)."""
         own = self._gh_own_cache.get(id(module))
         if own is None:
             ps = list(module._parameters.values())
@@ -204,6 +205,14 @@ class _DistributedOptimizer:
             own = [p for p in ps if p is not None and id(p) in self._gh_rank_of]
             self._gh_own_cache[id(module)] = own
         return own
+
+    def _gh_uses_too(self, module, params: list) -> None:
+        """Forward overlap's discovery found that `module`'s forward uses
+        `params` before any module owning them runs (through a custom
+        autograd function): its pre-hook updates them too from now on."""
+        own = self._gh_module_params(module)
+        ids = {id(p) for p in own}
+        self._gh_own_cache[id(module)] = own + [p for p in params if id(p) not in ids]
 
     def _gh_forward_pre_hook(self, module, inputs):
         own = self._gh_module_params(module)

@@ -5,8 +5,11 @@ Each parameter is updated when its own reduced gradient is needed: just
 before the module that owns it runs forward again (a module pre-hook), at its
 first use by any torch function during a forward pass (a parameter used
 outside its owner's forward(): a tied weight, a functional call, a custom
-autograd function; see `_FirstUse`), or at the next
-step()/synchronize()/finish(). Same arithmetic as the synchronous
+autograd function; see `_FirstUse`), just before the forward of the module
+in whose call autograd first recorded it (a parameter no torch function is
+given: passed to a custom autograd function whose forward() computes with
+an extension kernel, or not at all; see `_place_graph_uses`), or at the
+next step()/synchronize()/finish(). Same arithmetic as the synchronous
 schedule, hence the same result: the update of some parameters is the
 wrapped optimizer's update restricted to them (an optimizer of the same
 class over just them, sharing its state), with the hyperparameters as they
@@ -25,6 +28,49 @@ from .modes import Synchronous
 # Optimizers whose update of a parameter depends only on that parameter's
 # gradient and state, so parameters can be updated one at a time.
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+# The number the next autograd node created on this thread will get (nodes
+# are numbered in creation order): what places a node in a module call.
+# Private to torch (torch.fx reads it the same way), present since 2.1.
+_next_node_nr = torch.autograd._get_sequence_nr
+
+
+def _tensors(out):
+    """The tensors in a module's output (nested tuples, lists and dicts)."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+def _graph_uses(outputs, since: int, by_id) -> dict[int, int]:
+    """{param id: number of the first node using it} over the part of the
+    autograd graph of `outputs` created since node number `since` (this
+    forward pass), whether or not a torch function was given the parameter
+    (a custom autograd function's inputs are not)."""
+    first: dict[int, int] = {}
+    todo = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        nr = node._sequence_nr()
+        for nxt, _ in node.next_functions:
+            if nxt is None or nxt in seen:
+                continue
+            var = getattr(nxt, "variable", None)  # an AccumulateGrad: a leaf
+            if var is not None:
+                pid = id(var)
+                if pid in by_id and nr < first.get(pid, nr + 1):
+                    first[pid] = nr
+            elif nxt._sequence_nr() >= since:  # older nodes: an earlier pass's, not walked
+                seen.add(nxt)
+                todo.append(nxt)
+    return first
 
 
 def _tensor_args(args, kwargs):
@@ -86,6 +132,10 @@ class ForwardOverlap(Synchronous):
         self.discovered = False
         self.covered: set[int] = set()  # discovery: parameters of the modules called so far
         self.outside: set[int] = set()  # parameters used before any module owning them was called
+        # Discovery: the module calls of the pass, in the order they started,
+        # as [module, first node number, node number after], and those open.
+        self.calls: list[list] = []
+        self.open: list[int] = []
         self.call_hooks: list = []
 
     def attach(self) -> None:
@@ -113,17 +163,52 @@ class ForwardOverlap(Synchronous):
         if mode.discover:
             by_id = self.opt._gh_by_id
             self.covered.update(id(p) for p in self.opt._gh_module_params(module) if id(p) in by_id)
+            self.open.append(len(self.calls))
+            self.calls.append([module, _next_node_nr(), None])
 
     def _call_ends(self, module, inputs, output):
         self.depth = max(0, self.depth - 1)
+        discover = self.first_use.discover
+        if discover and self.open:
+            self.calls[self.open.pop()][2] = _next_node_nr()
         if self.depth == 0 and self.mode_on:
             self.mode_on = False
             self.first_use.__exit__(None, None, None)
-            # Discovery ends with the first call that used this optimizer's
-            # parameters (not, say, a loss module called first).
-            if self.first_use.discover and (self.covered or self.outside):
-                self.discovered, self.first_use.discover = True, False
-                self.covered = set()
+            if discover:
+                found = self._place_graph_uses(output)
+                # Discovery ends with the first call that used this optimizer's
+                # parameters (not, say, a loss module called first), in a
+                # pass that records the autograd graph (not an evaluation
+                # under no_grad first).
+                if (self.covered or self.outside or found) and torch.is_grad_enabled():
+                    self.discovered, self.first_use.discover = True, False
+                self.covered, self.calls, self.open = set(), [], []
+
+    def _place_graph_uses(self, output) -> bool:
+        """Discovery, at the end of the pass: a parameter that autograd
+        recorded before any module owning it was called, and that `_FirstUse`
+        did not see, joins the parameters of the module in whose call
+        (the innermost) it was first recorded, so that module's pre-hook
+        updates it: nothing more per step. Says whether the graph reached any
+        of this optimizer's parameters."""
+        opt = self.opt
+        uses = _graph_uses(output, self.calls[0][1], opt._gh_by_id) if self.calls else {}
+        owner_from: dict[int, int] = {}  # param id -> node number when a module owning it was called
+        for module, start, _ in self.calls:
+            for p in opt._gh_module_params(module):
+                owner_from.setdefault(id(p), start)
+        place: dict[int, tuple] = {}  # index of the call -> (its module, [parameters])
+        for pid, nr in uses.items():
+            if pid in self.outside or owner_from.get(pid, nr + 1) <= nr:
+                continue
+            # Calls nest, and start in order: the last one containing the node is the innermost.
+            at = max((i for i, (_, start, end) in enumerate(self.calls) if start <= nr and (end is None or nr < end)),
+                     default=None)
+            if at is not None:
+                place.setdefault(at, (self.calls[at][0], []))[1].append(opt._gh_by_id[pid])
+        for module, params in place.values():
+            opt._gh_uses_too(module, params)
+        return bool(uses)
 
     def check_gradient(self, pid: int) -> None:
         if pid in self.pending:
