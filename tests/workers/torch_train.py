@@ -2,7 +2,8 @@
 check it against single-process training on the combined batch.
 
 Config: model (mlp|cnn|deep: many small tensors|plist|embed: sparse gradients|outside: parameters used
-outside their module's forward|funcs: custom autograd functions on parameters no torch function is given), fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
+outside their module's forward|funcs: custom autograd functions on parameters no torch function is given),
+fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
