@@ -171,9 +171,9 @@ pub static SETTINGS: &[Setting] = &[
         "1 (`--insecure`): let a scheduler, server or worker whose connections may leave the machine run without a token (anyone reaching its ports can join)"),
     setting!("GRADHUB_PARTITION_BYTES", Int, Value(|| crate::DEFAULT_PARTITION_BYTES.to_string()), &[Role::Scheduler, Role::Launcher],
         "chunk size (scheduler-wide); see docs/benchmarks.md"),
-    setting!("GRADHUB_CREDIT_BYTES", Int, Value(|| ClientConfig::default().credit_bytes.to_string()), WORKER,
-        "bytes in flight per server-thread connection (worker), on average: split in proportion to the bytes placed on each"),
-    setting!("GRADHUB_SPREAD_BYTES", Int, Unset("4 × the credit (2 MiB)"), WORKER,
+    setting!("GRADHUB_CREDIT_BYTES", Int, Unset("the larger of 512 KiB and 4 chunks"), WORKER,
+        "bytes in flight per server-thread connection (worker), on average: split in proportion to the bytes placed on each; the default holds at least 4 of the job's chunks (`GRADHUB_PARTITION_BYTES`) because credit returns a whole chunk at a time"),
+    setting!("GRADHUB_SPREAD_BYTES", Int, Unset("4 × the credit"), WORKER,
         "worker: how far, in the job-wide order, its pushes may run ahead of its oldest one no server has received whole yet, over all its connections; keeps each server's flow at its share of the link (docs/architecture.md); 0: no limit"),
     setting!("GRADHUB_TCP_CONGESTION", Str, Value(|| "cubic".into()), DATA,
         "congestion control of every data connection (workers and servers); `system`: the machine's default; one the kernel lacks or does not allow is a warning (once per process) and the default. Measured: BBR stalled CPU-only servers' flows for 40–60 ms a few times a second (docs/benchmarks.md)"),
@@ -347,7 +347,7 @@ mod tests {
         assert_eq!(v("GRADHUB_PEER_TIMEOUT"), "10");
         assert_eq!(v("GRADHUB_STALL_SECONDS"), "30");
         assert_eq!(v("GRADHUB_CONNECT_TIMEOUT"), "60");
-        assert_eq!(v("GRADHUB_CREDIT_BYTES"), crate::DEFAULT_CREDIT_BYTES.to_string());
+        assert_eq!(lookup("GRADHUB_CREDIT_BYTES").unwrap().default_doc(), "the larger of 512 KiB and 4 chunks");
         assert_eq!(v("GRADHUB_RACK_REDUCE"), "auto");
         assert_eq!(lookup("GRADHUB_RACK").unwrap().default_doc(), "none");
     }

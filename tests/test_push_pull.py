@@ -24,9 +24,14 @@ def test_sums_all_dtypes_and_sizes(workers, servers, threads, launch_args):
 
 
 def test_large_tensors_small_partitions():
-    # Tens of MB per tensor, many chunks per server thread (64 KiB partitions).
-    cfg = {"sizes": [10_000_003], "dtypes": ["float32"], "rounds": 2}
+    # Tens of MB per tensor, many chunks per server thread (64 KiB partitions):
+    # the credit stays at its least default, 512 KiB.
+    cfg = {"sizes": [10_000_003], "dtypes": ["float32"], "rounds": 2, "credit": 512 << 10}
     rc, out = run_launch(2, 2, "check_sums.py", cfg, threads=2, launch_args=["--partition-bytes", "65536"])
+    assert_all_passed(rc, out, 2)
+    # 1 MiB chunks: the default credit holds four of them.
+    cfg = {"sizes": [3_000_017], "dtypes": ["float32"], "rounds": 2, "credit": 4 << 20}
+    rc, out = run_launch(2, 2, "check_sums.py", cfg, threads=1, launch_args=["--partition-bytes", str(1 << 20)])
     assert_all_passed(rc, out, 2)
     cfg = {"sizes": [4_000_001], "dtypes": ["float16", "bfloat16"], "rounds": 1}
     rc, out = run_launch(2, 1, "check_sums.py", cfg, threads=1)

@@ -13,8 +13,9 @@ pub struct ClientConfig {
     pub num_workers: u32,
     pub num_servers: u32,
     pub namespace: u32,
-    /// Max bytes in flight per server-thread connection.
-    pub credit_bytes: usize,
+    /// Max bytes in flight per server-thread connection; None:
+    /// `crate::default_credit_bytes` of the job's chunk size.
+    pub credit_bytes: Option<usize>,
     /// How many bytes, in the job-wide order, may stand between the next
     /// chunk this worker sends and its oldest one not yet received by its
     /// server (`io::Spread`). None: `SPREAD_CREDITS` x the credit (and it
@@ -46,7 +47,7 @@ impl Default for ClientConfig {
             num_workers: 0,
             num_servers: 0,
             namespace: 0,
-            credit_bytes: crate::DEFAULT_CREDIT_BYTES,
+            credit_bytes: None,
             spread_bytes: None,
             connect_timeout: Duration::from_secs(60),
             local_rank: -1,

@@ -134,7 +134,8 @@ impl Client {
         let limit = crate::protocol::data_payload_limit(w.partition_bytes);
         let stall = Duration::from_millis(w.stall_ms as u64);
         let failover = w.failover.then(|| Duration::from_millis(w.peer_timeout_ms as u64));
-        let credit = (cfg.credit_bytes, cfg.spread_bytes);
+        let base_credit = cfg.credit_bytes.unwrap_or_else(|| crate::default_credit_bytes(w.partition_bytes));
+        let credit = (base_credit, cfg.spread_bytes);
         let io = Io::new(&poll, conns, w.rank, credit, ns, limit, Arc::new(layout), host_stage, stall, failover)
             .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {

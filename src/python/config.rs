@@ -75,7 +75,7 @@ impl PyClientConfig {
             num_workers: num_workers.unwrap_or(d.num_workers),
             num_servers: num_servers.unwrap_or(d.num_servers),
             namespace,
-            credit_bytes: credit_bytes.unwrap_or(d.credit_bytes),
+            credit_bytes: credit_bytes.or(d.credit_bytes),
             spread_bytes: spread_bytes.or(d.spread_bytes),
             connect_timeout: connect_timeout.map(seconds).unwrap_or(d.connect_timeout),
             local_rank: local_rank.unwrap_or(d.local_rank),

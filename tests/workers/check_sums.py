@@ -1,7 +1,8 @@
 """Worker: push_pull many sizes and dtypes for several rounds, check against numpy.
 
 Config (GH_TEST JSON): sizes, dtypes, rounds, average, in_flight (async all at
-once with random priorities), reverse_declare (odd ranks declare in reverse).
+once with random priorities), reverse_declare (odd ranks declare in reverse),
+credit (the credit per connection this worker must have been given).
 """
 
 import numpy as np
@@ -12,6 +13,8 @@ from common import CONFIG, check, data
 gradhub.init()
 r, n = gradhub.rank(), gradhub.size()
 print(f"LOCAL {gradhub.local_rank()} of {gradhub.local_size()}", flush=True)
+if "credit" in CONFIG:
+    assert gradhub.api.credit_bytes() == CONFIG["credit"], (gradhub.api.credit_bytes(), CONFIG["credit"])
 sizes = CONFIG.get("sizes", [1, 2, 3, 17, 1000, 262_147])
 dtypes = CONFIG.get("dtypes", ["float32", "float16", "bfloat16"])
 rounds = CONFIG.get("rounds", 2)

@@ -36,7 +36,7 @@ def _add_cluster_args(p):
                         "namespace, so gradhub's host stage sums their gradients in shared memory first")
     p.add_argument("--cpu-servers", type=int, default=0, help="CPU-only server hosts, k (default 0)")
     p.add_argument("--no-colocated", action="store_true", help="no server on the worker hosts")
-    p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
+    p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1; 0: the server's own default, one per core)")
     p.add_argument("--rate", default="1gbit", help="per-host rate in each direction, tc syntax (default 1gbit)")
     p.add_argument("--racks", type=int, default=1, metavar="R",
                    help="worker hosts in R racks (contiguous; CPU-only servers round-robin), each joined to the "
@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--iters", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
+    t.add_argument("--unscaled", action="store_true",
+                   help="leave the chunk size, fusion buckets and DDP's buckets at the defaults a user gets (roles at "
+                        "defaults, as started by hand) instead of dividing them by --scale with every other byte count")
     t.add_argument("--fc-faithful", action="store_true",
                    help="the profile's fully-connected layers are real nn.Linear modules (scaled width), so "
                         "sufficient factors (variants sfb/nosfb; auto by default) move real factors")
@@ -275,8 +278,8 @@ def cmd_train(args) -> int:
     layout = _layout(args)
     prof = profiles.get(args.model)
     cfg = {"model": args.model, "scale": args.scale, "iters": args.iters, "warmup": args.warmup,
-           "fc": args.fc_faithful}
-    partition = max(4096, int(256 * 1024 / args.scale))
+           "fc": args.fc_faithful, "unscaled": args.unscaled}
+    partition = None if args.unscaled else max(4096, int(256 * 1024 / args.scale))
     W = args.workers_per_host
     print(f"{prof.name}: {prof.num_params / 1e6:.1f} M params ({prof.num_params * 4 / 1e6 / args.scale:.1f} MB "
           f"after /{args.scale:g}), {prof.time_per_batch * 1e3:.0f} ms compute per batch of {prof.batch}; "
@@ -309,7 +312,8 @@ def cmd_train(args) -> int:
         for label, system, v in runs:
             env = {**variant_env(v), **(user_env if system == "gradhub" else {})}
             # Fusion buckets scale with every other byte count (the same tensors are fused).
-            env.setdefault("GRADHUB_FUSION_THRESHOLD", str(max(1024, int(DEFAULT_FUSION_THRESHOLD / args.scale))))
+            if not args.unscaled:
+                env.setdefault("GRADHUB_FUSION_THRESHOLD", str(max(1024, int(DEFAULT_FUSION_THRESHOLD / args.scale))))
             res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=env,
                           partition_bytes=partition, core_rate=args.core_rate)
             res.pop("raw", None)

@@ -71,7 +71,9 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
             for name in hosts:
                 # No --advertise-addr: each server finds the address that
                 # reaches the scheduler from its own namespace, as on real hosts.
-                argv = py + ["server", "--threads", str(layout.server_threads)]
+                argv = py + ["server"]
+                if layout.server_threads:   # 0: the server's own default (one per core)
+                    argv += ["--threads", str(layout.server_threads)]
                 if name.startswith("w"):
                     argv.append("--colocated")
                 if racks:

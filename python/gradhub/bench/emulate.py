@@ -21,8 +21,8 @@ activations flow through them and real gradients come out (their compute is
 still slept); a sufficient-factor exchange moves real factors and rebuilds
 real gradients, whose CPU time is reported (`sfb_rebuild_s`, per iteration).
 
-Config (JSON in GH_BENCH): model, scale, iters, warmup, system, rank, world,
-ddp_addr, and optionally host, local_rank, local_size, netdev (the host's
+Config (JSON in GH_BENCH): model, scale, unscaled (DDP's buckets at their
+default size), iters, warmup, system, rank, world, ddp_addr, and optionally host, local_rank, local_size, netdev (the host's
 shaped interface, whose byte counters are read at the start of the first
 timed iteration and of one extra, untimed one). Prints one line
 `RESULT {json}`.
@@ -159,7 +159,10 @@ def main():
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"tcp://{cfg['ddp_addr']}", rank=rank, world_size=world)
-        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25.0 / scale)
+        # DDP's buckets scale with every other byte count, unless the run
+        # keeps the defaults a user gets (`unscaled`).
+        bucket_mb = 25.0 if cfg.get("unscaled") else 25.0 / scale
+        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     elif system != "none":
         raise ValueError(f"unknown system {system!r}")
     x = torch.ones(1, requires_grad=True)

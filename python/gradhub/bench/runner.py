@@ -40,6 +40,10 @@ VARIANTS = {
                  "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline-server.{rank}.json"},
     # Tensor fusion off (every gradient its own push_pull), or buckets of 1 MiB (unscaled).
     "nofusion": {"GRADHUB_FUSION_THRESHOLD": "0"},
+    # The traffic defaults' alternatives (issue 28): no spread window; the
+    # machine's own congestion control instead of cubic.
+    "nospread": {"GRADHUB_SPREAD_BYTES": "0"},
+    "syscc": {"GRADHUB_TCP_CONGESTION": "system"},
     "fusion1m": {"GRADHUB_FUSION_THRESHOLD": str(1 << 20)},
     # With --racks: one level (every pusher crosses the core itself), or two
     # levels forced (auto, the default, lets PHub's model decide).
@@ -375,7 +379,9 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
             if layout.colocated:
                 server_hosts += [f"w{i}" for i in range(layout.workers)]
             for name in server_hosts:
-                argv = [py, "-m", "gradhub", "server", "--threads", str(layout.server_threads)]
+                argv = [py, "-m", "gradhub", "server"]
+                if layout.server_threads:   # 0: the server's own default (one per core)
+                    argv += ["--threads", str(layout.server_threads)]
                 if name.startswith("w"):
                     argv.append("--colocated")
                 if racks:
