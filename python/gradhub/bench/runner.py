@@ -44,6 +44,8 @@ VARIANTS = {
     # machine's own congestion control instead of cubic.
     "nospread": {"GRADHUB_SPREAD_BYTES": "0"},
     "syscc": {"GRADHUB_TCP_CONGESTION": "system"},
+    # Chunks of 64 KiB (read by the scheduler; only without --partition-bytes, i.e. with --unscaled).
+    "chunk64k": {"GRADHUB_PARTITION_BYTES": str(64 << 10)},
     "fusion1m": {"GRADHUB_FUSION_THRESHOLD": str(1 << 20)},
     # With --racks: one level (every pusher crosses the core itself), or two
     # levels forced (auto, the default, lets PHub's model decide).
