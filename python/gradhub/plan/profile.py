@@ -1,0 +1,140 @@
+"""Model profiles for the simulator: per layer (forward order) the gradient
+tensors' bytes and the forward and backward compute times.
+
+Three sources: the built-in profiles of `gradhub bench train`
+(`gradhub.bench.profiles`, byte counts divided by `scale` exactly as the
+emulated model divides them), a JSON file, or a PyTorch model timed on this
+machine (`module:factory`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass
+class SimLayer:
+    name: str
+    tensors: list[int]          # bytes of each gradient tensor
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class SimProfile:
+    name: str
+    batch: int                  # samples per worker and step
+    layers: list[SimLayer] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(sum(l.tensors) for l in self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(l.forward_s for l in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(l.forward_s + l.backward_s for l in self.layers)
+
+    def to_json(self) -> dict:
+        return {"batch": self.batch, "layers": [
+            {"name": l.name, "params": sum(l.tensors) // 4, "dtype": "float32", "forward_ms": l.forward_s * 1e3,
+             "backward_ms": l.backward_s * 1e3} for l in self.layers]}
+
+
+def builtin(name: str, scale: float = 1.0) -> SimProfile:
+    """A `gradhub bench train` profile: tensors of ceil(n / scale) float32
+    elements (at least one), as `gradhub.bench.emulate` builds them."""
+    from ..bench import profiles
+
+    p = profiles.get(name)
+    layers = [SimLayer(l.name, [4 * max(1, math.ceil(n / scale)) for n in l.params], f, b)
+              for l, (f, b) in zip(p.layers, p.compute_times())]
+    return SimProfile(p.name, p.batch, layers, f"{p.source}, bytes / {scale:g}")
+
+
+def from_json(path: str) -> SimProfile:
+    """`{"batch": B, "layers": [{"name", "params", "dtype", "forward_ms", "backward_ms"}, ...]}`,
+    forward order; `params` is the element count of the layer's gradients."""
+    with open(path) as f:
+        d = json.load(f)
+    layers = []
+    for i, l in enumerate(d["layers"]):
+        dtype = l.get("dtype", "float32")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"{path}: layer {i}: unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
+        n = int(l.get("params", 0))
+        layers.append(SimLayer(l.get("name", f"layer{i}"), [n * DTYPE_BYTES[dtype]] if n else [],
+                               float(l.get("forward_ms", 0)) / 1e3, float(l.get("backward_ms", 0)) / 1e3))
+    return SimProfile(d.get("name", path), int(d["batch"]), layers, path)
+
+
+def from_torch(spec: str, steps: int = 3) -> SimProfile:
+    """Time a PyTorch model on this machine. `module:factory`: factory()
+    returns (model, example_batch). Each leaf module with parameters is a
+    layer; its forward time is measured with hooks, its backward time is the
+    step's measured backward time split in proportion to forward time."""
+    import torch
+
+    mod, _, fn = spec.partition(":")
+    if not fn:
+        raise ValueError(f"--torch-model {spec!r}: expected module:factory")
+    made = getattr(importlib.import_module(mod), fn)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise ValueError(f"--torch-model {spec}: the factory must return (model, example_batch)")
+    model, x = made
+    leaves = [(n, m) for n, m in model.named_modules()
+              if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+    fwd = {n: 0.0 for n, _ in leaves}
+    starts: dict[str, float] = {}
+    hooks = []
+    for n, m in leaves:
+        hooks.append(m.register_forward_pre_hook(lambda _m, _i, n=n: starts.__setitem__(n, time.perf_counter())))
+        hooks.append(m.register_forward_hook(
+            lambda _m, _i, _o, n=n: fwd.__setitem__(n, fwd[n] + time.perf_counter() - starts[n])))
+    order: list[str] = []
+    for n, m in leaves:
+        hooks.append(m.register_forward_hook(lambda *_a, n=n: order.append(n) if n not in order else None))
+    back = 0.0
+    for s in range(steps + 1):
+        if s == 1:
+            for n in fwd:
+                fwd[n] = 0.0
+            back = 0.0
+        out = model(x)
+        loss = out.float().sum() if torch.is_tensor(out) else sum(o.float().sum() for o in out)
+        t0 = time.perf_counter()
+        loss.backward()
+        back += time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    total_f = sum(fwd.values()) or 1.0
+    mods = dict(leaves)
+    layers = []
+    for n in order:
+        params = [p for p in mods[n].parameters(recurse=False) if p.requires_grad]
+        f = fwd[n] / steps
+        layers.append(SimLayer(n, [p.numel() * p.element_size() for p in params], f, back / steps * fwd[n] / total_f))
+    batch = int(x.shape[0]) if hasattr(x, "shape") else 1
+    return SimProfile(spec, batch, layers, f"timed on this machine ({steps} steps)")
+
+
+def load(model: str | None, scale: float, profile: str | None, torch_model: str | None) -> SimProfile:
+    """The profile the command line names (exactly one source)."""
+    given = [x for x in (profile, torch_model) if x]
+    if len(given) > 1:
+        raise ValueError("give one of --model, --profile, --torch-model")
+    if profile:
+        return from_json(profile)
+    if torch_model:
+        return from_torch(torch_model)
+    return builtin(model or "vgg19", scale)
