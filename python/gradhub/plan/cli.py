@@ -20,7 +20,9 @@ from .sim import byteps_optimum, simulate_gradhub
 def _model_args(p) -> None:
     from ..bench.profiles import PROFILES
 
-    p.add_argument("--model", default="vgg19", choices=sorted(PROFILES),
+    from .profile import EXTRA
+
+    p.add_argument("--model", default="vgg19", choices=sorted([*PROFILES, *EXTRA]),
                    help="a built-in profile, as `gradhub bench train` (default vgg19)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="divide every byte count by this, as `gradhub bench train --scale` (default 1: the real model)")

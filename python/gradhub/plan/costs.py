@@ -7,7 +7,9 @@ chunk costs beyond its bytes (worker and server together, through the core's
 own client and server on loopback), the CPU per byte of TCP (the same job,
 big chunks), a memory pass (the host stage's copies), and a worker's local
 step per parameter byte (gradient tensors made and an SGD-with-momentum
-update, what `gradhub bench train`'s emulated model does every step). The
+update, what `gradhub bench train`'s emulated model does every step), and
+the emulated model's own overheads (how late a sleep returns, CPU per
+layer), which only the validation against the emulated cluster uses. The
 wire efficiency is TCP payload per byte a link carries (1448 of 1514 bytes
 per full Ethernet frame with timestamps), which tc's shaper counts."""
 
@@ -32,6 +34,9 @@ class Costs:
     mem_Bps: float = 15.0e9              # one memory pass (copy), bytes/s
     step_Bps: float = 1.53e9             # a worker's local step, parameter bytes/s
     op_cpu_s: float = 58e-6            # worker CPU per push_pull of DistributedOptimizer (Python, hooks, core)
+    # The emulated model's own costs (bench/emulate.py; only when simulating the emulated cluster):
+    sleep_overshoot_s: float = 78e-6    # how much later than asked time.sleep returns
+    layer_cpu_s: float = 22e-6          # Python and autograd per emulated layer, forward + backward
     wire_efficiency: float = 1448 / 1514
     source: str = "built-in (docs/bench/plan/calibration.json)"
 
@@ -120,6 +125,34 @@ def _chunks(nbytes: int, partitions: tuple[int, int], reps: int) -> tuple[float,
     return per_chunk, per_byte
 
 
+def _harness(layers: int = 200) -> tuple[float, float]:
+    """(sleep overshoot, CPU per layer) of the emulated model: how late
+    time.sleep returns, and a forward + backward of a model of tiny layers
+    with no compute, per layer."""
+    import statistics
+
+    import torch
+
+    from ..bench.emulate import EmulatedModel
+    from ..bench.profiles import Layer, Profile
+
+    late = []
+    for d in (3e-4, 1e-3, 3e-3) * 40:
+        t0 = time.perf_counter()
+        time.sleep(d)
+        late.append(time.perf_counter() - t0 - d)
+    torch.set_num_threads(1)
+    m = EmulatedModel(Profile("tiny", 1, 0.0, [Layer(f"l{i}", [1], 1.0) for i in range(layers)]), 1)
+    x = torch.ones(1, requires_grad=True)
+
+    def step():
+        m.zero_grad()
+        m(x).backward()
+
+    step()
+    return statistics.median(late), _best(step, 10) / layers
+
+
 def _ops(tensors: int, steps: int) -> float:
     """Worker CPU per push_pull under DistributedOptimizer: a one-worker
     job on loopback (`gradhub bench tensors`' job) with many tiny tensors,
@@ -137,8 +170,9 @@ def calibrate(quick: bool = False) -> Costs:
     step_Bps = _step(mb)
     chunk_cpu, tcp = _chunks(mb // 4 if quick else mb // 2, (16 << 10, 4 << 20), 3 if quick else 5)
     op_cpu = _ops(200, 60 if quick else 150)
+    overshoot, layer_cpu = _harness()
     return Costs(sum_Bps=sum_Bps, chunk_cpu_s=chunk_cpu, tcp_cpu_per_byte=tcp, mem_Bps=mem_Bps, step_Bps=step_Bps,
-                 op_cpu_s=op_cpu,
+                 op_cpu_s=op_cpu, sleep_overshoot_s=overshoot, layer_cpu_s=layer_cpu,
                  source=f"gradhub bench calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}")
 
 
@@ -146,4 +180,5 @@ def describe(c: Costs) -> str:
     return (f"sum {c.sum_Bps / 1e9:.2f} GB/s per thread, {c.chunk_cpu_s * 1e6:.1f} us CPU per chunk, "
             f"TCP {c.tcp_cpu_per_byte * 1e9:.3f} ns CPU per byte, memory {c.mem_Bps / 1e9:.2f} GB/s, "
             f"local step {c.step_Bps / 1e9:.2f} GB/s of parameters, {c.op_cpu_s * 1e6:.0f} us worker CPU per "
-            f"push_pull, wire efficiency {c.wire_efficiency:.3f}")
+            f"push_pull, sleep {c.sleep_overshoot_s * 1e6:.0f} us late, {c.layer_cpu_s * 1e6:.0f} us CPU per emulated "
+            f"layer, wire efficiency {c.wire_efficiency:.3f}")

@@ -9,7 +9,8 @@ bucket at a time, in order. A ring over N = hosts x GPUs processes, ranked
 host by host, moves 2(N-1)/N of a bucket through each host link each way,
 in 2(N-1) steps that each pay a latency; each process also sums (N-1)/N of
 it. With racks the ring crosses each rack's core link once each way.
-After the last bucket, the local step; then the next forward."""
+After the last bucket, the local step (on the CPU in the emulated
+cluster only); then the next forward."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def simulate_ddp(profile: SimProfile, c: Cluster, costs: Costs, bucket_cap: floa
     for bi, (_, lo) in enumerate(bks):
         ready_after.setdefault(lo, []).append(bi)
     N = c.workers
-    step_scale = max(1.0, N / c.shared_cores) if c.shared_cores else 1.0
-    step_s = profile.model_bytes / costs.step_Bps * step_scale
+    # The local step on the CPU in the emulated cluster only (sim.py).
+    step_s = profile.model_bytes / costs.step_Bps * max(1.0, N / c.shared_cores) if c.shared_cores else 0.0
     state = {"next": 0, "ready": set(), "busy": False, "done": 0, "bwd_end": None, "end": None}
 
     def start_next():

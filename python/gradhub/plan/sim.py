@@ -169,7 +169,8 @@ class GradhubSim:
         self.core_up, self.core_down = Resource("rack core uplink"), Resource("rack core downlink")
         self.g_cpu = Resource("colocated server threads", c.server_threads)
         self.s_cpu = Resource("CPU-only server threads", c.server_threads)
-        self.w_cpu = Resource("worker I/O threads", self.P)
+        # Every worker has its I/O thread; with the host stage each pushes 1/W of the chunks.
+        self.w_cpu = Resource("worker I/O threads", W)
         self.cpu = Resource("machine CPU (emulated hosts share it)")
         self.compute = Resource("GPU compute")
         self.B, self.core_B = B, core
@@ -177,7 +178,7 @@ class GradhubSim:
         self._cost_cache: dict[tuple[int, str], tuple] = {}
         # The representative worker's windows (every pusher of the host has its own).
         n_conns = ((H if c.colocated else 0) + k) * c.server_threads
-        self.window = self.P * min(opt.credit_bytes * max(1, n_conns), opt.spread or float("inf"))
+        self.window = W * min(opt.credit_bytes * max(1, n_conns), opt.spread or float("inf"))
 
     # -- per-chunk costs -------------------------------------------------
     def costs(self, b: int, kind: str) -> tuple:
@@ -233,8 +234,9 @@ class GradhubSim:
         L = len(p.layers)
         lat = self.c.latency_s
         N = self.c.workers
-        step_scale = max(1.0, N / self.cores) if self.cores else 1.0
-        step_s = p.model_bytes / self.k.step_Bps * step_scale
+        # The local optimizer step: on the CPU in the emulated cluster (all
+        # workers at once on the shared cores); on GPUs, part of the compute.
+        step_s = p.model_bytes / self.k.step_Bps * max(1.0, N / self.cores) if self.cores else 0.0
         layer_msgs: list[list[int]] = [[] for _ in range(L)]
         for mi, m in enumerate(self.msgs):
             for li in m.layers:

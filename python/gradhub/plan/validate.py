@@ -95,10 +95,10 @@ def predict(c: Config, costs, cores: int) -> tuple[float, float]:
     machine's cores shared by every emulated host)."""
     from .cluster import Cluster, Options, rate
     from .ddp import simulate_ddp
-    from .profile import builtin
+    from .profile import builtin, emulated
     from .sim import simulate_gradhub
 
-    prof = builtin(c.model, c.scale)
+    prof = emulated(builtin(c.model, c.scale), costs)
     cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
     gh = simulate_gradhub(prof, cl, Options().scaled(c.scale), costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
@@ -141,6 +141,11 @@ def run(args) -> int:
         if failed:
             print(f"gradhub bench validate: {failed} run(s) failed", file=sys.stderr)
     costs = Costs.load(args.costs)
+    if args.plots:
+        from .plots import write
+
+        for path in write(Path(args.plots), costs):
+            print(f"wrote {path}")
     rows, md = table(configs, cache, costs, args.cores or os.cpu_count() or 1)
     if not rows:
         print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
@@ -167,3 +172,5 @@ def add_arguments(p) -> None:
     p.add_argument("--cores", type=int, default=0,
                    help="cores the emulated hosts share (default: this machine's)")
     p.add_argument("--json", help="write the table's rows to this JSON file")
+    p.add_argument("--plots", metavar="DIR", help="also draw the scaling plots (8-256 GPUs) into DIR "
+                                                  "(docs/bench/plan)")
