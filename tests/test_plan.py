@@ -135,3 +135,24 @@ def test_plan_json_and_apply(tmp_path):
     assert "GRADHUB_NUM_SERVERS=" in text
     for k, v in d["choices"][0]["env"].items():
         assert f"{k}={v}" in text
+
+
+def test_help_texts():
+    for args, words in [(("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json"]),
+                        (("plan",), ["--cpu-available", "--gpu-price", "--apply"]),
+                        (("bench", "validate"), ["--measure", "--cache", "--plots"]),
+                        (("bench", "calibrate"), ["--out", "--quick"])]:
+        out = _cli(*args, "--help")
+        for w in words:
+            assert w in out, (args, w)
+
+
+def test_json_profile(tmp_path):
+    """A profile file: the simulator sees its bytes and compute."""
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"batch": 8, "layers": [
+        {"name": "a", "params": 1000, "dtype": "float16", "forward_ms": 1, "backward_ms": 2},
+        {"name": "b", "params": 0, "forward_ms": 3, "backward_ms": 6}]}))
+    d = json.loads(_cli("simulate", "--profile", str(f), "--hosts", "2", "--rate", "100gbit", "--json"))
+    assert d["model_mbytes"] == pytest.approx(2000 / 1e6)
+    assert d["compute_ms"] == pytest.approx(12.0)

@@ -28,15 +28,15 @@ DEFAULT_FILE = Path(os.path.expanduser("~/.config/gradhub/costs.json"))
 class Costs:
     # Defaults: `gradhub bench calibrate` on the 2-core machine gradhub is
     # developed on (docs/bench/plan/calibration.json, docs/planning.md).
-    sum_Bps: float = 14.6e9              # bytes/s one server thread adds into an accumulator
-    chunk_cpu_s: float = 6.5e-6          # CPU per chunk beyond its bytes (worker + server)
-    tcp_cpu_per_byte: float = 0.30e-9   # CPU seconds per byte sent and received over TCP (both ends)
-    mem_Bps: float = 15.0e9              # one memory pass (copy), bytes/s
-    step_Bps: float = 1.53e9             # a worker's local step, parameter bytes/s
-    op_cpu_s: float = 58e-6            # worker CPU per push_pull of DistributedOptimizer (Python, hooks, core)
+    sum_Bps: float = 1.67e+10           # bytes/s one server thread adds into an accumulator
+    chunk_cpu_s: float = 1.08e-05       # CPU per chunk beyond its bytes (worker + server)
+    tcp_cpu_per_byte: float = 1.31e-10  # CPU seconds per byte sent and received over TCP (both ends)
+    mem_Bps: float = 1.57e+10           # one memory pass (copy), bytes/s
+    step_Bps: float = 1.54e+09          # a worker's local step, parameter bytes/s
+    op_cpu_s: float = 6.79e-05          # worker CPU per push_pull of DistributedOptimizer (Python, hooks, core)
     # The emulated model's own costs (bench/emulate.py; only when simulating the emulated cluster):
-    sleep_overshoot_s: float = 78e-6    # how much later than asked time.sleep returns
-    layer_cpu_s: float = 22e-6          # Python and autograd per emulated layer, forward + backward
+    sleep_overshoot_s: float = 7.62e-05  # how much later than asked time.sleep returns
+    layer_cpu_s: float = 2.24e-05       # Python and autograd per emulated layer, forward + backward
     wire_efficiency: float = 1448 / 1514
     source: str = "built-in (docs/bench/plan/calibration.json)"
 
