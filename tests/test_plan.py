@@ -156,3 +156,21 @@ def test_json_profile(tmp_path):
     d = json.loads(_cli("simulate", "--profile", str(f), "--hosts", "2", "--rate", "100gbit", "--json"))
     assert d["model_mbytes"] == pytest.approx(2000 / 1e6)
     assert d["compute_ms"] == pytest.approx(12.0)
+
+
+def test_torch_model_is_timed_layer_by_layer(tmp_path):
+    (tmp_path / "tiny_models.py").write_text(
+        "import torch\n"
+        "def mlp():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))\n"
+        "    return m, torch.randn(8, 32)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from gradhub.plan.profile import from_torch
+
+        p = from_torch("tiny_models:mlp", steps=2, warmup=1)
+    finally:
+        sys.path.remove(str(tmp_path))
+    assert [l.name for l in p.layers] == ["0", "2"]
+    assert [l.tensors for l in p.layers] == [[32 * 64 * 4, 64 * 4], [64 * 10 * 4, 10 * 4]]
+    assert p.batch == 8 and all(l.forward_s > 0 and l.backward_s > 0 for l in p.layers)

@@ -142,11 +142,12 @@ def from_json(path: str) -> SimProfile:
     return SimProfile(d.get("name", path), int(d["batch"]), layers, path)
 
 
-def from_torch(spec: str, steps: int = 3) -> SimProfile:
+def from_torch(spec: str, steps: int = 5, warmup: int = 2) -> SimProfile:
     """Time a PyTorch model on this machine. `module:factory`: factory()
     returns (model, example_batch). Each leaf module with parameters is a
-    layer; its forward time is measured with hooks, its backward time is the
-    step's measured backward time split in proportion to forward time."""
+    layer, timed by hooks; the step's measured forward and backward times are
+    split over the layers in proportion to those (after `warmup` untimed
+    steps, the median of `steps`)."""
     import torch
 
     mod, _, fn = spec.partition(":")
@@ -161,36 +162,54 @@ def from_torch(spec: str, steps: int = 3) -> SimProfile:
     fwd = {n: 0.0 for n, _ in leaves}
     starts: dict[str, float] = {}
     hooks = []
+    # On a GPU, kernels run asynchronously: each timestamp waits for them.
+    sync = torch.cuda.synchronize if getattr(x, "is_cuda", False) else (lambda: None)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
     for n, m in leaves:
-        hooks.append(m.register_forward_pre_hook(lambda _m, _i, n=n: starts.__setitem__(n, time.perf_counter())))
+        hooks.append(m.register_forward_pre_hook(lambda _m, _i, n=n: starts.__setitem__(n, now())))
         hooks.append(m.register_forward_hook(
-            lambda _m, _i, _o, n=n: fwd.__setitem__(n, fwd[n] + time.perf_counter() - starts[n])))
+            lambda _m, _i, _o, n=n: fwd.__setitem__(n, fwd[n] + now() - starts[n])))
     order: list[str] = []
     for n, m in leaves:
         hooks.append(m.register_forward_hook(lambda *_a, n=n: order.append(n) if n not in order else None))
-    back = 0.0
-    for s in range(steps + 1):
-        if s == 1:
-            for n in fwd:
-                fwd[n] = 0.0
-            back = 0.0
+    timed = []   # per step: (forward, backward, each layer's forward)
+    # Untimed first: at least `warmup` steps and one second (right after
+    # torch's import its thread pools and allocator are still warming up:
+    # steps there ran 100x slower).
+    warmup = max(1, warmup)
+    start = time.perf_counter()
+    while len(timed) < warmup + steps:
+        if len(timed) == warmup and time.perf_counter() - start < 1.0:
+            timed.pop()
+        for n in fwd:
+            fwd[n] = 0.0
+        t0 = now()
         out = model(x)
         loss = out.float().sum() if torch.is_tensor(out) else sum(o.float().sum() for o in out)
-        t0 = time.perf_counter()
+        t1 = now()
         loss.backward()
-        back += time.perf_counter() - t0
+        t2 = now()
+        timed.append((t1 - t0, t2 - t1, dict(fwd)))
         model.zero_grad(set_to_none=True)
     for h in hooks:
         h.remove()
+    # The median step: one preempted by another process does not count.
+    forward, back, fwd = sorted(timed[warmup:], key=lambda t: t[0] + t[1])[steps // 2]
     total_f = sum(fwd.values()) or 1.0
     mods = dict(leaves)
     layers = []
     for n in order:
+        # Modules without parameters (activations, pooling) and the loss
+        # are spread over the layers in proportion, so the step adds up.
+        share = fwd[n] / total_f
         params = [p for p in mods[n].parameters(recurse=False) if p.requires_grad]
-        f = fwd[n] / steps
-        layers.append(SimLayer(n, [p.numel() * p.element_size() for p in params], f, back / steps * fwd[n] / total_f))
+        layers.append(SimLayer(n, [p.numel() * p.element_size() for p in params], forward * share, back * share))
     batch = int(x.shape[0]) if hasattr(x, "shape") else 1
-    return SimProfile(spec, batch, layers, f"timed on this machine ({steps} steps)")
+    return SimProfile(spec, batch, layers, f"timed on this machine (median of {steps} steps)")
 
 
 def load(model: str | None, scale: float, profile: str | None, torch_model: str | None) -> SimProfile:
