@@ -7,7 +7,7 @@ two-level racks), with gradhub's defaults (src/settings.rs, src/lib.rs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from ..bench.netns import parse_rate
 
@@ -94,7 +94,6 @@ class Prices:
     """Optional machine prices (per hour), for cost per sample."""
     gpu_host: float = 0.0
     cpu_host: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     def per_hour(self, c: Cluster) -> float:
         return self.gpu_host * c.hosts + self.cpu_host * c.cpu_servers

@@ -41,7 +41,8 @@ def layouts(base: Cluster, max_cpu: int) -> list[Cluster]:
     return out
 
 
-def option_sets(base: Cluster, allow_overlap: bool) -> list[Options]:
+def option_sets(base: Cluster) -> list[Options]:
+    """Starting points: the host stage on and off with several GPUs per machine."""
     host = (True, False) if base.workers_per_host > 1 else (True,)
     return [Options(host_reduce=h) for h in host]
 
@@ -85,7 +86,7 @@ def plan(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, prices:
         knobs.pop("overlap_forward", None)
     found = []
     for c in layouts(base, max_cpu):
-        for start in option_sets(c, allow_overlap):
+        for start in option_sets(c):
             o, r = tune(profile, c, start, costs, knobs, prices)
             cps = None
             if prices and prices.per_hour(c) > 0:
@@ -103,7 +104,7 @@ def exhaustive(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, k
 
     best = None
     for c in layouts(base, max_cpu):
-        for start in option_sets(c, True):
+        for start in option_sets(c):
             names = list(knobs)
             for vals in itertools.product(*(knobs[n] for n in names)):
                 o = replace(start, **dict(zip(names, vals)))

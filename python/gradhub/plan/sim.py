@@ -31,7 +31,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from ..bench.runner import byteps_optimum_time, server_shares
+from ..bench.runner import byteps_optimum_time
 from .cluster import Cluster, Options
 from .costs import Costs
 from .engine import Engine, Resource
@@ -111,7 +111,7 @@ def place(msgs: list[Message], c: Cluster, opt: Options) -> None:
     if c.colocated and w_gpu == 0 and k == 0:
         w_gpu = 1
     i = 0
-    # Server ranks as the emulated cluster registers them: CPU-only first.
+    # Slots in a fixed order (CPU-only first): the order only breaks ties.
     for kind, count, w in (("cpu", k, w_cpu), ("gpu", c.hosts if c.colocated else 0, w_gpu)):
         for _ in range(count):
             for _t in range(c.server_threads):
@@ -389,6 +389,3 @@ def byteps_optimum(profile: SimProfile, c: Cluster) -> float:
     rates, the host stage) overlapped perfectly with compute."""
     t = byteps_optimum_time(c.hosts, c.cpu_servers, profile.model_bytes, c.rate_bps) if c.colocated else 0.0
     return c.workers * profile.batch / max(profile.compute_s, t, 1e-12)
-
-
-__all__ = ["Result", "GradhubSim", "simulate_gradhub", "byteps_optimum", "messages", "place", "server_shares"]

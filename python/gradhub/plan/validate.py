@@ -63,10 +63,10 @@ def load_cache(path: Path) -> dict[tuple, dict]:
     return out
 
 
-def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2) -> int:
+def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2, trials: int = 1) -> int:
     """Run `gradhub bench train` for every configuration (and system) the
-    cache lacks; each run appends its records to the cache. Returns the
-    number of failed runs."""
+    cache lacks, the median of `trials` interleaved trials; each run appends
+    its records to the cache. Returns the number of failed runs."""
     from ..bench.cli import main as bench_main
 
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +79,7 @@ def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2)
         print(f"== measuring {c.label}: {', '.join(systems)}", flush=True)
         argv = ["train", "--model", c.model, "--workers", str(c.workers), "--cpu-servers", str(c.k),
                 "--rate", c.rate, "--scale", f"{c.scale:g}", "--systems", ",".join(systems),
-                "--iters", str(iters), "--warmup", str(warmup), "--json", str(cache)]
+                "--iters", str(iters), "--warmup", str(warmup), "--trials", str(trials), "--json", str(cache)]
         try:
             rc = bench_main(argv)
         except Exception as e:  # one broken run must not lose the rest of the batch
@@ -137,7 +137,7 @@ def run(args) -> int:
     cache = Path(args.cache)
     configs = CONFIGS[: args.limit] if args.limit else CONFIGS
     if args.measure:
-        failed = measure(configs, cache, args.iters, args.warmup)
+        failed = measure(configs, cache, args.iters, args.warmup, args.trials)
         if failed:
             print(f"gradhub bench validate: {failed} run(s) failed", file=sys.stderr)
     costs = Costs.load(args.costs)
@@ -162,12 +162,14 @@ def run(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--measure", action="store_true",
                    help="run the configurations the cache lacks on the emulated cluster first (root; slow: "
-                        "about 30 min for all; hold /work/bench.lock or equivalent while others measure)")
+                        "about 25 min for all; hold /work/bench.lock or equivalent while others measure)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE),
                    help=f"JSON lines of measured runs, read and appended (default {DEFAULT_CACHE})")
     p.add_argument("--limit", type=int, default=0, help="only the first N configurations (default: all)")
     p.add_argument("--iters", type=int, default=6, help="timed iterations per measured run (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--trials", type=int, default=1,
+                   help="interleaved trials per run, the median counts (default 1; 3 on a machine others load)")
     p.add_argument("--costs", help="calibration file (default ~/.config/gradhub/costs.json, else built-in)")
     p.add_argument("--cores", type=int, default=0,
                    help="cores the emulated hosts share (default: this machine's)")
