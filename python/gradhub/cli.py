@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every GRADHUB_* setting, from the registry the core declares them in (src/settings.rs). "
         "--markdown prints README's settings table.")
     stg.add_argument("--markdown", action="store_true", help="print the table in README form")
+    sub.add_parser("simulate", help="predict gradhub's and DDP's samples/s on any cluster (docs/planning.md)",
+                   add_help=False)
+    sub.add_parser("plan", help="search servers, layout and options for a cluster with the simulator",
+                   add_help=False)
     sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
                    "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
                    add_help=False)
@@ -280,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] in ("simulate", "plan"):
+        from .plan.cli import main as plan_main
+
+        return plan_main(argv)
     try:
         parser = build_parser()
     except ValueError as e:  # a malformed GRADHUB_* variable

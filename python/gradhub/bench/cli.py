@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="docs/bench", help="data folder (default docs/bench)")
     r.add_argument("--doc", default="docs/benchmarks.md")
     sub.add_parser("cleanup", help="remove namespaces/bridges left by a killed run")
+    from ..plan import cli as plan_cli, validate
+
+    cal = sub.add_parser("calibrate", help="measure this machine's costs for `gradhub simulate` (seconds)")
+    plan_cli.add_calibrate_arguments(cal)
+    val = sub.add_parser("validate", help="the simulator's predictions beside emulated-cluster measurements")
+    validate.add_arguments(val)
     return ap
 
 
@@ -429,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         except CheckoutError as e:
             print(f"gradhub bench {args.cmd}: {e}", file=sys.stderr)
             return 2
+    if args.cmd in ("calibrate", "validate"):
+        from ..plan import cli as plan_cli, validate
+
+        return plan_cli.run_calibrate(args) if args.cmd == "calibrate" else validate.run(args)
     if args.cmd == "timeline-plot":
         from .timeline_plot import plot
 

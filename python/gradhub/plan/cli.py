@@ -1,0 +1,182 @@
+"""Command lines of `gradhub simulate`, `gradhub plan` and `gradhub bench
+calibrate` (argparse, output formatting); `gradhub bench validate`'s are in
+validate.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from .cluster import Cluster, Options, Prices, rate
+from .costs import DEFAULT_FILE, Costs, calibrate, describe
+from .ddp import simulate_ddp
+from .profile import load
+from .sim import byteps_optimum, simulate_gradhub
+
+
+def _model_args(p) -> None:
+    from ..bench.profiles import PROFILES
+
+    from .profile import EXTRA
+
+    p.add_argument("--model", default="vgg19", choices=sorted([*PROFILES, *EXTRA]),
+                   help="a built-in profile, as `gradhub bench train` (default vgg19)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="divide every byte count by this, as `gradhub bench train --scale` (default 1: the real model)")
+    p.add_argument("--profile", metavar="FILE.json",
+                   help='a profile file: {"batch": 32, "layers": [{"name", "params", "dtype", "forward_ms", '
+                        '"backward_ms"}, ...]} in forward order')
+    p.add_argument("--torch-model", metavar="MODULE:FACTORY",
+                   help="time a PyTorch model on this machine: FACTORY() returns (model, example_batch)")
+    p.add_argument("--costs", help=f"calibration file from `gradhub bench calibrate` (default {DEFAULT_FILE} if "
+                                   "present, else this project's machine)")
+
+
+def _cluster_args(p, plan: bool = False) -> None:
+    p.add_argument("--hosts", type=int, default=4, help="worker (GPU) machines (default 4)")
+    p.add_argument("--workers-per-host", type=int, default=1, metavar="W", help="GPUs per machine (default 1)")
+    if not plan:
+        p.add_argument("--cpu-servers", type=int, default=0, metavar="K", help="CPU-only server machines (default 0)")
+        p.add_argument("--no-colocated", action="store_true", help="no server on the GPU machines")
+    p.add_argument("--rate", default="1gbit", help="each machine's link, each direction, tc syntax (default 1gbit)")
+    p.add_argument("--core-rate", help="each rack's link to the core (default: one host link)")
+    p.add_argument("--racks", type=int, default=1, help="racks the machines are split into (default 1)")
+    p.add_argument("--latency-us", type=float, default=50.0, help="one-way latency per hop, us (default 50)")
+    p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
+    p.add_argument("--shared-cores", type=int, default=0,
+                   help="every host shares this many cores (the emulated cluster on one machine; default 0: "
+                        "each machine has its own)")
+
+
+def _cluster(args, k: int = 0, colocated: bool = True) -> Cluster:
+    return Cluster(args.hosts, args.workers_per_host, getattr(args, "cpu_servers", k),
+                   not getattr(args, "no_colocated", not colocated), rate(args.rate),
+                   rate(args.core_rate) if args.core_rate else 0.0, max(1, args.racks), args.latency_us * 1e-6,
+                   args.server_threads, args.shared_cores)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradhub", description="Predict gradhub's and DDP's training throughput.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    s = sub.add_parser("simulate", help="simulate training iterations under gradhub and DDP",
+                       description="A chunk-level discrete-event simulation of training under gradhub (and of "
+                       "DDP's bucketed ring all-reduce) on the given cluster: samples/s, the busiest resource, the "
+                       "share of the BytePS optimum. See docs/planning.md.",
+                       epilog="example: gradhub simulate --model vgg19 --hosts 32 --workers-per-host 8 "
+                              "--cpu-servers 16 --rate 100gbit")
+    _model_args(s)
+    _cluster_args(s)
+    s.add_argument("--partition-bytes", type=int, default=Options.partition_bytes, help="chunk size (default 256 KiB)")
+    s.add_argument("--credit-bytes", type=int, default=Options.credit_bytes, help="credit per connection (512 KiB)")
+    s.add_argument("--fusion-threshold", type=int, default=Options.fusion_threshold, help="fusion bucket bytes")
+    s.add_argument("--no-host-reduce", action="store_true", help="host stage off")
+    s.add_argument("--overlap-forward", action="store_true", help="forward overlap on")
+    s.add_argument("--fifo", action="store_true", help="GRADHUB_SCHEDULING=fifo")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    pl = sub.add_parser("plan", help="search layouts and options for the fastest (or cheapest) training",
+                        description="Searches k CPU-only machines (0 to --cpu-available), colocated or not, the "
+                        "host stage, partition, credit and forward overlap with the simulator, and prints the best "
+                        "few with predicted throughput, speed-up over DDP, cost per sample and the binding "
+                        "resource.")
+    _model_args(pl)
+    _cluster_args(pl, plan=True)
+    pl.add_argument("--cpu-available", type=int, default=4, help="CPU-only machines available, at most (default 4)")
+    pl.add_argument("--gpu-price", type=float, default=0.0, help="price per GPU machine and hour (rank by cost)")
+    pl.add_argument("--cpu-price", type=float, default=0.0, help="price per CPU-only machine and hour")
+    pl.add_argument("--no-overlap", action="store_true", help="do not consider forward overlap (it changes "
+                                                              "training semantics: updates one step late per layer)")
+    pl.add_argument("--top", type=int, default=5, help="how many choices to print (default 5)")
+    pl.add_argument("--apply", metavar="FILE", help="write the first choice's settings to FILE (KEY=VALUE lines)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def _simulate(args) -> int:
+    prof = load(args.model, args.scale, args.profile, args.torch_model)
+    costs = Costs.load(args.costs)
+    c = _cluster(args)
+    if c.num_servers < 1:
+        print("gradhub simulate: --no-colocated needs --cpu-servers >= 1", file=sys.stderr)
+        return 2
+    o = Options(partition_bytes=args.partition_bytes, credit_bytes=args.credit_bytes,
+                fusion_threshold=args.fusion_threshold, host_reduce=not args.no_host_reduce,
+                overlap_forward=args.overlap_forward, scheduling="fifo" if args.fifo else "priority")
+    gh = simulate_gradhub(prof, c, o, costs)
+    ddp = simulate_ddp(prof, replace(c, cpu_servers=0), costs, 25e6 / args.scale)
+    opt = byteps_optimum(prof, c)
+    out = {"model": prof.name, "cluster": c.describe(), "workers": c.workers,
+           "model_mbytes": prof.model_bytes / 1e6, "compute_ms": prof.compute_s * 1e3,
+           "gradhub_samples_per_s": gh.samples_per_s, "ddp_samples_per_s": ddp.samples_per_s,
+           "speedup_over_ddp": gh.samples_per_s / ddp.samples_per_s, "bottleneck": gh.bottleneck,
+           "ddp_bottleneck": ddp.bottleneck, "utilization": gh.utilization,
+           "byteps_optimum_samples_per_s": opt, "share_of_byteps_optimum": gh.samples_per_s / opt,
+           "host_link_mbytes_per_iter": gh.host_bytes / 1e6, "iteration_ms": gh.iter_s * 1e3,
+           "simulated_events": gh.events, "simulation_s": gh.wall_s + ddp.wall_s, "costs": costs.source}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{prof.name} ({prof.model_bytes / 1e6:.1f} MB of gradients, {prof.compute_s * 1e3:.0f} ms compute per "
+          f"batch of {prof.batch}) on {c.describe()}:")
+    print(f"  gradhub  {gh.samples_per_s:10.1f} samples/s  ({gh.iter_s * 1e3:.1f} ms/iteration; busiest: "
+          f"{gh.bottleneck} {gh.utilization.get(gh.bottleneck, 0):.0%})")
+    print(f"  DDP      {ddp.samples_per_s:10.1f} samples/s  ({ddp.iter_s * 1e3:.1f} ms/iteration; busiest: "
+          f"{ddp.bottleneck})")
+    print(f"  gradhub / DDP {out['speedup_over_ddp']:.2f}; {out['share_of_byteps_optimum']:.0%} of the BytePS "
+          f"optimum ({opt:.1f} samples/s); {gh.host_bytes / 1e6:.1f} MB per host link and iteration; "
+          f"simulated in {out['simulation_s']:.2f} s")
+    return 0
+
+
+def _plan(args) -> int:
+    from .search import env_file, plan
+
+    prof = load(args.model, args.scale, args.profile, args.torch_model)
+    costs = Costs.load(args.costs)
+    base = _cluster(args)
+    prices = Prices(args.gpu_price, args.cpu_price) if (args.gpu_price or args.cpu_price) else None
+    choices, ddp = plan(prof, base, costs, args.cpu_available, prices, not args.no_overlap, top=args.top)
+    rows = [{"k": ch.cluster.cpu_servers, "colocated": ch.cluster.colocated, "env": ch.options.env(),
+             "samples_per_s": ch.result.samples_per_s, "speedup_over_ddp": ch.result.samples_per_s / ddp.samples_per_s,
+             "cost_per_sample": ch.cost_per_sample, "bottleneck": ch.result.bottleneck,
+             "bottleneck_utilization": ch.result.utilization.get(ch.result.bottleneck, 0.0)} for ch in choices]
+    if args.apply and choices:
+        Path(args.apply).write_text(env_file(choices[0]))
+    if args.json:
+        print(json.dumps({"model": prof.name, "ddp_samples_per_s": ddp.samples_per_s, "choices": rows}))
+        return 0
+    print(f"{prof.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs, {args.rate}, up to "
+          f"{args.cpu_available} CPU-only machines; DDP: {ddp.samples_per_s:.1f} samples/s")
+    print(f"{'#':>2s} {'k':>3s} {'colocated':>9s} {'samples/s':>10s} {'vs DDP':>7s} {'$/Msample':>10s}  "
+          f"settings; why (busiest resource)")
+    for i, (ch, r) in enumerate(zip(choices, rows), 1):
+        cps = f"{r['cost_per_sample'] * 1e6:10.3f}" if r["cost_per_sample"] is not None else f"{'-':>10s}"
+        env = " ".join(f"{k}={v}" for k, v in sorted(r["env"].items())) or "defaults"
+        print(f"{i:2d} {r['k']:3d} {str(r['colocated']).lower():>9s} {r['samples_per_s']:10.1f} "
+              f"{r['speedup_over_ddp']:7.2f} {cps}  {env}; {r['bottleneck']} {r['bottleneck_utilization']:.0%}")
+    if args.apply and choices:
+        print(f"wrote {args.apply} (the first choice: `set -a; . {args.apply}; set +a` before `gradhub launch`)")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _simulate(args) if args.cmd == "simulate" else _plan(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gradhub {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+def add_calibrate_arguments(p) -> None:
+    p.add_argument("--out", default=str(DEFAULT_FILE), help=f"where to write the costs (default {DEFAULT_FILE})")
+    p.add_argument("--quick", action="store_true", help="smaller microbenchmarks (a few seconds)")
+
+
+def run_calibrate(args) -> int:
+    c = calibrate(args.quick)
+    c.save(Path(args.out))
+    print(f"{describe(c)}\nwrote {args.out}")
+    return 0

@@ -1,0 +1,99 @@
+"""The cluster the simulator runs on, and gradhub's options on it.
+
+`Cluster` is the hardware and layout (worker hosts, GPUs per host, CPU-only
+servers, links, racks); `Options` is what gradhub's settings choose
+(partition, credit, spread, fusion, host stage, forward overlap, scheduling,
+two-level racks), with gradhub's defaults (src/settings.rs, src/lib.rs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..bench.netns import parse_rate
+
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class Cluster:
+    hosts: int                          # worker machines
+    workers_per_host: int = 1           # GPUs (worker processes) per machine
+    cpu_servers: int = 0                # CPU-only server machines, k
+    colocated: bool = True              # a server on every worker machine
+    rate_bps: float = 1e9               # each host link, each direction
+    core_bps: float = 0.0               # each rack's link to the core (0: one host link)
+    racks: int = 1
+    latency_s: float = 50e-6            # one way, per hop
+    server_threads: int = 1
+    # The emulated cluster: every host shares this machine's cores (0: each
+    # host has its own CPU, as real machines do).
+    shared_cores: int = 0
+
+    @property
+    def workers(self) -> int:
+        return self.hosts * self.workers_per_host
+
+    @property
+    def num_servers(self) -> int:
+        return self.cpu_servers + (self.hosts if self.colocated else 0)
+
+    def describe(self) -> str:
+        lay = f"{self.hosts} hosts x {self.workers_per_host} GPUs, k={self.cpu_servers}"
+        lay += "" if self.colocated else " (not colocated)"
+        if self.racks > 1:
+            lay += f", {self.racks} racks (core {(self.core_bps or self.rate_bps) / 1e9:g} Gbit/s)"
+        return lay + f", {self.rate_bps / 1e9:g} Gbit/s"
+
+
+@dataclass(frozen=True)
+class Options:
+    partition_bytes: int = 256 * KIB    # DEFAULT_PARTITION_BYTES
+    credit_bytes: int = 512 * KIB       # DEFAULT_CREDIT_BYTES, per server-thread connection
+    spread_bytes: int | None = None     # None: 4 credits (SPREAD_CREDITS)
+    fusion_threshold: int = 256 * KIB   # GRADHUB_FUSION_THRESHOLD
+    host_reduce: bool = True            # GRADHUB_HOST_REDUCE
+    overlap_forward: bool = False       # GRADHUB_OVERLAP_FORWARD
+    scheduling: str = "priority"        # GRADHUB_SCHEDULING
+    rack_reduce: str = "auto"           # GRADHUB_RACK_REDUCE
+
+    @property
+    def spread(self) -> int:
+        return 4 * self.credit_bytes if self.spread_bytes is None else self.spread_bytes
+
+    def scaled(self, scale: float) -> "Options":
+        """What `gradhub bench train --scale S` runs: partition and fusion
+        divided like every byte count (credit and spread are not)."""
+        return replace(self, partition_bytes=max(4096, int(self.partition_bytes / scale)),
+                       fusion_threshold=max(1024, int(self.fusion_threshold / scale)))
+
+    def env(self) -> dict[str, str]:
+        """The settings that differ from gradhub's defaults, as GRADHUB_* variables."""
+        d = Options()
+        out = {}
+        for f, var, fmt in (("partition_bytes", "GRADHUB_PARTITION_BYTES", str),
+                            ("credit_bytes", "GRADHUB_CREDIT_BYTES", str),
+                            ("spread_bytes", "GRADHUB_SPREAD_BYTES", str),
+                            ("fusion_threshold", "GRADHUB_FUSION_THRESHOLD", str),
+                            ("host_reduce", "GRADHUB_HOST_REDUCE", lambda v: "1" if v else "0"),
+                            ("overlap_forward", "GRADHUB_OVERLAP_FORWARD", lambda v: "1" if v else "0"),
+                            ("scheduling", "GRADHUB_SCHEDULING", str),
+                            ("rack_reduce", "GRADHUB_RACK_REDUCE", str)):
+            v = getattr(self, f)
+            if v != getattr(d, f):
+                out[var] = fmt(v)
+        return out
+
+
+def rate(text: str) -> float:
+    """bits/s from tc syntax (`1gbit`, `500mbit`, `25gbit`)."""
+    return float(parse_rate(text))
+
+
+@dataclass
+class Prices:
+    """Optional machine prices (per hour), for cost per sample."""
+    gpu_host: float = 0.0
+    cpu_host: float = 0.0
+
+    def per_hour(self, c: Cluster) -> float:
+        return self.gpu_host * c.hosts + self.cpu_host * c.cpu_servers

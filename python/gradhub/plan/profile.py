@@ -1,0 +1,224 @@
+"""Model profiles for the simulator: per layer (forward order) the gradient
+tensors' bytes and the forward and backward compute times.
+
+Three sources: the built-in profiles of `gradhub bench train`
+(`gradhub.bench.profiles`, byte counts divided by `scale` exactly as the
+emulated model divides them), a JSON file, or a PyTorch model timed on this
+machine (`module:factory`)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass
+class SimLayer:
+    name: str
+    tensors: list[int]          # bytes of each gradient tensor
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class SimProfile:
+    name: str
+    batch: int                  # samples per worker and step
+    layers: list[SimLayer] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(sum(l.tensors) for l in self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(l.forward_s for l in self.layers)
+
+    @property
+    def compute_s(self) -> float:
+        return sum(l.forward_s + l.backward_s for l in self.layers)
+
+    def to_json(self) -> dict:
+        return {"batch": self.batch, "layers": [
+            {"name": l.name, "params": sum(l.tensors) // 4, "dtype": "float32", "forward_ms": l.forward_s * 1e3,
+             "backward_ms": l.backward_s * 1e3} for l in self.layers]}
+
+
+def _vgg16():
+    """VGG-16 (138,357,544 parameters); time per batch of 32 from VGG-19's
+    (PHub Table 3) by FLOP ratio (15.5 / 19.6 GFLOPs)."""
+    from ..bench.profiles import Profile, _CNN
+
+    m = _CNN(3, 224, 32)
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    i = 0
+    for v in cfg:
+        if v == "M":
+            m.pool(2, 2)
+        else:
+            m.conv(f"features.{i}", v, 3, pad=1)
+            i += 1
+    m.linear("classifier.0", 512 * 7 * 7, 4096).linear("classifier.3", 4096, 4096).linear("classifier.6", 4096, 1000)
+    return Profile("vgg16", 32, 0.268 * 15.5 / 19.6, m.layers, "PHub Table 3 (VGG-19) by FLOP ratio")
+
+
+def _bert_large():
+    """BERT-large (24 layers, 1024 wide, with pooler: 335,141,888 parameters),
+    32 x 128 tokens; time by the estimate BERT-base uses (6 x params x tokens
+    FLOPs at 25 TFLOP/s): 330 ms."""
+    from ..bench.profiles import _transformer
+
+    return _transformer("bert_large", 30522, 512, 24, 1024, 4096, 32 * 128, 0.330, "estimate (6 N T at 25 TFLOP/s)",
+                        True)
+
+
+# Profiles only the planner has (the scaling plots), beside `gradhub bench train`'s.
+EXTRA = {"vgg16": _vgg16, "bert_large": _bert_large}
+
+
+def builtin(name: str, scale: float = 1.0) -> SimProfile:
+    """A `gradhub bench train` profile (or one of EXTRA): tensors of
+    ceil(n / scale) float32 elements (at least one), as
+    `gradhub.bench.emulate` builds them."""
+    from ..bench import profiles
+
+    p = EXTRA[name]() if name in EXTRA else profiles.get(name)
+    layers = [SimLayer(l.name, [4 * max(1, math.ceil(n / scale)) for n in l.params], f, b)
+              for l, (f, b) in zip(p.layers, p.compute_times())]
+    return SimProfile(p.name, p.batch, layers, f"{p.source}, bytes / {scale:g}")
+
+
+def emulated(p: SimProfile, costs) -> SimProfile:
+    """The compute `gradhub bench train`'s emulated model really spends on
+    this profile: its clock (bench/emulate.py `_Clock`) replayed layer by
+    layer, forward then backward, with the calibrated CPU per layer and
+    gradient bytes (torch.full, a memory pass) and the calibrated lateness
+    of each sleep it takes (a sleep is taken once the clock is 0.2 ms
+    ahead; lateness resets the clock, so it adds up)."""
+    t, deadline = 0.0, None
+    times: list[list[float]] = [[0.0, 0.0] for _ in p.layers]
+
+    def spend(s: float, cpu: float) -> float:
+        nonlocal t, deadline
+        start = t
+        t += cpu
+        if deadline is None or deadline < t:
+            deadline = t
+        deadline += s
+        if deadline - t > 2e-4:
+            t = deadline + costs.sleep_overshoot_s
+        return t - start
+
+    n = len(p.layers)
+    for i, l in enumerate(p.layers):
+        times[i][0] = spend(l.forward_s, costs.layer_cpu_s / 2)
+    for i in range(n - 1, -1, -1):
+        l = p.layers[i]
+        times[i][1] = spend(l.backward_s, costs.layer_cpu_s / 2 + sum(l.tensors) / costs.mem_Bps)
+    # What the last sleep still owes is paid by the next iteration's first.
+    layers = [SimLayer(l.name, l.tensors, f, b) for l, (f, b) in zip(p.layers, times)]
+    return SimProfile(p.name, p.batch, layers, p.source + ", as the emulated model runs it")
+
+
+def from_json(path: str) -> SimProfile:
+    """`{"batch": B, "layers": [{"name", "params", "dtype", "forward_ms", "backward_ms"}, ...]}`,
+    forward order; `params` is the element count of the layer's gradients."""
+    with open(path) as f:
+        d = json.load(f)
+    layers = []
+    for i, l in enumerate(d["layers"]):
+        dtype = l.get("dtype", "float32")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"{path}: layer {i}: unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
+        n = int(l.get("params", 0))
+        layers.append(SimLayer(l.get("name", f"layer{i}"), [n * DTYPE_BYTES[dtype]] if n else [],
+                               float(l.get("forward_ms", 0)) / 1e3, float(l.get("backward_ms", 0)) / 1e3))
+    return SimProfile(d.get("name", path), int(d["batch"]), layers, path)
+
+
+def from_torch(spec: str, steps: int = 5, warmup: int = 2) -> SimProfile:
+    """Time a PyTorch model on this machine. `module:factory`: factory()
+    returns (model, example_batch). Each leaf module with parameters is a
+    layer, timed by hooks; the step's measured forward and backward times are
+    split over the layers in proportion to those (after `warmup` untimed
+    steps, the median of `steps`)."""
+    import torch
+
+    mod, _, fn = spec.partition(":")
+    if not fn:
+        raise ValueError(f"--torch-model {spec!r}: expected module:factory")
+    made = getattr(importlib.import_module(mod), fn)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise ValueError(f"--torch-model {spec}: the factory must return (model, example_batch)")
+    model, x = made
+    leaves = [(n, m) for n, m in model.named_modules()
+              if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+    fwd = {n: 0.0 for n, _ in leaves}
+    starts: dict[str, float] = {}
+    hooks = []
+    # On a GPU, kernels run asynchronously: each timestamp waits for them.
+    sync = torch.cuda.synchronize if getattr(x, "is_cuda", False) else (lambda: None)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    for n, m in leaves:
+        hooks.append(m.register_forward_pre_hook(lambda _m, _i, n=n: starts.__setitem__(n, now())))
+        hooks.append(m.register_forward_hook(
+            lambda _m, _i, _o, n=n: fwd.__setitem__(n, fwd[n] + now() - starts[n])))
+    order: list[str] = []
+    for n, m in leaves:
+        hooks.append(m.register_forward_hook(lambda *_a, n=n: order.append(n) if n not in order else None))
+    timed = []   # per step: (forward, backward, each layer's forward)
+    # Untimed first: at least `warmup` steps and one second (right after
+    # torch's import its thread pools and allocator are still warming up:
+    # steps there ran 100x slower).
+    warmup = max(1, warmup)
+    start = time.perf_counter()
+    while len(timed) < warmup + steps:
+        if len(timed) == warmup and time.perf_counter() - start < 1.0:
+            timed.pop()
+        for n in fwd:
+            fwd[n] = 0.0
+        t0 = now()
+        out = model(x)
+        loss = out.float().sum() if torch.is_tensor(out) else sum(o.float().sum() for o in out)
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        timed.append((t1 - t0, t2 - t1, dict(fwd)))
+        model.zero_grad(set_to_none=True)
+    for h in hooks:
+        h.remove()
+    # The median step: one preempted by another process does not count.
+    forward, back, fwd = sorted(timed[warmup:], key=lambda t: t[0] + t[1])[steps // 2]
+    total_f = sum(fwd.values()) or 1.0
+    mods = dict(leaves)
+    layers = []
+    for n in order:
+        # Modules without parameters (activations, pooling) and the loss
+        # are spread over the layers in proportion, so the step adds up.
+        share = fwd[n] / total_f
+        params = [p for p in mods[n].parameters(recurse=False) if p.requires_grad]
+        layers.append(SimLayer(n, [p.numel() * p.element_size() for p in params], forward * share, back * share))
+    batch = int(x.shape[0]) if hasattr(x, "shape") else 1
+    return SimProfile(spec, batch, layers, f"timed on this machine (median of {steps} steps)")
+
+
+def load(model: str | None, scale: float, profile: str | None, torch_model: str | None) -> SimProfile:
+    """The profile the command line names (exactly one source)."""
+    given = [x for x in (profile, torch_model) if x]
+    if len(given) > 1:
+        raise ValueError("give one of --model, --profile, --torch-model")
+    if profile:
+        return from_json(profile)
+    if torch_model:
+        return from_torch(torch_model)
+    return builtin(model or "vgg19", scale)

@@ -1,0 +1,178 @@
+"""`gradhub bench validate`: the simulator against the emulated cluster.
+
+Owns the validation set (models x rates x k x worker hosts), running the
+missing measurements with `gradhub bench train` (one JSON record per run,
+cached as JSON lines so a table can be re-printed without re-measuring), and
+the predicted-vs-measured table. DDP does not use CPU-only servers, so it is
+measured once per (model, rate, workers) and shared by every k.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CACHE = Path("docs/bench/plan/validate.jsonl")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    workers: int
+    k: int
+    rate: str
+    scale: float = 16.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} n={self.workers} k={self.k} {self.rate}"
+
+
+def _grid() -> list[Config]:
+    spec = [
+        ("vgg19", 4, "500mbit", (0, 2, 4)), ("vgg19", 4, "1gbit", (0, 2, 4)), ("vgg19", 2, "1gbit", (0, 2)),
+        ("resnet50", 4, "500mbit", (0, 2)), ("resnet50", 4, "1gbit", (0, 2)), ("resnet50", 2, "500mbit", (0,)),
+        ("alexnet", 4, "500mbit", (0, 2)), ("alexnet", 4, "1gbit", (0, 4)),
+        ("bert_base", 4, "500mbit", (0, 2)), ("bert_base", 4, "1gbit", (0, 2, 4)), ("bert_base", 2, "1gbit", (0,)),
+    ]
+    return [Config(m, n, k, r) for m, n, r, ks in spec for k in ks]
+
+
+CONFIGS = _grid()
+
+
+def _key(rec: dict) -> tuple:
+    lay = rec.get("layout", {})
+    k = lay.get("cpu_servers", 0) if rec.get("system") == "gradhub" else None
+    return (rec.get("model"), lay.get("workers"), k, rec.get("rate"), float(rec.get("scale", 0)), rec.get("system"))
+
+
+def config_key(c: Config, system: str) -> tuple:
+    return (c.model, c.workers, c.k if system == "gradhub" else None, c.rate, float(c.scale), system)
+
+
+def load_cache(path: Path) -> dict[tuple, dict]:
+    out: dict[tuple, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                out[_key(rec)] = rec
+    return out
+
+
+def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2, trials: int = 1) -> int:
+    """Run `gradhub bench train` for every configuration (and system) the
+    cache lacks, the median of `trials` interleaved trials; each run appends
+    its records to the cache. Returns the number of failed runs."""
+    from ..bench.cli import main as bench_main
+
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for c in configs:
+        have = load_cache(cache)
+        systems = [s for s in ("ddp", "gradhub") if config_key(c, s) not in have]
+        if not systems:
+            continue
+        print(f"== measuring {c.label}: {', '.join(systems)}", flush=True)
+        argv = ["train", "--model", c.model, "--workers", str(c.workers), "--cpu-servers", str(c.k),
+                "--rate", c.rate, "--scale", f"{c.scale:g}", "--systems", ",".join(systems),
+                "--iters", str(iters), "--warmup", str(warmup), "--trials", str(trials), "--json", str(cache)]
+        try:
+            rc = bench_main(argv)
+        except Exception as e:  # one broken run must not lose the rest of the batch
+            print(f"gradhub bench validate: {c.label} failed: {e}", file=sys.stderr, flush=True)
+            rc = 1
+        failed += rc != 0
+    return failed
+
+
+def predict(c: Config, costs, cores: int) -> tuple[float, float]:
+    """(gradhub, DDP) samples/s the simulator predicts for a configuration,
+    as `gradhub bench train` runs it (every byte count / scale, this
+    machine's cores shared by every emulated host)."""
+    from .cluster import Cluster, Options, rate
+    from .ddp import simulate_ddp
+    from .profile import builtin, emulated
+    from .sim import simulate_gradhub
+
+    prof = emulated(builtin(c.model, c.scale), costs)
+    cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
+    gh = simulate_gradhub(prof, cl, Options().scaled(c.scale), costs)
+    ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
+    return gh.samples_per_s, ddp.samples_per_s
+
+
+def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[dict], str]:
+    """Rows (measured and predicted samples/s of both systems, relative
+    errors) and the Markdown table; configurations not measured are skipped."""
+    have = load_cache(cache)
+    rows = []
+    for c in configs:
+        g, d = have.get(config_key(c, "gradhub")), have.get(config_key(c, "ddp"))
+        if not g or not d:
+            continue
+        pg, pd = predict(c, costs, cores)
+        rows.append({"model": c.model, "workers": c.workers, "k": c.k, "rate": c.rate, "scale": c.scale,
+                     "gradhub_measured": g["samples_per_s"], "gradhub_predicted": pg,
+                     "ddp_measured": d["samples_per_s"], "ddp_predicted": pd,
+                     "gradhub_error": pg / g["samples_per_s"] - 1, "ddp_error": pd / d["samples_per_s"] - 1})
+    lines = ["| model | hosts | k | rate (x scale) | gradhub measured | predicted | error | DDP measured | predicted "
+             "| error |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['workers']} | {r['k']} | {r['rate']} (x{r['scale']:g}) "
+                     f"| {r['gradhub_measured']:.1f} | {r['gradhub_predicted']:.1f} | {r['gradhub_error']:+.1%} "
+                     f"| {r['ddp_measured']:.1f} | {r['ddp_predicted']:.1f} | {r['ddp_error']:+.1%} |")
+    return rows, "\n".join(lines)
+
+
+def run(args) -> int:
+    """`gradhub bench validate`."""
+    import os
+
+    from .costs import Costs
+
+    cache = Path(args.cache)
+    configs = CONFIGS[: args.limit] if args.limit else CONFIGS
+    if args.measure:
+        failed = measure(configs, cache, args.iters, args.warmup, args.trials)
+        if failed:
+            print(f"gradhub bench validate: {failed} run(s) failed", file=sys.stderr)
+    costs = Costs.load(args.costs)
+    if args.plots:
+        from .plots import write
+
+        for path in write(Path(args.plots), costs):
+            print(f"wrote {path}")
+    rows, md = table(configs, cache, costs, args.cores or os.cpu_count() or 1)
+    if not rows:
+        print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
+        return 1
+    print(md)
+    within = sum(abs(r["gradhub_error"]) <= 0.10 and abs(r["ddp_error"]) <= 0.10 for r in rows)
+    print(f"\n{within} of {len(rows)} configurations within 10 % for both systems "
+          f"(costs: {costs.source})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--measure", action="store_true",
+                   help="run the configurations the cache lacks on the emulated cluster first (root; slow: "
+                        "about 25 min for all; hold /work/bench.lock or equivalent while others measure)")
+    p.add_argument("--cache", default=str(DEFAULT_CACHE),
+                   help=f"JSON lines of measured runs, read and appended (default {DEFAULT_CACHE})")
+    p.add_argument("--limit", type=int, default=0, help="only the first N configurations (default: all)")
+    p.add_argument("--iters", type=int, default=6, help="timed iterations per measured run (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--trials", type=int, default=1,
+                   help="interleaved trials per run, the median counts (default 1; 3 on a machine others load)")
+    p.add_argument("--costs", help="calibration file (default ~/.config/gradhub/costs.json, else built-in)")
+    p.add_argument("--cores", type=int, default=0,
+                   help="cores the emulated hosts share (default: this machine's)")
+    p.add_argument("--json", help="write the table's rows to this JSON file")
+    p.add_argument("--plots", metavar="DIR", help="also draw the scaling plots (8-256 GPUs) into DIR "
+                                                  "(docs/bench/plan)")
