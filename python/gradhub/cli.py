@@ -70,14 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     lp = sub.add_parser(
         "launch",
-        help="run a whole job on this machine: scheduler, servers and workers",
+        help="run a whole job: scheduler, servers and workers, on this machine or across hosts over SSH",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Start a scheduler, K servers and N workers on this machine. Each worker runs the "
-        "given command with GRADHUB_* set; output lines are prefixed with role and rank. If any process "
-        "fails, everything is stopped and its exit code is returned.",
-        epilog="example:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n\n" + _env.env_help(ALL_ROLES),
+        description="Start a scheduler, K servers and N workers on this machine, or (-H / --hostfile) N "
+        "workers across hosts over SSH, as horovodrun does. Each worker runs the given command with GRADHUB_* "
+        "set; output lines are prefixed with role and rank. If any process fails, everything (on every host) "
+        "is stopped and the first failure's exit code is returned.",
+        epilog="examples:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n"
+        "  gradhub launch -H node1:4,node2:4 -- python train.py     # 8 workers, a colocated server per node\n"
+        "  gradhub launch --hostfile hosts --server-hosts cpu1,cpu2 -- python train.py\n\n"
+        + _env.env_help(ALL_ROLES),
     )
-    lp.add_argument("-w", "--workers", type=int, required=True, help="number of worker processes")
+    lp.add_argument("-w", "--workers", type=int, default=None,
+                    help="number of worker processes (required on this machine; with -H/--hostfile: default "
+                    "every slot)")
     lp.add_argument("-s", "--servers", type=int, default=1, help="number of summation servers (default 1)")
     lp.add_argument("--server-threads", type=int, default=venv.threads or 1,
                     help="threads per server (GRADHUB_SERVER_THREADS, else 1)")
@@ -87,6 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--colocated-servers", type=int, default=0, metavar="C",
                    help="mark the first C servers colocated, the rest CPU-only (mixed job)")
     lp.add_argument("--port", type=int, default=0, help="scheduler port (default: a free port)")
+    hg = lp.add_argument_group(
+        "across hosts (SSH)", "Workers on other hosts, started over ssh (key-based login, no password prompt); "
+        "the scheduler runs on this machine, a server on each worker host (colocated) unless --server-hosts. "
+        "Every host must have the same Python (this one's path) with gradhub installed; each is checked before "
+        "anything starts. The environment (the job token among it) travels over ssh's stdin, never on a "
+        "command line.")
+    hx = hg.add_mutually_exclusive_group()
+    hx.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+                    help="worker hosts and how many workers each runs, e.g. node1:4,node2:4 (horovodrun's -H)")
+    hx.add_argument("--hostfile", default=None, metavar="FILE",
+                    help="worker hosts, one a line: 'host slots=N' or 'host:N' (# comments)")
+    hg.add_argument("--server-hosts", default=None, metavar="HOST,...",
+                    help="run one CPU-only server on each of these hosts instead of a colocated one per worker host")
+    hg.add_argument("--ssh-port", type=int, default=None, help="ssh port on every host (default: ssh's, 22)")
+    hg.add_argument("--ssh-identity-file", default=None, metavar="FILE",
+                    help="private key for every ssh connection (ssh -i)")
+    hg.add_argument("--ssh-config", default=None, metavar="FILE",
+                    help="an ssh_config file for every ssh connection (ssh -F): user names, jump hosts, host keys")
     _add_scheduler_args(lp, senv)
     lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
 
@@ -322,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmd[1:]
     if not cmd:
         parser.error("launch needs a worker command after --")
+    if args.workers is None and not (args.hosts or args.hostfile):
+        parser.error("launch needs -w/--workers (or -H/--hostfile to run across hosts)")
+    if args.server_hosts and not (args.hosts or args.hostfile):
+        parser.error("--server-hosts needs -H/--hostfile")
     try:
         return launch(args, cmd)
     except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)
