@@ -33,7 +33,8 @@ from .proc import Proc, supervise
 # Runs on the remote host (`python -c`): one JSON line on stdin holds the
 # environment, the working directory and the command; the command runs in a
 # session of its own; a `TERM` line forwards SIGTERM to it, the end of stdin
-# (the launcher or the connection gone) SIGKILL. Exits with the command's code.
+# (the launcher or the connection gone) SIGKILL, unless "watch" is false (the
+# launcher's checks, which send their line and close). Exits with the command's code.
 BOOTSTRAP = """\
 import json, os, signal, subprocess, sys, threading
 job = json.loads(sys.stdin.readline())
@@ -57,7 +58,8 @@ def watch():
         if line.strip() == "TERM":
             kill(signal.SIGTERM)
     kill(signal.SIGKILL)
-threading.Thread(target=watch, daemon=True).start()
+if job["watch"]:
+    threading.Thread(target=watch, daemon=True).start()
 rc = p.wait()
 sys.exit(rc if rc >= 0 else 128 - rc)
 """
@@ -90,8 +92,8 @@ class Ssh:
         return self.argv + [host, shlex.join([sys.executable, "-c", BOOTSTRAP])]
 
 
-def _job_line(env: dict[str, str], argv: list[str]) -> bytes:
-    return (json.dumps({"env": forwarded(env), "argv": argv, "cwd": os.getcwd()}) + "\n").encode()
+def _job_line(env: dict[str, str], argv: list[str], watch: bool = True) -> bytes:
+    return (json.dumps({"env": forwarded(env), "argv": argv, "cwd": os.getcwd(), "watch": watch}) + "\n").encode()
 
 
 class RemoteProc(Proc):
@@ -128,12 +130,13 @@ def _check_host(ssh: Ssh, host: str, env: dict[str, str]) -> str | None:
     """Why the job cannot run on `host`, or None."""
     probe = [sys.executable, "-c", "import gradhub._core"]
     try:
-        p = subprocess.run(ssh.command(host), input=_job_line(env, probe), capture_output=True, timeout=60)
+        p = subprocess.run(ssh.command(host), input=_job_line(env, probe, watch=False), capture_output=True, timeout=60)
     except subprocess.TimeoutExpired:
         return f"{host}: no answer over ssh within 60 s"
     except OSError as e:
         return f"cannot run ssh: {e}"
-    tail = (p.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
+    said = (p.stderr + p.stdout).decode(errors="replace").strip().splitlines()
+    tail = said[-1] if said else f"exit code {p.returncode}"
     if p.returncode == 0:
         return None
     if p.returncode == 255:
