@@ -213,6 +213,8 @@ pub static SETTINGS: &[Setting] = &[
         "scheduler (`--link-gbit`): each host's link in Gbit/s, for PHub's model; 0: not given, 10 assumed"),
     setting!("GRADHUB_CORE_GBIT", Float, Value(|| SchedulerConfig::default().core_gbit.to_string()), SCHEDULER,
         "scheduler (`--core-gbit`): each rack's link to the core in Gbit/s, for PHub's model; 0: not given, one host link assumed"),
+    setting!("GRADHUB_METRICS_ADDR", Str, Unset("none"), &[Role::Server, Role::Scheduler],
+        "`--metrics-addr HOST:PORT` of `gradhub scheduler` (also `--service`) and `gradhub server`: serve Prometheus metrics at `http://HOST:PORT/metrics`: members and jobs, bytes pushed and returned, chunk rounds and their latency, stalls, failovers, authentication failures, memory"),
     setting!("GRADHUB_SERVER_TIMELINE", Str, Unset("none"), SERVER,
         "`gradhub server --timeline`: write a Chrome/Perfetto trace of the server's chunk rounds there (`{rank}`: its rank): how long each waited for its pushers and which worker came last; `gradhub timeline merge` puts it on one clock with the workers' (`GRADHUB_TIMELINE`)"),
     setting!("GRADHUB_TIMELINE", Str, Unset("none"), WORKER,

@@ -319,6 +319,7 @@ class SchedulerEnv:
     rack_reduce: str               # GRADHUB_RACK_REDUCE: auto (PHub's model), on or off
     link_gbit: float               # GRADHUB_LINK_GBIT: each host's link, for the model (0: not given)
     core_gbit: float               # GRADHUB_CORE_GBIT: each rack's link to the core (0: not given)
+    metrics_addr: str | None       # GRADHUB_METRICS_ADDR: serve Prometheus metrics there
 
 
 def scheduler_env() -> SchedulerEnv:
@@ -335,6 +336,7 @@ def scheduler_env() -> SchedulerEnv:
         rack_reduce=get("GRADHUB_RACK_REDUCE"),
         link_gbit=get("GRADHUB_LINK_GBIT"),
         core_gbit=get("GRADHUB_CORE_GBIT"),
+        metrics_addr=get("GRADHUB_METRICS_ADDR"),
     )
 
 
@@ -352,6 +354,7 @@ class ServerEnv:
     connect_timeout: float
     timeline: str | None           # GRADHUB_SERVER_TIMELINE: the server's Chrome trace ({rank}: its rank)
     rack: str                      # GRADHUB_RACK: this server's rack ("": none)
+    metrics_addr: str | None       # GRADHUB_METRICS_ADDR: serve Prometheus metrics there
 
 
 def server_env() -> ServerEnv:
@@ -368,6 +371,7 @@ def server_env() -> ServerEnv:
         connect_timeout=get("GRADHUB_CONNECT_TIMEOUT"),
         timeline=get("GRADHUB_SERVER_TIMELINE"),
         rack=get("GRADHUB_RACK"),
+        metrics_addr=get("GRADHUB_METRICS_ADDR"),
     )
 
 

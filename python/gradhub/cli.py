@@ -42,6 +42,14 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
                    + _env.fallback("GRADHUB_CORE_GBIT"))
 
 
+def _add_metrics_arg(p, default: str | None) -> None:
+    p.add_argument("--metrics-addr", default=default, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (members, jobs, bytes pushed and "
+                   "returned, rounds and their latency, stalls, failovers, authentication failures, memory; a "
+                   "shared service's scheduler reports every job, its servers nothing of their own) "
+                   + _env.fallback("GRADHUB_METRICS_ADDR"))
+
+
 def _count(least: int, kind=int):
     """An argparse type: a number of `kind`, at least `least`."""
     def parse(text: str):
@@ -133,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--servers", type=int, default=senv.num_servers,
                     help="number of servers (GRADHUB_NUM_SERVERS)")
     _add_scheduler_args(sp, senv)
+    _add_metrics_arg(sp, senv.metrics_addr)
     g = sp.add_argument_group("shared service", "Run as a long-lived service hosting many jobs at once, each "
                               "known by its name (GRADHUB_JOB) and its own token, derived from the master token "
                               "GRADHUB_SERVICE_TOKEN (`gradhub token JOB`). Servers join with `gradhub server "
@@ -186,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write a Chrome/Perfetto trace of every chunk round here: how long it waited for its "
                     "pushers and which worker came last, and how long finishing it took; {rank} becomes the "
                     "server's rank; `gradhub timeline merge` joins it with the workers' (GRADHUB_SERVER_TIMELINE)")
+    _add_metrics_arg(vp, venv.metrics_addr)
     vp.add_argument("--service", action="store_true",
                     help="serve every job of the shared service at --scheduler (one server per job, fresh ports "
                     "each) until the service goes away; needs GRADHUB_SERVICE_TOKEN")
@@ -228,13 +238,14 @@ def _run_scheduler(args) -> int:
                   peer_timeout=args.peer_timeout, host_reduce=args.host_reduce, failover=args.failover)
     if args.service:
         return roles.run_service(args.bind, scheduler=e.scheduler, max_jobs=args.max_jobs,
+                                 metrics_addr=args.metrics_addr,
                                  job_max_tensors=args.job_max_tensors, job_max_mib=args.job_max_mib,
                                  job_max_workers=args.job_max_workers, **timing)
     stall, peer = timing.pop("stall_seconds"), timing.pop("peer_timeout")
     return roles.run_scheduler(args.bind, args.workers, args.servers, scheduler=e.scheduler, token=_env.job_token(),
                                insecure=args.insecure, stall_ms=int(stall * 1000), peer_timeout_ms=int(peer * 1000),
                                namespace=e.namespace, rack_reduce=args.rack_reduce, link_gbit=args.link_gbit,
-                               core_gbit=args.core_gbit, **timing)
+                               core_gbit=args.core_gbit, metrics_addr=args.metrics_addr, **timing)
 
 
 def _run_server(args) -> int:
@@ -246,7 +257,7 @@ def _run_server(args) -> int:
     return roles.run_server(args.scheduler, args.threads, token=_env.job_token(), insecure=args.insecure,
                             base_port=args.port, rank=args.rank, num_workers=e.num_workers,
                             num_servers=e.num_servers, namespace=e.namespace, timeline=args.timeline,
-                            rack=args.rack, **common)
+                            rack=args.rack, metrics_addr=args.metrics_addr, **common)
 
 
 def _settings(args) -> int:
