@@ -169,3 +169,11 @@ def test_bad_hosts_are_errors_before_anything_starts(tmp_path):
                          timeout=120, env=job_env())
     assert out.returncode == 2, out
     assert "no-such-host.invalid" in out.stderr and "nothing was started" in out.stderr, out.stderr
+
+
+def test_launch_help_documents_the_host_flags():
+    out = subprocess.run(LAUNCH + ["--help"], capture_output=True, text=True, timeout=60, env=job_env())
+    assert out.returncode == 0
+    for flag in ("-H HOST:SLOTS", "--hostfile FILE", "--server-hosts HOST", "--ssh-port", "--ssh-identity-file FILE",
+                 "--ssh-config FILE", "node1:4,node2:4"):
+        assert flag in out.stdout, flag
