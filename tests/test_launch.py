@@ -95,8 +95,13 @@ print("done")
                          stderr=subprocess.PIPE, env=job_env())
     assert p.stdout is not None
     seen = bytearray()
-    reader = threading.Thread(target=lambda: [seen.extend(c) for c in iter(lambda: os.read(p.stdout.fileno(), 4096), b"")],
-                              daemon=True)
+    fd = p.stdout.fileno()
+
+    def read() -> None:
+        for chunk in iter(lambda: os.read(fd, 4096), b""):
+            seen.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 60  # a hang guard, not a timing target
