@@ -81,6 +81,8 @@ def test_progress_reaches_the_terminal_while_the_worker_runs(tmp_path):
     go = tmp_path / "go"
     script = tmp_path / "bar.py"
     script.write_text(f"""import os, sys, time
+import gradhub
+gradhub.init()  # a job member, so the job ends when it does
 sys.stderr.write("\\r 10%|#"); sys.stderr.flush()
 for _ in range(600):
     if os.path.exists({str(go)!r}):
@@ -90,6 +92,7 @@ else:
     sys.exit(3)
 sys.stderr.write("[gradhub worker] a core line\\n\\r100%|##########\\n"); sys.stderr.flush()
 print("done")
+gradhub.shutdown()
 """)
     p = subprocess.Popen(LAUNCH + ["-w", "1", "--", sys.executable, str(script)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=job_env())
