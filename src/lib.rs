@@ -24,6 +24,7 @@ pub mod error;
 pub(crate) mod host;
 pub mod kernels;
 pub mod logging;
+pub mod metrics;
 pub mod placement;
 pub mod protocol;
 pub mod scheduler;

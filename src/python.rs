@@ -23,8 +23,8 @@ use crate::server;
 mod config;
 use config::{PyClientConfig, PySchedulerConfig, PyServerConfig, PyServiceConfig, PyServiceServerConfig};
 
-create_exception!(_core, GradhubError, PyRuntimeError, "A gradhub job or operation failed.");
-create_exception!(_core, GradhubTimeoutError, PyTimeoutError, "A gradhub operation did not finish in time.");
+create_exception!(gradhub, GradhubError, PyRuntimeError, "A gradhub job or operation failed.");
+create_exception!(gradhub, GradhubTimeoutError, PyTimeoutError, "A gradhub operation did not finish in time.");
 
 impl From<Error> for PyErr {
     fn from(e: Error) -> PyErr {

@@ -75,12 +75,13 @@ def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap
         cfg.update(batch=2, sfb_layers=["0.weight", "2.weight"])
     else:
         cfg["sfb_layers"] = ["6.weight", "8.weight"]
-    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, env={"GRADHUB_LOG": "debug"})  # each layer's choice
     assert_all_passed(rc, out, 4)
     assert "goes back to the servers" not in out
     if model == "fc":
         assert out.count("'tied.weight' goes through the servers") == 4, out[-3000:]
         assert f"sufficient factors: 'fc1.weight' (48 x 10, {64 * passes} rows over the workers): factors (forced)" in out
+        assert out.count("sufficient factors (forced): fc1.weight") == 1, out[-3000:]  # said once, in words
 
 
 def test_sufficient_factors_under_bfloat16_autocast():
@@ -102,7 +103,7 @@ def test_sufficient_factors_go_back_to_the_servers_when_the_batch_grows():
     # training still equals single-process training.
     cfg = {"model": "mlp", "opt": "sgd", "sfb": "auto", "batch": 2, "grow": 8, "grow_at": 4, "steps": 8,
            "sfb_layers": []}
-    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, env={"GRADHUB_LOG": "debug"})  # each layer's choice
     assert_all_passed(rc, out, 4)
     assert out.count("8 rows over the workers): factors;") == 2, out[-3000:]
     for layer in ("0.weight", "2.weight"):
@@ -116,7 +117,7 @@ def test_sufficient_factors_come_back_when_the_batch_shrinks():
     # single-process training.
     cfg = {"model": "mlp", "opt": "sgd", "sfb": "auto", "batch": 8, "grow": 0.25, "grow_at": 3, "steps": 14,
            "sfb_layers": ["0.weight", "2.weight"]}
-    rc, out = run_launch(4, 2, "torch_train.py", cfg)
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, env={"GRADHUB_LOG": "debug"})  # each layer's choice
     assert_all_passed(rc, out, 4)
     assert out.count("32 rows over the workers): servers;") == 3, out[-3000:]
     for layer in ("0.weight", "2.weight"):

@@ -45,6 +45,7 @@ class SchedulerConfig:
         core_gbit: float | None = None,  # each rack's link to the core, Gbit/s (0: not given, one host link assumed)
         max_tensors: int | None = None,  # a service job's limit; 0: none
         max_bytes: int | None = None,  # a service job's limit; 0: none
+        metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
     ) -> None:
         """ValueError for a bad rack_reduce or bandwidth."""
 
@@ -68,6 +69,7 @@ class ServerConfig:
         token: str | None = None,  # the job's secret (protocol::auth); None: no token
         timeline: str | None = None,  # Chrome trace of the chunk rounds ({rank}: the server's rank)
         rack: str | None = None,  # this server's rack (GRADHUB_RACK); "" none
+        metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
     ) -> None: ...
 
 class ServiceConfig:
@@ -82,6 +84,7 @@ class ServiceConfig:
         max_jobs: int | None = None,
         max_workers: int | None = None,  # per job
         max_pending: int | None = None,  # connections authenticating at once
+        metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
     ) -> None: ...
     @property
     def max_jobs(self) -> int: ...

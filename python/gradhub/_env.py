@@ -3,8 +3,9 @@ by the registry the core declares them in (src/settings.rs, as
 `_core.settings()`): name, type, default, roles, help.
 
 gradhub reads its own GRADHUB_* variables first and falls back to torchrun's
-(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a
-script started by `gradhub launch` or by torchrun needs no extra setup. A value
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
+in an srun step to Slurm's (launch/slurm.py), so a script started by `gradhub
+launch`, torchrun or srun needs no extra setup. A value
 that does not parse raises a ValueError naming the variable.
 
 Readers by role: `worker_env()` (gradhub.init), `scheduler_env()` and
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from . import _core
+from .launch.slurm import step as slurm_step
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
@@ -170,25 +172,31 @@ class WorkerEnv:
 
 def worker_env() -> WorkerEnv:
     torchrun = "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ
+    # A task of an srun step: Slurm's variables play torchrun's part.
+    slurm = None if torchrun else slurm_step(os.environ)
     scheduler = get("GRADHUB_SCHEDULER")
-    embedded = torchrun and scheduler is None
-    if embedded:
+    embedded = (torchrun or slurm is not None) and scheduler is None
+    if embedded and slurm is not None:
+        scheduler = f"{slurm.scheduler_host}:{get('GRADHUB_SCHEDULER_PORT') or slurm.port}"
+    elif embedded:
         port = get("GRADHUB_SCHEDULER_PORT") or (_torchrun_int("MASTER_PORT", 29500) + 1)
         scheduler = f"{os.environ['MASTER_ADDR']}:{port}"
-    num_workers = get("GRADHUB_NUM_WORKERS", _torchrun_int("WORLD_SIZE", 0))
+    num_workers = get("GRADHUB_NUM_WORKERS", slurm.size if slurm else _torchrun_int("WORLD_SIZE", 0))
     # Checked by the scheduler against the host identities (GRADHUB_HOST_ID, or
     # host name and network namespace) of every worker that registered.
-    local_size = get("GRADHUB_LOCAL_SIZE", _torchrun_int("LOCAL_WORLD_SIZE"))
+    local_size = get("GRADHUB_LOCAL_SIZE", slurm.local_size if slurm else _torchrun_int("LOCAL_WORLD_SIZE"))
     default_servers = 0
     job = get("GRADHUB_JOB")
     if torchrun and num_workers and local_size and job is None:
         default_servers = max(1, num_workers // local_size)  # one per node
+    elif embedded and slurm is not None and job is None:
+        default_servers = len(slurm.nodes)  # one per node, colocated
     return WorkerEnv(
         scheduler=scheduler,
-        rank=get("GRADHUB_RANK", _torchrun_int("RANK", -1)),
+        rank=get("GRADHUB_RANK", slurm.rank if slurm else _torchrun_int("RANK", -1)),
         num_workers=num_workers,
         num_servers=get("GRADHUB_NUM_SERVERS", default_servers),
-        local_rank=get("GRADHUB_LOCAL_RANK", _torchrun_int("LOCAL_RANK")),
+        local_rank=get("GRADHUB_LOCAL_RANK", slurm.local_rank if slurm else _torchrun_int("LOCAL_RANK")),
         local_size=local_size,
         namespace=get("GRADHUB_NAMESPACE"),
         credit_bytes=get("GRADHUB_CREDIT_BYTES", None),
@@ -319,6 +327,7 @@ class SchedulerEnv:
     rack_reduce: str               # GRADHUB_RACK_REDUCE: auto (PHub's model), on or off
     link_gbit: float               # GRADHUB_LINK_GBIT: each host's link, for the model (0: not given)
     core_gbit: float               # GRADHUB_CORE_GBIT: each rack's link to the core (0: not given)
+    metrics_addr: str | None       # GRADHUB_METRICS_ADDR: serve Prometheus metrics there
 
 
 def scheduler_env() -> SchedulerEnv:
@@ -335,6 +344,7 @@ def scheduler_env() -> SchedulerEnv:
         rack_reduce=get("GRADHUB_RACK_REDUCE"),
         link_gbit=get("GRADHUB_LINK_GBIT"),
         core_gbit=get("GRADHUB_CORE_GBIT"),
+        metrics_addr=get("GRADHUB_METRICS_ADDR"),
     )
 
 
@@ -352,6 +362,7 @@ class ServerEnv:
     connect_timeout: float
     timeline: str | None           # GRADHUB_SERVER_TIMELINE: the server's Chrome trace ({rank}: its rank)
     rack: str                      # GRADHUB_RACK: this server's rack ("": none)
+    metrics_addr: str | None       # GRADHUB_METRICS_ADDR: serve Prometheus metrics there
 
 
 def server_env() -> ServerEnv:
@@ -368,6 +379,7 @@ def server_env() -> ServerEnv:
         connect_timeout=get("GRADHUB_CONNECT_TIMEOUT"),
         timeline=get("GRADHUB_SERVER_TIMELINE"),
         rack=get("GRADHUB_RACK"),
+        metrics_addr=get("GRADHUB_METRICS_ADDR"),
     )
 
 

@@ -42,6 +42,14 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
                    + _env.fallback("GRADHUB_CORE_GBIT"))
 
 
+def _add_metrics_arg(p, default: str | None) -> None:
+    p.add_argument("--metrics-addr", default=default, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (members, jobs, bytes pushed and "
+                   "returned, rounds and their latency, stalls, failovers, authentication failures, memory; a "
+                   "shared service's scheduler reports every job, its servers nothing of their own) "
+                   + _env.fallback("GRADHUB_METRICS_ADDR"))
+
+
 def _count(least: int, kind=int):
     """An argparse type: a number of `kind`, at least `least`."""
     def parse(text: str):
@@ -70,14 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     lp = sub.add_parser(
         "launch",
-        help="run a whole job on this machine: scheduler, servers and workers",
+        help="run a whole job: scheduler, servers and workers, on this machine or across hosts over SSH",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Start a scheduler, K servers and N workers on this machine. Each worker runs the "
-        "given command with GRADHUB_* set; output lines are prefixed with role and rank. If any process "
-        "fails, everything is stopped and its exit code is returned.",
-        epilog="example:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n\n" + _env.env_help(ALL_ROLES),
+        description="Start a scheduler, K servers and N workers on this machine, or (-H / --hostfile) N "
+        "workers across hosts over SSH, as horovodrun does. Each worker runs the given command with GRADHUB_* "
+        "set; output lines are prefixed with role and rank. If any process fails, everything (on every host) "
+        "is stopped and the first failure's exit code is returned.",
+        epilog="examples:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n"
+        "  gradhub launch -H node1:4,node2:4 -- python train.py     # 8 workers, a colocated server per node\n"
+        "  gradhub launch --hostfile hosts --server-hosts cpu1,cpu2 -- python train.py\n\n"
+        + _env.env_help(ALL_ROLES),
     )
-    lp.add_argument("-w", "--workers", type=int, required=True, help="number of worker processes")
+    lp.add_argument("-w", "--workers", type=int, default=None,
+                    help="number of worker processes (required on this machine; with -H/--hostfile: default "
+                    "every slot)")
     lp.add_argument("-s", "--servers", type=int, default=1, help="number of summation servers (default 1)")
     lp.add_argument("--server-threads", type=int, default=venv.threads or 1,
                     help="threads per server (GRADHUB_SERVER_THREADS, else 1)")
@@ -87,6 +101,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--colocated-servers", type=int, default=0, metavar="C",
                    help="mark the first C servers colocated, the rest CPU-only (mixed job)")
     lp.add_argument("--port", type=int, default=0, help="scheduler port (default: a free port)")
+    hg = lp.add_argument_group(
+        "across hosts (SSH)", "Workers on other hosts, started over ssh (key-based login, no password prompt); "
+        "the scheduler runs on this machine, a server on each worker host (colocated) unless --server-hosts. "
+        "Every host must have the same Python (this one's path) with gradhub installed; each is checked before "
+        "anything starts. The environment (the job token among it) travels over ssh's stdin, never on a "
+        "command line.")
+    hx = hg.add_mutually_exclusive_group()
+    hx.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
+                    help="worker hosts and how many workers each runs, e.g. node1:4,node2:4 (horovodrun's -H)")
+    hx.add_argument("--hostfile", default=None, metavar="FILE",
+                    help="worker hosts, one a line: 'host slots=N' or 'host:N' (# comments)")
+    hg.add_argument("--server-hosts", default=None, metavar="HOST,...",
+                    help="run one CPU-only server on each of these hosts instead of a colocated one per worker host")
+    hg.add_argument("--ssh-port", type=int, default=None, help="ssh port on every host (default: ssh's, 22)")
+    hg.add_argument("--ssh-identity-file", default=None, metavar="FILE",
+                    help="private key for every ssh connection (ssh -i)")
+    hg.add_argument("--ssh-config", default=None, metavar="FILE",
+                    help="an ssh_config file for every ssh connection (ssh -F): user names, jump hosts, host keys")
     _add_scheduler_args(lp, senv)
     lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
 
@@ -109,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--servers", type=int, default=senv.num_servers,
                     help="number of servers (GRADHUB_NUM_SERVERS)")
     _add_scheduler_args(sp, senv)
+    _add_metrics_arg(sp, senv.metrics_addr)
     g = sp.add_argument_group("shared service", "Run as a long-lived service hosting many jobs at once, each "
                               "known by its name (GRADHUB_JOB) and its own token, derived from the master token "
                               "GRADHUB_SERVICE_TOKEN (`gradhub token JOB`). Servers join with `gradhub server "
@@ -162,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write a Chrome/Perfetto trace of every chunk round here: how long it waited for its "
                     "pushers and which worker came last, and how long finishing it took; {rank} becomes the "
                     "server's rank; `gradhub timeline merge` joins it with the workers' (GRADHUB_SERVER_TIMELINE)")
+    _add_metrics_arg(vp, venv.metrics_addr)
     vp.add_argument("--service", action="store_true",
                     help="serve every job of the shared service at --scheduler (one server per job, fresh ports "
                     "each) until the service goes away; needs GRADHUB_SERVICE_TOKEN")
@@ -208,13 +242,14 @@ def _run_scheduler(args) -> int:
                   peer_timeout=args.peer_timeout, host_reduce=args.host_reduce, failover=args.failover)
     if args.service:
         return roles.run_service(args.bind, scheduler=e.scheduler, max_jobs=args.max_jobs,
+                                 metrics_addr=args.metrics_addr,
                                  job_max_tensors=args.job_max_tensors, job_max_mib=args.job_max_mib,
                                  job_max_workers=args.job_max_workers, **timing)
     stall, peer = timing.pop("stall_seconds"), timing.pop("peer_timeout")
     return roles.run_scheduler(args.bind, args.workers, args.servers, scheduler=e.scheduler, token=_env.job_token(),
                                insecure=args.insecure, stall_ms=int(stall * 1000), peer_timeout_ms=int(peer * 1000),
                                namespace=e.namespace, rack_reduce=args.rack_reduce, link_gbit=args.link_gbit,
-                               core_gbit=args.core_gbit, **timing)
+                               core_gbit=args.core_gbit, metrics_addr=args.metrics_addr, **timing)
 
 
 def _run_server(args) -> int:
@@ -226,7 +261,7 @@ def _run_server(args) -> int:
     return roles.run_server(args.scheduler, args.threads, token=_env.job_token(), insecure=args.insecure,
                             base_port=args.port, rank=args.rank, num_workers=e.num_workers,
                             num_servers=e.num_servers, namespace=e.namespace, timeline=args.timeline,
-                            rack=args.rack, **common)
+                            rack=args.rack, metrics_addr=args.metrics_addr, **common)
 
 
 def _settings(args) -> int:
@@ -330,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmd[1:]
     if not cmd:
         parser.error("launch needs a worker command after --")
+    if args.workers is None and not (args.hosts or args.hostfile):
+        parser.error("launch needs -w/--workers (or -H/--hostfile to run across hosts)")
+    if args.server_hosts and not (args.hosts or args.hostfile):
+        parser.error("--server-hosts needs -H/--hostfile")
     try:
         return launch(args, cmd)
     except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)

@@ -59,7 +59,8 @@ def scheduler_settings(e: _env.SchedulerEnv) -> dict:
     `_core.SchedulerConfig` keywords (None: the core's default)."""
     return dict(partition_bytes=e.partition_bytes, stall_ms=_ms(e.stall_seconds),
                 peer_timeout_ms=_ms(e.peer_timeout), namespace=e.namespace, host_reduce=e.host_reduce,
-                failover=e.failover, rack_reduce=e.rack_reduce, link_gbit=e.link_gbit, core_gbit=e.core_gbit)
+                failover=e.failover, rack_reduce=e.rack_reduce, link_gbit=e.link_gbit, core_gbit=e.core_gbit,
+                metrics_addr=e.metrics_addr)
 
 
 def run_scheduler(bind: str | None, num_workers: int | None, num_servers: int | None, *,
@@ -119,7 +120,8 @@ def run_server(scheduler: str | None, threads: int, *, bind_host: str | None = N
 
 def run_service(bind: str | None, *, scheduler: str | None = None, stall_seconds: float | None = None,
                 peer_timeout: float | None = None, max_jobs: int | None = None, job_max_tensors: int | None = None,
-                job_max_mib: float | None = None, job_max_workers: int | None = None, **job) -> int:
+                job_max_mib: float | None = None, job_max_workers: int | None = None,
+                metrics_addr: str | None = None, **job) -> int:
     """Run a shared service (`gradhub scheduler --service`) until it is
     stopped; returns an exit code. Needs the master token
     (GRADHUB_SERVICE_TOKEN or GRADHUB_SERVICE_TOKEN_FILE). `job`: the
@@ -133,7 +135,8 @@ def run_service(bind: str | None, *, scheduler: str | None = None, stall_seconds
     max_bytes = None if job_max_mib is None else int(job_max_mib * (1 << 20))
     each = _core.SchedulerConfig(stall_ms=_ms(stall_seconds), peer_timeout_ms=_ms(peer_timeout),
                                  max_tensors=job_max_tensors, max_bytes=max_bytes, **job)
-    cfg = _core.ServiceConfig(bind, master, each, max_jobs=max_jobs, max_workers=job_max_workers)
+    cfg = _core.ServiceConfig(bind, master, each, max_jobs=max_jobs, max_workers=job_max_workers,
+                              metrics_addr=metrics_addr)
     _native_sigint()
     try:
         _core.run_service(cfg)
@@ -187,7 +190,7 @@ def server_from_env() -> int:
                       token=_env.job_token(), insecure=_env.insecure(), colocated=e.colocated,
                       advertise=e.advertise, base_port=e.port, rank=e.rank, num_workers=e.num_workers,
                       num_servers=e.num_servers, namespace=e.namespace, connect_timeout=e.connect_timeout,
-                      timeline=e.timeline, rack=e.rack)
+                      timeline=e.timeline, rack=e.rack, metrics_addr=e.metrics_addr)
 
 
 def run_role(role: str) -> int:

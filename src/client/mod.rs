@@ -102,10 +102,13 @@ impl Client {
             local if local.len() > 1 => {
                 let stage = HostStage::join(w.job_id, host, local.to_vec(), servers_here, w.rank, cfg.connect_timeout)
                     .map_err(ClientError::Setup)?;
-                log::info!(
+                // Said once per host (by its first worker), not by every worker on every start.
+                let level = if local[0] == w.rank { log::Level::Info } else { log::Level::Debug };
+                log::log!(
                     target: "worker",
-                    "worker {}: {} workers on this host ({:?}) sum there first; this one pushes 1/{} of each tensor",
-                    w.rank,
+                    level,
+                    "host stage: the {} workers on this host (ranks {:?}) sum their tensors in shared memory \
+                     first, and each pushes 1/{} of every tensor (GRADHUB_HOST_REDUCE=0 turns this off)",
                     local.len(),
                     local,
                     local.len()

@@ -222,6 +222,7 @@ impl Connector {
         let c: [u8; NONCE_LEN + PROOF_LEN] = exact("AuthChallenge", challenge)?;
         let ns: [u8; NONCE_LEN] = exact("nonce", &c[..NONCE_LEN])?;
         if !self.secret.verify(LISTENER, &self.nc, &ns, &c[NONCE_LEN..]) {
+            crate::metrics::count(&crate::metrics::AUTH_FAILURES);
             return Err(AuthError::Failed(
                 "the peer does not hold this job's token (a wrong GRADHUB_JOB_TOKEN, not this job's member, or \
                  for a shared service's servers and operators a wrong GRADHUB_SERVICE_TOKEN)",
@@ -257,6 +258,16 @@ impl Listener {
         MAX_AUTH_PAYLOAD
     }
 
+    /// The connection ended: in the middle of the handshake, after our
+    /// challenge, is how a peer without the token leaves (it checks our
+    /// proof first and hangs up); counted as an authentication failure (a
+    /// wrong proof counts itself).
+    pub fn hung_up(&self) {
+        if matches!(self, Listener::AwaitProof { .. }) {
+            crate::metrics::count(&crate::metrics::AUTH_FAILURES);
+        }
+    }
+
     /// Take the connector's next frame (`hdr`, `payload`); returns the
     /// frame to send back, if any. An error closes the connection.
     /// `keys` gives the key a connector announcing a job name must hold.
@@ -285,6 +296,7 @@ impl Listener {
             }
             (Listener::AwaitProof { nc, ns, key }, MsgType::AuthProof) => {
                 if payload.len() != PROOF_LEN || !key.verify(CONNECTOR, &nc, &ns, payload) {
+                    crate::metrics::count(&crate::metrics::AUTH_FAILURES);
                     return Err(AuthError::Failed("wrong job token"));
                 }
                 *self = Listener::Done { job: key.job };
@@ -332,6 +344,9 @@ pub fn listen_blocking<R: Read, W: Write>(
         }
     })();
     if let Err(e) = &result {
+        // A peer without the token finds out from our challenge and hangs up
+        // before its proof: a failure all the same (a wrong proof counted itself).
+        l.hung_up();
         if !matches!(e, AuthError::Io(_) | AuthError::Read(ReadError::Closed | ReadError::Io(_))) {
             let _ = w.write_all(&rejection());
         }

@@ -103,7 +103,7 @@ pub(super) struct PySchedulerConfig {
 #[pymethods]
 impl PySchedulerConfig {
     #[new]
-    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None))]
+    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bind: Option<String>,
@@ -123,6 +123,7 @@ impl PySchedulerConfig {
         core_gbit: Option<f64>,
         max_tensors: Option<u32>,
         max_bytes: Option<u64>,
+        metrics_addr: Option<String>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let rack_reduce = match rack_reduce {
@@ -152,6 +153,7 @@ impl PySchedulerConfig {
             secret: token.map(|t| secret_of(Some(t))).unwrap_or(d.secret),
             max_tensors: max_tensors.unwrap_or(d.max_tensors),
             max_bytes: max_bytes.unwrap_or(d.max_bytes),
+            metrics_addr: metrics_addr.or(d.metrics_addr),
         };
         Ok(PySchedulerConfig { cfg })
     }
@@ -170,7 +172,7 @@ pub(super) struct PyServerConfig {
 #[pymethods]
 impl PyServerConfig {
     #[new]
-    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None))]
+    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -187,6 +189,7 @@ impl PyServerConfig {
         token: Option<String>,
         timeline: Option<String>,
         rack: Option<String>,
+        metrics_addr: Option<String>,
     ) -> Self {
         let d = ServerConfig::default();
         let cfg = ServerConfig {
@@ -207,6 +210,7 @@ impl PyServerConfig {
             traffic: d.traffic,
             timeline: timeline.or(d.timeline),
             rack: rack.unwrap_or(d.rack),
+            metrics_addr: metrics_addr.or(d.metrics_addr),
         };
         PyServerConfig { cfg }
     }
@@ -225,7 +229,7 @@ pub(super) struct PyServiceConfig {
 #[pymethods]
 impl PyServiceConfig {
     #[new]
-    #[pyo3(signature = (bind, token, job=None, max_jobs=None, max_workers=None, max_pending=None))]
+    #[pyo3(signature = (bind, token, job=None, max_jobs=None, max_workers=None, max_pending=None, metrics_addr=None))]
     fn new(
         bind: String,
         token: String,
@@ -233,6 +237,7 @@ impl PyServiceConfig {
         max_jobs: Option<u32>,
         max_workers: Option<u32>,
         max_pending: Option<usize>,
+        metrics_addr: Option<String>,
     ) -> Self {
         let d = ServiceConfig::default();
         let cfg = ServiceConfig {
@@ -242,6 +247,7 @@ impl PyServiceConfig {
             max_jobs: max_jobs.unwrap_or(d.max_jobs),
             max_workers: max_workers.unwrap_or(d.max_workers),
             max_pending: max_pending.unwrap_or(d.max_pending),
+            metrics_addr: metrics_addr.or(d.metrics_addr),
         };
         PyServiceConfig { cfg }
     }

@@ -37,6 +37,8 @@ pub struct SchedulerConfig {
     /// once, and their bytes (what the servers hold for it).
     pub max_tensors: u32,
     pub max_bytes: u64,
+    /// Serve Prometheus metrics on this address (`--metrics-addr`); not for a service's jobs.
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for SchedulerConfig {
@@ -59,6 +61,7 @@ impl Default for SchedulerConfig {
             secret: Secret::none(),
             max_tensors: 0,
             max_bytes: 0,
+            metrics_addr: None,
         }
     }
 }

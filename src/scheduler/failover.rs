@@ -76,6 +76,7 @@ pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
     for m in st.members.staying_workers() {
         m.send(&msg, ns);
     }
+    crate::metrics::count(&crate::metrics::FAILOVERS);
     log::info!(target: "scheduler", "server {} taken over; the workers re-send what it had not returned", lost.rank);
     st.answer_ready(ns);
 }

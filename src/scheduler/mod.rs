@@ -63,6 +63,12 @@ pub fn start_scheduler(cfg: SchedulerConfig) -> Result<SchedulerHandle, Schedule
     let addr = listener.local_addr().map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     listener.set_nonblocking(true).map_err(|err| SchedulerError::Bind { addr: cfg.bind.clone(), err })?;
     let shared = Shared::new(cfg);
+    if let Some(at) = shared.cfg.metrics_addr.clone() {
+        let s = shared.clone();
+        let bound = crate::metrics::serve(&at, move || s.metrics())
+            .map_err(|err| SchedulerError::Bind { addr: at.clone(), err })?;
+        log::info!(target: "scheduler", "metrics on http://{bound}/metrics");
+    }
     let join = thread::Builder::new()
         .name("gradhub-scheduler".into())
         .spawn(move || accept_loop(shared, listener))

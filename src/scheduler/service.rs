@@ -53,6 +53,8 @@ pub struct ServiceConfig {
     /// Connections authenticating or registering at once (each holds a
     /// thread until it has, or its peer timeout passed).
     pub max_pending: usize,
+    /// Serve Prometheus metrics on this address (`--metrics-addr`).
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for ServiceConfig {
@@ -64,6 +66,7 @@ impl Default for ServiceConfig {
             max_jobs: 16,
             max_workers: 4096,
             max_pending: 512,
+            metrics_addr: None,
         }
     }
 }
@@ -152,6 +155,12 @@ pub fn start_service(cfg: ServiceConfig) -> Result<ServiceHandle, SchedulerError
         next_server: AtomicU64::new(0),
         started: Instant::now(),
     });
+    if let Some(at) = svc.cfg.metrics_addr.clone() {
+        let s = svc.clone();
+        let bound =
+            crate::metrics::serve(&at, move || metrics(&s)).map_err(|err| SchedulerError::Bind { addr: at, err })?;
+        log::info!(target: "service", "metrics on http://{bound}/metrics");
+    }
     {
         let svc = svc.clone();
         thread::Builder::new()
@@ -407,6 +416,20 @@ fn heartbeat_servers(svc: &Service) {
         }
         thread::sleep(Duration::from_millis(svc.cfg.job.heartbeat_ms.clamp(10, 1000) as u64));
     }
+}
+
+/// The service's metrics: its jobs, and per job its members, held bytes and
+/// traffic as its servers report it (the same figures as `status_json`).
+fn metrics(svc: &Service) -> crate::metrics::Sample {
+    let jobs: Vec<(String, Arc<JobEntry>)> = lock(&svc.jobs).iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut s = crate::metrics::Sample { jobs: Some(jobs.len() as u64), ..Default::default() };
+    for (name, j) in &jobs {
+        let (bytes, rounds) = lock(&j.traffic).by_server.values().fold((0u64, 0u64), |a, v| (a.0 + v.0, a.1 + v.1));
+        j.shared.sample(name, &mut s);
+        s.pushed_bytes.push((name.clone(), bytes));
+        s.rounds.push((name.clone(), rounds));
+    }
+    s
 }
 
 /// What `gradhub status` prints: the service, its servers, and per job its

@@ -97,6 +97,23 @@ impl Shared {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// This job's members and held bytes, as job `job` of the metrics.
+    pub fn sample(&self, job: &str, s: &mut crate::metrics::Sample) {
+        let st = self.lock();
+        for role in [crate::protocol::Role::Worker, crate::protocol::Role::Server] {
+            let n = st.members.all().iter().filter(|m| m.role == role).count() as u64;
+            s.members.push((job.to_string(), role.name(), n));
+        }
+        s.held_bytes.push((job.to_string(), st.decls.held().1));
+    }
+
+    /// The metrics of a scheduler's only job (`--metrics-addr`).
+    pub fn metrics(&self) -> crate::metrics::Sample {
+        let mut s = crate::metrics::Sample { jobs: Some(u64::from(!self.lock().is_over())), ..Default::default() };
+        self.sample("", &mut s);
+        s
+    }
+
     /// Mark the job failed and tell every other member who is gone and why.
     pub fn fail(&self, st: &mut State, who: Option<&Member>, reason: String) {
         if st.is_over() {

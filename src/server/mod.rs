@@ -55,6 +55,8 @@ pub struct ServerConfig {
     pub timeline: Option<String>,
     /// This server's rack (`GRADHUB_RACK`), if racks are used.
     pub rack: String,
+    /// Serve Prometheus metrics on this address (`--metrics-addr`).
+    pub metrics_addr: Option<String>,
 }
 
 /// Bytes pushed to a server and chunk rounds it completed, so far.
@@ -64,13 +66,41 @@ pub struct Traffic {
     rounds: std::sync::atomic::AtomicU64,
     /// Rounds relayed for this server's rack (two-level reduction).
     relayed: std::sync::atomic::AtomicU64,
+    /// While metrics are served (`observe`): bytes of results sent, and
+    /// each round's latency; nothing is timed otherwise.
+    observed: std::sync::atomic::AtomicBool,
+    returned: std::sync::atomic::AtomicU64,
+    latency: crate::metrics::Latency,
 }
 
 impl Traffic {
-    fn add(&self, bytes: u64) {
+    /// A round of `bytes` pushed, summed now; its first push came at `since`.
+    fn add(&self, bytes: u64, since: Option<std::time::Instant>) {
         use std::sync::atomic::Ordering::Relaxed;
         self.bytes.fetch_add(bytes, Relaxed);
         self.rounds.fetch_add(1, Relaxed);
+        if let (true, Some(t)) = (self.observed.load(Relaxed), since) {
+            self.latency.observe(t.elapsed());
+        }
+    }
+    fn returned(&self, bytes: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.observed.load(Relaxed) {
+            self.returned.fetch_add(bytes, Relaxed);
+        }
+    }
+    /// Count what metrics report from now on (returned bytes, latencies).
+    pub fn observe(&self) {
+        self.observed.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// The metrics of job `job` (`""`: this server's only job) so far.
+    pub fn sample(&self, job: &str, s: &mut crate::metrics::Sample) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (bytes, rounds) = self.get();
+        s.pushed_bytes.push((job.to_string(), bytes));
+        s.rounds.push((job.to_string(), rounds));
+        s.returned_bytes.push((job.to_string(), self.returned.load(Relaxed)));
+        s.latency.push((job.to_string(), self.latency.snapshot()));
     }
     fn relay(&self) {
         self.relayed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -101,6 +131,7 @@ impl Default for ServerConfig {
             traffic: Arc::default(),
             timeline: None,
             rack: String::new(),
+            metrics_addr: None,
         }
     }
 }
@@ -139,6 +170,17 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         listeners.push(l);
     }
     let ports: Vec<u16> = listeners.iter().map(|l| l.local_addr().map(|a| a.port()).unwrap_or(0)).collect();
+    if let Some(at) = &cfg.metrics_addr {
+        cfg.traffic.observe();
+        let traffic = cfg.traffic.clone();
+        let bound = crate::metrics::serve(at, move || {
+            let mut s = crate::metrics::Sample::default();
+            traffic.sample("", &mut s);
+            s
+        })
+        .map_err(|e| setup(&format!("metrics: cannot listen on {at}"), e))?;
+        log::info!(target: "server", "metrics on http://{bound}/metrics");
+    }
 
     let joining = Joining::connect(&cfg.scheduler, cfg.connect_timeout, cfg.namespace, &cfg.secret)?;
     let advertise = match &cfg.advertise {

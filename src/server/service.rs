@@ -133,6 +133,7 @@ fn start_instance(template: &ServerConfig, master: &Secret, job: &str, namespace
     c.secret = Secret::new(master.job_token(job).as_bytes()).for_job(job).map_err(|e| e.to_string())?;
     c.namespace = namespace;
     c.traffic = Arc::default();
+    c.metrics_addr = None; // one instance per job: the service's scheduler reports them
     let traffic = c.traffic.clone();
     let join = std::thread::Builder::new()
         .name(format!("gradhub-job-{job}"))

@@ -581,6 +581,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         traffic: Default::default(),
         timeline: None,
         rack: String::new(),
+        metrics_addr: None,
     }
 }
 

@@ -26,7 +26,8 @@ How, step by step:
   does not when the weight is also used elsewhere: tied, a functional call,
   a gradient hook). Then one collective decision: a layer is exchanged as
   factors only if every worker saw it and found it exact, and the rule
-  picks it (the log says each layer's choice and the bytes predicted).
+  picks it (worker 0 says which, once; each layer's choice and the bytes
+  predicted at GRADHUB_LOG=debug).
   A layer left to the servers by the check is reported once.
 - Later steps: the weight's handle gathers the factors (on a thread of its
   own, at the weight's priority) and, when waited for, writes the rebuilt
@@ -48,6 +49,8 @@ import time
 import warnings
 
 import torch
+
+from .. import _env
 
 from .exchange import _ThreadHandle
 from .ops import Average, Handle, _allgather_impl
@@ -236,6 +239,7 @@ class SufficientFactors:
             votes[2 * i] = 0 if id(p) in self.rows and id(p) not in self.inexact else 1
             votes[2 * i + 1] = self.rows.get(id(p), 0)
         ps._push_pull_async(votes, ps._name(None, "sfb.decide"), False).wait()
+        why: list[str] = []  # each layer's choice and its bytes: at debug only
         for i, p in enumerate(params):
             layer = self.layers.get(id(p))
             if layer is None:
@@ -252,17 +256,31 @@ class SufficientFactors:
             rows = int(votes[2 * i + 1])
             factor_values, server_values = rows * (m + n), m * n
             use = self.force or factor_values < server_values
-            if ps.rank() == 0:  # the choice is the same everywhere: said once
-                print(f"[gradhub worker] sufficient factors: '{name}' ({m} x {n}, {rows} rows over the workers): "
-                      f"{'factors' if use else 'servers'}{' (forced)' if self.force and use else ''}; per worker "
-                      f"and step each way, factors {factor_values * 4 / 1024:.1f} KiB vs servers "
-                      f"{server_values * p.element_size() / 1024:.1f} KiB", file=sys.stderr, flush=True)
+            why.append(f"sufficient factors: '{name}' ({m} x {n}, {rows} rows over the workers): "
+                       f"{'factors' if use else 'servers'}{' (forced)' if self.force and use else ''}; per worker "
+                       f"and step each way, factors {factor_values * 4 / 1024:.1f} KiB vs servers "
+                       f"{server_values * p.element_size() / 1024:.1f} KiB")
             if use:
                 self.chosen.add(id(p))
+        if ps.rank() == 0:  # the choice is the same everywhere: said once
+            self._say(why, [opt._gh_names[pid] for pid in self.eligible if pid in self.chosen])
         for pid in list(self.layers):
             if pid not in self.chosen:
                 del self.layers[pid]
         self._narrow_hooks()
+
+    def _say(self, why: list[str], chosen: list[str]) -> None:
+        """The decision, once, in words; layer by layer at GRADHUB_LOG=debug."""
+        if _env.get("GRADHUB_LOG") in ("debug", "trace"):
+            for line in why:
+                print(f"[gradhub worker] {line}", file=sys.stderr, flush=True)
+        if chosen:
+            rest = len(self.eligible) - len(chosen)
+            print(f"[gradhub worker] sufficient factors{' (forced)' if self.force else ''}: "
+                  f"{', '.join(chosen)} travel as the layer's inputs and output gradients, which is fewer bytes "
+                  f"than the gradient itself" + (f"; {rest} other nn.Linear weight(s) through the servers" if rest
+                                                 else "") + " (GRADHUB_LOG=debug: layer by layer)",
+                  file=sys.stderr, flush=True)
 
     def _maybe_take(self) -> None:
         """At the end of every step, on every worker alike: every

@@ -160,6 +160,7 @@ impl ServerThread {
     pub(super) fn close(&mut self, t: usize, why: &str) {
         let who = self.who();
         let Some(mut c) = self.conns.remove(&t) else { return };
+        c.auth.hung_up();
         if let Some(Dest { chunk, direct: true, parity, .. }) = c.rx.reset() {
             // The accumulator holds a partial push.
             self.chunks[chunk].abort_direct(parity, &mut self.pool);

@@ -58,7 +58,7 @@ impl ServerThread {
     pub(super) fn finish_round(&mut self, idx: usize) {
         let nw = self.cfg.num_workers;
         let ch = &mut self.chunks[idx];
-        self.cfg.traffic.add((ch.bytes() * ch.round.pushers.len()) as u64);
+        self.cfg.traffic.add((ch.bytes() * ch.round.pushers.len()) as u64, ch.round.since());
         let forward = ch.finish(nw, self.opt_cfg.get(&ch.key), self.cfg.namespace);
         if ch.round.stall_reported() {
             let name = self.names.get(&ch.key).map(String::as_str).unwrap_or("?");
@@ -85,6 +85,7 @@ impl ServerThread {
         let ch = &mut self.chunks[idx];
         let priority = ch.round.priority;
         let round = ch.round.complete();
+        let mut sent = 0;
         for i in 0..self.chunks[idx].round.pushers.len() {
             let r = self.chunks[idx].round.pushers[i];
             // A restored result completes a round some pushers had not pushed.
@@ -96,11 +97,13 @@ impl ServerThread {
             let by_ref = self.chunks[idx].round.by_ref(r);
             if let Some(c) = self.conns.get_mut(&t) {
                 c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref, push: false });
+                sent += 1;
             }
             if let Err(why) = self.flush(t) {
                 self.close(t, &why.to_string());
             }
         }
+        self.cfg.traffic.returned((self.chunks[idx].bytes() * sent) as u64);
         self.chunks[idx].round.delivered();
     }
 
@@ -199,6 +202,7 @@ impl ServerThread {
             }
         }
         for ((key, round), (idxs, mut missing, waited)) in by_key {
+            crate::metrics::count(&crate::metrics::STALLS);
             missing.sort_unstable();
             let name = self.names.get(&key).cloned().unwrap_or_default();
             // Pushers after the workers are other racks' relays (`HostLayout::relay_id`).

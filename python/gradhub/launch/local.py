@@ -1,0 +1,79 @@
+"""`gradhub launch` without hosts: a whole job on this machine, supervised;
+and what every launch shares (the job's environment, the scheduler's flags).
+
+Starts the scheduler, the servers and the workers as child processes, prefixes
+every output line with the role and rank, and stops everything as soon as one
+process fails, returning its exit code. When all workers succeed, the
+scheduler tells the servers to exit; stragglers are terminated after a grace
+period.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+
+from .. import _env
+from .._ports import free_port
+from .proc import Proc, supervise
+
+GRADHUB = [sys.executable, "-m", "gradhub"]
+
+
+def job_env(args, scheduler: str, workers: int, servers: int) -> dict[str, str]:
+    """The environment every process of the job starts from."""
+    base = dict(os.environ)
+    # Every member proves this job's secret on every connection; one is made
+    # up unless the user gave one.
+    if _env.job_token() is None:
+        base["GRADHUB_JOB_TOKEN"] = secrets.token_hex(32)
+    base.update({
+        "GRADHUB_SCHEDULER": scheduler,
+        "GRADHUB_NUM_WORKERS": str(workers),
+        "GRADHUB_NUM_SERVERS": str(servers),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if args.partition_bytes:
+        base["GRADHUB_PARTITION_BYTES"] = str(args.partition_bytes)
+    return base
+
+
+def scheduler_flags(args) -> list[str]:
+    """The launch flags the scheduler takes, as its command line."""
+    flags = ["--stall-seconds", str(args.stall_seconds), "--peer-timeout", str(args.peer_timeout)]
+    if args.partition_bytes:
+        flags += ["--partition-bytes", str(args.partition_bytes)]
+    if not args.host_reduce:
+        flags.append("--no-host-reduce")
+    if not args.failover:
+        flags.append("--no-failover")
+    flags += ["--rack-reduce", args.rack_reduce, "--link-gbit", str(args.link_gbit),
+              "--core-gbit", str(args.core_gbit)]
+    return flags
+
+
+def launch_local(args, command: list[str]) -> int:
+    workers_n = args.workers if args.workers is not None else 1
+    if workers_n < 1 or args.servers < 1:
+        print("gradhub launch: need at least one worker and one server", file=sys.stderr)
+        return 2
+    port = args.port or free_port()
+    base = job_env(args, f"127.0.0.1:{port}", workers_n, args.servers)
+    procs: list[Proc] = []
+    procs.append(Proc("scheduler", GRADHUB + ["scheduler", "--bind", f"127.0.0.1:{port}"] + scheduler_flags(args),
+                      {**base, "GRADHUB_ROLE": "scheduler"}))
+    for s in range(args.servers):
+        colocated = args.colocated or s < args.colocated_servers
+        argv = GRADHUB + ["server", "--threads", str(args.server_threads), "--rank", str(s),
+                          "--advertise-addr", "127.0.0.1", "--bind-host", "127.0.0.1"]
+        if colocated:
+            argv.append("--colocated")
+        procs.append(Proc(f"server {s}", argv, {**base, "GRADHUB_ROLE": "server"}))
+    workers = []
+    for w in range(workers_n):
+        env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
+               "LOCAL_RANK": str(w), "LOCAL_WORLD_SIZE": str(workers_n)}
+        workers.append(Proc(f"worker {w}", command, env))
+    procs += workers
+    return supervise(procs, workers, "gradhub launch")

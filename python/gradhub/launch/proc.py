@@ -1,0 +1,153 @@
+"""Supervised child processes: `Proc` (one child, its output pumped under
+its label, its exit recorded in the order exits happened) and `supervise`
+(wait for the workers; the first process to fail stops the job)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from .output import Pump, Terminal
+
+_terminal: Terminal | None = None
+_order = itertools.count()
+_order_lock = threading.Lock()
+
+
+def terminal() -> Terminal:
+    """This launcher's stdout (one for every child, so their lines never mix)."""
+    global _terminal
+    if _terminal is None:
+        _terminal = Terminal(sys.stdout.buffer)
+    return _terminal
+
+
+class Proc:
+    """A child process of the launcher. `rc` and `seq` (the order among the
+    exits of every Proc) are set by a thread waiting for it, the moment it
+    exits, so the first process that failed is known however the launcher
+    polls."""
+
+    def __init__(self, label: str, argv: list[str], env: dict[str, str], stdin: int = subprocess.DEVNULL):
+        self.label = label
+        self.role = label.replace("@", " ").split()[0]  # scheduler, server or worker: labels start with it
+        self.rc: int | None = None
+        self.seq: int | None = None
+        self.exited = threading.Event()
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  stdin=stdin, start_new_session=True)
+        assert self.p.stdout is not None
+        self.pump = threading.Thread(target=Pump(terminal(), label, self.p.stdout.fileno()).run, daemon=True)
+        self.pump.start()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        rc = self.p.wait()
+        with _order_lock:
+            self.seq = next(_order)
+            self.rc = rc
+        self.exited.set()
+
+    def poll(self) -> int | None:
+        return self.rc
+
+    def signal(self, sig: int) -> None:
+        """Deliver `sig` to the child's whole process group."""
+        try:
+            os.killpg(self.p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def exit_code(rc: int) -> int:
+    """A child's return code as the launcher's exit status (a signal: 128 + it)."""
+    return rc if rc >= 0 else 128 - rc
+
+
+def describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+def _stop(procs: list[Proc], grace: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        if not p.exited.wait(max(0.0, deadline - time.monotonic())):
+            p.signal(signal.SIGKILL)
+            p.exited.wait()
+    for p in procs:
+        p.pump.join(timeout=2)
+
+
+# Seconds to let the rest of a failed job exit before naming its culprit.
+SETTLE_S = 3.0
+
+
+def first_failure(procs: list[Proc]) -> Proc | None:
+    """The process whose failure ended the job: the first to exit non-zero.
+    A worker that raised reports its error to the scheduler before its
+    interpreter has finished exiting, so the servers and the scheduler, told
+    the job failed, often exit before it: one of those that exited with 1
+    (roles.py: the job failed) is named only when nothing else failed."""
+    failed = sorted((p for p in procs if p.seq is not None and p.rc != 0), key=lambda p: p.seq)
+    own = [p for p in failed if not (p.role in ("scheduler", "server") and p.rc == 1)]
+    return (own or failed or [None])[0]
+
+
+def _settle(procs: list[Proc], workers: list[Proc]) -> None:
+    """After a failure: give the workers a moment to exit too, so the
+    culprit is among the exits."""
+    deadline = time.monotonic() + SETTLE_S
+    for w in workers:
+        w.exited.wait(max(0.0, deadline - time.monotonic()))
+
+
+def supervise(procs: list[Proc], workers: list[Proc], tool: str) -> int:
+    """Wait for the workers; stop everything as soon as one process fails (or
+    on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0."""
+
+    def on_signal(signum, _frame):
+        _stop(procs)
+        sys.exit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            if first_failure(procs) is not None:
+                _settle(procs, workers)
+                bad = first_failure(procs)
+                assert bad is not None and bad.rc is not None
+                print(f"{tool}: {bad.label} {describe(bad.rc)}; stopping the job", file=sys.stderr, flush=True)
+                _stop(procs)
+                return exit_code(bad.rc)
+            if all(w.poll() == 0 for w in workers):
+                break
+            time.sleep(0.05)
+        # Workers are done; the scheduler shuts the servers down.
+        deadline = time.monotonic() + 30
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rest = [p for p in procs if p.poll() is None]
+        if rest:
+            print(f"{tool}: " + ", ".join(p.label for p in rest) + " did not exit; terminating", file=sys.stderr)
+        _stop(procs)
+        bad = first_failure([p for p in procs if p not in rest])
+        if bad is not None and bad.rc is not None:
+            print(f"{tool}: {bad.label} {describe(bad.rc)} after the workers finished", file=sys.stderr)
+            return exit_code(bad.rc)
+        return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

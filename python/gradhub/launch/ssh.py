@@ -1,0 +1,202 @@
+"""`gradhub launch -H host1:4,host2:4 ...`: a job across hosts over SSH, the
+way horovodrun starts one.
+
+The scheduler runs on this machine; one server per worker host (colocated)
+or per `--server-hosts` host (CPU-only); `slots` workers per host, ranked
+host by host. Every remote process is started by a small bootstrap given on
+the ssh command line; its environment (the job token among it) and its
+command travel over ssh's stdin, so no other user of either machine can read
+the token in a process list. Closing that stdin (or the connection dropping)
+kills the remote process group; a `TERM` line asks it to stop first.
+
+Before anything starts, every host is checked: reachable over ssh, and
+gradhub importable by this Python there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from .._ports import free_port
+from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
+from .local import GRADHUB, job_env, scheduler_flags
+from .proc import Proc, supervise
+
+# Runs on the remote host (`python -c`): one JSON line on stdin holds the
+# environment, the working directory and the command; the command runs in a
+# session of its own; a `TERM` line forwards SIGTERM to it, the end of stdin
+# (the launcher or the connection gone) SIGKILL, unless "watch" is false (the
+# launcher's checks, which send their line and close). Exits with the command's code.
+BOOTSTRAP = """\
+import json, os, signal, subprocess, sys, threading
+job = json.loads(sys.stdin.readline())
+env = dict(os.environ); env.update(job["env"])
+try:
+    os.chdir(job["cwd"])
+except OSError:
+    pass
+try:
+    p = subprocess.Popen(job["argv"], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+except OSError as e:
+    print(f"gradhub launch: cannot start {job['argv'][0]!r} on this host: {e}", file=sys.stderr)
+    sys.exit(127)
+def kill(sig):
+    try:
+        os.killpg(p.pid, sig)
+    except OSError:
+        pass
+def watch():
+    for line in sys.stdin:
+        if line.strip() == "TERM":
+            kill(signal.SIGTERM)
+    kill(signal.SIGKILL)
+if job["watch"]:
+    threading.Thread(target=watch, daemon=True).start()
+rc = p.wait()
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+# Variables that describe this login, not the job: the remote login has its own.
+_LOCAL_ONLY = {"HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY",
+               "MAIL", "TMUX", "STY", "LS_COLORS", "OLDPWD", "INVOCATION_ID", "JOURNAL_STREAM"}
+_LOCAL_PREFIXES = ("SSH_", "XDG_", "DBUS_")
+
+
+def forwarded(env: dict[str, str]) -> dict[str, str]:
+    """The part of the launcher's environment a remote process gets."""
+    return {k: v for k, v in env.items() if k not in _LOCAL_ONLY and not k.startswith(_LOCAL_PREFIXES)}
+
+
+class Ssh:
+    """How to reach the hosts: the ssh command line before the remote command."""
+
+    def __init__(self, port: int | None, identity: str | None, config: str | None):
+        self.argv = ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "LogLevel=ERROR", "-T"]
+        if config:
+            self.argv += ["-F", config]
+        if port:
+            self.argv += ["-p", str(port)]
+        if identity:
+            self.argv += ["-i", identity]
+
+    def command(self, host: str) -> list[str]:
+        """ssh to `host`, running the bootstrap with this machine's Python."""
+        return self.argv + [host, shlex.join([sys.executable, "-c", BOOTSTRAP])]
+
+
+def _job_line(env: dict[str, str], argv: list[str], watch: bool = True) -> bytes:
+    return (json.dumps({"env": forwarded(env), "argv": argv, "cwd": os.getcwd(), "watch": watch}) + "\n").encode()
+
+
+class RemoteProc(Proc):
+    """A process on another host, through ssh and the bootstrap."""
+
+    def __init__(self, label: str, ssh: Ssh, host: str, argv: list[str], env: dict[str, str]):
+        super().__init__(label, ssh.command(host), dict(os.environ), stdin=subprocess.PIPE)
+        self._stdin_lock = threading.Lock()
+        self._tell(_job_line(env, argv))
+
+    def _tell(self, data: bytes | None) -> None:
+        """Write `data` to the bootstrap; None: close its stdin (it kills the process)."""
+        stdin = self.p.stdin
+        assert stdin is not None
+        with self._stdin_lock:
+            try:
+                if data is None:
+                    stdin.close()
+                else:
+                    stdin.write(data)
+                    stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+
+    def signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM:
+            self._tell(b"TERM\n")
+            return
+        self._tell(None)
+        super().signal(sig)
+
+
+def _check_host(ssh: Ssh, host: str, env: dict[str, str]) -> str | None:
+    """Why the job cannot run on `host`, or None."""
+    probe = [sys.executable, "-c", "import gradhub._core"]
+    try:
+        p = subprocess.run(ssh.command(host), input=_job_line(env, probe, watch=False), capture_output=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return f"{host}: no answer over ssh within 60 s"
+    except OSError as e:
+        return f"cannot run ssh: {e}"
+    said = (p.stderr + p.stdout).decode(errors="replace").strip().splitlines()
+    tail = said[-1] if said else f"exit code {p.returncode}"
+    if p.returncode == 0:
+        return None
+    if p.returncode == 255:
+        return f"cannot reach {host} over ssh: {tail or 'ssh failed'}"
+    if p.returncode == 127:
+        return f"{host}: no Python at {sys.executable} (gradhub launch runs the same Python path on every host)"
+    return f"{host}: gradhub is not installed for {sys.executable} there ({tail})"
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to `host`."""
+    name = host.rpartition("@")[2].strip("[]")
+    family, _, _, _, addr = socket.getaddrinfo(name, 22, proto=socket.IPPROTO_UDP)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def launch_ssh(args, command: list[str]) -> int:
+    tool = "gradhub launch"
+    try:
+        hosts: list[Host] = parse_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)
+        server_hosts = parse_server_hosts(args.server_hosts) if args.server_hosts else []
+        slots = worker_slots(hosts, args.workers)
+    except ValueError as e:
+        print(f"{tool}: {e}", file=sys.stderr)
+        return 2
+    used = sorted({h.name for _, h, _ in slots}, key=[h.name for h in hosts].index)
+    servers = server_hosts or used
+    ssh = Ssh(args.ssh_port, args.ssh_identity_file, args.ssh_config)
+    every = list(dict.fromkeys(used + servers))
+    with ThreadPoolExecutor(max_workers=min(16, len(every))) as pool:
+        problems = [p for p in pool.map(lambda h: _check_host(ssh, h, dict(os.environ)), every) if p]
+    try:
+        sched_ip = _address_towards(used[0])
+    except OSError as e:
+        problems = problems or [f"cannot find this machine's address towards {used[0]}: {e}"]
+    if problems:
+        for p in problems:
+            print(f"{tool}: {p}", file=sys.stderr)
+        print(f"{tool}: nothing was started", file=sys.stderr)
+        return 2
+    port = args.port or free_port()
+    sched = f"[{sched_ip}]:{port}" if ":" in sched_ip else f"{sched_ip}:{port}"
+    base = job_env(args, sched, len(slots), len(servers))
+    print(f"{tool}: scheduler on this machine at {sched}; {len(slots)} workers on {', '.join(used)}; "
+          f"{len(servers)} {'CPU-only' if server_hosts else 'colocated'} servers", file=sys.stderr, flush=True)
+    procs: list[Proc] = [Proc("scheduler", GRADHUB + ["scheduler", "--bind", sched] + scheduler_flags(args),
+                              {**base, "GRADHUB_ROLE": "scheduler"})]
+    for s, host in enumerate(servers):
+        argv = GRADHUB + ["server", "--threads", str(args.server_threads), "--rank", str(s)]
+        if not server_hosts:
+            argv.append("--colocated")
+        procs.append(RemoteProc(f"server {s}@{host}", ssh, host, argv, {**base, "GRADHUB_ROLE": "server"}))
+    per_host = {h: sum(1 for _, x, _ in slots if x.name == h) for h in used}
+    workers = []
+    for rank, host, local in slots:
+        n = str(per_host[host.name])
+        env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank), "GRADHUB_LOCAL_RANK": str(local),
+               "GRADHUB_LOCAL_SIZE": n, "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": n}
+        workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command, env))
+    procs += workers
+    return supervise(procs, workers, tool)

@@ -1,0 +1,108 @@
+"""deploy/kubernetes/: parsed and checked without a cluster. For each way
+to run the workers (an indexed Job, Kubeflow's PyTorchJob) with the
+scheduler and servers: every role has the variables it needs, with values
+gradhub parses; names and ports match the headless Service; the sizes match
+the replicas; the token comes from the Secret; each role's command line
+parses as gradhub's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gradhub import _env
+from gradhub.cli import build_parser
+
+DEPLOY = Path(__file__).parent.parent / "deploy" / "kubernetes"
+TOKEN_VARS = ("GRADHUB_JOB_TOKEN", "GRADHUB_JOB_TOKEN_FILE")
+ANNOTATION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def load(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+def pods(docs: list[dict]) -> list[tuple[str, int, dict]]:
+    """(component, replicas, pod template) of every Job and PyTorchJob."""
+    out = []
+    for d in docs:
+        if d["kind"] == "Job":
+            t = d["spec"]["template"]
+            out.append((t["metadata"]["labels"]["app.kubernetes.io/component"], d["spec"].get("completions", 1), t))
+        elif d["kind"] == "PyTorchJob":
+            for spec in d["spec"]["pytorchReplicaSpecs"].values():
+                t = spec["template"]
+                out.append((t["metadata"]["labels"]["app.kubernetes.io/component"], spec["replicas"], t))
+    return out
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("workers_file", ["workers-job.yaml", "workers-pytorchjob.yaml"])
+def test_manifests_give_every_role_what_it_needs(workers_file):
+    docs = load("scheduler-and-servers.yaml") + load(workers_file)
+    services = [d for d in docs if d["kind"] == "Service"]
+    assert len(services) == 1
+    svc = services[0]
+    assert svc["spec"]["clusterIP"] == "None"  # headless: the name is the scheduler pod's address
+    svc_ports = {p["port"] for p in svc["spec"]["ports"]}
+    roles = pods(docs)
+    by_role: dict[str, list[tuple[int, dict]]] = {}
+    for component, replicas, t in roles:
+        by_role.setdefault(component, []).append((replicas, t))
+    assert set(by_role) == {"scheduler", "server", "worker"}
+    # The Service selects the scheduler's pod and nothing else.
+    sel = svc["spec"]["selector"]
+    matches = [c for c, _, t in roles if all(t["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+    assert matches == ["scheduler"]
+    n_workers = sum(r for r, _ in by_role["worker"])
+    n_servers = sum(r for r, _ in by_role["server"])
+    sched_addr = f"{svc['metadata']['name']}:{9000}"
+    parser = build_parser()
+
+    for component, replicas, t in roles:
+        spec = t["spec"]
+        assert spec.get("restartPolicy", "Never") == "Never" or component == "worker"
+        (c,) = spec["containers"]
+        env = env_of(c)
+        for name, e in env.items():
+            if name.startswith("GRADHUB_"):
+                s = _env.setting(name)  # a registered setting (KeyError otherwise)
+                if "value" in e:
+                    _env._parse(name, s.kind, e["value"], s.choices)  # a value gradhub accepts
+        # The token: from the Secret, mounted where GRADHUB_JOB_TOKEN_FILE says.
+        assert any(v in env for v in TOKEN_VARS), (component, env)
+        path = env["GRADHUB_JOB_TOKEN_FILE"]["value"]
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        secret_vols = {v["name"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "gradhub-token"}
+        assert any(path.startswith(mounts[v] + "/") for v in secret_vols), (component, path, mounts)
+        if component != "worker":
+            cmd = c["command"]
+            assert cmd[0] == "gradhub" and cmd[1] == component
+            args = parser.parse_args(cmd[1:])  # gradhub's own command line accepts it
+            assert args.metrics_addr == "0.0.0.0:9100" and 9100 in svc_ports | {p["containerPort"] for p in c["ports"]}
+        if component == "scheduler":
+            assert args.bind.rsplit(":", 1)[1] == "9000" and 9000 in svc_ports
+            assert int(env["GRADHUB_NUM_WORKERS"]["value"]) == n_workers
+            assert int(env["GRADHUB_NUM_SERVERS"]["value"]) == n_servers
+            assert replicas == 1
+            continue
+        # Servers and workers find the scheduler by the Service's name.
+        assert env["GRADHUB_SCHEDULER"]["value"] == sched_addr
+        if component == "worker":
+            assert int(env["GRADHUB_NUM_SERVERS"]["value"]) == n_servers
+            if "GRADHUB_NUM_WORKERS" in env:
+                assert int(env["GRADHUB_NUM_WORKERS"]["value"]) == n_workers
+            else:  # the PyTorchJob operator sets WORLD_SIZE (gradhub's fallback) to every replica
+                assert workers_file == "workers-pytorchjob.yaml"
+            if "GRADHUB_RANK" in env:  # else the operator's RANK
+                assert env["GRADHUB_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == ANNOTATION_INDEX
+            assert int(env["GRADHUB_LOCAL_SIZE"]["value"]) == 1  # one worker per pod
+    # An indexed Job's index is each worker's rank: ranks 0..N-1, once each.
+    for d in docs:
+        if d["kind"] == "Job" and d["spec"].get("completionMode") == "Indexed":
+            assert d["spec"]["parallelism"] == d["spec"]["completions"]
