@@ -88,7 +88,8 @@ if CONFIG.get("train", False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.Tanh(), torch.nn.Linear(31, 5))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), fusion_threshold=0)
+                                   named_parameters=model.named_parameters(), fusion_threshold=0,
+                                   sufficient_factors="off")
     hvd.broadcast_parameters(model.state_dict())
     x = torch.randn(8, 13, generator=torch.Generator().manual_seed(r))
     before = staging.counters.snapshot()[0]
