@@ -5,9 +5,13 @@ tensor), and `auto` leaving CPU tensors to the shared-memory stage.
 (Training equivalence, fusion and failover with the torch stage are the
 parametrized tests of test_torch.py and test_failover.py.)"""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
-from conftest import assert_all_passed, run_launch
+from conftest import assert_all_passed, job_env, run_launch
 
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"]
 
@@ -49,3 +53,26 @@ def test_hosts_of_any_size_sum_exactly(cluster_factory, hosts, host_reduce):
         assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
         log = c.log(f"worker{w}")
         assert f"PASS {w}" in log and f"of {hosts.count(h)} STAGE torch" in log, log
+
+
+def test_bench_gpu_says_there_is_no_gpu_and_runs_the_cpu_parts(tmp_path):
+    # On a GPU machine it runs every part (small ResNet-50 runs) and must pass too.
+    import torch
+
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "gpu", "--out", str(tmp_path), "--steps", "2",
+                        "--batch", "4"], env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert not report["failed"] and report["train"]["max_rel_diff"] < 1e-9, report
+    torch_sums = report["sums"]["torch"]
+    w = report["workers"]
+    assert torch_sums["checked"] == report["sums"]["shm"]["checked"] > 0
+    # Worker 0 staged its share: 1/W of each tensor, rounded up.
+    assert torch_sums["tensor_bytes"] / w <= torch_sums["staged_bytes"] < torch_sums["tensor_bytes"] / w + 8 * torch_sums["checked"]
+    assert report["sums"]["shm"]["staged_bytes"] == 0
+    if torch.cuda.is_available():
+        assert report["resnet50"]["gradhub"] > 0 and report["resnet50"]["ddp"] > 0
+    else:
+        assert "no GPU" in p.stdout and "resnet50" not in report
+    assert (tmp_path / "gpu.md").read_text().startswith("| part | result |")

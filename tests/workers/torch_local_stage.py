@@ -6,7 +6,8 @@ with priorities, then waited for), average, named (False: generated names),
 stage ("torch": the torch stage must have staged each worker's share and
 nothing more; "shm": it must have staged nothing), train (one
 DistributedOptimizer step, unfused: the bytes staged are this worker's
-shares of the gradients). The "hosts" may be emulated by GRADHUB_HOST_ID.
+shares of the gradients), device ("cuda": tensors on this worker's GPU,
+cuda:<local rank>). The "hosts" may be emulated by GRADHUB_HOST_ID.
 """
 
 import torch
@@ -19,6 +20,10 @@ torch.set_num_threads(1)
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 lr, ls = hvd.local_rank(), hvd.local_size()
+dev = torch.device("cpu")
+if CONFIG.get("device") == "cuda":
+    torch.cuda.set_device(lr)
+    dev = torch.device("cuda", lr)
 sizes = CONFIG.get("sizes", [1, 3, 17, 1000, 65_537])
 dtypes = [getattr(torch, d) for d in CONFIG.get("dtypes", ["float32", "float16", "bfloat16", "float64", "int32",
                                                              "int64", "uint8"])]
@@ -53,7 +58,7 @@ for rnd in range(rounds):
     for dt in dtypes:
         for s in sizes:
             name = f"t.{dt}.{s}" if CONFIG.get("named", True) else None
-            t = value(r, s, dt, rnd)
+            t = value(r, s, dt, rnd).to(dev)
             ref = sum(value(q, s, torch.float64, rnd) for q in range(n))
             if CONFIG.get("average", False) and dt.is_floating_point:
                 ref = ref / n
@@ -72,7 +77,8 @@ for rnd in range(rounds):
     for key, h in handles.items():
         got = hvd.synchronize(h) if isinstance(h, hvd.Handle) else h
         ref = want[key]
-        assert got.dtype == getattr(torch, key[0].split(".")[1]), (key, got.dtype)
+        assert got.dtype == getattr(torch, key[0].split(".")[1]) and got.device == dev, (key, got.dtype, got.device)
+        got = got.cpu()
         assert torch.equal(got.to(torch.float64), ref.to(got.dtype).to(torch.float64)), \
             (key, rnd, got[:8].tolist(), ref[:8].tolist())
 
@@ -86,12 +92,12 @@ else:
 
 if CONFIG.get("train", False):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.Tanh(), torch.nn.Linear(31, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(13, 31), torch.nn.Tanh(), torch.nn.Linear(31, 5)).to(dev)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), fusion_threshold=0,
                                    sufficient_factors="off")
     hvd.broadcast_parameters(model.state_dict())
-    x = torch.randn(8, 13, generator=torch.Generator().manual_seed(r))
+    x = torch.randn(8, 13, generator=torch.Generator().manual_seed(r)).to(dev)
     before = staging.counters.snapshot()[0]
     opt.zero_grad()
     model(x).square().mean().backward()
