@@ -76,6 +76,7 @@ class LocalGroup:
         self.rank, self.size = rank, size
         self._store = store
         self._groups: dict[str, tuple] = {}
+        self._groups_lock = threading.Lock()  # made by the caller's thread or the gather thread, whichever is first
         self._staged: queue.SimpleQueue = queue.SimpleQueue()    # after the reduce-scatter
         self._gathered: queue.SimpleQueue = queue.SimpleQueue()  # after the core's round
         self._work: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (padded, share), reused
@@ -86,17 +87,18 @@ class LocalGroup:
     def groups(self, device: torch.device) -> tuple:
         """(reduce-scatter group, all-gather group) for tensors on `device`."""
         kind = device.type
-        g = self._groups.get(kind)
-        if g is None:
-            if kind == "cuda":
-                from .cuda_staging import nccl_group as make
-            else:
-                def make(store, rank, size):
-                    return dist.ProcessGroupGloo(store, rank, size, _TIMEOUT)
-            g = tuple(make(dist.PrefixStore(f"{kind}.{part}", self._store), self.rank, self.size)
-                      for part in ("rs", "ag"))
-            self._groups[kind] = g
-        return g
+        with self._groups_lock:
+            g = self._groups.get(kind)
+            if g is None:
+                if kind == "cuda":
+                    from .cuda_staging import nccl_group as make
+                else:
+                    def make(store, rank, size):
+                        return dist.ProcessGroupGloo(store, rank, size, _TIMEOUT)
+                g = tuple(make(dist.PrefixStore(f"{kind}.{part}", self._store), self.rank, self.size)
+                          for part in ("rs", "ag"))
+                self._groups[kind] = g
+            return g
 
     def _buffers(self, name: str, flat: torch.Tensor, share: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded work buffer (the tensor itself when it splits evenly)
@@ -228,7 +230,7 @@ class Handle:
 
 
 _group: LocalGroup | None = None
-_mode: str = "shm"
+_mode: str = _env.get("GRADHUB_LOCAL_STAGE")  # read again by setup()
 
 
 def setup() -> None:
@@ -244,13 +246,14 @@ def setup() -> None:
     store = None
     if lrank == 0 and lsize > 1:
         store = dist.TCPStore("127.0.0.1", 0, lsize, True, timeout=_TIMEOUT, wait_for_workers=False)
-    table = torch.zeros((n, 2), dtype=torch.int64)
+    table = torch.zeros((n, 3), dtype=torch.int64)
     table[r, 0] = host_key()
     table[r, 1] = store.port if store is not None else 0
+    table[r, 2] = lrank
     _api.push_pull(table, name="local_stage.init")
     _api.release("local_stage.init")
     mine = [q for q in range(n) if int(table[q, 0]) == int(table[r, 0])]
-    lranks = _api._require().local_ranks
+    lranks = table[:, 2].tolist()
     if sorted(lranks[q] for q in mine) != list(range(lsize)):
         raise RuntimeError(
             f"GRADHUB_LOCAL_STAGE={_mode}: worker {r} finds workers {mine} on its host (by GRADHUB_HOST_ID, or host "
@@ -261,6 +264,8 @@ def setup() -> None:
         root = next(q for q in mine if lranks[q] == 0)
         store = dist.TCPStore("127.0.0.1", int(table[root, 1]), lsize, False, timeout=_TIMEOUT)
     _group = LocalGroup(lrank, lsize, store)
+    if _mode == "torch" and lsize > 1:
+        _group.groups(torch.device("cpu"))  # gloo's groups now, at init (NCCL's at their first use: the device is set)
 
 
 def uses(buf: torch.Tensor) -> bool:
