@@ -80,8 +80,7 @@ class LocalGroup:
         self._staged: queue.SimpleQueue = queue.SimpleQueue()    # after the reduce-scatter
         self._gathered: queue.SimpleQueue = queue.SimpleQueue()  # after the core's round
         self._work: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (padded, share), reused
-        for target, q, name in ((self._stage_loop, self._staged, "stage"),
-                                (self._gather_loop, self._gathered, "gather")):
+        for target, name in ((self._stage_loop, "stage"), (self._gather_loop, "gather")):
             threading.Thread(target=target, name=f"gradhub-local-{name}", daemon=True).start()
 
     def groups(self, device: torch.device) -> tuple:
