@@ -230,6 +230,8 @@ pub static SETTINGS: &[Setting] = &[
         "`DistributedOptimizer`: exchange `nn.Linear` weight gradients as Poseidon's sufficient factors where that moves fewer bytes (`auto`), wherever exact (`force`), or never (`off`); the same on every worker (docs/torch.md)"),
     setting!("GRADHUB_SHAPE_CHECK", Flag, Value(|| flag(true)), WORKER,
         "`allreduce`, grouped allreduce and `reducescatter` check, as Horovod, that every worker passes the same shapes and dtypes (one more small round beside the data; never on `DistributedOptimizer`'s gradients); 0: off, the same on every worker (docs/torch.md)"),
+    setting!("GRADHUB_LOCAL_STAGE", Choice(&["auto", "shm", "torch"]), Value(|| "auto".into()), WORKER,
+        "gradhub.torch: how the workers of one host sum a tensor before the network: `shm`, the host stage in shared memory; `torch`, a torch.distributed group of the host's workers (NCCL for CUDA, gloo for CPU) reduce-scatters, each worker stages and pushes its 1/W share, and all-gathers the result; `auto`: `torch` for CUDA tensors, `shm` for CPU ones (docs/architecture.md, \"GPU data path\"); the same on every worker"),
     setting!("GRADHUB_FUSION_THRESHOLD", Int, Value(|| (256 << 10).to_string()), WORKER,
         "`DistributedOptimizer`: bytes of a fusion bucket; gradients of at most a quarter of it travel packed, one push_pull per bucket and step (docs/torch.md, \"Tensor fusion\"; chosen by docs/benchmarks.md); 0: off; the same on every worker"),
     setting!("GRADHUB_AUTOTUNE", Flag, Value(|| flag(false)), WORKER,

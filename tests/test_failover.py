@@ -68,19 +68,20 @@ def test_a_lost_server_is_taken_over_and_every_sum_stays_exact(cluster_factory, 
         assert "error" in c.log("server1"), c.log("server1")
 
 
-@pytest.mark.parametrize("host_reduce,opt,server,how", [
-    ("0", "sgd", False, "kill"),
-    ("1", "sgd", False, "kill"),
-    ("0", "sgd", True, "kill"),          # momentum state on the servers
-    ("1", "adamw", True, "kill"),
-    ("0", "adamw", True, "stop"),
-], ids=["sockets", "host-stage", "server-sgd", "server-adamw-host-stage", "server-adamw-stopped"])
+@pytest.mark.parametrize("host_reduce,opt,server,how,stage", [
+    ("0", "sgd", False, "kill", "shm"),
+    ("1", "sgd", False, "kill", "shm"),
+    ("1", "sgd", False, "kill", "torch"),  # the torch local stage (gloo) before the network
+    ("0", "sgd", True, "kill", "shm"),          # momentum state on the servers
+    ("1", "adamw", True, "kill", "shm"),
+    ("0", "adamw", True, "stop", "shm"),
+], ids=["sockets", "host-stage", "torch-stage", "server-sgd", "server-adamw-host-stage", "server-adamw-stopped"])
 def test_training_that_loses_a_server_ends_with_the_parameters_of_one_that_did_not(cluster_factory, host_reduce,
-                                                                                   opt, server, how):
+                                                                                   opt, server, how, stage):
     # torch_train.py checks every worker's parameters against single-process
     # training on the combined batch (what a job that lost no server gets).
     cfg = {"model": "mlp", "opt": opt, "steps": 16, "step_sleep": 0.05, "server": server}
-    c = start(cluster_factory, "torch_train.py", cfg, host_reduce)
+    c = start(cluster_factory, "torch_train.py", cfg, host_reduce, GRADHUB_LOCAL_STAGE=stage)
     lose_server(c, how, "STEP 5")
     try:
         for w in range(WORKERS):

@@ -40,6 +40,22 @@ def test_tensor_fusion_trains_like_a_single_process(fusion, buckets, tensors, ov
             assert out.count("UPDATES IN GROUPS OF [2, 26]") == 3, out[-3000:]
 
 
+@pytest.mark.parametrize("model,opt,overlap,fusion,passes", [("cnn", "nesterov", False, 0, 1),
+                                                          ("deep", "adamw", True, 262144, 2)],
+                         ids=["cnn-unfused-sync", "deep-fused-overlap"])
+def test_training_through_the_torch_local_stage_matches_single_process(model, opt, overlap, fusion, passes):
+    # GRADHUB_LOCAL_STAGE=torch on CPU (gloo): per-tensor reductions with
+    # priorities, then fusion buckets with forward overlap and
+    # backward_passes_per_step, equal single-process training as through
+    # the shared-memory stage.
+    cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 10, "sfb": "off", "fusion": fusion,
+           "passes": passes}
+    rc, out = run_launch(3, 2, "torch_train.py", cfg, env={"GRADHUB_LOCAL_STAGE": "torch"})
+    assert_all_passed(rc, out, 3)
+    if fusion:
+        assert out.count("FUSED 1 buckets of 26 tensors") == 3, out[-3000:]
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_overlap_with_parameters_used_outside_their_modules_forward(opt):
     # Tied weights, functional calls and a custom autograd function on
@@ -239,8 +255,9 @@ def test_cross_rank_and_size_follow_the_hosts(cluster_factory, hosts, tmp_path):
         assert f"PASS {w}" in c.log(f"worker{w}")
 
 
-def test_ddp_comm_hook_matches_gloo_allreduce():
-    rc, out = run_launch(3, 2, "torch_ddp.py", {"port": free_port()})
+@pytest.mark.parametrize("stage", ["auto", "torch"])
+def test_ddp_comm_hook_matches_gloo_allreduce(stage):
+    rc, out = run_launch(3, 2, "torch_ddp.py", {"port": free_port()}, env={"GRADHUB_LOCAL_STAGE": stage})
     assert_all_passed(rc, out, 3)
 
 

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "pause, exception, stranger's connection), every outcome and sum checked",
                         formatter_class=argparse.RawDescriptionHelpFormatter, description=faults.__doc__)
     faults.add_arguments(fp)
+    from . import gpu
+
+    gp = sub.add_parser("gpu", help="the GPU check: exact sums through each local stage, training equivalence, "
+                                    "staging bandwidth, ResNet-50 under DDP/NCCL and gradhub (CPU parts only "
+                                    "without a GPU)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, description=gpu.__doc__)
+    gpu.add_arguments(gp)
     from . import tenancy
 
     tp = sub.add_parser("tenancy", help="1-4 concurrent jobs on one shared service in the emulated cluster: "
@@ -449,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
 
         counts = [int(x) for x in args.counts.split(",") if x.strip()]
         return run_tensors(int(args.mbytes * 1e6), counts, args.workers, args.steps)
+    if args.cmd == "gpu":
+        from .gpu import run as run_gpu
+
+        return run_gpu(args)
     if args.cmd == "tenancy":
         from .tenancy import main as run_tenancy
 

@@ -51,6 +51,7 @@ from .ops import (
     push_pull_async,
     synchronize,
 )
+from .local_stage import setup as _local_stage_setup
 from .exchange import (
     allgather_async,
     alltoall,
@@ -75,6 +76,7 @@ def init(*args, process_sets=None, **kwargs):
     _init(*args, **kwargs)
     _reset()
     _setup(process_sets)
+    _local_stage_setup()
 
 
 def join(device: int = -1) -> int:

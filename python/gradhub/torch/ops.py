@@ -5,7 +5,9 @@ built on gradhub's push_pull (a sum across workers).
   carried as float32 (exact for integers below 2^24, a float32 rounding for
   float64) in allreduce, and as raw bytes (exact) in broadcast and allgather.
 - CUDA tensors are staged through pinned host memory with PyTorch's copies
-  (by gradhub.api.push_pull_async, the one door into the core).
+  (by gradhub.api.push_pull_async, the one door into the core), or, with
+  the torch local stage (GRADHUB_LOCAL_STAGE), reduce-scattered over the
+  host's GPUs first and staged 1/W each (`local_stage`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from .. import _env
 from .. import api as _api
 from ..api import GradhubError, GradhubMismatchError
+from . import local_stage as _local_stage
 from .compression import Compression
 from .process_sets import ProcessSet, _resolve, global_process_set
 
@@ -190,7 +193,11 @@ def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: i
     int_average = average and not wire.is_floating_point
     server_average = average and wire.is_floating_point and ps._is_global()
     local_average = average and wire.is_floating_point and not server_average
-    h = ps._push_pull_async(buf, name, server_average, priority)
+    # The torch local stage (GRADHUB_LOCAL_STAGE) takes the global set's reductions it applies to.
+    if ps._is_global() and _local_stage.uses(buf):
+        h = _local_stage.push_pull_async(buf, name, server_average, priority)
+    else:
+        h = ps._push_pull_async(buf, name, server_average, priority)
     n = ps.size()
 
     def finish():

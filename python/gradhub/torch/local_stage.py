@@ -1,0 +1,284 @@
+"""The torch local stage (GRADHUB_LOCAL_STAGE=torch, or auto for CUDA
+tensors): the workers of one host sum a tensor with torch.distributed
+collectives instead of the core's shared-memory host stage (BytePS §4.2 on
+GPUs: NCCL's reduce-scatter, the network, NCCL's all-gather).
+
+For a tensor (or a fusion bucket) of n elements, on a host of W workers:
+
+1. reduce-scatter over the host's group: local rank j ends with the host's
+   sum of share j (n split into W equal shares, the last padded);
+2. `staging` copies share j into the tensor's host buffer (zeros elsewhere)
+   and the core push_pulls the whole buffer under the tensor's name with
+   `live` = share j, so only the share's chunks leave with data (the rest
+   are zeros, pushed as a header); the sum over every worker of every host
+   is the job's sum, whatever each host's W (uneven hosts need no rule);
+3. share j of the result is copied back and the group all-gathers it.
+
+So each worker copies 1/W of the tensor to the host and back. With the
+core's host stage also on (GRADHUB_HOST_REDUCE=1, the default) the shares
+meet in shared memory as any contribution does, and the host still pushes
+each chunk once; that sum adds zeros, the price of leaving the core as it
+is (docs/architecture.md, "GPU data path").
+
+The group is made once, at `gradhub.torch.init()`, from the host's workers
+only: local rank 0 opens a torch TCPStore on a free loopback port, and one
+gradhub round tells every worker its host's port. Two process groups share
+that store: one for the reduce-scatters (issued by the caller, in call
+order), one for the all-gathers (issued by a thread, in the same order),
+so neither collective can overtake the other's sequence on some worker.
+Like NCCL's, they need every worker of a host to start its reductions in
+the same order (DistributedOptimizer, fusion and the DDP hook do).
+
+Only the global process set goes through this stage; a process set's
+operations, and everything under `join()`, take the core's path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import queue
+import socket
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import GradhubTimeoutError
+from .. import _env
+from .. import api as _api
+from . import staging as _staging
+
+_TIMEOUT = datetime.timedelta(seconds=600)
+
+
+def host_key() -> int:
+    """This worker's host identity as the core sees it (GRADHUB_HOST_ID, else
+    the host name and network namespace), as a positive int64."""
+    hid = _env.get("GRADHUB_HOST_ID")
+    if not hid:
+        try:
+            ns = os.readlink("/proc/self/ns/net")
+        except OSError:
+            ns = ""
+        hid = f"{socket.gethostname()} {ns}"
+    return int.from_bytes(hashlib.blake2b(hid.encode(), digest_size=7).digest(), "little")
+
+
+class LocalGroup:
+    """The host's workers as torch process groups (gloo for CPU tensors,
+    NCCL for CUDA ones), and the two threads that carry an operation after
+    its reduce-scatter. `size == 1`: no group, the stage only stages."""
+
+    def __init__(self, rank: int, size: int, store):
+        self.rank, self.size = rank, size
+        self._store = store
+        self._groups: dict[str, tuple] = {}
+        self._groups_lock = threading.Lock()  # made by the caller's thread or the gather thread, whichever is first
+        self._staged: queue.SimpleQueue = queue.SimpleQueue()    # after the reduce-scatter
+        self._gathered: queue.SimpleQueue = queue.SimpleQueue()  # after the core's round
+        self._work: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (padded, share), reused
+        for target, name in ((self._stage_loop, "stage"), (self._gather_loop, "gather")):
+            threading.Thread(target=target, name=f"gradhub-local-{name}", daemon=True).start()
+
+    def groups(self, device: torch.device) -> tuple:
+        """(reduce-scatter group, all-gather group) for tensors on `device`."""
+        kind = device.type
+        with self._groups_lock:
+            g = self._groups.get(kind)
+            if g is None:
+                if kind == "cuda":
+                    from .cuda_staging import nccl_group as make
+                else:
+                    def make(store, rank, size):
+                        return dist.ProcessGroupGloo(store, rank, size, _TIMEOUT)
+                g = tuple(make(dist.PrefixStore(f"{kind}.{part}", self._store), self.rank, self.size)
+                          for part in ("rs", "ag"))
+                self._groups[kind] = g
+            return g
+
+    def _buffers(self, name: str, flat: torch.Tensor, share: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded work buffer (the tensor itself when it splits evenly)
+        and the share buffer: made once per name."""
+        padded = share * self.size
+        w = self._work.get(name)
+        if w is None or w[1].numel() != share or w[1].dtype != flat.dtype or w[1].device != flat.device:
+            pad = None if padded == flat.numel() else torch.zeros(padded, dtype=flat.dtype, device=flat.device)
+            w = (pad, torch.empty(share, dtype=flat.dtype, device=flat.device))
+            if not isinstance(name, _api.AutoName):
+                self._work[name] = w
+        pad, share_t = w
+        if pad is None:
+            return flat, share_t
+        pad[:flat.numel()].copy_(flat)
+        return pad, share_t
+
+    def push_pull_async(self, buf: torch.Tensor, name: str, average: bool, priority: int) -> "Handle":
+        flat = buf.view(-1)
+        n = flat.numel()
+        st = _staging.for_tensor(buf)
+        op = _Op(buf, name, st)
+        share = -(-n // self.size) if n else 0
+        op.start = min(self.rank * share, n)
+        op.stop = min(op.start + share, n)
+        if self.size == 1:
+            op.work, op.share, op.rs = flat, flat, None
+        else:
+            op.work, op.share = self._buffers(name, flat, share)
+            rs = self.groups(buf.device)[0]
+            op.rs = rs.reduce_scatter([op.share], [list(op.work.split(share))]) if share else None
+        op.args = (average, priority)
+        self._staged.put(op)
+        return Handle(op)
+
+    def _stage_loop(self) -> None:
+        while True:
+            op = self._staged.get()
+            try:
+                if op.rs is not None:
+                    op.rs.wait()
+                valid = op.share[:op.stop - op.start]
+                host = op.staging.buffers.get(op.name, op.buf.numel(), op.buf.dtype)
+                op.staging.to_host(valid, host, op.start)
+                op.host = host
+                op.core = _api.push_pull_async(host, name=op.name, average=op.args[0], priority=op.args[1],
+                                               live=(op.start, op.stop))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                op.error = e
+            self._gathered.put(op)
+
+    def _gather_loop(self) -> None:
+        while True:
+            op = self._gathered.get()
+            try:
+                if op.error is None:
+                    op.core.wait()
+                    op.staging.from_host(op.host, op.start, op.share[:op.stop - op.start])
+                    if self.size > 1 and op.share.numel():
+                        ag = self.groups(op.buf.device)[1]
+                        ag.allgather([list(op.work.split(op.share.numel()))], [op.share]).wait()
+                    flat = op.buf.view(-1)
+                    if op.work.data_ptr() != flat.data_ptr():
+                        flat.copy_(op.work[:flat.numel()])
+                    op.ready = op.staging.record(op.buf)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                op.error = e
+            if isinstance(op.name, _api.AutoName):
+                op.staging.buffers.drop(op.name)
+            op.finish()
+
+
+class _Op:
+    """One operation through the stage, from reduce-scatter to all-gather."""
+
+    def __init__(self, buf: torch.Tensor, name: str, staging):
+        self.buf, self.name, self.staging = buf, name, staging
+        self.start = self.stop = 0
+        self.work = self.share = self.rs = self.host = self.core = self.ready = None
+        self.args: tuple = ()
+        self.error: BaseException | None = None
+        self.event = threading.Event()
+        self.callbacks: list[Callable] = []
+        self.lock = threading.Lock()
+
+    def finish(self) -> None:
+        with self.lock:
+            self.event.set()
+            callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            cb()
+
+
+class Handle:
+    """An operation of the torch stage (quacks like `gradhub.api.Handle`)."""
+
+    __slots__ = ("_op",)
+
+    def __init__(self, op: _Op):
+        self._op = op
+
+    @property
+    def name(self) -> str:
+        return self._op.name
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self._op.buf
+
+    def done(self) -> bool:
+        return self._op.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        op = self._op
+        if not op.event.wait(timeout):
+            raise GradhubTimeoutError(f"'{op.name}' did not complete within {timeout}s (torch local stage)")
+        if op.error is not None:
+            raise op.error
+        op.staging.wait(op.ready)  # the caller's stream waits for the result (CUDA); nothing on CPU
+        return op.buf
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        op = self._op
+        with op.lock:
+            if not op.event.is_set():
+                op.callbacks.append(lambda: fn(self))
+                return
+        fn(self)
+
+
+_group: LocalGroup | None = None
+_mode: str = _env.get("GRADHUB_LOCAL_STAGE")  # read again by setup()
+
+
+def setup() -> None:
+    """`gradhub.torch.init()`: read GRADHUB_LOCAL_STAGE and, if the torch
+    stage may be used (torch; auto with CUDA present, the same on every
+    worker), make the host's group. A collective of every worker."""
+    global _group, _mode
+    _mode = _env.get("GRADHUB_LOCAL_STAGE")
+    if _group is not None or _mode == "shm" or (_mode == "auto" and not torch.cuda.is_available()):
+        return
+    n, r = _api.size(), _api.rank()
+    lrank, lsize = _api.local_rank(), _api.local_size()
+    store = None
+    if lrank == 0 and lsize > 1:
+        store = dist.TCPStore("127.0.0.1", 0, lsize, True, timeout=_TIMEOUT, wait_for_workers=False)
+    table = torch.zeros((n, 3), dtype=torch.int64)
+    table[r, 0] = host_key()
+    table[r, 1] = store.port if store is not None else 0
+    table[r, 2] = lrank
+    _api.push_pull(table, name="local_stage.init")
+    _api.release("local_stage.init")
+    mine = [q for q in range(n) if int(table[q, 0]) == int(table[r, 0])]
+    lranks = table[:, 2].tolist()
+    if sorted(lranks[q] for q in mine) != list(range(lsize)):
+        raise RuntimeError(
+            f"GRADHUB_LOCAL_STAGE={_mode}: worker {r} finds workers {mine} on its host (by GRADHUB_HOST_ID, or host "
+            f"name and network namespace), with local ranks {[lranks[q] for q in mine]}, but gradhub placed "
+            f"{lsize} workers there: give every worker of a host the same GRADHUB_HOST_ID, or use "
+            "GRADHUB_LOCAL_STAGE=shm")
+    if store is None and lsize > 1:
+        root = next(q for q in mine if lranks[q] == 0)
+        store = dist.TCPStore("127.0.0.1", int(table[root, 1]), lsize, False, timeout=_TIMEOUT)
+    _group = LocalGroup(lrank, lsize, store)
+    if _mode == "torch" and lsize > 1:
+        _group.groups(torch.device("cpu"))  # gloo's groups now, at init (NCCL's at their first use: the device is set)
+
+
+def uses(buf: torch.Tensor) -> bool:
+    """Whether a reduction of `buf` over the global set takes the torch stage."""
+    if _mode == "shm" or (_mode == "auto" and buf.device.type != "cuda"):
+        return False
+    if _group is None:
+        if _mode == "auto":
+            return False  # gradhub.init() without gradhub.torch.init(): the core's path
+        raise RuntimeError("GRADHUB_LOCAL_STAGE=torch needs the host's group, made by gradhub.torch.init(): call "
+                           "it instead of gradhub.init()")
+    return True
+
+
+def push_pull_async(buf: torch.Tensor, name: str, average: bool, priority: int) -> Handle:
+    """Sum contiguous `buf` in place across every worker through the torch stage."""
+    return _group.push_pull_async(buf, name, average, priority)

@@ -1,0 +1,79 @@
+"""The torch local stage (GRADHUB_LOCAL_STAGE=torch) on CPU tensors and
+gloo: exact sums with 1-4 workers per host, emulated uneven hosts with the
+core's host stage on and off, the bytes each worker stages (1/W of each
+tensor), and `auto` leaving CPU tensors to the shared-memory stage.
+(Training equivalence, fusion and failover with the torch stage are the
+parametrized tests of test_torch.py and test_failover.py.)"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import assert_all_passed, job_env, run_launch
+
+DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"]
+
+
+@pytest.mark.parametrize("workers,in_flight", [(1, False), (2, True), (3, False), (4, True)])
+def test_exact_sums_and_one_share_staged_per_worker_on_one_host(workers, in_flight):
+    # Sizes that split evenly and not (1 element over 4 workers: three stage nothing).
+    cfg = {"sizes": [1, 3, 17, 1000, 65_537], "dtypes": DTYPES, "rounds": 2, "in_flight": in_flight,
+           "train": True, "named": workers % 2 == 0}
+    rc, out = run_launch(workers, 2, "torch_local_stage.py", cfg, env={"GRADHUB_LOCAL_STAGE": "torch"})
+    assert_all_passed(rc, out, workers)
+    assert out.count(f"of {workers} STAGE torch") == workers, out[-3000:]
+
+
+def test_average_through_the_torch_stage():
+    cfg = {"sizes": [5, 4099], "dtypes": ["float32", "float64"], "rounds": 1, "average": True}
+    rc, out = run_launch(3, 1, "torch_local_stage.py", cfg, env={"GRADHUB_LOCAL_STAGE": "torch"})
+    assert_all_passed(rc, out, 3)
+
+
+def test_auto_leaves_cpu_tensors_to_the_shared_memory_stage():
+    cfg = {"sizes": [17, 1000], "dtypes": ["float32", "int64"], "rounds": 1, "stage": "shm", "train": True}
+    rc, out = run_launch(2, 1, "torch_local_stage.py", cfg)
+    assert_all_passed(rc, out, 2)
+
+
+@pytest.mark.parametrize("hosts,host_reduce", [("aabb", "1"), ("aaab", "1"), ("aaab", "0")],
+                         ids=["2+2", "3+1", "3+1-no-host-stage"])
+def test_hosts_of_any_size_sum_exactly(cluster_factory, hosts, host_reduce):
+    # Each host splits a tensor into its own number of shares: the job's sum
+    # is the same whatever the hosts' sizes, through the core's host stage
+    # (which adds the other workers' zeros) or without it.
+    c = cluster_factory(len(hosts), 2, GRADHUB_HOST_REDUCE=host_reduce, GRADHUB_LOCAL_STAGE="torch")
+    cfg = {"sizes": [1, 7, 1000, 65_537], "dtypes": ["float32", "bfloat16", "int64"], "rounds": 2,
+           "in_flight": True, "train": True}
+    for w, h in enumerate(hosts):
+        c.start_worker(w, "torch_local_stage.py", cfg, GRADHUB_HOST_ID=f"ls-{h}")
+    for w, h in enumerate(hosts):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        log = c.log(f"worker{w}")
+        assert f"PASS {w}" in log and f"of {hosts.count(h)} STAGE torch" in log, log
+
+
+def test_bench_gpu_says_there_is_no_gpu_and_runs_the_cpu_parts(tmp_path):
+    # On a GPU machine it runs every part (small ResNet-50 runs) and must pass too.
+    import torch
+
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "gpu", "--out", str(tmp_path), "--steps", "2",
+                        "--batch", "4"], env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert not report["failed"] and report["train"]["max_rel_diff"] < 1e-9, report
+    torch_sums = report["sums"]["torch"]
+    w = report["workers"]
+    assert torch_sums["checked"] == report["sums"]["shm"]["checked"] > 0
+    # Worker 0 staged its share: 1/W of each tensor, rounded up.
+    share = torch_sums["tensor_bytes"] / w
+    assert share <= torch_sums["staged_bytes"] < share + 8 * torch_sums["checked"]  # less than an element more each
+    assert report["sums"]["shm"]["staged_bytes"] == 0
+    if torch.cuda.is_available():
+        assert report["resnet50"]["gradhub"] > 0 and report["resnet50"]["ddp"] > 0
+    else:
+        assert "no GPU" in p.stdout and "resnet50" not in report
+    assert (tmp_path / "gpu.md").read_text().startswith("| part | result |")
