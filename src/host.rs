@@ -24,11 +24,10 @@
 //! every local worker's round r+1 contribution, made after their round r
 //! completed (copy-out included), so nobody still reads round r's buffer.
 //!
-//! The GPU seam: with CUDA tensors this stage would be NCCL's reduce-scatter
-//! over the host's GPUs (`contribute`: each owner ends with its chunks'
-//! sums) and all-gather (`publish`/copy-out); the network stage, the
-//! ownership rule and the server do not change. Today CUDA tensors reach it
-//! through PyTorch's pinned host copies (`gradhub.api`).
+//! CUDA tensors take the torch local stage instead (NCCL reduce-scatter,
+//! the own share through the network stage, all-gather:
+//! `gradhub/torch/local_stage.py`, docs/architecture.md "GPU data path");
+//! the network stage, the ownership rule and the server do not change.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
