@@ -53,8 +53,9 @@ pub const CREDIT_CHUNKS: usize = 4;
 pub fn default_credit_bytes(partition_bytes: u32) -> usize {
     DEFAULT_CREDIT_BYTES.max(CREDIT_CHUNKS * partition_bytes as usize)
 }
-/// Default spread (`client::io::Spread`), in credits: 2 MiB at the default
-/// credit. See docs/benchmarks.md.
+/// Default spread (`client::io::Spread`), in least credits: 2 MiB. Only where
+/// a worker's placed shares differ across its connections (see
+/// `client::io::admission::uneven`). See docs/benchmarks.md.
 pub const SPREAD_CREDITS: usize = 4;
 
 /// This member's host identity: which workers share a machine (and its

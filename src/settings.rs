@@ -173,7 +173,7 @@ pub static SETTINGS: &[Setting] = &[
         "chunk size (scheduler-wide); see docs/benchmarks.md"),
     setting!("GRADHUB_CREDIT_BYTES", Int, Unset("the larger of 512 KiB and 4 chunks"), WORKER,
         "bytes in flight per server-thread connection (worker), on average: split in proportion to the bytes placed on each; the default holds at least 4 of the job's chunks (`GRADHUB_PARTITION_BYTES`) because credit returns a whole chunk at a time"),
-    setting!("GRADHUB_SPREAD_BYTES", Int, Unset("4 × the credit"), WORKER,
+    setting!("GRADHUB_SPREAD_BYTES", Int, Unset("2 MiB where a worker's shares differ, else none"), WORKER,
         "worker: how far, in the job-wide order, its pushes may run ahead of its oldest one no server has received whole yet, over all its connections; keeps each server's flow at its share of the link (docs/architecture.md); 0: no limit"),
     setting!("GRADHUB_TCP_CONGESTION", Str, Value(|| "cubic".into()), DATA,
         "congestion control of every data connection (workers and servers); `system`: the machine's default; one the kernel lacks or does not allow is a warning (once per process) and the default. Measured: BBR stalled CPU-only servers' flows for 40–60 ms a few times a second (docs/benchmarks.md)"),

@@ -18,8 +18,9 @@ pub struct ClientConfig {
     pub credit_bytes: Option<usize>,
     /// How many bytes, in the job-wide order, may stand between the next
     /// chunk this worker sends and its oldest one not yet received by its
-    /// server (`io::Spread`). None: `SPREAD_CREDITS` x the credit (and it
-    /// follows `set_credit`); Some(0): no limit.
+    /// server (`io::Spread`). None: 2 MiB where the shares placed on the
+    /// connections are uneven, else no limit (`io::admission::uneven`);
+    /// Some(0): no limit.
     pub spread_bytes: Option<usize>,
     pub connect_timeout: Duration,
     /// This worker's local rank and the number of workers on its host, as

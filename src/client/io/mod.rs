@@ -182,6 +182,8 @@ pub struct Io {
     /// See `Spread` and `spread_limit`.
     spread: Mutex<Spread>,
     spread_fixed: Option<usize>,
+    /// The default spread for the current placement (`split_credit`).
+    spread_auto: AtomicUsize,
     /// Some connection waits for the spread to shrink (see `Conn::spread_blocked`).
     spread_blocked: AtomicBool,
 }
@@ -267,6 +269,7 @@ impl Io {
             poller: OnceLock::new(),
             spread: Mutex::new(Spread::default()),
             spread_fixed: spread,
+            spread_auto: AtomicUsize::new(0),
             spread_blocked: AtomicBool::new(false),
         };
         io.add_conns(streams)?;
