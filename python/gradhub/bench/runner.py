@@ -46,6 +46,9 @@ VARIANTS = {
     "syscc": {"GRADHUB_TCP_CONGESTION": "system"},
     # Chunks of 64 KiB (read by the scheduler; only without --partition-bytes, i.e. with --unscaled).
     "chunk64k": {"GRADHUB_PARTITION_BYTES": str(64 << 10)},
+    # The spread at 2 MiB whatever the placement; the credit at 512 KiB whatever the chunk size.
+    "spread2m": {"GRADHUB_SPREAD_BYTES": str(2 << 20)},
+    "credit512k": {"GRADHUB_CREDIT_BYTES": str(512 << 10)},
     "fusion1m": {"GRADHUB_FUSION_THRESHOLD": str(1 << 20)},
     # With --racks: one level (every pusher crosses the core itself), or two
     # levels forced (auto, the default, lets PHub's model decide).
