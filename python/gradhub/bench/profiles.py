@@ -79,9 +79,9 @@ class _CNN:
         return self
 
 
-def vgg19(batch=32) -> Profile:
+def vgg_layers(cfg: list, batch: int) -> list[Layer]:
+    """A VGG network's layers from its configuration (channels, "M" = pool)."""
     m = _CNN(3, 224, batch)
-    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
     i = 0
     for v in cfg:
         if v == "M":
@@ -90,7 +90,12 @@ def vgg19(batch=32) -> Profile:
             m.conv(f"features.{i}", v, 3, pad=1)
             i += 1
     m.linear("classifier.0", 512 * 7 * 7, 4096).linear("classifier.3", 4096, 4096).linear("classifier.6", 4096, 1000)
-    return Profile("vgg19", batch, 0.268, m.layers, "PHub Table 3")
+    return m.layers
+
+
+def vgg19(batch=32) -> Profile:
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
+    return Profile("vgg19", batch, 0.268, vgg_layers(cfg, batch), "PHub Table 3")
 
 
 def alexnet(batch=32) -> Profile:

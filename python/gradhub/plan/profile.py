@@ -53,19 +53,10 @@ class SimProfile:
 def _vgg16():
     """VGG-16 (138,357,544 parameters); time per batch of 32 from VGG-19's
     (PHub Table 3) by FLOP ratio (15.5 / 19.6 GFLOPs)."""
-    from ..bench.profiles import Profile, _CNN
+    from ..bench.profiles import Profile, vgg_layers
 
-    m = _CNN(3, 224, 32)
     cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
-    i = 0
-    for v in cfg:
-        if v == "M":
-            m.pool(2, 2)
-        else:
-            m.conv(f"features.{i}", v, 3, pad=1)
-            i += 1
-    m.linear("classifier.0", 512 * 7 * 7, 4096).linear("classifier.3", 4096, 4096).linear("classifier.6", 4096, 1000)
-    return Profile("vgg16", 32, 0.268 * 15.5 / 19.6, m.layers, "PHub Table 3 (VGG-19) by FLOP ratio")
+    return Profile("vgg16", 32, 0.268 * 15.5 / 19.6, vgg_layers(cfg, 32), "PHub Table 3 (VGG-19) by FLOP ratio")
 
 
 def _bert_large():
