@@ -456,7 +456,7 @@ impl Links {
     /// One that cannot be opened (its server is being lost) is logged: the
     /// chunks it would serve hold their results until a failover gives
     /// them another replica.
-    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, std::net::TcpStream, LinkTo, String)>> {
+    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, Option<std::net::TcpStream>, LinkTo, String)>> {
         let mut out: Vec<Vec<_>> = (0..self.threads).map(|_| Vec::new()).collect();
         if let Some((rack, id)) = self.relay {
             for s in specs {
@@ -469,11 +469,12 @@ impl Links {
                     let mut hello = Header::new(MsgType::DataHello);
                     (hello.namespace, hello.key) = (self.namespace, id + t);
                     match self.connect(owner, &hello.encode()) {
-                        Ok(stream) => out[t as usize].push((owner, stream, LinkTo::Owner, self.name(owner))),
+                        Ok(stream) => out[t as usize].push((owner, Some(stream), LinkTo::Owner, self.name(owner))),
                         // Its server is gone (the job is failing): the
-                        // relay's rounds fail with that.
+                        // relay's rounds fail with that, naming it.
                         Err(e) => {
-                            log::warn!(target: "server", "thread {t}: no link to owner {}: {e}", self.name(owner))
+                            log::warn!(target: "server", "thread {t}: no link to owner {}: {e}", self.name(owner));
+                            out[t as usize].push((owner, None, LinkTo::Owner, self.name(owner)));
                         }
                     }
                 }
@@ -486,7 +487,7 @@ impl Links {
                     continue;
                 }
                 match self.connect(r, &replica::hello_frame(self.namespace, self.first_slot + t)) {
-                    Ok(stream) => out[t as usize].push((r, stream, LinkTo::Replica, self.name(r))),
+                    Ok(stream) => out[t as usize].push((r, Some(stream), LinkTo::Replica, self.name(r))),
                     Err(e) => {
                         self.made.remove(&(t, r));
                         log::warn!(target: "server", "thread {t}: no link to replica {}: {e}", self.name(r));

@@ -79,6 +79,7 @@ pub const WAKER: Token = Token(1);
 const FIRST_CONN: usize = 2;
 
 /// What a link this thread opened to another server thread is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
 pub enum LinkTo {
     /// The slot replicating our chunks' optimizer state (ServerHello sent).
     Replica,
@@ -91,12 +92,13 @@ pub enum ThreadCmd {
     /// (adopted from a lost server if the flag is set), and so do those we
     /// relay for our rack. With the tensors' shared segments when workers
     /// on this host push by reference, and new links (authenticated and
-    /// introduced) to other server threads, by slot.
+    /// introduced) to other server threads, by slot, with who serves it
+    /// (no stream: an owner that could not be reached).
     Declare(
         Vec<TensorSpec>,
         bool,
         Vec<(u32, Arc<Staging>)>,
-        Vec<(u32, std::net::TcpStream, LinkTo, String)>,
+        Vec<(u32, Option<std::net::TcpStream>, LinkTo, String)>,
         Sender<()>,
     ),
     /// Every worker released these tensors (keys): free their chunks.
@@ -177,6 +179,8 @@ pub struct ServerThread {
     links: HashMap<u32, usize>,
     /// Our links to the owners of the chunks we relay: slot -> token.
     uplinks: HashMap<u32, usize>,
+    /// Who serves each owner slot we relay to, for messages once its link is gone.
+    owners: HashMap<u32, String>,
     /// Chunks given up here (`ThreadCmd::GiveUp`): what still comes for them
     /// is dropped (pushes acknowledged), not an error.
     moved_away: HashSet<(u32, u32)>,
@@ -220,6 +224,7 @@ impl ServerThread {
             replicas: Replicas::default(),
             links: HashMap::new(),
             uplinks: HashMap::new(),
+            owners: HashMap::new(),
             accept_errors: AcceptErrors::default(),
             accept_retry: None,
             moved_away: HashSet::new(),
@@ -298,7 +303,12 @@ impl ServerThread {
         match cmd {
             ThreadCmd::Declare(specs, adopt, shm, links, ack) => {
                 for (slot, stream, to, name) in links {
-                    self.add_link(slot, stream, to, &name);
+                    if to == LinkTo::Owner {
+                        self.owners.insert(slot, name.clone());
+                    }
+                    if let Some(stream) = stream {
+                        self.add_link(slot, stream, to, &name);
+                    }
                 }
                 self.install(&specs, adopt);
                 self.shm.extend(shm);

@@ -23,8 +23,9 @@ impl ServerThread {
         let (priority, round) = (ch.round.priority, ch.round.number());
         let (key, chunk) = (ch.key, ch.chunk);
         let Some(&t) = self.uplinks.get(&slot) else {
+            let owner = self.owners.get(&slot).cloned().unwrap_or_else(|| format!("server thread slot {slot}"));
             let why = format!(
-                "tensor '{}' chunk {chunk}: this rack's sum cannot reach the chunk's owner (server thread slot {slot}): no link",
+                "tensor '{}' chunk {chunk}: this rack's sum cannot reach the chunk's owner, {owner}: no link (its server is gone)",
                 self.name(key)
             );
             return self.fail_pushers(&[idx], &why);
