@@ -77,3 +77,28 @@ def test_bench_gpu_says_there_is_no_gpu_and_runs_the_cpu_parts(tmp_path):
     else:
         assert "no GPU" in p.stdout and "resnet50" not in report
     assert (tmp_path / "gpu.md").read_text().startswith("| part | result |")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_lost_local_worker_fails_its_host_mates_in_bounded_time(cluster_factory, how):
+    # Worker 1 shares worker 0's host (and its torch group). Killed, its
+    # sockets close; stopped, they stay open and silent: either way worker 0
+    # must not sit in a local collective until torch's own timeout (10 min),
+    # but fail as soon as the core knows worker 1 is gone, naming it.
+    import signal
+    import time
+
+    c = cluster_factory(2, 1, GRADHUB_LOCAL_STAGE="torch", GRADHUB_PEER_TIMEOUT="3")
+    cfg = {"model": "mlp", "opt": "sgd", "steps": 400, "step_sleep": 0.02}
+    for w in range(2):
+        c.start_worker(w, "torch_train.py", cfg, GRADHUB_HOST_ID="ls-one")
+    c.wait_for("worker0", "STEP 3", 120)
+    c.procs["worker1"].send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    lost = time.monotonic()
+    try:
+        assert c.procs["worker0"].wait(timeout=60) != 0
+        assert time.monotonic() - lost < 30
+        log = c.log("worker0")
+        assert "worker 1" in log, log
+    finally:
+        c.procs["worker1"].send_signal(signal.SIGCONT)

@@ -52,6 +52,13 @@ def _require() -> _core.Client:
     return c
 
 
+def job_failure() -> str | None:
+    """Why this worker's job failed (a lost peer, named), or None while it
+    stands or before init: for waits outside the core, which must not outlive it."""
+    c = _client
+    return None if c is None else c.failure()
+
+
 def init(scheduler: str | None = None, rank: int | None = None, num_workers: int | None = None,
          num_servers: int | None = None) -> None:
     """Join the job. Arguments override the environment (GRADHUB_SCHEDULER,

@@ -25,7 +25,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .staging import HostBuffers, counters
+from .staging import HostBuffers, counters, wait_until
 
 
 def nccl_group(store, rank: int, size: int):
@@ -52,7 +52,7 @@ class CudaStaging:
                 s = self._streams[device.index] = torch.cuda.Stream(device=device)
             return s
 
-    def to_host(self, share: torch.Tensor, host: torch.Tensor, start: int) -> None:
+    def to_host(self, share: torch.Tensor, host: torch.Tensor, start: int, check=None) -> None:
         dev = share.device
         stop = start + share.numel()
         prev = self._reading.pop(id(host), None)
@@ -70,7 +70,13 @@ class CudaStaging:
                 done = torch.cuda.Event()
                 done.record(side)
             share.record_stream(side)
-        done.synchronize()  # this stage thread only: the core reads the buffer next
+        # This stage thread only waits (the core reads the buffer next), and
+        # not for ever: the copy follows the host's reduce-scatter, which a
+        # lost host mate never finishes; `check()` ends the wait then.
+        if check is None:
+            done.synchronize()
+        else:
+            wait_until(done.query, check)
         counters.add(d2h=share.numel() * share.element_size())
 
     def from_host(self, host: torch.Tensor, start: int, share: torch.Tensor) -> None:

@@ -41,17 +41,73 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .. import GradhubTimeoutError
+from .. import GradhubError, GradhubTimeoutError
 from .. import _env
 from .. import api as _api
 from . import staging as _staging
 
 _TIMEOUT = datetime.timedelta(seconds=600)
+# A host mate that dies or freezes never finishes a local collective, and
+# torch's own timeout (_TIMEOUT) is long: the stage's threads wait in slices
+# of _POLL seconds and give up once the core says the job failed (it finds a
+# lost worker within the peer timeout and names it).
+_POLL = 0.05
+# A local collective that failed by itself (a killed host mate's sockets
+# closed): how long to wait for the core to name who is gone before saying
+# only what torch said.
+_NAME_GRACE = 5.0
+
+
+def check_job(what: str) -> None:
+    """Raise if the job failed: `what` (the local step waiting) cannot complete."""
+    why = _api.job_failure()
+    if why is not None:
+        raise GradhubError(f"{what} with this host's workers cannot complete: the job failed: {why}")
+
+
+class _Waiter:
+    """Waits on a stage thread's CPU (gloo) collectives for it, in order:
+    gloo's `wait()` takes no timeout and `is_completed()` stays False until
+    it is waited on, so a thread of its own blocks there and the stage
+    thread waits on that in slices, free to give up when the job fails (the
+    blocked thread is abandoned with the job). NCCL's `wait()` only orders
+    the caller's stream: it needs none (the copy's event is polled)."""
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=f"gradhub-local-{name}-wait", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            work, done, failed = self._q.get()
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the stage thread
+                failed.append(e)
+            done.set()
+
+    def wait(self, work, what: str, device: torch.device) -> None:
+        """Wait for `work` while the job stands; its own failure is reported
+        with the core's reason once the core has one."""
+        if device.type == "cuda":
+            work.wait()
+            return
+        done, failed = threading.Event(), []
+        self._q.put((work, done, failed))
+        while not done.wait(_POLL):
+            check_job(what)
+        if failed:
+            deadline = time.monotonic() + _NAME_GRACE
+            while time.monotonic() < deadline:
+                check_job(what)
+                time.sleep(_POLL)
+            raise GradhubError(f"{what} with this host's workers failed: {failed[0]}") from failed[0]
 
 
 def host_key() -> int:
@@ -80,6 +136,7 @@ class LocalGroup:
         self._staged: queue.SimpleQueue = queue.SimpleQueue()    # after the reduce-scatter
         self._gathered: queue.SimpleQueue = queue.SimpleQueue()  # after the core's round
         self._work: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name: (padded, share), reused
+        self._waiters = {"stage": _Waiter("stage"), "gather": _Waiter("gather")}
         for target, name in ((self._stage_loop, "stage"), (self._gather_loop, "gather")):
             threading.Thread(target=target, name=f"gradhub-local-{name}", daemon=True).start()
 
@@ -138,10 +195,10 @@ class LocalGroup:
             op = self._staged.get()
             try:
                 if op.rs is not None:
-                    op.rs.wait()
+                    self._waiters["stage"].wait(op.rs, f"the reduce-scatter of '{op.name}'", op.buf.device)
                 valid = op.share[:op.stop - op.start]
                 host = op.staging.buffers.get(op.name, op.buf.numel(), op.buf.dtype)
-                op.staging.to_host(valid, host, op.start)
+                op.staging.to_host(valid, host, op.start, check=lambda: check_job(f"the reduce-scatter of '{op.name}'"))
                 op.host = host
                 op.core = _api.push_pull_async(host, name=op.name, average=op.args[0], priority=op.args[1],
                                                live=(op.start, op.stop))
@@ -158,7 +215,8 @@ class LocalGroup:
                     op.staging.from_host(op.host, op.start, op.share[:op.stop - op.start])
                     if self.size > 1 and op.share.numel():
                         ag = self.groups(op.buf.device)[1]
-                        ag.allgather([list(op.work.split(op.share.numel()))], [op.share]).wait()
+                        self._waiters["gather"].wait(ag.allgather([list(op.work.split(op.share.numel()))], [op.share]),
+                                                     f"the all-gather of '{op.name}'", op.buf.device)
                     flat = op.buf.view(-1)
                     if op.work.data_ptr() != flat.data_ptr():
                         flat.copy_(op.work[:flat.numel()])

@@ -17,6 +17,8 @@ through `cuda_staging` (side stream, events, pinned memory).
 from __future__ import annotations
 
 import threading
+import time
+from typing import Callable
 
 import torch
 
@@ -44,6 +46,19 @@ class Counters:
 
 
 counters = Counters()
+
+
+def wait_until(done: Callable[[], bool], check: Callable[[], None], every: float = 0.05) -> None:
+    """Poll `done()` with naps growing to 1 ms (a quick collective or copy
+    costs microseconds, a long one a thousand cheap wake-ups a second),
+    calling `check()`, which raises to give up, every `every` seconds."""
+    nap, since = 2e-5, time.monotonic()
+    while not done():
+        time.sleep(nap)
+        nap = min(nap * 2, 1e-3)
+        if time.monotonic() - since >= every:
+            check()
+            since = time.monotonic()
 
 
 class HostBuffers:
@@ -75,9 +90,10 @@ class CpuStaging:
     def __init__(self):
         self.buffers = HostBuffers(pinned=False)
 
-    def to_host(self, share: torch.Tensor, host: torch.Tensor, start: int) -> None:
+    def to_host(self, share: torch.Tensor, host: torch.Tensor, start: int, check=None) -> None:
         """Copy `share` into `host` at `start`; zero the rest of `host` (the
-        previous round's result)."""
+        previous round's result). `check()` raises if the wait for the copy
+        must end (the job failed): on CPU the copy is done on return."""
         stop = start + share.numel()
         host[:start].zero_()
         host[stop:].zero_()
