@@ -75,14 +75,18 @@ def test_overlap_with_custom_autograd_functions_on_parameters_of_modules_never_c
     assert_all_passed(rc, out, 2)
 
 
-@pytest.mark.parametrize("model,opt,sfb,overlap,passes", [
-    ("fc", "sgd", "force", True, 1), ("fc", "adamw", "force", False, 2), ("mlp", "sgd", "auto", False, 1),
-    ("cnn", "sgd", "force", False, 1)])
-def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap, passes):
+@pytest.mark.parametrize("model,opt,sfb,overlap,passes,double", [
+    ("fc", "sgd", "force", True, 1, False), ("fc", "adamw", "force", False, 2, False),
+    ("mlp", "sgd", "auto", False, 1, False), ("mlp", "sgd", "auto", False, 1, True),
+    ("cnn", "sgd", "force", False, 1, False)])
+def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap, passes, double):
     # 4 workers; weights exchanged as factors (rebuilt on every worker) give
     # the single-process parameters. fc: 3-D input, a layer called twice, a
     # frozen one, and a tied one that must fall back to the servers (said once).
+    # double: a float64 model's factors stay float64 (to 1e-12, not float32's ~1e-8).
     cfg = {"model": model, "opt": opt, "sfb": sfb, "overlap": overlap, "passes": passes, "steps": 10}
+    if double:
+        cfg.update(double=True, param_tol=1e-12, loss_tol=1e-12)
     if model == "fc":
         cfg["sfb_layers"] = ["fc1.weight", "shared.weight", "out.weight"]
     elif model == "mlp":

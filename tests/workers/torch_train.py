@@ -25,6 +25,10 @@ from common import CONFIG
 
 torch.use_deterministic_algorithms(True)
 torch.set_num_threads(1)
+# double: the whole model, its data and its loss in float64 (a reduction
+# that rounds through float32 anywhere shows as ~1e-8, far above param_tol)
+LOSS_DTYPE = torch.float64 if CONFIG.get("double") else torch.float32
+torch.set_default_dtype(LOSS_DTYPE)
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 model_kind = CONFIG.get("model", "mlp")
@@ -218,7 +222,7 @@ for s in range(steps):
     for k in range(passes):
         x, y = batch(s * passes + k)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=CONFIG.get("autocast", False)):
-            loss = F.cross_entropy(ref(x).float(), y)
+            loss = F.cross_entropy(ref(x).to(LOSS_DTYPE), y)
         loss.backward()
     ref_losses.append(loss.item())
     ref_opt.step()
@@ -249,7 +253,7 @@ for s in range(steps):
         xs, ys = x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
         before = first.detach().clone()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=CONFIG.get("autocast", False)):
-            out = model(xs).float()
+            out = model(xs).to(LOSS_DTYPE)
         # With overlap_forward, step() only schedules updates: the first layer
         # changes during the forward pass, not before.
         deferred += int(k == 0 and s > 0 and not torch.equal(before, first.detach()))

@@ -169,8 +169,10 @@ class SufficientFactors:
             return None
         m, n = layer.out_features, layer.in_features
         pairs = layer.pairs()
-        factors = (torch.cat([torch.cat([g.float(), x.float()], 1) for g, x in pairs]) if pairs
-                   else torch.zeros(0, m + n))
+        # Exchanged and multiplied in float32, or float64 for a float64 weight (never narrower than it).
+        wide = torch.promote_types(p.dtype, torch.float32)
+        factors = (torch.cat([torch.cat([g.to(wide), x.to(wide)], 1) for g, x in pairs]) if pairs
+                   else torch.zeros(0, m + n, dtype=wide))
         prev = layer.prev
         layer.clear()
         opt, ps = self.opt, self.opt._gh_ps
@@ -212,10 +214,11 @@ class SufficientFactors:
     def _check(self, p, layer: _Layer) -> None:
         """First step: is p's gradient the sum of its factors here?"""
         pairs = layer.pairs()
-        got = p.grad.detach().float()
+        wide = torch.promote_types(p.dtype, torch.float32)
+        got = p.grad.detach().to(wide)
         if layer.prev is not None:
-            got = got - layer.prev.float()
-        local = sum((g.float().t() @ x.float() for g, x in pairs), torch.zeros_like(got))
+            got = got - layer.prev.to(wide)
+        local = sum((g.to(wide).t() @ x.to(wide) for g, x in pairs), torch.zeros_like(got))
         # 16-bit factors: autograd summed them in 16 bits, this in float32.
         tol = 3e-2 if any(g.dtype in _HALF for g, _ in pairs) else 1e-3
         if not torch.allclose(local, got, rtol=tol, atol=tol * 1e-2 * (1.0 + float(got.abs().max()))):
