@@ -1,7 +1,8 @@
 """The torch local stage (GRADHUB_LOCAL_STAGE=torch) on CPU tensors and
-gloo: exact sums with 1-4 workers per host, emulated uneven hosts with the
-core's host stage on and off, the bytes each worker stages (1/W of each
-tensor), and `auto` leaving CPU tensors to the shared-memory stage.
+gloo: a job on one host (one all-reduce, nothing staged), exact sums with
+1-4 workers per host on two emulated hosts, uneven hosts with the core's
+host stage on and off, the bytes each worker stages (1/W of each tensor),
+a lost host mate, and `auto` leaving CPU tensors to the shared-memory stage.
 (Training equivalence, fusion and failover with the torch stage are the
 parametrized tests of test_torch.py and test_failover.py.)"""
 
@@ -17,13 +18,28 @@ DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"
 
 
 @pytest.mark.parametrize("workers,in_flight", [(1, False), (2, True), (3, False), (4, True)])
-def test_exact_sums_and_one_share_staged_per_worker_on_one_host(workers, in_flight):
-    # Sizes that split evenly and not (1 element over 4 workers: three stage nothing).
+def test_a_job_on_one_host_sums_exactly_with_one_all_reduce_and_stages_nothing(workers, in_flight):
+    # Every worker on one host: the host's sum is the job's, so no share is
+    # staged and no server round runs (the worker checks the staged bytes are 0).
     cfg = {"sizes": [1, 3, 17, 1000, 65_537], "dtypes": DTYPES, "rounds": 2, "in_flight": in_flight,
            "train": True, "named": workers % 2 == 0}
     rc, out = run_launch(workers, 2, "torch_local_stage.py", cfg, env={"GRADHUB_LOCAL_STAGE": "torch"})
     assert_all_passed(rc, out, workers)
-    assert out.count(f"of {workers} STAGE torch") == workers, out[-3000:]
+    assert out.count(f"of {workers} STAGE torch WHOLE JOB") == workers, out[-3000:]
+
+
+@pytest.mark.parametrize("per_host,in_flight", [(1, False), (4, True)])  # 2 + 2: test_hosts_of_any_size
+def test_exact_sums_and_one_share_staged_per_worker_on_two_hosts(cluster_factory, per_host, in_flight):
+    # Sizes that split evenly and not (1 element over 4 workers: three stage nothing).
+    c = cluster_factory(2 * per_host, 2, GRADHUB_LOCAL_STAGE="torch")
+    cfg = {"sizes": [1, 3, 17, 1000, 65_537], "dtypes": DTYPES, "rounds": 2, "in_flight": in_flight,
+           "train": True, "named": per_host % 2 == 0}
+    for w in range(2 * per_host):
+        c.start_worker(w, "torch_local_stage.py", cfg, GRADHUB_HOST_ID=f"ls-{w % 2}")
+    for w in range(2 * per_host):
+        assert c.procs[f"worker{w}"].wait(timeout=180) == 0, c.log(f"worker{w}")
+        log = c.log(f"worker{w}")
+        assert f"PASS {w}" in log and f"of {per_host} STAGE torch\n" in log, log
 
 
 def test_average_through_the_torch_stage():
@@ -59,19 +75,22 @@ def test_bench_gpu_says_there_is_no_gpu_and_runs_the_cpu_parts(tmp_path):
     # On a GPU machine it runs every part (small ResNet-50 runs) and must pass too.
     import torch
 
+    workers = torch.cuda.device_count() if torch.cuda.is_available() else 4
     p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "gpu", "--out", str(tmp_path), "--steps", "2",
-                        "--batch", "4"], env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=300)
+                        "--batch", "4", "--workers", str(workers)], env=job_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-4000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert not report["failed"] and report["train"]["max_rel_diff"] < 1e-9, report
-    torch_sums = report["sums"]["torch"]
-    w = report["workers"]
-    assert torch_sums["checked"] == report["sums"]["shm"]["checked"] > 0
-    # Worker 0 staged its share: 1/W of each tensor, rounded up.
-    share = torch_sums["tensor_bytes"] / w
-    assert share <= torch_sums["staged_bytes"] < share + 8 * torch_sums["checked"]  # less than an element more each
-    assert report["sums"]["shm"]["staged_bytes"] == 0
+    sums = report["sums"]
+    assert sums["torch"]["checked"] == sums["shm"]["checked"] > 0
+    # One host: the torch stage is one all-reduce, nothing staged; the shm stage stages nothing either.
+    assert sums["torch"]["staged_bytes"] == 0 and sums["shm"]["staged_bytes"] == 0
+    if workers >= 2:
+        # Two emulated hosts of W = workers/2: worker 0 staged its share, 1/W of each tensor, rounded up.
+        split = sums["torch-2hosts"]
+        share = split["tensor_bytes"] / (workers // 2)
+        assert share <= split["staged_bytes"] < share + 8 * split["checked"]  # less than an element more each
     if torch.cuda.is_available():
         assert report["resnet50"]["gradhub"] > 0 and report["resnet50"]["ddp"] > 0
     else:

@@ -43,17 +43,24 @@ def test_tensor_fusion_trains_like_a_single_process(fusion, buckets, tensors, ov
 @pytest.mark.parametrize("model,opt,overlap,fusion,passes", [("cnn", "nesterov", False, 0, 1),
                                                           ("deep", "adamw", True, 262144, 2)],
                          ids=["cnn-unfused-sync", "deep-fused-overlap"])
-def test_training_through_the_torch_local_stage_matches_single_process(model, opt, overlap, fusion, passes):
-    # GRADHUB_LOCAL_STAGE=torch on CPU (gloo): per-tensor reductions with
-    # priorities, then fusion buckets with forward overlap and
-    # backward_passes_per_step, equal single-process training as through
+def test_training_through_the_torch_local_stage_matches_single_process(cluster_factory, model, opt, overlap,
+                                                                       fusion, passes):
+    # GRADHUB_LOCAL_STAGE=torch on CPU (gloo), on two emulated hosts (2 + 1
+    # workers: shares staged and summed through the servers): per-tensor
+    # reductions with priorities, then fusion buckets with forward overlap
+    # and backward_passes_per_step, equal single-process training as through
     # the shared-memory stage.
     cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 10, "sfb": "off", "fusion": fusion,
            "passes": passes}
-    rc, out = run_launch(3, 2, "torch_train.py", cfg, env={"GRADHUB_LOCAL_STAGE": "torch"})
-    assert_all_passed(rc, out, 3)
-    if fusion:
-        assert out.count("FUSED 1 buckets of 26 tensors") == 3, out[-3000:]
+    c = cluster_factory(3, 2, GRADHUB_LOCAL_STAGE="torch")
+    for w in range(3):
+        c.start_worker(w, "torch_train.py", cfg, GRADHUB_HOST_ID=f"train-{w // 2}")
+    for w in range(3):
+        assert c.procs[f"worker{w}"].wait(timeout=180) == 0, c.log(f"worker{w}")
+        log = c.log(f"worker{w}")
+        assert f"PASS {w}" in log, log
+        if fusion:
+            assert "FUSED 1 buckets of 26 tensors" in log, log
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])

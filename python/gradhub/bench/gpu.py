@@ -4,8 +4,10 @@ On whatever GPUs the machine has (one worker per GPU, `gradhub launch` on
 this machine):
 
 1. exact sums of every dtype through each local stage (`shm`: whole pinned
-   copies and the shared-memory host stage; `torch`: NCCL reduce-scatter,
-   1/W staged, all-gather), with the bytes each worker staged;
+   copies and the shared-memory host stage; `torch` on this one host: one
+   NCCL all-reduce; `torch-2hosts`, the workers split into two emulated
+   hosts: NCCL reduce-scatter, 1/W staged through the servers, all-gather),
+   with the bytes each worker staged;
 2. training equivalence: a small CNN (float64) trained through the torch
    stage by the workers on their shards against one process on the
    combined batch;
@@ -175,8 +177,16 @@ def worker() -> None:
         return
     import gradhub.torch as hvd
 
+    if cfg.get("hosts", 1) > 1:
+        # Hosts emulated on this machine (each a group of its own), so the
+        # torch stage stages each host's shares and crosses the servers; the
+        # devices follow the job's rank, as local ranks restart per host.
+        rank, hosts = int(os.environ["GRADHUB_RANK"]), cfg["hosts"]
+        world = int(os.environ["LOCAL_WORLD_SIZE"])  # `gradhub launch`: every worker of the job
+        os.environ.update(GRADHUB_HOST_ID=f"bench-gpu-host{rank % hosts}", LOCAL_RANK=str(rank // hosts),
+                          LOCAL_WORLD_SIZE=str(len(range(rank % hosts, world, hosts))))
     hvd.init()
-    dev = _device(torch, hvd.local_rank())
+    dev = _device(torch, hvd.rank() if cfg.get("hosts", 1) > 1 else hvd.local_rank())
     if part == "sums":
         out = _sums(torch, hvd, dev)
     elif part == "train":
@@ -194,9 +204,9 @@ def _code() -> list[str]:
     return [sys.executable, "-c", "from gradhub.bench.gpu import worker; worker()"]
 
 
-def _job(part: str, workers: int, stage: str, steps: int = 0, batch: int = 0) -> list[dict]:
-    """A `gradhub launch` job of `workers`; every worker's RESULT."""
-    env = dict(os.environ, GH_BENCH=json.dumps({"part": part, "steps": steps, "batch": batch}),
+def _job(part: str, workers: int, stage: str, steps: int = 0, batch: int = 0, hosts: int = 1) -> list[dict]:
+    """A `gradhub launch` job of `workers` (on `hosts` emulated hosts); every worker's RESULT."""
+    env = dict(os.environ, GH_BENCH=json.dumps({"part": part, "steps": steps, "batch": batch, "hosts": hosts}),
                GRADHUB_LOCAL_STAGE=stage)
     argv = [sys.executable, "-m", "gradhub", "launch", "-w", str(workers), "-s", "1", "--", *_code()]
     p = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
@@ -255,9 +265,10 @@ def _table(report: dict) -> str:
     for stage, s in report.get("sums", {}).items():
         # The shm stage's CUDA tensors go whole through the core's pinned copy (buffers.stage), which the
         # staging layer's counters do not see; on CPU it copies nothing.
-        whole = " (CUDA tensors copied whole by the core's path)" if stage == "shm" and report.get("gpus") else ""
-        rows.append(f"| exact sums, {stage} stage | {s['checked']} tensors x {s['workers']} workers exact; worker 0 "
-                    f"staged {s['staged_bytes']} of {s['tensor_bytes']} bytes{whole} |")
+        how = {"shm": " (CUDA tensors copied whole by the core's path)" if report.get("gpus") else "",
+               "torch": " (one host: one all-reduce, no server round)"}.get(stage, "")
+        rows.append(f"| exact sums, {stage} stage | {s['checked']} tensors x {s['workers']} workers on {s['hosts']} "
+                    f"host(s) exact; worker 0 staged {s['staged_bytes']} of {s['tensor_bytes']} bytes{how} |")
     if "train" in report:
         rows.append(f"| small CNN vs one process | max relative difference {report['train']['max_rel_diff']:.2g} |")
     if "bandwidth" in report:
@@ -283,14 +294,17 @@ def run(args) -> int:
               f"equivalence on CPU tensors, gloo, {workers} workers)", flush=True)
     report: dict = {"gpus": gpus, "workers": workers, "sums": {}}
     failed = []
-    for stage in ("shm", "torch"):
+    # The torch stage on one host is one all-reduce (nothing staged); on two
+    # emulated hosts each worker stages its host's share (needs 2 workers).
+    runs = [("shm", "shm", 1), ("torch", "torch", 1)] + ([("torch-2hosts", "torch", 2)] if workers >= 2 else [])
+    for label, stage, hosts in runs:
         try:
-            res = _job("sums", workers, stage)
-            report["sums"][stage] = dict(res[0], workers=workers)
-            print(f"exact sums, {stage} stage: {res[0]['checked']} tensors exact on every worker; worker 0 staged "
+            res = _job("sums", workers, stage, hosts=hosts)
+            report["sums"][label] = dict(res[0], workers=workers, hosts=hosts)
+            print(f"exact sums, {label} stage: {res[0]['checked']} tensors exact on every worker; worker 0 staged "
                   f"{res[0]['staged_bytes']} of {res[0]['tensor_bytes']} bytes", flush=True)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            failed.append(f"sums ({stage}): {e}")
+            failed.append(f"sums ({label}): {e}")
     try:
         report["train"] = _job("train", workers, "torch")[0]
         print(f"small CNN: max relative difference to one process {report['train']['max_rel_diff']:.2g}", flush=True)

@@ -29,6 +29,10 @@ so neither collective can overtake the other's sequence on some worker.
 Like NCCL's, they need every worker of a host to start its reductions in
 the same order (DistributedOptimizer, fusion and the DDP hook do).
 
+A job whose workers are all on one host needs no network: its host's sum
+is the job's, so each operation is one all-reduce of the host's group
+(NCCL's on GPUs), with nothing staged and no server round.
+
 Only the global process set goes through this stage; a process set's
 operations, and everything under `join()`, take the core's path.
 """
@@ -128,8 +132,12 @@ class LocalGroup:
     NCCL for CUDA ones), and the two threads that carry an operation after
     its reduce-scatter. `size == 1`: no group, the stage only stages."""
 
-    def __init__(self, rank: int, size: int, store):
+    def __init__(self, rank: int, size: int, store, whole_job: bool = False):
         self.rank, self.size = rank, size
+        # Every worker of the job is on this host: the host's sum is the
+        # job's, so an operation is one all-reduce of the host's group (NCCL
+        # on the GPUs), with no copy to the host and no server round.
+        self.whole_job = whole_job
         self._store = store
         self._groups: dict[str, tuple] = {}
         self._groups_lock = threading.Lock()  # made by the caller's thread or the gather thread, whichever is first
@@ -177,6 +185,12 @@ class LocalGroup:
         n = flat.numel()
         st = _staging.for_tensor(buf)
         op = _Op(buf, name, st)
+        if self.whole_job:
+            op.whole = True
+            op.rs = self.groups(buf.device)[0].allreduce([flat]) if self.size > 1 and n else None
+            op.args = (average, priority)
+            self._staged.put(op)
+            return Handle(op)
         share = -(-n // self.size) if n else 0
         op.start = min(self.rank * share, n)
         op.stop = min(op.start + share, n)
@@ -193,6 +207,9 @@ class LocalGroup:
     def _stage_loop(self) -> None:
         while True:
             op = self._staged.get()
+            if op.whole:
+                self._finish_whole(op)
+                continue
             try:
                 if op.rs is not None:
                     self._waiters["stage"].wait(op.rs, f"the reduce-scatter of '{op.name}'", op.buf.device)
@@ -205,6 +222,18 @@ class LocalGroup:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 op.error = e
             self._gathered.put(op)
+
+    def _finish_whole(self, op: "_Op") -> None:
+        """The all-reduce of an operation of a job on one host: its result."""
+        try:
+            if op.rs is not None:
+                self._waiters["stage"].wait(op.rs, f"the all-reduce of '{op.name}'", op.buf.device)
+            if op.args[0]:
+                op.buf.div_(self.size)  # the servers' average: over every worker, all of them here
+            op.ready = op.staging.record(op.buf)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            op.error = e
+        op.finish()
 
     def _gather_loop(self) -> None:
         while True:
@@ -235,6 +264,7 @@ class _Op:
         self.buf, self.name, self.staging = buf, name, staging
         self.start = self.stop = 0
         self.work = self.share = self.rs = self.host = self.core = self.ready = None
+        self.whole = False  # the job is on one host: one all-reduce (`LocalGroup.whole_job`)
         self.args: tuple = ()
         self.error: BaseException | None = None
         self.event = threading.Event()
@@ -320,7 +350,7 @@ def setup() -> None:
     if store is None and lsize > 1:
         root = next(q for q in mine if lranks[q] == 0)
         store = dist.TCPStore("127.0.0.1", int(table[root, 1]), lsize, False, timeout=_TIMEOUT)
-    _group = LocalGroup(lrank, lsize, store)
+    _group = LocalGroup(lrank, lsize, store, whole_job=lsize == n)
     if _mode == "torch" and lsize > 1:
         _group.groups(torch.device("cpu"))  # gloo's groups now, at init (NCCL's at their first use: the device is set)
 
