@@ -126,6 +126,12 @@ pub fn message(s: &mut Source) -> Control {
             local_rank: s.u32() as i32,
             local_size: s.u32() as i32,
             rack: s.text(),
+            elastic: s.bool().then(|| gradhub::protocol::ElasticReg {
+                min_workers: s.u32(),
+                max_workers: s.u32(),
+                initial: s.u32(),
+                prev_rank: s.u32() as i32,
+            }),
         }),
         1 => {
             let (rank, num_workers, partition_bytes) = (s.u32(), s.u32(), s.u32());

@@ -164,6 +164,8 @@ class WorkerEnv:
     job: str | None                # GRADHUB_JOB: this job's name on a shared service
     timeline: str | None           # GRADHUB_TIMELINE (or HOROVOD_TIMELINE): worker 0's Chrome trace file
     rack: str                      # GRADHUB_RACK: this worker's rack ("": none)
+    min_workers: int | None        # GRADHUB_MIN_WORKERS: an elastic job's fewest workers (None: fixed size)
+    max_workers: int | None        # GRADHUB_MAX_WORKERS (None: the job's starting size)
     torchrun: bool
     # torchrun without GRADHUB_SCHEDULER: this job hosts its scheduler and
     # servers inside the worker processes (see gradhub.api).
@@ -208,6 +210,8 @@ def worker_env() -> WorkerEnv:
         job=job,
         timeline=get("GRADHUB_TIMELINE"),
         rack=get("GRADHUB_RACK"),
+        min_workers=get("GRADHUB_MIN_WORKERS"),
+        max_workers=get("GRADHUB_MAX_WORKERS"),
         torchrun=torchrun,
         embedded=embedded,
     )

@@ -52,6 +52,36 @@ def _require() -> _core.Client:
     return c
 
 
+def new_generation() -> None:
+    """An elastic job's next generation (after `shutdown()`): automatic
+    names count from 0 again, as on a worker new to the job."""
+    global _names
+    with _names_lock:
+        _names = itertools.count()
+
+
+def _check_elastic(env) -> None:
+    """An elastic job (GRADHUB_MIN_WORKERS) runs on a shared service, which
+    forms its generations; ranks are the service's to give."""
+    if env.job is None or env.embedded:
+        raise RuntimeError("gradhub.init(): GRADHUB_MIN_WORKERS (an elastic job) needs a shared service: set "
+                           "GRADHUB_SCHEDULER to `gradhub scheduler --service`'s address and GRADHUB_JOB (and its "
+                           "GRADHUB_JOB_TOKEN)")
+    most = env.max_workers if env.max_workers is not None else env.num_workers
+    if not 1 <= env.min_workers <= env.num_workers <= most:
+        raise RuntimeError(f"gradhub.init(): an elastic job needs 1 <= GRADHUB_MIN_WORKERS ({env.min_workers}) <= "
+                           f"GRADHUB_NUM_WORKERS ({env.num_workers}) <= GRADHUB_MAX_WORKERS ({most})")
+    env.rank = -1  # a generation's ranks: survivors first, in their old order (the service's choice)
+
+
+def _elastic_reg(env, prev_rank: int):
+    """(min, max, initial size, rank in the previous generation) for the core, or None."""
+    if env.min_workers is None:
+        return None
+    most = env.max_workers if env.max_workers is not None else env.num_workers
+    return (env.min_workers, most, env.num_workers, prev_rank)
+
+
 def job_failure() -> str | None:
     """Why this worker's job failed (a lost peer, named), or None while it
     stands or before init: for waits outside the core, which must not outlive it."""
@@ -60,7 +90,7 @@ def job_failure() -> str | None:
 
 
 def init(scheduler: str | None = None, rank: int | None = None, num_workers: int | None = None,
-         num_servers: int | None = None) -> None:
+         num_servers: int | None = None, *, _prev_rank: int = -1) -> None:
     """Join the job. Arguments override the environment (GRADHUB_SCHEDULER,
     GRADHUB_RANK, GRADHUB_NUM_WORKERS, GRADHUB_NUM_SERVERS, or torchrun's RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
@@ -86,7 +116,9 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
             env.num_workers = num_workers
         if num_servers is not None:
             env.num_servers = num_servers
-        if env.scheduler is not None and env.scheduler == _ended:
+        if env.min_workers is not None:
+            _check_elastic(env)
+        elif env.scheduler is not None and env.scheduler == _ended:
             raise RuntimeError(
                 f"gradhub.init() after shutdown(): the job at {env.scheduler} ended when its workers shut down "
                 "(its scheduler and servers exit then), so it cannot be joined again. Horovod can initialize "
@@ -128,7 +160,8 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                     credit_bytes=env.credit_bytes, spread_bytes=env.spread_bytes,
                                     connect_timeout=env.connect_timeout, server_shm=env.server_shm,
                                     local_rank=env.local_rank, local_size=env.local_size,
-                                    token=env.token, job=env.job, rack=env.rack)
+                                    token=env.token, job=env.job, rack=env.rack,
+                                    elastic=_elastic_reg(env, _prev_rank))
         _install_exit_hook()
         _client = _core.Client(config)
         _joined = env.scheduler

@@ -38,6 +38,9 @@ pub struct ClientConfig {
     pub secret: Secret,
     /// This worker's rack (`GRADHUB_RACK`), if racks are used.
     pub rack: String,
+    /// A worker of an elastic job on a shared service: its bounds and its
+    /// rank in the previous generation (`scheduler::elastic`).
+    pub elastic: Option<crate::protocol::ElasticReg>,
 }
 
 impl Default for ClientConfig {
@@ -57,6 +60,7 @@ impl Default for ClientConfig {
             server_shm: true,
             secret: Secret::none(),
             rack: String::new(),
+            elastic: None,
         }
     }
 }

@@ -84,6 +84,7 @@ impl Client {
             local_rank: cfg.local_rank,
             local_size: cfg.local_size,
             rack: cfg.rack.clone(),
+            elastic: cfg.elastic,
         })?;
         let w = session.welcome.clone();
         let me = w.rank as usize;

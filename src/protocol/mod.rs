@@ -9,8 +9,8 @@ pub mod optim;
 pub mod reader;
 
 pub use control::{
-    Control, DeclEntry, JobTraffic, Register, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome, MAX_JOINED_SLOTS,
-    NO_SERVER,
+    Control, DeclEntry, ElasticReg, JobTraffic, Register, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
+    MAX_JOINED_SLOTS, NO_SERVER,
 };
 pub use frame::{DType, Header, MsgType, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS, HEADER_LEN, MAGIC, VERSION};
 pub use optim::{OptConfig, OptKind};

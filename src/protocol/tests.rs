@@ -121,6 +121,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: 3,
             local_size: 4,
             rack: String::new(),
+            elastic: None,
         }),
         Control::Register(Register {
             role: Role::Server,
@@ -134,6 +135,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: -1,
             local_size: -1,
             rack: String::new(),
+            elastic: Some(ElasticReg { min_workers: 2, max_workers: 9, initial: 4, prev_rank: -1 }),
         }),
         Control::Register(Register {
             role: Role::Worker,
@@ -147,6 +149,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: i32::MIN,
             local_size: i32::MAX,
             rack: String::new(),
+            elastic: Some(ElasticReg { min_workers: u32::MAX, max_workers: 0, initial: u32::MAX, prev_rank: i32::MIN }),
         }),
         Control::Welcome(Welcome {
             rank: 3,

@@ -49,7 +49,7 @@ pub(super) struct PyClientConfig {
 #[pymethods]
 impl PyClientConfig {
     #[new]
-    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None))]
+    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, elastic=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -66,6 +66,7 @@ impl PyClientConfig {
         token: Option<String>,
         job: Option<String>,
         rack: Option<String>,
+        elastic: Option<(u32, u32, u32, i32)>,
     ) -> PyResult<Self> {
         let d = ClientConfig::default();
         let (secret, namespace) = member_secret(token, job, namespace.unwrap_or(d.namespace))?;
@@ -85,6 +86,12 @@ impl PyClientConfig {
             server_shm: server_shm.unwrap_or(d.server_shm),
             secret,
             rack: rack.unwrap_or(d.rack),
+            elastic: elastic.map(|(min_workers, max_workers, initial, prev_rank)| crate::protocol::ElasticReg {
+                min_workers,
+                max_workers,
+                initial,
+                prev_rank,
+            }),
         };
         Ok(PyClientConfig { cfg })
     }

@@ -500,6 +500,7 @@ mod tests {
             local_rank: -1,
             local_size: -1,
             rack: String::new(),
+            elastic: None,
         };
         assert!(check_registration(&cfg(2, 1), &reg(Role::Worker, 1, 2)).is_ok());
         assert!(check_registration(&cfg(2, 1), &reg(Role::Worker, -1, 0)).is_ok());

@@ -18,6 +18,7 @@
 
 mod config;
 mod declarations;
+mod elastic;
 mod failover;
 mod installs;
 mod job;

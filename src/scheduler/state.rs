@@ -40,6 +40,9 @@ pub(super) struct State {
     pub installs: Installs,
     pub moves: Moves,
     pub joins: JoinOps,
+    /// Workers whose loss failed the job (an elastic job's next generation
+    /// expects the others back: `service`).
+    pub lost_workers: u32,
 }
 
 impl State {
@@ -121,6 +124,7 @@ impl Shared {
         }
         log::error!(target: "scheduler", "job failed: {reason}");
         st.phase = JobPhase::Failed(reason.clone());
+        st.lost_workers += u32::from(who.is_some_and(|w| w.role == crate::protocol::Role::Worker));
         for m in st.members.all() {
             if let Some(w) = who {
                 if m.role == w.role && m.rank == w.rank {

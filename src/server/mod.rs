@@ -201,6 +201,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         local_rank: -1,
         local_size: -1,
         rack: cfg.rack.clone(),
+        elastic: None,
     })?;
     let welcome = session.welcome.clone();
     let rank = welcome.rank;

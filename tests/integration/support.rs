@@ -120,6 +120,7 @@ pub fn worker_reg(rank: i32, host: &str, nw: u32, ns: u32) -> Register {
         local_rank: -1,
         local_size: -1,
         rack: String::new(),
+        elastic: None,
     }
 }
 
@@ -136,6 +137,7 @@ pub fn server_reg(rank: i32, addr: &str, ports: Vec<u16>, colocated: bool, nw: u
         local_rank: -1,
         local_size: -1,
         rack: String::new(),
+        elastic: None,
     }
 }
 

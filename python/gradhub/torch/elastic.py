@@ -2,19 +2,23 @@
 `TorchState`, `ObjectState`, `ElasticSampler`, `HostsUpdatedInterrupt`),
 with Horovod's documented semantics.
 
-What works now: the state objects (`commit()` saves and checks for host
-updates, `restore()` rolls back to the last commit, `sync()` gives every
-worker rank 0's state, reset callbacks), the sampler (each worker its
-share of what the epoch has not processed yet, the processed indices
-merged across workers at `sync()`), and `run`, which syncs the state and
-runs the training function, rolling back on a lost peer.
+- The state objects: `commit()` saves and checks for added workers,
+  `restore()` rolls back to the last commit, `sync()` gives every worker
+  rank 0's state, reset callbacks run after each reset.
+- The sampler: each worker its share of what the epoch has not processed
+  yet, the processed indices merged across workers at `sync()`.
+- `run`: syncs the state and runs the training function; on a lost worker
+  every survivor rolls back to the last commit, leaves the ended
+  generation and joins the next (`_reset`), with new dense ranks
+  (survivors first, in their old order, so rank 0 holds the committed
+  state) and the new size, and runs the function again.
 
-What does not yet: re-forming the job after a membership change (a lost
-worker, a worker added). `run` then restores the last commit and raises
-`ElasticResetError`, saying so, instead of going on with new ranks: the
-core's part of elastic training (a job's generations on the shared
-service, new dense ranks, replacements started by `gradhub launch`) is
-not built yet.
+The job must be elastic: on a shared service (`GRADHUB_JOB`) with
+`GRADHUB_MIN_WORKERS`; the service forms each generation
+(`scheduler::elastic`). A job of fixed size rolls back and raises
+`ElasticResetError`. Not built yet: workers joining a running job
+(`check_host_updates` never interrupts), and `gradhub launch
+--min-workers` starting replacements.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import _env
 from .. import api as _api
 from .._core import GradhubError, GradhubTimeoutError
 from ..api import GradhubMismatchError, NotInitializedError
@@ -127,6 +132,9 @@ class _OptimizerHandler(_Handler):
         self.saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
+        abandon = getattr(self.value, "_gh_abandon", None)
+        if abandon is not None:
+            abandon()  # a DistributedOptimizer: the failed step's reductions are gone
         self.value.load_state_dict(self.saved)
 
     def sync(self) -> None:
@@ -287,10 +295,24 @@ _NOT_A_RESET = (GradhubMismatchError, GradhubTimeoutError, NotInitializedError, 
 
 
 def _reset(cause: BaseException) -> None:
-    """Re-form the job with the workers that remain (and any added)."""
-    raise ElasticResetError(
-        "the job's workers changed and gradhub cannot re-form a running job yet (elastic membership changes "
-        f"are not built: the state was rolled back to its last commit); the cause: {cause}") from cause
+    """Leave the ended generation and join the next, with the workers that
+    remain: new ranks (survivors first, in their old order), new size."""
+    if _env.get("GRADHUB_MIN_WORKERS") is None:
+        raise ElasticResetError(
+            "the job's workers changed, and a job of fixed size cannot re-form (the state was rolled back to its "
+            "last commit): run it as an elastic job, on a shared service with GRADHUB_MIN_WORKERS (`gradhub launch "
+            f"--min-workers`); the cause: {cause}") from cause
+    prev = _api.rank()
+    _api.shutdown()
+    _api.new_generation()
+    from . import init, local_stage
+
+    local_stage.forget()
+
+    try:
+        init(_prev_rank=prev)
+    except GradhubError as e:
+        raise ElasticResetError(f"the job could not re-form after: {cause}; {e}") from e
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

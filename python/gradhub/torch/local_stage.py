@@ -370,3 +370,10 @@ def uses(buf: torch.Tensor) -> bool:
 def push_pull_async(buf: torch.Tensor, name: str, average: bool, priority: int) -> Handle:
     """Sum contiguous `buf` in place across every worker through the torch stage."""
     return _group.push_pull_async(buf, name, average, priority)
+
+
+def forget() -> None:
+    """The job's membership changed (an elastic reset): the host's group is
+    made again at the next `setup()`; the old one's threads are abandoned."""
+    global _group
+    _group = None

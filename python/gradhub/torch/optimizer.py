@@ -329,6 +329,13 @@ class _DistributedOptimizer:
         self._gh_mode.finish()
         return super().state_dict()
 
+    def _gh_abandon(self):
+        """The job failed mid-step (an elastic reset): forget the reductions
+        in flight and the passes counted, so the next step starts clean."""
+        self._gh_handles.clear()
+        self._gh_counts = dict.fromkeys(self._gh_counts, 0)
+        self._gh_sparse.clear()
+
     def remove_hooks(self):
         self._gh_mode.remove()
         for h in self._gh_hooks:

@@ -64,6 +64,21 @@ pub struct Register {
     /// let the scheduler reduce within each rack before the core
     /// (`scheduler::racks`).
     pub rack: String,
+    /// A worker of an elastic job (`scheduler::elastic`): its bounds and
+    /// its rank in the generation it comes from; None: a job of fixed size.
+    pub elastic: Option<ElasticReg>,
+}
+
+/// An elastic job's worker registering for its next generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ElasticReg {
+    pub min_workers: u32,
+    pub max_workers: u32,
+    /// The size the job starts with (its first generation forms once that
+    /// many came; later ones once the previous one's survivors did).
+    pub initial: u32,
+    /// Its rank in the previous generation; -1: new to the job.
+    pub prev_rank: i32,
 }
 
 /// `lost` of a `ServerTakeOver` or `Failover` that moves chunks to a

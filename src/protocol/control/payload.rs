@@ -119,6 +119,14 @@ impl Control {
                 }
                 w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
                 w.i32(m.local_rank).i32(m.local_size).str(&m.rack);
+                match &m.elastic {
+                    None => {
+                        w.u8(0);
+                    }
+                    Some(e) => {
+                        w.u8(1).u32(e.min_workers).u32(e.max_workers).u32(e.initial).i32(e.prev_rank);
+                    }
+                }
             }
             Control::Welcome(m) => {
                 w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
@@ -267,6 +275,16 @@ impl Control {
                 let local_rank = r.i32("local_rank")?;
                 let local_size = r.i32("local_size")?;
                 let rack = r.str("rack")?;
+                let elastic = match r.u8("elastic")? {
+                    0 => None,
+                    1 => Some(ElasticReg {
+                        min_workers: r.u32("min_workers")?,
+                        max_workers: r.u32("max_workers")?,
+                        initial: r.u32("initial")?,
+                        prev_rank: r.i32("prev_rank")?,
+                    }),
+                    other => return Err(ProtocolError::BadPayload(format!("elastic flag {other}"))),
+                };
                 Control::Register(Register {
                     role,
                     requested_rank,
@@ -279,6 +297,7 @@ impl Control {
                     local_rank,
                     local_size,
                     rack,
+                    elastic,
                 })
             }
             MsgType::Welcome => {

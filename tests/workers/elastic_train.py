@@ -1,0 +1,72 @@
+"""Worker of an elastic job (GRADHUB_MIN_WORKERS, on a shared service):
+train with hvd.elastic.run and commit every step; the worker started with
+GH_VICTIM=1 dies mid-step at step `lose_at`. The survivors roll back to
+that step's commit, form the next generation (new ranks and size), and
+finish with the parameters of full-batch training on one process: each
+step's batch is the same whatever the size, split by rank.
+
+Config: steps, lose_at.
+"""
+
+import os
+
+import torch
+
+import gradhub.torch as hvd
+from common import CONFIG
+
+torch.set_num_threads(1)
+steps, lose_at = CONFIG.get("steps", 12), CONFIG.get("lose_at", 5)
+victim = os.environ.get("GH_VICTIM") == "1"
+
+
+def make():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(12, 4, generator=g), torch.randn(12, 1, generator=g)
+
+
+hvd.init()
+model = make()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                               named_parameters=model.named_parameters(), sufficient_factors="off")
+state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+resets = []
+state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+
+@hvd.elastic.run
+def train(st):
+    while st.step < steps:
+        x, y = batch(st.step)
+        rows = slice(hvd.rank(), None, hvd.size())
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        if victim and st.step == lose_at:
+            os._exit(9)  # lost mid-step: its gradients never arrive
+        opt.step()
+        st.step += 1
+        st.commit()
+    return st.step
+
+
+assert train(state) == steps
+# Full-batch training on one process, over exactly the committed steps.
+ref = make()
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+for s in range(steps):
+    x, y = batch(s)
+    ref_opt.zero_grad()
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+worst = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+assert worst < 1e-5, f"parameters differ from one process's by {worst:.3g}"
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+assert all(torch.equal(flat, f) for f in hvd.allgather_object(flat, name=None)), "survivors disagree"
+print(f"SIZE {hvd.size()} RANK {hvd.rank()} RESETS {resets}", flush=True)
+print("PASS", flush=True)
+hvd.shutdown()
