@@ -24,6 +24,14 @@
 //! every local worker's round r+1 contribution, made after their round r
 //! completed (copy-out included), so nobody still reads round r's buffer.
 //!
+//! With `GRADHUB_DETERMINISTIC=1` (`crate::order`) a chunk's contributions
+//! are added in local-rank order (`Adding::LocalRank`): one that comes
+//! before its turn is copied into its worker's slot of a second segment,
+//! which only the host's workers map, and added when every lower local
+//! rank's is. One set of slots serves both parities: a worker contributes
+//! to round r+1 only after round r completed, which needed (and added)
+//! every contribution of round r.
+//!
 //! CUDA tensors take the torch local stage instead (NCCL reduce-scatter,
 //! the own share through the network stage, all-gather:
 //! `gradhub/torch/local_stage.py`, docs/architecture.md "GPU data path");
@@ -36,6 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::kernels;
+use crate::order::{self, SumOrder};
 use crate::protocol::{DType, TensorSpec, FLAG_INIT};
 use crate::transport::shm::{Bells, Doorbell, Segment};
 
@@ -53,6 +62,8 @@ const FLAGS: usize = 12;
 const READY: usize = 16;
 /// = TAG once the result is in `wire`.
 const RESULT: usize = 20;
+/// In local-rank order: the local rank whose contribution is added next.
+const NEXT: usize = 32;
 /// Which local workers contributed (bit = local rank; low and high words).
 const MASK_LO: usize = 24;
 const MASK_HI: usize = 28;
@@ -84,6 +95,15 @@ struct Part {
     local: usize,
 }
 
+/// How a chunk's local contributions are added.
+enum Adding {
+    /// As they come, under the chunk's lock.
+    Arrival,
+    /// In local-rank order; one that comes early waits in its worker's slot
+    /// of `slots` (local ranks 1.., `slot_bytes` each; local rank 0 never waits).
+    LocalRank { slots: Segment, slot_bytes: usize },
+}
+
 /// One tensor's shared buffers on this host.
 pub struct Staging {
     seg: Segment,
@@ -98,6 +118,7 @@ pub struct Staging {
     acc: [usize; 2],
     wire: [usize; 2],
     result: usize,
+    adding: Adding,
 }
 
 impl Staging {
@@ -121,7 +142,32 @@ impl Staging {
             acc,
             wire,
             result,
+            adding: Adding::Arrival,
         })
+    }
+
+    /// Add contributions in local-rank order, `local_size` workers here:
+    /// maps the slots early ones wait in (a segment of the workers only,
+    /// so the servers' mapping of the main one does not change).
+    fn in_rank_order(&mut self, job_id: u64, host_tag: u64, key: u32, local_size: usize) -> Result<(), String> {
+        let slot_bytes = round_up(self.numel * self.dtype.size());
+        let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-k{key}-order");
+        let slots = Segment::open(&name, LINE + local_size.saturating_sub(1) * slot_bytes)
+            .map_err(|e| format!("tensor key {key}: {e}"))?;
+        if slots.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 >= local_size {
+            slots.unlink();
+        }
+        self.adding = Adding::LocalRank { slots, slot_bytes };
+        Ok(())
+    }
+
+    /// The segments' names.
+    fn paths(&self) -> Vec<PathBuf> {
+        let mut p = vec![self.seg.path.clone()];
+        if let Adding::LocalRank { slots, .. } = &self.adding {
+            p.push(slots.path.clone());
+        }
+        p
     }
 
     /// The segment's name (removed by whoever maps it when leaving, in
@@ -255,50 +301,43 @@ impl Staging {
                 flags_w.load(Ordering::Relaxed)
             ));
         }
-        if write {
-            let (a, b) = self.range(chunk);
-            let n = b - a;
-            let p = (round & 1) as usize;
-            // An init round has one writer, which overwrites.
-            let copy = first || flags & FLAG_INIT != 0;
-            // SAFETY: the chunk's acc range is inside the segment and ours
-            // under the lock (4 bytes per element, or the element's own size
-            // when summed in place); `src` is the chunk of the caller's buffer.
-            let es = if self.dtype.sums_in_place() { self.dtype.size() } else { 4 };
-            let acc_at = self.seg.at(self.acc[p] + a * es);
-            // SAFETY: as above (f32 sums, and the f32 accumulator of halves).
-            let acc_f32 = || unsafe { std::slice::from_raw_parts_mut(acc_at.cast::<f32>(), n) };
-            match self.dtype {
-                DType::F64 | DType::I32 | DType::I64 => {
-                    // SAFETY: as above, as bytes; src holds n elements of the dtype.
-                    let acc = unsafe { std::slice::from_raw_parts_mut(acc_at, n * es) };
-                    let src = unsafe { std::slice::from_raw_parts(src, n * es) };
-                    if copy {
-                        acc.copy_from_slice(src);
-                    } else {
-                        kernels::add_exact(self.dtype, acc, src);
-                    }
+        let p = (round & 1) as usize;
+        match &self.adding {
+            // (An init round has one writer, which overwrites: any order.)
+            Adding::LocalRank { slots, slot_bytes } if write && flags & FLAG_INIT == 0 => {
+                let next_w = self.word(chunk, round, NEXT);
+                if first {
+                    next_w.store(0, Ordering::Relaxed);
                 }
-                DType::F32 => {
-                    let acc = acc_f32();
-                    let src = aligned::<f32>(src, n);
-                    if copy {
-                        acc.copy_from_slice(&src);
-                    } else {
-                        kernels::add_f32(acc, &src);
-                    }
+                let mut next = next_w.load(Ordering::Relaxed) as usize;
+                let (a, b) = self.range(chunk);
+                let es = self.dtype.size();
+                let slot = |l: usize| slots.at(LINE + (l - 1) * slot_bytes + a * es);
+                if local == next {
+                    self.add_into(chunk, p, src, next == 0);
+                    next += 1;
+                } else {
+                    // SAFETY: the caller's chunk, copied into this worker's
+                    // own slot (in the segment, ours under the lock).
+                    unsafe { std::ptr::copy_nonoverlapping(src, slot(local), (b - a) * es) };
                 }
-                d => {
-                    let acc = acc_f32();
-                    let src = aligned::<u16>(src, n);
-                    match (d == DType::F16, copy) {
-                        (true, true) => kernels::widen_f16(acc, &src),
-                        (true, false) => kernels::add_f16(acc, &src),
-                        (false, true) => kernels::widen_bf16(acc, &src),
-                        (false, false) => kernels::add_bf16(acc, &src),
+                // Whoever contributed after `next` waits in its slot (the
+                // mask says who contributed; those before `next` are added).
+                let lo = self.word(chunk, round, MASK_LO).load(Ordering::Relaxed) as u64;
+                let hi = self.word(chunk, round, MASK_HI).load(Ordering::Relaxed) as u64;
+                let mask = lo | hi << 32;
+                order::add_waiting(&mut next, self.local_size as usize, |l| {
+                    let here = mask & (1u64 << l) != 0;
+                    if here {
+                        self.add_into(chunk, p, slot(l), false);
                     }
-                }
+                    here
+                });
+                next_w.store(next as u32, Ordering::Relaxed);
             }
+            // An init round has one writer, which overwrites.
+            _ if write => self.add_into(chunk, p, src, first || flags & FLAG_INIT != 0),
+            _ => {}
         }
         let bit = 1u64 << local;
         self.word(chunk, round, MASK_LO).fetch_or(bit as u32, Ordering::Relaxed);
@@ -325,6 +364,52 @@ impl Staging {
             self.word(chunk, round, READY).store(t, Ordering::Release);
         }
         Ok(done)
+    }
+
+    /// Add a contribution (`src`, the chunk's bytes) to the host's sum of
+    /// parity `p`; `copy`: it starts the sum (or an init round's writer).
+    /// Under the chunk's lock.
+    fn add_into(&self, chunk: usize, p: usize, src: *const u8, copy: bool) {
+        let (a, b) = self.range(chunk);
+        let n = b - a;
+        // SAFETY: the chunk's acc range is inside the segment and ours
+        // under the lock (4 bytes per element, or the element's own size
+        // when summed in place); `src` is the chunk of the caller's buffer.
+        let es = if self.dtype.sums_in_place() { self.dtype.size() } else { 4 };
+        let acc_at = self.seg.at(self.acc[p] + a * es);
+        // SAFETY: as above (f32 sums, and the f32 accumulator of halves).
+        let acc_f32 = || unsafe { std::slice::from_raw_parts_mut(acc_at.cast::<f32>(), n) };
+        match self.dtype {
+            DType::F64 | DType::I32 | DType::I64 => {
+                // SAFETY: as above, as bytes; src holds n elements of the dtype.
+                let acc = unsafe { std::slice::from_raw_parts_mut(acc_at, n * es) };
+                let src = unsafe { std::slice::from_raw_parts(src, n * es) };
+                if copy {
+                    acc.copy_from_slice(src);
+                } else {
+                    kernels::add_exact(self.dtype, acc, src);
+                }
+            }
+            DType::F32 => {
+                let acc = acc_f32();
+                let src = aligned::<f32>(src, n);
+                if copy {
+                    acc.copy_from_slice(&src);
+                } else {
+                    kernels::add_f32(acc, &src);
+                }
+            }
+            d => {
+                let acc = acc_f32();
+                let src = aligned::<u16>(src, n);
+                match (d == DType::F16, copy) {
+                    (true, true) => kernels::widen_f16(acc, &src),
+                    (true, false) => kernels::add_f16(acc, &src),
+                    (false, true) => kernels::widen_bf16(acc, &src),
+                    (false, false) => kernels::add_bf16(acc, &src),
+                }
+            }
+        }
     }
 }
 
@@ -399,6 +484,8 @@ pub struct HostStage {
     staging: Mutex<HashMap<u32, Arc<Staging>>>,
     /// Segment names this worker opened, removed when it leaves.
     opened: Mutex<Vec<PathBuf>>,
+    /// The order contributions are added in (`GRADHUB_DETERMINISTIC`).
+    order: SumOrder,
 }
 
 /// One of the host's chunks, as its stage sees it.
@@ -420,6 +507,7 @@ impl HostStage {
         servers: usize,
         rank: u32,
         timeout: Duration,
+        order: SumOrder,
     ) -> Result<HostStage, String> {
         let local = workers.iter().position(|&r| r == rank).ok_or("this worker is not on its host's list")?;
         if workers.len() > MAX_LOCAL_WORKERS {
@@ -443,6 +531,7 @@ impl HostStage {
             doorbell,
             staging: Mutex::new(HashMap::new()),
             opened: Mutex::new(Vec::new()),
+            order,
         })
     }
 
@@ -454,7 +543,10 @@ impl HostStage {
         }
         let mut st = Staging::open(self.job_id, self.host_tag, spec, self.mappers)?;
         st.local_size = self.workers.len() as u32;
-        self.opened.lock().unwrap_or_else(|e| e.into_inner()).push(st.path().to_path_buf());
+        if self.order.ranks(spec.dtype) {
+            st.in_rank_order(self.job_id, self.host_tag, spec.key, self.workers.len())?;
+        }
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).extend(st.paths());
         let s = Arc::new(st);
         map.insert(spec.key, s.clone());
         Ok(s)
@@ -470,8 +562,11 @@ impl HostStage {
     /// mapper had mapped it before the tensor's first round completed).
     pub fn forget(&self, key: u32) -> Option<Arc<Staging>> {
         let st = self.staging.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)?;
-        let _ = std::fs::remove_file(st.path());
-        self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| p != st.path());
+        let paths = st.paths();
+        for p in &paths {
+            let _ = std::fs::remove_file(p);
+        }
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| !paths.contains(p));
         Some(st)
     }
 
@@ -524,12 +619,20 @@ mod tests {
 
     /// The stages of `n` workers of one host, joined concurrently.
     fn stages(n: u32) -> Vec<HostStage> {
-        let id = job_id();
+        stages_adding(n, SumOrder::Arrival)
+    }
+
+    fn stages_adding(n: u32, order: SumOrder) -> Vec<HostStage> {
+        // A job of its own each (tests run at once in one process).
+        static JOBS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = job_id() ^ (JOBS.fetch_add(1, Ordering::Relaxed) << 40);
         let ranks: Vec<u32> = (0..n).collect();
         let hs: Vec<_> = (0..n)
             .map(|r| {
                 let ranks = ranks.clone();
-                std::thread::spawn(move || HostStage::join(id, "h", ranks, 0, r, Duration::from_secs(10)).unwrap())
+                std::thread::spawn(move || {
+                    HostStage::join(id, "h", ranks, 0, r, Duration::from_secs(10), order).unwrap()
+                })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -589,6 +692,51 @@ mod tests {
         }
     }
 
+    /// The host's sum (for halves, its f32 accumulator) of `n` workers
+    /// contributing in each order of `orders`, one round each.
+    fn host_sums(dtype: DType, n: u32, order: SumOrder, orders: &[Vec<usize>]) -> Vec<Vec<u8>> {
+        let st = stages_adding(n, order);
+        let sp = spec(250, dtype);
+        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+        let data: Vec<Vec<u32>> =
+            (0..n as usize).map(|l| crate::order::test_encode(dtype, &crate::order::test_values(l, 250))).collect();
+        let never = || None;
+        let mut sums = Vec::new();
+        for (round, arrival) in orders.iter().enumerate() {
+            let round = round as u32;
+            for &l in arrival {
+                st[l].contribute(&seg[l], data[l].as_ptr().cast(), round, 0, l == 0, &never, &mut |_| {}).unwrap();
+            }
+            let s = &seg[0];
+            assert!((0..3).all(|c| s.ready(c, round)), "every chunk summed");
+            let es = if dtype.sums_in_place() { dtype.size() } else { 4 };
+            // SAFETY: the whole tensor's accumulator of the round's parity.
+            sums.push(unsafe { std::slice::from_raw_parts(s.seg.at(s.acc[(round & 1) as usize]), 250 * es) }.to_vec());
+        }
+        for h in &st {
+            h.cleanup();
+        }
+        sums
+    }
+
+    #[test]
+    fn in_rank_order_every_arrival_order_gives_the_rank_order_sum() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            for n in [3u32, 4] {
+                let orders = crate::order::permutations(n as usize);
+                let want = host_sums(dtype, n, SumOrder::Arrival, &orders[..1]).remove(0);
+                assert_eq!(orders[0], (0..n as usize).collect::<Vec<_>>());
+                for (k, got) in host_sums(dtype, n, SumOrder::Rank, &orders).iter().enumerate() {
+                    assert!(got == &want, "{dtype:?}, {n} workers in order {:?}", orders[k]);
+                }
+                // The data is such that the order matters (else the test proves nothing).
+                let arrival: std::collections::HashSet<_> =
+                    host_sums(dtype, n, SumOrder::Arrival, &orders).into_iter().collect();
+                assert!(arrival.len() > 1, "{dtype:?}: every arrival order gave the same sum");
+            }
+        }
+    }
+
     #[test]
     fn halves_are_summed_in_f32_and_rounded_once_per_host() {
         let st = stages(2);
@@ -642,7 +790,10 @@ mod tests {
 
     #[test]
     fn a_worker_that_never_arrives_is_a_clear_error() {
-        let err = HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, 0, Duration::from_millis(200)).err().unwrap();
+        let err =
+            HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, 0, Duration::from_millis(200), SumOrder::Arrival)
+                .err()
+                .unwrap();
         assert!(err.contains("only 1 of the 2 workers") && err.contains("GRADHUB_HOST_ID"), "{err}");
     }
 

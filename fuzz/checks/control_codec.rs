@@ -126,6 +126,7 @@ pub fn message(s: &mut Source) -> Control {
             local_rank: s.u32() as i32,
             local_size: s.u32() as i32,
             rack: s.text(),
+            sum_order: if s.bool() { gradhub::order::SumOrder::Rank } else { gradhub::order::SumOrder::Arrival },
         }),
         1 => {
             let (rank, num_workers, partition_bytes) = (s.u32(), s.u32(), s.u32());

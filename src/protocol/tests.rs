@@ -121,6 +121,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: 3,
             local_size: 4,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Arrival,
         }),
         Control::Register(Register {
             role: Role::Server,
@@ -134,6 +135,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: -1,
             local_size: -1,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Rank,
         }),
         Control::Register(Register {
             role: Role::Worker,
@@ -147,6 +149,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: i32::MIN,
             local_size: i32::MAX,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Arrival,
         }),
         Control::Welcome(Welcome {
             rank: 3,

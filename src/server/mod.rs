@@ -20,6 +20,7 @@ use crossbeam_channel::bounded;
 use mio::{Poll, Waker};
 
 use crate::host::{host_tag, Staging};
+use crate::order::SumOrder;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
 use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_SERVER};
@@ -57,6 +58,9 @@ pub struct ServerConfig {
     pub rack: String,
     /// Serve Prometheus metrics on this address (`--metrics-addr`).
     pub metrics_addr: Option<String>,
+    /// The order chunks add their pushes in (`GRADHUB_DETERMINISTIC`): the
+    /// same on every member (the scheduler checks).
+    pub sum_order: SumOrder,
 }
 
 /// Bytes pushed to a server and chunk rounds it completed, so far.
@@ -132,6 +136,7 @@ impl Default for ServerConfig {
             timeline: None,
             rack: String::new(),
             metrics_addr: None,
+            sum_order: SumOrder::Arrival,
         }
     }
 }
@@ -201,6 +206,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         local_rank: -1,
         local_size: -1,
         rack: cfg.rack.clone(),
+        sum_order: cfg.sum_order,
     })?;
     let welcome = session.welcome.clone();
     let rank = welcome.rank;
@@ -280,6 +286,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             secret: cfg.secret.clone(),
             traffic: cfg.traffic.clone(),
             timeline: timeline.clone(),
+            sum_order: cfg.sum_order,
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()

@@ -44,7 +44,8 @@
 //! frame's header into a typed `Command` (or refuses it), `apply` carries
 //! it out; `round` is a chunk's round state machine and `sum` its buffers;
 //! `relay` is the links to other server threads (rack relays, replicas);
-//! `moves` installs, releases, gives up and adopts chunks (and restores
+//! `ordered` adds a chunk's pushes in rank order when the job's sums must
+//! be deterministic (`GRADHUB_DETERMINISTIC`); `moves` installs, releases, gives up and adopts chunks (and restores
 //! and replays for adopted ones); `flush` finishes rounds and queues and
 //! writes results, acks and notices, and watches for stalls.
 
@@ -52,6 +53,7 @@ mod apply;
 mod conns;
 mod flush;
 mod moves;
+mod ordered;
 mod relay;
 mod round;
 mod sum;
@@ -141,6 +143,8 @@ pub struct ThreadConfig {
     /// What this server's threads summed (a shared service reports it).
     pub traffic: Arc<super::Traffic>,
     pub timeline: Option<Arc<crate::timeline::Trace>>,
+    /// In what order pushes are added (`GRADHUB_DETERMINISTIC`, `ordered`).
+    pub sum_order: crate::order::SumOrder,
 }
 
 pub struct ServerThread {
