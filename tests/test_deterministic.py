@@ -1,0 +1,54 @@
+"""GRADHUB_DETERMINISTIC=1 end to end: two runs whose pushes arrive in
+different orders (random sleeps, other seeds) give bitwise identical sums of
+every dtype, each the sum in rank order; without it the float sums of the
+same two runs differ (the data makes the order show), so the test can fail.
+Server rounds with 3-4 pushers on 1 and 2 servers, the host stage (2 and 3
+workers per emulated host), and a member set otherwise refused at init."""
+
+import re
+
+import pytest
+
+from conftest import assert_all_passed, run_launch
+
+FLOATS = ["float32", "float64", "float16", "bfloat16"]
+
+
+def hashes(workers: int, servers: int, hosts: list[int], seed: int, deterministic: bool) -> dict[str, str]:
+    """Every dtype's hash of results, the same on every worker."""
+    cfg = {"hosts": hosts, "delay_seed": seed}
+    rc, out = run_launch(workers, servers, "deterministic.py", cfg,
+                         env={"GRADHUB_DETERMINISTIC": int(deterministic)})
+    assert_all_passed(rc, out, workers)
+    got: dict[str, set[str]] = {}
+    for dtype, h in re.findall(r"\[worker \d+\] HASH (\w+) (\w+)", out):
+        got.setdefault(dtype, set()).add(h)
+    assert sorted(got) == sorted(FLOATS + ["int64"]) and all(len(v) == 1 for v in got.values()), out[-3000:]
+    return {d: v.pop() for d, v in got.items()}
+
+
+@pytest.mark.parametrize("workers,servers,hosts", [
+    (3, 1, [0, 1, 2]),        # one server, three pushers
+    (4, 2, [0, 1, 2, 3]),     # two servers, four pushers
+    (4, 1, [0, 0, 1, 2]),     # two workers on one host: its stage, then three pushers
+    (3, 2, [0, 0, 0]),        # three workers on one host: the host stage's order
+], ids=["3w-1s", "4w-2s", "host-stage-2", "host-stage-3"])
+def test_sums_are_bitwise_identical_run_after_run_only_when_deterministic(workers, servers, hosts):
+    a = hashes(workers, servers, hosts, seed=1, deterministic=True)
+    b = hashes(workers, servers, hosts, seed=2, deterministic=True)
+    assert a == b
+    c = hashes(workers, servers, hosts, seed=1, deterministic=False)
+    d = hashes(workers, servers, hosts, seed=2, deterministic=False)
+    # Integers are exact in any order; float sums made in arrival order are not.
+    assert c["int64"] == d["int64"] == a["int64"]
+    assert [t for t in FLOATS if c[t] == d[t]] == []
+
+
+def test_a_member_set_otherwise_is_refused_at_init(cluster_factory):
+    # The scheduler and the server sum in arrival order; the worker asks for rank order.
+    c = cluster_factory(1, 1)
+    p = c.start_worker(0, "deterministic.py", {"hosts": [0], "delay_seed": 0, "rounds": 1},
+                       GRADHUB_DETERMINISTIC="1")
+    assert p.wait(timeout=60) != 0
+    assert "worker was started with GRADHUB_DETERMINISTIC=1 but the scheduler with 0" in c.log("worker0"), \
+        c.log("worker0")
