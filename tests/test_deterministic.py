@@ -52,3 +52,10 @@ def test_a_member_set_otherwise_is_refused_at_init(cluster_factory):
     assert p.wait(timeout=60) != 0
     assert "worker was started with GRADHUB_DETERMINISTIC=1 but the scheduler with 0" in c.log("worker0"), \
         c.log("worker0")
+
+
+def test_the_torch_local_stage_is_refused_in_rank_order():
+    # NCCL and gloo add in their own order: an explicit torch stage is an error, auto takes shared memory.
+    env = {"GRADHUB_DETERMINISTIC": 1, "GRADHUB_LOCAL_STAGE": "torch"}
+    rc, out = run_launch(2, 1, "torch_local_stage.py", {"sizes": [10], "rounds": 1}, env=env, timeout=120)
+    assert rc != 0 and "use GRADHUB_LOCAL_STAGE=shm or auto" in out, out[-3000:]
