@@ -25,7 +25,7 @@ use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
 use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError};
-use thread::{LinkTo, ServerThread, ThreadCmd, ThreadConfig};
+use thread::{LinkTo, NewLink, ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -463,7 +463,7 @@ impl Links {
     /// One that cannot be opened (its server is being lost) is logged: the
     /// chunks it would serve hold their results until a failover gives
     /// them another replica.
-    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, Option<std::net::TcpStream>, LinkTo, String)>> {
+    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<NewLink>> {
         let mut out: Vec<Vec<_>> = (0..self.threads).map(|_| Vec::new()).collect();
         if let Some((rack, id)) = self.relay {
             for s in specs {

@@ -89,6 +89,10 @@ pub enum LinkTo {
     Owner,
 }
 
+/// A link to another server thread: its slot, the stream (none: it could
+/// not be reached), what it is for, and who serves it.
+pub type NewLink = (u32, Option<std::net::TcpStream>, LinkTo, String);
+
 pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours
     /// (adopted from a lost server if the flag is set), and so do those we
@@ -96,13 +100,7 @@ pub enum ThreadCmd {
     /// on this host push by reference, and new links (authenticated and
     /// introduced) to other server threads, by slot, with who serves it
     /// (no stream: an owner that could not be reached).
-    Declare(
-        Vec<TensorSpec>,
-        bool,
-        Vec<(u32, Arc<Staging>)>,
-        Vec<(u32, Option<std::net::TcpStream>, LinkTo, String)>,
-        Sender<()>,
-    ),
+    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<NewLink>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     /// Chunks move to a server that joined (`scheduler::failover::take_in`):
