@@ -17,8 +17,10 @@ FLOATS = ["float32", "float64", "float16", "bfloat16"]
 def hashes(workers: int, servers: int, hosts: list[int], seed: int, deterministic: bool) -> dict[str, str]:
     """Every dtype's hash of results, the same on every worker."""
     cfg = {"hosts": hosts, "delay_seed": seed}
+    # The servers share emulated host 0 (the workers set their own): that
+    # host's workers, if several, push to them by reference, the others over TCP.
     rc, out = run_launch(workers, servers, "deterministic.py", cfg,
-                         env={"GRADHUB_DETERMINISTIC": int(deterministic)})
+                         env={"GRADHUB_DETERMINISTIC": int(deterministic), "GRADHUB_HOST_ID": "det-0"})
     assert_all_passed(rc, out, workers)
     got: dict[str, set[str]] = {}
     for dtype, h in re.findall(r"\[worker \d+\] HASH (\w+) (\w+)", out):
@@ -30,7 +32,7 @@ def hashes(workers: int, servers: int, hosts: list[int], seed: int, deterministi
 @pytest.mark.parametrize("workers,servers,hosts", [
     (3, 1, [0, 1, 2]),        # one server, three pushers
     (4, 2, [0, 1, 2, 3]),     # two servers, four pushers
-    (4, 1, [0, 0, 1, 2]),     # two workers on one host: its stage, then three pushers
+    (4, 1, [0, 0, 1, 2]),     # two workers on the server's host (its stage, by reference), then three pushers
     (3, 2, [0, 0, 0]),        # three workers on one host: the host stage's order
 ], ids=["3w-1s", "4w-2s", "host-stage-2", "host-stage-3"])
 def test_sums_are_bitwise_identical_run_after_run_only_when_deterministic(workers, servers, hosts):
