@@ -10,6 +10,7 @@ import re
 import pytest
 
 from conftest import assert_all_passed, run_launch
+from test_racks import rack_job
 
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
 
@@ -43,6 +44,26 @@ def test_sums_are_bitwise_identical_run_after_run_only_when_deterministic(worker
     d = hashes(workers, servers, hosts, seed=2, deterministic=False)
     # Integers are exact in any order; float sums made in arrival order are not.
     assert c["int64"] == d["int64"] == a["int64"]
+    assert [t for t in FLOATS if c[t] == d[t]] == []
+
+
+def test_two_level_reduction_is_deterministic_too(cluster_factory):
+    # 2 racks of 2 one-worker hosts: each owner adds its rack's 2 workers and the other rack's relayed sum.
+    def run(seed: int, deterministic: bool) -> dict[str, str]:
+        hosts, servers = [("r0", 1), ("r0", 1), ("r1", 1), ("r1", 1)], [("r0", 0), ("r0", 1), ("r1", 2), ("r1", 3)]
+        cfg = {"hosts": [0, 1, 2, 3], "racks": True, "delay_seed": seed}
+        c = rack_job(cluster_factory, hosts, servers, "deterministic.py", cfg, threads=1,
+                     GRADHUB_DETERMINISTIC=int(deterministic), GRADHUB_PARTITION_BYTES=65536)
+        got = {}
+        for w in range(4):
+            assert c.procs[f"worker{w}"].wait(timeout=180) == 0, c.log(f"worker{w}")
+            got[w] = dict(re.findall(r"HASH (\w+) (\w+)", c.log(f"worker{w}")))
+        assert "two levels: forced" in c.log("scheduler") and all(got[w] == got[0] for w in got), got
+        c.close()
+        return got[0]
+
+    a, b, c, d = run(1, True), run(2, True), run(1, False), run(2, False)
+    assert a == b and c["int64"] == d["int64"] == a["int64"]
     assert [t for t in FLOATS if c[t] == d[t]] == []
 
 
