@@ -133,8 +133,8 @@ impl Source {
 
     /// Keep the push's `len` bytes for later: the connection's scratch
     /// buffer itself (it takes another from the pool for its next push), or
-    /// a pooled copy of a shared chunk (the host may reuse that after its
-    /// result, which this push's round has not made yet).
+    /// a pooled copy of a shared chunk (so nothing kept points into a host
+    /// segment, whose mapping goes with its tensor).
     pub fn park(self, len: usize, scratch: &mut Vec<u32>, pool: &mut Vec<Vec<u32>>) -> Vec<u32> {
         match self {
             Source::Shared(p) => {
