@@ -13,6 +13,7 @@
 //! - `client`: the worker's communication service (priority + credit)
 //! - `host`: what a host's workers and its server share (host-stage sums,
 //!   pushes by reference)
+//! - `order`: deterministic sums (`GRADHUB_DETERMINISTIC`): rank-order adds
 //! - `error`: the one error type of the entry points (for the bindings)
 //! - `logging`: one log format for every role (`GRADHUB_LOG`)
 //! - `settings`: every `GRADHUB_*` setting, declared once; the only reader
@@ -25,6 +26,7 @@ pub(crate) mod host;
 pub mod kernels;
 pub mod logging;
 pub mod metrics;
+pub mod order;
 pub mod placement;
 pub mod protocol;
 pub mod scheduler;

@@ -209,6 +209,8 @@ pub static SETTINGS: &[Setting] = &[
         "worker: with the host stage on, push to a server on the same machine by reference through shared memory; 0: through loopback TCP like any other server"),
     setting!("GRADHUB_FAILOVER", Flag, Value(|| flag(SchedulerConfig::default().failover)), SCHEDULER,
         "scheduler: when a server is lost (it dies, or is silent for the peer timeout), its chunks move to the other servers and training goes on with exactly the sums it would have had (see docs/architecture.md, \"Failover\"); 0 (`--no-failover`): a lost server fails the job. With the optimizer on the servers, each chunk's parameters and optimizer state are kept on a second server too (its replica, where the chunk moves), so training goes on with the same parameters; losing a chunk's server and its replica at once, or any server of a one-server job, fails the job with a clear error"),
+    setting!("GRADHUB_DETERMINISTIC", Flag, Value(|| flag(SchedulerConfig::default().sum_order.is_deterministic())), MEMBERS,
+        "1: every sum (server rounds, the host stage, rack relays; so fused buckets and sufficient factors too) adds the workers' float contributions in rank order whatever order they arrive in, so results are bitwise identical run after run (integers are exact in any order); costs a copy of each push that arrives before its turn (docs/benchmarks.md). The same on every worker, server and the scheduler: a member set otherwise is refused at `init()`"),
     setting!("GRADHUB_RACK", Str, Value(|| ClientConfig::default().rack), DATA,
         "the rack of a worker or server (`gradhub server --rack`): every member names one, or none does"),
     setting!("GRADHUB_RACK_REDUCE", Choice(&["auto", "on", "off"]), Value(|| format!("{:?}", SchedulerConfig::default().rack_reduce).to_lowercase()), SCHEDULER,
@@ -316,6 +318,21 @@ pub fn log_level() -> String {
     value("GRADHUB_LOG").unwrap_or_default()
 }
 
+/// `GRADHUB_DETERMINISTIC`: the order sums add contributions in, for a
+/// role whose config was not given it (the Python bindings' constructors).
+pub fn sum_order() -> crate::order::SumOrder {
+    let v = raw("GRADHUB_DETERMINISTIC").map(|v| v.to_ascii_lowercase());
+    let on = match v.as_deref() {
+        None | Some("0" | "false" | "no" | "off") => false,
+        Some("1" | "true" | "yes" | "on") => true,
+        Some(other) => {
+            log::warn!("GRADHUB_DETERMINISTIC={other:?} is not a flag (1/0, true/false, yes/no, on/off); using 0");
+            false
+        }
+    };
+    crate::order::SumOrder::deterministic(on)
+}
+
 /// `GRADHUB_HOST_ID`, if set (see `crate::host_id`).
 pub fn host_id() -> Option<String> {
     raw("GRADHUB_HOST_ID")
@@ -358,13 +375,14 @@ mod tests {
         assert_eq!(lookup("GRADHUB_CREDIT_BYTES").unwrap().default_doc(), "the larger of 512 KiB and 4 chunks");
         assert_eq!(v("GRADHUB_RACK_REDUCE"), "auto");
         assert_eq!(lookup("GRADHUB_RACK").unwrap().default_doc(), "none");
+        assert_eq!(v("GRADHUB_DETERMINISTIC"), "0");
     }
 
     #[test]
     fn every_accessor_reads_a_registered_setting() {
         // Each debug-asserts its name is in the table.
         assert!(spin() <= Duration::from_secs(1) || raw("GRADHUB_SPIN_US").is_some());
-        let _ = (tcp_congestion(), kernels(), log_level(), host_id(), hostname_var());
+        let _ = (tcp_congestion(), kernels(), log_level(), host_id(), hostname_var(), sum_order());
         assert!(lookup("HOSTNAME").is_none());
     }
 }

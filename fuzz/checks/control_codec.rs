@@ -126,6 +126,7 @@ pub fn message(s: &mut Source) -> Control {
             local_rank: s.u32() as i32,
             local_size: s.u32() as i32,
             rack: s.text(),
+            sum_order: if s.bool() { gradhub::order::SumOrder::Rank } else { gradhub::order::SumOrder::Arrival },
             elastic: s.bool().then(|| gradhub::protocol::ElasticReg {
                 min_workers: s.u32(),
                 max_workers: s.u32(),

@@ -46,6 +46,7 @@ class SchedulerConfig:
         max_tensors: int | None = None,  # a service job's limit; 0: none
         max_bytes: int | None = None,  # a service job's limit; 0: none
         metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
+        deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
     ) -> None:
         """ValueError for a bad rack_reduce or bandwidth."""
 
@@ -70,6 +71,7 @@ class ServerConfig:
         timeline: str | None = None,  # Chrome trace of the chunk rounds ({rank}: the server's rank)
         rack: str | None = None,  # this server's rack (GRADHUB_RACK); "" none
         metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
+        deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
     ) -> None: ...
 
 class ServiceConfig:
@@ -116,6 +118,8 @@ class ClientConfig:
         token: str | None = None,
         job: str | None = None,  # this job's name on a shared service (its namespace derives from it)
         rack: str | None = None,  # this worker's rack (GRADHUB_RACK); "" none
+        deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
+        elastic: tuple[int, int, int, int] | None = None,  # an elastic job's (min, max, initial size, previous rank)
     ) -> None:
         """ValueError for an invalid job name."""
 

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 use crate::session::SessionError;
 
@@ -38,6 +39,9 @@ pub struct ClientConfig {
     pub secret: Secret,
     /// This worker's rack (`GRADHUB_RACK`), if racks are used.
     pub rack: String,
+    /// The order the host stage adds contributions in (`GRADHUB_DETERMINISTIC`):
+    /// the same on every member (the scheduler checks).
+    pub sum_order: SumOrder,
     /// A worker of an elastic job on a shared service: its bounds and its
     /// rank in the previous generation (`scheduler::elastic`).
     pub elastic: Option<crate::protocol::ElasticReg>,
@@ -60,6 +64,7 @@ impl Default for ClientConfig {
             server_shm: true,
             secret: Secret::none(),
             rack: String::new(),
+            sum_order: SumOrder::Arrival,
             elastic: None,
         }
     }

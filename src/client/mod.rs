@@ -84,6 +84,7 @@ impl Client {
             local_rank: cfg.local_rank,
             local_size: cfg.local_size,
             rack: cfg.rack.clone(),
+            sum_order: cfg.sum_order,
             elastic: cfg.elastic,
         })?;
         let w = session.welcome.clone();
@@ -101,8 +102,16 @@ impl Client {
         let servers_here = w.servers.iter().filter(|s| &s.host == host).count();
         let host_stage = match layout.host_workers(w.rank) {
             local if local.len() > 1 => {
-                let stage = HostStage::join(w.job_id, host, local.to_vec(), servers_here, w.rank, cfg.connect_timeout)
-                    .map_err(ClientError::Setup)?;
+                let stage = HostStage::join(
+                    w.job_id,
+                    host,
+                    local.to_vec(),
+                    servers_here,
+                    w.rank,
+                    cfg.connect_timeout,
+                    cfg.sum_order,
+                )
+                .map_err(ClientError::Setup)?;
                 // Said once per host (by its first worker), not by every worker on every start.
                 let level = if local[0] == w.rank { log::Level::Info } else { log::Level::Debug };
                 log::log!(

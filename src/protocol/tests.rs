@@ -121,6 +121,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: 3,
             local_size: 4,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Arrival,
             elastic: None,
         }),
         Control::Register(Register {
@@ -135,6 +136,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: -1,
             local_size: -1,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Rank,
             elastic: Some(ElasticReg { min_workers: 2, max_workers: 9, initial: 4, prev_rank: -1 }),
         }),
         Control::Register(Register {
@@ -149,6 +151,7 @@ fn sample_controls() -> Vec<Control> {
             local_rank: i32::MIN,
             local_size: i32::MAX,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Arrival,
             elastic: Some(ElasticReg { min_workers: u32::MAX, max_workers: 0, initial: u32::MAX, prev_rank: i32::MIN }),
         }),
         Control::Welcome(Welcome {

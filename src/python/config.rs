@@ -11,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::client::ClientConfig;
+use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 use crate::scheduler::{RackMode, SchedulerConfig, ServiceConfig};
 use crate::server::{ServerConfig, ServiceServerConfig};
@@ -40,6 +41,12 @@ fn seconds(s: f64) -> Duration {
     Duration::from_secs_f64(s.max(0.0))
 }
 
+/// The job's sum order: as given, else `GRADHUB_DETERMINISTIC` (every
+/// role reads it, so a process started without the argument still agrees).
+fn sum_order(deterministic: Option<bool>) -> SumOrder {
+    deterministic.map_or_else(crate::settings::sum_order, SumOrder::deterministic)
+}
+
 /// A worker's config (`client::ClientConfig`).
 #[pyclass(module = "gradhub._core", name = "ClientConfig", frozen)]
 pub(super) struct PyClientConfig {
@@ -49,7 +56,7 @@ pub(super) struct PyClientConfig {
 #[pymethods]
 impl PyClientConfig {
     #[new]
-    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, elastic=None))]
+    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, deterministic=None, elastic=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -66,6 +73,7 @@ impl PyClientConfig {
         token: Option<String>,
         job: Option<String>,
         rack: Option<String>,
+        deterministic: Option<bool>,
         elastic: Option<(u32, u32, u32, i32)>,
     ) -> PyResult<Self> {
         let d = ClientConfig::default();
@@ -86,6 +94,7 @@ impl PyClientConfig {
             server_shm: server_shm.unwrap_or(d.server_shm),
             secret,
             rack: rack.unwrap_or(d.rack),
+            sum_order: sum_order(deterministic),
             elastic: elastic.map(|(min_workers, max_workers, initial, prev_rank)| crate::protocol::ElasticReg {
                 min_workers,
                 max_workers,
@@ -110,7 +119,7 @@ pub(super) struct PySchedulerConfig {
 #[pymethods]
 impl PySchedulerConfig {
     #[new]
-    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None))]
+    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None, deterministic=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bind: Option<String>,
@@ -131,6 +140,7 @@ impl PySchedulerConfig {
         max_tensors: Option<u32>,
         max_bytes: Option<u64>,
         metrics_addr: Option<String>,
+        deterministic: Option<bool>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let rack_reduce = match rack_reduce {
@@ -161,6 +171,7 @@ impl PySchedulerConfig {
             max_tensors: max_tensors.unwrap_or(d.max_tensors),
             max_bytes: max_bytes.unwrap_or(d.max_bytes),
             metrics_addr: metrics_addr.or(d.metrics_addr),
+            sum_order: sum_order(deterministic),
         };
         Ok(PySchedulerConfig { cfg })
     }
@@ -179,7 +190,7 @@ pub(super) struct PyServerConfig {
 #[pymethods]
 impl PyServerConfig {
     #[new]
-    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None))]
+    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None, deterministic=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -197,6 +208,7 @@ impl PyServerConfig {
         timeline: Option<String>,
         rack: Option<String>,
         metrics_addr: Option<String>,
+        deterministic: Option<bool>,
     ) -> Self {
         let d = ServerConfig::default();
         let cfg = ServerConfig {
@@ -218,6 +230,7 @@ impl PyServerConfig {
             timeline: timeline.or(d.timeline),
             rack: rack.unwrap_or(d.rack),
             metrics_addr: metrics_addr.or(d.metrics_addr),
+            sum_order: sum_order(deterministic),
         };
         PyServerConfig { cfg }
     }

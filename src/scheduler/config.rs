@@ -2,6 +2,7 @@
 //! errors of a job as a whole (`SchedulerError`).
 
 use super::racks::RackMode;
+use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 
 #[derive(Debug, Clone)]
@@ -39,6 +40,9 @@ pub struct SchedulerConfig {
     pub max_bytes: u64,
     /// Serve Prometheus metrics on this address (`--metrics-addr`); not for a service's jobs.
     pub metrics_addr: Option<String>,
+    /// The order every sum of the job adds its contributions in
+    /// (`GRADHUB_DETERMINISTIC`): a member registering with another is refused.
+    pub sum_order: SumOrder,
 }
 
 impl Default for SchedulerConfig {
@@ -62,6 +66,7 @@ impl Default for SchedulerConfig {
             max_tensors: 0,
             max_bytes: 0,
             metrics_addr: None,
+            sum_order: SumOrder::Arrival,
         }
     }
 }

@@ -301,6 +301,8 @@ pub(super) enum Refusal {
     RankOutOfRange { role: &'static str, rank: i32, limit: u32 },
     #[error("server registered without an address or ports")]
     NoAddress,
+    #[error("{role} was started with GRADHUB_DETERMINISTIC={got} but the scheduler with {want}: set it the same on every worker, server and the scheduler")]
+    SumOrder { role: &'static str, got: u8, want: u8 },
     #[error("the job already has all its members")]
     Full,
     #[error("{0}")]
@@ -318,6 +320,10 @@ pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Resul
     }
     if reg.num_servers != 0 && reg.num_servers != cfg.num_servers {
         return Err(Refusal::JobSize { role, what: "servers", got: reg.num_servers, want: cfg.num_servers });
+    }
+    if reg.sum_order != cfg.sum_order {
+        let flag = |o: crate::order::SumOrder| o.is_deterministic() as u8;
+        return Err(Refusal::SumOrder { role, got: flag(reg.sum_order), want: flag(cfg.sum_order) });
     }
     let limit = match reg.role {
         Role::Worker => cfg.num_workers,
@@ -500,6 +506,7 @@ mod tests {
             local_rank: -1,
             local_size: -1,
             rack: String::new(),
+            sum_order: crate::order::SumOrder::Arrival,
             elastic: None,
         };
         assert!(check_registration(&cfg(2, 1), &reg(Role::Worker, 1, 2)).is_ok());

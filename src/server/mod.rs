@@ -20,11 +20,12 @@ use crossbeam_channel::bounded;
 use mio::{Poll, Waker};
 
 use crate::host::{host_tag, Staging};
+use crate::order::SumOrder;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
 use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError};
-use thread::{LinkTo, ServerThread, ThreadCmd, ThreadConfig};
+use thread::{LinkTo, NewLink, ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -57,6 +58,9 @@ pub struct ServerConfig {
     pub rack: String,
     /// Serve Prometheus metrics on this address (`--metrics-addr`).
     pub metrics_addr: Option<String>,
+    /// The order chunks add their pushes in (`GRADHUB_DETERMINISTIC`): the
+    /// same on every member (the scheduler checks).
+    pub sum_order: SumOrder,
 }
 
 /// Bytes pushed to a server and chunk rounds it completed, so far.
@@ -132,6 +136,7 @@ impl Default for ServerConfig {
             timeline: None,
             rack: String::new(),
             metrics_addr: None,
+            sum_order: SumOrder::Arrival,
         }
     }
 }
@@ -201,6 +206,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         local_rank: -1,
         local_size: -1,
         rack: cfg.rack.clone(),
+        sum_order: cfg.sum_order,
         elastic: None,
     })?;
     let welcome = session.welcome.clone();
@@ -281,6 +287,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             secret: cfg.secret.clone(),
             traffic: cfg.traffic.clone(),
             timeline: timeline.clone(),
+            sum_order: cfg.sum_order,
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()
@@ -457,7 +464,7 @@ impl Links {
     /// One that cannot be opened (its server is being lost) is logged: the
     /// chunks it would serve hold their results until a failover gives
     /// them another replica.
-    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<(u32, Option<std::net::TcpStream>, LinkTo, String)>> {
+    fn open(&mut self, specs: &[TensorSpec]) -> Vec<Vec<NewLink>> {
         let mut out: Vec<Vec<_>> = (0..self.threads).map(|_| Vec::new()).collect();
         if let Some((rack, id)) = self.relay {
             for s in specs {

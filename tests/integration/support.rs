@@ -120,6 +120,7 @@ pub fn worker_reg(rank: i32, host: &str, nw: u32, ns: u32) -> Register {
         local_rank: -1,
         local_size: -1,
         rack: String::new(),
+        sum_order: Default::default(),
         elastic: None,
     }
 }
@@ -137,6 +138,7 @@ pub fn server_reg(rank: i32, addr: &str, ports: Vec<u16>, colocated: bool, nw: u
         local_rank: -1,
         local_size: -1,
         rack: String::new(),
+        sum_order: Default::default(),
         elastic: None,
     }
 }
@@ -584,6 +586,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         timeline: None,
         rack: String::new(),
         metrics_addr: None,
+        sum_order: Default::default(),
     }
 }
 

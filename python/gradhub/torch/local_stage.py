@@ -326,6 +326,12 @@ def setup() -> None:
     worker), make the host's group. A collective of every worker."""
     global _group, _mode
     _mode = _env.get("GRADHUB_LOCAL_STAGE")
+    if _env.get("GRADHUB_DETERMINISTIC"):
+        # NCCL's and gloo's reductions add in their own order, not the ranks'.
+        if _mode == "torch":
+            raise RuntimeError("GRADHUB_DETERMINISTIC=1 sums in rank order, which the torch local stage (NCCL, gloo) "
+                               "does not promise: use GRADHUB_LOCAL_STAGE=shm or auto")
+        _mode = "shm"
     if _group is not None or _mode == "shm" or (_mode == "auto" and not torch.cuda.is_available()):
         return
     n, r = _api.size(), _api.rank()

@@ -4,6 +4,7 @@
 
 use super::frame::{DType, MsgType};
 use super::ProtocolError;
+pub use crate::order::SumOrder;
 
 mod payload;
 
@@ -64,6 +65,9 @@ pub struct Register {
     /// let the scheduler reduce within each rack before the core
     /// (`scheduler::racks`).
     pub rack: String,
+    /// The order this member's sums add contributions in
+    /// (`GRADHUB_DETERMINISTIC`); checked by the scheduler.
+    pub sum_order: SumOrder,
     /// A worker of an elastic job (`scheduler::elastic`): its bounds and
     /// its rank in the generation it comes from; None: a job of fixed size.
     pub elastic: Option<ElasticReg>,

@@ -118,7 +118,7 @@ impl Control {
                     w.u16(p);
                 }
                 w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
-                w.i32(m.local_rank).i32(m.local_size).str(&m.rack);
+                w.i32(m.local_rank).i32(m.local_size).str(&m.rack).u8(m.sum_order.to_u8());
                 match &m.elastic {
                     None => {
                         w.u8(0);
@@ -275,6 +275,9 @@ impl Control {
                 let local_rank = r.i32("local_rank")?;
                 let local_size = r.i32("local_size")?;
                 let rack = r.str("rack")?;
+                let order = r.u8("sum_order")?;
+                let sum_order = SumOrder::from_u8(order)
+                    .ok_or_else(|| ProtocolError::BadPayload(format!("unknown sum order {order}")))?;
                 let elastic = match r.u8("elastic")? {
                     0 => None,
                     1 => Some(ElasticReg {
@@ -297,6 +300,7 @@ impl Control {
                     local_rank,
                     local_size,
                     rack,
+                    sum_order,
                     elastic,
                 })
             }

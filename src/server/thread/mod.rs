@@ -44,7 +44,8 @@
 //! frame's header into a typed `Command` (or refuses it), `apply` carries
 //! it out; `round` is a chunk's round state machine and `sum` its buffers;
 //! `relay` is the links to other server threads (rack relays, replicas);
-//! `moves` installs, releases, gives up and adopts chunks (and restores
+//! `ordered` adds a chunk's pushes in rank order when the job's sums must
+//! be deterministic (`GRADHUB_DETERMINISTIC`); `moves` installs, releases, gives up and adopts chunks (and restores
 //! and replays for adopted ones); `flush` finishes rounds and queues and
 //! writes results, acks and notices, and watches for stalls.
 
@@ -52,6 +53,7 @@ mod apply;
 mod conns;
 mod flush;
 mod moves;
+mod ordered;
 mod relay;
 mod round;
 mod sum;
@@ -87,6 +89,10 @@ pub enum LinkTo {
     Owner,
 }
 
+/// A link to another server thread: its slot, the stream (none: it could
+/// not be reached), what it is for, and who serves it.
+pub type NewLink = (u32, Option<std::net::TcpStream>, LinkTo, String);
+
 pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours
     /// (adopted from a lost server if the flag is set), and so do those we
@@ -94,13 +100,7 @@ pub enum ThreadCmd {
     /// on this host push by reference, and new links (authenticated and
     /// introduced) to other server threads, by slot, with who serves it
     /// (no stream: an owner that could not be reached).
-    Declare(
-        Vec<TensorSpec>,
-        bool,
-        Vec<(u32, Arc<Staging>)>,
-        Vec<(u32, Option<std::net::TcpStream>, LinkTo, String)>,
-        Sender<()>,
-    ),
+    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<NewLink>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     /// Chunks move to a server that joined (`scheduler::failover::take_in`):
@@ -141,6 +141,8 @@ pub struct ThreadConfig {
     /// What this server's threads summed (a shared service reports it).
     pub traffic: Arc<super::Traffic>,
     pub timeline: Option<Arc<crate::timeline::Trace>>,
+    /// In what order pushes are added (`GRADHUB_DETERMINISTIC`, `ordered`).
+    pub sum_order: crate::order::SumOrder,
 }
 
 pub struct ServerThread {

@@ -8,6 +8,7 @@
 use std::collections::HashSet;
 
 use super::flush::{self, Carry, TxItem};
+use super::ordered::Accumulation;
 use super::round::{Origin, Restored, Role, Round};
 use super::sum::{Chunk, ChunkBuf};
 use super::validate::{Dest, PayloadKind};
@@ -60,6 +61,7 @@ impl ServerThread {
                 let pushers = layout.pushers_at(s.key, c as u32, self.cfg.rack, relay, &relay_slot);
                 let init_from =
                     layout.init_pusher(s.key, c as u32, self.cfg.rack, relay, &relay_slot).unwrap_or(u32::MAX);
+                let order = Accumulation::new(self.cfg.sum_order, s.dtype, &pushers);
                 let mut chunk = Chunk {
                     key: s.key,
                     chunk: c as u32,
@@ -70,6 +72,7 @@ impl ServerThread {
                     direct_in_progress: false,
                     deferred: Vec::new(),
                     opt: None,
+                    order,
                 };
                 if let Some(replica::Replica { state: Some(state), done: Some(d), .. }) = from {
                     if let ChunkBuf::F32(b) = &mut chunk.buf {
@@ -134,6 +137,7 @@ impl ServerThread {
                 ch.buf = ChunkBuf::empty();
                 ch.opt = None;
                 ch.deferred.clear();
+                ch.order.clear(&mut self.pool);
                 freed.push(idx);
             }
         }
@@ -218,6 +222,7 @@ impl ServerThread {
             ch.buf = ChunkBuf::empty();
             ch.direct_in_progress = false;
             self.pool.append(&mut ch.deferred);
+            ch.order.clear(&mut self.pool);
             self.free.push(idx);
         }
     }
@@ -262,6 +267,8 @@ impl ServerThread {
         let src = &bytes(&conn.scratch)[..ch.bytes()];
         ch.write_result((s & 1) as usize, src);
         if effect == Restored::Completes {
+            // Pushes waiting for their turn in rank order have their result now.
+            ch.order.clear(&mut self.pool);
             self.send_results(idx);
         }
         Ok(())

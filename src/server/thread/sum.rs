@@ -2,6 +2,7 @@
 //! of a round on them (first push, adding pushes, finishing the sum, a
 //! restored or relayed result). What the round *is* lives in `round`.
 
+use super::ordered::{Accumulation, Park};
 use super::round::Round;
 use crate::kernels;
 use crate::protocol::{DType, OptConfig, FLAG_AVERAGE, FLAG_INIT};
@@ -38,6 +39,55 @@ impl ChunkBuf {
     pub fn empty() -> ChunkBuf {
         ChunkBuf::F32([Vec::new(), Vec::new()])
     }
+
+    /// Add one push of `n` elements of `dtype` to the sum of `parity`
+    /// (`first`: it starts the sum; `from` None: a push of zeros).
+    ///
+    /// # Safety
+    /// `from` points to the push's `n` elements, aligned for `dtype`
+    /// (exact sums read bytes, any alignment).
+    pub unsafe fn add(&mut self, dtype: DType, parity: usize, n: usize, first: bool, from: Option<*const u8>) {
+        let Some(from) = from else {
+            if first {
+                match self {
+                    ChunkBuf::F32(b) => b[parity][..n].fill(0.0),
+                    ChunkBuf::Half { acc, .. } => acc[..n].fill(0.0),
+                    ChunkBuf::Exact(b) => bytes_mut(&mut b[parity])[..n * dtype.size()].fill(0),
+                }
+            }
+            return;
+        };
+        match self {
+            ChunkBuf::F32(b) => {
+                // SAFETY: the caller's promise.
+                let src = unsafe { std::slice::from_raw_parts(from.cast::<f32>(), n) };
+                match first {
+                    true => b[parity].copy_from_slice(src),
+                    false => kernels::add_f32(&mut b[parity], src),
+                }
+            }
+            ChunkBuf::Half { acc, .. } => {
+                // SAFETY: the caller's promise.
+                let src = unsafe { std::slice::from_raw_parts(from.cast::<u16>(), n) };
+                match (dtype, first) {
+                    (DType::F16, true) => kernels::widen_f16(acc, src),
+                    (DType::F16, false) => kernels::add_f16(acc, src),
+                    (_, true) => kernels::widen_bf16(acc, src),
+                    (_, false) => kernels::add_bf16(acc, src),
+                }
+            }
+            ChunkBuf::Exact(b) => {
+                let len = n * dtype.size();
+                // SAFETY: the caller's promise (read as bytes).
+                let src = unsafe { std::slice::from_raw_parts(from, len) };
+                let acc = &mut bytes_mut(&mut b[parity])[..len];
+                match first {
+                    true => acc.copy_from_slice(src),
+                    false => kernels::add_exact(dtype, acc, src),
+                }
+            }
+        }
+    }
 }
 
 pub(super) struct Chunk {
@@ -53,6 +103,8 @@ pub(super) struct Chunk {
     pub deferred: Vec<Vec<u32>>,
     /// Parameters and optimizer state, for tensors with a server-side optimizer.
     pub opt: Option<Box<OptState>>,
+    /// In what order pushes are added (`GRADHUB_DETERMINISTIC`).
+    pub order: Accumulation,
 }
 
 /// Where a push's data is, for `Chunk::accumulate`.
@@ -66,6 +118,35 @@ pub(super) enum Source {
     Shared(*const u8),
     /// A push of zeros: nothing to add.
     Zeros,
+}
+
+impl Source {
+    /// Where the push's data is (scratch or shared; meaningless for
+    /// `Direct` and `Zeros`). Scratch is u32-aligned, a shared chunk is
+    /// checked aligned for its dtype (`parse_push_ref`).
+    pub fn data(self, scratch: &[u32]) -> *const u8 {
+        match self {
+            Source::Shared(p) => p,
+            _ => scratch.as_ptr().cast(),
+        }
+    }
+
+    /// Keep the push's `len` bytes for later: the connection's scratch
+    /// buffer itself (it takes another from the pool for its next push), or
+    /// a pooled copy of a shared chunk (so nothing kept points into a host
+    /// segment, whose mapping goes with its tensor).
+    pub fn park(self, len: usize, scratch: &mut Vec<u32>, pool: &mut Vec<Vec<u32>>) -> Vec<u32> {
+        match self {
+            Source::Shared(p) => {
+                let mut v = pool.pop().unwrap_or_default();
+                v.resize(len.div_ceil(4), 0);
+                // SAFETY: the shared chunk holds the push's len bytes.
+                bytes_mut(&mut v)[..len].copy_from_slice(unsafe { std::slice::from_raw_parts(p, len) });
+                v
+            }
+            _ => std::mem::take(scratch),
+        }
+    }
 }
 
 impl Chunk {
@@ -121,7 +202,7 @@ impl Chunk {
     /// Add a push from `rank` to the sum of `parity`. `first`: no push of
     /// the round is in yet; `init`: an init round (keeps `init_from`'s push);
     /// `scratch`: the connection's buffer, which a push parked behind a
-    /// direct receive takes over.
+    /// direct receive (or, in rank order, before its turn) takes over.
     #[allow(clippy::too_many_arguments)]
     pub fn accumulate(
         &mut self,
@@ -133,72 +214,39 @@ impl Chunk {
         scratch: &mut Vec<u32>,
         pool: &mut Vec<Vec<u32>>,
     ) {
+        // (An init round keeps one push, whatever the order.)
+        if let Accumulation::RankOrder(o) = &mut self.order {
+            if !init {
+                let at = Park { parity, rank, first, n: self.elems, dtype: self.dtype };
+                return o.add(&mut self.buf, at, src, &mut self.direct_in_progress, scratch, pool);
+            }
+        }
         let n = self.elems;
-        let size = self.dtype.size();
         let (zeros, direct) = (matches!(src, Source::Zeros), matches!(src, Source::Direct));
-        let from: *const u8 = match src {
-            Source::Shared(p) => p,
-            _ => scratch.as_ptr().cast(),
-        };
-        // SAFETY: n elements, aligned (checked for shared chunks; scratch is
-        // u32); only called when the push's data is there (not direct or zeros).
-        let f32s = || unsafe { std::slice::from_raw_parts(from.cast::<f32>(), n) };
-        let u16s = || unsafe { std::slice::from_raw_parts(from.cast::<u16>(), n) };
+        let from = src.data(scratch);
         match &mut self.buf {
             // (While a first push is still arriving straight into the sum, that push sets it.)
             _ if zeros && (!first || self.direct_in_progress) => {}
-            ChunkBuf::F32(b) if zeros => b[parity][..n].fill(0.0),
-            ChunkBuf::Half { acc, .. } if zeros => acc[..n].fill(0.0),
-            ChunkBuf::Exact(b) if zeros => bytes_mut(&mut b[parity])[..n * size].fill(0),
             ChunkBuf::F32(b) if init => {
                 if rank == self.round.init_from {
-                    b[parity].copy_from_slice(f32s());
+                    // SAFETY: a push's data is n aligned f32s (see `Source::data`).
+                    b[parity].copy_from_slice(unsafe { std::slice::from_raw_parts(from.cast::<f32>(), n) });
                 }
             }
-            ChunkBuf::F32(b) => {
+            ChunkBuf::F32(b) if direct || self.direct_in_progress => {
                 if direct {
                     self.direct_in_progress = false;
                     for d in self.deferred.drain(..) {
                         kernels::add_f32(&mut b[parity], &cast(&d)[..n]);
                         pool.push(d);
                     }
-                } else if self.direct_in_progress {
-                    // The accumulator is still being filled from the network.
-                    let parked = match src {
-                        Source::Shared(_) => {
-                            let mut v = pool.pop().unwrap_or_default();
-                            v.resize(n, 0);
-                            bytes_mut(&mut v)[..n * 4].copy_from_slice(bytes(f32s()));
-                            v
-                        }
-                        _ => std::mem::take(scratch),
-                    };
-                    self.deferred.push(parked);
-                } else if first {
-                    b[parity].copy_from_slice(f32s());
                 } else {
-                    kernels::add_f32(&mut b[parity], f32s());
+                    // The accumulator is still being filled from the network.
+                    self.deferred.push(src.park(n * 4, scratch, pool));
                 }
             }
-            ChunkBuf::Half { acc, .. } => {
-                let src = u16s();
-                match (self.dtype, first) {
-                    (DType::F16, true) => kernels::widen_f16(acc, src),
-                    (DType::F16, false) => kernels::add_f16(acc, src),
-                    (_, true) => kernels::widen_bf16(acc, src),
-                    (_, false) => kernels::add_bf16(acc, src),
-                }
-            }
-            ChunkBuf::Exact(b) => {
-                let len = n * size;
-                // SAFETY: the push's len bytes (any alignment: read as bytes).
-                let src = unsafe { std::slice::from_raw_parts(from, len) };
-                let acc = &mut bytes_mut(&mut b[parity])[..len];
-                match first {
-                    true => acc.copy_from_slice(src),
-                    false => kernels::add_exact(self.dtype, acc, src),
-                }
-            }
+            // SAFETY: the push's data is at `from` (or it is zeros).
+            buf => unsafe { buf.add(self.dtype, parity, n, first, (!zeros).then_some(from)) },
         }
     }
 

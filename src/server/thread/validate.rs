@@ -152,7 +152,7 @@ impl ServerThread {
 
     /// A push by value: where its payload goes.
     fn parse_push(&self, t: usize, hdr: &Header) -> Result<Command, ConnError> {
-        let (idx, _, kind) = self.check_push(t, hdr)?;
+        let (idx, rank, kind) = self.check_push(t, hdr)?;
         let ch = &self.chunks[idx];
         let zeros = hdr.flags & FLAG_ZEROS != 0;
         if zeros && hdr.flags & FLAG_INIT != 0 {
@@ -173,7 +173,8 @@ impl ServerThread {
         }
         // Init rounds keep only one push (rank 0's), so nothing goes
         // straight in; nor into an adopted chunk, which a restored
-        // result may complete at any time.
+        // result may complete at any time; in rank order, only the first
+        // pusher's (the others' wait for their turn).
         let init = hdr.flags & FLAG_INIT != 0;
         let direct = ch.round.untouched()
             && ch.dtype == DType::F32
@@ -181,7 +182,8 @@ impl ServerThread {
             && !init
             && !zeros
             && ch.round.origin() == Origin::Installed
-            && kind == PayloadKind::Push;
+            && kind == PayloadKind::Push
+            && ch.order.direct_for(rank);
         let parity = (hdr.round & 1) as usize;
         Ok(Command::Receive(Dest { chunk: idx, direct, parity, len: want, kind }))
     }

@@ -24,6 +24,14 @@
 //! every local worker's round r+1 contribution, made after their round r
 //! completed (copy-out included), so nobody still reads round r's buffer.
 //!
+//! With `GRADHUB_DETERMINISTIC=1` (`crate::order`) a chunk's contributions
+//! are added in local-rank order (`Adding::LocalRank`): one that comes
+//! before its turn is copied into its worker's slot of a second segment,
+//! which only the host's workers map, and added when every lower local
+//! rank's is. One set of slots serves both parities: a worker contributes
+//! to round r+1 only after round r completed, which needed (and added)
+//! every contribution of round r.
+//!
 //! CUDA tensors take the torch local stage instead (NCCL reduce-scatter,
 //! the own share through the network stage, all-gather:
 //! `gradhub/torch/local_stage.py`, docs/architecture.md "GPU data path");
@@ -36,6 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::kernels;
+use crate::order::{self, SumOrder};
 use crate::protocol::{DType, TensorSpec, FLAG_INIT};
 use crate::transport::shm::{Bells, Doorbell, Segment};
 
@@ -53,6 +62,8 @@ const FLAGS: usize = 12;
 const READY: usize = 16;
 /// = TAG once the result is in `wire`.
 const RESULT: usize = 20;
+/// In local-rank order: the local rank whose contribution is added next.
+const NEXT: usize = 32;
 /// Which local workers contributed (bit = local rank; low and high words).
 const MASK_LO: usize = 24;
 const MASK_HI: usize = 28;
@@ -84,6 +95,15 @@ struct Part {
     local: usize,
 }
 
+/// How a chunk's local contributions are added.
+enum Adding {
+    /// As they come, under the chunk's lock.
+    Arrival,
+    /// In local-rank order; one that comes early waits in its worker's slot
+    /// of `slots` (local ranks 1.., `slot_bytes` each; local rank 0 never waits).
+    LocalRank { slots: Segment, slot_bytes: usize },
+}
+
 /// One tensor's shared buffers on this host.
 pub struct Staging {
     seg: Segment,
@@ -98,6 +118,7 @@ pub struct Staging {
     acc: [usize; 2],
     wire: [usize; 2],
     result: usize,
+    adding: Adding,
 }
 
 impl Staging {
@@ -121,7 +142,32 @@ impl Staging {
             acc,
             wire,
             result,
+            adding: Adding::Arrival,
         })
+    }
+
+    /// Add contributions in local-rank order, `local_size` workers here:
+    /// maps the slots early ones wait in (a segment of the workers only,
+    /// so the servers' mapping of the main one does not change).
+    fn in_rank_order(&mut self, job_id: u64, host_tag: u64, key: u32, local_size: usize) -> Result<(), String> {
+        let slot_bytes = round_up(self.numel * self.dtype.size());
+        let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-k{key}-order");
+        let slots = Segment::open(&name, LINE + local_size.saturating_sub(1) * slot_bytes)
+            .map_err(|e| format!("tensor key {key}: {e}"))?;
+        if slots.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 >= local_size {
+            slots.unlink();
+        }
+        self.adding = Adding::LocalRank { slots, slot_bytes };
+        Ok(())
+    }
+
+    /// The segments' names.
+    fn paths(&self) -> Vec<PathBuf> {
+        let mut p = vec![self.seg.path.clone()];
+        if let Adding::LocalRank { slots, .. } = &self.adding {
+            p.push(slots.path.clone());
+        }
+        p
     }
 
     /// The segment's name (removed by whoever maps it when leaving, in
@@ -255,50 +301,43 @@ impl Staging {
                 flags_w.load(Ordering::Relaxed)
             ));
         }
-        if write {
-            let (a, b) = self.range(chunk);
-            let n = b - a;
-            let p = (round & 1) as usize;
-            // An init round has one writer, which overwrites.
-            let copy = first || flags & FLAG_INIT != 0;
-            // SAFETY: the chunk's acc range is inside the segment and ours
-            // under the lock (4 bytes per element, or the element's own size
-            // when summed in place); `src` is the chunk of the caller's buffer.
-            let es = if self.dtype.sums_in_place() { self.dtype.size() } else { 4 };
-            let acc_at = self.seg.at(self.acc[p] + a * es);
-            // SAFETY: as above (f32 sums, and the f32 accumulator of halves).
-            let acc_f32 = || unsafe { std::slice::from_raw_parts_mut(acc_at.cast::<f32>(), n) };
-            match self.dtype {
-                DType::F64 | DType::I32 | DType::I64 => {
-                    // SAFETY: as above, as bytes; src holds n elements of the dtype.
-                    let acc = unsafe { std::slice::from_raw_parts_mut(acc_at, n * es) };
-                    let src = unsafe { std::slice::from_raw_parts(src, n * es) };
-                    if copy {
-                        acc.copy_from_slice(src);
-                    } else {
-                        kernels::add_exact(self.dtype, acc, src);
-                    }
+        let p = (round & 1) as usize;
+        match &self.adding {
+            // (An init round has one writer, which overwrites: any order.)
+            Adding::LocalRank { slots, slot_bytes } if write && flags & FLAG_INIT == 0 => {
+                let next_w = self.word(chunk, round, NEXT);
+                if first {
+                    next_w.store(0, Ordering::Relaxed);
                 }
-                DType::F32 => {
-                    let acc = acc_f32();
-                    let src = aligned::<f32>(src, n);
-                    if copy {
-                        acc.copy_from_slice(&src);
-                    } else {
-                        kernels::add_f32(acc, &src);
-                    }
+                let mut next = next_w.load(Ordering::Relaxed) as usize;
+                let (a, b) = self.range(chunk);
+                let es = self.dtype.size();
+                let slot = |l: usize| slots.at(LINE + (l - 1) * slot_bytes + a * es);
+                if local == next {
+                    self.add_into(chunk, p, src, next == 0);
+                    next += 1;
+                } else {
+                    // SAFETY: the caller's chunk, copied into this worker's
+                    // own slot (in the segment, ours under the lock).
+                    unsafe { std::ptr::copy_nonoverlapping(src, slot(local), (b - a) * es) };
                 }
-                d => {
-                    let acc = acc_f32();
-                    let src = aligned::<u16>(src, n);
-                    match (d == DType::F16, copy) {
-                        (true, true) => kernels::widen_f16(acc, &src),
-                        (true, false) => kernels::add_f16(acc, &src),
-                        (false, true) => kernels::widen_bf16(acc, &src),
-                        (false, false) => kernels::add_bf16(acc, &src),
+                // Whoever contributed after `next` waits in its slot (the
+                // mask says who contributed; those before `next` are added).
+                let lo = self.word(chunk, round, MASK_LO).load(Ordering::Relaxed) as u64;
+                let hi = self.word(chunk, round, MASK_HI).load(Ordering::Relaxed) as u64;
+                let mask = lo | hi << 32;
+                order::add_waiting(&mut next, self.local_size as usize, |l| {
+                    let here = mask & (1u64 << l) != 0;
+                    if here {
+                        self.add_into(chunk, p, slot(l), false);
                     }
-                }
+                    here
+                });
+                next_w.store(next as u32, Ordering::Relaxed);
             }
+            // An init round has one writer, which overwrites.
+            _ if write => self.add_into(chunk, p, src, first || flags & FLAG_INIT != 0),
+            _ => {}
         }
         let bit = 1u64 << local;
         self.word(chunk, round, MASK_LO).fetch_or(bit as u32, Ordering::Relaxed);
@@ -325,6 +364,52 @@ impl Staging {
             self.word(chunk, round, READY).store(t, Ordering::Release);
         }
         Ok(done)
+    }
+
+    /// Add a contribution (`src`, the chunk's bytes) to the host's sum of
+    /// parity `p`; `copy`: it starts the sum (or an init round's writer).
+    /// Under the chunk's lock.
+    fn add_into(&self, chunk: usize, p: usize, src: *const u8, copy: bool) {
+        let (a, b) = self.range(chunk);
+        let n = b - a;
+        // SAFETY: the chunk's acc range is inside the segment and ours
+        // under the lock (4 bytes per element, or the element's own size
+        // when summed in place); `src` is the chunk of the caller's buffer.
+        let es = if self.dtype.sums_in_place() { self.dtype.size() } else { 4 };
+        let acc_at = self.seg.at(self.acc[p] + a * es);
+        // SAFETY: as above (f32 sums, and the f32 accumulator of halves).
+        let acc_f32 = || unsafe { std::slice::from_raw_parts_mut(acc_at.cast::<f32>(), n) };
+        match self.dtype {
+            DType::F64 | DType::I32 | DType::I64 => {
+                // SAFETY: as above, as bytes; src holds n elements of the dtype.
+                let acc = unsafe { std::slice::from_raw_parts_mut(acc_at, n * es) };
+                let src = unsafe { std::slice::from_raw_parts(src, n * es) };
+                if copy {
+                    acc.copy_from_slice(src);
+                } else {
+                    kernels::add_exact(self.dtype, acc, src);
+                }
+            }
+            DType::F32 => {
+                let acc = acc_f32();
+                let src = aligned::<f32>(src, n);
+                if copy {
+                    acc.copy_from_slice(&src);
+                } else {
+                    kernels::add_f32(acc, &src);
+                }
+            }
+            d => {
+                let acc = acc_f32();
+                let src = aligned::<u16>(src, n);
+                match (d == DType::F16, copy) {
+                    (true, true) => kernels::widen_f16(acc, &src),
+                    (true, false) => kernels::add_f16(acc, &src),
+                    (false, true) => kernels::widen_bf16(acc, &src),
+                    (false, false) => kernels::add_bf16(acc, &src),
+                }
+            }
+        }
     }
 }
 
@@ -399,6 +484,8 @@ pub struct HostStage {
     staging: Mutex<HashMap<u32, Arc<Staging>>>,
     /// Segment names this worker opened, removed when it leaves.
     opened: Mutex<Vec<PathBuf>>,
+    /// The order contributions are added in (`GRADHUB_DETERMINISTIC`).
+    order: SumOrder,
 }
 
 /// One of the host's chunks, as its stage sees it.
@@ -420,6 +507,7 @@ impl HostStage {
         servers: usize,
         rank: u32,
         timeout: Duration,
+        order: SumOrder,
     ) -> Result<HostStage, String> {
         let local = workers.iter().position(|&r| r == rank).ok_or("this worker is not on its host's list")?;
         if workers.len() > MAX_LOCAL_WORKERS {
@@ -443,6 +531,7 @@ impl HostStage {
             doorbell,
             staging: Mutex::new(HashMap::new()),
             opened: Mutex::new(Vec::new()),
+            order,
         })
     }
 
@@ -454,7 +543,10 @@ impl HostStage {
         }
         let mut st = Staging::open(self.job_id, self.host_tag, spec, self.mappers)?;
         st.local_size = self.workers.len() as u32;
-        self.opened.lock().unwrap_or_else(|e| e.into_inner()).push(st.path().to_path_buf());
+        if self.order.ranks(spec.dtype) {
+            st.in_rank_order(self.job_id, self.host_tag, spec.key, self.workers.len())?;
+        }
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).extend(st.paths());
         let s = Arc::new(st);
         map.insert(spec.key, s.clone());
         Ok(s)
@@ -470,8 +562,11 @@ impl HostStage {
     /// mapper had mapped it before the tensor's first round completed).
     pub fn forget(&self, key: u32) -> Option<Arc<Staging>> {
         let st = self.staging.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)?;
-        let _ = std::fs::remove_file(st.path());
-        self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| p != st.path());
+        let paths = st.paths();
+        for p in &paths {
+            let _ = std::fs::remove_file(p);
+        }
+        self.opened.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| !paths.contains(p));
         Some(st)
     }
 
@@ -511,171 +606,4 @@ impl HostStage {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use half::f16;
-
-    fn job_id() -> u64 {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        h.finish()
-    }
-
-    /// The stages of `n` workers of one host, joined concurrently.
-    fn stages(n: u32) -> Vec<HostStage> {
-        let id = job_id();
-        let ranks: Vec<u32> = (0..n).collect();
-        let hs: Vec<_> = (0..n)
-            .map(|r| {
-                let ranks = ranks.clone();
-                std::thread::spawn(move || HostStage::join(id, "h", ranks, 0, r, Duration::from_secs(10)).unwrap())
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
-    fn spec(numel: u64, dtype: DType) -> TensorSpec {
-        let chunk_elems = 100;
-        let n = numel.div_ceil(chunk_elems) as usize;
-        TensorSpec {
-            key: 3,
-            name: "t".into(),
-            numel,
-            dtype,
-            chunk_elems,
-            slots: vec![0; n],
-            replicas: Vec::new(),
-            relays: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn sums_complete_with_the_last_contribution_and_rounds_alternate_buffers() {
-        let st = stages(3);
-        let sp = spec(250, DType::F32);
-        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
-        let never = || None;
-        for round in 0..4u32 {
-            let mut completed = Vec::new();
-            for (l, h) in st.iter().enumerate() {
-                let v: Vec<f32> = (0..250).map(|i| (i as f32 + 1.0) * (l + 1) as f32 + round as f32).collect();
-                assert_eq!(seg[l].missing(round), if l == 0 { 0b111 } else { 0b111 & !((1 << l) - 1) });
-                h.contribute(&seg[l], v.as_ptr().cast(), round, 0, l == 0, &never, &mut |c| {
-                    if c.complete {
-                        completed.push((l, c.chunk));
-                    }
-                })
-                .unwrap();
-            }
-            // Only the last worker's contributions complete the three chunks.
-            assert_eq!(completed, vec![(2, 0), (2, 1), (2, 2)], "round {round}");
-            assert_eq!(seg[0].missing(round), 0);
-            for c in 0..3 {
-                assert!(seg[1].ready(c, round) && !seg[1].has_result(c, round));
-                let (p, len) = seg[0].wire(c, round);
-                let (a, b) = (c * 100, (c * 100 + 100).min(250));
-                assert_eq!(len, (b - a) * 4);
-                // SAFETY: the chunk's wire bytes, f32-aligned in the mapping.
-                let got = unsafe { std::slice::from_raw_parts(p.cast::<f32>(), b - a) };
-                let want: Vec<f32> = (a..b).map(|i| (i as f32 + 1.0) * 6.0 + 3.0 * round as f32).collect();
-                assert_eq!(got, &want[..]);
-                seg[0].publish(c, round);
-                assert!(seg[2].has_result(c, round) && !seg[2].has_result(c, round + 1));
-            }
-        }
-        for h in &st {
-            h.cleanup();
-        }
-    }
-
-    #[test]
-    fn halves_are_summed_in_f32_and_rounded_once_per_host() {
-        let st = stages(2);
-        let sp = spec(10, DType::F16);
-        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
-        // 2048 + 1 + 1 in f16 steps would stay 2048; summed in f32 it is 2050.
-        let a: Vec<u16> = (0..10).map(|i| f16::from_f32(if i == 0 { 2048.0 } else { i as f32 }).to_bits()).collect();
-        let b: Vec<u16> = (0..10).map(|i| f16::from_f32(if i == 0 { 2.0 } else { 0.5 }).to_bits()).collect();
-        let never = || None;
-        st[0].contribute(&seg[0], a.as_ptr().cast(), 0, 0, true, &never, &mut |_| {}).unwrap();
-        st[1].contribute(&seg[1], b.as_ptr().cast(), 0, 0, false, &never, &mut |_| {}).unwrap();
-        let (p, len) = seg[0].wire(0, 0);
-        assert_eq!(len, 20);
-        // SAFETY: the chunk's wire bytes, u16-aligned.
-        let got: Vec<f32> = unsafe { std::slice::from_raw_parts(p.cast::<u16>(), 10) }
-            .iter()
-            .map(|&x| f16::from_bits(x).to_f32())
-            .collect();
-        assert_eq!(got[0], 2050.0);
-        assert_eq!(&got[1..4], &[1.5, 2.5, 3.5]);
-        for h in &st {
-            h.cleanup();
-        }
-    }
-
-    #[test]
-    fn disagreeing_flags_and_init_rounds() {
-        let st = stages(2);
-        let sp = spec(150, DType::F32);
-        let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
-        let never = || None;
-        let x = vec![5.0f32; 150];
-        let y = vec![7.0f32; 150];
-        // Init: only the source's values are kept, whoever comes first.
-        st[1].contribute(&seg[1], y.as_ptr().cast(), 0, FLAG_INIT, false, &never, &mut |_| {}).unwrap();
-        st[0].contribute(&seg[0], x.as_ptr().cast(), 0, FLAG_INIT, true, &never, &mut |_| {}).unwrap();
-        // SAFETY: chunk 0's wire bytes.
-        assert!(unsafe { std::slice::from_raw_parts(seg[0].wire(0, 0).0.cast::<f32>(), 100) }
-            .iter()
-            .all(|&v| v == 5.0));
-        // Round 1: the second contributor asks for an average, the first did not.
-        st[0].contribute(&seg[0], x.as_ptr().cast(), 1, 0, true, &never, &mut |_| {}).unwrap();
-        let err = st[1]
-            .contribute(&seg[1], y.as_ptr().cast(), 1, crate::protocol::FLAG_AVERAGE, false, &never, &mut |_| {})
-            .unwrap_err();
-        assert!(err.contains("disagree"), "{err}");
-        for h in &st {
-            h.cleanup();
-        }
-    }
-
-    #[test]
-    fn a_worker_that_never_arrives_is_a_clear_error() {
-        let err = HostStage::join(job_id() ^ 1, "lonely", vec![0, 1], 0, 0, Duration::from_millis(200)).err().unwrap();
-        assert!(err.contains("only 1 of the 2 workers") && err.contains("GRADHUB_HOST_ID"), "{err}");
-    }
-
-    #[test]
-    fn a_server_that_does_not_share_the_workers_memory_is_a_clear_error() {
-        // Both workers arrive; the server that shares their host identity does not
-        // (e.g. another container): it would map segments of its own.
-        let id = job_id() ^ 2;
-        let t = Duration::from_millis(300);
-        let other = std::thread::spawn(move || rendezvous(id, "h", &[0, 1], 1, t));
-        let err = rendezvous(id, "h", &[0, 1], 1, t).unwrap_err();
-        assert!(err.contains("only 2 of the 2 workers (ranks [0, 1]) and its server on host 'h'"), "{err}");
-        assert!(other.join().unwrap().is_err());
-        // With it, everyone gets through.
-        let id = job_id() ^ 3;
-        let w = std::thread::spawn(move || rendezvous(id, "h", &[0], 1, Duration::from_secs(10)));
-        rendezvous(id, "h", &[0], 1, Duration::from_secs(10)).unwrap();
-        w.join().unwrap().unwrap();
-    }
-
-    #[test]
-    fn a_lock_held_by_a_lost_worker_gives_way_to_the_jobs_failure() {
-        let st = stages(2);
-        let sp = spec(10, DType::F32);
-        let seg = st[0].staging(&sp).unwrap();
-        // A worker that died holding chunk 0's lock.
-        seg.word(0, 0, LOCK).store(1, Ordering::Release);
-        let failed = || Some("worker 1 was lost".to_string());
-        let x = [1.0f32; 10];
-        let err = st[0].contribute(&seg, x.as_ptr().cast(), 0, 0, true, &failed, &mut |_| {}).unwrap_err();
-        assert_eq!(err, "worker 1 was lost");
-        for h in &st {
-            h.cleanup();
-        }
-    }
-}
+mod tests;
