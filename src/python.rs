@@ -394,6 +394,11 @@ impl PyClient {
     fn failure(&self) -> Option<String> {
         self.inner.failure()
     }
+
+    /// Whether workers wait to join this elastic job.
+    fn hosts_updated(&self) -> bool {
+        self.inner.hosts_updated()
+    }
 }
 
 #[pyfunction]

@@ -5,6 +5,7 @@ elastic job on a shared service going on with the survivors."""
 
 
 import sys
+import time
 
 import pytest
 
@@ -47,5 +48,41 @@ def test_an_elastic_job_loses_a_worker_mid_step_and_the_others_finish_as_one_pro
         for n in names[:2]:
             assert codes[n] == 0, svc.log(n) + svc.log("service")
             assert "SIZE 2" in svc.log(n) and "RESETS [2]" in svc.log(n) and "PASS" in svc.log(n), svc.log(n)
+    finally:
+        svc.close()
+
+
+def test_a_worker_joins_a_running_elastic_job_at_its_next_commit(tmp_path):
+    # 2 workers (at most 3) train; a third starts mid-run and waits; the two
+    # are told, raise HostsUpdatedInterrupt at the same commit (no rollback),
+    # and the three form the next generation: the newcomer gets the state
+    # by sync() and all end with single-process parameters.
+    from test_service import Service
+
+    svc = Service(tmp_path, servers=1)
+    try:
+        token = svc.token("grow")
+        cfg = dict(steps=8, step_sleep=0.05, final_size=3)
+
+        def start(r: int) -> str:
+            env = svc.worker_env("grow", 2, r, token, **cfg)
+            env.update(GRADHUB_MIN_WORKERS="2", GRADHUB_MAX_WORKERS="3", GH_VICTIM="0")
+            svc.spawn(f"grow-w{r}", [sys.executable, str(WORKERS / "elastic_train.py")], env)
+            return f"grow-w{r}"
+
+        names = [start(0), start(1)]
+        deadline = time.monotonic() + 60
+        while "STEP 3" not in svc.log(names[0]):
+            assert time.monotonic() < deadline and svc.procs[names[0]].poll() is None, svc.log(names[0])
+            time.sleep(0.05)
+        names.append(start(2))
+        codes = svc.wait(names, timeout=120)
+        for n in names:
+            assert codes[n] == 0, svc.log(n) + svc.log("service")
+            assert "SIZE 3" in svc.log(n) and "PASS" in svc.log(n), svc.log(n)
+        for n in names[:2]:
+            assert "RESETS [3]" in svc.log(n), svc.log(n)  # the reset callbacks ran, with the new size
+        assert "RESETS []" in svc.log(names[2])  # the newcomer joined; it never reset
+        assert "a worker waits to join" in svc.log("service"), svc.log("service")
     finally:
         svc.close()

@@ -113,7 +113,7 @@ impl<'a> Source<'a> {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 33 {
+    match s.u8() % 34 {
         0 => Control::Register(Register {
             role: s.role(),
             requested_rank: s.u32() as i32,
@@ -210,6 +210,7 @@ pub fn message(s: &mut Source) -> Control {
         29 => Control::ServerJoined { server: s.server() },
         30 => Control::ServerMove { batch: s.u32(), specs: s.list(4, |s| s.spec()) },
         31 => Control::ServerMoveAck { batch: s.u32(), kept: s.list(8, |s| (s.u32(), s.u32())) },
+        32 => Control::HostsUpdated,
         _ => Control::Error { message: s.text() },
     }
 }

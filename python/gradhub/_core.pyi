@@ -261,3 +261,5 @@ class Client:
         """Leave the job because this worker failed: every member is told `reason`."""
     def failure(self) -> str | None:
         """The job's failure message, if it has failed."""
+    def hosts_updated(self) -> bool:
+        """Whether workers wait to join this elastic job (it re-forms at the next commit)."""

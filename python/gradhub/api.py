@@ -82,6 +82,12 @@ def _elastic_reg(env, prev_rank: int):
     return (env.min_workers, most, env.num_workers, prev_rank)
 
 
+def hosts_updated() -> bool:
+    """Whether workers wait to join this elastic job (`gradhub.torch.elastic`)."""
+    c = _client
+    return c is not None and c.hosts_updated()
+
+
 def job_failure() -> str | None:
     """Why this worker's job failed (a lost peer, named), or None while it
     stands or before init: for waits outside the core, which must not outlive it."""

@@ -54,6 +54,7 @@ pub(super) fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 return;
             }
             Ok(Control::PeerLeft { rank }) => shared.on_peer_left(rank),
+            Ok(Control::HostsUpdated) => shared.hosts_updated.store(true, Ordering::Release),
             Ok(Control::Joined { rank: _ }) => {
                 // Announce what is in flight now; what starts later is
                 // announced as it starts (see `push_pull`).

@@ -162,6 +162,7 @@ impl Client {
             next_req: AtomicU32::new(0),
             next_barrier: AtomicU32::new(0),
             closing: AtomicBool::new(false),
+            hosts_updated: AtomicBool::new(false),
         });
 
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
@@ -496,6 +497,12 @@ impl Client {
 
     pub fn failure(&self) -> Option<String> {
         self.shared.failure()
+    }
+
+    /// Whether workers wait to join this elastic job (it re-forms at the
+    /// next commit: `gradhub.torch.elastic`).
+    pub fn hosts_updated(&self) -> bool {
+        self.shared.hosts_updated.load(Ordering::Acquire)
     }
 
     /// Record every chunk this worker pushes in a timeline at `path`

@@ -32,6 +32,8 @@ pub struct Shared {
     pub(super) next_req: AtomicU32,
     pub(super) next_barrier: AtomicU32,
     pub(super) closing: AtomicBool,
+    /// Workers wait to join this elastic job (`Control::HostsUpdated`).
+    pub(super) hosts_updated: AtomicBool,
 }
 
 impl Shared {

@@ -90,6 +90,7 @@ msg_types! {
     ServerJoined = 46, "scheduler -> members: a server joined the running job (its address and ports); workers connect to it";
     ServerMove = 47, "scheduler -> servers: chunks move to a server that joined (new specs); give yours up unless they hold server-side optimizer state";
     ServerMoveAck = 48, "server -> scheduler: chunks given up; payload: the (key, chunk) pairs kept";
+    HostsUpdated = 49, "shared service -> an elastic job's workers: workers wait to join; the job re-forms at its next commit";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -7,7 +7,8 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 48] = [
+const ALL_MSG_TYPES: [MsgType; 49] = [
+    MsgType::HostsUpdated,
     MsgType::SetOp,
     MsgType::ServerJoined,
     MsgType::ServerMove,
@@ -245,6 +246,7 @@ fn sample_controls() -> Vec<Control> {
         Control::PeerLeft { rank: 3 },
         Control::Goodbye,
         Control::Shutdown,
+        Control::HostsUpdated,
         Control::Barrier { id: 0 },
         Control::Barrier { id: u32::MAX },
         Control::BarrierDone { id: 42 },

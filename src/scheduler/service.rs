@@ -109,12 +109,17 @@ struct Forming {
     /// Ticket (one per waiting worker) and candidate, in arrival order.
     cands: Vec<(u64, Candidate)>,
     next_ticket: u64,
-    /// The decision, taken once by one waiter for all: the job and each
-    /// ticket's rank, or why it cannot form.
-    outcome: Option<Result<(Arc<Shared>, HashMap<u64, u32>), String>>,
+    /// The decision, taken once by one waiter for all.
+    outcome: Option<Result<Generation, String>>,
     /// Waiters that have not taken the outcome yet.
     waiting: usize,
+    /// Candidates that came while the previous generation ran (workers
+    /// joining): expected besides its survivors.
+    joining: u32,
 }
+
+/// A generation formed: its job and each ticket's rank in it.
+type Generation = (Arc<Shared>, HashMap<u64, u32>);
 
 /// How long formation waits for an expected worker that does not come
 /// before going on without it (`elastic::Timing::settle`).
@@ -336,6 +341,20 @@ fn join_elastic(
     let prev_rank = u32::try_from(e.prev_rank).ok();
     f.cands.push((ticket, Candidate { prev_rank, arrived: Instant::now() }));
     f.waiting += 1;
+    // A worker new to the job while a generation runs (not a survivor of
+    // one that just ended): the running workers re-form the job at their
+    // next commit (`HostsUpdatedInterrupt`), with it.
+    let jobs = lock(&svc.jobs);
+    let live = jobs.get(name).filter(|j| !j.ended.load(Ordering::SeqCst)).filter(|j| !j.shared.lock().is_over());
+    if let (Some(job), None) = (live, prev_rank) {
+        f.joining += 1;
+        let st = job.shared.lock();
+        for m in st.members.workers() {
+            m.send(&Control::HostsUpdated, job.shared.cfg.namespace);
+        }
+        log::info!(target: "service", "elastic job '{name}': a worker waits to join; re-forming at the next commit");
+    }
+    drop(jobs);
     svc.formed.notify_all();
     loop {
         let Some(f) = all.get_mut(name) else { return Err("the elastic job's formation was lost".into()) };
@@ -360,7 +379,7 @@ fn join_elastic(
         }
         let now = Instant::now();
         let cands: Vec<Candidate> = f.cands.iter().map(|&(_, c)| c).collect();
-        let expected = lock(&svc.survivors).get(name).copied().unwrap_or(e.initial);
+        let expected = lock(&svc.survivors).get(name).map_or(e.initial, |&s| s + f.joining);
         // The previous generation ends everywhere before the next starts under its name.
         let decision = if running(svc, name) {
             Decision::Wait(now + Duration::from_millis(50))

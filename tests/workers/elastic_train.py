@@ -5,10 +5,13 @@ that step's commit, form the next generation (new ranks and size), and
 finish with the parameters of full-batch training on one process: each
 step's batch is the same whatever the size, split by rank.
 
-Config: steps, lose_at.
+Config: steps, lose_at, step_sleep (seconds after each commit, which
+prints STEP k), final_size (train on past `steps` until the job has this
+many workers: a worker started meanwhile joins at a commit; at most 600).
 """
 
 import os
+import time
 
 import torch
 
@@ -39,9 +42,19 @@ resets = []
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
 
+final_size = CONFIG.get("final_size")
+
+
+def done(st) -> bool:
+    # The same on every worker: the step and size are the job's.
+    if st.step >= 600:
+        raise AssertionError(f"the job never reached {final_size} workers")
+    return st.step >= steps and (final_size is None or hvd.size() == final_size)
+
+
 @hvd.elastic.run
 def train(st):
-    while st.step < steps:
+    while not done(st):
         x, y = batch(st.step)
         rows = slice(hvd.rank(), None, hvd.size())
         opt.zero_grad()
@@ -51,14 +64,17 @@ def train(st):
         opt.step()
         st.step += 1
         st.commit()
+        print(f"STEP {st.step}", flush=True)
+        time.sleep(CONFIG.get("step_sleep", 0))
     return st.step
 
 
-assert train(state) == steps
+trained = train(state)
+assert trained >= steps
 # Full-batch training on one process, over exactly the committed steps.
 ref = make()
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-for s in range(steps):
+for s in range(trained):
     x, y = batch(s)
     ref_opt.zero_grad()
     torch.nn.functional.mse_loss(ref(x), y).backward()

@@ -16,9 +16,12 @@ with Horovod's documented semantics.
 The job must be elastic: on a shared service (`GRADHUB_JOB`) with
 `GRADHUB_MIN_WORKERS`; the service forms each generation
 (`scheduler::elastic`). A job of fixed size rolls back and raises
-`ElasticResetError`. Not built yet: workers joining a running job
-(`check_host_updates` never interrupts), and `gradhub launch
---min-workers` starting replacements.
+`ElasticResetError`. A worker that registers while a
+generation runs waits; the service tells the running workers, and at
+their next `commit()`/`check_host_updates()` every one of them raises
+`HostsUpdatedInterrupt` (rank 0's view decides, so all at the same
+commit), leaves without a rollback, and the next generation forms with
+the newcomer (ranked after the survivors; `sync()` gives it the state).
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ class ElasticResetError(GradhubError):
 
 
 def _membership_changed() -> bool:
-    """Whether workers were added since the job formed (the core's elastic
-    rendezvous will say; without it, a job's workers never change)."""
-    return False
+    """Whether workers wait to join this elastic job (the service told this
+    worker; a job of fixed size never changes)."""
+    return _api.hosts_updated()
 
 
 class State:
@@ -309,8 +312,12 @@ def _reset(cause: BaseException) -> None:
 
     local_stage.forget()
 
+    from .optimizer import redeclare_all
+
     try:
         init(_prev_rank=prev)
+        # What a newcomer does next, building its optimizer: declare.
+        redeclare_all()
     except GradhubError as e:
         raise ElasticResetError(f"the job could not re-form after: {cause}; {e}") from e
 

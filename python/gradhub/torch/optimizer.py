@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Iterable
 
 import torch
@@ -115,6 +116,7 @@ class _DistributedOptimizer:
         # its first round instead, when they push zeros for it.)
         if process_set._is_global():
             _api.declare(self._gh_declarations())
+            _declared.append(weakref.ref(self))
         self._gh_hooks = []
         self._gh_register_hooks()
         self._gh_fwd_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._gh_forward_pre_hook)
@@ -329,6 +331,11 @@ class _DistributedOptimizer:
         self._gh_mode.finish()
         return super().state_dict()
 
+    def _gh_redeclare(self):
+        """An elastic job's next generation knows no tensors: declare ours
+        again, as a worker new to the job does when it builds its optimizer."""
+        _api.declare(self._gh_declarations())
+
     def _gh_abandon(self):
         """The job failed mid-step (an elastic reset): forget the reductions
         in flight and the passes counted, so the next step starts clean."""
@@ -344,6 +351,21 @@ class _DistributedOptimizer:
         self._gh_hooks = []
         if self._gh_sfb is not None:
             self._gh_sfb.remove()
+
+
+# The optimizers that declared their tensors over the whole job, in the
+# order they did: an elastic reset declares them again in that order.
+_declared: list[weakref.ref] = []
+
+
+def redeclare_all() -> None:
+    """After an elastic reset: every live optimizer declares its tensors
+    again, in the order they were built (a newcomer builds them so)."""
+    _declared[:] = [r for r in _declared if r() is not None]
+    for r in list(_declared):
+        opt = r()
+        if opt is not None:
+            opt._gh_redeclare()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Iterable | None = None,

@@ -227,6 +227,9 @@ pub enum Control {
     },
     Goodbye,
     Shutdown,
+    /// Workers wait to join this elastic job (`scheduler::elastic`): its
+    /// workers re-form it at their next commit.
+    HostsUpdated,
     Barrier {
         id: u32,
     },
@@ -370,6 +373,7 @@ impl Control {
             Control::PeerLeft { .. } => MsgType::PeerLeft,
             Control::Goodbye => MsgType::Goodbye,
             Control::Shutdown => MsgType::Shutdown,
+            Control::HostsUpdated => MsgType::HostsUpdated,
             Control::Barrier { .. } => MsgType::Barrier,
             Control::BarrierDone { .. } => MsgType::BarrierDone,
             Control::ServerDeclare { .. } => MsgType::ServerDeclare,

@@ -167,7 +167,12 @@ impl Control {
             Control::DeclareError { req, message } => {
                 w.u32(*req).str(message);
             }
-            Control::Heartbeat | Control::Goodbye | Control::Shutdown | Control::StatusRequest | Control::Join => {}
+            Control::Heartbeat
+            | Control::Goodbye
+            | Control::Shutdown
+            | Control::StatusRequest
+            | Control::Join
+            | Control::HostsUpdated => {}
             Control::Joined { rank } => {
                 w.u32(*rank);
             }
@@ -383,6 +388,7 @@ impl Control {
             MsgType::Heartbeat => Control::Heartbeat,
             MsgType::Goodbye => Control::Goodbye,
             MsgType::Shutdown => Control::Shutdown,
+            MsgType::HostsUpdated => Control::HostsUpdated,
             MsgType::PeerLost => {
                 let role = Role::from_u8(r.u8("role")?)?;
                 let rank = r.u32("rank")?;
