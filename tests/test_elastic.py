@@ -29,10 +29,12 @@ def test_a_lost_worker_rolls_the_others_back_to_the_last_commit(cluster_factory)
         assert "ROLLED BACK" in c.log(f"worker{w}"), c.log(f"worker{w}")
 
 
-def test_an_elastic_job_loses_a_worker_mid_step_and_the_others_finish_as_one_process(tmp_path):
+@pytest.mark.parametrize("sfb", ["off", "force"])
+def test_an_elastic_job_loses_a_worker_mid_step_and_the_others_finish_as_one_process(tmp_path, sfb):
     # 3 workers on a shared service, at least 2: worker "victim" dies mid-step;
     # the other two roll back to the last commit, form a generation of 2 with
-    # new ranks, and end with full-batch single-process parameters.
+    # new ranks, and end with full-batch single-process parameters (with the
+    # weights as sufficient factors too: decided again in the new generation).
     from test_service import Service
 
     svc = Service(tmp_path, servers=1)
@@ -40,7 +42,7 @@ def test_an_elastic_job_loses_a_worker_mid_step_and_the_others_finish_as_one_pro
         token = svc.token("el")
         names = []
         for r in range(3):
-            env = svc.worker_env("el", 3, r, token, steps=12, lose_at=5)
+            env = svc.worker_env("el", 3, r, token, steps=12, lose_at=5, sfb=sfb)
             env.update(GRADHUB_MIN_WORKERS="2", GRADHUB_PEER_TIMEOUT="3", GH_VICTIM="1" if r == 2 else "0")
             names.append(svc.spawn(f"el-w{r}", [sys.executable, str(WORKERS / "elastic_train.py")], env) and f"el-w{r}")
         codes = svc.wait(names, timeout=120)

@@ -5,7 +5,7 @@ that step's commit, form the next generation (new ranks and size), and
 finish with the parameters of full-batch training on one process: each
 step's batch is the same whatever the size, split by rank.
 
-Config: steps, lose_at, step_sleep (seconds after each commit, which
+Config: steps, lose_at, sfb (DistributedOptimizer's sufficient_factors), step_sleep (seconds after each commit, which
 prints STEP k), final_size (train on past `steps` until the job has this
 many workers: a worker started meanwhile joins at a commit; at most 600).
 """
@@ -36,7 +36,8 @@ def batch(step):
 hvd.init()
 model = make()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                               named_parameters=model.named_parameters(), sufficient_factors="off")
+                               named_parameters=model.named_parameters(),
+                               sufficient_factors=CONFIG.get("sfb", "off"))
 state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 resets = []
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
@@ -79,7 +80,7 @@ for s in range(trained):
     ref_opt.zero_grad()
     torch.nn.functional.mse_loss(ref(x), y).backward()
     ref_opt.step()
-worst = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
+worst = max(float((a - b).detach().abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
 assert worst < 1e-5, f"parameters differ from one process's by {worst:.3g}"
 flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 assert all(torch.equal(flat, f) for f in hvd.allgather_object(flat, name=None)), "survivors disagree"

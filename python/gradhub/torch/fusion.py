@@ -149,6 +149,12 @@ class Fusion:
         if b.arrived == len(b.params) * self._opt._gh_passes:
             self._push(b)
 
+    def abandon(self) -> None:
+        """The step failed (an elastic reset): no member has counted in."""
+        for b in self.buckets:
+            b.counts = [0] * len(b.params)
+            b.arrived = 0
+
     def accumulating(self) -> bool:
         """Some member is between backward passes (backward_passes_per_step)."""
         passes = self._opt._gh_passes

@@ -333,8 +333,20 @@ class _DistributedOptimizer:
 
     def _gh_redeclare(self):
         """An elastic job's next generation knows no tensors: declare ours
-        again, as a worker new to the job does when it builds its optimizer."""
+        again, as a worker new to the job does when it builds its optimizer,
+        and decide again which layers go as sufficient factors (a newcomer
+        decides at its first step; the rows per worker changed with the size)."""
+        if self._gh_server:
+            raise RuntimeError("optimizer_on_server=True is not elastic: the optimizer's state lives on the "
+                               "servers, and a new generation of the job starts with fresh ones")
+        if self._gh_tuner is not None:
+            raise RuntimeError("autotuning (GRADHUB_AUTOTUNE) is not elastic: a newcomer would tune from the start "
+                               "while the others use the tuned layout; tune first, then run elastically with it")
         _api.declare(self._gh_declarations())
+        if self._gh_sfb is not None:
+            mode = "force" if self._gh_sfb.force else "auto"
+            self._gh_sfb.remove()
+            self._gh_sfb = SufficientFactors(self, mode)
 
     def _gh_abandon(self):
         """The job failed mid-step (an elastic reset): forget the reductions
@@ -342,6 +354,8 @@ class _DistributedOptimizer:
         self._gh_handles.clear()
         self._gh_counts = dict.fromkeys(self._gh_counts, 0)
         self._gh_sparse.clear()
+        if self._gh_fusion is not None:
+            self._gh_fusion.abandon()
 
     def remove_hooks(self):
         self._gh_mode.remove()
