@@ -189,9 +189,15 @@ pub fn message(s: &mut Source) -> Control {
             threads: s.u32(),
             colocated: s.u8() & 1 == 1,
         }),
-        20 => Control::ServiceStart { job: s.text(), namespace: s.u32() },
+        20 => Control::ServiceStart { job: s.text(), namespace: s.u32(), start: s.u64() },
         21 => Control::ServiceStats {
-            jobs: s.list(4, |s| JobTraffic { job: s.text(), bytes: s.u64(), rounds: s.u64(), error: s.text() }),
+            jobs: s.list(4, |s| JobTraffic {
+                job: s.text(),
+                start: s.u64(),
+                bytes: s.u64(),
+                rounds: s.u64(),
+                error: s.text(),
+            }),
         },
         22 => Control::StatusRequest,
         23 => Control::StatusReply { json: s.text() },

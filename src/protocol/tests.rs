@@ -292,12 +292,18 @@ fn sample_controls() -> Vec<Control> {
             colocated: false,
         }),
         Control::ServiceJoin(ServiceJoin { hostname: String::new(), addr: String::new(), threads: 0, colocated: true }),
-        Control::ServiceStart { job: "team-a.resnet".into(), namespace: u32::MAX },
+        Control::ServiceStart { job: "team-a.resnet".into(), namespace: u32::MAX, start: 3 },
         Control::ServiceStats { jobs: vec![] },
         Control::ServiceStats {
             jobs: vec![
-                JobTraffic { job: "a".into(), bytes: u64::MAX, rounds: 0, error: String::new() },
-                JobTraffic { job: "b".into(), bytes: 0, rounds: 7, error: "cannot listen on 0.0.0.0:0".into() },
+                JobTraffic { job: "a".into(), start: 0, bytes: u64::MAX, rounds: 0, error: String::new() },
+                JobTraffic {
+                    job: "b".into(),
+                    start: u64::MAX,
+                    bytes: 0,
+                    rounds: 7,
+                    error: "cannot listen on 0.0.0.0:0".into(),
+                },
             ],
         },
         Control::StatusRequest,

@@ -72,7 +72,7 @@ pub fn decide(bounds: Bounds, timing: Timing, expected: u32, cands: &[Candidate]
     else {
         return Decision::Wait(now + timing.timeout);
     };
-    if n >= bounds.max || n >= expected.max(1) {
+    if n >= bounds.max || (n >= expected.max(1) && n >= bounds.min) {
         return Decision::Form;
     }
     let settled = now.saturating_duration_since(last) >= timing.settle;
@@ -135,6 +135,13 @@ mod tests {
         let cands: Vec<_> = (0..3).map(|i| Candidate { prev_rank: Some(i), arrived: at(t0, 0) }).collect();
         assert_eq!(decide(b, TIMING, 3, &cands, at(t0, 1)), Decision::Form);
         assert_eq!(decide(b, TIMING, 3, &cands[..2], at(t0, 1)), Decision::Wait(at(t0, 1000)));
+        // Never below the minimum, even when fewer were expected (survivors of a loss).
+        let b = Bounds { min: 3, max: 3 };
+        assert_eq!(decide(b, TIMING, 2, &cands[..2], at(t0, 1)), Decision::Wait(at(t0, 60_000)));
+        match decide(b, TIMING, 2, &cands[..2], at(t0, 60_000)) {
+            Decision::Fail(why) => assert!(why.contains("minimum of 3"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -93,6 +93,7 @@ struct Service {
     servers: Mutex<Vec<Arc<ServerEntry>>>,
     pending: AtomicUsize,
     next_server: AtomicU64,
+    next_start: AtomicU64,
     started: Instant,
     /// Elastic jobs' workers waiting for their next generation, by job
     /// name; `formed` wakes them (a new candidate, a decision).
@@ -122,11 +123,17 @@ struct Forming {
 type Generation = (Arc<Shared>, HashMap<u64, u32>);
 
 /// How long formation waits for an expected worker that does not come
-/// before going on without it (`elastic::Timing::settle`).
-const SETTLE: Duration = Duration::from_secs(30);
+/// before going on without it (`elastic::Timing::settle`), in peer
+/// timeouts: a second worker lost with the first is not counted among the
+/// lost (the job had failed already), so its generation forms this late.
+const SETTLE_PEER_TIMEOUTS: u32 = 3;
 
 struct JobEntry {
     shared: Arc<Shared>,
+    /// This start of the job (its `ServiceStart`): reports of an earlier
+    /// start under the same name (an elastic job's last generation) are
+    /// not this one's.
+    start: u64,
     started: Instant,
     traffic: Mutex<JobRate>,
     /// Set by the job's thread once it is over: read without the job's
@@ -185,6 +192,7 @@ pub fn start_service(cfg: ServiceConfig) -> Result<ServiceHandle, SchedulerError
         servers: Mutex::default(),
         pending: AtomicUsize::new(0),
         next_server: AtomicU64::new(0),
+        next_start: AtomicU64::new(0),
         started: Instant::now(),
         forming: Mutex::default(),
         formed: Condvar::new(),
@@ -320,7 +328,11 @@ fn join_elastic(
         ));
     }
     let bounds = Bounds { min: e.min_workers, max: e.max_workers };
-    let timing = Timing { settle: SETTLE, timeout: Duration::from_millis(svc.cfg.job.join_timeout_ms as u64) };
+    let job = &svc.cfg.job;
+    let timing = Timing {
+        settle: Duration::from_millis(u64::from(job.peer_timeout_ms) * u64::from(SETTLE_PEER_TIMEOUTS)),
+        timeout: Duration::from_millis(job.join_timeout_ms as u64),
+    };
     let mut all = lock(&svc.forming);
     // A decision still being taken up by its waiters belongs to them.
     while all.get(name).is_some_and(|f| f.outcome.is_some()) {
@@ -451,8 +463,10 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
     // A registration the job would refuse must not start it.
     check_registration(&cfg, reg).map_err(|e| e.to_string())?;
     let shared = Shared::new(cfg);
+    let start = svc.next_start.fetch_add(1, Ordering::Relaxed);
     let entry = Arc::new(JobEntry {
         shared: shared.clone(),
+        start,
         started: Instant::now(),
         traffic: Mutex::default(),
         ended: AtomicBool::new(false),
@@ -493,7 +507,7 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         return Err(format!("the service cannot start the job: {e}"));
     }
     for s in &servers {
-        if !s.send(&Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name) }) {
+        if !s.send(&Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start }) {
             // Its server would never register: fail now, not at the join timeout.
             let why = format!("the service's server at {} could not be told to start the job", s.peer);
             let mut st = shared.lock();
@@ -549,7 +563,7 @@ fn record(svc: &Service, server: u64, reports: Vec<JobTraffic>) {
     let mut fail: Vec<(Arc<Shared>, String)> = Vec::new();
     let jobs = lock(&svc.jobs);
     for r in reports {
-        let Some(j) = jobs.get(&r.job) else { continue };
+        let Some(j) = jobs.get(&r.job).filter(|j| j.start == r.start) else { continue };
         if !r.error.is_empty() {
             if !j.ended.load(Ordering::SeqCst) {
                 fail.push((j.shared.clone(), format!("a server of the service could not serve it: {}", r.error)));

@@ -30,6 +30,8 @@ pub struct ServiceServerConfig {
 
 struct Instance {
     job: String,
+    /// Its `ServiceStart` (an elastic job starts again under its name).
+    start: u64,
     traffic: Arc<Traffic>,
     join: JoinHandle<Result<(), ServerError>>,
 }
@@ -81,12 +83,13 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
     let mut next_report = Instant::now();
     let result = loop {
         match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(Ok(Control::ServiceStart { job, namespace })) => {
-                match start_instance(&server, &cfg.master, &job, namespace) {
+            Ok(Ok(Control::ServiceStart { job, namespace, start })) => {
+                match start_instance(&server, &cfg.master, &job, namespace, start) {
                     Ok(i) => instances.push(i),
                     Err(e) => {
                         log::error!(target: "server", "cannot start a server for job '{job}': {e}");
-                        failed.push(JobTraffic { job, bytes: 0, rounds: 0, error: format!("cannot start: {e}") });
+                        let error = format!("cannot start: {e}");
+                        failed.push(JobTraffic { job, start, bytes: 0, rounds: 0, error });
                     }
                 }
             }
@@ -110,7 +113,7 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
                 .iter()
                 .map(|i| {
                     let (bytes, rounds) = i.traffic.get();
-                    JobTraffic { job: i.job.clone(), bytes, rounds, error: String::new() }
+                    JobTraffic { job: i.job.clone(), start: i.start, bytes, rounds, error: String::new() }
                 })
                 .collect();
             jobs.append(&mut failed);
@@ -128,7 +131,13 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
     result
 }
 
-fn start_instance(template: &ServerConfig, master: &Secret, job: &str, namespace: u32) -> Result<Instance, String> {
+fn start_instance(
+    template: &ServerConfig,
+    master: &Secret,
+    job: &str,
+    namespace: u32,
+    start: u64,
+) -> Result<Instance, String> {
     let mut c = template.clone();
     c.secret = Secret::new(master.job_token(job).as_bytes()).for_job(job).map_err(|e| e.to_string())?;
     c.namespace = namespace;
@@ -140,7 +149,7 @@ fn start_instance(template: &ServerConfig, master: &Secret, job: &str, namespace
         .spawn(move || run_server(c))
         .map_err(|e| e.to_string())?;
     log::info!(target: "server", "job '{job}': server started");
-    Ok(Instance { job: job.to_string(), traffic, join })
+    Ok(Instance { job: job.to_string(), start, traffic, join })
 }
 
 /// Join the instances whose job ended, logging how; the ones that ended
@@ -165,7 +174,7 @@ fn reap(instances: &mut Vec<Instance>) -> Vec<JobTraffic> {
                 "its server panicked".to_string()
             }
         };
-        failed.push(JobTraffic { job: i.job, bytes, rounds, error });
+        failed.push(JobTraffic { job: i.job, start: i.start, bytes, rounds, error });
     }
     failed
 }

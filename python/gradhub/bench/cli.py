@@ -465,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_tenancy(args)
     if args.cmd == "faults":
+        if args.elastic:
+            from .elastic_faults import run as run_elastic_faults
+
+            return run_elastic_faults(args)
         from .faults import run as run_faults
 
         return run_faults(args)

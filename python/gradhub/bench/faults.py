@@ -421,6 +421,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--server-optimizer", choices=("half", "always", "never"), default=None,
                     help="jobs with a tensor whose optimizer runs on the servers (default: half, always with "
                          "--quick; never when two servers are lost at once)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="the elastic campaign instead (gradhub.bench.elastic_faults): elastic jobs on a shared "
+                         "service losing or gaining workers (kill, stop, kill 2, add); --trials, --faults, --list, "
+                         "--seed, --peer-timeout, --steps (halved), --quick, --json and --keep-logs apply")
     ap.add_argument("--json", help="write every trial's result to this file")
     ap.add_argument("--keep-logs", action="store_true", help="keep every trial's logs (default: failed trials' only)")
 

@@ -299,10 +299,13 @@ pub enum Control {
     },
     /// A shared service's server process offers itself (`scheduler::service`).
     ServiceJoin(ServiceJoin),
-    /// Start a server instance for job `job`, whose frames carry `namespace`.
+    /// Start a server instance for job `job`, whose frames carry
+    /// `namespace`; `start` tells this start of the job from another of the
+    /// same name (an elastic job's generations), in `JobTraffic`.
     ServiceStart {
         job: String,
         namespace: u32,
+        start: u64,
     },
     /// Per job: bytes pushed to this server process and chunk rounds, so far.
     ServiceStats {
@@ -353,6 +356,8 @@ pub struct ServiceJoin {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobTraffic {
     pub job: String,
+    /// The `ServiceStart` this instance came from.
+    pub start: u64,
     pub bytes: u64,
     pub rounds: u64,
     /// Why this server process's instance for the job ended with an error

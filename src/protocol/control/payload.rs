@@ -192,13 +192,13 @@ impl Control {
             Control::ServiceJoin(j) => {
                 w.str(&j.hostname).str(&j.addr).u32(j.threads).u8(j.colocated as u8);
             }
-            Control::ServiceStart { job, namespace } => {
-                w.str(job).u32(*namespace);
+            Control::ServiceStart { job, namespace, start } => {
+                w.str(job).u32(*namespace).u64(*start);
             }
             Control::ServiceStats { jobs } => {
                 w.u32(jobs.len() as u32);
                 for j in jobs {
-                    w.str(&j.job).u64(j.bytes).u64(j.rounds).str(&j.error);
+                    w.str(&j.job).u64(j.start).u64(j.bytes).u64(j.rounds).str(&j.error);
                 }
             }
             Control::StatusReply { json } => {
@@ -449,16 +449,18 @@ impl Control {
             }
             MsgType::ServiceStart => {
                 let job = r.str("job")?;
-                Control::ServiceStart { job, namespace: r.u32("namespace")? }
+                let namespace = r.u32("namespace")?;
+                Control::ServiceStart { job, namespace, start: r.u64("start")? }
             }
             MsgType::ServiceStats => {
                 let n = r.count("jobs", 20)?;
                 let mut jobs = Vec::with_capacity(n);
                 for _ in 0..n {
                     let job = r.str("job")?;
+                    let start = r.u64("start")?;
                     let bytes = r.u64("bytes")?;
                     let rounds = r.u64("rounds")?;
-                    jobs.push(JobTraffic { job, bytes, rounds, error: r.str("error")? });
+                    jobs.push(JobTraffic { job, start, bytes, rounds, error: r.str("error")? });
                 }
                 Control::ServiceStats { jobs }
             }
