@@ -55,12 +55,16 @@ def scheduler_flags(args) -> list[str]:
     return flags
 
 
+def scheduler_argv(args, bind: str, service: bool) -> list[str]:
+    """The scheduler's command line; `service`: the shared service of an elastic job."""
+    return GRADHUB + ["scheduler", "--bind", bind] + (["--service"] if service else []) + scheduler_flags(args)
+
+
 def server_argv(args, colocated: bool, rank: int | None) -> list[str]:
-    """A server's command line on this machine; `rank` None: a server of
-    the job's shared service (an elastic job), which takes no rank."""
+    """A server's command line; `rank` None: a server of the job's shared
+    service (an elastic job), which takes no rank."""
     argv = GRADHUB + ["server", "--threads", str(args.server_threads)]
     argv += ["--service"] if rank is None else ["--rank", str(rank)]
-    argv += ["--advertise-addr", "127.0.0.1", "--bind-host", "127.0.0.1"]
     return argv + (["--colocated"] if colocated else [])
 
 
@@ -79,12 +83,13 @@ def launch_local(args, command: list[str]) -> int:
     base = job_env(args, sched, workers_n, args.servers)
     svc_env = el.service_env(base) if el else base
     procs: list[Proc] = []
-    procs.append(Proc("scheduler", GRADHUB + ["scheduler", "--bind", sched] + (["--service"] if el else [])
-                      + scheduler_flags(args), {**svc_env, "GRADHUB_ROLE": "scheduler"}))
+    procs.append(Proc("scheduler", scheduler_argv(args, sched, el is not None),
+                      {**svc_env, "GRADHUB_ROLE": "scheduler"}))
     for s in range(args.servers):
         colocated = args.colocated or s < args.colocated_servers
-        procs.append(Proc(f"server {s}", server_argv(args, colocated, None if el else s),
-                          {**svc_env, "GRADHUB_ROLE": "server"}))
+        argv = server_argv(args, colocated, None if el else s) + ["--advertise-addr", "127.0.0.1",
+                                                                  "--bind-host", "127.0.0.1"]
+        procs.append(Proc(f"server {s}", argv, {**svc_env, "GRADHUB_ROLE": "server"}))
     if el:
         problem = el.wait_ready(sched, args.servers, procs)
         if problem:
