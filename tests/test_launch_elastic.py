@@ -2,10 +2,11 @@
 launch starts for it. A worker lost mid-step while the minimum still runs
 does not end the job (the survivors finish as one process would, the launch
 exits 0 and names the lost worker); below the minimum the launch stops
-everything and fails with the reason; the flags are checked; each worker's
+everything and fails with the reason; the flags are checked; a service that cannot start fails the launch; each worker's
 environment holds the job's token and bounds, never the master token."""
 
 import argparse
+import socket
 import subprocess
 import sys
 
@@ -39,7 +40,10 @@ def test_below_the_minimum_the_launch_stops_everything_and_fails_with_the_reason
 
 
 def _launch_rc(*flags: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "gradhub", "launch", *flags, "--", sys.executable, "-c", "pass"]
+    """`gradhub launch` with `flags` (a worker command after "--": else one that does nothing)."""
+    argv = [sys.executable, "-m", "gradhub", "launch", *flags]
+    if "--" not in flags:
+        argv += ["--", sys.executable, "-c", "pass"]
     return subprocess.run(argv, env=job_env(), capture_output=True, text=True, timeout=30)
 
 
@@ -67,3 +71,16 @@ def test_each_role_gets_its_own_secret_and_workers_get_the_bounds():
     # Two launches never share a job name or a master token.
     other = elastic.Elastic(argparse.Namespace(min_workers=2, max_workers=None))
     assert (other.job, other.master) != (el.job, el.master)
+
+
+def test_a_service_that_cannot_start_fails_the_launch_before_any_worker_starts(tmp_path):
+    # The port is taken: the job's service cannot listen, so no worker may start.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        marker = tmp_path / "started"
+        p = _launch_rc("-w", "2", "--min-workers", "1", "--port", str(s.getsockname()[1]),
+                       "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')")
+    assert p.returncode == 1, p
+    assert "the job's service did not start: scheduler exited (code " in p.stderr, p.stderr
+    assert not marker.exists()

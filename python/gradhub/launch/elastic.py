@@ -16,7 +16,7 @@ import secrets
 import time
 
 from .. import _core
-from .proc import Proc
+from .proc import Proc, stop_unready, stopped_on_signals
 
 # Seconds to wait for the service to be up with every server registered:
 # a job takes the servers registered when its first worker arrives.
@@ -35,8 +35,8 @@ def add_args(lp) -> None:
                    help="run elastic: keep the job running while at least M workers live; fewer: stop it and "
                    "fail (1 <= M <= -w)")
     g.add_argument("--max-workers", type=int, default=None, metavar="X",
-                   help="the most workers the elastic job may have (GRADHUB_MAX_WORKERS; default -w). Workers "
-                   "that join a running job are not started by the launch yet")
+                   help="the most workers the elastic job may have (default: -w), given to the workers as "
+                   "GRADHUB_MAX_WORKERS. Workers that join a running job are not started by the launch yet")
 
 
 def check(args, workers: int) -> str | None:
@@ -78,10 +78,16 @@ class Elastic:
             env.pop(k, None)
         return env
 
-    def wait_ready(self, address: str, servers: int, service: list[Proc]) -> str | None:
+    def ready(self, address: str, servers: int, service: list[Proc], tool: str) -> int | None:
         """Wait until the service at `address` answers with `servers`
-        servers registered; None, or why it did not (a process of the
-        service exited, or the wait timed out)."""
+        servers registered (Ctrl-C stops it); None, or, when it did not
+        (a process of the service exited, or the wait timed out), the
+        launch's exit code once the service's processes were stopped."""
+        with stopped_on_signals(service):
+            why = self._wait_ready(address, servers, service)
+        return None if why is None else stop_unready(service, why, tool)
+
+    def _wait_ready(self, address: str, servers: int, service: list[Proc]) -> str | None:
         deadline = time.monotonic() + SERVICE_READY_S
         seen = "no answer"
         while time.monotonic() < deadline:
@@ -89,7 +95,7 @@ class Elastic:
             if gone is not None:
                 return f"the job's service did not start: {gone.label} exited (code {gone.rc})"
             try:
-                st = json.loads(_core.service_status(address, self.master, 2.0))
+                st = json.loads(_core.service_status(address, self.master, 1.0))
                 seen = f"{len(st['servers'])} of {servers} servers registered"
                 if len(st["servers"]) >= servers:
                     return None

@@ -18,7 +18,7 @@ import sys
 from .. import _env
 from .._ports import free_port
 from . import elastic
-from .proc import Proc, stop_unready, supervise
+from .proc import Proc, supervise
 
 GRADHUB = [sys.executable, "-m", "gradhub"]
 
@@ -90,10 +90,9 @@ def launch_local(args, command: list[str]) -> int:
         argv = server_argv(args, colocated, None if el else s) + ["--advertise-addr", "127.0.0.1",
                                                                   "--bind-host", "127.0.0.1"]
         procs.append(Proc(f"server {s}", argv, {**svc_env, "GRADHUB_ROLE": "server"}))
-    if el:
-        problem = el.wait_ready(sched, args.servers, procs)
-        if problem:
-            return stop_unready(procs, problem)
+    rc = el.ready(sched, args.servers, procs, "gradhub launch") if el else None
+    if rc is not None:
+        return rc
     workers = []
     for w in range(workers_n):
         env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),

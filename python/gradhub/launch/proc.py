@@ -5,6 +5,7 @@ elastic job, the first that leaves too few workers: `Losses`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -149,11 +150,29 @@ class Losses:
                 + ", ".join(f"{w.label} ({describe(w.rc)})" for w in self.lost if w.rc is not None))
 
 
-def stop_unready(procs: list[Proc], why: str, tool: str = "gradhub launch") -> int:
+def stop_unready(procs: list[Proc], why: str, tool: str) -> int:
     """The job could not start (`why`): stop what was started; the exit code."""
     print(f"{tool}: {why}; stopping the job", file=sys.stderr, flush=True)
     _stop(procs)
     return 1
+
+
+@contextlib.contextmanager
+def stopped_on_signals(procs: list[Proc]):
+    """Within: Ctrl-C or SIGTERM stops every process in `procs` (those started
+    by then: the children run in sessions of their own, so nothing else
+    would) and exits with 128 + the signal."""
+
+    def on_signal(signum, _frame):
+        _stop(procs)
+        sys.exit(128 + signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: int | None = None) -> int:
@@ -163,13 +182,8 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
     lost worker does not end it while `min_workers` run: `Losses`; the
     service does not exit by itself and is stopped once the workers are done)."""
 
-    def on_signal(signum, _frame):
-        _stop(procs)
-        sys.exit(128 + signum)
-
     losses = Losses(workers, min_workers) if min_workers is not None else None
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with stopped_on_signals(procs):
         while True:
             if losses is not None:
                 losses.update(tool)
@@ -206,6 +220,3 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
             print(f"{tool}: {bad.label} {describe(bad.rc)} after the workers finished", file=sys.stderr)
             return exit_code(bad.rc)
         return 0
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

@@ -29,7 +29,7 @@ from .._ports import free_port
 from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
 from . import elastic
 from .local import job_env, scheduler_argv, server_argv
-from .proc import Proc, stop_unready, supervise
+from .proc import Proc, supervise
 
 # Runs on the remote host (`python -c`): one JSON line on stdin holds the
 # environment, the working directory and the command; the command runs in a
@@ -196,10 +196,9 @@ def launch_ssh(args, command: list[str]) -> int:
     for s, host in enumerate(servers):
         argv = server_argv(args, not server_hosts, None if el else s)
         procs.append(RemoteProc(f"server {s}@{host}", ssh, host, argv, {**svc_env, "GRADHUB_ROLE": "server"}))
-    if el:
-        problem = el.wait_ready(sched, len(servers), procs)
-        if problem:
-            return stop_unready(procs, problem, tool)
+    rc = el.ready(sched, len(servers), procs, tool) if el else None
+    if rc is not None:
+        return rc
     per_host = {h: sum(1 for _, x, _ in slots if x.name == h) for h in used}
     workers = []
     for rank, host, local in slots:
