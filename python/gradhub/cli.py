@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a scheduler, K servers and N workers on this machine, or (-H / --hostfile) N "
         "workers across hosts over SSH, as horovodrun does. Each worker runs the given command with GRADHUB_* "
         "set; output lines are prefixed with role and rank. If any process fails, everything (on every host) "
-        "is stopped and the first failure's exit code is returned.",
+        "is stopped and the first failure's exit code is returned (an elastic job, --min-workers: while too few "
+        "workers are left).",
         epilog="examples:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n"
         "  gradhub launch -H node1:4,node2:4 -- python train.py     # 8 workers, a colocated server per node\n"
         "  gradhub launch --hostfile hosts --server-hosts cpu1,cpu2 -- python train.py\n"

@@ -1,7 +1,8 @@
 """Worker of an elastic job (GRADHUB_MIN_WORKERS, on a shared service):
 train with hvd.elastic.run and commit every step; the worker started with
-GH_VICTIM=1 (or launched as rank `victim`) dies mid-step at step `lose_at`. The survivors roll back to
-that step's commit, form the next generation (new ranks and size), and
+GH_VICTIM=1 (or launched as rank `victim`) dies mid-step at step `lose_at`.
+The survivors roll back to that step's commit, form the next generation
+(new ranks and size), and
 finish with the parameters of full-batch training on one process: each
 step's batch is the same whatever the size, split by rank.
 
