@@ -2,9 +2,9 @@
 train with hvd.elastic.run and commit every step; the worker started with
 GH_VICTIM=1 (or launched as rank `victim`) dies mid-step at step `lose_at`.
 The survivors roll back to that step's commit, form the next generation
-(new ranks and size), and
-finish with the parameters of full-batch training on one process: each
-step's batch is the same whatever the size, split by rank.
+(new ranks and size), and finish with the parameters of full-batch training
+on one process: each step's batch is the same whatever the size, split by
+rank.
 
 Config: steps, lose_at, victim.
 """
