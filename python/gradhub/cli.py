@@ -11,6 +11,7 @@ import json
 import sys
 
 from . import _core, _env, roles
+from .launch import elastic as launch_elastic
 
 # The `--help` epilogs: the settings each command's roles read, from the
 # registry (src/settings.rs), so they show its defaults.
@@ -83,10 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a scheduler, K servers and N workers on this machine, or (-H / --hostfile) N "
         "workers across hosts over SSH, as horovodrun does. Each worker runs the given command with GRADHUB_* "
         "set; output lines are prefixed with role and rank. If any process fails, everything (on every host) "
-        "is stopped and the first failure's exit code is returned.",
+        "is stopped and the first failure's exit code is returned (an elastic job, --min-workers: while too few "
+        "workers are left).",
         epilog="examples:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n"
         "  gradhub launch -H node1:4,node2:4 -- python train.py     # 8 workers, a colocated server per node\n"
-        "  gradhub launch --hostfile hosts --server-hosts cpu1,cpu2 -- python train.py\n\n"
+        "  gradhub launch --hostfile hosts --server-hosts cpu1,cpu2 -- python train.py\n"
+        "  gradhub launch -w 4 --min-workers 2 -- python train.py  # elastic: goes on while 2 workers live\n\n"
         + _env.env_help(ALL_ROLES),
     )
     lp.add_argument("-w", "--workers", type=int, default=None,
@@ -120,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     hg.add_argument("--ssh-config", default=None, metavar="FILE",
                     help="an ssh_config file for every ssh connection (ssh -F): user names, jump hosts, host keys")
     _add_scheduler_args(lp, senv)
+    launch_elastic.add_args(lp)
     lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
 
     sp = sub.add_parser(

@@ -1,11 +1,12 @@
 """Worker of an elastic job (GRADHUB_MIN_WORKERS, on a shared service):
 train with hvd.elastic.run and commit every step; the worker started with
-GH_VICTIM=1 dies mid-step at step `lose_at`. The survivors roll back to
-that step's commit, form the next generation (new ranks and size), and
-finish with the parameters of full-batch training on one process: each
-step's batch is the same whatever the size, split by rank.
+GH_VICTIM=1 (or launched as rank `victim`) dies mid-step at step `lose_at`.
+The survivors roll back to that step's commit, form the next generation
+(new ranks and size), and finish with the parameters of full-batch training
+on one process: each step's batch is the same whatever the size, split by
+rank.
 
-Config: steps, lose_at, sfb (DistributedOptimizer's sufficient_factors), step_sleep (seconds after each commit, which
+Config: steps, lose_at, victim (a launched rank, GRADHUB_RANK), sfb (DistributedOptimizer's sufficient_factors), step_sleep (seconds after each commit, which
 prints STEP k), final_size (train on past `steps` until the job has this
 many workers: a worker started meanwhile joins at a commit; at most 600).
 """
@@ -20,7 +21,9 @@ from common import CONFIG
 
 torch.set_num_threads(1)
 steps, lose_at = CONFIG.get("steps", 12), CONFIG.get("lose_at", 5)
-victim = os.environ.get("GH_VICTIM") == "1"
+# The victim: started with GH_VICTIM=1, or (under `gradhub launch`) the
+# worker the launcher gave GRADHUB_RANK == victim.
+victim = os.environ.get("GH_VICTIM") == "1" or os.environ.get("GRADHUB_RANK") == str(CONFIG.get("victim"))
 
 
 def make():

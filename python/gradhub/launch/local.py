@@ -5,7 +5,8 @@ Starts the scheduler, the servers and the workers as child processes, prefixes
 every output line with the role and rank, and stops everything as soon as one
 process fails, returning its exit code. When all workers succeed, the
 scheduler tells the servers to exit; stragglers are terminated after a grace
-period.
+period. With --min-workers, the job is elastic (elastic.py): it runs on a
+shared service started for it, and a lost worker does not end it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 from .. import _env
 from .._ports import free_port
+from . import elastic
 from .proc import Proc, supervise
 
 GRADHUB = [sys.executable, "-m", "gradhub"]
@@ -53,27 +55,48 @@ def scheduler_flags(args) -> list[str]:
     return flags
 
 
+def scheduler_argv(args, bind: str, service: bool) -> list[str]:
+    """The scheduler's command line; `service`: the shared service of an elastic job."""
+    return GRADHUB + ["scheduler", "--bind", bind] + (["--service"] if service else []) + scheduler_flags(args)
+
+
+def server_argv(args, colocated: bool, rank: int | None) -> list[str]:
+    """A server's command line; `rank` None: a server of the job's shared
+    service (an elastic job), which takes no rank."""
+    argv = GRADHUB + ["server", "--threads", str(args.server_threads)]
+    argv += ["--service"] if rank is None else ["--rank", str(rank)]
+    return argv + (["--colocated"] if colocated else [])
+
+
 def launch_local(args, command: list[str]) -> int:
     workers_n = args.workers if args.workers is not None else 1
     if workers_n < 1 or args.servers < 1:
         print("gradhub launch: need at least one worker and one server", file=sys.stderr)
         return 2
+    problem = elastic.check(args, workers_n)
+    if problem:
+        print(f"gradhub launch: {problem}", file=sys.stderr)
+        return 2
+    el = elastic.Elastic(args) if args.min_workers is not None else None
     port = args.port or free_port()
-    base = job_env(args, f"127.0.0.1:{port}", workers_n, args.servers)
+    sched = f"127.0.0.1:{port}"
+    base = job_env(args, sched, workers_n, args.servers)
+    svc_env = el.service_env(base) if el else base
     procs: list[Proc] = []
-    procs.append(Proc("scheduler", GRADHUB + ["scheduler", "--bind", f"127.0.0.1:{port}"] + scheduler_flags(args),
-                      {**base, "GRADHUB_ROLE": "scheduler"}))
+    procs.append(Proc("scheduler", scheduler_argv(args, sched, el is not None),
+                      {**svc_env, "GRADHUB_ROLE": "scheduler"}))
     for s in range(args.servers):
         colocated = args.colocated or s < args.colocated_servers
-        argv = GRADHUB + ["server", "--threads", str(args.server_threads), "--rank", str(s),
-                          "--advertise-addr", "127.0.0.1", "--bind-host", "127.0.0.1"]
-        if colocated:
-            argv.append("--colocated")
-        procs.append(Proc(f"server {s}", argv, {**base, "GRADHUB_ROLE": "server"}))
+        argv = server_argv(args, colocated, None if el else s) + ["--advertise-addr", "127.0.0.1",
+                                                                  "--bind-host", "127.0.0.1"]
+        procs.append(Proc(f"server {s}", argv, {**svc_env, "GRADHUB_ROLE": "server"}))
+    rc = el.ready(sched, args.servers, procs, "gradhub launch") if el else None
+    if rc is not None:
+        return rc
     workers = []
     for w in range(workers_n):
         env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
                "LOCAL_RANK": str(w), "LOCAL_WORLD_SIZE": str(workers_n)}
-        workers.append(Proc(f"worker {w}", command, env))
+        workers.append(Proc(f"worker {w}", command, el.worker_env(env) if el else env))
     procs += workers
-    return supervise(procs, workers, "gradhub launch")
+    return supervise(procs, workers, "gradhub launch", min_workers=el.min_workers if el else None)

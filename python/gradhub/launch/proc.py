@@ -1,9 +1,11 @@
 """Supervised child processes: `Proc` (one child, its output pumped under
 its label, its exit recorded in the order exits happened) and `supervise`
-(wait for the workers; the first process to fail stops the job)."""
+(wait for the workers; the first process to fail stops the job, or, in an
+elastic job, the first that leaves too few workers: `Losses`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -114,9 +116,52 @@ def _settle(procs: list[Proc], workers: list[Proc]) -> None:
         w.exited.wait(max(0.0, deadline - time.monotonic()))
 
 
-def supervise(procs: list[Proc], workers: list[Proc], tool: str) -> int:
-    """Wait for the workers; stop everything as soon as one process fails (or
-    on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0."""
+class Losses:
+    """An elastic job's lost workers. A worker that exits non-zero is lost,
+    and the job goes on, while no worker has finished yet and at least
+    `least` are still running; otherwise its exit is the job's failure, and
+    `fatal` names it and why, when it left too few workers."""
+
+    def __init__(self, workers: list[Proc], least: int):
+        self.workers, self.least = workers, least
+        self.lost: list[Proc] = []
+        self.fatal: tuple[Proc, str] | None = None
+
+    def update(self, tool: str) -> None:
+        """Take in the workers that failed since the last call, in exit order."""
+        failed = sorted((w for w in self.workers if w.rc not in (None, 0) and w not in self.lost),
+                        key=lambda w: w.seq)
+        for w in failed:
+            assert w.rc is not None
+            running = sum(1 for x in self.workers if x.rc is None)
+            if any(x.rc == 0 for x in self.workers):
+                return  # the job was ending: a member of its last generation failed
+            if running < self.least:
+                self.fatal = (w, f"{w.label} {describe(w.rc)}, leaving {running} worker{'s' * (running != 1)}, "
+                                 f"fewer than --min-workers {self.least}")
+                return
+            self.lost.append(w)
+            print(f"{tool}: {w.label} {describe(w.rc)} (lost; the job went on with {running})",
+                  file=sys.stderr, flush=True)
+
+    def summary(self) -> str:
+        done = len(self.workers) - len(self.lost)
+        return (f"the job finished with {done} of {len(self.workers)} workers; lost: "
+                + ", ".join(f"{w.label} ({describe(w.rc)})" for w in self.lost if w.rc is not None))
+
+
+def stop_unready(procs: list[Proc], why: str, tool: str) -> int:
+    """The job could not start (`why`): stop what was started; the exit code."""
+    print(f"{tool}: {why}; stopping the job", file=sys.stderr, flush=True)
+    _stop(procs)
+    return 1
+
+
+@contextlib.contextmanager
+def stopped_on_signals(procs: list[Proc]):
+    """Within: Ctrl-C or SIGTERM stops every process in `procs` (those started
+    by then: the children run in sessions of their own, so nothing else
+    would) and exits with 128 + the signal."""
 
     def on_signal(signum, _frame):
         _stop(procs)
@@ -124,17 +169,44 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: int | None = None) -> int:
+    """Wait for the workers; stop everything as soon as one process fails (or
+    on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0.
+    `min_workers`: an elastic job on a shared service the launch started (a
+    lost worker does not end it while `min_workers` run: `Losses`; the
+    service does not exit by itself and is stopped once the workers are done)."""
+
+    losses = Losses(workers, min_workers) if min_workers is not None else None
+    with stopped_on_signals(procs):
         while True:
-            if first_failure(procs) is not None:
-                _settle(procs, workers)
-                bad = first_failure(procs)
+            if losses is not None:
+                losses.update(tool)
+            live = [p for p in procs if losses is None or p not in losses.lost]
+            if first_failure(live) is not None:
+                fatal = losses.fatal if losses is not None else None
+                if fatal is None:
+                    _settle(procs, workers)
+                bad = fatal[0] if fatal else first_failure(live)
                 assert bad is not None and bad.rc is not None
-                print(f"{tool}: {bad.label} {describe(bad.rc)}; stopping the job", file=sys.stderr, flush=True)
+                why = fatal[1] if fatal else f"{bad.label} {describe(bad.rc)}"
+                print(f"{tool}: {why}; stopping the job", file=sys.stderr, flush=True)
                 _stop(procs)
                 return exit_code(bad.rc)
-            if all(w.poll() == 0 for w in workers):
+            if all(w.poll() == 0 for w in live if w in workers):
                 break
             time.sleep(0.05)
+        if losses is not None:
+            # A shared service outlives its jobs: the launch stops it (its exit is not the job's).
+            _stop(procs)
+            if losses.lost:
+                print(f"{tool}: {losses.summary()}", file=sys.stderr, flush=True)
+            return 0
         # Workers are done; the scheduler shuts the servers down.
         deadline = time.monotonic() + 30
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -148,6 +220,3 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str) -> int:
             print(f"{tool}: {bad.label} {describe(bad.rc)} after the workers finished", file=sys.stderr)
             return exit_code(bad.rc)
         return 0
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

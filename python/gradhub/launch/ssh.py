@@ -27,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .._ports import free_port
 from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
-from .local import GRADHUB, job_env, scheduler_flags
+from . import elastic
+from .local import job_env, scheduler_argv, server_argv
 from .proc import Proc, supervise
 
 # Runs on the remote host (`python -c`): one JSON line on stdin holds the
@@ -161,6 +162,9 @@ def launch_ssh(args, command: list[str]) -> int:
         hosts: list[Host] = parse_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)
         server_hosts = parse_server_hosts(args.server_hosts) if args.server_hosts else []
         slots = worker_slots(hosts, args.workers)
+        problem = elastic.check(args, len(slots))
+        if problem:
+            raise ValueError(problem)
     except ValueError as e:
         print(f"{tool}: {e}", file=sys.stderr)
         return 2
@@ -182,21 +186,26 @@ def launch_ssh(args, command: list[str]) -> int:
     port = args.port or free_port()
     sched = f"[{sched_ip}]:{port}" if ":" in sched_ip else f"{sched_ip}:{port}"
     base = job_env(args, sched, len(slots), len(servers))
-    print(f"{tool}: scheduler on this machine at {sched}; {len(slots)} workers on {', '.join(used)}; "
-          f"{len(servers)} {'CPU-only' if server_hosts else 'colocated'} servers", file=sys.stderr, flush=True)
-    procs: list[Proc] = [Proc("scheduler", GRADHUB + ["scheduler", "--bind", sched] + scheduler_flags(args),
-                              {**base, "GRADHUB_ROLE": "scheduler"})]
+    el = elastic.Elastic(args) if args.min_workers is not None else None
+    svc_env = el.service_env(base) if el else base
+    print(f"{tool}: {'an elastic job on a shared service' if el else 'scheduler'} on this machine at {sched}; "
+          f"{len(slots)} workers on {', '.join(used)}; {len(servers)} {'CPU-only' if server_hosts else 'colocated'} "
+          "servers", file=sys.stderr, flush=True)
+    procs: list[Proc] = [Proc("scheduler", scheduler_argv(args, sched, el is not None),
+                              {**svc_env, "GRADHUB_ROLE": "scheduler"})]
     for s, host in enumerate(servers):
-        argv = GRADHUB + ["server", "--threads", str(args.server_threads), "--rank", str(s)]
-        if not server_hosts:
-            argv.append("--colocated")
-        procs.append(RemoteProc(f"server {s}@{host}", ssh, host, argv, {**base, "GRADHUB_ROLE": "server"}))
+        argv = server_argv(args, not server_hosts, None if el else s)
+        procs.append(RemoteProc(f"server {s}@{host}", ssh, host, argv, {**svc_env, "GRADHUB_ROLE": "server"}))
+    rc = el.ready(sched, len(servers), procs, tool) if el else None
+    if rc is not None:
+        return rc
     per_host = {h: sum(1 for _, x, _ in slots if x.name == h) for h in used}
     workers = []
     for rank, host, local in slots:
         n = str(per_host[host.name])
         env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank), "GRADHUB_LOCAL_RANK": str(local),
                "GRADHUB_LOCAL_SIZE": n, "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": n}
-        workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command, env))
+        workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command,
+                                  el.worker_env(env) if el else env))
     procs += workers
-    return supervise(procs, workers, tool)
+    return supervise(procs, workers, tool, min_workers=el.min_workers if el else None)
