@@ -88,3 +88,22 @@ def test_a_worker_joins_a_running_elastic_job_at_its_next_commit(tmp_path):
         assert "a worker waits to join" in svc.log("service"), svc.log("service")
     finally:
         svc.close()
+
+
+def test_the_elastic_fault_campaign_quick_mode(tmp_path):
+    # One trial of each elastic fault (a worker killed, stopped, two killed,
+    # one added): no hang, no wrong result, no disagreement, every trial as expected.
+    import subprocess
+
+    from conftest import job_env
+
+    out = tmp_path / "faults.json"
+    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "faults", "--elastic", "--quick", "--json", str(out)],
+                       env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:]
+    import json
+
+    s = json.loads(out.read_text())["summary"]
+    assert s["trials"] == s["ok"] == 4 and s["hangs"] == s["wrong"] == s["disagree"] == 0, s
+    assert set(s["by_fault"]) == {"kill worker", "stop worker", "kill 2 workers", "add worker"}, s
+    assert all(row["recovery_median_s"] is not None for row in s["by_fault"].values()), s

@@ -91,12 +91,20 @@ def worker() -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
-    resets = []
-    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    resets, generation = [], {"steps": 0}
+
+    def on_reset():
+        resets.append(hvd.size())
+        generation["steps"] = 0
+
+    state.register_reset_callbacks([on_reset])
 
     def done(st) -> bool:
-        # The same on every worker: the step and the size are the job's.
-        return st.step >= 200 * cfg["steps"] or (st.step >= cfg["steps"] and hvd.size() == cfg["size"])
+        # The same on every worker: the step, the size and the steps since
+        # the last reset (a newcomer's 0 is the others' after their reset)
+        # are the job's. Two steps in the last generation time its start.
+        return st.step >= 200 * cfg["steps"] or (st.step >= cfg["steps"] and hvd.size() == cfg["size"]
+                                                  and generation["steps"] >= 2)
 
     @hvd.elastic.run
     def train(st):
@@ -107,6 +115,7 @@ def worker() -> None:
             torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
             opt.step()
             st.step += 1
+            generation["steps"] += 1
             st.commit()
             print(f"STEP {st.step} {hvd.size()} {time.time():.6f}", flush=True)
             time.sleep(cfg["sleep"])
