@@ -107,3 +107,21 @@ def test_the_elastic_fault_campaign_quick_mode(tmp_path):
     assert s["trials"] == s["ok"] == 4 and s["hangs"] == s["wrong"] == s["disagree"] == 0, s
     assert set(s["by_fault"]) == {"kill worker", "stop worker", "kill 2 workers", "add worker"}, s
     assert all(row["recovery_median_s"] is not None for row in s["by_fault"].values()), s
+
+
+def test_torchrun_max_restarts_forms_a_fresh_job():
+    # torchrun restarts every worker after one fails: the restarted group is
+    # a fresh job (its own embedded scheduler and token), not the dead one's.
+    import subprocess
+
+    from conftest import free_port, job_env
+
+    env = job_env()
+    for k in ("GRADHUB_SCHEDULER", "GRADHUB_JOB_TOKEN", "GRADHUB_NUM_WORKERS", "GRADHUB_NUM_SERVERS"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+                        "--master-port", str(free_port()), str(WORKERS / "torchrun_restart.py")],
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-6000:]
+    assert "RESTARTED 1 PASS 0" in p.stdout and "RESTARTED 1 PASS 1" in p.stdout, p.stdout[-6000:]
+    assert "RESTARTED 0" not in p.stdout, p.stdout[-6000:]
