@@ -197,6 +197,8 @@ pub static SETTINGS: &[Setting] = &[
         "report rounds waiting longer than this"),
     setting!("GRADHUB_PEER_TIMEOUT", Float, Value(|| secs(SchedulerConfig::default().peer_timeout_ms)), SCHEDULER,
         "seconds of silence before a member (worker, server or scheduler) is declared dead; at least 2 (two heartbeats); read by the scheduler, which tells every member"),
+    setting!("GRADHUB_JOIN_TIMEOUT", Float, Value(|| secs(SchedulerConfig::default().join_timeout_ms)), SCHEDULER,
+        "seconds the scheduler waits for every member to register (`--join-timeout`); on a shared service also how long an elastic job's next generation may gather before it fails below its minimum"),
     setting!("GRADHUB_COLOCATED", Flag, Value(|| flag(ServerConfig::default().colocated)), SERVER,
         "this server runs on a worker machine (`--colocated`)"),
     setting!("GRADHUB_KERNELS", Str, Value(|| "auto".into()), DATA,

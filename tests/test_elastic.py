@@ -125,3 +125,28 @@ def test_torchrun_max_restarts_forms_a_fresh_job():
     assert p.returncode == 0, p.stdout[-6000:]
     assert "RESTARTED 1 PASS 0" in p.stdout and "RESTARTED 1 PASS 1" in p.stdout, p.stdout[-6000:]
     assert "RESTARTED 0" not in p.stdout, p.stdout[-6000:]
+
+
+def test_an_elastic_job_below_its_minimum_fails_on_every_survivor_with_the_reason(tmp_path):
+    # 3 workers, at least 3: one is lost; the two others roll back and wait
+    # for the next generation, which cannot form: after the join timeout each
+    # fails with the reason instead of waiting for ever.
+    from test_service import Service
+
+    svc = Service(tmp_path, servers=1, args=("--join-timeout", "4"))
+    try:
+        token = svc.token("short")
+        names = []
+        for r in range(3):
+            env = svc.worker_env("short", 3, r, token, steps=12, lose_at=3)
+            env.update(GRADHUB_MIN_WORKERS="3", GRADHUB_PEER_TIMEOUT="3", GH_VICTIM="1" if r == 2 else "0")
+            svc.spawn(f"short-w{r}", [sys.executable, str(WORKERS / "elastic_train.py")], env)
+            names.append(f"short-w{r}")
+        codes = svc.wait(names, timeout=120)
+        assert codes["short-w2"] == 9, svc.log("short-w2")
+        for n in names[:2]:
+            assert codes[n] != 0, svc.log(n)
+            log = svc.log(n)
+            assert "ElasticResetError" in log and "below the job's minimum of 3" in log, log
+    finally:
+        svc.close()

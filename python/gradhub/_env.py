@@ -325,6 +325,7 @@ class SchedulerEnv:
     partition_bytes: int | None    # None: the core's default
     stall_seconds: float
     peer_timeout: float
+    join_timeout: float            # GRADHUB_JOIN_TIMEOUT: for every member to register (an elastic generation too)
     namespace: int
     host_reduce: bool              # GRADHUB_HOST_REDUCE: workers sharing a host sum there first
     failover: bool                 # GRADHUB_FAILOVER: a lost server's chunks move to the others
@@ -342,6 +343,7 @@ def scheduler_env() -> SchedulerEnv:
         partition_bytes=get("GRADHUB_PARTITION_BYTES", None),
         stall_seconds=get("GRADHUB_STALL_SECONDS"),
         peer_timeout=get("GRADHUB_PEER_TIMEOUT"),
+        join_timeout=get("GRADHUB_JOIN_TIMEOUT"),
         namespace=get("GRADHUB_NAMESPACE"),
         host_reduce=get("GRADHUB_HOST_REDUCE"),
         failover=get("GRADHUB_FAILOVER"),

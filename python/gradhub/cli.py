@@ -26,6 +26,10 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
     p.add_argument("--peer-timeout", type=float, default=env.peer_timeout,
                    help="seconds without a heartbeat before any member is declared dead; the scheduler tells "
                    "every member " + _env.fallback("GRADHUB_PEER_TIMEOUT"))
+    p.add_argument("--join-timeout", type=float, default=env.join_timeout,
+                   help="seconds to wait for every member to register; on a shared service also how long an "
+                   "elastic job's next generation may gather before it fails below its minimum "
+                   + _env.fallback("GRADHUB_JOIN_TIMEOUT"))
     p.add_argument("--no-host-reduce", dest="host_reduce", action="store_false", default=env.host_reduce,
                    help="workers that share a machine each push everything themselves instead of summing in "
                    "shared memory first and pushing one share each (GRADHUB_HOST_REDUCE=0)")
@@ -243,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_scheduler(args) -> int:
     e = _env.scheduler_env()
     timing = dict(partition_bytes=args.partition_bytes, stall_seconds=args.stall_seconds,
-                  peer_timeout=args.peer_timeout, host_reduce=args.host_reduce, failover=args.failover)
+                  peer_timeout=args.peer_timeout, join_timeout_ms=int(args.join_timeout * 1000),
+                  host_reduce=args.host_reduce, failover=args.failover)
     if args.service:
         return roles.run_service(args.bind, scheduler=e.scheduler, max_jobs=args.max_jobs,
                                  metrics_addr=args.metrics_addr,

@@ -58,7 +58,8 @@ def scheduler_settings(e: _env.SchedulerEnv) -> dict:
     """A job scheduler's settings from the environment, as
     `_core.SchedulerConfig` keywords (None: the core's default)."""
     return dict(partition_bytes=e.partition_bytes, stall_ms=_ms(e.stall_seconds),
-                peer_timeout_ms=_ms(e.peer_timeout), namespace=e.namespace, host_reduce=e.host_reduce,
+                peer_timeout_ms=_ms(e.peer_timeout), join_timeout_ms=_ms(e.join_timeout), namespace=e.namespace,
+                host_reduce=e.host_reduce,
                 failover=e.failover, rack_reduce=e.rack_reduce, link_gbit=e.link_gbit, core_gbit=e.core_gbit,
                 metrics_addr=e.metrics_addr)
 

@@ -36,7 +36,7 @@ import torch
 
 from .. import _env
 from .. import api as _api
-from .._core import GradhubError, GradhubTimeoutError
+from .. import GradhubError, GradhubTimeoutError
 from ..api import GradhubMismatchError, NotInitializedError
 from . import ops as _ops
 
