@@ -20,7 +20,7 @@ FLAGS = ["--peer-timeout", "3"]
 
 def test_a_worker_lost_mid_step_leaves_the_others_to_finish_and_the_launch_succeeds():
     rc, out = run_launch(3, 1, "elastic_train.py", {"victim": 2, "lose_at": 5, "steps": 10},
-                         launch_args=["--min-workers", "2", "--max-workers", "3", *FLAGS], timeout=90)
+                         launch_args=["--min-workers", "2", *FLAGS], timeout=90)
     assert rc == 0, out[-6000:]
     for w in (0, 1):
         assert f"[worker {w}] PASS" in out, out[-6000:]
@@ -28,6 +28,21 @@ def test_a_worker_lost_mid_step_leaves_the_others_to_finish_and_the_launch_succe
     assert out.count("SIZE 2 ") == 2 and out.count("RESETS [2]") == 2, out[-6000:]
     assert "gradhub launch: worker 2 exited with code 9 (lost; the job went on with 2)" in out, out[-6000:]
     assert "the job finished with 2 of 3 workers; lost: worker 2 (exited with code 9)" in out, out[-6000:]
+
+
+def test_with_max_workers_a_lost_worker_is_replaced_and_the_replacement_joins_at_a_commit():
+    # --max-workers 3: worker 2 is lost, the launch starts worker 3, which
+    # joins the two survivors at their next commit; all three finish as one
+    # process would (they train on until the job is back to 3).
+    rc, out = run_launch(3, 1, "elastic_train.py",
+                         {"victim": 2, "lose_at": 3, "steps": 10, "step_sleep": 0.05, "final_size": 3},
+                         launch_args=["--min-workers", "2", "--max-workers", "3", *FLAGS], timeout=150)
+    assert rc == 0, out[-6000:]
+    assert "gradhub launch: started worker 3 to replace worker 2; it joins at the job's next commit" in out, out[-6000:]
+    for w in (0, 1, 3):
+        assert f"[worker {w}] PASS" in out, out[-6000:]
+    assert out.count("SIZE 3 ") == 3, out[-6000:]
+    assert out.count("RESETS [2, 3]") == 2 and "RESETS []" in out, out[-6000:]  # survivors: lost, then joined
 
 
 def test_below_the_minimum_the_launch_stops_everything_and_fails_with_the_reason():

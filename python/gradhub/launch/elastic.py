@@ -36,7 +36,9 @@ def add_args(lp) -> None:
                    "fail (1 <= M <= -w)")
     g.add_argument("--max-workers", type=int, default=None, metavar="X",
                    help="the most workers the elastic job may have (default: -w), given to the workers as "
-                   "GRADHUB_MAX_WORKERS. Workers that join a running job are not started by the launch yet")
+                   "GRADHUB_MAX_WORKERS. Given, a lost worker is replaced while fewer run (at most once per "
+                   "starting worker; on this machine, not over SSH yet): the replacement joins at the job's next "
+                   "commit")
 
 
 def check(args, workers: int) -> str | None:

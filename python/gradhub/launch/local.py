@@ -93,10 +93,17 @@ def launch_local(args, command: list[str]) -> int:
     rc = el.ready(sched, args.servers, procs, "gradhub launch") if el else None
     if rc is not None:
         return rc
-    workers = []
-    for w in range(workers_n):
+    started = iter(range(1 << 30))
+
+    def start_worker() -> Proc:
+        w = next(started)
         env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
                "LOCAL_RANK": str(w), "LOCAL_WORLD_SIZE": str(workers_n)}
-        workers.append(Proc(f"worker {w}", command, el.worker_env(env) if el else env))
+        return Proc(f"worker {w}", command, el.worker_env(env) if el else env)
+
+    workers = [start_worker() for _ in range(workers_n)]
     procs += workers
-    return supervise(procs, workers, "gradhub launch", min_workers=el.min_workers if el else None)
+    # An elastic job with --max-workers: a lost worker is replaced (here, on this machine).
+    replace = start_worker if el is not None and el.max_workers is not None else None
+    return supervise(procs, workers, "gradhub launch", min_workers=el.min_workers if el else None,
+                     replace=replace, max_workers=el.max_workers or 0 if el else 0)

@@ -122,10 +122,16 @@ class Losses:
     `least` are still running; otherwise its exit is the job's failure, and
     `fatal` names it and why, when it left too few workers."""
 
-    def __init__(self, workers: list[Proc], least: int):
+    def __init__(self, workers: list[Proc], least: int, replace=None, most: int = 0):
         self.workers, self.least = workers, least
         self.lost: list[Proc] = []
         self.fatal: tuple[Proc, str] | None = None
+        # `replace()` starts a replacement worker (it joins the running job
+        # at its next commit), while fewer than `most` run; at most one per
+        # worker the job started with, so a worker that keeps failing is
+        # not restarted for ever.
+        self.replace, self.most = replace, most
+        self.replacements_left = len(workers) if replace is not None else 0
 
     def update(self, tool: str) -> None:
         """Take in the workers that failed since the last call, in exit order."""
@@ -143,6 +149,12 @@ class Losses:
             self.lost.append(w)
             print(f"{tool}: {w.label} {describe(w.rc)} (lost; the job went on with {running})",
                   file=sys.stderr, flush=True)
+            if self.replacements_left > 0 and running < self.most:
+                self.replacements_left -= 1
+                new = self.replace()
+                self.workers.append(new)
+                print(f"{tool}: started {new.label} to replace {w.label}; it joins at the job's next commit",
+                      file=sys.stderr, flush=True)
 
     def summary(self) -> str:
         done = len(self.workers) - len(self.lost)
@@ -175,14 +187,23 @@ def stopped_on_signals(procs: list[Proc]):
             signal.signal(s, h)
 
 
-def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: int | None = None) -> int:
+def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: int | None = None,
+              replace=None, max_workers: int = 0) -> int:
     """Wait for the workers; stop everything as soon as one process fails (or
     on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0.
     `min_workers`: an elastic job on a shared service the launch started (a
     lost worker does not end it while `min_workers` run: `Losses`; the
-    service does not exit by itself and is stopped once the workers are done)."""
+    service does not exit by itself and is stopped once the workers are done);
+    `replace()`: a new worker's Proc, started for a lost one while fewer
+    than `max_workers` run."""
 
-    losses = Losses(workers, min_workers) if min_workers is not None else None
+    def start_replacement() -> Proc:
+        p = replace()
+        procs.append(p)
+        return p
+
+    losses = (Losses(workers, min_workers, start_replacement if replace is not None else None, max_workers)
+              if min_workers is not None else None)
     with stopped_on_signals(procs):
         while True:
             if losses is not None:
