@@ -35,3 +35,25 @@ def test_an_elastic_job_over_ssh_goes_on_without_a_lost_worker(ssh_hosts, tmp_pa
     while _marked(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _marked(marker) == []
+
+
+def test_over_ssh_a_lost_worker_is_replaced_on_its_host(ssh_hosts, tmp_path):  # noqa: F811
+    a, b = ssh_hosts.hosts["a"], ssh_hosts.hosts["b"]
+    cfg = {"victim": 2, "lose_at": 3, "steps": 8, "step_sleep": 0.05, "final_size": 3}
+    marker = uuid.uuid4().hex
+    p = _launch(ssh_hosts, tmp_path, f"{a.ip}:2,{b.ip}:1", WORKERS / "elastic_train.py", marker,
+                extra=["--min-workers", "2", "--max-workers", "3", "--peer-timeout", "3"], GH_TEST=json.dumps(cfg))
+    try:
+        out, err = p.communicate(timeout=150)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, out[-4000:] + err[-4000:]
+    assert f"gradhub launch: started worker 3@{b.ip} to replace worker 2@{b.ip}" in err, err
+    for w in (f"0@{a.ip}", f"1@{a.ip}", f"3@{b.ip}"):
+        assert f"[worker {w}] PASS" in out, out[-4000:]
+    assert out.count("SIZE 3 ") == 3, out[-4000:]
+    deadline = time.monotonic() + 30
+    while _marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _marked(marker) == []

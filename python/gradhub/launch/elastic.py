@@ -36,9 +36,8 @@ def add_args(lp) -> None:
                    "fail (1 <= M <= -w)")
     g.add_argument("--max-workers", type=int, default=None, metavar="X",
                    help="the most workers the elastic job may have (default: -w), given to the workers as "
-                   "GRADHUB_MAX_WORKERS. Given, a lost worker is replaced while fewer run (at most once per "
-                   "starting worker; on this machine, not over SSH yet): the replacement joins at the job's next "
-                   "commit")
+                   "GRADHUB_MAX_WORKERS. Given, a lost worker is replaced (on its host) while fewer run, at most "
+                   "once per starting worker: the replacement joins at the job's next commit")
 
 
 def check(args, workers: int) -> str | None:

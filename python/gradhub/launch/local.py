@@ -95,7 +95,7 @@ def launch_local(args, command: list[str]) -> int:
         return rc
     started = iter(range(1 << 30))
 
-    def start_worker() -> Proc:
+    def start_worker(_lost: Proc | None = None) -> Proc:
         w = next(started)
         env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
                "LOCAL_RANK": str(w), "LOCAL_WORLD_SIZE": str(workers_n)}

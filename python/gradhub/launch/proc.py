@@ -126,7 +126,7 @@ class Losses:
         self.workers, self.least = workers, least
         self.lost: list[Proc] = []
         self.fatal: tuple[Proc, str] | None = None
-        # `replace()` starts a replacement worker (it joins the running job
+        # `replace(lost)` starts a replacement worker (it joins the running job
         # at its next commit), while fewer than `most` run; at most one per
         # worker the job started with, so a worker that keeps failing is
         # not restarted for ever.
@@ -151,7 +151,7 @@ class Losses:
                   file=sys.stderr, flush=True)
             if self.replacements_left > 0 and running < self.most:
                 self.replacements_left -= 1
-                new = self.replace()
+                new = self.replace(w)
                 self.workers.append(new)
                 print(f"{tool}: started {new.label} to replace {w.label}; it joins at the job's next commit",
                       file=sys.stderr, flush=True)
@@ -194,11 +194,11 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
     `min_workers`: an elastic job on a shared service the launch started (a
     lost worker does not end it while `min_workers` run: `Losses`; the
     service does not exit by itself and is stopped once the workers are done);
-    `replace()`: a new worker's Proc, started for a lost one while fewer
+    `replace(lost)`: a new worker's Proc, started for `lost` while fewer
     than `max_workers` run."""
 
-    def start_replacement() -> Proc:
-        p = replace()
+    def start_replacement(lost: Proc) -> Proc:
+        p = replace(lost)
         procs.append(p)
         return p
 

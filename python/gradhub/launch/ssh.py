@@ -208,4 +208,15 @@ def launch_ssh(args, command: list[str]) -> int:
         workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command,
                                   el.worker_env(env) if el else env))
     procs += workers
-    return supervise(procs, workers, tool, min_workers=el.min_workers if el else None)
+    more = iter(range(len(slots), 1 << 30))
+
+    def replace(lost: Proc) -> Proc:
+        """A new worker on the lost one's host (an elastic job's local ranks are the scheduler's)."""
+        host = lost.label.split("@", 1)[1]
+        rank = next(more)
+        env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank)}
+        return RemoteProc(f"worker {rank}@{host}", ssh, host, command, el.worker_env(env))
+
+    return supervise(procs, workers, tool, min_workers=el.min_workers if el else None,
+                     replace=replace if el is not None and el.max_workers is not None else None,
+                     max_workers=el.max_workers or 0 if el else 0)
