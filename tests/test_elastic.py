@@ -109,14 +109,16 @@ def test_the_elastic_fault_campaign_quick_mode(tmp_path):
     assert all(row["recovery_median_s"] is not None for row in s["by_fault"].values()), s
 
 
-def test_torchrun_max_restarts_forms_a_fresh_job():
-    # torchrun restarts every worker after one fails: the restarted group is
-    # a fresh job (its own embedded scheduler and token), not the dead one's.
+@pytest.mark.parametrize("victim", [0, 1], ids=["the-scheduler-host", "another"])
+def test_torchrun_max_restarts_forms_a_fresh_job(victim):
+    # torchrun restarts every worker after one fails (rank 0 hosts the job's
+    # scheduler): the restarted group is a fresh job (its own embedded
+    # scheduler and token), not the dead one's.
     import subprocess
 
     from conftest import free_port, job_env
 
-    env = job_env()
+    env = job_env(GH_VICTIM_RANK=victim)
     for k in ("GRADHUB_SCHEDULER", "GRADHUB_JOB_TOKEN", "GRADHUB_NUM_WORKERS", "GRADHUB_NUM_SERVERS"):
         env.pop(k, None)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
