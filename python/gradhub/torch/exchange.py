@@ -20,18 +20,14 @@ from typing import Any, Callable
 import torch
 
 from .. import GradhubTimeoutError
-from .. import api as _api
 from ..api import derive_name as _derive
+from . import agreement as _agree
 from .compression import Compression
 from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op, _track
 from .process_sets import ProcessSet, _resolve, global_process_set
 
 
 # ---------------------------------------------------------------- handles
-
-
-_in_flight: set[str] = set()  # explicit names of these operations now running on this worker
-_in_flight_lock = threading.Lock()
 
 
 class _ThreadHandle(Handle):
@@ -42,13 +38,7 @@ class _ThreadHandle(Handle):
 
     def __init__(self, fn: Callable[[], Any], name: str):
         super().__init__(None, lambda: None, name)
-        claimed = not isinstance(name, _api.AutoName)
-        if claimed:
-            with _in_flight_lock:
-                if name in _in_flight:
-                    raise ValueError(f"'{name}' is already in flight on this worker: as in Horovod, an operation's "
-                                     "name must not be reused before the previous one completed")
-                _in_flight.add(name)
+        token = _agree.claim(name)
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -60,9 +50,7 @@ class _ThreadHandle(Handle):
                 self._value = fn()
             except BaseException as e:  # handed to whoever waits
                 self._error = e
-            if claimed:
-                with _in_flight_lock:
-                    _in_flight.discard(name)
+            _agree.release(name, token)
             with self._cb_lock:
                 self._event.set()
                 callbacks, self._callbacks = self._callbacks, []
