@@ -23,7 +23,7 @@ from .. import GradhubTimeoutError
 from ..api import derive_name as _derive
 from . import agreement as _agree
 from .compression import Compression
-from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op, _track
+from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _group, _held, _reduce_async, _resolve_op, _track
 from .process_sets import ProcessSet, _resolve, global_process_set
 
 
@@ -151,21 +151,26 @@ def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_reducescatter")
-    return _track(_GroupHandle([_reducescatter_async(t, op, _derive(base, f".{i}"), ps, prescale_factor,
-                                                     postscale_factor) for i, t in enumerate(tensors)], base))
+    return _track(_group(base, base, [lambda i=i, t=t: _reducescatter_async(t, op, _derive(base, f".{i}"), ps,
+                                                                            prescale_factor, postscale_factor)
+                                      for i, t in enumerate(tensors)]))
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_reducescatter")
-    out = []
-    for i, t in enumerate(tensors):
-        n = _derive(base, f".{i}")
-        out.append(_ReducescatterFn.apply(t, _check_scatter_op(op), n, prescale_factor, postscale_factor, ps)
-                   if t.requires_grad and torch.is_grad_enabled() else
-                   _reducescatter_async(t, op, n, ps, prescale_factor, postscale_factor).wait())
-    return out
+
+    def run():
+        out = []
+        for i, t in enumerate(tensors):
+            n = _derive(base, f".{i}")
+            out.append(_ReducescatterFn.apply(t, _check_scatter_op(op), n, prescale_factor, postscale_factor, ps)
+                       if t.requires_grad and torch.is_grad_enabled() else
+                       _reducescatter_async(t, op, n, ps, prescale_factor, postscale_factor).wait())
+        return out
+
+    return _held(base, run)
 
 
 # ---------------------------------------------------------------- allgather (grouped, async)

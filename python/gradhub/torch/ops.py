@@ -389,8 +389,42 @@ class _GroupHandle(Handle):
 
 
 def _group_names(tensors, name, kind, ps):
+    """The group's name and its members' (`<group>.<i>`)."""
     base = ps._name(name, kind)
-    return [_derive(base, f".{i}") for i in range(len(tensors))]
+    return base, [_derive(base, f".{i}") for i in range(len(tensors))]
+
+
+def _group(base: str, name: str, starts) -> _GroupHandle:
+    """A grouped operation under `base`: held as one name from the call
+    until every member is in, so a second group under it raises before any
+    of its members starts (a member whose predecessor completed could
+    otherwise start alone and wait forever for the other workers)."""
+    token = _agree.claim(base)
+    try:
+        g = _GroupHandle([start() for start in starts], name)
+    except BaseException:
+        _agree.release(base, token)
+        raise
+    finish = g._finish
+
+    def finished():
+        try:
+            return finish()
+        finally:
+            _agree.release(base, token)
+
+    g._finish = finished
+    _agree.release_when_done(base, token, [g])
+    return g
+
+
+def _held(base: str, run):
+    """`run()` with the name `base` held (a synchronous grouped operation)."""
+    token = _agree.claim(base)
+    try:
+        return run()
+    finally:
+        _agree.release(base, token)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -398,10 +432,11 @@ def grouped_allreduce_async(tensors, average=None, name=None, compression=Compre
     """Reduce a list of tensors together; `synchronize` returns the list of results."""
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    names = _group_names(tensors, name, "grouped_allreduce", ps)
-    return _track(_GroupHandle([_reduce_async(t, n, op, priority, compression, None, prescale_factor,
-                                              postscale_factor, ps, check=True)
-                                for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce"))
+    base, names = _group_names(tensors, name, "grouped_allreduce", ps)
+    return _track(_group(base, names[0] if names else "grouped_allreduce",
+                         [lambda t=t, n=n: _reduce_async(t, n, op, priority, compression, None, prescale_factor,
+                                                         postscale_factor, ps, check=True)
+                          for t, n in zip(tensors, names)]))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -410,13 +445,13 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     (differentiable like allreduce)."""
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    names = _group_names(tensors, name, "grouped_allreduce", ps)
+    base, names = _group_names(tensors, name, "grouped_allreduce", ps)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [_allreduce(t, n, op, compression, prescale_factor, postscale_factor, ps)
-                for t, n in zip(tensors, names)]
-    handles = [_reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps, check=True)
-               for t, n in zip(tensors, names)]
-    return [h.wait() for h in handles]
+        return _held(base, lambda: [_allreduce(t, n, op, compression, prescale_factor, postscale_factor, ps)
+                                    for t, n in zip(tensors, names)])
+    return _group(base, base, [lambda t=t, n=n: _reduce_async(t, n, op, 0, compression, None, prescale_factor,
+                                                              postscale_factor, ps, check=True)
+                               for t, n in zip(tensors, names)]).wait()
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -426,10 +461,11 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = _resolve_op(average, op)
     for t in tensors:
         _check_inplace(t, "grouped_allreduce_")
-    names = _group_names(tensors, name, "grouped_allreduce", ps)
-    return _track(_GroupHandle([_reduce_async(t, n, op, priority, compression, t, prescale_factor,
-                                              postscale_factor, ps, check=True)
-                                for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce"))
+    base, names = _group_names(tensors, name, "grouped_allreduce", ps)
+    return _track(_group(base, names[0] if names else "grouped_allreduce",
+                         [lambda t=t, n=n: _reduce_async(t, n, op, priority, compression, t, prescale_factor,
+                                                         postscale_factor, ps, check=True)
+                          for t, n in zip(tensors, names)]))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
