@@ -197,8 +197,9 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_allgather")
-    return [_AllgatherFn.apply(t, _derive(base, f".{i}"), ps) if t.requires_grad and torch.is_grad_enabled()
-            else _allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(tensors)]
+    return _held(base, lambda: [_AllgatherFn.apply(t, _derive(base, f".{i}"), ps)
+                                if t.requires_grad and torch.is_grad_enabled()
+                                else _allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(tensors)])
 
 
 # ---------------------------------------------------------------- alltoall
@@ -282,8 +283,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     ps = _resolve(process_set)
     name = ps._name(name, "alltoall")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AlltoallFn.apply(tensor, splits, name, ps)
-    out, received = _alltoall_impl(tensor, _send_counts(tensor, splits, ps.size()), name, ps)
+        return _held(name, lambda: _AlltoallFn.apply(tensor, splits, name, ps))
+    out, received = _held(name, lambda: _alltoall_impl(tensor, _send_counts(tensor, splits, ps.size()), name, ps))
     return out if splits is None else (out, received)
 
 

@@ -668,8 +668,8 @@ def allgather(tensor, name=None, process_set=None):
     ps = _resolve(process_set)
     name = ps._name(name, "allgather")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherFn.apply(tensor, name, ps)
-    return _allgather_impl(tensor, name, ps)[0]
+        return _held(name, lambda: _AllgatherFn.apply(tensor, name, ps))
+    return _held(name, lambda: _allgather_impl(tensor, name, ps)[0])
 
 
 # ---------------------------------------------------------------- objects and models
