@@ -511,12 +511,3 @@ def test_autotune_file_from_another_job_or_unreadable_is_tuned_again(tmp_path, c
     path.write_text("{not json")
     assert autotune.load(str(path), job, 256 << 10) is None
     assert "cannot use" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("workers", [2, 3])
-def test_horovod_edges_error_types_scaling_gradients_sparse_join_barrier(workers):
-    # Horovod's own expectations (issue 29): error types, integer scaling,
-    # reducescatter's gradient, optimizer details, sparse, disagreements,
-    # barrier after operations in flight, join.
-    rc, out = run_launch(workers, 2, "torch_horovod_edges.py", timeout=180)
-    assert_all_passed(rc, out, workers)

@@ -52,10 +52,14 @@ for catch in (RuntimeError, ValueError):
     raises(catch, lambda: hvd.reducescatter(torch.ones(n * 2, 6) if r else torch.ones(n * 6, 2)), "shapes")
 assert torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)))
 # Two allgather_async under one name in flight: a ValueError (Horovod's), before anything is sent.
+# Worker 0 starts the first only after the others tried the second (the
+# reduction between), so theirs cannot have completed.
+if r != 0:
+    h = hvd.allgather_async(torch.ones(1, 2), name="dup")
+    raises(ValueError, lambda: hvd.allgather_async(torch.ones(1, 2), name="dup"), "already in flight")
+hvd.allreduce(torch.zeros(1))
 if r == 0:
-    time.sleep(0.3)  # the others' first can not complete before this worker's second call
-h = hvd.allgather_async(torch.ones(1, 2), name="dup")
-raises(ValueError, lambda: hvd.allgather_async(torch.ones(1, 2), name="dup"), "already in flight")
+    h = hvd.allgather_async(torch.ones(1, 2), name="dup")
 assert hvd.synchronize(h).shape == (n, 2)
 hvd.synchronize(hvd.allgather_async(torch.ones(1, 2), name="dup"))  # free again once done
 

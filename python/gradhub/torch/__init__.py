@@ -72,7 +72,15 @@ from .sync_batch_norm import SyncBatchNorm
 def init(*args, process_sets=None, **kwargs):
     """Join the job (see gradhub.init). `process_sets`: as in Horovod, a list
     of ProcessSets (or rank lists) to register at once, on every worker, or
-    "dynamic" (accepted; add_process_set always works)."""
+    "dynamic" (accepted; add_process_set always works).
+
+    As Horovod's, a second init() in a running job changes nothing (scripts
+    and wrappers such as Lightning call it more than once): the process sets
+    registered stay, and of `process_sets` only those not registered yet
+    are added."""
+    if is_initialized():
+        _setup(process_sets, only_new=True)
+        return
     _init(*args, **kwargs)
     _reset()
     _setup(process_sets)

@@ -13,24 +13,21 @@ asynchronously, so `poll()` is honest.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from typing import Any, Callable
 
 import torch
 
 from .. import GradhubTimeoutError
-from .. import api as _api
 from ..api import derive_name as _derive
+from . import agreement as _agree
 from .compression import Compression
-from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _GroupHandle, _reduce_async, _resolve_op, _track
+from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _group, _held, _reduce_async, _resolve_op, _track
 from .process_sets import ProcessSet, _resolve, global_process_set
 
 
 # ---------------------------------------------------------------- handles
-
-
-_in_flight: set[str] = set()  # explicit names of these operations now running on this worker
-_in_flight_lock = threading.Lock()
 
 
 class _ThreadHandle(Handle):
@@ -41,13 +38,7 @@ class _ThreadHandle(Handle):
 
     def __init__(self, fn: Callable[[], Any], name: str):
         super().__init__(None, lambda: None, name)
-        claimed = not isinstance(name, _api.AutoName)
-        if claimed:
-            with _in_flight_lock:
-                if name in _in_flight:
-                    raise ValueError(f"'{name}' is already in flight on this worker: as in Horovod, an operation's "
-                                     "name must not be reused before the previous one completed")
-                _in_flight.add(name)
+        token = _agree.claim(name)
         self._event = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
@@ -59,9 +50,7 @@ class _ThreadHandle(Handle):
                 self._value = fn()
             except BaseException as e:  # handed to whoever waits
                 self._error = e
-            if claimed:
-                with _in_flight_lock:
-                    _in_flight.discard(name)
+            _agree.release(name, token)
             with self._cb_lock:
                 self._event.set()
                 callbacks, self._callbacks = self._callbacks, []
@@ -162,21 +151,26 @@ def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=glob
                                 prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_reducescatter")
-    return _track(_GroupHandle([_reducescatter_async(t, op, _derive(base, f".{i}"), ps, prescale_factor,
-                                                     postscale_factor) for i, t in enumerate(tensors)], base))
+    return _track(_group(base, base, [lambda i=i, t=t: _reducescatter_async(t, op, _derive(base, f".{i}"), ps,
+                                                                            prescale_factor, postscale_factor)
+                                      for i, t in enumerate(tensors)]))
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0) -> list:
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_reducescatter")
-    out = []
-    for i, t in enumerate(tensors):
-        n = _derive(base, f".{i}")
-        out.append(_ReducescatterFn.apply(t, _check_scatter_op(op), n, prescale_factor, postscale_factor, ps)
-                   if t.requires_grad and torch.is_grad_enabled() else
-                   _reducescatter_async(t, op, n, ps, prescale_factor, postscale_factor).wait())
-    return out
+
+    def run():
+        out = []
+        for i, t in enumerate(tensors):
+            n = _derive(base, f".{i}")
+            out.append(_ReducescatterFn.apply(t, _check_scatter_op(op), n, prescale_factor, postscale_factor, ps)
+                       if t.requires_grad and torch.is_grad_enabled() else
+                       _reducescatter_async(t, op, n, ps, prescale_factor, postscale_factor).wait())
+        return out
+
+    return _held(base, run)
 
 
 # ---------------------------------------------------------------- allgather (grouped, async)
@@ -203,28 +197,45 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
     ps = _resolve(process_set)
     base = ps._name(name, "grouped_allgather")
-    return [_AllgatherFn.apply(t, _derive(base, f".{i}"), ps) if t.requires_grad and torch.is_grad_enabled()
-            else _allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(tensors)]
+    return _held(base, lambda: [_AllgatherFn.apply(t, _derive(base, f".{i}"), ps)
+                                if t.requires_grad and torch.is_grad_enabled()
+                                else _allgather_impl(t, _derive(base, f".{i}"), ps)[0] for i, t in enumerate(tensors)])
 
 
 # ---------------------------------------------------------------- alltoall
 
 
-def _alltoall_impl(tensor: torch.Tensor, splits, name: str, ps: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
-    n, r = ps.size(), ps.rank()
-    t = tensor.detach().contiguous()
-    if t.dim() == 0:
+def _send_counts(tensor: torch.Tensor, splits, n: int) -> list[int]:
+    """The rows of `tensor` for each of the `n` members, checked before
+    anything is sent (so alltoall_async raises at the call, as Horovod's):
+    an even split of dim 0, or `splits`, integers only (Horovod's are int32;
+    a floating or bool tensor is its ValueError)."""
+    if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
-        if t.shape[0] % n:
+        if tensor.shape[0] % n:
             raise ValueError(f"alltoall without splits needs a first dimension divisible by the {n} workers, "
-                             f"not {t.shape[0]}")
-        send = [t.shape[0] // n] * n
+                             f"not {tensor.shape[0]}")
+        return [tensor.shape[0] // n] * n
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise ValueError(f"alltoall splits must be integers (int32, as in Horovod), not {splits.dtype}")
+        send = [int(x) for x in splits.reshape(-1).tolist()]
+    elif all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in splits):
+        send = [int(x) for x in splits]
     else:
-        send = [int(x) for x in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(send) != n or any(x < 0 for x in send) or sum(send) != t.shape[0]:
-            raise ValueError(f"alltoall splits {send} must be {n} non-negative row counts summing to the first "
-                             f"dimension, {t.shape[0]}")
+        raise ValueError(f"alltoall splits must be integers, not {list(splits)}")
+    if len(send) != n or any(x < 0 for x in send) or sum(send) != tensor.shape[0]:
+        raise ValueError(f"alltoall splits {send} must be {n} non-negative row counts summing to the first "
+                         f"dimension, {tensor.shape[0]}")
+    return send
+
+
+def _alltoall_impl(tensor: torch.Tensor, send: list[int], name: str, ps: ProcessSet) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """`send`: this member's row counts for each member (`_send_counts`)."""
+    n, r = ps.size(), ps.rank()
+    t = tensor.detach().contiguous()
     # Every worker's splits (row q: what worker q sends to each), then every
     # worker's rows, concatenated in rank order.
     matrix = _allgather_impl(torch.tensor([send], dtype=torch.int64), _derive(name, ".splits"), ps)[0]
@@ -243,13 +254,14 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """alltoall in the background; `synchronize` returns (output, received splits)."""
     ps = _resolve(process_set)
     name = ps._name(name, "alltoall")
-    return _track(_ThreadHandle(lambda: _alltoall_impl(tensor, splits, name, ps), name))
+    send = _send_counts(tensor, splits, ps.size())
+    return _track(_ThreadHandle(lambda: _alltoall_impl(tensor, send, name, ps), name))
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, ps):
-        out, received = _alltoall_impl(tensor, splits, name, ps)
+        out, received = _alltoall_impl(tensor, _send_counts(tensor, splits, ps.size()), name, ps)
         ctx.received, ctx.name, ctx.ps = received, name, ps
         if splits is None:
             return out
@@ -259,7 +271,7 @@ class _AlltoallFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         # The rows go back where they came from.
-        g, _ = _alltoall_impl(grad.contiguous(), ctx.received, _derive(ctx.name, ".grad"), ctx.ps)
+        g, _ = _alltoall_impl(grad.contiguous(), ctx.received.tolist(), _derive(ctx.name, ".grad"), ctx.ps)
         return g, None, None, None
 
 
@@ -271,8 +283,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     ps = _resolve(process_set)
     name = ps._name(name, "alltoall")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AlltoallFn.apply(tensor, splits, name, ps)
-    out, received = _alltoall_impl(tensor, splits, name, ps)
+        return _held(name, lambda: _AlltoallFn.apply(tensor, splits, name, ps))
+    out, received = _held(name, lambda: _alltoall_impl(tensor, _send_counts(tensor, splits, ps.size()), name, ps))
     return out if splits is None else (out, received)
 
 

@@ -21,9 +21,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import _env
 from .. import api as _api
-from ..api import GradhubError, GradhubMismatchError
+from ..api import GradhubMismatchError
+from . import agreement as _agree
 from . import local_stage as _local_stage
 from .compression import Compression
 from .process_sets import ProcessSet, _resolve, global_process_set
@@ -240,64 +240,27 @@ def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
     return (t.double() * factor).to(t.dtype) if not t.dtype.is_floating_point else t * factor
 
 
-# GRADHUB_SHAPE_CHECK=0 (the same on every worker) drops the check below,
-# for scripts of many small allreduces that need the latency (docs/torch.md).
-_SHAPE_CHECK = _env.get("GRADHUB_SHAPE_CHECK")
-
-
-def _start_shape_check(tensors, name: str, ps: ProcessSet):
-    """Horovod's check that every worker reduces the same shapes and dtypes
-    under a name: the core compares element counts only. One more round of
-    `size` int64s (each worker's signature in its slot), started beside the
-    data; returns what to call once the data is in (raises on every worker
-    alike). Public collectives only: DistributedOptimizer's gradients were
-    declared, sizes and dtypes, at its construction."""
-    n, r = ps.size(), ps.rank()
-    if n == 1 or not _SHAPE_CHECK:
-        return None
-    mine = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
-    sig = torch.zeros(n, dtype=torch.int64)
-    sig[r] = zlib.crc32(mine.encode()) + 1  # never 0: a worker in join() adds zeros
-    # Named as its operation's part: freed after its round if the name was
-    # generated, held like the data tensor (until released) if not.
-    h = ps._push_pull_async(sig, _derive(name, ".shape"), False)
-
-    def check():
-        h.wait()
-        odd = ((sig != sig[r]) & (sig != 0)).nonzero().flatten().tolist()
-        if odd:
-            raise GradhubMismatchError(
-                f"'{name}': workers reduce different shapes or dtypes under one name: worker {_api.rank()} has "
-                f"{mine[1:-1]}, worker{'s' if len(odd) > 1 else ''} {', '.join(str(ps._members()[q]) for q in odd)} "
-                "another (as in Horovod, every worker must give the same shape and dtype)")
-
-    return check
-
-
-def _after(h: Handle, check) -> Handle:
-    """`h`, whose result is given only once `check()` passed."""
-    if check is not None:
-        finish = h._finish
-
-        def checked():
-            check()
-            return finish()
-
-        h._finish = checked
-    return h
-
-
 def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, prescale: float,
                   postscale: float, ps: ProcessSet = global_process_set, check: bool = False) -> Handle:
     """allreduce(_async)(_)'s one path: summed (averaged) on the servers, or
     gathered and reduced here (Min, Max, Product), scaled before and after.
-    `check`: Horovod's shape check across workers (public collectives)."""
-    check = _start_shape_check([tensor], name, ps) if check else None
+    `check` (public collectives): the name is held while in flight, and
+    Horovod's shape check across workers runs beside the data."""
+    token = _agree.claim(name) if check else None
+    try:
+        shape = _agree.start_shape_check([tensor], name, ps) if check else None
+    except BaseException:
+        _agree.release(name, token)
+        raise
+    check, shape_h = shape if shape is not None else (None, None)
     if op in _GATHERED:
-        t = _scaled(tensor.detach(), prescale).reshape(1, -1)
-        gathered = _allgather_impl(t, name, ps)[0]
-        if check is not None:
-            check()
+        try:
+            t = _scaled(tensor.detach(), prescale).reshape(1, -1)
+            gathered = _allgather_impl(t, name, ps)[0]
+            if check is not None:
+                check()
+        finally:
+            _agree.release(name, token)
         out = _scaled(_GATHERED[op](gathered).to(tensor.dtype), postscale).view_as(tensor)
         if inplace_target is not None:
             inplace_target.copy_(out)
@@ -312,19 +275,30 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
         if inplace_target is not None:
             inplace_target.copy_(tensor)
             tensor = inplace_target
-    h = _after(_push_pull_async(tensor, name, op is Average, priority, compression, inplace_target, ps), check)
-    if postscale == 1.0:
-        return h
+    try:
+        h = _agree.after(_push_pull_async(tensor, name, op is Average, priority, compression, inplace_target, ps),
+                         check)
+    except BaseException:
+        _agree.release(name, token)
+        raise
     finish = h._finish
 
-    def scaled():
-        out = finish()
-        if inplace_target is not None:
-            out.copy_(_scaled(out, postscale))
-            return out
-        return _scaled(out, postscale)
+    def finished():
+        try:
+            out = finish()
+            if postscale == 1.0:
+                return out
+            if inplace_target is not None:
+                out.copy_(_scaled(out, postscale))
+                return out
+            return _scaled(out, postscale)
+        finally:
+            _agree.release(name, token)  # every round is in: the name is free for the caller's next operation
 
-    h._finish = scaled
+    if token is None and postscale == 1.0:
+        return h  # nothing to add (the optimizer's gradients with a predivide factor come this way)
+    h._finish = finished
+    _agree.release_when_done(name, token, [h] if shape_h is None else [h, shape_h])
     return h
 
 
@@ -415,8 +389,42 @@ class _GroupHandle(Handle):
 
 
 def _group_names(tensors, name, kind, ps):
+    """The group's name and its members' (`<group>.<i>`)."""
     base = ps._name(name, kind)
-    return [_derive(base, f".{i}") for i in range(len(tensors))]
+    return base, [_derive(base, f".{i}") for i in range(len(tensors))]
+
+
+def _group(base: str, name: str, starts) -> _GroupHandle:
+    """A grouped operation under `base`: held as one name from the call
+    until every member is in, so a second group under it raises before any
+    of its members starts (a member whose predecessor completed could
+    otherwise start alone and wait forever for the other workers)."""
+    token = _agree.claim(base)
+    try:
+        g = _GroupHandle([start() for start in starts], name)
+    except BaseException:
+        _agree.release(base, token)
+        raise
+    finish = g._finish
+
+    def finished():
+        try:
+            return finish()
+        finally:
+            _agree.release(base, token)
+
+    g._finish = finished
+    _agree.release_when_done(base, token, [g])
+    return g
+
+
+def _held(base: str, run):
+    """`run()` with the name `base` held (a synchronous grouped operation)."""
+    token = _agree.claim(base)
+    try:
+        return run()
+    finally:
+        _agree.release(base, token)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -424,10 +432,11 @@ def grouped_allreduce_async(tensors, average=None, name=None, compression=Compre
     """Reduce a list of tensors together; `synchronize` returns the list of results."""
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    names = _group_names(tensors, name, "grouped_allreduce", ps)
-    return _track(_GroupHandle([_reduce_async(t, n, op, priority, compression, None, prescale_factor,
-                                              postscale_factor, ps, check=True)
-                                for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce"))
+    base, names = _group_names(tensors, name, "grouped_allreduce", ps)
+    return _track(_group(base, names[0] if names else "grouped_allreduce",
+                         [lambda t=t, n=n: _reduce_async(t, n, op, priority, compression, None, prescale_factor,
+                                                         postscale_factor, ps, check=True)
+                          for t, n in zip(tensors, names)]))
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -436,13 +445,13 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     (differentiable like allreduce)."""
     ps = _resolve(process_set)
     op = _resolve_op(average, op)
-    names = _group_names(tensors, name, "grouped_allreduce", ps)
+    base, names = _group_names(tensors, name, "grouped_allreduce", ps)
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [_allreduce(t, n, op, compression, prescale_factor, postscale_factor, ps)
-                for t, n in zip(tensors, names)]
-    handles = [_reduce_async(t, n, op, 0, compression, None, prescale_factor, postscale_factor, ps, check=True)
-               for t, n in zip(tensors, names)]
-    return [h.wait() for h in handles]
+        return _held(base, lambda: [_allreduce(t, n, op, compression, prescale_factor, postscale_factor, ps)
+                                    for t, n in zip(tensors, names)])
+    return _group(base, base, [lambda t=t, n=n: _reduce_async(t, n, op, 0, compression, None, prescale_factor,
+                                                              postscale_factor, ps, check=True)
+                               for t, n in zip(tensors, names)]).wait()
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -452,10 +461,11 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     op = _resolve_op(average, op)
     for t in tensors:
         _check_inplace(t, "grouped_allreduce_")
-    names = _group_names(tensors, name, "grouped_allreduce", ps)
-    return _track(_GroupHandle([_reduce_async(t, n, op, priority, compression, t, prescale_factor,
-                                              postscale_factor, ps, check=True)
-                                for t, n in zip(tensors, names)], names[0] if names else "grouped_allreduce"))
+    base, names = _group_names(tensors, name, "grouped_allreduce", ps)
+    return _track(_group(base, names[0] if names else "grouped_allreduce",
+                         [lambda t=t, n=n: _reduce_async(t, n, op, priority, compression, t, prescale_factor,
+                                                         postscale_factor, ps, check=True)
+                          for t, n in zip(tensors, names)]))
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -499,6 +509,7 @@ def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_pr
         raise ValueError(f"root_rank {root_rank} is out of range for {_api.size()} workers" if ps._is_global() else
                          f"root_rank {root_rank} is not in {ps!r}")
     n, me = len(members), ps.rank()
+    token = _agree.claim(name)
     src = tensor.detach()
     if src.dtype in _NATIVE:
         buf = src.contiguous().clone()
@@ -514,13 +525,19 @@ def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_pr
     roots = torch.zeros((n, 2), dtype=torch.int64)
     roots[me, 0] = root_rank + 1
     roots[me, 1] = zlib.crc32(f"{tuple(src.shape)} {src.dtype}".encode())
-    roots_h = ps._push_pull_async(roots, _derive(name, ".root"), False)
-    # Only the root's bytes travel: the others push zeros, header only.
-    h = ps._push_pull_async(buf, name, False, live=None if _api.rank() == root_rank else (0, 0))
+    try:
+        roots_h = ps._push_pull_async(roots, _derive(name, ".root"), False)
+        # Only the root's bytes travel: the others push zeros, header only.
+        h = ps._push_pull_async(buf, name, False, live=None if _api.rank() == root_rank else (0, 0))
+    except BaseException:
+        _agree.release(name, token)
+        raise
+    _agree.release_when_done(name, token, [roots_h, h])
 
     def finish():
         roots_h.wait()
-        _check_none_joined(roots[:, 0] != 0, "broadcast", name, members)
+        _agree.release(name, token)
+        _agree.check_none_joined(roots[:, 0] != 0, "broadcast", name, members)
         if bool((roots[:, 0] != root_rank + 1).any()):
             raise GradhubMismatchError(f"broadcast '{name}': workers disagree on the root rank: "
                                        + ", ".join(f"worker {members[q]} says {int(x) - 1}"
@@ -581,17 +598,6 @@ def broadcast_(tensor, root_rank, name=None, process_set=None):
 # ---------------------------------------------------------------- allgather
 
 
-def _check_none_joined(present: torch.Tensor, what: str, name: str, members: list[int]) -> None:
-    """As Horovod: a broadcast or allgather while a worker is in join() is an
-    error on the others (a worker in join() pushed zeros: not `present`)."""
-    if not bool(present.all()):
-        gone = [members[q] for q in (~present).nonzero().flatten().tolist()]
-        raise GradhubError(f"{what} '{name}': worker{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} "
-                           "joined (join()): as in Horovod, only allreduce (and the optimizer's gradients) take part "
-                           "in join; call join() on this worker too")
-
-
-
 def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set,
                     priority: int = 0) -> tuple[torch.Tensor, list[int]]:
     """Every member's `tensor` concatenated in rank order (of the set), and
@@ -608,7 +614,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     ps._push_pull_async(meta, _derive(name, ".counts"), False, priority).wait()
     # A worker in join() adds a row of zeros (the checksum, plus one, is
     # never 0): as in Horovod, the others raise.
-    _check_none_joined(meta.ne(0).any(1), "allgather", name, ps._members())
+    _agree.check_none_joined(meta.ne(0).any(1), "allgather", name, ps._members())
     if not bool((meta[:, 1:] == meta[r, 1:]).all()):
         qi = int((meta[:, 1:] != meta[r, 1:]).any(1).nonzero()[0])
         q = ps._members()[qi]
@@ -662,8 +668,8 @@ def allgather(tensor, name=None, process_set=None):
     ps = _resolve(process_set)
     name = ps._name(name, "allgather")
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherFn.apply(tensor, name, ps)
-    return _allgather_impl(tensor, name, ps)[0]
+        return _held(name, lambda: _AllgatherFn.apply(tensor, name, ps))
+    return _held(name, lambda: _allgather_impl(tensor, name, ps)[0])
 
 
 # ---------------------------------------------------------------- objects and models

@@ -161,13 +161,24 @@ def remove_process_set(process_set) -> bool:
     return True
 
 
-def _setup(process_sets) -> None:
+def _setup(process_sets, only_new: bool = False) -> None:
     """`init(process_sets=...)`: a list of sets (or rank lists) to register
-    now, or "dynamic" (Horovod's switch for add_process_set; always on here)."""
+    now, or "dynamic" (Horovod's switch for add_process_set; always on here).
+    `only_new` (a second init()): skip the sets registered already."""
     if process_sets is None or process_sets == "dynamic":
         return
     for ps in process_sets:
+        if only_new and _registered(ps):
+            continue
         add_process_set(ps)
+
+
+def _registered(process_set) -> bool:
+    """Whether `process_set` (a ProcessSet or a rank list) is registered."""
+    if isinstance(process_set, ProcessSet):
+        return _sets.get(process_set.process_set_id) is process_set
+    ranks = sorted(int(r) for r in process_set)
+    return any(ps.ranks == ranks for ps in _sets.values())
 
 
 def _reset() -> None:
