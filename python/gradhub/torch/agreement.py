@@ -51,6 +51,13 @@ def release(name: str, token: object | None) -> None:
             del _in_flight[name]
 
 
+def forget_all() -> None:
+    """A new job (an elastic job's next generation): nothing is in flight
+    in it, whatever the failed generation left held."""
+    with _in_flight_lock:
+        _in_flight.clear()
+
+
 def release_when_done(name: str, token: object | None, handles: list) -> None:
     """Free `name` once every round in `handles` (objects with
     `add_done_callback`) has finished, also when nobody waits for them.

@@ -308,9 +308,10 @@ def _reset(cause: BaseException) -> None:
     prev = _api.rank()
     _api.shutdown()
     _api.new_generation()
-    from . import init, local_stage
+    from . import agreement, init, local_stage
 
     local_stage.forget()
+    agreement.forget_all()
 
     from .optimizer import redeclare_all
 
