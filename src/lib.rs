@@ -34,6 +34,7 @@ pub mod server;
 pub mod session;
 pub mod settings;
 pub mod timeline;
+pub mod training;
 pub mod transport;
 pub mod waits;
 

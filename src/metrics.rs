@@ -28,6 +28,10 @@ pub static FAILOVERS: AtomicU64 = AtomicU64::new(0);
 /// Rounds reported stalled (waiting longer than the stall limit).
 pub static STALLS: AtomicU64 = AtomicU64::new(0);
 
+/// Asynchronous training (`GRADHUB_ASYNC`): the most pushes a worker was
+/// ahead of the slowest pusher of a chunk when it was answered.
+pub static ASYNC_LEAD_MAX: AtomicU64 = AtomicU64::new(0);
+
 pub fn count(c: &AtomicU64) {
     c.fetch_add(1, Relaxed);
 }
@@ -173,6 +177,12 @@ impl Collector for Scrape {
             "lost servers whose chunks moved to others",
             FAILOVERS.load(Relaxed),
         )?;
+        ConstGauge::new(ASYNC_LEAD_MAX.load(Relaxed) as i64).encode(e.encode_descriptor(
+            "gradhub_async_lead_max",
+            "asynchronous mode: the most steps a worker was ahead of the slowest when answered",
+            None,
+            MetricType::Gauge,
+        )?)?;
         process_counter(
             &mut e,
             "gradhub_auth_failures",

@@ -271,7 +271,10 @@ impl PyClient {
     /// generated name, never used again).
     /// `live`: (from, to) bytes outside which the buffer is zeros (pushed as
     /// header-only zero chunks); None: all of it.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None))]
+    /// `asynchronous`: a push of an asynchronous tensor (`GRADHUB_ASYNC`):
+    /// the buffer holds this worker's parameter change (with `init`, its
+    /// parameters) and receives the parameters the servers hold.
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, asynchronous=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -285,8 +288,10 @@ impl PyClient {
         init: bool,
         release_after: bool,
         live: Option<(usize, usize)>,
+        asynchronous: bool,
     ) -> PyResult<PyHandle> {
-        let flags = if average { crate::protocol::FLAG_AVERAGE } else { 0 }
+        let flags = if asynchronous { crate::protocol::FLAG_ASYNC } else { 0 }
+            | if average { crate::protocol::FLAG_AVERAGE } else { 0 }
             | if init { crate::protocol::FLAG_INIT } else { 0 }
             | if release_after { crate::client::RELEASE_AFTER } else { 0 };
         let dtype = dtype_of(dtype)?;

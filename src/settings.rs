@@ -213,6 +213,10 @@ pub static SETTINGS: &[Setting] = &[
         "scheduler: when a server is lost (it dies, or is silent for the peer timeout), its chunks move to the other servers and training goes on with exactly the sums it would have had (see docs/architecture.md, \"Failover\"); 0 (`--no-failover`): a lost server fails the job. With the optimizer on the servers, each chunk's parameters and optimizer state are kept on a second server too (its replica, where the chunk moves), so training goes on with the same parameters; losing a chunk's server and its replica at once, or any server of a one-server job, fails the job with a clear error"),
     setting!("GRADHUB_DETERMINISTIC", Flag, Value(|| flag(SchedulerConfig::default().sum_order.is_deterministic())), MEMBERS,
         "1: every sum (server rounds, the host stage, rack relays; so fused buckets and sufficient factors too) adds the workers' float contributions in rank order whatever order they arrive in, so results are bitwise identical run after run (integers are exact in any order); costs a copy of each push that arrives before its turn (docs/benchmarks.md). The same on every worker, server and the scheduler: a member set otherwise is refused at `init()`"),
+    setting!("GRADHUB_ASYNC", Flag, Value(|| flag(SchedulerConfig::default().training.is_asynchronous())), MEMBERS,
+        "1: the asynchronous mode (BytePS's): the servers hold the parameters of `DistributedOptimizer`'s tensors, apply each worker's parameter change as soon as it arrives and answer that worker alone, so no worker waits for another; no bound on staleness unless `GRADHUB_STALENESS` gives one (docs/torch.md, \"Training modes\"). The same on every worker, server and the scheduler: a member set otherwise is refused at `init()`"),
+    setting!("GRADHUB_STALENESS", Int, Unset("no bound"), MEMBERS,
+        "with `GRADHUB_ASYNC=1`: a worker more than this many steps ahead of the slowest worker waits for it (stale-synchronous training; 0: every step waits for every worker). The same on every member"),
     setting!("GRADHUB_RACK", Str, Value(|| ClientConfig::default().rack), DATA,
         "the rack of a worker or server (`gradhub server --rack`): every member names one, or none does"),
     setting!("GRADHUB_RACK_REDUCE", Choice(&["auto", "on", "off"]), Value(|| format!("{:?}", SchedulerConfig::default().rack_reduce).to_lowercase()), SCHEDULER,
@@ -333,6 +337,25 @@ pub fn sum_order() -> crate::order::SumOrder {
         }
     };
     crate::order::SumOrder::deterministic(on)
+}
+
+/// `GRADHUB_ASYNC` and `GRADHUB_STALENESS`: the training mode, for a role
+/// whose config was not given it (the Python bindings' constructors).
+pub fn training() -> Result<crate::training::Training, String> {
+    let on = match raw("GRADHUB_ASYNC").map(|v| v.to_ascii_lowercase()).as_deref() {
+        None | Some("0" | "false" | "no" | "off") => false,
+        Some("1" | "true" | "yes" | "on") => true,
+        Some(other) => return Err(format!("GRADHUB_ASYNC={other:?} is not a flag (1/0, true/false, yes/no, on/off)")),
+    };
+    let staleness = match raw("GRADHUB_STALENESS") {
+        None => None,
+        Some(v) => Some(
+            v.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("GRADHUB_STALENESS={v:?} is not a count of steps (0, 1, 2, ...)"))?,
+        ),
+    };
+    crate::training::Training::new(on, staleness)
 }
 
 /// `GRADHUB_HOST_ID`, if set (see `crate::host_id`).

@@ -127,6 +127,11 @@ pub fn message(s: &mut Source) -> Control {
             local_size: s.u32() as i32,
             rack: s.text(),
             sum_order: if s.bool() { gradhub::order::SumOrder::Rank } else { gradhub::order::SumOrder::Arrival },
+            training: match s.u8() % 3 {
+                0 => gradhub::training::Training::Synchronous,
+                1 => gradhub::training::Training::Asynchronous { staleness: None },
+                _ => gradhub::training::Training::Asynchronous { staleness: Some(s.u32() % 1000) },
+            },
             elastic: s.bool().then(|| gradhub::protocol::ElasticReg {
                 min_workers: s.u32(),
                 max_workers: s.u32(),

@@ -357,7 +357,8 @@ _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32":
 
 
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
-                    dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None) -> Handle:
+                    dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None,
+                    asynchronous: bool = False) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
@@ -379,6 +380,11 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     (this worker's rows of an allgather, a broadcast from another worker),
     so the chunks wholly outside them are pushed as a header saying "zeros"
     instead of their bytes. The caller must make sure they are zeros.
+    `asynchronous=True` (float32, a job with GRADHUB_ASYNC=1): `tensor` is this
+    worker's change of a parameter (with `init=True`, its initial value); the
+    servers add it to the parameter they hold as soon as it arrives and the
+    call returns that parameter, without waiting for other workers
+    (torch/asynchronous.py builds on this).
     """
     c = _require()
     host = stage(tensor, dtype)
@@ -394,7 +400,8 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
         es = _ELEM_BYTES[buf.dtype]
         live = (max(0, int(live[0])) * es, max(0, int(live[1])) * es)
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
-                          init=bool(init), release_after=isinstance(name, AutoName), live=live)
+                          init=bool(init), release_after=isinstance(name, AutoName), live=live,
+                          asynchronous=bool(asynchronous))
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)

@@ -42,6 +42,8 @@ pub struct ClientConfig {
     /// The order the host stage adds contributions in (`GRADHUB_DETERMINISTIC`):
     /// the same on every member (the scheduler checks).
     pub sum_order: SumOrder,
+    /// Synchronous or asynchronous (`crate::training`): the same on every member.
+    pub training: crate::training::Training,
     /// A worker of an elastic job on a shared service: its bounds and its
     /// rank in the previous generation (`scheduler::elastic`).
     pub elastic: Option<crate::protocol::ElasticReg>,
@@ -65,6 +67,7 @@ impl Default for ClientConfig {
             secret: Secret::none(),
             rack: String::new(),
             sum_order: SumOrder::Arrival,
+            training: crate::training::Training::Synchronous,
             elastic: None,
         }
     }

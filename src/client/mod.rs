@@ -85,6 +85,7 @@ impl Client {
             local_size: cfg.local_size,
             rack: cfg.rack.clone(),
             sum_order: cfg.sum_order,
+            training: cfg.training,
             elastic: cfg.elastic,
         })?;
         let w = session.welcome.clone();
@@ -295,7 +296,9 @@ impl Client {
             )));
         }
         let numel = (nbytes / dtype.size()) as u64;
-        if flags & !(crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT | RELEASE_AFTER) != 0 {
+        let known =
+            crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT | crate::protocol::FLAG_ASYNC | RELEASE_AFTER;
+        if flags & !known != 0 {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
         let (all_flags, flags, release_after) = (flags, flags & !RELEASE_AFTER, flags & RELEASE_AFTER != 0);

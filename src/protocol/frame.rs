@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 13;
+pub const VERSION: u8 = 14;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -25,7 +25,11 @@ pub const FLAG_INIT: u16 = 2;
 /// (a worker's part of an allgather or a broadcast that is not its own):
 /// counted as a push, adding nothing, and not sent over the wire.
 pub const FLAG_ZEROS: u16 = 4;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS;
+/// Flag bit: a push of an asynchronous tensor (`crate::training`): its
+/// payload is the worker's parameter change (with FLAG_INIT, its
+/// parameters), applied on arrival and answered with the parameters.
+pub const FLAG_ASYNC: u16 = 8;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

@@ -12,7 +12,7 @@ pub use control::{
     Control, DeclEntry, ElasticReg, JobTraffic, Register, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
     MAX_JOINED_SLOTS, NO_SERVER,
 };
-pub use frame::{DType, Header, MsgType, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS, HEADER_LEN, MAGIC, VERSION};
+pub use frame::{DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS, HEADER_LEN, MAGIC, VERSION};
 pub use optim::{OptConfig, OptKind};
 pub use reader::{Frame, FrameReader, ReadError};
 

@@ -123,6 +123,7 @@ fn sample_controls() -> Vec<Control> {
             local_size: 4,
             rack: String::new(),
             sum_order: crate::order::SumOrder::Arrival,
+            training: crate::training::Training::Asynchronous { staleness: Some(3) },
             elastic: None,
         }),
         Control::Register(Register {
@@ -138,6 +139,7 @@ fn sample_controls() -> Vec<Control> {
             local_size: -1,
             rack: String::new(),
             sum_order: crate::order::SumOrder::Rank,
+            training: crate::training::Training::Asynchronous { staleness: None },
             elastic: Some(ElasticReg { min_workers: 2, max_workers: 9, initial: 4, prev_rank: -1 }),
         }),
         Control::Register(Register {
@@ -153,6 +155,7 @@ fn sample_controls() -> Vec<Control> {
             local_size: i32::MAX,
             rack: String::new(),
             sum_order: crate::order::SumOrder::Arrival,
+            training: crate::training::Training::Synchronous,
             elastic: Some(ElasticReg { min_workers: u32::MAX, max_workers: 0, initial: u32::MAX, prev_rank: i32::MIN }),
         }),
         Control::Welcome(Welcome {

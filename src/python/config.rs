@@ -47,6 +47,20 @@ fn sum_order(deterministic: Option<bool>) -> SumOrder {
     deterministic.map_or_else(crate::settings::sum_order, SumOrder::deterministic)
 }
 
+/// The job's training mode: as given, else `GRADHUB_ASYNC` and
+/// `GRADHUB_STALENESS` (read by every role, as the sum order is).
+fn training(asynchronous: Option<bool>, staleness: Option<u32>) -> PyResult<crate::training::Training> {
+    let t = match asynchronous {
+        Some(on) => crate::settings::training()
+            .and_then(|env| crate::training::Training::new(on, staleness.or(env.staleness()))),
+        None => crate::settings::training().and_then(|t| match staleness {
+            Some(s) => crate::training::Training::new(t.is_asynchronous(), Some(s)),
+            None => Ok(t),
+        }),
+    };
+    t.map_err(PyValueError::new_err)
+}
+
 /// A worker's config (`client::ClientConfig`).
 #[pyclass(module = "gradhub._core", name = "ClientConfig", frozen)]
 pub(super) struct PyClientConfig {
@@ -56,7 +70,7 @@ pub(super) struct PyClientConfig {
 #[pymethods]
 impl PyClientConfig {
     #[new]
-    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, deterministic=None, elastic=None))]
+    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, deterministic=None, elastic=None, asynchronous=None, staleness=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -75,6 +89,8 @@ impl PyClientConfig {
         rack: Option<String>,
         deterministic: Option<bool>,
         elastic: Option<(u32, u32, u32, i32)>,
+        asynchronous: Option<bool>,
+        staleness: Option<u32>,
     ) -> PyResult<Self> {
         let d = ClientConfig::default();
         let (secret, namespace) = member_secret(token, job, namespace.unwrap_or(d.namespace))?;
@@ -95,6 +111,7 @@ impl PyClientConfig {
             secret,
             rack: rack.unwrap_or(d.rack),
             sum_order: sum_order(deterministic),
+            training: training(asynchronous, staleness)?,
             elastic: elastic.map(|(min_workers, max_workers, initial, prev_rank)| crate::protocol::ElasticReg {
                 min_workers,
                 max_workers,
@@ -119,7 +136,7 @@ pub(super) struct PySchedulerConfig {
 #[pymethods]
 impl PySchedulerConfig {
     #[new]
-    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None, deterministic=None))]
+    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None, deterministic=None, asynchronous=None, staleness=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bind: Option<String>,
@@ -141,6 +158,8 @@ impl PySchedulerConfig {
         max_bytes: Option<u64>,
         metrics_addr: Option<String>,
         deterministic: Option<bool>,
+        asynchronous: Option<bool>,
+        staleness: Option<u32>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let rack_reduce = match rack_reduce {
@@ -172,6 +191,7 @@ impl PySchedulerConfig {
             max_bytes: max_bytes.unwrap_or(d.max_bytes),
             metrics_addr: metrics_addr.or(d.metrics_addr),
             sum_order: sum_order(deterministic),
+            training: training(asynchronous, staleness)?,
         };
         Ok(PySchedulerConfig { cfg })
     }
@@ -190,7 +210,7 @@ pub(super) struct PyServerConfig {
 #[pymethods]
 impl PyServerConfig {
     #[new]
-    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None, deterministic=None))]
+    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None, deterministic=None, asynchronous=None, staleness=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -209,7 +229,9 @@ impl PyServerConfig {
         rack: Option<String>,
         metrics_addr: Option<String>,
         deterministic: Option<bool>,
-    ) -> Self {
+        asynchronous: Option<bool>,
+        staleness: Option<u32>,
+    ) -> PyResult<Self> {
         let d = ServerConfig::default();
         let cfg = ServerConfig {
             scheduler,
@@ -231,8 +253,9 @@ impl PyServerConfig {
             rack: rack.unwrap_or(d.rack),
             metrics_addr: metrics_addr.or(d.metrics_addr),
             sum_order: sum_order(deterministic),
+            training: training(asynchronous, staleness)?,
         };
-        PyServerConfig { cfg }
+        Ok(PyServerConfig { cfg })
     }
     fn __repr__(&self) -> String {
         format!("{:?}", self.cfg)

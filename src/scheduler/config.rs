@@ -43,6 +43,9 @@ pub struct SchedulerConfig {
     /// The order every sum of the job adds its contributions in
     /// (`GRADHUB_DETERMINISTIC`): a member registering with another is refused.
     pub sum_order: SumOrder,
+    /// Synchronous or asynchronous (`crate::training`): a member registering
+    /// with another mode is refused.
+    pub training: crate::training::Training,
 }
 
 impl Default for SchedulerConfig {
@@ -67,6 +70,7 @@ impl Default for SchedulerConfig {
             max_bytes: 0,
             metrics_addr: None,
             sum_order: SumOrder::Arrival,
+            training: crate::training::Training::Synchronous,
         }
     }
 }

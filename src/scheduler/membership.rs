@@ -303,6 +303,8 @@ pub(super) enum Refusal {
     NoAddress,
     #[error("{role} was started with GRADHUB_DETERMINISTIC={got} but the scheduler with {want}: set it the same on every worker, server and the scheduler")]
     SumOrder { role: &'static str, got: u8, want: u8 },
+    #[error("{role} was started {got} but the scheduler {want}: set GRADHUB_ASYNC and GRADHUB_STALENESS the same on every worker, server and the scheduler")]
+    Training { role: &'static str, got: crate::training::Training, want: crate::training::Training },
     #[error("the job already has all its members")]
     Full,
     #[error("{0}")]
@@ -324,6 +326,9 @@ pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Resul
     if reg.sum_order != cfg.sum_order {
         let flag = |o: crate::order::SumOrder| o.is_deterministic() as u8;
         return Err(Refusal::SumOrder { role, got: flag(reg.sum_order), want: flag(cfg.sum_order) });
+    }
+    if reg.training != cfg.training {
+        return Err(Refusal::Training { role, got: reg.training, want: cfg.training });
     }
     let limit = match reg.role {
         Role::Worker => cfg.num_workers,
@@ -507,6 +512,7 @@ mod tests {
             local_size: -1,
             rack: String::new(),
             sum_order: crate::order::SumOrder::Arrival,
+            training: crate::training::Training::Synchronous,
             elastic: None,
         };
         assert!(check_registration(&cfg(2, 1), &reg(Role::Worker, 1, 2)).is_ok());

@@ -61,6 +61,8 @@ pub struct ServerConfig {
     /// The order chunks add their pushes in (`GRADHUB_DETERMINISTIC`): the
     /// same on every member (the scheduler checks).
     pub sum_order: SumOrder,
+    /// Synchronous or asynchronous (`crate::training`): the same on every member.
+    pub training: crate::training::Training,
 }
 
 /// Bytes pushed to a server and chunk rounds it completed, so far.
@@ -137,6 +139,7 @@ impl Default for ServerConfig {
             rack: String::new(),
             metrics_addr: None,
             sum_order: SumOrder::Arrival,
+            training: crate::training::Training::Synchronous,
         }
     }
 }
@@ -207,6 +210,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         local_size: -1,
         rack: cfg.rack.clone(),
         sum_order: cfg.sum_order,
+        training: cfg.training,
         elastic: None,
     })?;
     let welcome = session.welcome.clone();
@@ -288,6 +292,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             traffic: cfg.traffic.clone(),
             timeline: timeline.clone(),
             sum_order: cfg.sum_order,
+            training: cfg.training,
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()

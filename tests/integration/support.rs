@@ -121,6 +121,7 @@ pub fn worker_reg(rank: i32, host: &str, nw: u32, ns: u32) -> Register {
         local_size: -1,
         rack: String::new(),
         sum_order: Default::default(),
+        training: Default::default(),
         elastic: None,
     }
 }
@@ -139,6 +140,7 @@ pub fn server_reg(rank: i32, addr: &str, ports: Vec<u16>, colocated: bool, nw: u
         local_size: -1,
         rack: String::new(),
         sum_order: Default::default(),
+        training: Default::default(),
         elastic: None,
     }
 }
@@ -587,6 +589,7 @@ pub fn server_config(sched: SocketAddr, threads: usize, colocated: bool, rank: i
         rack: String::new(),
         metrics_addr: None,
         sum_order: Default::default(),
+        training: Default::default(),
     }
 }
 

@@ -37,6 +37,7 @@ from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wi
 from .process_sets import _resolve, global_process_set
 from .sufficient_factors import SufficientFactors
 from .overlap import ELEMENTWISE, ForwardOverlap
+from .asynchronous import asynchronous_optimizer
 from .server_optimizer import OnServers, server_unsupported
 
 
@@ -387,7 +388,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, overlap_forward: bool | str | None = None,
                          optimizer_on_server: bool | None = None, sufficient_factors: str | None = None,
-                         fusion_threshold: int | None = None):
+                         fusion_threshold: int | None = None, asynchronous: bool | None = None):
     """Wrap any torch.optim.Optimizer so gradients are reduced across workers.
 
     Same signature as Horovod's: `gradient_predivide_factor` f splits the
@@ -405,7 +406,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     `overlap_forward=True` lets the next forward pass start before every
     gradient has arrived (SGD, Adam, AdamW; "auto": off, but autotuning may
     try it, which it does only when allowed so); `optimizer_on_server=True`
-    runs the update on the summation servers (SGD, AdamW; float32). Left
+    runs the update on the summation servers (SGD, AdamW; float32).
+    `asynchronous=True` (the job's GRADHUB_ASYNC, the default when left
+    unset) is BytePS's asynchronous mode: each worker updates with its own
+    gradients and the servers apply every worker's change as it arrives
+    (torch/asynchronous.py; float32 parameters). Left
     unset, they come from GRADHUB_OVERLAP_FORWARD (1, 0 or auto) /
     GRADHUB_OPTIMIZER_ON_SERVER, so an unchanged Horovod script can use them;
     GRADHUB_SCHEDULING=fifo turns the forward-order priorities off (for
@@ -418,6 +423,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     if not _api.is_initialized():
         raise _api.NotInitializedError("gradhub is not initialized: call gradhub.torch.init() before "
                                        "DistributedOptimizer")
+    job_async = bool(_env.get("GRADHUB_ASYNC"))
+    if asynchronous is None:
+        asynchronous = job_async
+    if asynchronous:
+        if not job_async:
+            raise ValueError("asynchronous=True needs an asynchronous job: set GRADHUB_ASYNC=1 on every worker, "
+                             "server and the scheduler")
+        why = ("a process set" if process_set not in (None, global_process_set) else
+               "optimizer_on_server" if optimizer_on_server else
+               "gradient compression" if compression is not Compression.none else
+               "overlap_forward" if overlap_forward is True else None)
+        if why:
+            raise ValueError(f"the asynchronous mode does not combine with {why}")
+        if _env.get("GRADHUB_MIN_WORKERS") is not None:
+            raise RuntimeError("the asynchronous mode is not elastic: the servers' parameters live in one "
+                               "generation of the job (docs/torch.md, \"Training modes\")")
+        return asynchronous_optimizer(optimizer, named_parameters)
     ps = _resolve(process_set, members_only=False)
     if not ps.included():
         # As Horovod: a worker outside the set keeps a local optimizer.

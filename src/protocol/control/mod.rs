@@ -68,6 +68,9 @@ pub struct Register {
     /// The order this member's sums add contributions in
     /// (`GRADHUB_DETERMINISTIC`); checked by the scheduler.
     pub sum_order: SumOrder,
+    /// Synchronous rounds or the asynchronous mode (`GRADHUB_ASYNC`,
+    /// `GRADHUB_STALENESS`); checked by the scheduler.
+    pub training: crate::training::Training,
     /// A worker of an elastic job (`scheduler::elastic`): its bounds and
     /// its rank in the generation it comes from; None: a job of fixed size.
     pub elastic: Option<ElasticReg>,

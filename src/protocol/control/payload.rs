@@ -119,6 +119,8 @@ impl Control {
                 }
                 w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
                 w.i32(m.local_rank).i32(m.local_size).str(&m.rack).u8(m.sum_order.to_u8());
+                let (mode, bound) = m.training.to_wire();
+                w.u8(mode).u32(bound);
                 match &m.elastic {
                     None => {
                         w.u8(0);
@@ -283,6 +285,9 @@ impl Control {
                 let order = r.u8("sum_order")?;
                 let sum_order = SumOrder::from_u8(order)
                     .ok_or_else(|| ProtocolError::BadPayload(format!("unknown sum order {order}")))?;
+                let (mode, bound) = (r.u8("training mode")?, r.u32("staleness")?);
+                let training = crate::training::Training::from_wire(mode, bound)
+                    .ok_or_else(|| ProtocolError::BadPayload(format!("unknown training mode {mode}")))?;
                 let elastic = match r.u8("elastic")? {
                     0 => None,
                     1 => Some(ElasticReg {
@@ -306,6 +311,7 @@ impl Control {
                     local_size,
                     rack,
                     sum_order,
+                    training,
                     elastic,
                 })
             }

@@ -9,7 +9,7 @@ use super::flush;
 use super::sum::Source;
 use super::validate::{Command, Dest, PayloadKind};
 use super::{ConnResult, ServerThread};
-use crate::protocol::{Header, MsgType, OptConfig, FLAG_INIT, FLAG_ZEROS};
+use crate::protocol::{Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT, FLAG_ZEROS};
 use crate::server::replica;
 use crate::transport::ConnError;
 
@@ -120,6 +120,9 @@ impl ServerThread {
     /// Add a push to its chunk's round: its data from `src`. The last push
     /// completes the round; the others are acknowledged.
     fn add_push(&mut self, t: usize, hdr: Header, idx: usize, src: Source) -> ConnResult {
+        if hdr.flags & FLAG_ASYNC != 0 {
+            return self.add_async(t, hdr, idx, src);
+        }
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         let rank = conn.rank.ok_or("internal: no rank")?;
         let ch = &mut self.chunks[idx];

@@ -50,7 +50,9 @@
 //! writes results, acks and notices, and watches for stalls.
 
 mod apply;
+mod asynchronous;
 mod conns;
+mod delta;
 mod flush;
 mod moves;
 mod ordered;
@@ -143,6 +145,8 @@ pub struct ThreadConfig {
     pub timeline: Option<Arc<crate::timeline::Trace>>,
     /// In what order pushes are added (`GRADHUB_DETERMINISTIC`, `ordered`).
     pub sum_order: crate::order::SumOrder,
+    /// Synchronous rounds, or asynchronous chunks (`delta`).
+    pub training: crate::training::Training,
 }
 
 pub struct ServerThread {

@@ -73,6 +73,7 @@ impl ServerThread {
                     deferred: Vec::new(),
                     opt: None,
                     order,
+                    deltas: None,
                 };
                 if let Some(replica::Replica { state: Some(state), done: Some(d), .. }) = from {
                     if let ChunkBuf::F32(b) = &mut chunk.buf {

@@ -105,6 +105,9 @@ pub(super) struct Chunk {
     pub opt: Option<Box<OptState>>,
     /// In what order pushes are added (`GRADHUB_DETERMINISTIC`).
     pub order: Accumulation,
+    /// An asynchronous chunk's pushers and what they are owed (`delta`);
+    /// set by its first push (the init push of an asynchronous tensor).
+    pub deltas: Option<Box<super::delta::Deltas>>,
 }
 
 /// Where a push's data is, for `Chunk::accumulate`.

@@ -7,7 +7,9 @@ use super::round::{Admit, Origin, Refusal};
 use super::sum::Chunk;
 use super::ServerThread;
 use crate::protocol::auth;
-use crate::protocol::{DType, Header, MsgType, ProtocolError, ReadError, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS};
+use crate::protocol::{
+    DType, Header, MsgType, ProtocolError, ReadError, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS,
+};
 use crate::transport::ConnError;
 
 /// Where an incoming payload goes.
@@ -181,6 +183,8 @@ impl ServerThread {
             && !ch.direct_in_progress
             && !init
             && !zeros
+            && ch.deltas.is_none()
+            && hdr.flags & FLAG_ASYNC == 0
             && ch.round.origin() == Origin::Installed
             && kind == PayloadKind::Push
             && ch.order.direct_for(rank);
@@ -260,6 +264,9 @@ impl ServerThread {
     fn check_push(&self, t: usize, hdr: &Header) -> Result<(usize, u32, PayloadKind), ConnError> {
         let (idx, rank) = self.chunk_of(t, hdr)?;
         let ch = &self.chunks[idx];
+        if hdr.flags & FLAG_ASYNC != 0 || ch.deltas.is_some() {
+            return Ok((idx, rank, self.check_async_push(idx, rank, hdr)?));
+        }
         let name = self.name(hdr.key);
         // A replay is checked by the round alone (an adopted chunk's round
         // already complete here); everything else must fit the round.
