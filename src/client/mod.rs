@@ -312,7 +312,11 @@ impl Client {
             self.shared.release_specs(&[old]);
             t = self.shared.table();
         }
-        if let Err(e) = self.shared.check_left(&t, &format!("push_pull '{name}'")) {
+        // An asynchronous push waits for nobody: a worker that finished early
+        // does not hold the others back.
+        let waits_for_all = flags & crate::protocol::FLAG_ASYNC == 0;
+        let left = if waits_for_all { self.shared.check_left(&t, &format!("push_pull '{name}'")) } else { Ok(()) };
+        if let Err(e) = left {
             drop(t);
             self.shared.fail_job(e.to_string());
             return Err(e);

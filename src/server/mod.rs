@@ -338,9 +338,17 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
                 0 => String::new(),
                 n => format!(", {n} relayed for this rack"),
             };
+            // The servers' record of the staleness (tests and users read it here).
+            let lead = match cfg.training.is_asynchronous() {
+                true => format!(
+                    "; asynchronous: a worker was at most {} steps ahead of the slowest when answered",
+                    crate::metrics::ASYNC_LEAD_MAX.load(std::sync::atomic::Ordering::Relaxed)
+                ),
+                false => String::new(),
+            };
             log::info!(
                 target: &who,
-                "job complete ({rounds} chunk rounds summed, {bytes} bytes pushed here{relayed}), exiting"
+                "job complete ({rounds} chunk rounds summed, {bytes} bytes pushed here{relayed}){lead}, exiting"
             )
         }
         Err(e) => log::error!(target: &who, "{e}"),

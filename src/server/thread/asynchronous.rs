@@ -130,6 +130,20 @@ impl ServerThread {
             }
         }
     }
+
+    /// Worker `rank`'s connection closed: its asynchronous chunks here stop
+    /// waiting for it (a staleness bound held others back for it).
+    pub(super) fn async_pusher_left(&mut self, rank: u32) {
+        if !self.cfg.training.is_asynchronous() {
+            return;
+        }
+        for idx in 0..self.chunks.len() {
+            if let Some(d) = self.chunks[idx].deltas.as_mut() {
+                d.leave(rank);
+                self.answer_async(idx);
+            }
+        }
+    }
 }
 
 /// Words for a refused asynchronous push.

@@ -199,6 +199,7 @@ impl ServerThread {
         if let Some(r) = c.rank {
             if self.worker_conn[r as usize] == Some(t) {
                 self.worker_conn[r as usize] = None;
+                self.async_pusher_left(r);
             }
         }
     }

@@ -48,6 +48,9 @@ pub(super) struct Deltas {
     /// By pusher position: pushes applied so far (init included).
     steps: Vec<u32>,
     owed: Vec<Owed>,
+    /// By pusher position: its connection closed (it finished, or the job
+    /// is failing): it no longer holds the others back.
+    gone: Vec<bool>,
     /// Whether the parameters arrived (the init push of `init_from`).
     initialized: bool,
     staleness: Option<u32>,
@@ -60,6 +63,7 @@ impl Deltas {
             pushers: pushers.to_vec(),
             steps: vec![0; n],
             owed: vec![Owed::Nothing; n],
+            gone: vec![false; n],
             initialized: false,
             staleness,
         }
@@ -97,7 +101,8 @@ impl Deltas {
         if !self.initialized {
             return Vec::new();
         }
-        let slowest = self.steps.iter().copied().min().unwrap_or(0);
+        let live = self.steps.iter().zip(&self.gone).filter(|(_, &g)| !g).map(|(&s, _)| s);
+        let slowest = live.min().unwrap_or(0);
         let mut out = Vec::new();
         for (p, owed) in self.owed.iter_mut().enumerate() {
             let Owed::Answer { round, by_ref } = *owed else { continue };
@@ -109,6 +114,14 @@ impl Deltas {
             out.push(Answer { rank: self.pushers[p], round, by_ref, lead });
         }
         out
+    }
+
+    /// `rank`'s connection closed: nothing is owed to it any more, and the
+    /// bound no longer waits for it (a worker that finished early).
+    pub fn leave(&mut self, rank: u32) {
+        if let Some(p) = self.position(rank) {
+            (self.gone[p], self.owed[p]) = (true, Owed::Nothing);
+        }
     }
 }
 
@@ -177,5 +190,24 @@ mod tests {
             let a = ranks(&d.answers());
             assert!(a.contains(&(1, 1)) && a.contains(&(0, round)), "{a:?}");
         }
+    }
+
+    #[test]
+    fn a_pusher_that_left_holds_nobody_back() {
+        let mut d = Deltas::new(&[0, 1, 2], Some(1));
+        for r in 0..3 {
+            d.applied(r, 0, false, r == 0);
+        }
+        assert_eq!(d.answers().len(), 3);
+        d.applied(0, 1, false, false);
+        d.applied(1, 1, false, false);
+        assert_eq!(ranks(&d.answers()), vec![(0, 1), (1, 1)]);
+        d.applied(0, 2, false, false);
+        assert!(d.answers().is_empty(), "two ahead of worker 2");
+        d.leave(2);
+        assert_eq!(ranks(&d.answers()), vec![(0, 2)]);
+        d.applied(1, 2, false, false);
+        d.leave(1);
+        assert!(d.answers().is_empty(), "nothing is owed to a pusher that left");
     }
 }

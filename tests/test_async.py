@@ -1,0 +1,54 @@
+"""The asynchronous mode (GRADHUB_ASYNC=1) and its staleness bound
+(GRADHUB_STALENESS) end to end: every worker starts from worker 0's
+parameters; with a bound of 0 the workers keep in step and train exactly as
+synchronous SGD on the combined batch; a straggler does not hold the others
+back; a bound holds (the servers' record of the most steps a worker was ahead
+when answered); a member in another mode is refused at init. The digits
+example's accuracy is checked in test_examples.py."""
+
+import re
+
+from conftest import assert_all_passed, run_launch
+
+
+def steps_and_lead(out: str, workers: int) -> tuple[list[int], int]:
+    steps = [0] * workers
+    for r, n in re.findall(r"\[worker (\d+)\] STEPS (\d+)", out):
+        steps[int(r)] = int(n)
+    leads = [int(n) for n in re.findall(r"at most (\d+) steps ahead of the slowest", out)]
+    assert leads, out[-4000:]
+    return steps, max(leads)
+
+
+def test_a_bound_of_zero_keeps_the_workers_in_step_exactly_as_synchronous_sgd():
+    rc, out = run_launch(3, 2, "async_train.py", {"steps": 12, "exact": True},
+                         env={"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 0})
+    assert_all_passed(rc, out, 3)
+    steps, lead = steps_and_lead(out, 3)
+    assert steps == [12, 12, 12] and lead == 0, (steps, lead)
+
+
+def test_a_straggler_does_not_hold_the_others_back_and_a_bound_holds():
+    cfg = {"seconds": 3.0, "sleep": {"0": 0.005, "1": 0.005, "2": 0.15}}
+    rc, out = run_launch(3, 1, "async_train.py", cfg, env={"GRADHUB_ASYNC": 1})
+    assert_all_passed(rc, out, 3)
+    steps, lead = steps_and_lead(out, 3)
+    # Unbounded: the fast workers run at their own pace, far ahead.
+    assert min(steps[0], steps[1]) >= 4 * steps[2], steps
+    assert lead > 2, (steps, lead)
+    rc, out = run_launch(3, 1, "async_train.py", cfg, env={"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 2})
+    assert_all_passed(rc, out, 3)
+    bounded, lead = steps_and_lead(out, 3)
+    assert 1 <= lead <= 2, (bounded, lead)
+    # The fast workers waited for the straggler (they ran on alone only
+    # after it left, in the moments before their own clocks ran out).
+    assert max(bounded[0], bounded[1]) < min(steps[0], steps[1]) / 2, (steps, bounded)
+
+
+def test_a_member_in_another_mode_is_refused_at_init(cluster_factory):
+    c = cluster_factory(1, 1, GRADHUB_ASYNC=1)
+    w = c.start_worker(0, "async_train.py", {"steps": 1}, GRADHUB_ASYNC="0")
+    assert w.wait(timeout=60) != 0
+    assert "GRADHUB_ASYNC" in c.log("worker0") and "asynchronous" in c.log("worker0"), c.log("worker0")
+    rc, out = run_launch(1, 1, "async_train.py", {"steps": 1}, env={"GRADHUB_STALENESS": 2})
+    assert rc != 0 and "GRADHUB_STALENESS=2 bounds the asynchronous mode only" in out, out[-3000:]
