@@ -7,6 +7,7 @@ when answered); a member in another mode is refused at init. The digits
 example's accuracy is checked in test_examples.py."""
 
 import re
+import time
 
 from conftest import assert_all_passed, run_launch
 
@@ -52,3 +53,21 @@ def test_a_member_in_another_mode_is_refused_at_init(cluster_factory):
     assert "GRADHUB_ASYNC" in c.log("worker0") and "asynchronous" in c.log("worker0"), c.log("worker0")
     rc, out = run_launch(1, 1, "async_train.py", {"steps": 1}, env={"GRADHUB_STALENESS": 2})
     assert rc != 0 and "GRADHUB_STALENESS=2 bounds the asynchronous mode only" in out, out[-3000:]
+
+
+def test_a_lost_server_keeps_the_parameters_and_no_change_is_lost_or_applied_twice(cluster_factory):
+    # In step (bound 0), so the parameters must still equal synchronous SGD's
+    # after server 1 dies mid-run: its chunks go on at their replicas, which
+    # have every change any worker was answered with; pushes it had not
+    # answered come again and are applied there once.
+    c = cluster_factory(3, 3, GRADHUB_PEER_TIMEOUT="2", GRADHUB_ASYNC=1, GRADHUB_STALENESS=0)
+    cfg = {"steps": 40, "exact": True, "progress": True, "sleep": {"0": 0.005, "1": 0.005, "2": 0.005}}
+    for w in range(3):
+        c.start_worker(w, "async_train.py", cfg)
+    c.wait_for("worker0", "STEP 5", 120)
+    time.sleep(0.01)
+    c.procs["server1"].kill()
+    for w in range(3):
+        assert c.procs[f"worker{w}"].wait(timeout=120) == 0, c.log(f"worker{w}")
+        assert "PASS" in c.log(f"worker{w}") and "server 1 was lost" in c.log(f"worker{w}"), c.log(f"worker{w}")
+    assert any("taking over its chunks" in c.log(s) for s in ("server0", "server2"))

@@ -13,6 +13,12 @@
 //! no news. An owner whose replica changed (lost, or promoted to owner)
 //! sends the new one its whole state first (`Snapshot`).
 //!
+//! Asynchronous chunks (`thread::delta`) are replicated the same way: each
+//! worker's parameter change (`Replicate` with FLAG_ASYNC, the pusher's rank
+//! first), held back until acked; the replica keeps the parameters and, by
+//! pusher, the number of its next push, so a push that comes again after a
+//! failover is answered, not applied twice.
+//!
 //! The link between the two is an authenticated connection the owner's
 //! server opens to the replica's thread (`ServerHello` names the owner's
 //! slot); each owner thread has one link per replica slot it uses. After a
@@ -24,7 +30,7 @@
 use std::collections::HashMap;
 
 use super::optimizer::OptState;
-use crate::protocol::{DType, Header, MsgType, OptConfig, FLAG_INIT};
+use crate::protocol::{DType, Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT};
 use crate::transport::bytes;
 
 /// What a thread keeps of one chunk it replicates.
@@ -33,6 +39,9 @@ pub struct Replica {
     pub state: Option<Box<OptState>>,
     /// The last round applied.
     pub done: Option<u32>,
+    /// An asynchronous chunk: by pusher rank, the number of its next push
+    /// (empty for the others).
+    pub next: Vec<(u32, u32)>,
 }
 
 /// The chunks a thread replicates, by (key, chunk).
@@ -44,6 +53,9 @@ pub struct Replicas {
 impl Replicas {
     /// A `Replicate` frame's payload (`data`, f32) for (`key`, `chunk`).
     pub fn apply(&mut self, hdr: &Header, data: &[u8], cfg: Option<&OptConfig>) -> Result<(), String> {
+        if hdr.flags & FLAG_ASYNC != 0 {
+            return self.apply_async(hdr, data);
+        }
         let r = self.get(hdr, data.len() / 4)?;
         if hdr.dtype != DType::F32 || data.len() != 4 * r.elems {
             return Err(format!("{} bytes of {} for a chunk of {} f32", data.len(), hdr.dtype.name(), r.elems));
@@ -66,9 +78,40 @@ impl Replicas {
         Ok(())
     }
 
+    /// A worker's push to an asynchronous chunk (see the module's doc):
+    /// the rank, then its change (round 0: the init push, whose values are
+    /// the parameters with FLAG_INIT, else only counted).
+    fn apply_async(&mut self, hdr: &Header, data: &[u8]) -> Result<(), String> {
+        let (Some(rank), Some(values)) = (data.get(..4), data.get(4..)) else {
+            return Err("an asynchronous push without its rank".into());
+        };
+        let rank = u32::from_le_bytes([rank[0], rank[1], rank[2], rank[3]]);
+        let values: Vec<f32> = values.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let r = self.get(hdr, values.len())?;
+        let want = r.next.iter().find(|p| p.0 == rank).map_or(0, |p| p.1);
+        if hdr.round != want {
+            return Err(format!("worker {rank}'s push {} after its push {}", hdr.round, want.wrapping_sub(1)));
+        }
+        match (hdr.round, hdr.flags & FLAG_INIT != 0, r.state.as_mut()) {
+            (0, true, _) => r.state = Some(Box::new(OptState::new(&values))),
+            (0, false, _) => {}
+            (_, _, Some(state)) => crate::kernels::add_f32(&mut state.param, &values),
+            (round, _, None) => return Err(format!("worker {rank}'s change {round} before any parameters")),
+        }
+        match r.next.iter_mut().find(|p| p.0 == rank) {
+            Some(p) => p.1 = hdr.round.wrapping_add(1),
+            None => r.next.push((rank, hdr.round.wrapping_add(1))),
+        }
+        Ok(())
+    }
+
     /// A `Snapshot` frame's payload: the whole state after round
-    /// `hdr.round`, in `hdr.flags` vectors (parameters and moments).
+    /// `hdr.round`, in `hdr.flags` vectors (parameters and moments); with
+    /// FLAG_ASYNC, an asynchronous chunk's: its pushers' next pushes first.
     pub fn restore(&mut self, hdr: &Header, data: &[u8]) -> Result<(), String> {
+        if hdr.flags & FLAG_ASYNC != 0 {
+            return self.restore_async(hdr, data);
+        }
         let vectors = (hdr.flags as usize).clamp(1, 3);
         let r = self.get(hdr, data.len().saturating_sub(8) / 4 / vectors)?;
         r.state = Some(Box::new(OptState::decode(data, r.elems)?));
@@ -76,10 +119,25 @@ impl Replicas {
         Ok(())
     }
 
+    fn restore_async(&mut self, hdr: &Header, data: &[u8]) -> Result<(), String> {
+        let word = |i: usize| data.get(4 * i..4 * i + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        let n = word(0).ok_or("an asynchronous snapshot without its pushers")? as usize;
+        let next: Vec<(u32, u32)> = (0..n.min(data.len() / 8))
+            .map(|i| word(1 + 2 * i).zip(word(2 + 2 * i)))
+            .collect::<Option<_>>()
+            .ok_or("an asynchronous snapshot cut short")?;
+        let rest = data.get(4 + 8 * n..).ok_or("an asynchronous snapshot cut short")?;
+        let r = self.get(hdr, rest.len().saturating_sub(8) / 4)?;
+        r.state = Some(Box::new(OptState::decode(rest, r.elems)?));
+        (r.done, r.next) = (Some(hdr.round), next);
+        Ok(())
+    }
+
     /// The replica of (key, chunk) in `hdr`; one of `elems` elements if it
     /// is new (see the module's comment).
     fn get(&mut self, hdr: &Header, elems: usize) -> Result<&mut Replica, String> {
-        let r = self.chunks.entry((hdr.key, hdr.chunk)).or_insert(Replica { elems, state: None, done: None });
+        let new = Replica { elems, state: None, done: None, next: Vec::new() };
+        let r = self.chunks.entry((hdr.key, hdr.chunk)).or_insert(new);
         if r.elems != elems {
             return Err(format!("key {} chunk {}: {elems} elements, but it has {}", hdr.key, hdr.chunk, r.elems));
         }
@@ -104,6 +162,24 @@ fn frame(msg_type: MsgType, ns: u32, at: (u32, u32, u32), flags: u16, payload: &
 /// Round `at.2`'s averaged gradient (or, with FLAG_INIT, the initial parameters).
 pub fn replicate_frame(ns: u32, at: (u32, u32, u32), flags: u16, data: &[f32]) -> Vec<u8> {
     frame(MsgType::Replicate, ns, at, flags & FLAG_INIT, bytes(data))
+}
+
+/// Worker `rank`'s push `at.2` to an asynchronous chunk: its change (with
+/// `params`, the init push that brings the parameters).
+pub fn async_frame(ns: u32, at: (u32, u32, u32), rank: u32, params: bool, data: &[f32]) -> Vec<u8> {
+    let flags = FLAG_ASYNC | if params { FLAG_INIT } else { 0 };
+    frame(MsgType::Replicate, ns, at, flags, &[&rank.to_le_bytes()[..], bytes(data)].concat())
+}
+
+/// An asynchronous chunk's whole state: its pushers' next pushes and its parameters.
+pub fn async_snapshot_frame(ns: u32, at: (u32, u32, u32), next: &[(u32, u32)], params: &[f32]) -> Vec<u8> {
+    let mut payload = (next.len() as u32).to_le_bytes().to_vec();
+    for &(rank, n) in next {
+        payload.extend_from_slice(&rank.to_le_bytes());
+        payload.extend_from_slice(&n.to_le_bytes());
+    }
+    payload.extend_from_slice(&OptState::new(params).encode());
+    frame(MsgType::Snapshot, ns, at, FLAG_ASYNC | 1, &payload)
 }
 
 /// The whole state after round `at.2`.

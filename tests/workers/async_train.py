@@ -5,7 +5,8 @@ pushes for itself).
 Config: `steps`; `sleep` {rank: seconds per step} (a straggler); `seconds`:
 stop after this long instead of after `steps` (each worker on its own
 clock); `exact`: check the final parameters against single-process SGD on the
-combined batch (true only when the workers keep in step: GRADHUB_STALENESS=0).
+combined batch (true only when the workers keep in step: GRADHUB_STALENESS=0);
+`progress`: print `STEP <n>` after each step.
 Prints `STEPS <n>`, then PASS.
 """
 
@@ -48,7 +49,7 @@ def main():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=LR), named_parameters=m.named_parameters())
     ref = model()
     for a, b in zip(m.parameters(), ref.parameters()):
-        assert torch.equal(a, b), "not started from worker 0's parameters"
+        assert torch.equal(a, b), f"not started from worker 0's parameters: {(a - b).flatten()[:4].tolist()}"
     pause = float(CONFIG.get("sleep", {}).get(str(rank), 0.0))
     end = time.monotonic() + CONFIG["seconds"] if "seconds" in CONFIG else None
     steps = 0
@@ -59,6 +60,8 @@ def main():
         time.sleep(pause)
         opt.step()
         steps += 1
+        if CONFIG.get("progress"):
+            print(f"STEP {steps}", flush=True)
     print(f"STEPS {steps}", flush=True)
     if CONFIG.get("exact"):
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)

@@ -7,13 +7,14 @@
 //! travels as an owned frame (a copy), because the parameters change under
 //! a frame that is still being written.
 
-use super::delta::{Deltas, Refusal};
+use super::delta::{Admit, Deltas, Refusal};
 use super::flush;
 use super::sum::{ChunkBuf, Source};
 use super::validate::PayloadKind;
 use super::{ConnResult, ServerThread};
 use crate::kernels;
 use crate::protocol::{DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS};
+use crate::server::replica;
 use crate::transport::{cast, ConnError};
 
 impl ServerThread {
@@ -67,8 +68,16 @@ impl ServerThread {
         let deltas = ch.deltas.get_or_insert_with(|| Box::new(Deltas::new(pushers, staleness)));
         // Checked when the header came; checked again now that it is
         // applied (a second push of the same round sent meanwhile).
-        if let Err(e) = deltas.admit(rank, hdr.round) {
-            return Err(ConnError::Invalid(refusal(rank, hdr.round, e)));
+        let by_ref = matches!(src, Source::Shared(_));
+        match deltas.admit(rank, hdr.round) {
+            Err(e) => return Err(ConnError::Invalid(refusal(rank, hdr.round, e))),
+            Ok(Admit::Replay) => {
+                deltas.replayed(rank, hdr.round, by_ref);
+                flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
+                self.answer_async(idx);
+                return Ok(());
+            }
+            Ok(Admit::Push) => {}
         }
         let data: &[f32] = match src {
             Source::Scratch if conn.scratch.len() >= n => &cast(&conn.scratch)[..n],
@@ -85,11 +94,18 @@ impl ServerThread {
             (true, false) => {}
             (false, _) => kernels::add_f32(&mut b[0], data),
         }
-        deltas.applied(rank, hdr.round, matches!(src, Source::Shared(_)), takes);
+        // The replica applies it too; the answer waits for its ack.
+        let replica = ch.round.replica();
+        let frame =
+            replica.map(|_| replica::async_frame(self.cfg.namespace, (ch.key, ch.chunk, hdr.round), rank, takes, data));
+        deltas.applied(rank, hdr.round, by_ref, takes, replica.is_some());
         flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
         self.cfg.traffic.add((n * 4) as u64, None);
         if let Err(why) = self.flush(t) {
             self.close(t, &why.to_string());
+        }
+        if let (Some(slot), Some(frame)) = (replica, frame) {
+            self.send_to_replica(slot, frame);
         }
         self.answer_async(idx);
         Ok(())
@@ -129,6 +145,22 @@ impl ServerThread {
                 self.close(t, &why.to_string());
             }
         }
+    }
+
+    /// Chunk `idx`'s replica is new: send it the whole state (answers
+    /// not acked by the old one wait for this ack instead), or, without a
+    /// replica, let them go.
+    pub(super) fn sync_async_replica(&mut self, idx: usize) {
+        let ch = &mut self.chunks[idx];
+        let (Some(d), ChunkBuf::F32(b)) = (ch.deltas.as_mut(), &ch.buf) else { return };
+        let slot = ch.round.replica();
+        let frame = slot
+            .map(|_| replica::async_snapshot_frame(self.cfg.namespace, (ch.key, ch.chunk, 0), &d.next_pushes(), &b[0]));
+        d.replica_changed(slot.is_some());
+        if let (Some(slot), Some(frame)) = (slot, frame) {
+            self.send_to_replica(slot, frame);
+        }
+        self.answer_async(idx);
     }
 
     /// Worker `rank`'s connection closed: its asynchronous chunks here stop

@@ -7,6 +7,7 @@
 
 use std::collections::HashSet;
 
+use super::delta::Deltas;
 use super::flush::{self, Carry, TxItem};
 use super::ordered::Accumulation;
 use super::round::{Origin, Restored, Role, Round};
@@ -35,7 +36,7 @@ impl ServerThread {
                 let relay_slot = |r: u32| s.slot_for(r, c);
                 if slot != self.cfg.slot && upstream.is_none() {
                     if rep == Some(self.cfg.slot) {
-                        let new = replica::Replica { elems, state: None, done: None };
+                        let new = replica::Replica { elems, state: None, done: None, next: Vec::new() };
                         self.replicas.chunks.entry(at).or_insert(new);
                     } else {
                         self.replicas.chunks.remove(&at);
@@ -75,6 +76,21 @@ impl ServerThread {
                     order,
                     deltas: None,
                 };
+                let from = match from {
+                    // An asynchronous chunk: its parameters and pushers' counts.
+                    Some(r) if !r.next.is_empty() => {
+                        if let (Some(state), ChunkBuf::F32(b)) = (&r.state, &mut chunk.buf) {
+                            if b[0].len() == state.param.len() {
+                                b[0].copy_from_slice(&state.param);
+                                let staleness = self.cfg.training.staleness();
+                                chunk.deltas =
+                                    Some(Box::new(Deltas::restored(&chunk.round.pushers, &r.next, staleness)));
+                            }
+                        }
+                        None
+                    }
+                    other => other,
+                };
                 if let Some(replica::Replica { state: Some(state), done: Some(d), .. }) = from {
                     if let ChunkBuf::F32(b) = &mut chunk.buf {
                         if b[(d & 1) as usize].len() == state.param.len() {
@@ -84,7 +100,7 @@ impl ServerThread {
                         }
                     }
                 }
-                let needs_sync = chunk.opt.is_some();
+                let needs_sync = chunk.opt.is_some() || chunk.deltas.is_some();
                 let idx = match self.free.pop() {
                     Some(i) => {
                         self.chunks[i] = chunk;
@@ -261,6 +277,11 @@ impl ServerThread {
         let conn = self.conns.get(&t).ok_or("internal: no connection")?;
         let ch = &mut self.chunks[idx];
         let s = hdr.round;
+        // An asynchronous chunk's parameters came from its replica; a
+        // worker's last answer is older news.
+        if ch.deltas.is_some() {
+            return Ok(());
+        }
         let effect = ch.round.restore(s, hdr.priority);
         if effect == Restored::Stale {
             return Ok(());

@@ -97,6 +97,9 @@ impl ServerThread {
     /// state (a held round waits for this ack instead), or, without a
     /// replica, release a held round.
     pub(super) fn sync_replica(&mut self, idx: usize) {
+        if self.chunks[idx].deltas.is_some() {
+            return self.sync_async_replica(idx);
+        }
         let ch = &self.chunks[idx];
         let (key, chunk, ns) = (ch.key, ch.chunk, self.cfg.namespace);
         let (Some(state), Some(slot)) = (ch.opt.as_ref(), ch.round.replica()) else {
@@ -118,6 +121,10 @@ impl ServerThread {
     /// Our replica acked a round of a chunk: if that round is held, its results go out.
     pub(super) fn on_replica_ack(&mut self, hdr: &crate::protocol::Header) {
         let Some(&idx) = self.index.get(&(hdr.key, hdr.chunk)) else { return };
+        if let Some(d) = self.chunks[idx].deltas.as_mut() {
+            d.acked();
+            return self.answer_async(idx);
+        }
         if self.chunks[idx].round.held_for(hdr.round) {
             self.send_results(idx);
         }
