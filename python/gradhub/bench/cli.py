@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--fc-faithful", action="store_true",
                    help="the profile's fully-connected layers are real nn.Linear modules (scaled width), so "
                         "sufficient factors (variants sfb/nosfb; auto by default) move real factors")
+    t.add_argument("--straggler", type=float, default=1.0, metavar="F",
+                   help="the last worker computes F times slower (e.g. 3): the case the asynchronous mode "
+                        "(variants async, stale2) exists for; each worker's steps/s are printed")
     t.add_argument("--variants", default="priority", help=f"gradhub variants, comma list of {', '.join(VARIANTS)} (join with + to combine, e.g. overlap+server; nohost = host stage off, noshm = owners reach their own host's server over TCP instead of shared memory, nofailover = no failover nor replicas of the server optimizer)")
     _add_compare_args(t)
     g = sub.add_parser("goodput", help="push_pull-only goodput vs the BytePS optimum and gloo all-reduce")
@@ -291,7 +294,7 @@ def cmd_train(args) -> int:
     layout = _layout(args)
     prof = profiles.get(args.model)
     cfg = {"model": args.model, "scale": args.scale, "iters": args.iters, "warmup": args.warmup,
-           "fc": args.fc_faithful, "unscaled": args.unscaled}
+           "fc": args.fc_faithful, "unscaled": args.unscaled, "straggler": args.straggler}
     partition = None if args.unscaled else max(4096, int(256 * 1024 / args.scale))
     W = args.workers_per_host
     print(f"{prof.name}: {prof.num_params / 1e6:.1f} M params ({prof.num_params * 4 / 1e6 / args.scale:.1f} MB "
@@ -354,6 +357,8 @@ def cmd_train(args) -> int:
               + _core_lines(res, layout, system, M)
               + (f"\n  {res['sfb_layers']} layer(s) as sufficient factors; rebuilding their gradients took "
                  f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else "")
+              + (f"\n  steps/s by worker: {', '.join(f'{s:.2f}' for s in res['worker_steps_per_s'])}"
+                 if args.straggler != 1.0 and res.get("worker_steps_per_s") else "")
               + (f"\n  autotune: {res['autotune']['trials']} trials in {res['autotune']['steps']} untimed steps chose "
                  f"{res['autotune']['choice']} ({res['autotune']['gain']:.2f}x its start)" if res.get("autotune") else ""),
               flush=True)

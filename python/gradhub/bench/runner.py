@@ -59,6 +59,11 @@ VARIANTS = {
     "sfb": {"GRADHUB_SFB": "force"},
     # Autotuning during untimed steps before the timed ones (3 steps a trial).
     # Overlap changes training semantics: autotune tries it only when allowed.
+    # Training modes (issue 31): BytePS's asynchronous mode, unbounded or
+    # with a staleness bound of 2; sums in rank order.
+    "async": {"GRADHUB_ASYNC": "1"},
+    "stale2": {"GRADHUB_ASYNC": "1", "GRADHUB_STALENESS": "2"},
+    "deterministic": {"GRADHUB_DETERMINISTIC": "1"},
     "autotune": {"GRADHUB_AUTOTUNE": "1", "GRADHUB_AUTOTUNE_STEPS_PER_TRIAL": "3", "GRADHUB_OVERLAP_FORWARD": "auto"},
 }
 
@@ -173,7 +178,7 @@ def summarize(results: list[dict]) -> dict:
     q = lambda f: all_times[min(len(all_times) - 1, int(f * len(all_times)))]
     out = {
         "workers": len(results),
-        "iter_time_mean": max(per_iter),   # the job moves at the pace of its slowest worker
+        "iter_time_mean": max(per_iter),   # a synchronous job moves at the pace of its slowest worker
         "iter_time_p50": q(0.5),
         "iter_time_p90": q(0.9),
         "iter_time_max": all_times[-1],
@@ -181,6 +186,10 @@ def summarize(results: list[dict]) -> dict:
     r0 = results[0]
     if "batch" in r0:
         out["samples_per_s"] = len(results) * r0["batch"] / out["iter_time_mean"]
+        if any(r.get("options", {}).get("GRADHUB_ASYNC") == "1" for r in results):
+            # Asynchronous: each worker trains at its own pace.
+            out["samples_per_s"] = sum(r0["batch"] / t for t in per_iter)
+        out["worker_steps_per_s"] = [1 / t for t in per_iter]
         bound = len(results) * r0["batch"] / r0["compute_per_iter"]
         out["compute_bound_samples_per_s"] = bound
         out["scaling_efficiency"] = out["samples_per_s"] / bound
