@@ -33,9 +33,10 @@ fn data_job_on(
     let nw = hosts.len() as u32;
     let mut cfg = sched_config(nw, 1);
     tweak(&mut cfg);
+    let training = cfg.training;
     let job = real_job(cfg, &[(threads, false)]);
-    let mut workers: Vec<Member> =
-        (0..nw).map(|r| Member::register(job.addr, worker_reg(r as i32, &hosts[r as usize], nw, 1))).collect();
+    let reg = |r: u32| gradhub::protocol::Register { training, ..worker_reg(r as i32, &hosts[r as usize], nw, 1) };
+    let mut workers: Vec<Member> = (0..nw).map(|r| Member::register(job.addr, reg(r))).collect();
     let welcomes: Vec<Welcome> = workers.iter_mut().map(|w| w.welcome()).collect();
     let welcome = welcomes.into_iter().next().unwrap();
     assert_eq!(welcome.servers.len(), 1);
@@ -842,5 +843,54 @@ fn strangers_that_never_authenticate_are_closed_after_the_handshake_timeout() {
     w0.push(&specs[0], 0, 0, 0, &f32_bytes(&[1.5; 64]));
     assert_eq!(bytes_f32(&w0.expect_result(&specs[0], 0, 0)), vec![1.5; 64]);
     job.workers[0].stop_heartbeat();
+    job.finish();
+}
+
+#[test]
+fn asynchronous_chunks_apply_each_change_on_arrival_and_answer_only_its_worker() {
+    use gradhub::protocol::{FLAG_ASYNC, FLAG_INIT};
+    use gradhub::training::Training;
+    let vals = |x: f32| f32_bytes(&[x; 16]);
+    let mut job = data_job(2, 1, |c| c.training = Training::Asynchronous { staleness: None });
+    let w = job.declare(0, &[("w", 16, DType::F32)]).remove(0);
+    let mut c: Vec<DataConn> = (0..2).map(|r| job.conn(0, r)).collect();
+    // Worker 1's initial values are acked, and answered only once worker 0's
+    // (the parameters) came: with worker 0's.
+    c[1].push(&w, 0, 0, FLAG_ASYNC | FLAG_INIT, &vals(5.0));
+    c[1].expect_received(&w, 0, 0);
+    c[0].push(&w, 0, 0, FLAG_ASYNC | FLAG_INIT, &vals(2.0));
+    c[0].expect_received(&w, 0, 0);
+    assert_eq!(bytes_f32(&c[0].expect_result(&w, 0, 0)), vec![2.0; 16]);
+    assert_eq!(bytes_f32(&c[1].expect_result(&w, 0, 0)), vec![2.0; 16]);
+    // Worker 0 runs ahead: each change applied and answered at once.
+    for (round, want) in [(1, 3.0), (2, 4.0)] {
+        c[0].push(&w, 0, round, FLAG_ASYNC, &vals(1.0));
+        c[0].expect_received(&w, 0, round);
+        assert_eq!(bytes_f32(&c[0].expect_result(&w, 0, round)), vec![want; 16]);
+    }
+    c[1].push(&w, 0, 1, FLAG_ASYNC, &vals(0.5));
+    c[1].expect_received(&w, 0, 1);
+    assert_eq!(bytes_f32(&c[1].expect_result(&w, 0, 1)), vec![4.5; 16]);
+    // Out of turn, parameters again, or a synchronous push: refused.
+    c[1].push(&w, 0, 3, FLAG_ASYNC, &vals(0.5));
+    c[1].expect_error("pushed round 3, but its next is 2");
+    c[0].push(&w, 0, 3, FLAG_ASYNC | FLAG_INIT, &vals(9.0));
+    c[0].expect_error("initial parameters in round 3");
+    let mut again = job.conn(0, 0);
+    again.push(&w, 0, 3, 0, &vals(1.0));
+    again.expect_error("pushed it synchronously, but it is asynchronous");
+    drop((c, again));
+    job.finish();
+}
+
+#[test]
+fn an_asynchronous_push_in_a_synchronous_job_is_refused() {
+    use gradhub::protocol::{FLAG_ASYNC, FLAG_INIT};
+    let mut job = data_job(1, 1, |_| {});
+    let w = job.declare(0, &[("w", 16, DType::F32)]).remove(0);
+    let mut c = job.conn(0, 0);
+    c.push(&w, 0, 0, FLAG_ASYNC | FLAG_INIT, &f32_bytes(&[1.0; 16]));
+    c.expect_error("an asynchronous push in a synchronous job");
+    drop(c);
     job.finish();
 }

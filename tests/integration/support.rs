@@ -631,7 +631,7 @@ pub fn real_job(cfg: SchedulerConfig, servers: &[(usize, bool)]) -> RealJob {
 
 /// `real_job` with server i on host `hosts[i]` (default: this machine's identity).
 pub fn real_job_on(cfg: SchedulerConfig, servers: &[(usize, bool)], hosts: &[Option<String>]) -> RealJob {
-    let (nw, ns) = (cfg.num_workers, cfg.num_servers);
+    let (nw, ns, training) = (cfg.num_workers, cfg.num_servers, cfg.training);
     assert_eq!(ns as usize, servers.len());
     let h = start(cfg);
     let addr = h.addr;
@@ -640,7 +640,7 @@ pub fn real_job_on(cfg: SchedulerConfig, servers: &[(usize, bool)], hosts: &[Opt
         .enumerate()
         .map(|(i, &(t, c))| {
             let mut sc = server_config(addr, t, c, i as i32, nw, ns);
-            sc.host = hosts.get(i).cloned().flatten();
+            (sc.host, sc.training) = (hosts.get(i).cloned().flatten(), training);
             spawn_server(sc)
         })
         .collect();

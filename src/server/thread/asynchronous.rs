@@ -39,6 +39,12 @@ impl ServerThread {
         if ch.round.upstream().is_some() {
             return bad("asynchronous tensors are not reduced within racks (GRADHUB_RACK_REDUCE=off)".into());
         }
+        if hdr.flags & FLAG_INIT != 0 && hdr.round != 0 {
+            return bad(format!(
+                "worker {rank} sent initial parameters in round {} (only its first push may)",
+                hdr.round
+            ));
+        }
         match &ch.deltas {
             Some(d) => {
                 if let Err(e) = d.admit(rank, hdr.round) {
