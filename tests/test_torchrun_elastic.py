@@ -39,7 +39,8 @@ class Node:
                 "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "gh",
                 "--rdzv-conf", conf, "--local-addr", ip, "--max-restarts", "3", "--monitor-interval", "0.2",
                 str(WORKERS / "torchrun_elastic.py")]
-        self.proc = subprocess.Popen(argv, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -74,6 +75,7 @@ def nodes(hosts, tmp_path):  # noqa: F811
     with torchrun's c10d rendezvous store on host rdzv_host."""
     addrs = [hosts(0), hosts(1)]
     made: list[Node] = []
+    # LOGLEVEL: torchrun's agents log each rendezvous and restart (shown when a test fails).
     env = job_env(GH_CKPT=str(tmp_path / "ckpt.pt"), GH_STEPS=STEPS, GH_STEP_SLEEP="0.25",
                   GRADHUB_PEER_TIMEOUT="3", OMP_NUM_THREADS="1", LOGLEVEL="INFO")
     port = free_port()
