@@ -112,17 +112,26 @@ def check_against_one_process(ckpt: Path, params: list[list[float]], sizes: list
         assert max(abs(a - b) for a, b in zip(p, ref)) < 1e-9, (p, ref)
 
 
-def test_a_node_leaves_and_the_other_finishes_alone(nodes):
-    start, ckpt = nodes
+def test_a_worker_fails_then_a_node_leaves_and_the_other_finishes_alone(nodes):
     # Node 0 has the lower address: torchrun's group rank 0, so its worker
     # hosts the job's scheduler (and a colocated server). Node 1 hosts
-    # torchrun's rendezvous store and survives the loss of node 0.
-    # No job token given: the job makes one up and shares it through torchrun's store.
-    n1, n0 = start(1, 1, GRADHUB_JOB_TOKEN=""), start(0, 1, GRADHUB_JOB_TOKEN="")
-    n1.wait_for(r"STEP 4 size 2", timeout=60)
+    # torchrun's rendezvous store and survives. No job token given: rank 0
+    # makes one up and shares it through torchrun's store.
+    start, ckpt = nodes
+    env = dict(GRADHUB_JOB_TOKEN="", GH_FAIL_AT="3", GH_FAIL_RANK="1")
+    n1, n0 = start(1, 1, **env), start(0, 1, **env)
+    # First node 1's worker fails: its agent counts a restart
+    # (TORCHELASTIC_RESTART_COUNT 1), node 0's agent sees a node waiting and
+    # restarts its healthy worker as a change of nodes (its count stays 0).
+    # The token made up by the new rank 0 must reach node 1's worker all the same.
+    n1.wait_for(r"START rank 1 size 2 step 3 attempt 1", timeout=90)
+    n0.wait_for(r"START rank 0 size 2 step 3 attempt 0", timeout=30)
+    # Then node 0 leaves, scheduler and all: node 1's worker fails on the
+    # lost peer, and torchrun restarts it alone, as rank 0.
+    n1.wait_for(r"STEP 6 size 2", timeout=60)
     n0.kill()
     out = n1.finish(timeout=60)
-    assert "START rank 0 size 1" in out, out[-6000:]  # restarted by torchrun, alone
+    assert re.search(r"START rank 0 size 1 step \d+ attempt 2", out), out[-6000:]
     check_against_one_process(ckpt, final_params(out, 1), [2, 1])
 
 

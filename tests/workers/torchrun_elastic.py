@@ -13,7 +13,10 @@ Environment: GH_CKPT (the checkpoint file), GH_STEPS, GH_STEP_SLEEP
 (seconds after each step, so the test can change the nodes mid-run),
 GH_FINAL_SIZE (train on past GH_STEPS until the last 3 steps were at this
 world size, at most 400 steps: a node that joins late still finds the job
-running, and trains with it).
+running, and trains with it), GH_FAIL_AT (in torchrun's first attempt, the
+worker of rank GH_FAIL_RANK exits with code 3 after that step; the others
+then wait without a collective, so only its node counts a restart: torchrun
+restarts the other node's worker as a change of nodes).
 """
 
 import os
@@ -97,6 +100,10 @@ def main() -> None:
             os.replace(tmp, ckpt)  # a reader sees the old checkpoint or the new one, never half of one
         step += 1
         print(f"STEP {step} size {size}", flush=True)
+        if step == int(os.environ.get("GH_FAIL_AT", "-1")) and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            if rank == int(os.environ["GH_FAIL_RANK"]):
+                os._exit(3)
+            time.sleep(30)  # until torchrun stops this worker
         time.sleep(pause)
     print(f"DONE rank {rank} size {size} params {flat(model)!r}", flush=True)
     hvd.shutdown()
