@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -294,11 +295,18 @@ def torchrun_token(rank: int, timeout: float) -> TorchrunToken | None:
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=timeout))
     key = "gradhub/job_token"
-    if rank == 0:
-        token = secrets.token_hex(32)
-        store.set(key, token)
-        return TorchrunToken(token, lambda: store.delete_key(key))
-    return TorchrunToken(store.get(key).decode(), lambda: None)
+    if rank != 0:
+        return TorchrunToken(store.get(key).decode(), lambda: None)
+
+    def formed() -> None:
+        try:
+            store.delete_key(key)
+        except RuntimeError as e:  # the job stands: only the next group's readers could be misled
+            print(f"[gradhub] warning: cannot delete the job token from torchrun's store: {e}", file=sys.stderr)
+
+    token = secrets.token_hex(32)
+    store.set(key, token)
+    return TorchrunToken(token, formed)
 
 
 def insecure() -> bool:
