@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import sys
 import textwrap
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from . import _core
 from .launch.slurm import step as slurm_step
@@ -259,13 +260,31 @@ def service_token() -> str | None:
     return _secret("GRADHUB_SERVICE_TOKEN")
 
 
-def torchrun_token(rank: int, timeout: float) -> str | None:
+class TorchrunToken(NamedTuple):
+    """A job token shared through torchrun's store (`torchrun_token()`)."""
+    token: str
+    formed: Callable[[], None]     # call once the job has formed (every member registered)
+
+
+def torchrun_token(rank: int, timeout: float) -> TorchrunToken | None:
     """A job token for a torchrun job that hosts its own scheduler and servers
     (no GRADHUB_SCHEDULER) and was given none: rank 0 makes one up and shares
     it through torchrun's own store (the elastic agent's TCPStore at
     MASTER_ADDR:MASTER_PORT, which torch.distributed's env:// rendezvous uses
     too), so only processes of this torchrun job learn it. None when the
-    processes were not started by torchrun's agent."""
+    processes were not started by torchrun's agent, or its store is not
+    shared with them (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
+
+    The store outlives the group: torchrun restarts every worker after a
+    failure or a change of nodes (--nnodes MIN:MAX), and the next group
+    finds it. So rank 0 deletes its token once the job has formed (every
+    member registered with it: `formed()`), and the next group's readers wait
+    for the next rank 0's. The key names no TORCHELASTIC_RESTART_COUNT: that
+    count differs between nodes (a failure counts on the failing node only, a
+    change of nodes on none, and a node that joins later starts at 0). A
+    group that fails before it forms leaves its token behind; a reader of the
+    next one may then take it, fail to authenticate, and torchrun restarts
+    the group once more."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import datetime
@@ -275,11 +294,19 @@ def torchrun_token(rank: int, timeout: float) -> str | None:
 
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=timeout))
-    # A restarted group (elastic restarts) makes a new one.
-    key = f"gradhub/job_token/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if rank == 0:
-        store.set(key, secrets.token_hex(32))
-    return store.get(key).decode()
+    key = "gradhub/job_token"
+    if rank != 0:
+        return TorchrunToken(store.get(key).decode(), lambda: None)
+
+    def formed() -> None:
+        try:
+            store.delete_key(key)
+        except RuntimeError as e:  # the job stands: only the next group's readers could be misled
+            print(f"[gradhub] warning: cannot delete the job token from torchrun's store: {e}", file=sys.stderr)
+
+    token = secrets.token_hex(32)
+    store.set(key, token)
+    return TorchrunToken(token, formed)
 
 
 def insecure() -> bool:

@@ -148,10 +148,13 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                 raise RuntimeError(f"gradhub.init(): GRADHUB_JOB={env.job!r} needs the job's token: set "
                                    "GRADHUB_JOB_TOKEN to what the service's operator gave you (`gradhub token "
                                    f"{env.job}` on the service)")
+        shared = None
         if env.embedded and env.token is None:
-            env.token = _env.torchrun_token(env.rank, env.connect_timeout)
-            if env.token is not None and env.rank == 0:
-                print("[gradhub] job token: made up by rank 0, shared through torchrun's store", file=sys.stderr)
+            shared = _env.torchrun_token(env.rank, env.connect_timeout)
+            if shared is not None:
+                env.token = shared.token
+                if env.rank == 0:
+                    print("[gradhub] job token: made up by rank 0, shared through torchrun's store", file=sys.stderr)
         _env.check_exposure("gradhub.init()", [split_hostport(env.scheduler, DEFAULT_SCHEDULER_PORT)[0]],
                             env.token, env.insecure)
         if env.embedded:
@@ -170,6 +173,8 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
                                     elastic=_elastic_reg(env, _prev_rank))
         _install_exit_hook()
         _client = _core.Client(config)
+        if shared is not None:
+            shared.formed()
         _joined = env.scheduler
         if env.timeline:
             timeline.start(env.timeline, _client.rank, _client)
