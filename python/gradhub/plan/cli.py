@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s)
     _cluster_args(s)
     s.add_argument("--partition-bytes", type=int, default=Options.partition_bytes, help="chunk size (default 256 KiB)")
-    s.add_argument("--credit-bytes", type=int, default=Options.credit_bytes, help="credit per connection (512 KiB)")
+    s.add_argument("--credit-bytes", type=int, default=Options.credit_bytes, help="credit per connection (default: the larger of 512 KiB and 4 chunks, as the workers' default)")
     s.add_argument("--fusion-threshold", type=int, default=Options.fusion_threshold, help="fusion bucket bytes")
     s.add_argument("--no-host-reduce", action="store_true", help="host stage off")
     s.add_argument("--overlap-forward", action="store_true", help="forward overlap on")

@@ -48,8 +48,8 @@ class Cluster:
 @dataclass(frozen=True)
 class Options:
     partition_bytes: int = 256 * KIB    # DEFAULT_PARTITION_BYTES
-    credit_bytes: int = 512 * KIB       # DEFAULT_CREDIT_BYTES, per server-thread connection
-    spread_bytes: int | None = None     # None: 4 credits (SPREAD_CREDITS)
+    credit_bytes: int | None = None     # per server-thread connection; None: the larger of 512 KiB and 4 chunks
+    spread_bytes: int | None = None     # None: 2 MiB where a worker's shares are uneven, else none
     fusion_threshold: int = 256 * KIB   # GRADHUB_FUSION_THRESHOLD
     host_reduce: bool = True            # GRADHUB_HOST_REDUCE
     overlap_forward: bool = False       # GRADHUB_OVERLAP_FORWARD
@@ -57,8 +57,16 @@ class Options:
     rack_reduce: str = "auto"           # GRADHUB_RACK_REDUCE
 
     @property
-    def spread(self) -> int:
-        return 4 * self.credit_bytes if self.spread_bytes is None else self.spread_bytes
+    def credit(self) -> int:
+        """The credit the workers use (`default_credit_bytes` in src/lib.rs)."""
+        return max(512 * KIB, 4 * self.partition_bytes) if self.credit_bytes is None else self.credit_bytes
+
+    def spread(self, uneven: bool) -> float:
+        """The spread window (`client::io::admission`): by default 4 least
+        credits (2 MiB), only where a worker's placed shares are uneven."""
+        if self.spread_bytes is not None:
+            return self.spread_bytes or float("inf")
+        return 4 * 512 * KIB if uneven else float("inf")
 
     def scaled(self, scale: float) -> "Options":
         """What `gradhub bench train --scale S` runs: partition and fusion

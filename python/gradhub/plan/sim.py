@@ -101,6 +101,17 @@ def messages(profile: SimProfile, opt: Options) -> tuple[list[Message], dict[tup
     return msgs, of
 
 
+def uneven_shares(c: Cluster, opt: Options) -> bool:
+    """Whether a worker's bytes differ across its server connections (the
+    largest over 1.25 x the smallest, `admission::uneven`): with both
+    colocated and CPU-only servers, whose weights (BytePS's split) differ."""
+    pushers = c.hosts if opt.host_reduce or c.workers_per_host == 1 else c.workers
+    w_gpu, w_cpu = max(pushers - c.cpu_servers, 0), 2 * (pushers - 1)
+    if not (c.colocated and c.cpu_servers > 0 and w_gpu > 0 and w_cpu > 0):
+        return False
+    return max(w_gpu, w_cpu) > 1.25 * min(w_gpu, w_cpu)
+
+
 def place(msgs: list[Message], c: Cluster, opt: Options) -> None:
     """Cut every message into chunks and give each the kind of its owner, by
     the scheduler's greedy least-weighted-load rule (weights n-k and 2(n-1))."""
@@ -178,7 +189,7 @@ class GradhubSim:
         self._cost_cache: dict[tuple[int, str], tuple] = {}
         # The representative worker's windows (every pusher of the host has its own).
         n_conns = ((H if c.colocated else 0) + k) * c.server_threads
-        self.window = W * min(opt.credit_bytes * max(1, n_conns), opt.spread or float("inf"))
+        self.window = W * min(opt.credit * max(1, n_conns), opt.spread(uneven_shares(c, opt)))
 
     # -- per-chunk costs -------------------------------------------------
     def costs(self, b: int, kind: str) -> tuple:
