@@ -9,6 +9,7 @@ example's accuracy is checked in test_examples.py."""
 import re
 import time
 
+import pytest
 from conftest import assert_all_passed, run_launch
 
 
@@ -21,12 +22,16 @@ def steps_and_lead(out: str, workers: int) -> tuple[list[int], int]:
     return steps, max(leads)
 
 
-def test_a_bound_of_zero_keeps_the_workers_in_step_exactly_as_synchronous_sgd():
-    rc, out = run_launch(3, 2, "async_train.py", {"steps": 12, "exact": True},
+@pytest.mark.parametrize("hosts", [[0, 1, 2], [0, 0, 1, 1]], ids=["3-hosts", "host-stage"])
+def test_a_bound_of_zero_keeps_the_workers_in_step_exactly_as_synchronous_sgd(hosts):
+    # Two servers (so chunks have replicas); with the host stage, each
+    # host's two workers combine their changes and push once.
+    n = len(hosts)
+    rc, out = run_launch(n, 2, "async_train.py", {"steps": 12, "exact": True, "hosts": hosts},
                          env={"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 0})
-    assert_all_passed(rc, out, 3)
-    steps, lead = steps_and_lead(out, 3)
-    assert steps == [12, 12, 12] and lead == 0, (steps, lead)
+    assert_all_passed(rc, out, n)
+    steps, lead = steps_and_lead(out, n)
+    assert steps == [12] * n and lead == 0, (steps, lead)
 
 
 def test_a_straggler_does_not_hold_the_others_back_and_a_bound_holds():

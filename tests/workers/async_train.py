@@ -1,6 +1,6 @@
 """Asynchronous-mode training (GRADHUB_ASYNC=1) of a small regression model
 with DistributedOptimizer, each worker on its own emulated host (so each
-pushes for itself).
+pushes for itself) unless `hosts` says otherwise.
 
 Config: `steps`; `sleep` {rank: seconds per step} (a straggler); `seconds`:
 stop after this long instead of after `steps` (each worker on its own
@@ -18,8 +18,12 @@ import torch
 from common import CONFIG
 
 ME = int(os.environ["GRADHUB_RANK"])
-os.environ["GRADHUB_HOST_ID"] = f"async-{ME}"
-os.environ["GRADHUB_LOCAL_RANK"], os.environ["GRADHUB_LOCAL_SIZE"] = "0", "1"
+# Emulated hosts (`hosts`: by rank; default one each): a host's workers
+# combine their changes in its shared memory and push once.
+HOSTS = CONFIG.get("hosts") or list(range(ME + 1))
+os.environ["GRADHUB_HOST_ID"] = f"async-{HOSTS[ME]}"
+os.environ["GRADHUB_LOCAL_RANK"] = str(HOSTS[:ME].count(HOSTS[ME]))
+os.environ["GRADHUB_LOCAL_SIZE"] = str(HOSTS.count(HOSTS[ME]))
 
 import gradhub.torch as hvd  # noqa: E402
 
