@@ -45,7 +45,8 @@ def parse_hosts_output(text: str, default_slots: int, where: str = "the host dis
         at = f"{where}, line {n}"
         bare = line.rpartition("]")[2] if line.startswith("[") else line
         # A line without slots gets --slots-per-host (hosts.py's parser would give it one).
-        hosts.append(_entry(line, at) if ":" in bare or re.search(r"\sslots\s*=", bare) else Host(_host(line, at), default_slots))
+        given = ":" in bare or re.search(r"\sslots\s*=", bare)
+        hosts.append(_entry(line, at) if given else Host(_host(line, at), default_slots))
     return {h.name: h.slots for h in _unique(hosts, where)}
 
 
@@ -81,8 +82,8 @@ def run_script(script: str, default_slots: int, timeout: float = SCRIPT_TIMEOUT_
     or no host)."""
     try:
         # Through the shell, as horovodrun runs it: a path, or a command with arguments.
-        p = subprocess.Popen(["/bin/sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+        p = subprocess.Popen(["/bin/sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as e:
         raise ValueError(f"cannot run the host discovery script {script}: {e.strerror}") from None
     try:
