@@ -59,6 +59,34 @@ def test_a_run_is_bounded_and_its_failures_say_why(tmp_path):
     assert not _alive(pid)
 
 
+def test_the_poller_keeps_the_last_good_hosts_while_the_script_fails(tmp_path, capsys):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a:2\n")
+    poller = discovery.Poller(f"cat {hosts}", 1, 0.05, {"a": 2}, "t").start()
+
+    def until(version: int) -> tuple[int, dict]:
+        deadline = time.monotonic() + 30  # a hang guard
+        while poller.get()[0] < version and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return poller.get()
+
+    try:
+        hosts.write_text("a:2\nb\n")
+        assert until(1) == (1, {"a": 2, "b": 1})
+        hosts.unlink()  # failing now: reported once, the last set kept
+        deadline = time.monotonic() + 30
+        while "keeping the last hosts found" not in (said := capsys.readouterr().err) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"cat: {hosts}: No such file or directory; keeping the last hosts found" in said, said
+        time.sleep(0.3)
+        assert poller.get() == (1, {"a": 2, "b": 1}) and "keeping" not in capsys.readouterr().err
+        hosts.write_text("b:3\n")
+        assert until(2) == (2, {"b": 3})
+        assert "the host discovery script works again" in capsys.readouterr().err
+    finally:
+        poller.stop()
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -140,6 +168,20 @@ def test_a_stopped_worker_is_lost_without_a_replacement_and_too_few_still_fail(c
     workers[1].exit(9)
     losses.update("t")  # a real loss leaving 1 of --min-workers 2
     assert losses.fatal is not None and "fewer than --min-workers 2" in losses.fatal[1]
+
+
+def test_a_stopped_worker_whose_exit_comes_after_the_others_finished_is_no_failure():
+    # The survivors re-formed without it and finished before its exit came back over ssh.
+    workers = [FakeWorker(f"worker {i}@a") for i in range(3)]
+    losses = Losses(workers, 2, None, 0, retired={workers[2]})
+    workers[0].exit(0)
+    workers[2].exit(143)
+    losses.update("t")
+    assert losses.lost == [workers[2]] and losses.fatal is None
+    # Not so for a worker that failed on its own then: the job's last generation lost a member.
+    workers[1].exit(1)
+    losses.update("t")
+    assert losses.lost == [workers[2]]
 
 
 def test_a_replacement_with_no_free_slot_is_not_started():

@@ -4,7 +4,8 @@ shared lock): the service runs on the launcher's host, its servers and the
 workers over ssh; a worker lost mid-step leaves the others to finish, and
 the launch succeeds naming it, and stops the service on every host. With
 --host-discovery-script, the job follows the hosts the script lists: it
-grows onto a host added and stops the workers of a host removed."""
+grows onto a host added and stops the workers of a host removed (its
+service on the first host: --scheduler-host first)."""
 
 import json
 import subprocess
@@ -92,7 +93,8 @@ def test_a_discovered_job_grows_onto_a_host_added_and_leaves_a_host_removed(ssh_
     marker = uuid.uuid4().hex
     p = _launch(ssh_hosts, tmp_path, None, WORKERS / "elastic_train.py", marker,
                 extra=["--host-discovery-script", f"cat {hosts}", "--discovery-interval", "0.5",
-                       "--min-workers", "2", "--max-workers", "3", "--peer-timeout", "3"], GH_TEST=json.dumps(cfg))
+                       "--min-workers", "2", "--max-workers", "3", "--peer-timeout", "3", "--scheduler-host", "first"],
+                GH_TEST=json.dumps(cfg))
     job = Job(p, marker)
     try:
         job.wait_for("STEP 2 AT SIZE 2")
@@ -104,6 +106,8 @@ def test_a_discovered_job_grows_onto_a_host_added_and_leaves_a_host_removed(ssh_
         p.wait(60)
         raise
     out, err = job.finished()
+    # The job's shared service ran on the first host found.
+    assert f"an elastic job on a shared service on {a.ip} at {a.ip}:" in err, err
     assert f"{b.ip} was discovered with a free slot: started worker 2@{b.ip}" in err, err
     assert f"stopping worker 2@{b.ip}: {b.ip} left the discovered hosts" in err, err
     assert f"worker 2@{b.ip} stopped (the job went on with 2)" in err, err

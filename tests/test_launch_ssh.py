@@ -129,6 +129,7 @@ def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_ho
     assert p.returncode == 0, out[-4000:] + err[-4000:]
     sched = (a if where == "first" else cluster.hosts["sched"]).ip
     assert f"scheduler on {a.ip if where == 'first' else 'this machine'} at {sched}:" in err, err
+    assert f"[scheduler{'@' + a.ip if where == 'first' else ''}] " in out, out[-4000:]  # labelled like the rest
     for r, host, local in ((0, a, 0), (1, a, 1), (2, b, 0), (3, b, 1)):
         assert f"[worker {r}@{host.ip}] PASS {r}" in out, out[-4000:]
         assert f"[worker {r}@{host.ip}] LOCAL {local} of 2" in out, out[-4000:]

@@ -144,16 +144,20 @@ class Losses:
         for w in failed:
             assert w.rc is not None
             running = sum(1 for x in self.workers if x.rc is None)
-            if any(x.rc == 0 for x in self.workers):
+            ending = any(x.rc == 0 for x in self.workers if x not in self.retired)
+            if w in self.retired and (ending or running >= self.least):
+                # Stopped on purpose: the survivors may have re-formed and
+                # finished before its own exit came back over ssh.
+                self.lost.append(w)
+                print(f"{tool}: {w.label} stopped (the job went on with {running})", file=sys.stderr, flush=True)
+                continue
+            if ending:
                 return  # the job was ending: a member of its last generation failed
             if running < self.least:
                 self.fatal = (w, f"{w.label} {describe(w.rc)}, leaving {running} worker{'s' * (running != 1)}, "
                                  f"fewer than --min-workers {self.least}")
                 return
             self.lost.append(w)
-            if w in self.retired:
-                print(f"{tool}: {w.label} stopped (the job went on with {running})", file=sys.stderr, flush=True)
-                continue
             print(f"{tool}: {w.label} {describe(w.rc)} (lost; the job went on with {running})",
                   file=sys.stderr, flush=True)
             if self.replacements_left > 0 and running < self.most:
