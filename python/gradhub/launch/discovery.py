@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .hosts import Host, _entry, _host, _unique
+from .proc import Proc
 
 # Seconds a run of the script may take before it is killed and reported: a
 # hanging script must not freeze what the job knows of its hosts.
@@ -155,17 +156,17 @@ class Follower:
     worker there (it joins at the job's next commit); `retire(worker)` tells
     the supervision that its exit is a stop, not a failure."""
 
-    def __init__(self, poller: Poller, workers: list, most: int, start: Callable[[str], object],
-                 retire: Callable[[object], None], tool: str):
+    def __init__(self, poller: Poller, workers: list[Proc], most: int, start: Callable[[str], Proc],
+                 retire: Callable[[Proc], None], tool: str):
         self.poller, self.workers, self.most, self.start, self.retire = poller, workers, most, start, retire
         self.tool = tool
         self.version, self.hosts = poller.get()
-        self.stopping: dict[object, float] = {}  # a stopped worker -> when it gets SIGKILL
+        self.stopping: dict[Proc, float] = {}  # a stopped worker -> when it gets SIGKILL
 
-    def host_of(self, w) -> str:
+    def host_of(self, w: Proc) -> str:
         return w.label.split("@", 1)[1]
 
-    def running(self, host: str | None = None) -> list:
+    def running(self, host: str | None = None) -> list[Proc]:
         """The live workers (on `host`), oldest first, not those being stopped."""
         return [w for w in self.workers if w.poll() is None and w not in self.stopping
                 and (host is None or self.host_of(w) == host)]
@@ -179,8 +180,9 @@ class Follower:
 
     def tick(self) -> None:
         now = time.monotonic()
+        self.stopping = {w: t for w, t in self.stopping.items() if w.poll() is None}
         for w, kill_at in self.stopping.items():
-            if w.poll() is None and now >= kill_at:
+            if now >= kill_at:
                 w.signal(signal.SIGKILL)
         version, hosts = self.poller.get()
         if version == self.version:
@@ -200,7 +202,7 @@ class Follower:
                 print(f"{self.tool}: {h} was discovered with a free slot: started {w.label}; it joins at the "
                       "job's next commit", file=sys.stderr, flush=True)
 
-    def _stop(self, workers: list, why: str) -> None:
+    def _stop(self, workers: list[Proc], why: str) -> None:
         for w in workers:
             self.retire(w)
             self.stopping[w] = time.monotonic() + STOP_GRACE_S

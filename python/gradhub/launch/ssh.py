@@ -6,10 +6,10 @@ first worker host, started over ssh like the rest, at that host's address;
 one server per worker host (colocated) or per `--server-hosts` host
 (CPU-only); `slots` workers per host, ranked host by host. With
 `--host-discovery-script` (an elastic job) the hosts are the script's, and
-follow it while the job runs (discovery.py). Every remote process is started by a small bootstrap given on
-the ssh command line; its environment (the job token among it) and its
-command travel over ssh's stdin, so no other user of either machine can read
-the token in a process list. Closing that stdin (or the connection dropping)
+follow it while the job runs (discovery.py). Every remote process is
+started by a small bootstrap given on the ssh command line; its environment
+(the job token among it) and its command travel over ssh's stdin, so no
+other user of either machine can read the token in a process list. Closing that stdin (or the connection dropping)
 kills the remote process group; a `TERM` line asks it to stop first.
 
 Before anything starts, every host is checked: reachable over ssh, and
