@@ -183,5 +183,6 @@ def test_launch_help_documents_the_host_flags():
     out = subprocess.run(LAUNCH + ["--help"], capture_output=True, text=True, timeout=60, env=job_env())
     assert out.returncode == 0
     for flag in ("-H HOST:SLOTS", "--hostfile FILE", "--server-hosts HOST", "--ssh-port", "--ssh-identity-file FILE",
-                 "--ssh-config FILE", "node1:4,node2:4"):
+                 "--ssh-config FILE", "node1:4,node2:4", "--scheduler-host {local,first}",
+                 "--host-discovery-script S", "--slots-per-host N", "--discovery-interval SECONDS"):
         assert flag in out.stdout, flag

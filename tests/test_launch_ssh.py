@@ -76,9 +76,10 @@ def ssh_hosts(tmp_path):
                 p.wait(10)
 
 
-def _launch(cluster, tmp: Path, hosts: str, script: Path, marker: str, extra: list[str] | None = None,
+def _launch(cluster, tmp: Path, hosts: str | None, script: Path, marker: str, extra: list[str] | None = None,
             **env) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "gradhub", "launch", "-H", hosts, "--ssh-port", str(SSH_PORT),
+    """`gradhub launch -H hosts` (None: the hosts come from `extra`) from the launcher's own host."""
+    argv = [sys.executable, "-m", "gradhub", "launch", *(["-H", hosts] if hosts else []), "--ssh-port", str(SSH_PORT),
             "--ssh-identity-file", str(tmp / "id"), "--ssh-config", str(tmp / "ssh_config"), *(extra or []),
             "--", sys.executable, str(script)]
     e = job_env(GH_SSH_TEST=marker, **env)
@@ -100,15 +101,35 @@ def _marked(marker: str) -> list[int]:
     return pids
 
 
-def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_hosts, tmp_path):
+def _scheduler_pid(marker: str) -> int:
+    """The job's scheduler process (`python -m gradhub scheduler ...`)."""
+    for pid in _marked(marker):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3:4] == [b"scheduler"]:
+                return pid
+        except OSError:
+            pass
+    raise AssertionError("no scheduler process")
+
+
+def _same_netns(pid: int, host) -> bool:
+    return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{host.ns}").st_ino
+
+
+@pytest.mark.parametrize("where", ["local", "first"])
+def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_hosts, tmp_path, where):
+    """The scheduler on the launcher's host, or (--scheduler-host first) on a."""
     cluster = ssh_hosts
     a, b, c = (cluster.hosts[n] for n in "abc")
     marker = uuid.uuid4().hex
     cfg = {"sizes": [10, 100003], "dtypes": ["float32", "float16"], "rounds": 2}
     p = _launch(cluster, tmp_path, f"{a.ip}:2,{b.ip}:2", WORKERS / "check_sums.py", marker,
-                extra=["--server-hosts", c.ip], GH_TEST=json.dumps(cfg))
+                extra=["--server-hosts", c.ip, "--scheduler-host", where], GH_TEST=json.dumps(cfg))
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, out[-4000:] + err[-4000:]
+    sched = (a if where == "first" else cluster.hosts["sched"]).ip
+    assert f"scheduler on {a.ip if where == 'first' else 'this machine'} at {sched}:" in err, err
+    assert f"[scheduler{'@' + a.ip if where == 'first' else ''}] " in out, out[-4000:]  # labelled like the rest
     for r, host, local in ((0, a, 0), (1, a, 1), (2, b, 0), (3, b, 1)):
         assert f"[worker {r}@{host.ip}] PASS {r}" in out, out[-4000:]
         assert f"[worker {r}@{host.ip}] LOCAL {local} of 2" in out, out[-4000:]
@@ -124,7 +145,7 @@ def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_ho
                       f"open(os.path.join({str(pids)!r}, str(gradhub.rank())), 'w').write(str(os.getpid()))\n"
                       "gradhub.barrier()\ntime.sleep(300)\n")
     marker = uuid.uuid4().hex
-    p = _launch(cluster, tmp_path, f"{a.ip}:2,{b.ip}:2", script, marker)
+    p = _launch(cluster, tmp_path, f"{a.ip}:2,{b.ip}:2", script, marker, extra=["--scheduler-host", where])
     try:
         deadline = time.monotonic() + 120  # a hang guard
         while len(list(pids.iterdir())) < 4 and p.poll() is None and time.monotonic() < deadline:
@@ -132,6 +153,7 @@ def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_ho
         assert len(list(pids.iterdir())) == 4, p.communicate(timeout=30)
         started = _marked(marker)
         assert len(started) >= 1 + 2 + 4  # the scheduler, 2 servers, 4 workers (and ssh, bootstraps)
+        assert _same_netns(_scheduler_pid(marker), a if where == "first" else cluster.hosts["sched"])
         os.kill(int((pids / "2").read_text()), signal.SIGKILL)
         out, err = p.communicate(timeout=120)
     finally:

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  gradhub launch -w 4 -s 2 -- python train.py --epochs 3\n"
         "  gradhub launch -H node1:4,node2:4 -- python train.py     # 8 workers, a colocated server per node\n"
         "  gradhub launch --hostfile hosts --server-hosts cpu1,cpu2 -- python train.py\n"
-        "  gradhub launch -w 4 --min-workers 2 -- python train.py  # elastic: goes on while 2 workers live\n\n"
+        "  gradhub launch -w 4 --min-workers 2 -- python train.py  # elastic: goes on while 2 workers live\n"
+        "  gradhub launch --host-discovery-script ./hosts.sh --min-workers 2 --max-workers 8 -- python train.py\n\n"
         + _env.env_help(ALL_ROLES),
     )
     lp.add_argument("-w", "--workers", type=int, default=None,
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--port", type=int, default=0, help="scheduler port (default: a free port)")
     hg = lp.add_argument_group(
         "across hosts (SSH)", "Workers on other hosts, started over ssh (key-based login, no password prompt); "
-        "the scheduler runs on this machine, a server on each worker host (colocated) unless --server-hosts. "
+        "the scheduler runs on this machine (or --scheduler-host first), a server on each worker host (colocated) unless --server-hosts. "
         "Every host must have the same Python (this one's path) with gradhub installed; each is checked before "
         "anything starts. The environment (the job token among it) travels over ssh's stdin, never on a "
         "command line.")
@@ -126,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="private key for every ssh connection (ssh -i)")
     hg.add_argument("--ssh-config", default=None, metavar="FILE",
                     help="an ssh_config file for every ssh connection (ssh -F): user names, jump hosts, host keys")
+    hg.add_argument("--scheduler-host", choices=("local", "first"), default="local",
+                    help="where the scheduler (an elastic job's shared service) runs: on this machine (local, the "
+                    "default) or, started over ssh, on the first worker host (first), at that host's address as "
+                    "it saw this machine's ssh come in; for a launching machine the hosts cannot reach")
     _add_scheduler_args(lp, senv)
     launch_elastic.add_args(lp)
     lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
@@ -374,10 +379,20 @@ def main(argv: list[str] | None = None) -> int:
         cmd = cmd[1:]
     if not cmd:
         parser.error("launch needs a worker command after --")
-    if args.workers is None and not (args.hosts or args.hostfile):
+    remote = args.hosts or args.hostfile or args.host_discovery_script
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        parser.error("--host-discovery-script gives the hosts: leave out -H/--hostfile")
+    if args.host_discovery_script and args.min_workers is None:
+        parser.error("--host-discovery-script needs --min-workers: only an elastic job follows its hosts")
+    if args.workers is None and not remote:
         parser.error("launch needs -w/--workers (or -H/--hostfile to run across hosts)")
-    if args.server_hosts and not (args.hosts or args.hostfile):
+    if args.server_hosts and not remote:
         parser.error("--server-hosts needs -H/--hostfile")
+    if args.scheduler_host == "first" and not remote:
+        parser.error("--scheduler-host first needs hosts (-H/--hostfile/--host-discovery-script): a job on this "
+                     "machine has its scheduler here")
+    if args.slots_per_host < 1 or args.discovery_interval <= 0:
+        parser.error("--slots-per-host needs at least 1 and --discovery-interval more than 0")
     try:
         return launch(args, cmd)
     except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)

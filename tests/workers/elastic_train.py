@@ -7,8 +7,9 @@ on one process: each step's batch is the same whatever the size, split by
 rank.
 
 Config: steps, lose_at, victim (a launched rank, GRADHUB_RANK), sfb (DistributedOptimizer's sufficient_factors), step_sleep (seconds after each commit, which
-prints STEP k), final_size (train on past `steps` until the job has this
-many workers: a worker started meanwhile joins at a commit; at most 600).
+prints STEP k AT SIZE n), final_size (train on past `steps` until the job
+has this many workers: a worker started meanwhile joins at a commit; a
+list: until it has had each size in turn; at most 600 steps).
 """
 
 import os
@@ -41,19 +42,23 @@ model = make()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                named_parameters=model.named_parameters(),
                                sufficient_factors=CONFIG.get("sfb", "off"))
-state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+# stage: how many of final_size's sizes the job has been through (synced with the state).
+state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, stage=0)
 resets = []
 state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
 
 final_size = CONFIG.get("final_size")
+sizes = final_size if isinstance(final_size, list) else [] if final_size is None else [final_size]
 
 
 def done(st) -> bool:
-    # The same on every worker: the step and size are the job's.
+    # The same on every worker: the step, stage and size are the job's.
     if st.step >= 600:
-        raise AssertionError(f"the job never reached {final_size} workers")
-    return st.step >= steps and (final_size is None or hvd.size() == final_size)
+        raise AssertionError(f"the job never went through sizes {sizes}")
+    if st.stage < len(sizes) and hvd.size() == sizes[st.stage]:
+        st.stage += 1
+    return st.step >= steps and st.stage == len(sizes) and (not sizes or hvd.size() == sizes[-1])
 
 
 @hvd.elastic.run
@@ -68,7 +73,7 @@ def train(st):
         opt.step()
         st.step += 1
         st.commit()
-        print(f"STEP {st.step}", flush=True)
+        print(f"STEP {st.step} AT SIZE {hvd.size()}", flush=True)
         time.sleep(CONFIG.get("step_sleep", 0))
     return st.step
 

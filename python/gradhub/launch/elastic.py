@@ -38,6 +38,17 @@ def add_args(lp) -> None:
                    help="the most workers the elastic job may have (default: -w), given to the workers as "
                    "GRADHUB_MAX_WORKERS. Given, a lost worker is replaced (on its host) while fewer run, at most "
                    "once per starting worker: the replacement joins at the job's next commit")
+    g.add_argument("--host-discovery-script", default=None, metavar="S",
+                   help="an executable that prints the hosts available now, one 'host:slots' a line (as "
+                   "horovodrun's): the job starts on them (-w defaults to their slots, up to --max-workers) and "
+                   "follows them, run every --discovery-interval: a new host or slot gets a worker (up to "
+                   "--max-workers; it joins at the next commit), a host gone has its workers stopped (the job goes "
+                   "on while --min-workers run). A run that fails or takes over 5 s is reported and the last hosts "
+                   "kept. Servers stay on the first hosts found (or --server-hosts). Instead of -H/--hostfile")
+    g.add_argument("--slots-per-host", type=int, default=1, metavar="N",
+                   help="the slots of a host the discovery script lists without any (default 1)")
+    g.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds between runs of the host discovery script (default 1)")
 
 
 def check(args, workers: int) -> str | None:

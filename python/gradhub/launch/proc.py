@@ -122,9 +122,13 @@ class Losses:
     `least` are still running; otherwise its exit is the job's failure, and
     `fatal` names it and why, when it left too few workers."""
 
-    def __init__(self, workers: list[Proc], least: int, replace=None, most: int = 0):
+    def __init__(self, workers: list[Proc], least: int, replace=None, most: int = 0,
+                 retired: set[Proc] | None = None):
         self.workers, self.least = workers, least
         self.lost: list[Proc] = []
+        # Workers the launcher stopped on purpose (their host left the job:
+        # discovery.py): lost like the others, but never replaced.
+        self.retired = retired if retired is not None else set()
         self.fatal: tuple[Proc, str] | None = None
         # `replace(lost)` starts a replacement worker (it joins the running job
         # at its next commit), while fewer than `most` run; at most one per
@@ -140,7 +144,14 @@ class Losses:
         for w in failed:
             assert w.rc is not None
             running = sum(1 for x in self.workers if x.rc is None)
-            if any(x.rc == 0 for x in self.workers):
+            ending = any(x.rc == 0 for x in self.workers if x not in self.retired)
+            if w in self.retired and (ending or running >= self.least):
+                # Stopped on purpose: the survivors may have re-formed and
+                # finished before its own exit came back over ssh.
+                self.lost.append(w)
+                print(f"{tool}: {w.label} stopped (the job went on with {running})", file=sys.stderr, flush=True)
+                continue
+            if ending:
                 return  # the job was ending: a member of its last generation failed
             if running < self.least:
                 self.fatal = (w, f"{w.label} {describe(w.rc)}, leaving {running} worker{'s' * (running != 1)}, "
@@ -150,8 +161,10 @@ class Losses:
             print(f"{tool}: {w.label} {describe(w.rc)} (lost; the job went on with {running})",
                   file=sys.stderr, flush=True)
             if self.replacements_left > 0 and running < self.most:
+                new = self.replace(w)  # None: no host has a free slot (a discovery job)
+                if new is None:
+                    continue
                 self.replacements_left -= 1
-                new = self.replace(w)
                 self.workers.append(new)
                 print(f"{tool}: started {new.label} to replace {w.label}; it joins at the job's next commit",
                       file=sys.stderr, flush=True)
@@ -188,24 +201,30 @@ def stopped_on_signals(procs: list[Proc]):
 
 
 def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: int | None = None,
-              replace=None, max_workers: int = 0) -> int:
+              replace=None, max_workers: int = 0, tick=None, retired: set[Proc] | None = None) -> int:
     """Wait for the workers; stop everything as soon as one process fails (or
     on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0.
     `min_workers`: an elastic job on a shared service the launch started (a
     lost worker does not end it while `min_workers` run: `Losses`; the
     service does not exit by itself and is stopped once the workers are done);
     `replace(lost)`: a new worker's Proc, started for `lost` while fewer
-    than `max_workers` run."""
+    than `max_workers` run (or None: no room for it). `tick()`: called on
+    every turn of the loop (an elastic job following its discovered hosts
+    adds workers to `procs` and `workers` there); `retired`: workers it
+    stopped on purpose (their exit is a stop, not a loss to replace)."""
 
-    def start_replacement(lost: Proc) -> Proc:
+    def start_replacement(lost: Proc) -> Proc | None:
         p = replace(lost)
-        procs.append(p)
+        if p is not None:
+            procs.append(p)
         return p
 
-    losses = (Losses(workers, min_workers, start_replacement if replace is not None else None, max_workers)
-              if min_workers is not None else None)
+    losses = (Losses(workers, min_workers, start_replacement if replace is not None else None, max_workers,
+                     retired) if min_workers is not None else None)
     with stopped_on_signals(procs):
         while True:
+            if tick is not None:
+                tick()
             if losses is not None:
                 losses.update(tool)
             live = [p for p in procs if losses is None or p not in losses.lost]

@@ -1,12 +1,15 @@
 """`gradhub launch -H host1:4,host2:4 ...`: a job across hosts over SSH, the
 way horovodrun starts one.
 
-The scheduler runs on this machine; one server per worker host (colocated)
-or per `--server-hosts` host (CPU-only); `slots` workers per host, ranked
-host by host. Every remote process is started by a small bootstrap given on
-the ssh command line; its environment (the job token among it) and its
-command travel over ssh's stdin, so no other user of either machine can read
-the token in a process list. Closing that stdin (or the connection dropping)
+The scheduler runs on this machine, or (`--scheduler-host first`) on the
+first worker host, started over ssh like the rest, at that host's address;
+one server per worker host (colocated) or per `--server-hosts` host
+(CPU-only); `slots` workers per host, ranked host by host. With
+`--host-discovery-script` (an elastic job) the hosts are the script's, and
+follow it while the job runs (discovery.py). Every remote process is
+started by a small bootstrap given on the ssh command line; its environment
+(the job token among it) and its command travel over ssh's stdin, so no
+other user of either machine can read the token in a process list. Closing that stdin (or the connection dropping)
 kills the remote process group; a `TERM` line asks it to stop first.
 
 Before anything starts, every host is checked: reachable over ssh, and
@@ -27,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .._ports import free_port
 from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
-from . import elastic
+from . import discovery, elastic
 from .local import job_env, scheduler_argv, server_argv
 from .proc import Proc, supervise
 
@@ -127,41 +130,71 @@ class RemoteProc(Proc):
         super().signal(sig)
 
 
-def _check_host(ssh: Ssh, host: str, env: dict[str, str]) -> str | None:
-    """Why the job cannot run on `host`, or None."""
-    probe = [sys.executable, "-c", "import gradhub._core"]
+# The launcher's check on each host (run by the bootstrap): gradhub imports,
+# and, for a scheduler on that host, its address on the route the launcher
+# came in by (sshd's SSH_CONNECTION) and a port free there.
+PROBE = """\
+import json, os, gradhub._core
+from gradhub._ports import free_port
+seen = os.environ.get("SSH_CONNECTION", "").split()
+addr = seen[2] if len(seen) == 4 else None
+print(json.dumps({"addr": addr, "port": free_port(addr or "0.0.0.0")}))
+"""
+
+
+def _check_host(ssh: Ssh, host: str, env: dict[str, str]) -> tuple[str | None, dict]:
+    """Why the job cannot run on `host` (or None), and what the probe found there."""
+    probe = [sys.executable, "-c", PROBE]
     try:
         p = subprocess.run(ssh.command(host), input=_job_line(env, probe, watch=False), capture_output=True, timeout=60)
     except subprocess.TimeoutExpired:
-        return f"{host}: no answer over ssh within 60 s"
+        return f"{host}: no answer over ssh within 60 s", {}
     except OSError as e:
-        return f"cannot run ssh: {e}"
+        return f"cannot run ssh: {e}", {}
     said = (p.stderr + p.stdout).decode(errors="replace").strip().splitlines()
     tail = said[-1] if said else f"exit code {p.returncode}"
     if p.returncode == 0:
-        return None
+        try:
+            return None, json.loads(p.stdout.decode(errors="replace").strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return f"{host}: the launcher's check printed nothing it could read ({tail})", {}
     if p.returncode == 255:
-        return f"cannot reach {host} over ssh: {tail or 'ssh failed'}"
+        return f"cannot reach {host} over ssh: {tail or 'ssh failed'}", {}
     if p.returncode == 127:
-        return f"{host}: no Python at {sys.executable} (gradhub launch runs the same Python path on every host)"
-    return f"{host}: gradhub is not installed for {sys.executable} there ({tail})"
+        return f"{host}: no Python at {sys.executable} (gradhub launch runs the same Python path on every host)", {}
+    return f"{host}: gradhub is not installed for {sys.executable} there ({tail})", {}
+
+
+def _bare(host: str) -> str:
+    """`host` without user@ or IPv6 brackets: a name or address to connect to."""
+    return host.rpartition("@")[2].strip("[]")
 
 
 def _address_towards(host: str) -> str:
     """This machine's address on the route to `host`."""
-    name = host.rpartition("@")[2].strip("[]")
-    family, _, _, _, addr = socket.getaddrinfo(name, 22, proto=socket.IPPROTO_UDP)[0]
+    family, _, _, _, addr = socket.getaddrinfo(_bare(host), 22, proto=socket.IPPROTO_UDP)[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(addr)
         return s.getsockname()[0]
 
 
+def _hosts(args) -> tuple[list[Host], dict[str, int] | None]:
+    """The worker hosts; and, with --host-discovery-script, the set it found."""
+    if args.host_discovery_script:
+        found = discovery.run_script(args.host_discovery_script, args.slots_per_host)
+        return [Host(h, n) for h, n in found.items()], found
+    return (parse_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)), None
+
+
 def launch_ssh(args, command: list[str]) -> int:
     tool = "gradhub launch"
     try:
-        hosts: list[Host] = parse_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)
+        hosts, found = _hosts(args)
         server_hosts = parse_server_hosts(args.server_hosts) if args.server_hosts else []
-        slots = worker_slots(hosts, args.workers)
+        n = args.workers
+        if found is not None and n is None:  # every slot found, up to --max-workers
+            n = min(sum(found.values()), args.max_workers or sum(found.values()))
+        slots = worker_slots(hosts, n)
         problem = elastic.check(args, len(slots))
         if problem:
             raise ValueError(problem)
@@ -173,9 +206,13 @@ def launch_ssh(args, command: list[str]) -> int:
     ssh = Ssh(args.ssh_port, args.ssh_identity_file, args.ssh_config)
     every = list(dict.fromkeys(used + servers))
     with ThreadPoolExecutor(max_workers=min(16, len(every))) as pool:
-        problems = [p for p in pool.map(lambda h: _check_host(ssh, h, dict(os.environ)), every) if p]
+        checked = list(pool.map(lambda h: _check_host(ssh, h, dict(os.environ)), every))
+    problems = [p for p, _ in checked if p]
+    remote_sched = args.scheduler_host == "first"
     try:
-        sched_ip = _address_towards(used[0])
+        # The scheduler's address: the first host's own (as it saw the
+        # launcher's ssh come in), or this machine's on the route to it.
+        sched_ip = (checked[0][1].get("addr") or _bare(used[0])) if remote_sched else _address_towards(used[0])
     except OSError as e:
         problems = problems or [f"cannot find this machine's address towards {used[0]}: {e}"]
     if problems:
@@ -183,16 +220,18 @@ def launch_ssh(args, command: list[str]) -> int:
             print(f"{tool}: {p}", file=sys.stderr)
         print(f"{tool}: nothing was started", file=sys.stderr)
         return 2
-    port = args.port or free_port()
+    port = args.port or (checked[0][1]["port"] if remote_sched else free_port())
     sched = f"[{sched_ip}]:{port}" if ":" in sched_ip else f"{sched_ip}:{port}"
     base = job_env(args, sched, len(slots), len(servers))
     el = elastic.Elastic(args) if args.min_workers is not None else None
     svc_env = el.service_env(base) if el else base
-    print(f"{tool}: {'an elastic job on a shared service' if el else 'scheduler'} on this machine at {sched}; "
-          f"{len(slots)} workers on {', '.join(used)}; {len(servers)} {'CPU-only' if server_hosts else 'colocated'} "
-          "servers", file=sys.stderr, flush=True)
-    procs: list[Proc] = [Proc("scheduler", scheduler_argv(args, sched, el is not None),
-                              {**svc_env, "GRADHUB_ROLE": "scheduler"})]
+    print(f"{tool}: {'an elastic job on a shared service' if el else 'scheduler'} on "
+          f"{used[0] if remote_sched else 'this machine'} at {sched}; {len(slots)} workers on {', '.join(used)}; "
+          f"{len(servers)} {'CPU-only' if server_hosts else 'colocated'} servers", file=sys.stderr, flush=True)
+    sched_argv = scheduler_argv(args, sched, el is not None)
+    sched_env = {**svc_env, "GRADHUB_ROLE": "scheduler"}
+    procs: list[Proc] = [RemoteProc(f"scheduler@{used[0]}", ssh, used[0], sched_argv, sched_env) if remote_sched
+                         else Proc("scheduler", sched_argv, sched_env)]
     for s, host in enumerate(servers):
         argv = server_argv(args, not server_hosts, None if el else s)
         procs.append(RemoteProc(f"server {s}@{host}", ssh, host, argv, {**svc_env, "GRADHUB_ROLE": "server"}))
@@ -208,15 +247,42 @@ def launch_ssh(args, command: list[str]) -> int:
         workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command,
                                   el.worker_env(env) if el else env))
     procs += workers
+    if el is None:
+        return supervise(procs, workers, tool)
     more = iter(range(len(slots), 1 << 30))
 
-    def replace(lost: Proc) -> Proc:
-        """A new worker on the lost one's host (an elastic job's local ranks are the scheduler's)."""
-        host = lost.label.split("@", 1)[1]
+    def start(host: str) -> Proc:
+        """A worker joining the running job on `host` (an elastic job's local ranks are the scheduler's)."""
         rank = next(more)
         env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank)}
         return RemoteProc(f"worker {rank}@{host}", ssh, host, command, el.worker_env(env))
 
-    return supervise(procs, workers, tool, min_workers=el.min_workers if el else None,
-                     replace=replace if el is not None and el.max_workers is not None else None,
-                     max_workers=el.max_workers or 0 if el else 0)
+    def grow(host: str) -> Proc:
+        """A worker on a discovered free slot (the follower adds it to `workers`)."""
+        p = start(host)
+        procs.append(p)
+        return p
+
+    most = el.max_workers or len(slots)
+    retired: set[Proc] = set()  # workers the follower stopped: their hosts left
+    follower = None
+    if found is not None:
+        poller = discovery.Poller(args.host_discovery_script, args.slots_per_host, args.discovery_interval, found,
+                                  tool).start()
+        follower = discovery.Follower(poller, workers, most, grow, retired.add, tool)
+
+    def replace(lost: Proc) -> Proc | None:
+        """A new worker for `lost`: on its host, or (a discovery job) a listed host with a free slot."""
+        host = lost.label.split("@", 1)[1]
+        if follower is not None:
+            free = follower.free_host(prefer=host)
+            return start(free) if free is not None else None
+        return start(host)
+
+    try:
+        return supervise(procs, workers, tool, min_workers=el.min_workers,
+                         replace=replace if el.max_workers is not None else None, max_workers=most,
+                         tick=follower.tick if follower else None, retired=retired)
+    finally:
+        if follower is not None:
+            follower.poller.stop()
