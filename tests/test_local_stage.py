@@ -17,7 +17,9 @@ from conftest import assert_all_passed, job_env, run_launch
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"]
 
 
-@pytest.mark.parametrize("workers,in_flight", [(1, False), (2, True), (3, False), (4, True)])
+# 1 worker, an even count (named tensors, in flight) and an odd one: a fourth
+# worker took the even count's path again.
+@pytest.mark.parametrize("workers,in_flight", [(1, False), (2, True), (3, False)])
 def test_a_job_on_one_host_sums_exactly_with_one_all_reduce_and_stages_nothing(workers, in_flight):
     # Every worker on one host: the host's sum is the job's, so no share is
     # staged and no server round runs (the worker checks the staged bytes are 0).

@@ -17,9 +17,26 @@
 //!   previous generation's survivors) or `max` did; otherwise, once no one
 //!   new came for `settle` (an expected worker died during the reset) and
 //!   at least `min` did; a generation still short of `min` after
-//!   `timeout` fails with the reason.
+//!   `timeout` fails with the reason;
+//! - who forms it: a candidate whose connection closed while it waited is
+//!   left out before the generation forms (`form_or_wait`), so the
+//!   generation neither forms with a dead member (failing at its Welcome
+//!   and forming again) nor counts it.
+//!
+//! `Formations` is the service's glue around them (`join`): the workers
+//! waiting for each job's next generation, each waiting on its own
+//! connection's thread until one of them takes the decision for all. What
+//! it needs of the service is `ServiceJobs`.
 
+use std::collections::HashMap;
+use std::io::ErrorKind;
+use std::mem::MaybeUninit;
+use std::net::TcpStream;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+use super::state::Shared;
+use crate::protocol::{ElasticReg, Register};
 
 /// An elastic job's bounds, from its first worker's registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,6 +107,276 @@ pub fn decide(bounds: Bounds, timing: Timing, expected: u32, cands: &[Candidate]
         ));
     }
     Decision::Wait(if n >= bounds.min { (last + timing.settle).min(deadline) } else { deadline })
+}
+
+/// Whom a generation expects (`decide`'s `expected`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// The job's first: the size it starts with.
+    First { initial: u32 },
+    /// A later one: the last generation's survivors, and the newcomers it
+    /// was told of (`Waiting::announced`).
+    After { survivors: u32 },
+}
+
+/// A waiting candidate as formation sees it.
+pub trait Waiting {
+    fn candidate(&self) -> Candidate;
+    /// Its connection closed: it will never take its rank.
+    fn gone(&self) -> bool;
+    /// A newcomer the running generation was told of (it re-forms for it).
+    fn announced(&self) -> bool;
+}
+
+fn expected<T: Waiting>(expect: Expect, cands: &[T]) -> u32 {
+    match expect {
+        Expect::First { initial } => initial,
+        Expect::After { survivors } => survivors + cands.iter().filter(|c| c.announced()).count() as u32,
+    }
+}
+
+/// `decide`, leaving out first (when it would form) the candidates that
+/// are `gone`: they leave `cands`, no longer expected (a survivor, a worker
+/// of the first generation; an announced newcomer stops counting as it
+/// leaves), and the rest decide again. So a dead candidate neither forms a
+/// generation (which would fail at its Welcome and form again) nor is
+/// waited for.
+pub fn form_or_wait<T: Waiting>(
+    bounds: Bounds,
+    timing: Timing,
+    expect: Expect,
+    cands: &mut Vec<T>,
+    now: Instant,
+) -> Decision {
+    let list: Vec<Candidate> = cands.iter().map(T::candidate).collect();
+    let decision = decide(bounds, timing, expected(expect, cands), &list, now);
+    if decision != Decision::Form || !cands.iter().any(T::gone) {
+        return decision;
+    }
+    let expect = match expect {
+        Expect::First { initial } => {
+            Expect::First { initial: initial.saturating_sub(cands.iter().filter(|c| c.gone()).count() as u32) }
+        }
+        Expect::After { survivors } => {
+            let lost = cands.iter().filter(|c| c.gone() && c.candidate().prev_rank.is_some()).count() as u32;
+            Expect::After { survivors: survivors.saturating_sub(lost) }
+        }
+    };
+    cands.retain(|c| !c.gone());
+    let list: Vec<Candidate> = cands.iter().map(T::candidate).collect();
+    decide(bounds, timing, expected(expect, cands), &list, now)
+}
+
+/// Whether a waiting worker's connection has closed: it sends nothing
+/// while it waits for its Welcome, so the end of the stream (or an error)
+/// is all a peek can find; pending bytes or none yet mean it is there.
+pub fn closed(stream: &TcpStream) -> bool {
+    let mut byte = [MaybeUninit::<u8>::uninit()];
+    match socket2::SockRef::from(stream).recv_with_flags(&mut byte, libc::MSG_PEEK | libc::MSG_DONTWAIT) {
+        Ok(n) => n == 0,
+        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+    }
+}
+
+/// What formation needs of the service: its jobs.
+pub trait ServiceJobs {
+    /// Whether job `name`'s last generation still runs (the next one waits
+    /// for it to end everywhere before starting under its name).
+    fn running(&self, name: &str) -> bool;
+    /// Tell a live generation of job `name` that a worker waits to join
+    /// (its workers re-form at their next commit); whether one runs.
+    fn announce_joiner(&self, name: &str) -> bool;
+    /// Start job `name`'s next generation from `reg` (a worker's
+    /// registration, with the generation's size).
+    fn start(&self, name: &str, reg: &Register) -> Result<Arc<Shared>, String>;
+}
+
+/// A generation formed: its job and each ticket's rank in it.
+type Generation = (Arc<Shared>, HashMap<u64, u32>);
+
+/// A worker waiting for the next generation.
+struct Waiter {
+    ticket: u64,
+    cand: Candidate,
+    /// Its connection (a clone), to leave it out if it closes; None if it
+    /// could not be cloned (then it is taken as there).
+    link: Option<TcpStream>,
+    /// A newcomer the running generation was told of (`ServiceJobs::announce_joiner`).
+    announced: bool,
+}
+
+impl Waiting for Waiter {
+    fn candidate(&self) -> Candidate {
+        self.cand
+    }
+
+    fn gone(&self) -> bool {
+        self.link.as_ref().is_some_and(closed)
+    }
+
+    fn announced(&self) -> bool {
+        self.announced
+    }
+}
+
+/// The workers gathering for an elastic job's next generation.
+#[derive(Default)]
+struct Forming {
+    bounds: Option<Bounds>,
+    /// In arrival order.
+    waiters: Vec<Waiter>,
+    next_ticket: u64,
+    /// The decision, taken once by one waiter for all.
+    outcome: Option<Result<Generation, String>>,
+    /// Waiters that have not taken the outcome yet.
+    waiting: usize,
+}
+
+/// How long formation waits for an expected worker that does not come
+/// before going on without it (`Timing::settle`), in peer timeouts: a
+/// second worker lost with the first is not counted among the lost (the
+/// job had failed already), so its generation forms this late.
+const SETTLE_PEER_TIMEOUTS: u32 = 3;
+
+/// Elastic jobs' formations on the service.
+#[derive(Default)]
+pub struct Formations {
+    /// Workers waiting for their job's next generation, by job name;
+    /// `formed` wakes them (a new candidate, a decision, a generation over).
+    forming: Mutex<HashMap<String, Forming>>,
+    formed: Condvar,
+    /// The survivors of each job's last generation, by job name.
+    survivors: Mutex<HashMap<String, u32>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Formations {
+    /// Job `name`'s generation is over with `survivors` workers not lost:
+    /// its next one expects them.
+    pub fn ended(&self, name: &str, survivors: u32) {
+        lock(&self.survivors).insert(name.to_string(), survivors);
+    }
+
+    /// Wake the waiters to look again (a generation ended).
+    pub fn wake(&self) {
+        self.formed.notify_all();
+    }
+
+    /// Wait, with the other workers registering for elastic job `name`
+    /// (`reg`, its `e`, on `stream`), for its next generation, then join it
+    /// with the rank it gave. `max_workers`: the service's bound on a job.
+    pub fn join(
+        &self,
+        jobs: &impl ServiceJobs,
+        max_workers: u32,
+        (peer_timeout_ms, join_timeout_ms): (u32, u64),
+        name: &str,
+        (mut reg, e): (Register, ElasticReg),
+        stream: &TcpStream,
+    ) -> Result<(Arc<Shared>, Register), String> {
+        if e.min_workers == 0 || e.min_workers > e.max_workers || e.max_workers > max_workers {
+            return Err(format!(
+                "an elastic job needs 1 <= minimum <= maximum <= {max_workers} workers, not {} and {}",
+                e.min_workers, e.max_workers
+            ));
+        }
+        let bounds = Bounds { min: e.min_workers, max: e.max_workers };
+        let timing = Timing {
+            settle: Duration::from_millis(u64::from(peer_timeout_ms) * u64::from(SETTLE_PEER_TIMEOUTS)),
+            timeout: Duration::from_millis(join_timeout_ms),
+        };
+        let mut all = lock(&self.forming);
+        // A decision still being taken up by its waiters belongs to them.
+        while all.get(name).is_some_and(|f| f.outcome.is_some()) {
+            all = self.formed.wait(all).unwrap_or_else(|e| e.into_inner());
+        }
+        let f = all.entry(name.to_string()).or_default();
+        match f.bounds {
+            Some(b) if b != bounds => {
+                return Err(format!(
+                    "workers of elastic job '{name}' disagree on its bounds: {}..{} here, {}..{} before",
+                    bounds.min, bounds.max, b.min, b.max
+                ))
+            }
+            _ => f.bounds = Some(bounds),
+        }
+        let ticket = f.next_ticket;
+        f.next_ticket += 1;
+        let prev_rank = u32::try_from(e.prev_rank).ok();
+        // A worker new to the job while a generation runs (not a survivor of
+        // one that just ended): the running workers re-form the job at their
+        // next commit (`HostsUpdatedInterrupt`), with it.
+        let announced = prev_rank.is_none() && jobs.announce_joiner(name);
+        if announced {
+            log::info!(target: "service", "elastic job '{name}': a worker waits to join; re-forming at the next commit");
+        }
+        let cand = Candidate { prev_rank, arrived: Instant::now() };
+        let link = stream.try_clone().ok();
+        f.waiters.push(Waiter { ticket, cand, link, announced });
+        f.waiting += 1;
+        self.formed.notify_all();
+        loop {
+            let Some(f) = all.get_mut(name) else { return Err("the elastic job's formation was lost".into()) };
+            if let Some(outcome) = &f.outcome {
+                let mine = match outcome {
+                    Ok((shared, ranks)) => ranks
+                        .get(&ticket)
+                        .map(|&r| (shared.clone(), r, ranks.len() as u32))
+                        .ok_or_else(|| "this worker was left out of the elastic job's generation".to_string()),
+                    Err(why) => Err(why.clone()),
+                };
+                f.waiting -= 1;
+                if f.waiting == 0 {
+                    all.remove(name);
+                }
+                self.formed.notify_all();
+                let (shared, rank, size) = mine?;
+                (reg.requested_rank, reg.num_workers) = (rank as i32, size);
+                // The launcher's local ranks describe the first generation only: the scheduler's own count.
+                (reg.local_rank, reg.local_size) = (-1, -1);
+                return Ok((shared, reg));
+            }
+            let now = Instant::now();
+            let expect = lock(&self.survivors)
+                .get(name)
+                .map_or(Expect::First { initial: e.initial }, |&survivors| Expect::After { survivors });
+            // The previous generation ends everywhere before the next starts under its name.
+            let decision = if jobs.running(name) {
+                Decision::Wait(now + Duration::from_millis(50))
+            } else {
+                form_or_wait(bounds, timing, expect, &mut f.waiters, now)
+            };
+            match decision {
+                Decision::Wait(until) => {
+                    let wait = until.saturating_duration_since(now).max(Duration::from_millis(1));
+                    all = self.formed.wait_timeout(all, wait).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                Decision::Form => {
+                    let cands: Vec<Candidate> = f.waiters.iter().map(|w| w.cand).collect();
+                    let ranks = assign(&cands);
+                    let mut first = reg.clone();
+                    first.num_workers = cands.len() as u32;
+                    let started = jobs.start(name, &first);
+                    if started.is_ok() {
+                        log::info!(target: "service", "elastic job '{name}': a generation of {} workers", cands.len());
+                    }
+                    let tickets = f.waiters.iter().map(|w| w.ticket).zip(ranks).collect();
+                    f.outcome = Some(started.map(|shared| (shared, tickets)));
+                    f.waiters.clear();
+                    lock(&self.survivors).remove(name);
+                    self.formed.notify_all();
+                }
+                Decision::Fail(why) => {
+                    f.outcome = Some(Err(format!("elastic job '{name}': {why}")));
+                    f.waiters.clear();
+                    self.formed.notify_all();
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -171,5 +458,95 @@ mod tests {
         // At the minimum by then, it forms instead.
         let two = [cands[0], Candidate { prev_rank: None, arrived: at(t0, 59_999) }];
         assert_eq!(decide(Bounds { min: 2, max: 8 }, TIMING, 8, &two, at(t0, 60_000)), Decision::Form);
+    }
+
+    /// A candidate for `form_or_wait`: whether its connection closed, whether announced.
+    struct Fake(Candidate, bool, bool);
+
+    impl Waiting for Fake {
+        fn candidate(&self) -> Candidate {
+            self.0
+        }
+        fn gone(&self) -> bool {
+            self.1
+        }
+        fn announced(&self) -> bool {
+            self.2
+        }
+    }
+
+    #[test]
+    fn a_candidate_whose_connection_closed_is_left_out_and_not_waited_for() {
+        let t0 = Instant::now();
+        let b = Bounds { min: 2, max: 8 };
+        let c = |prev: Option<u32>, ms| Candidate { prev_rank: prev, arrived: at(t0, ms) };
+        // The first generation: 4 expected, 4 came, one of them has gone.
+        let mut cands: Vec<Fake> = (0..4).map(|i| Fake(c(None, i), i == 1, false)).collect();
+        let first = Expect::First { initial: 4 };
+        assert_eq!(form_or_wait(b, TIMING, first, &mut cands, at(t0, 10)), Decision::Form);
+        // It formed with the three there (no one else is expected), ranked among themselves.
+        assert_eq!(cands.iter().map(|f| f.0.arrived).collect::<Vec<_>>(), vec![at(t0, 0), at(t0, 2), at(t0, 3)]);
+        assert_eq!(assign(&cands.iter().map(|f| f.0).collect::<Vec<_>>()), vec![0, 1, 2]);
+
+        // A later one: 2 survivors and a newcomer the job re-formed for; the newcomer has gone.
+        let after = Expect::After { survivors: 2 };
+        let mut cands =
+            vec![Fake(c(None, 0), true, true), Fake(c(Some(1), 5), false, false), Fake(c(Some(0), 6), false, false)];
+        assert_eq!(form_or_wait(b, TIMING, after, &mut cands, at(t0, 7)), Decision::Form);
+        assert_eq!(assign(&cands.iter().map(|f| f.0).collect::<Vec<_>>()), vec![1, 0]);
+        // A survivor that has gone: the other is not kept waiting for it.
+        let mut cands = vec![Fake(c(Some(0), 0), false, false), Fake(c(Some(1), 5), true, false)];
+        assert_eq!(form_or_wait(b, TIMING, after, &mut cands, at(t0, 7)), Decision::Wait(at(t0, 60_000)));
+        assert_eq!(cands.len(), 1);
+        // Below the minimum once it left: the rest wait (for the timeout), and fail with the reason.
+        match form_or_wait(b, TIMING, after, &mut cands, at(t0, 60_000)) {
+            Decision::Fail(why) => assert!(why.contains("only 1 worker(s)"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_candidate_that_has_gone_is_only_looked_for_when_the_generation_would_form() {
+        let t0 = Instant::now();
+        let b = Bounds { min: 2, max: 8 };
+        // Waiting (2 of 4 came): nothing is removed yet, the decision is decide's.
+        let mut cands = vec![
+            Fake(Candidate { prev_rank: None, arrived: at(t0, 0) }, true, false),
+            Fake(Candidate { prev_rank: None, arrived: at(t0, 1) }, false, false),
+        ];
+        let first = Expect::First { initial: 4 };
+        assert_eq!(form_or_wait(b, TIMING, first, &mut cands, at(t0, 2)), Decision::Wait(at(t0, 1001)));
+        assert_eq!(cands.len(), 2);
+        // Settled with the minimum: it would form, but one has gone; the other waits on
+        // (below the minimum: to the timeout, from the first arrival still there).
+        assert_eq!(form_or_wait(b, TIMING, first, &mut cands, at(t0, 1001)), Decision::Wait(at(t0, 60_001)));
+        assert_eq!(cands.len(), 1);
+    }
+
+    #[test]
+    fn a_closed_connection_is_seen_and_an_open_one_is_not() {
+        use std::io::Write;
+        use std::net::TcpListener;
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut worker = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (served, _) = listener.accept().unwrap();
+        assert!(!closed(&served));
+        // Bytes waiting (unread) are not a close, and a peek leaves them.
+        worker.write_all(b"x").unwrap();
+        let t0 = Instant::now();
+        while !matches!(served.peek(&mut [0u8]), Ok(1)) {
+            assert!(t0.elapsed() < Duration::from_secs(10));
+        }
+        assert!(!closed(&served));
+        drop(worker);
+        // The peer's end: after the byte still waiting, so a close is seen once it is read.
+        let mut byte = [0u8];
+        std::io::Read::read_exact(&mut &served, &mut byte).unwrap();
+        let t0 = Instant::now();
+        while !closed(&served) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "the close was never seen");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

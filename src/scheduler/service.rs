@@ -22,11 +22,11 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use super::elastic::{self, Bounds, Candidate, Decision, Timing};
+use super::elastic::{Formations, ServiceJobs};
 use super::membership::check_registration;
 use super::state::Shared;
 use crate::logging::json_str as js;
@@ -35,9 +35,7 @@ use crate::transport::{AcceptErrors, AcceptFailure};
 use super::config::{checked, SchedulerConfig, SchedulerError};
 use super::job::{admit, expect_register, greet, serve_member, Job};
 use crate::protocol::auth::{job_namespace, Secret};
-use crate::protocol::{
-    read_control, write_control, Control, ElasticReg, JobTraffic, ReadError, Register, Role, ServiceJoin,
-};
+use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
 
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -95,38 +93,9 @@ struct Service {
     next_server: AtomicU64,
     next_start: AtomicU64,
     started: Instant,
-    /// Elastic jobs' workers waiting for their next generation, by job
-    /// name; `formed` wakes them (a new candidate, a decision).
-    forming: Mutex<HashMap<String, Forming>>,
-    formed: Condvar,
-    /// Elastic jobs' survivors of their last generation, by job name.
-    survivors: Mutex<HashMap<String, u32>>,
+    /// Elastic jobs' workers waiting for their next generation.
+    elastic: Formations,
 }
-
-/// The workers gathering for an elastic job's next generation.
-#[derive(Default)]
-struct Forming {
-    bounds: Option<Bounds>,
-    /// Ticket (one per waiting worker) and candidate, in arrival order.
-    cands: Vec<(u64, Candidate)>,
-    next_ticket: u64,
-    /// The decision, taken once by one waiter for all.
-    outcome: Option<Result<Generation, String>>,
-    /// Waiters that have not taken the outcome yet.
-    waiting: usize,
-    /// Candidates that came while the previous generation ran (workers
-    /// joining): expected besides its survivors.
-    joining: u32,
-}
-
-/// A generation formed: its job and each ticket's rank in it.
-type Generation = (Arc<Shared>, HashMap<u64, u32>);
-
-/// How long formation waits for an expected worker that does not come
-/// before going on without it (`elastic::Timing::settle`), in peer
-/// timeouts: a second worker lost with the first is not counted among the
-/// lost (the job had failed already), so its generation forms this late.
-const SETTLE_PEER_TIMEOUTS: u32 = 3;
 
 struct JobEntry {
     shared: Arc<Shared>,
@@ -194,9 +163,7 @@ pub fn start_service(cfg: ServiceConfig) -> Result<ServiceHandle, SchedulerError
         next_server: AtomicU64::new(0),
         next_start: AtomicU64::new(0),
         started: Instant::now(),
-        forming: Mutex::default(),
-        formed: Condvar::new(),
-        survivors: Mutex::default(),
+        elastic: Formations::default(),
     });
     if let Some(at) = svc.cfg.metrics_addr.clone() {
         let s = svc.clone();
@@ -285,7 +252,7 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
     svc.pending.fetch_sub(1, Ordering::SeqCst);
     let admitted = reg.and_then(|reg| {
         let role = reg.role;
-        match join(svc, &job, reg) {
+        match join(svc, &job, reg, &stream) {
             Ok((shared, reg)) => admit(&shared, reg, stream, peer).map(|m| (shared, m)),
             Err(message) => {
                 log::warn!(target: "service", "job '{job}': refusing {} at {peer}: {message}", role.name());
@@ -302,127 +269,36 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
 
 /// The job `reg` joins (and the registration it joins with): an elastic
 /// job's worker waits for the job's next generation to form.
-fn join(svc: &Arc<Service>, name: &str, reg: Register) -> Result<(Arc<Shared>, Register), String> {
+fn join(svc: &Arc<Service>, name: &str, reg: Register, stream: &TcpStream) -> Result<(Arc<Shared>, Register), String> {
     match reg.elastic {
-        Some(e) if reg.role == Role::Worker => join_elastic(svc, name, reg, e),
+        Some(e) if reg.role == Role::Worker => {
+            let job = &svc.cfg.job;
+            let timeouts = (job.peer_timeout_ms, job.join_timeout_ms as u64);
+            svc.elastic.join(svc, svc.cfg.max_workers, timeouts, name, (reg, e), stream)
+        }
         _ => job_for(svc, name, &reg).map(|shared| (shared, reg)),
     }
 }
 
-fn running(svc: &Service, name: &str) -> bool {
-    lock(&svc.jobs).get(name).is_some_and(|j| !j.ended.load(Ordering::SeqCst))
-}
+/// The service's jobs as elastic formation sees them.
+impl ServiceJobs for Arc<Service> {
+    fn running(&self, name: &str) -> bool {
+        lock(&self.jobs).get(name).is_some_and(|j| !j.ended.load(Ordering::SeqCst))
+    }
 
-/// Wait, with the other workers registering for elastic job `name`, for
-/// its next generation (`elastic`), then join it with the rank it gave.
-fn join_elastic(
-    svc: &Arc<Service>,
-    name: &str,
-    mut reg: Register,
-    e: ElasticReg,
-) -> Result<(Arc<Shared>, Register), String> {
-    if e.min_workers == 0 || e.min_workers > e.max_workers || e.max_workers > svc.cfg.max_workers {
-        return Err(format!(
-            "an elastic job needs 1 <= minimum <= maximum <= {} workers, not {} and {}",
-            svc.cfg.max_workers, e.min_workers, e.max_workers
-        ));
-    }
-    let bounds = Bounds { min: e.min_workers, max: e.max_workers };
-    let job = &svc.cfg.job;
-    let timing = Timing {
-        settle: Duration::from_millis(u64::from(job.peer_timeout_ms) * u64::from(SETTLE_PEER_TIMEOUTS)),
-        timeout: Duration::from_millis(job.join_timeout_ms as u64),
-    };
-    let mut all = lock(&svc.forming);
-    // A decision still being taken up by its waiters belongs to them.
-    while all.get(name).is_some_and(|f| f.outcome.is_some()) {
-        all = svc.formed.wait(all).unwrap_or_else(|e| e.into_inner());
-    }
-    let f = all.entry(name.to_string()).or_default();
-    match f.bounds {
-        Some(b) if b != bounds => {
-            return Err(format!(
-                "workers of elastic job '{name}' disagree on its bounds: {}..{} here, {}..{} before",
-                bounds.min, bounds.max, b.min, b.max
-            ))
-        }
-        _ => f.bounds = Some(bounds),
-    }
-    let ticket = f.next_ticket;
-    f.next_ticket += 1;
-    let prev_rank = u32::try_from(e.prev_rank).ok();
-    f.cands.push((ticket, Candidate { prev_rank, arrived: Instant::now() }));
-    f.waiting += 1;
-    // A worker new to the job while a generation runs (not a survivor of
-    // one that just ended): the running workers re-form the job at their
-    // next commit (`HostsUpdatedInterrupt`), with it.
-    let jobs = lock(&svc.jobs);
-    let live = jobs.get(name).filter(|j| !j.ended.load(Ordering::SeqCst)).filter(|j| !j.shared.lock().is_over());
-    if let (Some(job), None) = (live, prev_rank) {
-        f.joining += 1;
+    fn announce_joiner(&self, name: &str) -> bool {
+        let jobs = lock(&self.jobs);
+        let live = jobs.get(name).filter(|j| !j.ended.load(Ordering::SeqCst)).filter(|j| !j.shared.lock().is_over());
+        let Some(job) = live else { return false };
         let st = job.shared.lock();
         for m in st.members.workers() {
             m.send(&Control::HostsUpdated, job.shared.cfg.namespace);
         }
-        log::info!(target: "service", "elastic job '{name}': a worker waits to join; re-forming at the next commit");
+        true
     }
-    drop(jobs);
-    svc.formed.notify_all();
-    loop {
-        let Some(f) = all.get_mut(name) else { return Err("the elastic job's formation was lost".into()) };
-        if let Some(outcome) = &f.outcome {
-            let mine = match outcome {
-                Ok((shared, ranks)) => ranks
-                    .get(&ticket)
-                    .map(|&r| (shared.clone(), r, ranks.len() as u32))
-                    .ok_or_else(|| "this worker was left out of the elastic job's generation".to_string()),
-                Err(why) => Err(why.clone()),
-            };
-            f.waiting -= 1;
-            if f.waiting == 0 {
-                all.remove(name);
-            }
-            svc.formed.notify_all();
-            let (shared, rank, size) = mine?;
-            (reg.requested_rank, reg.num_workers) = (rank as i32, size);
-            // The launcher's local ranks describe the first generation only: the scheduler's own count.
-            (reg.local_rank, reg.local_size) = (-1, -1);
-            return Ok((shared, reg));
-        }
-        let now = Instant::now();
-        let cands: Vec<Candidate> = f.cands.iter().map(|&(_, c)| c).collect();
-        let expected = lock(&svc.survivors).get(name).map_or(e.initial, |&s| s + f.joining);
-        // The previous generation ends everywhere before the next starts under its name.
-        let decision = if running(svc, name) {
-            Decision::Wait(now + Duration::from_millis(50))
-        } else {
-            elastic::decide(bounds, timing, expected, &cands, now)
-        };
-        match decision {
-            Decision::Wait(until) => {
-                let wait = until.saturating_duration_since(now).max(Duration::from_millis(1));
-                all = svc.formed.wait_timeout(all, wait).unwrap_or_else(|e| e.into_inner()).0;
-            }
-            Decision::Form => {
-                let ranks = elastic::assign(&cands);
-                let mut first = reg.clone();
-                first.num_workers = cands.len() as u32;
-                let started = job_for(svc, name, &first);
-                if started.is_ok() {
-                    log::info!(target: "service", "elastic job '{name}': a generation of {} workers", cands.len());
-                }
-                let tickets = f.cands.iter().map(|&(t, _)| t).zip(ranks).collect();
-                f.outcome = Some(started.map(|shared| (shared, tickets)));
-                f.cands.clear();
-                lock(&svc.survivors).remove(name);
-                svc.formed.notify_all();
-            }
-            Decision::Fail(why) => {
-                f.outcome = Some(Err(format!("elastic job '{name}': {why}")));
-                f.cands.clear();
-                svc.formed.notify_all();
-            }
-        }
+
+    fn start(&self, name: &str, reg: &Register) -> Result<Arc<Shared>, String> {
+        job_for(self, name, reg)
     }
 }
 
@@ -488,10 +364,10 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         if elastic_job {
             // Its next generation expects the workers that were not lost.
             let lost = entry.shared.lock().lost_workers;
-            lock(&svc2.survivors).insert(name2.clone(), entry.shared.cfg.num_workers.saturating_sub(lost));
+            svc2.elastic.ended(&name2, entry.shared.cfg.num_workers.saturating_sub(lost));
         }
         entry.ended.store(true, Ordering::SeqCst);
-        svc2.formed.notify_all();
+        svc2.elastic.wake();
         match job.conclude() {
             Ok(()) => log::info!(target: "service", "job '{name2}': complete"),
             Err(e) => log::warn!(target: "service", "job '{name2}' ended: {e}"),

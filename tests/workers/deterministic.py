@@ -9,6 +9,7 @@ host sum there first), `racks` (the job reduces within racks), `rounds`,
 `size`, `delay_seed`.
 """
 
+import functools
 import hashlib
 import os
 import time
@@ -39,9 +40,16 @@ BIG_SMALL = {"float32": (2.0 ** 24, 1.0), "float64": (2.0 ** 53, 1.0), "float16"
              "bfloat16": (2.0 ** 24, 1.0), "int64": (2 ** 40, 1)}
 
 
+@functools.lru_cache(maxsize=None)
+def round_roles(rnd: int) -> np.ndarray:
+    """Each element's role (column: worker) in round `rnd`, the same for every
+    dtype and worker: sorted once (the sort was most of the workers' CPU)."""
+    return np.argsort(np.random.default_rng([rnd, size]).random((size, n)), axis=1)
+
+
 def inputs(rank: int, rnd: int, dtype: str) -> np.ndarray:
     """Worker `rank`'s tensor in round `rnd` (the same in every run)."""
-    roles = np.argsort(np.random.default_rng([rnd, size]).random((size, n)), axis=1)[:, rank]
+    roles = round_roles(rnd)[:, rank]
     big, small = BIG_SMALL[dtype]
     if dtype == "int64":
         return np.where(roles == 0, big, np.where(roles == 1, -big, small)).astype(np.int64)

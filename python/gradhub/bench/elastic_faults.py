@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._ports import free_port
+from .faults import select_faults
 
 GRADHUB = [sys.executable, "-m", "gradhub"]
 MASTER = "elastic-fault-campaign"
@@ -53,6 +54,10 @@ class Fault:
     workers: int    # at the start
     min_workers: int
     max_workers: int
+
+    def describe(self) -> str:
+        return (f"{self.name:16s} {self.workers} workers (min {self.min_workers}, max {self.max_workers}), "
+                f"{self.kind} {self.count}")
 
 
 FAULTS = [
@@ -71,67 +76,29 @@ def worker() -> None:
     commit every step (printing STEP <step> <size> <time>), past `steps`
     until the job has `size` workers (a worker added joins at a commit; at
     most 200x the steps), and check the result."""
-    import torch
-
     import gradhub.torch as hvd
 
+    from .elastic_loop import Problem, train
+
     cfg = json.loads(os.environ["GH_ELASTIC"])
-    torch.set_num_threads(1)
+    problem = Problem(seed=cfg["seed"], inputs=8, hidden=16, outputs=2, rows=BATCH, lr=0.05)
 
-    def make():
-        torch.manual_seed(cfg["seed"])
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-
-    def batch(step):
-        g = torch.Generator().manual_seed(cfg["seed"] * 1000 + step)
-        return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 2, generator=g)
-
-    hvd.init()
-    model = make()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
-    resets, generation = [], {"steps": 0}
-
-    def on_reset():
-        resets.append(hvd.size())
-        generation["steps"] = 0
-
-    state.register_reset_callbacks([on_reset])
-
-    def done(st) -> bool:
+    def done(st, trained) -> bool:
         # The same on every worker: the step, the size and the steps since
         # the last reset (a newcomer's 0 is the others' after their reset)
         # are the job's. Two steps in the last generation time its start.
-        return st.step >= 200 * cfg["steps"] or (st.step >= cfg["steps"] and hvd.size() == cfg["size"]
-                                                  and generation["steps"] >= 2)
+        step = st.step
+        return step >= 200 * cfg["steps"] or (step >= cfg["steps"] and hvd.size() == cfg["size"]
+                                               and trained.generation_steps >= 2)
 
-    @hvd.elastic.run
-    def train(st):
-        while not done(st):
-            x, y = batch(st.step)
-            rows = slice(hvd.rank(), None, hvd.size())
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-            opt.step()
-            st.step += 1
-            generation["steps"] += 1
-            st.commit()
-            print(f"STEP {st.step} {hvd.size()} {time.time():.6f}", flush=True)
-            time.sleep(cfg["sleep"])
+    def after_commit(step) -> None:
+        print(f"STEP {step} {hvd.size()} {time.time():.6f}", flush=True)
+        time.sleep(cfg["sleep"])
 
-    train(state)
-    ref = make()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for s in range(state.step):
-        x, y = batch(s)
-        ref_opt.zero_grad()
-        torch.nn.functional.mse_loss(ref(x), y).backward()
-        ref_opt.step()
-    worst = max(float((a - b).detach().abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    trained = train(problem, done, after_commit=after_commit)
+    worst, flat = problem.check(trained.model, trained.steps)
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
-    print(f"DONE size={hvd.size()} resets={resets} worst={worst:.3g} digest={digest}", flush=True)
+    print(f"DONE size={hvd.size()} resets={trained.resets} worst={worst:.3g} digest={digest}", flush=True)
     hvd.shutdown()
 
 
@@ -264,18 +231,9 @@ def summarize(results: list[dict]) -> dict:
 
 
 def run(args) -> int:
-    if args.list:
-        for f in FAULTS:
-            print(f"{f.name:16s} {f.workers} workers (min {f.min_workers}, max {f.max_workers}), {f.kind} {f.count}")
-        return 0
-    faults = FAULTS
-    if args.faults:
-        wanted = [x.strip() for x in args.faults.split(",") if x.strip()]
-        unknown = [w for w in wanted if w not in {f.name for f in FAULTS}]
-        if unknown:
-            print(f"gradhub bench faults --elastic: unknown fault(s) {unknown}; see --elastic --list", file=sys.stderr)
-            return 2
-        faults = [f for f in FAULTS if f.name in wanted]
+    faults = select_faults(FAULTS, args, "gradhub bench faults --elastic")
+    if isinstance(faults, int):
+        return faults
     trials = len(faults) if args.quick else args.trials
     steps = 12 if args.quick else max(args.steps // 2, 8)
     sleep = 0.02

@@ -51,6 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -72,6 +73,9 @@ class Fault:
     action: str  # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts)
     expect: str  # continue or fail
     count: int = 1  # members hit at once
+
+    def describe(self) -> str:
+        return f"{self.name:20s} expect: {self.expect}"
 
 
 FAULTS = (
@@ -408,6 +412,35 @@ def _fmt(x: float | None) -> str:
     return "    -" if x is None else f"{x:5.2f}"
 
 
+class _Named(Protocol):
+    name: str
+
+    def describe(self) -> str: ...
+
+
+F = TypeVar("F", bound=_Named)
+
+
+def select_faults(faults: Sequence[F], args, prog: str, default: Sequence[F] | None = None) -> list[F] | int:
+    """The faults a campaign (this one, `gradhub bench faults --elastic`)
+    injects, from `--list` and `--faults`: with `--list`, each fault's line
+    printed and the exit status 0; with `--faults`, those named, in the
+    campaign's order (an unknown name, or none: said on stderr, status 2);
+    else `default` (all of them)."""
+    if args.list:
+        for f in faults:
+            print(f.describe())
+        return 0
+    if not args.faults:
+        return list(faults if default is None else default)
+    wanted = [x.strip() for x in args.faults.split(",") if x.strip()]
+    unknown = [w for w in wanted if w not in {f.name for f in faults}]
+    if unknown or not wanted:
+        print(f"{prog}: unknown fault(s) {unknown or [args.faults]}; see {prog} --list", file=sys.stderr)
+        return 2
+    return [f for f in faults if f.name in wanted]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trials", type=int, default=60,
                     help="jobs to run (default 60; faults in turn, each at a random moment)")
@@ -430,20 +463,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.list:
-        for f in FAULTS:
-            print(f"{f.name:20s} expect: {f.expect}")
-        return 0
     # Two servers lost at once still ends some jobs with an error (not a hang,
     # not a wrong sum; docs/reliability.md): in the full campaign, not in --quick.
-    faults = [f for f in FAULTS if not (args.quick and f.count > 1)]
-    if args.faults:
-        wanted = [x.strip() for x in args.faults.split(",") if x.strip()]
-        unknown = [w for w in wanted if w not in {f.name for f in FAULTS}]
-        if unknown:
-            print(f"gradhub bench faults: unknown fault(s) {unknown}; see --list", file=sys.stderr)
-            return 2
-        faults = [f for f in FAULTS if f.name in wanted]
+    faults = select_faults(FAULTS, args, "gradhub bench faults",
+                           default=[f for f in FAULTS if not (args.quick and f.count > 1)])
+    if isinstance(faults, int):
+        return faults
     trials = len(faults) if args.quick else args.trials
     steps = 25 if args.quick else args.steps
     if steps < 4:

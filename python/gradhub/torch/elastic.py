@@ -118,7 +118,11 @@ class _Handler:
         raise NotImplementedError
 
 
-class _ModelHandler(_Handler):
+class _StateDictHandler(_Handler):
+    """A value with `state_dict()`/`load_state_dict()` (a model, an optimizer,
+    a sampler): saved as a copy of its state dict, restored by loading it,
+    synced its own way (`_sync_value`) and saved again."""
+
     def save(self) -> None:
         self.saved = copy.deepcopy(self.value.state_dict())
 
@@ -126,35 +130,32 @@ class _ModelHandler(_Handler):
         self.value.load_state_dict(self.saved)
 
     def sync(self) -> None:
-        _ops.broadcast_parameters(self.value.state_dict(), root_rank=0)
+        self._sync_value()
         self.save()
 
+    def _sync_value(self) -> None:
+        raise NotImplementedError
 
-class _OptimizerHandler(_Handler):
-    def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
 
+class _ModelHandler(_StateDictHandler):
+    def _sync_value(self) -> None:
+        _ops.broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_StateDictHandler):
     def restore(self) -> None:
         abandon = getattr(self.value, "_gh_abandon", None)
         if abandon is not None:
             abandon()  # a DistributedOptimizer: the failed step's reductions are gone
-        self.value.load_state_dict(self.saved)
+        super().restore()
 
-    def sync(self) -> None:
+    def _sync_value(self) -> None:
         _ops.broadcast_optimizer_state(self.value, root_rank=0)
-        self.save()
 
 
-class _SamplerHandler(_Handler):
-    def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self.saved)
-
-    def sync(self) -> None:
+class _SamplerHandler(_StateDictHandler):
+    def _sync_value(self) -> None:
         self.value.sync()
-        self.save()
 
 
 def _handler(value) -> _Handler:
