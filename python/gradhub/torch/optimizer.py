@@ -439,7 +439,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
         if _env.get("GRADHUB_MIN_WORKERS") is not None:
             raise RuntimeError("the asynchronous mode is not elastic: the servers' parameters live in one "
                                "generation of the job (docs/torch.md, \"Training modes\")")
-        return asynchronous_optimizer(optimizer, named_parameters)
+        return asynchronous_optimizer(optimizer, named_parameters, backward_passes_per_step)
     ps = _resolve(process_set, members_only=False)
     if not ps.included():
         # As Horovod: a worker outside the set keeps a local optimizer.
