@@ -47,6 +47,8 @@ class SchedulerConfig:
         max_bytes: int | None = None,  # a service job's limit; 0: none
         metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
         deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
+        asynchronous: bool | None = None,  # the asynchronous mode (GRADHUB_ASYNC, read when None)
+        staleness: int | None = None,  # its staleness bound (GRADHUB_STALENESS, read when None)
     ) -> None:
         """ValueError for a bad rack_reduce or bandwidth."""
 
@@ -72,6 +74,8 @@ class ServerConfig:
         rack: str | None = None,  # this server's rack (GRADHUB_RACK); "" none
         metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
         deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
+        asynchronous: bool | None = None,  # the asynchronous mode (GRADHUB_ASYNC, read when None)
+        staleness: int | None = None,  # its staleness bound (GRADHUB_STALENESS, read when None)
     ) -> None: ...
 
 class ServiceConfig:
@@ -120,6 +124,8 @@ class ClientConfig:
         rack: str | None = None,  # this worker's rack (GRADHUB_RACK); "" none
         deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
         elastic: tuple[int, int, int, int] | None = None,  # an elastic job's (min, max, initial size, previous rank)
+        asynchronous: bool | None = None,  # the asynchronous mode (GRADHUB_ASYNC, read when None)
+        staleness: int | None = None,  # its staleness bound (GRADHUB_STALENESS, read when None)
     ) -> None:
         """ValueError for an invalid job name."""
 
@@ -221,10 +227,13 @@ class Client:
         init: bool = False,
         release_after: bool = False,
         live: tuple[int, int] | None = None,
+        asynchronous: bool = False,
     ) -> Handle:
         """Start an in-place push_pull of raw memory. `owner` is kept alive until done.
         `release_after`: free the tensor once this round completes. `live`: (from, to)
-        bytes outside which the memory is zeros (those chunks are pushed as zeros, header only)."""
+        bytes outside which the memory is zeros (those chunks are pushed as zeros, header only).
+        `asynchronous`: a parameter change of an asynchronous tensor (GRADHUB_ASYNC), answered
+        with the parameters the servers hold."""
     def release(self, names: list[str]) -> None:
         """Free named tensors (none in flight): here, and on the servers once every worker released them."""
     def num_tensors(self) -> int:

@@ -80,6 +80,9 @@ impl ServerThread {
             Ok(Admit::Replay) => {
                 deltas.replayed(rank, hdr.round, by_ref);
                 flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
+                if let Err(why) = self.flush(t) {
+                    self.close(t, &why.to_string());
+                }
                 self.answer_async(idx);
                 return Ok(());
             }
