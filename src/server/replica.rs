@@ -90,7 +90,7 @@ impl Replicas {
         let r = self.get(hdr, values.len())?;
         let want = r.next.iter().find(|p| p.0 == rank).map_or(0, |p| p.1);
         if hdr.round != want {
-            return Err(format!("worker {rank}'s push {} after its push {}", hdr.round, want.wrapping_sub(1)));
+            return Err(format!("worker {rank}'s push {}, but its next is {want}", hdr.round));
         }
         match (hdr.round, hdr.flags & FLAG_INIT != 0, r.state.as_mut()) {
             (0, true, _) => r.state = Some(Box::new(OptState::new(&values))),
@@ -201,4 +201,50 @@ pub fn hello_frame(ns: u32, slot: u32) -> Vec<u8> {
     let mut h = Header::new(MsgType::ServerHello);
     (h.namespace, h.key) = (ns, slot);
     h.encode().to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The header and payload of a frame built here.
+    fn split(frame: &[u8]) -> (Header, &[u8]) {
+        let h = Header::decode(&frame[..crate::protocol::HEADER_LEN], u32::MAX).expect("a header");
+        (h, &frame[crate::protocol::HEADER_LEN..])
+    }
+
+    #[test]
+    fn an_asynchronous_replica_keeps_the_parameters_and_each_pushers_next_push() {
+        let mut r = Replicas::default();
+        let apply = |r: &mut Replicas, round, rank, params, v: f32| {
+            let frame = async_frame(0, (7, 0, round), rank, params, &[v; 4]);
+            let (h, p) = split(&frame);
+            r.apply(&h, p, None)
+        };
+        // A change before the parameters, and a frame without its rank: refused.
+        assert!(apply(&mut r, 1, 1, false, 1.0).unwrap_err().contains("push 1, but its next is 0"));
+        let mut h = Header::new(MsgType::Replicate);
+        (h.key, h.flags, h.dtype) = (7, FLAG_ASYNC, DType::F32);
+        assert!(r.apply(&h, &[1, 2], None).unwrap_err().contains("without its rank"));
+        apply(&mut r, 0, 1, false, 9.0).unwrap(); // worker 1's initial values: counted only
+        assert!(apply(&mut r, 1, 1, false, 1.0).unwrap_err().contains("before any parameters"));
+        apply(&mut r, 0, 0, true, 2.0).unwrap(); // worker 0's: the parameters
+        apply(&mut r, 1, 1, false, 1.0).unwrap();
+        apply(&mut r, 1, 0, false, 0.5).unwrap();
+        assert!(apply(&mut r, 1, 0, false, 0.5).unwrap_err().contains("push 1, but its next is 2"), "twice");
+        let rep = &r.chunks[&(7, 0)];
+        assert_eq!(rep.state.as_ref().map(|s| s.param.clone()), Some(vec![3.5; 4]));
+        let mut next = rep.next.clone();
+        next.sort_unstable();
+        assert_eq!(next, vec![(0, 2), (1, 2)]);
+        // A new replica from a snapshot has the same.
+        let snapshot = async_snapshot_frame(0, (7, 0, 0), &next, &[3.5; 4]);
+        let (h, p) = split(&snapshot);
+        let mut fresh = Replicas::default();
+        fresh.restore(&h, p).unwrap();
+        let rep = &fresh.chunks[&(7, 0)];
+        assert_eq!((rep.state.as_ref().map(|s| s.param.clone()), rep.next.clone()), (Some(vec![3.5; 4]), next));
+        // A snapshot cut short is refused.
+        assert!(Replicas::default().restore(&h, &p[..6]).is_err());
+    }
 }

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._ports import free_port
-from .faults import select_faults
+from .faults import select_faults, write_results
 
 GRADHUB = [sys.executable, "-m", "gradhub"]
 MASTER = "elastic-fault-campaign"
@@ -270,9 +270,7 @@ def run(args) -> int:
     print(f"\n  trials {s['trials']}   ok {s['ok']}   hangs {s['hangs']}   wrong results {s['wrong']}   disagreements "
           f"{s['disagree']}   (campaign wall time {time.monotonic() - t0:.0f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"seed": seed0, "peer_timeout": args.peer_timeout, "steps": steps, "summary": s,
-                       "trials": [{k: v for k, v in r.items() if k != "logs"} for r in results]}, f, indent=1)
+        write_results(args.json, seed0, args.peer_timeout, steps, s, results)
     bad = s["hangs"] or s["wrong"] or s["disagree"] or s["ok"] != s["trials"]
     if not args.keep_logs and not bad:
         import shutil

@@ -421,6 +421,13 @@ class _Named(Protocol):
 F = TypeVar("F", bound=_Named)
 
 
+def write_results(path: str, seed0: int, peer_timeout: float, steps: int, summary: dict, results: list) -> None:
+    """A campaign's summary and trials (without their logs) as JSON, for docs/bench."""
+    with open(path, "w") as f:
+        json.dump({"seed": seed0, "peer_timeout": peer_timeout, "steps": steps, "summary": summary,
+                   "trials": [{k: v for k, v in r.items() if k != "logs"} for r in results]}, f, indent=1)
+
+
 def select_faults(faults: Sequence[F], args, prog: str, default: Sequence[F] | None = None) -> list[F] | int:
     """The faults a campaign (this one, `gradhub bench faults --elastic`)
     injects, from `--list` and `--faults`: with `--list`, each fault's line
@@ -509,9 +516,7 @@ def run(args) -> int:
     print(f"  (seconds, medians: 1st report = fault to the first other member exiting with an error, all down = "
           f"to the last one, takeover = a lost server's chunks moved; campaign wall time {time.monotonic() - t0:.0f} s)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"seed": seed0, "peer_timeout": args.peer_timeout, "steps": steps, "summary": s,
-                       "trials": [{k: v for k, v in r.items() if k != "logs"} for r in results]}, f, indent=1)
+        write_results(args.json, seed0, args.peer_timeout, steps, s, results)
     bad = s["hangs"] or s["wrong"] or s["as_expected"] != s["trials"]
     if not args.keep_logs and not bad:
         import shutil

@@ -35,6 +35,7 @@ import contextlib
 import torch
 
 from .. import api as _api
+from .ops import parameter_names
 from .overlap import ELEMENTWISE
 
 
@@ -51,15 +52,7 @@ class _AsynchronousOptimizer:
                              f"found {bad[0]}")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        if named_parameters is not None:
-            names = {id(p): n for n, p in named_parameters}
-            if len(set(names.values())) != len(names):
-                raise ValueError("parameter names in named_parameters must be unique")
-            missing = [p for p in all_params if id(p) not in names]
-            if missing:
-                raise ValueError(f"named_parameters does not cover {len(missing)} of the optimizer's parameters")
-        else:
-            names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        names = parameter_names(all_params, named_parameters)
         self._parameter_names = {p: names[id(p)] for p in all_params}
         self._gh_params = all_params
         self._gh_index = {id(p): i for i, p in enumerate(all_params)}

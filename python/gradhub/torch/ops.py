@@ -163,6 +163,25 @@ def _wire_spec(tensor: torch.Tensor, compression=Compression.none) -> tuple[int,
     return tensor.numel(), _WIRE_NAMES[_wire_dtype(dtype)]
 
 
+def parameter_names(params: list, named_parameters) -> dict[int, str]:
+    """By id, the name each parameter is pushed under: from
+    `named_parameters` ((name, parameter) pairs covering `params`, names
+    unique), else `param.<i>`. What every DistributedOptimizer mode names."""
+    if named_parameters is None:
+        return {id(p): f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if named and not isinstance(named[0], tuple):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
+                         "e.g. model.named_parameters()")
+    names = {id(p): n for n, p in named}
+    if len(names) != len({n for n, _ in named}):
+        raise ValueError("parameter names in named_parameters must be unique")
+    missing = [p for p in params if id(p) not in names]
+    if missing:
+        raise ValueError(f"named_parameters does not cover {len(missing)} of the optimizer's parameters")
+    return names
+
+
 def _check_inplace(tensor: torch.Tensor, what: str):
     if tensor.requires_grad and torch.is_grad_enabled():
         raise ValueError(

@@ -33,7 +33,7 @@ from . import autotune
 from .compression import Compression, NoneCompressor
 from .fusion import Fusion
 from .modes import OnWorkers, Synchronous
-from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec
+from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec, parameter_names
 from .process_sets import _resolve, global_process_set
 from .sufficient_factors import SufficientFactors
 from .overlap import ELEMENTWISE, ForwardOverlap
@@ -69,20 +69,7 @@ class _DistributedOptimizer:
             raise ValueError("backward_passes_per_step must be >= 1")
         self._gh_passes = backward_passes_per_step
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if named and not isinstance(named[0], tuple):
-                raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, "
-                                 "e.g. model.named_parameters()")
-            names = {id(p): n for n, p in named}
-            dup = len(names) != len({n for n, _ in named})
-            if dup:
-                raise ValueError("parameter names in named_parameters must be unique")
-            missing = [p for p in all_params if id(p) not in names]
-            if missing:
-                raise ValueError(f"named_parameters does not cover {len(missing)} of the optimizer's parameters")
-        else:
-            names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        names = parameter_names(all_params, named_parameters)
         self._gh_names = names
         # Horovod's attribute, which scripts and wrappers read: parameter -> name.
         self._parameter_names = {p: names[id(p)] for p in all_params}
