@@ -142,6 +142,19 @@ def test_sufficient_factors_go_back_to_the_servers_when_the_batch_grows():
         assert f"'{layer}' goes back to the servers: 64 rows" in out, out[-3000:]
 
 
+def test_sufficient_factors_slots_grow_with_the_batch():
+    # Forced factors, 2 rows a worker, then 3 times more from step 4: each
+    # worker's rows overflow their slot once, that step is gathered in full
+    # (every worker alike), the slots grow, and training still equals
+    # single-process training.
+    cfg = {"model": "mlp", "opt": "sgd", "sfb": "force", "batch": 2, "grow": 3, "grow_at": 4, "steps": 7,
+           "sfb_layers": ["0.weight", "2.weight", "4.weight"]}
+    rc, out = run_launch(4, 2, "torch_train.py", cfg, env={"GRADHUB_LOG": "debug"})
+    assert_all_passed(rc, out, 4)
+    for layer in ("0.weight", "2.weight", "4.weight"):
+        assert out.count(f"'{layer}' gathered in full this step; its slots grow from 2 to 6 rows") == 1, out[-3000:]
+
+
 def test_sufficient_factors_come_back_when_the_batch_shrinks():
     # auto at 8 rows a worker keeps every layer on the servers; from step 3
     # on the batch is 4 times smaller, so at the recheck after step 10 two

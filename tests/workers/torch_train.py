@@ -291,6 +291,8 @@ if autotuned:
 if "sfb_layers" in CONFIG:
     chosen = sorted(opt._gh_names[pid] for pid in opt._gh_sfb.chosen)
     assert chosen == sorted(CONFIG["sfb_layers"]), chosen
+    # After the decision autograd leaves the chosen weights' own gradients to the factors.
+    assert not chosen or steps < 2 or opt._gh_sfb.skipped_calls > 0, opt._gh_sfb.skipped_calls
 if overlap and opt_kind != "none":
     assert deferred == steps - 1, f"updates were applied in {deferred} of {steps - 1} forward passes"
 worst = 0.0

@@ -228,23 +228,32 @@ class _DistributedOptimizer:
         check = self._gh_mode.check_gradient if self._gh_mode.checks_gradients else None
 
         def hook(param):
-            pid = id(param)
             if check is not None:
-                check(pid)
-            if pid in self._gh_handles:
-                raise RuntimeError(
-                    f"gradient of '{self._gh_names[pid]}' was computed twice before step(); "
-                    f"call optimizer.step() (or use backward_passes_per_step) between backward passes"
-                )
-            self._gh_counts[pid] += 1
-            if self._gh_counts[pid] < self._gh_passes:
-                return
-            self._gh_counts[pid] = 0
-            self._gh_start(param)
+                check(id(param))
+            self._gh_ready(param)
 
         return hook
 
+    def _gh_ready(self, p):
+        """A backward pass is done with p (its gradient accumulated, or its
+        sufficient factors all in): start it on the last pass of the step."""
+        pid = id(p)
+        if pid in self._gh_handles:
+            raise RuntimeError(
+                f"gradient of '{self._gh_names[pid]}' was computed twice before step(); "
+                f"call optimizer.step() (or use backward_passes_per_step) between backward passes"
+            )
+        self._gh_counts[pid] += 1
+        if self._gh_counts[pid] < self._gh_passes:
+            return
+        self._gh_counts[pid] = 0
+        self._gh_start(p)
+
     def _gh_start(self, p):
+        sfb = self._gh_sfb
+        if sfb is not None and sfb.exchanges(p):  # its factors travel, not its gradient
+            self._gh_handles[id(p)] = sfb.start(p, self._gh_priority(p))
+            return
         grad = p.grad
         if grad is None:
             return
@@ -257,8 +266,9 @@ class _DistributedOptimizer:
         if self._gh_fusion is not None and id(p) in self._gh_fusion.of:
             self._gh_fusion.fill(p)  # synchronize(): no gradient this step
             return
-        h = self._gh_sfb.start(p, self._gh_priority(p)) if self._gh_sfb is not None else None
-        self._gh_handles[id(p)] = h if h is not None else self._gh_mode.where.push(p, grad)
+        if sfb is not None:
+            sfb.observe(p)
+        self._gh_handles[id(p)] = self._gh_mode.where.push(p, grad)
 
     # -------------------------------------------------------------- Horovod API
 

@@ -29,10 +29,17 @@ How, step by step:
   picks it (worker 0 says which, once; each layer's choice and the bytes
   predicted at GRADHUB_LOG=debug).
   A layer left to the servers by the check is reported once.
-- Later steps: the weight's handle gathers the factors (on a thread of its
-  own, at the weight's priority) and, when waited for, writes the rebuilt
-  average into `.grad` (plus whatever `.grad` held before the step, as the
-  servers' sum would).
+- Later steps: autograd does not compute the weight's own gradient (its
+  requires_grad is off during the layer's call, when the output needs a
+  gradient anyway: the factors replace it). The exchange starts as soon as
+  the layer's output gradients of the pass are in: one round through the
+  servers at the weight's priority, each worker's rows in a slot of fixed
+  capacity headed by its row count (a worker with more rows makes every
+  worker fall back, that step, to the general allgather, and the capacity
+  grows). When waited for, the handle writes the rebuilt average into
+  `.grad` with one matmul (added to whatever `.grad` held before the step,
+  as the servers' sum would; into a buffer kept from step to step when
+  `.grad` is None, so no step allocates and faults in a new gradient).
 The decision is made with the first step's batch size, and made again when
 the batch changes: every exchange shows every worker's rows, so a layer
 whose batch grows past the rule goes back to the servers from the next step
@@ -52,8 +59,8 @@ import torch
 
 from .. import _env
 
-from .exchange import _ThreadHandle
-from .ops import Average, Handle, _allgather_impl
+from . import agreement as _agree
+from .ops import Average, Handle, _allgather_impl, _derive
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -64,13 +71,19 @@ RECHECK_STEPS = 10
 class _Layer:
     """One weight's factors since its last exchange."""
 
-    __slots__ = ("out_features", "in_features", "xs", "gs", "prev")
+    __slots__ = ("out_features", "in_features", "xs", "gs", "skips", "local", "prev", "pass_start", "out")
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.xs: list[torch.Tensor] = []
         self.gs: list[list] = []  # one slot per call, filled by the output's gradient hook
-        self.prev = None  # the weight's .grad before the first call since the last exchange
+        self.skips: list[bool] = []  # per call: autograd left the weight's own gradient out
+        # A call since the last exchange let autograd add its local gradient
+        # to .grad; prev is .grad from before that call.
+        self.local = False
+        self.prev = None
+        self.pass_start = 0  # the first call of the current backward pass
+        self.out = None  # the rebuilt gradient's buffer when .grad is None, kept across steps
 
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # A call whose output got no gradient contributed nothing. Under
@@ -79,8 +92,15 @@ class _Layer:
         return [(g[0], x.to(g[0].dtype) if g[0].dtype in _HALF else x)
                 for x, g in zip(self.xs, self.gs) if g[0] is not None]
 
+    def pass_done(self) -> bool:
+        """Every call of the current pass has its output's gradient, and
+        none let autograd compute the weight's gradient (then the weight's
+        own hook says when the pass is done)."""
+        calls = range(self.pass_start, len(self.gs))
+        return all(self.gs[i][0] is not None for i in calls) and all(self.skips[i] for i in calls)
+
     def clear(self) -> None:
-        self.xs, self.gs, self.prev = [], [], None
+        self.xs, self.gs, self.skips, self.local, self.prev, self.pass_start = [], [], [], False, None, 0
 
 
 class SufficientFactors:
@@ -99,12 +119,16 @@ class SufficientFactors:
         self.eligible: dict[int, tuple[int, int]] = {}
         self.rows_now: dict[int, int] = {}
         self.steps = 0
+        # Each chosen weight's slot capacity (rows a worker) in the one-round exchange.
+        self.capacity: dict[int, int] = {}
         self.rebuild_seconds = 0.0  # worker CPU time spent rebuilding gradients from factors
         # Every module's call until the decision (the Linear layers are
         # found there); then only the hooks of the layers that can use factors.
         self.hook = torch.nn.modules.module.register_module_forward_hook(self._after_forward)
         self.seen: dict[int, torch.nn.Linear] = {}  # weight id -> its layer, in the first step
         self.module_hooks: list = []
+        self.skipping: dict[int, torch.Tensor] = {}  # weights whose requires_grad is off during their call
+        self.skipped_calls = 0  # calls whose weight gradient autograd left to the factors
 
     def remove(self) -> None:
         if self.hook is not None:
@@ -113,6 +137,13 @@ class SufficientFactors:
         for h in self.module_hooks:
             h.remove()
         self.module_hooks = []
+        for w in self.skipping.values():
+            w.requires_grad_(True)
+        self.skipping.clear()
+
+    def exchanges(self, p) -> bool:
+        """Whether p's factors travel instead of its gradient this step."""
+        return self.decided and id(p) in self.chosen
 
     def _narrow_hooks(self) -> None:
         """After the decision: hook only the layers that are eligible (their
@@ -124,13 +155,33 @@ class SufficientFactors:
         self.hook = None
         for pid, module in self.seen.items():
             if pid in self.eligible or pid in self.chosen:
-                self.module_hooks.append(module.register_forward_hook(self._after_forward))
+                self.module_hooks.append(module.register_forward_pre_hook(self._before_forward))
+                # always_call: a call that raises still gets its weight's requires_grad back.
+                self.module_hooks.append(module.register_forward_hook(self._after_forward, always_call=True))
         self.seen.clear()
 
+    def _before_forward(self, module, inputs):
+        """A chosen layer whose output needs a gradient without its weight
+        (its input or its bias needs one): autograd leaves the weight's own
+        gradient out of this call, since the factors rebuild the whole of it."""
+        w = module.weight
+        if id(w) not in self.chosen or not torch.is_grad_enabled() or not w.requires_grad or not inputs:
+            return
+        x, b = inputs[0], module.bias
+        if isinstance(x, torch.Tensor) and (x.requires_grad or (b is not None and b.requires_grad)):
+            w.requires_grad_(False)
+            self.skipping[id(w)] = w
+            self.skipped_calls += 1
+
     def _after_forward(self, module, inputs, output):
-        if not isinstance(module, torch.nn.Linear) or not inputs or not torch.is_grad_enabled():
+        if not isinstance(module, torch.nn.Linear):
             return
         w = module.weight
+        skipped = self.skipping.pop(id(w), None) is not None
+        if skipped:
+            w.requires_grad_(True)
+        if not inputs or not torch.is_grad_enabled():
+            return
         fused = self.opt._gh_fusion is not None and id(w) in self.opt._gh_fusion.of
         if id(w) not in self.opt._gh_by_id or not w.requires_grad or fused:
             return
@@ -146,57 +197,104 @@ class SufficientFactors:
         layer = self.layers.get(id(w))
         if layer is None:
             layer = self.layers[id(w)] = _Layer(w)
-        if not layer.xs:
+        if layer.pass_start < len(layer.gs) and all(s[0] is not None for s in layer.gs[layer.pass_start:]):
+            layer.pass_start = len(layer.gs)  # the last pass's backward is over: a new pass
+        if not skipped and not layer.local:
+            layer.local = True
             layer.prev = None if w.grad is None else w.grad.detach().clone()
         slot = [None]
         layer.xs.append(x.detach().reshape(-1, layer.in_features))
         layer.gs.append(slot)
+        layer.skips.append(skipped)
         m = layer.out_features
 
         def keep(g, slot=slot):
             slot[0] = g.detach().reshape(-1, m)
+            # The weight gets no gradient of its own: its pass is done when
+            # the last output gradient of the pass is in.
+            if skipped and layer.pass_done():
+                self.opt._gh_ready(w)
 
         output.register_hook(keep)
 
-    def start(self, p, priority: int):
-        """The handle exchanging p's gradient as factors, or None for the servers."""
+    def observe(self, p) -> None:
+        """Before the decision, p's gradient has just been accumulated: check it."""
         layer = self.layers.get(id(p))
-        if not self.decided:
-            if layer is not None:
-                self._check(p, layer)
-            return None
-        if id(p) not in self.chosen:
-            return None
+        if not self.decided and layer is not None:
+            self._check(p, layer)
+
+    def start(self, p, priority: int) -> Handle:
+        """The handle exchanging p's factors (p is `exchanges`): one round,
+        each worker's rows in a slot of `capacity` rows headed by its count
+        plus one (0 is a worker in join(), which pushes zeros)."""
+        layer = self.layers[id(p)]
         m, n = layer.out_features, layer.in_features
         pairs = layer.pairs()
         # Exchanged and multiplied in float32, or float64 for a float64 weight (never narrower than it).
         wide = torch.promote_types(p.dtype, torch.float32)
         factors = (torch.cat([torch.cat([g.to(wide), x.to(wide)], 1) for g, x in pairs]) if pairs
                    else torch.zeros(0, m + n, dtype=wide))
-        prev = layer.prev
+        local, prev = layer.local, layer.prev
         layer.clear()
         opt, ps = self.opt, self.opt._gh_ps
         name = f"{opt._gh_push_name(p, tagged=False)}.sfb"
-        gathered = _ThreadHandle(lambda: _allgather_impl(factors, name, ps, priority), name)
+        size, rank = ps.size(), ps.rank()
+        cap = self.capacity[id(p)]
+        rows = factors.shape[0]
+        slot = 1 + cap * (m + n)
+        buf = torch.zeros(size * slot, dtype=wide)
+        buf[rank * slot] = rows + 1 if rows <= cap else -1.0  # -1: more rows than the slot holds
+        if rows <= cap:
+            buf[rank * slot + 1:rank * slot + 1 + rows * (m + n)] = factors.reshape(-1)
+        h = ps._push_pull_async(buf, name, False, priority, live=(rank * slot, (rank + 1) * slot))
         divisor = ps.size() if opt._gh_op is Average else 1
 
         def rebuild():
-            f, counts = gathered.wait()
-            self._recheck(p, sum(counts), m, n)
-            t0 = time.perf_counter()
-            g = f[:, :m].t() @ f[:, m:]
-            if divisor != 1:
-                g /= divisor
-            if prev is not None:
-                g += prev
-            if p.grad is None:
-                p.grad = g.to(p.dtype)
+            slots = buf.view(size, slot)
+            heads = slots[:, 0]
+            _agree.check_none_joined(heads.ne(0), "sufficient factors of", opt._gh_names[id(p)], ps._members())
+            if bool((heads < 0).any()):
+                # A worker had more rows than the slot holds: every worker
+                # gathers this step's factors in full, and the slots grow.
+                f, counts = _allgather_impl(factors, _derive(name, ".grow"), ps, priority)
+                self.capacity[id(p)] = max(counts)
+                if ps.rank() == 0 and _env.get("GRADHUB_LOG") in ("debug", "trace"):
+                    print(f"[gradhub worker] sufficient factors: '{opt._gh_names[id(p)]}' gathered in full this "
+                          f"step; its slots grow from {cap} to {max(counts)} rows a worker", file=sys.stderr,
+                          flush=True)
+                total = sum(counts)
             else:
-                p.grad.copy_(g)
+                f = slots[:, 1:].reshape(size * cap, m + n)  # rows past a worker's count are zeros
+                total = int(heads.sum()) - size
+            self._recheck(p, total, m, n)
+            t0 = time.perf_counter()
+            self._rebuild(p, layer, f, m, divisor, local, prev)
             self.rebuild_seconds += time.perf_counter() - t0
             return p.grad
 
-        return Handle(gathered, rebuild, name)
+        return Handle(h, rebuild, name)
+
+    @staticmethod
+    def _rebuild(p, layer: _Layer, f: torch.Tensor, m: int, divisor: int, local: bool, prev) -> None:
+        """p.grad = (.grad before the step) + the sum of every worker's
+        factors (divided for an average), with one matmul into place."""
+        g, x = f[:, :m], f[:, m:]
+        if divisor != 1:
+            g = g / divisor  # rows x m: cheaper than dividing the m x n product
+        g = g.t()
+        # A call let autograd add the local gradient: start again from prev.
+        base = prev if local else p.grad
+        if base is None:
+            if p.dtype != f.dtype:
+                p.grad = torch.mm(g, x).to(p.dtype)
+                return
+            if layer.out is None or layer.out.shape != (m, x.shape[1]):
+                layer.out = torch.empty(m, x.shape[1], dtype=f.dtype)
+            p.grad = torch.mm(g, x, out=layer.out)
+        elif base is p.grad and p.grad.dtype == f.dtype:
+            p.grad.addmm_(g, x)
+        else:
+            p.grad.copy_(base.to(f.dtype).addmm(g, x))
 
     def _recheck(self, p, rows: int, m: int, n: int) -> None:
         """Every worker sees every worker's rows in each exchange: when the
@@ -265,6 +363,7 @@ class SufficientFactors:
                        f"{server_values * p.element_size() / 1024:.1f} KiB")
             if use:
                 self.chosen.add(id(p))
+                self.capacity[id(p)] = -(-rows // ps.size())  # equal batches fill their slots exactly
         if ps.rank() == 0:  # the choice is the same everywhere: said once
             self._say(why, [opt._gh_names[pid] for pid in self.eligible if pid in self.chosen])
         for pid in list(self.layers):
@@ -304,6 +403,7 @@ class SufficientFactors:
             if r == 0 or r * (m + n) >= m * n:
                 continue
             self.chosen.add(pid)
+            self.capacity[pid] = -(-r // ps.size())
             self.layers[pid] = _Layer(self.opt._gh_by_id[pid])
             if ps.rank() == 0:
                 print(f"[gradhub worker] sufficient factors: '{self.opt._gh_names[pid]}' takes factors again: "
