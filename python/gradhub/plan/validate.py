@@ -130,8 +130,6 @@ def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[d
 
 def run(args) -> int:
     """`gradhub bench validate`."""
-    import os
-
     from .costs import Costs
 
     cache = Path(args.cache)
@@ -146,7 +144,7 @@ def run(args) -> int:
 
         for path in write(Path(args.plots), costs):
             print(f"wrote {path}")
-    rows, md = table(configs, cache, costs, args.cores or os.cpu_count() or 1)
+    rows, md = table(configs, cache, costs, args.cores or costs.machine_cores)
     if not rows:
         print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
         return 1
@@ -172,7 +170,8 @@ def add_arguments(p) -> None:
                    help="interleaved trials per run, the median counts (default 1; 3 on a machine others load)")
     p.add_argument("--costs", help="calibration file (default ~/.config/gradhub/costs.json, else built-in)")
     p.add_argument("--cores", type=int, default=0,
-                   help="cores the emulated hosts share (default: this machine's)")
+                   help="cores the emulated hosts share (default: the calibrated machine's, `machine_cores` in "
+                        "the calibration file)")
     p.add_argument("--json", help="write the table's rows to this JSON file")
     p.add_argument("--plots", metavar="DIR", help="also draw the scaling plots (8-256 GPUs) into DIR "
                                                   "(docs/bench/plan)")
