@@ -140,7 +140,7 @@ def test_plan_json_and_apply(tmp_path):
 def test_help_texts():
     for args, words in [(("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json"]),
                         (("plan",), ["--cpu-available", "--gpu-price", "--apply"]),
-                        (("bench", "validate"), ["--measure", "--cache", "--plots"]),
+                        (("bench", "validate"), ["--measure", "--cache", "--plots", "--plan-check"]),
                         (("bench", "calibrate"), ["--out", "--quick"])]:
         out = _cli(*args, "--help")
         for w in words:
