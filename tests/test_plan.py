@@ -140,7 +140,7 @@ def test_plan_json_and_apply(tmp_path):
 def test_help_texts():
     for args, words in [(("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json"]),
                         (("plan",), ["--cpu-available", "--gpu-price", "--apply"]),
-                        (("bench", "validate"), ["--measure", "--cache", "--plots"]),
+                        (("bench", "validate"), ["--measure", "--cache", "--plots", "--plan-check"]),
                         (("bench", "calibrate"), ["--out", "--quick"])]:
         out = _cli(*args, "--help")
         for w in words:
@@ -174,3 +174,25 @@ def test_torch_model_is_timed_layer_by_layer(tmp_path):
     assert [l.name for l in p.layers] == ["0", "2"]
     assert [l.tensors for l in p.layers] == [[32 * 64 * 4, 64 * 4], [64 * 10 * 4, 10 * 4]]
     assert p.batch == 8 and all(l.forward_s > 0 and l.backward_s > 0 for l in p.layers)
+
+
+def test_shared_cores_stretch_backward_by_the_workers_python():
+    """On the emulated cluster (`shared_cores`), each gradient's push_pull
+    Python runs on the autograd thread, on cores every worker shares: with
+    N workers on C cores backward pays L x op x N / C on top of its compute
+    (the network here is free). Each host with its own cores: the Python
+    runs beside backward: only the last one's is visible."""
+    L, op, n, cores = 10, 1e-3, 4, 2
+    prof = SimProfile("chain", 1, [SimLayer(f"l{i}", [4096], 1e-3, 2e-3) for i in range(L)])
+    costs = replace(IDEAL, op_cpu_s=op)
+    fast = Cluster(n, 1, 0, True, 1e15, latency_s=0.0)
+    o = Options(fusion_threshold=0)     # one push_pull per gradient
+    alone = simulate_gradhub(prof, fast, o, costs).iter_s
+    assert alone == pytest.approx(prof.compute_s + op, rel=0.01)
+    shared = simulate_gradhub(prof, replace(fast, shared_cores=cores), o, costs).iter_s
+    assert shared == pytest.approx(prof.compute_s + L * op * n / cores, rel=0.01)
+    # The chunks' CPU (server sums, TCP, per chunk) takes the same cores: the
+    # autograd thread goes first but waits for the chunk job being served.
+    busy = simulate_gradhub(prof, replace(fast, shared_cores=cores), o,
+                            replace(costs, chunk_cpu_s=2e-4)).iter_s
+    assert busy > shared

@@ -9,7 +9,8 @@ big chunks), a memory pass (the host stage's copies), and a worker's local
 step per parameter byte (gradient tensors made and an SGD-with-momentum
 update, what `gradhub bench train`'s emulated model does every step), and
 the emulated model's own overheads (how late a sleep returns, CPU per
-layer), which only the validation against the emulated cluster uses. The
+layer) and the machine's core count, which only the validation against the
+emulated cluster uses. The
 wire efficiency is TCP payload per byte a link carries (1448 of 1514 bytes
 per full Ethernet frame with timestamps), which tc's shaper counts."""
 
@@ -38,6 +39,9 @@ class Costs:
     sleep_overshoot_s: float = 7.62e-05  # how much later than asked time.sleep returns
     layer_cpu_s: float = 2.24e-05       # Python and autograd per emulated layer, forward + backward
     wire_efficiency: float = 1448 / 1514
+    # Cores of the machine calibrated: what the emulated cluster's hosts all
+    # share there (`gradhub bench validate`, `--shared-cores`).
+    machine_cores: int = 2
     source: str = "built-in (docs/bench/plan/calibration.json)"
 
     def save(self, path: Path) -> None:
@@ -173,6 +177,7 @@ def calibrate(quick: bool = False) -> Costs:
     overshoot, layer_cpu = _harness()
     return Costs(sum_Bps=sum_Bps, chunk_cpu_s=chunk_cpu, tcp_cpu_per_byte=tcp, mem_Bps=mem_Bps, step_Bps=step_Bps,
                  op_cpu_s=op_cpu, sleep_overshoot_s=overshoot, layer_cpu_s=layer_cpu,
+                 machine_cores=os.cpu_count() or 1,
                  source=f"gradhub bench calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}")
 
 
@@ -181,4 +186,4 @@ def describe(c: Costs) -> str:
             f"TCP {c.tcp_cpu_per_byte * 1e9:.3f} ns CPU per byte, memory {c.mem_Bps / 1e9:.2f} GB/s, "
             f"local step {c.step_Bps / 1e9:.2f} GB/s of parameters, {c.op_cpu_s * 1e6:.0f} us worker CPU per "
             f"push_pull, sleep {c.sleep_overshoot_s * 1e6:.0f} us late, {c.layer_cpu_s * 1e6:.0f} us CPU per emulated "
-            f"layer, wire efficiency {c.wire_efficiency:.3f}")
+            f"layer, wire efficiency {c.wire_efficiency:.3f}, {c.machine_cores} cores")

@@ -23,6 +23,11 @@ class SimLayer:
     tensors: list[int]          # bytes of each gradient tensor
     forward_s: float
     backward_s: float
+    # The part of forward_s / backward_s that is this machine's CPU (the
+    # emulated model's Python and gradient fill; 0 for real models), which
+    # the shared-cores pool can delay (sim.py).
+    forward_cpu_s: float = 0.0
+    backward_cpu_s: float = 0.0
 
 
 @dataclass
@@ -94,6 +99,7 @@ def emulated(p: SimProfile, costs) -> SimProfile:
     ahead; lateness resets the clock, so it adds up)."""
     t, deadline = 0.0, None
     times: list[list[float]] = [[0.0, 0.0] for _ in p.layers]
+    cpus: list[list[float]] = [[0.0, 0.0] for _ in p.layers]
 
     def spend(s: float, cpu: float) -> float:
         nonlocal t, deadline
@@ -108,12 +114,15 @@ def emulated(p: SimProfile, costs) -> SimProfile:
 
     n = len(p.layers)
     for i, l in enumerate(p.layers):
-        times[i][0] = spend(l.forward_s, costs.layer_cpu_s / 2)
+        cpus[i][0] = costs.layer_cpu_s / 2
+        times[i][0] = spend(l.forward_s, cpus[i][0])
     for i in range(n - 1, -1, -1):
         l = p.layers[i]
-        times[i][1] = spend(l.backward_s, costs.layer_cpu_s / 2 + sum(l.tensors) / costs.mem_Bps)
+        cpus[i][1] = costs.layer_cpu_s / 2 + sum(l.tensors) / costs.mem_Bps
+        times[i][1] = spend(l.backward_s, cpus[i][1])
     # What the last sleep still owes is paid by the next iteration's first.
-    layers = [SimLayer(l.name, l.tensors, f, b) for l, (f, b) in zip(p.layers, times)]
+    layers = [SimLayer(l.name, l.tensors, f, b, min(f, fc), min(b, bc))
+              for l, (f, b), (fc, bc) in zip(p.layers, times, cpus)]
     return SimProfile(p.name, p.batch, layers, p.source + ", as the emulated model runs it")
 
 

@@ -41,10 +41,10 @@ def layouts(base: Cluster, max_cpu: int) -> list[Cluster]:
     return out
 
 
-def option_sets(base: Cluster) -> list[Options]:
+def option_sets(base: Cluster, start: Options = Options()) -> list[Options]:
     """Starting points: the host stage on and off with several GPUs per machine."""
     host = (True, False) if base.workers_per_host > 1 else (True,)
-    return [Options(host_reduce=h) for h in host]
+    return [replace(start, host_reduce=h) for h in host]
 
 
 def _score(r: Result, c: Cluster, prices: Prices | None) -> float:
@@ -79,15 +79,19 @@ def tune(profile: SimProfile, c: Cluster, start: Options, costs: Costs, knobs: d
 
 
 def plan(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, prices: Prices | None = None,
-         allow_overlap: bool = True, knobs: dict | None = None, top: int = 5) -> tuple[list[Choice], Result]:
-    """The best `top` (layout, options), best first, and DDP's result on the GPU machines alone."""
+         allow_overlap: bool = True, knobs: dict | None = None, top: int = 5, start: Options = Options(),
+         candidates: list[Cluster] | None = None) -> tuple[list[Choice], Result]:
+    """The best `top` (layout, options), best first, and DDP's result on the
+    GPU machines alone. `start`: the options the search starts from (e.g.
+    scaled for the emulated cluster); `candidates`: the layouts to search
+    (default: every k up to max_cpu, colocated or not)."""
     knobs = dict(KNOBS if knobs is None else knobs)
     if not allow_overlap:
         knobs.pop("overlap_forward", None)
     found = []
-    for c in layouts(base, max_cpu):
-        for start in option_sets(c):
-            o, r = tune(profile, c, start, costs, knobs, prices)
+    for c in (layouts(base, max_cpu) if candidates is None else candidates):
+        for first in option_sets(c, start):
+            o, r = tune(profile, c, first, costs, knobs, prices)
             cps = None
             if prices and prices.per_hour(c) > 0:
                 cps = prices.per_hour(c) / 3600 / r.samples_per_s

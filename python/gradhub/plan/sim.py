@@ -61,6 +61,9 @@ class Message:
     chunks: list[tuple[int, str]] = field(default_factory=list)   # (bytes, owner kind "gpu"/"cpu")
 
 
+MAIN_KEY = (-1,)   # the workers' main thread on the shared pool: before every chunk key (prio >= 0)
+
+
 def messages(profile: SimProfile, opt: Options) -> tuple[list[Message], dict[tuple[int, int], int]]:
     """The step's push_pulls and which message each (layer, tensor) is in.
     Fusion: tensors of at most threshold/4 bytes, in backward order, packed
@@ -247,7 +250,11 @@ class GradhubSim:
         N = self.c.workers
         # The local optimizer step: on the CPU in the emulated cluster (all
         # workers at once on the shared cores); on GPUs, part of the compute.
-        step_s = p.model_bytes / self.k.step_Bps * max(1.0, N / self.cores) if self.cores else 0.0
+        # `spread`: on the shared cores every worker does the same CPU work at
+        # the same time, so the pool's one job is all N workers' (N / cores
+        # seconds per CPU second, at least 1).
+        spread = max(1.0, N / self.cores) if self.cores else 1.0
+        step_s = p.model_bytes / self.k.step_Bps * spread if self.cores else 0.0
         layer_msgs: list[list[int]] = [[] for _ in range(L)]
         for mi, m in enumerate(self.msgs):
             for li in m.layers:
@@ -263,7 +270,18 @@ class GradhubSim:
         updated = [[not layer_msgs[li] for li in range(L)] for _ in range(iters)]
         wcpu = self.cpu if self.cores else self.w_cpu
         # Per push_pull, every worker's CPU (all of them on the shared cores).
-        op_s = self.k.op_cpu_s * (N / self.cores if self.cores else 1.0)
+        op_s = self.k.op_cpu_s * spread
+
+        def main_cpu(s, fn, *args):
+            """The workers' main (autograd) thread's CPU: on the shared pool
+            with the emulated cluster, ahead of the chunks' work waiting
+            there (Linux runs a thread woken from sleep soon: its virtual
+            runtime is behind), so it waits only for the job in service
+            while the pool is busy; else a plain delay."""
+            if self.cores:
+                e.use(self.cpu, MAIN_KEY, s, fn, *args)
+            else:
+                e.at(e.now + s, fn, *args)
 
         def pump():
             while pend:
@@ -319,7 +337,7 @@ class GradhubSim:
                 st["layer_left"][li] -= 1
                 if o.overlap_forward and st["layer_left"][li] == 0:
                     share = sum(p.layers[li].tensors) / max(1, p.model_bytes)
-                    e.at(e.now + step_s * share, layer_updated, i, li)
+                    main_cpu(step_s * share, layer_updated, i, li)
             if st["left"] == 0:
                 st["comm_done"] = True
                 step_end(i)
@@ -328,7 +346,7 @@ class GradhubSim:
             """Synchronous step: the next forward once every result is in and the local step ran."""
             st = its[i]
             if not o.overlap_forward and st["comm_done"] and st["bwd_done"] and i + 1 < iters:
-                e.at(e.now + step_s, forward, i + 1, 0)
+                main_cpu(step_s, forward, i + 1, 0)
 
         def layer_updated(i, li):
             updated[i][li] = True
@@ -344,7 +362,12 @@ class GradhubSim:
             if li == L:
                 backward(i, L - 1)
                 return
-            e.use(self.compute, 0, p.layers[li].forward_s, forward, i, li + 1)
+            lay = p.layers[li]
+            if self.cores:
+                e.use(self.compute, 0, lay.forward_s - lay.forward_cpu_s,
+                      lambda: main_cpu(lay.forward_cpu_s * spread, forward, i, li + 1))
+            else:
+                e.use(self.compute, 0, lay.forward_s, forward, i, li + 1)
 
         def backward(i, li):
             if li < 0:
@@ -353,18 +376,31 @@ class GradhubSim:
                     forward(i + 1, 0)
                 step_end(i)
                 return
-            e.use(self.compute, 0, p.layers[li].backward_s, grads, i, li)
+            lay = p.layers[li]
+            e.use(self.compute, 0, lay.backward_s - (lay.backward_cpu_s if self.cores else 0.0), grads, i, li)
 
         def grads(i, li):
             st = its[i]
+            ready = []
             for ti in range(len(p.layers[li].tensors)):
                 mi = self.of.get((li, ti))
                 if mi is None:      # an empty tensor: nothing to send
                     continue
                 st["members"][mi] -= 1
                 if st["members"][mi] == 0:
+                    ready.append(mi)
+            if not self.cores:
+                for mi in ready:
                     e.use(wcpu, (self.msgs[mi].prio, i, mi, -1), op_s, enqueue, i, mi)
-            backward(i, li - 1)
+                backward(i, li - 1)
+                return
+
+            def issued():
+                for mi in ready:
+                    enqueue(i, mi)
+                backward(i, li - 1)
+            cpu_s = p.layers[li].backward_cpu_s * spread + len(ready) * op_s
+            main_cpu(cpu_s, issued)
 
         def enqueue(i, mi):
             """The push_pull starts (its Python and bookkeeping paid): its chunks join the queue."""

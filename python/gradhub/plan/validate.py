@@ -63,6 +63,14 @@ def load_cache(path: Path) -> dict[tuple, dict]:
     return out
 
 
+def train_argv(model: str, scale: float, workers: int, k: int, rate: str, systems: list[str], iters: int,
+               warmup: int, out: Path, trials: int = 1) -> list[str]:
+    """`gradhub bench train`'s arguments for one measured run (appended to `out` as JSON lines)."""
+    return ["train", "--model", model, "--workers", str(workers), "--cpu-servers", str(k), "--rate", rate,
+            "--scale", f"{scale:g}", "--systems", ",".join(systems), "--iters", str(iters), "--warmup", str(warmup),
+            "--trials", str(trials), "--json", str(out)]
+
+
 def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2, trials: int = 1) -> int:
     """Run `gradhub bench train` for every configuration (and system) the
     cache lacks, the median of `trials` interleaved trials; each run appends
@@ -77,9 +85,7 @@ def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2,
         if not systems:
             continue
         print(f"== measuring {c.label}: {', '.join(systems)}", flush=True)
-        argv = ["train", "--model", c.model, "--workers", str(c.workers), "--cpu-servers", str(c.k),
-                "--rate", c.rate, "--scale", f"{c.scale:g}", "--systems", ",".join(systems),
-                "--iters", str(iters), "--warmup", str(warmup), "--trials", str(trials), "--json", str(cache)]
+        argv = train_argv(c.model, c.scale, c.workers, c.k, c.rate, systems, iters, warmup, cache, trials)
         try:
             rc = bench_main(argv)
         except Exception as e:  # one broken run must not lose the rest of the batch
@@ -130,23 +136,25 @@ def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[d
 
 def run(args) -> int:
     """`gradhub bench validate`."""
-    import os
-
     from .costs import Costs
 
+    costs = Costs.load(args.costs)
+    if args.plan_check:
+        from .check import run as plan_check
+
+        return plan_check(costs, args.cores or costs.machine_cores, args.iters, args.warmup, args.json)
     cache = Path(args.cache)
     configs = CONFIGS[: args.limit] if args.limit else CONFIGS
     if args.measure:
         failed = measure(configs, cache, args.iters, args.warmup, args.trials)
         if failed:
             print(f"gradhub bench validate: {failed} run(s) failed", file=sys.stderr)
-    costs = Costs.load(args.costs)
     if args.plots:
         from .plots import write
 
         for path in write(Path(args.plots), costs):
             print(f"wrote {path}")
-    rows, md = table(configs, cache, costs, args.cores or os.cpu_count() or 1)
+    rows, md = table(configs, cache, costs, args.cores or costs.machine_cores)
     if not rows:
         print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
         return 1
@@ -172,7 +180,12 @@ def add_arguments(p) -> None:
                    help="interleaved trials per run, the median counts (default 1; 3 on a machine others load)")
     p.add_argument("--costs", help="calibration file (default ~/.config/gradhub/costs.json, else built-in)")
     p.add_argument("--cores", type=int, default=0,
-                   help="cores the emulated hosts share (default: this machine's)")
-    p.add_argument("--json", help="write the table's rows to this JSON file")
+                   help="cores the emulated hosts share (default: the calibrated machine's, `machine_cores` in "
+                        "the calibration file)")
+    p.add_argument("--json", help="write the table's rows (with --plan-check: the check's results) to this JSON file")
+    p.add_argument("--plan-check", action="store_true",
+                   help="instead of the table: check `gradhub plan` against exhaustive emulation on two small cases "
+                        "(every candidate plan ranks is measured; its first choice must be the fastest measured; "
+                        "root, about a minute here; hold /work/bench.lock or equivalent while others measure)")
     p.add_argument("--plots", metavar="DIR", help="also draw the scaling plots (8-256 GPUs) into DIR "
                                                   "(docs/bench/plan)")
