@@ -7,7 +7,9 @@ tensors, so wait-free backprop, priorities and forward overlap face the real
 timing structure. Systems:
   gradhub  gradhub.torch.DistributedOptimizer (options from the environment)
   ddp      torch DistributedDataParallel over gloo (bucket cap scaled like the model)
-  none     no synchronization: the compute-only upper bound
+  none     no synchronization: the compute-only upper bound, measured with
+           every worker computing at once (they start the timed iterations
+           together), so on a shared machine it is what the machine allows
 
 Scale equivalence: every byte count is divided by `scale` (parameters, DDP
 buckets, gradhub partitions), so a run at rate R behaves like the full model
@@ -124,6 +126,33 @@ class EmulatedModel(nn.Module):
         return x.sum() + (1e-3 * h.sum() if h is not None else 0)
 
 
+class _StartTogether:
+    """The no-sync run's workers meet (a TCPStore at the DDP address) at the
+    start of the timed iterations and again at the end, so the bound is
+    measured with all of them computing at once, not one after another."""
+
+    def __init__(self, cfg: dict, rank: int, world: int):
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port = cfg["ddp_addr"].rsplit(":", 1)
+        self.world, self.rank = world, rank
+        self.store = dist.TCPStore(host, int(port), world, rank == 0, timeout=datetime.timedelta(seconds=120))
+
+    def meet(self, key: str, everyone: bool = True) -> None:
+        """Wait until every worker is here (everyone=False: only worker 0
+        waits, the one holding the store)."""
+        self.store.add(key, 1)
+        if not everyone and self.rank != 0:
+            return
+        deadline = time.monotonic() + 120
+        while int(self.store.add(key, 0)) < self.world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no-sync run: not every worker reached '{key}' within 120 s")
+            time.sleep(0.0005)
+
+
 def param_error(model: nn.Module, steps: int) -> float:
     """Largest relative deviation of any emulated layer's parameter from what
     `steps` SGD steps on the averaged gradient give. Every worker's gradient
@@ -168,6 +197,7 @@ def main():
         model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     elif system != "none":
         raise ValueError(f"unknown system {system!r}")
+    together = _StartTogether(cfg, rank, world) if system == "none" and world > 1 else None
     if rank == world - 1:
         CLOCK.slowdown = float(cfg.get("straggler", 1.0))
     x = torch.ones(1, requires_grad=True)
@@ -190,6 +220,8 @@ def main():
         tuning += 1
     for i in range(warmup + iters + extra):
         if i == warmup:
+            if together is not None:
+                together.meet("timed")
             net0 = link_counters(dev)
             t_start = time.time()
         if i == warmup + iters:
@@ -201,6 +233,8 @@ def main():
         times.append(time.perf_counter() - t0)
     if system == "gradhub" and hasattr(opt, "finish"):
         opt.finish()
+    if together is not None:
+        together.meet("done", everyone=False)  # worker 0 holds the store: it leaves last
     if not extra:
         t_end = time.time()
     steps = len(times) + tuning
