@@ -136,8 +136,11 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
     if reason:
         pytest.skip(reason)
     out = tmp_path / "res.jsonl"
+    # FC-faithful: the FC head is real nn.Linear layers, exchanged as
+    # sufficient factors by default; their parameters after training are
+    # compared with DDP's, and every run is put beside the no-sync one.
     argv = [sys.executable, "-m", "gradhub", "bench", "train", "--model", "alexnet", "--workers", "2",
-            "--scale", "64", "--iters", "3", "--warmup", "1", "--rate", "1gbit", "--json", str(out)]
+            "--scale", "64", "--iters", "3", "--warmup", "1", "--rate", "1gbit", "--fc-faithful", "--json", str(out)]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=job_env())
     assert p.returncode == 0, p.stdout + p.stderr
     rows = [json.loads(l) for l in out.read_text().splitlines()]
@@ -145,6 +148,11 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
     for r in rows:
         assert r["samples_per_s"] > 0 and 0 < r["scaling_efficiency"] <= 1.2
         assert r["busy_cores"] is None or 0 <= r["busy_cores"] <= 2.5
+    none, ddp, gh = rows
+    assert gh["sfb_layers"] == 3, gh
+    assert gh["fc_param_diff"] < 1e-5, gh["fc_param_diff"]  # the average of the same gradients as DDP's
+    assert gh["vs_none"] == pytest.approx(gh["samples_per_s"] / none["samples_per_s"])
+    assert "of the no-sync run" in p.stdout and "from DDP's" in p.stdout
     # Nothing is left behind.
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ghb" not in left

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 
 from .._env import DEFAULT_FUSION_THRESHOLD
 from . import netns, profiles
@@ -290,6 +292,24 @@ def gradhub_host_bytes(layout: Layout, model_bytes: float, host_reduce: bool) ->
                            colocated=layout.colocated)
 
 
+def _compare_with_ddp(runs: list[tuple[str, dict]]) -> None:
+    """FC-faithful runs of one trial: each system's real FC parameters after
+    training against DDP's (`fc_param_diff`, the largest difference relative
+    to the tensor's largest value)."""
+    import torch
+
+    ref = next((r["dump"] for label, r in runs if label == "ddp" and r.get("dump")), None)
+    if ref is None or not os.path.exists(ref):
+        return
+    want = torch.load(ref)
+    for label, r in runs:
+        if label == "ddp" or not r.get("dump") or not os.path.exists(r["dump"]):
+            continue
+        got = torch.load(r["dump"])
+        r["fc_param_diff"] = max(float((got[n] - w).abs().max() / w.abs().max().clamp_min(1e-30))
+                                 for n, w in want.items())
+
+
 def cmd_train(args) -> int:
     layout = _layout(args)
     prof = profiles.get(args.model)
@@ -324,24 +344,35 @@ def cmd_train(args) -> int:
         print(f"gradhub bench: {e}", file=sys.stderr)
         return 2
     trials: dict[str, list[dict]] = {label: [] for label, _, _ in runs}
+    dumps = tempfile.TemporaryDirectory(prefix="gradhub-bench-fc-") if args.fc_faithful else None
     for t in range(max(1, args.trials)):
         for label, system, v in runs:
             env = {**variant_env(v), **(user_env if system == "gradhub" else {})}
             # Fusion buckets scale with every other byte count (the same tensors are fused).
             if not args.unscaled:
                 env.setdefault("GRADHUB_FUSION_THRESHOLD", str(max(1024, int(DEFAULT_FUSION_THRESHOLD / args.scale))))
-            res = run_job(layout, args.rate, "gradhub.bench.emulate", cfg, system, env=env,
+            run_cfg = dict(cfg, dump=os.path.join(dumps.name, f"{t}-{label.replace('/', '_')}.pt")) \
+                if dumps is not None and system != "none" else cfg
+            res = run_job(layout, args.rate, "gradhub.bench.emulate", run_cfg, system, env=env,
                           partition_bytes=partition, core_rate=args.core_rate)
             res.pop("raw", None)
+            res["dump"] = run_cfg.get("dump")
             trials[label].append(res)
             if args.trials > 1:
                 print(f"  trial {t + 1}: {label:26s} {res['samples_per_s']:10.1f} samples/s, "
                       f"cores {res['busy_cores'] or float('nan'):.2f}", flush=True)
-    ddp = None
+        if dumps is not None:
+            _compare_with_ddp([(label, trials[label][-1]) for label, _, _ in runs])
+    if dumps is not None:
+        dumps.cleanup()
+    ddp = none = None
     for label, system, v in runs:
         res = _median_run(trials[label])
+        res.pop("dump", None)
         if system == "ddp":
             ddp = res["samples_per_s"]
+        elif system == "none":
+            none = res["samples_per_s"]
         M = res.get("model_bytes", 0)
         host_reduce = "nohost" not in v.split("+")
         theory = {"none": 0.0, "ddp": ring_host_link_bytes(layout.workers, W, M)}.get(
@@ -357,6 +388,10 @@ def cmd_train(args) -> int:
               + _core_lines(res, layout, system, M)
               + (f"\n  {res['sfb_layers']} layer(s) as sufficient factors; rebuilding their gradients took "
                  f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else "")
+              + (f"\n  {res['samples_per_s'] / none:.2f} of the no-sync run (every worker computing at once)"
+                 if none and system != "none" else "")
+              + (f"\n  FC layers' parameters after training: {res['fc_param_diff']:.1e} (relative) from DDP's"
+                 if res.get("fc_param_diff") is not None and system != "ddp" else "")
               + (f"\n  steps/s by worker: {', '.join(f'{s:.2f}' for s in res['worker_steps_per_s'])}"
                  if args.straggler != 1.0 and res.get("worker_steps_per_s") else "")
               + (f"\n  autotune: {res['autotune']['trials']} trials in {res['autotune']['steps']} untimed steps chose "
@@ -369,7 +404,8 @@ def cmd_train(args) -> int:
         res.update(kind="train", label=label, model=args.model, scale=args.scale, variant=v,
                    host_reduce=host_reduce, host_bytes_theory=theory, server_bytes_theory=s_theory,
                    workers_per_host=W,
-                   vs_ddp=res["samples_per_s"] / ddp if ddp and system == "gradhub" else None)
+                   vs_ddp=res["samples_per_s"] / ddp if ddp and system == "gradhub" else None,
+                   vs_none=res["samples_per_s"] / none if none and system != "none" else None)
         _emit(args, res)
     return 0
 

@@ -24,7 +24,9 @@ still slept); a sufficient-factor exchange moves real factors and rebuilds
 real gradients, whose CPU time is reported (`sfb_rebuild_s`, per iteration).
 
 Config (JSON in GH_BENCH): model, scale, unscaled (DDP's buckets at their
-default size), iters, warmup, system, rank, world, ddp_addr, and optionally host, local_rank, local_size, netdev (the host's
+default size), iters, warmup, system, rank, world, ddp_addr, and optionally
+dump (a path: worker 0 saves the real FC layers' parameters there at the
+end), host, local_rank, local_size, netdev (the host's
 shaped interface, whose byte counters are read at the start of the first
 timed iteration and of one extra, untimed one). Prints one line
 `RESULT {json}`.
@@ -94,7 +96,7 @@ class SleepLayer(nn.Module):
 
 
 class EmulatedModel(nn.Module):
-    def __init__(self, profile, scale: float, fc: bool = False):
+    def __init__(self, profile, scale: float, fc: bool = False, rank: int = 0):
         super().__init__()
         times = profile.compute_times()
         root = math.sqrt(scale)
@@ -108,9 +110,12 @@ class EmulatedModel(nn.Module):
             else:
                 layers.append(SleepLayer([math.ceil(n / scale) for n in layer.params], f, b))
         self.layers = nn.ModuleList(layers)
-        # Fixed inputs of a run of FC layers, scaled by the chain's value.
-        self.feats = nn.ParameterDict({str(i): nn.Parameter(torch.randn(self.rows, fin) * 0.1, requires_grad=False)
-                                       for i, fin in self.inputs.items()})
+        # Fixed inputs of a run of FC layers, scaled by the chain's value:
+        # each worker its own (seeded by rank, outside the state dict, which
+        # the systems broadcast from worker 0), so the FC gradients differ
+        # between workers and their average is a real one.
+        g = torch.Generator().manual_seed(1000 + rank)
+        self.feats = {str(i): torch.randn(self.rows, fin, generator=g) * 0.1 for i, fin in self.inputs.items()}
 
     def forward(self, x):
         h = None
@@ -176,9 +181,10 @@ def main():
     torch.set_num_threads(1)
     profile = get_profile(cfg["model"])
     scale = float(cfg.get("scale", 1))
-    model = EmulatedModel(profile, scale, bool(cfg.get("fc")))
     system = cfg["system"]
     rank, world = cfg.get("rank", 0), cfg.get("world", 1)
+    torch.manual_seed(0)  # the same initial FC weights in every run (`dump` compares systems)
+    model = EmulatedModel(profile, scale, bool(cfg.get("fc")), rank)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     if system == "gradhub":
         import gradhub.torch as hvd
@@ -268,6 +274,11 @@ def main():
     # changes: their parameters are not the reference's.)
     if os.environ.get("GRADHUB_ASYNC") != "1":
         res["param_error"] = param_error(model, steps)
+    if cfg.get("dump") and rank == 0:
+        # The real FC layers' parameters after training: the bench compares
+        # every system's with DDP's (the average of the same gradients).
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()
+                    if isinstance(model.get_submodule(n.rsplit(".", 1)[0]), nn.Linear)}, cfg["dump"])
     print("RESULT " + json.dumps(res), flush=True)
     if system == "gradhub":
         hvd.shutdown()
