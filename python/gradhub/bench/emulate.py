@@ -277,8 +277,9 @@ def main():
     if cfg.get("dump") and rank == 0:
         # The real FC layers' parameters after training: the bench compares
         # every system's with DDP's (the average of the same gradients).
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()
-                    if isinstance(model.get_submodule(n.rsplit(".", 1)[0]), nn.Linear)}, cfg["dump"])
+        net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        torch.save({n: p.detach().clone() for n, p in net.named_parameters()
+                    if isinstance(net.get_submodule(n.rsplit(".", 1)[0]), nn.Linear)}, cfg["dump"])
     print("RESULT " + json.dumps(res), flush=True)
     if system == "gradhub":
         hvd.shutdown()
