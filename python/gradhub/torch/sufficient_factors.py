@@ -51,9 +51,7 @@ below the rule takes factors again from the next step.
 
 from __future__ import annotations
 
-import queue
 import sys
-import threading
 import time
 import warnings
 
@@ -105,44 +103,6 @@ class _Layer:
         self.xs, self.gs, self.skips, self.local, self.prev, self.pass_start = [], [], [], False, None, 0
 
 
-class _Rebuilder:
-    """One thread that multiplies the factors of a round as soon as it is
-    done (a core thread's callback must stay quick): the rebuild overlaps the
-    rest of backward instead of following it. Its queue holds at most one
-    item per layer with factors and step (each step's rounds are waited for
-    before the next step's start)."""
-
-    def __init__(self):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
-                                            name="gradhub-sfb-rebuild", daemon=True)
-            self._thread.start()
-        self._queue.put(fn)
-
-    def _run(self, threads: int) -> None:
-        # OpenMP's thread count is per thread: a new one would multiply with
-        # every core, summing in another order than the main thread (which
-        # would make the workers' gradients differ in their last bits).
-        torch.set_num_threads(threads)
-        while True:
-            fn = self._queue.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - the wait multiplies again, and raises what it finds
-                pass
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread = None
-
-
 class SufficientFactors:
     """A DistributedOptimizer's sufficient factors (see the module's doc)."""
 
@@ -169,7 +129,6 @@ class SufficientFactors:
         self.module_hooks: list = []
         self.skipping: dict[int, torch.Tensor] = {}  # weights whose requires_grad is off during their call
         self.skipped_calls = 0  # calls whose weight gradient autograd left to the factors
-        self._rebuilder = _Rebuilder()
 
     def remove(self) -> None:
         if self.hook is not None:
@@ -181,7 +140,6 @@ class SufficientFactors:
         for w in self.skipping.values():
             w.requires_grad_(True)
         self.skipping.clear()
-        self._rebuilder.stop()
 
     def exchanges(self, p) -> bool:
         """Whether p's factors travel instead of its gradient this step."""
@@ -290,93 +248,53 @@ class SufficientFactors:
             buf[rank * slot + 1:rank * slot + 1 + rows * (m + n)] = factors.reshape(-1)
         h = ps._push_pull_async(buf, name, False, priority, live=(rank * slot, (rank + 1) * slot))
         divisor = ps.size() if opt._gh_op is Average else 1
-        # Nothing writes p.grad until the wait (autograd left the weight out,
-        # or its last pass is over): what the average is added to is known now.
-        base = prev if local else p.grad
-        product: list = [None]
-        lock = threading.Lock()  # the rebuild thread's multiply, or the wait's: whichever comes first
-
-        def multiply(fast: bool = True) -> bool:
-            """The average's product (or, when it can go straight into
-            .grad, the sum itself): False when the slots say a worker joined
-            or overflowed (the wait handles those)."""
-            heads = buf.view(size, slot)[:, 0]
-            if fast and bool((heads <= 0).any()):
-                return False
-            f = buf.view(size, slot)[:, 1:].reshape(size * cap, m + n)  # rows past a worker's count are zeros
-            product[0] = self._multiply(p, layer, f, m, divisor, base, wide)
-            return True
-
-        def early(_handle) -> None:
-            # CPU weights: multiplied as soon as the round is done, on the
-            # rebuild thread, while backward goes on (CUDA: at the wait).
-            def run():
-                with lock:
-                    if product[0] is None:
-                        multiply()
-            self._rebuilder.submit(run)
-
-        if p.device.type == "cpu":
-            h.add_done_callback(early)
 
         def rebuild():
-            heads = buf.view(size, slot)[:, 0]
+            slots = buf.view(size, slot)
+            heads = slots[:, 0]
             _agree.check_none_joined(heads.ne(0), "sufficient factors of", opt._gh_names[id(p)], ps._members())
-            with lock:
-                if bool((heads < 0).any()):
-                    # A worker had more rows than the slot holds: every worker
-                    # gathers this step's factors in full, and the slots grow.
-                    f, counts = _allgather_impl(factors, _derive(name, ".grow"), ps, priority)
-                    self.capacity[id(p)] = max(counts)
-                    if ps.rank() == 0 and _env.get("GRADHUB_LOG") in ("debug", "trace"):
-                        print(f"[gradhub worker] sufficient factors: '{opt._gh_names[id(p)]}' gathered in full "
-                              f"this step; its slots grow from {cap} to {max(counts)} rows a worker",
-                              file=sys.stderr, flush=True)
-                    total = sum(counts)
-                    product[0] = self._multiply(p, layer, f, m, divisor, base, wide)
-                else:
-                    total = int(heads.sum()) - size
-                    if product[0] is None:
-                        multiply(fast=False)
+            if bool((heads < 0).any()):
+                # A worker had more rows than the slot holds: every worker
+                # gathers this step's factors in full, and the slots grow.
+                f, counts = _allgather_impl(factors, _derive(name, ".grow"), ps, priority)
+                self.capacity[id(p)] = max(counts)
+                if ps.rank() == 0 and _env.get("GRADHUB_LOG") in ("debug", "trace"):
+                    print(f"[gradhub worker] sufficient factors: '{opt._gh_names[id(p)]}' gathered in full this "
+                          f"step; its slots grow from {cap} to {max(counts)} rows a worker", file=sys.stderr,
+                          flush=True)
+                total = sum(counts)
+            else:
+                f = slots[:, 1:].reshape(size * cap, m + n)  # rows past a worker's count are zeros
+                total = int(heads.sum()) - size
             self._recheck(p, total, m, n)
-            self._attach(p, product[0], base, local)
+            t0 = time.perf_counter()
+            self._rebuild(p, layer, f, m, divisor, local, prev)
+            self.rebuild_seconds += time.perf_counter() - t0
             return p.grad
 
         return Handle(h, rebuild, name)
 
-    def _multiply(self, p, layer: _Layer, f: torch.Tensor, m: int, divisor: int, base, wide) -> torch.Tensor:
-        """Every worker's factors times each other (divided for an average):
-        into a buffer kept across steps when .grad is None, into .grad itself
-        when it is the base, else a new tensor."""
-        t0 = time.perf_counter()
-        f = f.to(p.device)
+    @staticmethod
+    def _rebuild(p, layer: _Layer, f: torch.Tensor, m: int, divisor: int, local: bool, prev) -> None:
+        """p.grad = (.grad before the step) + the sum of every worker's
+        factors (divided for an average), with one matmul into place."""
         g, x = f[:, :m], f[:, m:]
         if divisor != 1:
             g = g / divisor  # rows x m: cheaper than dividing the m x n product
         g = g.t()
-        if base is None and p.dtype == wide:
-            if layer.out is None or layer.out.shape != (m, x.shape[1]) or layer.out.device != p.device:
-                layer.out = torch.empty(m, x.shape[1], dtype=wide, device=p.device)
-            out = torch.mm(g, x, out=layer.out)
-        elif base is not None and base is p.grad and p.grad.dtype == wide:
-            out = p.grad.addmm_(g, x)  # accumulated in place, as autograd would
-        else:
-            out = torch.mm(g, x)
-        self.rebuild_seconds += time.perf_counter() - t0
-        return out
-
-    @staticmethod
-    def _attach(p, product: torch.Tensor, base, local: bool) -> None:
-        """p.grad = (.grad before the step) + the average."""
-        if product is p.grad:
-            return
+        # A call let autograd add the local gradient: start again from prev.
+        base = prev if local else p.grad
         if base is None:
-            p.grad = product if product.dtype == p.dtype else product.to(p.dtype)
-        elif local:
-            # A call let autograd add its local gradient: from the base again.
-            p.grad.copy_(base.to(product.dtype).add_(product))
+            if p.dtype != f.dtype:
+                p.grad = torch.mm(g, x).to(p.dtype)
+                return
+            if layer.out is None or layer.out.shape != (m, x.shape[1]):
+                layer.out = torch.empty(m, x.shape[1], dtype=f.dtype)
+            p.grad = torch.mm(g, x, out=layer.out)
+        elif base is p.grad and p.grad.dtype == f.dtype:
+            p.grad.addmm_(g, x)
         else:
-            p.grad.add_(product.to(p.grad.dtype))
+            p.grad.copy_(base.to(f.dtype).addmm(g, x))
 
     def _recheck(self, p, rows: int, m: int, n: int) -> None:
         """Every worker sees every worker's rows in each exchange: when the
