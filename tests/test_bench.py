@@ -107,6 +107,26 @@ def test_summarize_host_bytes_per_iteration():
     assert s["result_error"] == 0.0
 
 
+def test_fc_faithful_parameters_are_compared_with_ddps(tmp_path):
+    # Each system's dumped FC parameters against DDP's of the same trial:
+    # the largest difference relative to the tensor's largest value.
+    import torch
+
+    from gradhub.bench import cli
+
+    want = {"a.weight": torch.tensor([[1.0, -2.0], [4.0, 0.5]]), "a.bias": torch.tensor([0.25, -0.5])}
+    got = {"a.weight": want["a.weight"] + torch.tensor([[0.0, 0.0], [0.02, 0.0]]), "a.bias": want["a.bias"].clone()}
+    torch.save(want, tmp_path / "ddp.pt")
+    torch.save(got, tmp_path / "gh.pt")
+    torch.save(want, tmp_path / "same.pt")
+    runs = [("none", {"dump": None}), ("ddp", {"dump": str(tmp_path / "ddp.pt")}),
+            ("gradhub/priority", {"dump": str(tmp_path / "gh.pt")}), ("gradhub/nosfb", {"dump": str(tmp_path / "same.pt")})]
+    cli._compare_with_ddp(runs)
+    assert runs[2][1]["fc_param_diff"] == pytest.approx(0.02 / 4.0)
+    assert runs[3][1]["fc_param_diff"] == 0.0
+    assert "fc_param_diff" not in runs[0][1] and "fc_param_diff" not in runs[1][1]
+
+
 def test_summarize_aggregates_workers():
     rs = [
         {"iter_times": [0.1, 0.1, 0.1], "batch": 32, "compute_per_iter": 0.08},
