@@ -139,13 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--scale", type=float, default=16, help="divide every byte count by this (default 16)")
     t.add_argument("--iters", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
-    t.add_argument("--systems", default="none,ddp,gradhub", help="comma list of none, ddp, gradhub")
+    t.add_argument("--systems", default="none,ddp,gradhub",
+                   help="comma list of none (no synchronization, every worker computing at once: the bound each "
+                        "other run is put beside), ddp, gradhub")
     t.add_argument("--unscaled", action="store_true",
                    help="leave the chunk size, fusion buckets and DDP's buckets at the defaults a user gets (roles at "
                         "defaults, as started by hand) instead of dividing them by --scale with every other byte count")
     t.add_argument("--fc-faithful", action="store_true",
-                   help="the profile's fully-connected layers are real nn.Linear modules (scaled width), so "
-                        "sufficient factors (variants sfb/nosfb; auto by default) move real factors")
+                   help="the profile's fully-connected layers are real nn.Linear modules (scaled width; each "
+                        "worker its own inputs), so sufficient factors (variants sfb/nosfb; auto by default) move "
+                        "real factors; their parameters after training are compared with DDP's")
     t.add_argument("--straggler", type=float, default=1.0, metavar="F",
                    help="the last worker computes F times slower (e.g. 3): the case the asynchronous mode "
                         "(variants async, stale2) exists for; each worker's steps/s are printed")
