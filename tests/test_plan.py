@@ -20,7 +20,7 @@ from gradhub.plan.sim import simulate_gradhub
 
 # Free CPU, every byte a payload byte: what the closed forms assume.
 IDEAL = Costs(sum_Bps=1e18, chunk_cpu_s=0.0, tcp_cpu_per_byte=0.0, mem_Bps=1e18, step_Bps=1e18, op_cpu_s=0.0,
-              wire_efficiency=1.0)
+              wire_efficiency=1.0, path_cpu_per_byte=0.0, path_cpu_per_msg_s=0.0)
 MB = 1_000_000
 
 

@@ -44,8 +44,8 @@ class Costs:
     # message crossing between emulated hosts, beyond loopback TCP's. Only
     # the shared-cores pool charges it: a real cluster's NICs do not take it
     # from the hosts' cores that way.
-    path_cpu_per_byte: float = 0.0
-    path_cpu_per_msg_s: float = 0.0
+    path_cpu_per_byte: float = 9.43e-10  # CPU seconds per byte crossing between emulated hosts
+    path_cpu_per_msg_s: float = 6.7e-06  # CPU per message crossing between emulated hosts
     # Cores of the machine calibrated: what the emulated cluster's hosts all
     # share there (`gradhub bench validate`, `--shared-cores`).
     machine_cores: int = 2
