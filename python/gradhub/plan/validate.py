@@ -3,7 +3,9 @@
 Owns the validation set (models x rates x k x worker hosts), running the
 missing measurements with `gradhub bench train` (one JSON record per run,
 cached as JSON lines so a table can be re-printed without re-measuring), and
-the predicted-vs-measured table. DDP does not use CPU-only servers, so it is
+the predicted-vs-measured table, and beside it the machine's CPU per
+iteration against the model's (so the CPU model is checked, not only the
+throughput it yields). DDP does not use CPU-only servers, so it is
 measured once per (model, rate, workers) and shared by every k.
 """
 
