@@ -20,7 +20,7 @@ from gradhub.plan.sim import simulate_gradhub
 
 # Free CPU, every byte a payload byte: what the closed forms assume.
 IDEAL = Costs(sum_Bps=1e18, chunk_cpu_s=0.0, tcp_cpu_per_byte=0.0, mem_Bps=1e18, step_Bps=1e18, op_cpu_s=0.0,
-              wire_efficiency=1.0)
+              wire_efficiency=1.0, path_cpu_per_byte=0.0, path_cpu_per_msg_s=0.0)
 MB = 1_000_000
 
 
@@ -141,7 +141,7 @@ def test_help_texts():
     for args, words in [(("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json"]),
                         (("plan",), ["--cpu-available", "--gpu-price", "--apply"]),
                         (("bench", "validate"), ["--measure", "--cache", "--plots", "--plan-check"]),
-                        (("bench", "calibrate"), ["--out", "--quick"])]:
+                        (("bench", "calibrate"), ["--out", "--quick", "--emulated"])]:
         out = _cli(*args, "--help")
         for w in words:
             assert w in out, (args, w)
@@ -196,3 +196,52 @@ def test_shared_cores_stretch_backward_by_the_workers_python():
     busy = simulate_gradhub(prof, replace(fast, shared_cores=cores), o,
                             replace(costs, chunk_cpu_s=2e-4)).iter_s
     assert busy > shared
+
+
+@pytest.mark.parametrize("n,k", [(4, 0), (4, 4), (2, 0), (3, 3)])
+def test_emulated_path_cpu_is_crossing_bytes_times_its_cost_on_the_shared_cores(n, k):
+    """The emulated network path's CPU (`gradhub bench calibrate --emulated`)
+    is charged per byte and per message crossing between emulated hosts. A
+    push_pull of M bytes crosses 2(n-1)M when colocated servers own every
+    chunk (a host's own share goes through loopback) and 2nM when CPU-only
+    servers own all of it (k = n: the colocated weight n - k is 0); each
+    chunk crosses as 2(n-1) or 2n messages. With everything else free, that
+    is the machine's CPU per iteration, and on C cores with a free network
+    the iteration takes it / C; on a real cluster (no shared cores) it is
+    not charged."""
+    M, part, C = 8 * MB, 64 * 1024, 2
+    per_byte, per_msg = 2e-9, 5e-6
+    crossings = 2 * (n - 1) if k == 0 else 2 * n
+    chunks = -(-M // part)
+    want = per_byte * crossings * M + per_msg * crossings * chunks
+    costs = replace(IDEAL, path_cpu_per_byte=per_byte, path_cpu_per_msg_s=per_msg)
+    fast = Cluster(n, 1, k, True, 1e15, latency_s=0.0)
+    o = Options(partition_bytes=part)
+    r = simulate_gradhub(push_pull_only(M), replace(fast, shared_cores=C), o, costs)
+    assert r.machine_cpu_s == pytest.approx(want, rel=1e-9)
+    assert r.iter_s == pytest.approx(want / C, rel=0.02)
+    real = simulate_gradhub(push_pull_only(M), fast, o, costs)
+    assert real.machine_cpu_s == 0 and real.iter_s < r.iter_s / 100
+
+
+def test_emulated_path_cpu_in_the_ring():
+    """DDP's ring on the emulated cluster: each of n processes sends 2(n-1)/n
+    of a bucket in 2(n-1) messages; the path's CPU for them shares C cores."""
+    n, S, C, per_byte, per_msg = 4, 10 * MB, 2, 2e-9, 5e-6
+    c = Cluster(n, 1, 0, False, 1e9, latency_s=0.0, shared_cores=C)
+    _, cpu, _ = ring_time(c, S, replace(IDEAL, path_cpu_per_byte=per_byte, path_cpu_per_msg_s=per_msg))
+    assert cpu == pytest.approx((per_byte * 2 * (n - 1) / n * S + per_msg * 2 * (n - 1)) * n / C, rel=1e-6)
+    _, free, _ = ring_time(replace(c, shared_cores=0), S, replace(IDEAL, path_cpu_per_byte=per_byte))
+    assert free < 1e-6
+
+
+def test_emulated_path_fit_recovers_per_message_and_per_byte():
+    """`gradhub bench calibrate --emulated` fits CPU = messages x per message
+    + bytes x per byte from echo runs at two sizes (each message crosses the
+    path twice: there and back)."""
+    from gradhub.plan.netcal import SIZES, _fit
+
+    per_msg, per_byte, msgs = 7e-6, 1.5e-9, 1000
+    points = {s: (2 * msgs * (per_msg + s * per_byte), msgs) for s in SIZES}
+    got = _fit(points)
+    assert got[0] == pytest.approx(per_msg, rel=1e-9) and got[1] == pytest.approx(per_byte, rel=1e-9)

@@ -39,10 +39,23 @@ class Costs:
     sleep_overshoot_s: float = 7.62e-05  # how much later than asked time.sleep returns
     layer_cpu_s: float = 2.24e-05       # Python and autograd per emulated layer, forward + backward
     wire_efficiency: float = 1448 / 1514
+    # The emulated network path (veth, bridge, tc, the other host's stack;
+    # `gradhub bench calibrate --emulated`, netcal.py): CPU per byte and per
+    # message crossing between emulated hosts, beyond loopback TCP's. Only
+    # the shared-cores pool charges it: a real cluster's NICs do not take it
+    # from the hosts' cores that way.
+    path_cpu_per_byte: float = 9.43e-10  # CPU seconds per byte crossing between emulated hosts
+    path_cpu_per_msg_s: float = 6.7e-06  # CPU per message crossing between emulated hosts
     # Cores of the machine calibrated: what the emulated cluster's hosts all
     # share there (`gradhub bench validate`, `--shared-cores`).
     machine_cores: int = 2
     source: str = "built-in (docs/bench/plan/calibration.json)"
+
+    def path_cpu(self, crossing_bytes: float, messages: float) -> float:
+        """CPU seconds the emulated network path costs beyond loopback TCP
+        for these bytes and messages between emulated hosts (the simulators
+        charge it on the shared cores only)."""
+        return crossing_bytes * self.path_cpu_per_byte + messages * self.path_cpu_per_msg_s
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +182,8 @@ def _ops(tensors: int, steps: int) -> float:
 
 
 def calibrate(quick: bool = False) -> Costs:
+    """This machine's costs from the microbenchmarks (the emulated path's
+    come from `netcal.measure`, which needs root)."""
     mb = 16 << 20 if quick else 64 << 20
     sum_Bps, mem_Bps = _memory(mb)
     step_Bps = _step(mb)
@@ -186,4 +201,5 @@ def describe(c: Costs) -> str:
             f"TCP {c.tcp_cpu_per_byte * 1e9:.3f} ns CPU per byte, memory {c.mem_Bps / 1e9:.2f} GB/s, "
             f"local step {c.step_Bps / 1e9:.2f} GB/s of parameters, {c.op_cpu_s * 1e6:.0f} us worker CPU per "
             f"push_pull, sleep {c.sleep_overshoot_s * 1e6:.0f} us late, {c.layer_cpu_s * 1e6:.0f} us CPU per emulated "
-            f"layer, wire efficiency {c.wire_efficiency:.3f}, {c.machine_cores} cores")
+            f"layer, wire efficiency {c.wire_efficiency:.3f}, {c.machine_cores} cores, emulated network path "
+            f"{c.path_cpu_per_byte * 1e9:.3f} ns per byte and {c.path_cpu_per_msg_s * 1e6:.1f} us per message")

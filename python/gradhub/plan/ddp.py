@@ -52,6 +52,8 @@ def ring_time(c: Cluster, nbytes: float, costs: Costs) -> tuple[float, float, fl
         net = max(net, per_link / ((c.core_bps or c.rate_bps) * costs.wire_efficiency / 8))
     # Each process sends and receives 2(N-1)/N of the bucket and sums (N-1)/N of it.
     cpu_one = costs.tcp_cpu_per_byte * per_link + (n - 1) / n * nbytes / costs.sum_Bps
+    if c.shared_cores:   # the emulated path between hosts: one message per ring step sent
+        cpu_one += costs.path_cpu(per_link, 2 * (n - 1)) if c.hosts > 1 else 0.0
     cpu = cpu_one * n / c.shared_cores if c.shared_cores else cpu_one
     return net, cpu, 2 * (n - 1) * c.latency_s
 

@@ -49,6 +49,7 @@ class Result:
     events: int = 0
     wall_s: float = 0.0
     detail: str = ""
+    machine_cpu_s: float = 0.0       # with shared cores: the machine's core-seconds per iteration the model charges
 
 
 @dataclass
@@ -221,10 +222,12 @@ class GradhubSim:
         # CPU: per chunk (worker + server) and per TCP byte (both ends).
         if self.cores:
             hosts_owning = H if kind == "gpu" else c.cpu_servers
-            wire = H * push_up + hosts_owning * own_up + H * loop * 2
-            send = (self.n_push * k.chunk_cpu_s / 2 + k.tcp_cpu_per_byte * wire / 2) / self.cores
+            crossing = H * push_up + hosts_owning * own_up   # between emulated hosts (the rest is loopback)
+            wire = crossing + H * loop * 2
+            path = k.path_cpu(crossing, crossing / b)
+            send = (self.n_push * k.chunk_cpu_s / 2 + k.tcp_cpu_per_byte * wire / 2 + path / 2) / self.cores
             srv = (self.n_push * k.chunk_cpu_s / 2 + hosts_owning * summed / k.sum_Bps
-                   + k.tcp_cpu_per_byte * wire / 2) / self.cores
+                   + k.tcp_cpu_per_byte * wire / 2 + path / 2) / self.cores
             if c.workers_per_host > 1 and self.o.host_reduce:
                 send += 2 * c.workers * b / k.mem_Bps / self.cores   # contribute and copy out
             recv = 0.0
@@ -424,7 +427,8 @@ class GradhubSim:
         host_bytes = sum(self.costs(b, kind)[0] + (self.costs(b, kind)[2] if kind == "gpu" else 0)
                          for m in self.msgs for b, kind in m.chunks) * self.B
         return Result("gradhub", N * p.batch / iter_s, iter_s, neck, util, host_bytes, e.events,
-                      time.perf_counter() - t0, "two-level racks" if self.two else "")
+                      time.perf_counter() - t0, "two-level racks" if self.two else "",
+                      self.cpu.busy * self.cores / iters)
 
 
 def simulate_gradhub(profile: SimProfile, c: Cluster, opt: Options, costs: Costs) -> Result:

@@ -3,7 +3,9 @@
 Owns the validation set (models x rates x k x worker hosts), running the
 missing measurements with `gradhub bench train` (one JSON record per run,
 cached as JSON lines so a table can be re-printed without re-measuring), and
-the predicted-vs-measured table. DDP does not use CPU-only servers, so it is
+the predicted-vs-measured table, and beside it the machine's CPU per
+iteration against the model's (so the CPU model is checked, not only the
+throughput it yields). DDP does not use CPU-only servers, so it is
 measured once per (model, rate, workers) and shared by every k.
 """
 
@@ -95,10 +97,11 @@ def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2,
     return failed
 
 
-def predict(c: Config, costs, cores: int) -> tuple[float, float]:
+def predict(c: Config, costs, cores: int) -> tuple[float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
     as `gradhub bench train` runs it (every byte count / scale, this
-    machine's cores shared by every emulated host)."""
+    machine's cores shared by every emulated host), and the core-seconds
+    per gradhub iteration it charges the machine."""
     from .cluster import Cluster, Options, rate
     from .ddp import simulate_ddp
     from .profile import builtin, emulated
@@ -108,7 +111,7 @@ def predict(c: Config, costs, cores: int) -> tuple[float, float]:
     cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
     gh = simulate_gradhub(prof, cl, Options().scaled(c.scale), costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
-    return gh.samples_per_s, ddp.samples_per_s
+    return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s
 
 
 def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[dict], str]:
@@ -120,11 +123,14 @@ def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[d
         g, d = have.get(config_key(c, "gradhub")), have.get(config_key(c, "ddp"))
         if not g or not d:
             continue
-        pg, pd = predict(c, costs, cores)
+        pg, pd, cpu = predict(c, costs, cores)
         rows.append({"model": c.model, "workers": c.workers, "k": c.k, "rate": c.rate, "scale": c.scale,
                      "gradhub_measured": g["samples_per_s"], "gradhub_predicted": pg,
                      "ddp_measured": d["samples_per_s"], "ddp_predicted": pd,
-                     "gradhub_error": pg / g["samples_per_s"] - 1, "ddp_error": pd / d["samples_per_s"] - 1})
+                     "gradhub_error": pg / g["samples_per_s"] - 1, "ddp_error": pd / d["samples_per_s"] - 1,
+                     # The machine's busy cores x iteration time (the run's sampler, whole machine) beside
+                     # the core-seconds the model charges the shared cores per iteration.
+                     "cpu_measured_s": (g.get("busy_cores") or 0.0) * g["iter_time_mean"], "cpu_model_s": cpu})
     lines = ["| model | hosts | k | rate (x scale) | gradhub measured | predicted | error | DDP measured | predicted "
              "| error |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -132,6 +138,19 @@ def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[d
                      f"| {r['gradhub_measured']:.1f} | {r['gradhub_predicted']:.1f} | {r['gradhub_error']:+.1%} "
                      f"| {r['ddp_measured']:.1f} | {r['ddp_predicted']:.1f} | {r['ddp_error']:+.1%} |")
     return rows, "\n".join(lines)
+
+
+def cpu_table(rows: list[dict]) -> str:
+    """Markdown: the machine's measured CPU per gradhub iteration (busy
+    cores x iteration time) beside what the model charges the shared cores,
+    so the CPU model can be checked across k, not only its throughput."""
+    lines = ["| model | hosts | rate | k | measured core-ms / iteration | model | model / measured |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        m, p = r["cpu_measured_s"] * 1e3, r["cpu_model_s"] * 1e3
+        lines.append(f"| {r['model']} | {r['workers']} | {r['rate']} | {r['k']} | {m:.1f} | {p:.1f} "
+                     f"| {p / m if m else float('nan'):.2f} |")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -159,6 +178,7 @@ def run(args) -> int:
         print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
         return 1
     print(md)
+    print("\nCPU per gradhub iteration, the whole machine:\n" + cpu_table(rows))
     within = sum(abs(r["gradhub_error"]) <= 0.10 and abs(r["ddp_error"]) <= 0.10 for r in rows)
     print(f"\n{within} of {len(rows)} configurations within 10 % for both systems "
           f"(costs: {costs.source})")
