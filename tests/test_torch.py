@@ -89,6 +89,7 @@ def test_overlap_with_custom_autograd_functions_on_parameters_of_modules_never_c
 
 @pytest.mark.parametrize("model,opt,sfb,overlap,passes,double", [
     ("fc", "sgd", "force", True, 1, False), ("fc", "adamw", "force", False, 2, False),
+    ("fc-nobias", "sgd", "force", False, 2, False),
     ("mlp", "sgd", "auto", False, 1, False), ("mlp", "sgd", "auto", False, 1, True),
     ("cnn", "sgd", "force", False, 1, False)])
 def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap, passes, double):
@@ -96,10 +97,13 @@ def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap
     # the single-process parameters. fc: 3-D input, a layer called twice, a
     # frozen one, and a tied one that must fall back to the servers (said once).
     # double: a float64 model's factors stay float64 (to 1e-12, not float32's ~1e-8).
-    cfg = {"model": model, "opt": opt, "sfb": sfb, "overlap": overlap, "passes": passes, "steps": 10}
+    # fc-nobias: the first layer has no bias, so its weight's own gradient is
+    # computed by autograd (the input needs none) and replaced by the factors'.
+    cfg = {"model": model.removesuffix("-nobias"), "opt": opt, "sfb": sfb, "overlap": overlap, "passes": passes,
+           "steps": 10, "fc1_bias": not model.endswith("-nobias")}
     if double:
         cfg.update(double=True, param_tol=1e-12, loss_tol=1e-12)
-    if model == "fc":
+    if model.startswith("fc"):
         cfg["sfb_layers"] = ["fc1.weight", "shared.weight", "out.weight"]
     elif model == "mlp":
         # auto, 2 rows a worker: 8 x (64 + 20) < 64 x 20 and 8 x (32 + 64) < 32 x 64 go as factors,
@@ -110,7 +114,7 @@ def test_sufficient_factors_train_like_a_single_process(model, opt, sfb, overlap
     rc, out = run_launch(4, 2, "torch_train.py", cfg, env={"GRADHUB_LOG": "debug"})  # each layer's choice
     assert_all_passed(rc, out, 4)
     assert "goes back to the servers" not in out
-    if model == "fc":
+    if model.startswith("fc"):
         assert out.count("'tied.weight' goes through the servers") == 4, out[-3000:]
         assert f"sufficient factors: 'fc1.weight' (48 x 10, {64 * passes} rows over the workers): factors (forced)" in out
         assert out.count("sufficient factors (forced): fc1.weight") == 1, out[-3000:]  # said once, in words

@@ -6,6 +6,7 @@ outside their module's forward|funcs: custom autograd functions on parameters no
 fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor decay|nesterov|adamw),
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
+fc1_bias (bool, default true: the fc model's first layer has a bias),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile), autotune (bool: overlap left
 to GRADHUB_AUTOTUNE, and the tensors held at the end printed).
@@ -144,7 +145,9 @@ class FcNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.fc1 = nn.Linear(10, 48)
+        # Without a bias, fc1's output needs its weight's gradient (the input
+        # needs none): autograd computes it, and the factors replace it.
+        self.fc1 = nn.Linear(10, 48, bias=CONFIG.get("fc1_bias", True))
         self.shared = nn.Linear(48, 48)
         self.frozen = nn.Linear(48, 48)
         self.frozen.requires_grad_(False)
