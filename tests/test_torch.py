@@ -254,6 +254,14 @@ def test_join_with_uneven_data_matches_training_with_zeros_from_joined_workers(w
     assert_all_passed(rc, out, workers)
 
 
+def test_join_with_sufficient_factors():
+    # The optimizer's gradients take part in join with zeros, also those
+    # exchanged as factors: a joined worker's slot says no rows.
+    rc, out = run_launch(3, 2, "torch_join.py", env={"GRADHUB_SFB": "force"})
+    assert_all_passed(rc, out, 3)
+    assert "sufficient factors (forced): 0.weight, 2.weight" in out, out[-3000:]
+
+
 def test_join_without_the_host_stage():
     rc, out = run_launch(3, 1, "torch_join.py", env={"GRADHUB_HOST_REDUCE": "0"})
     assert_all_passed(rc, out, 3)

@@ -59,7 +59,6 @@ import torch
 
 from .. import _env
 
-from . import agreement as _agree
 from .ops import Average, Handle, _allgather_impl, _derive
 
 
@@ -226,7 +225,8 @@ class SufficientFactors:
     def start(self, p, priority: int) -> Handle:
         """The handle exchanging p's factors (p is `exchanges`): one round,
         each worker's rows in a slot of `capacity` rows headed by its count
-        plus one (0 is a worker in join(), which pushes zeros)."""
+        plus one (0: a worker in join(), which pushes zeros and so takes
+        part with no rows, as Horovod's joined workers give zero gradients)."""
         layer = self.layers[id(p)]
         m, n = layer.out_features, layer.in_features
         pairs = layer.pairs()
@@ -252,7 +252,6 @@ class SufficientFactors:
         def rebuild():
             slots = buf.view(size, slot)
             heads = slots[:, 0]
-            _agree.check_none_joined(heads.ne(0), "sufficient factors of", opt._gh_names[id(p)], ps._members())
             if bool((heads < 0).any()):
                 # A worker had more rows than the slot holds: every worker
                 # gathers this step's factors in full, and the slots grow.
@@ -265,7 +264,9 @@ class SufficientFactors:
                 total = sum(counts)
             else:
                 f = slots[:, 1:].reshape(size * cap, m + n)  # rows past a worker's count are zeros
-                total = int(heads.sum()) - size
+                # A worker in join() pushed zeros: a head of 0, no rows (its
+                # gradient is zeros, as any joined worker's).
+                total = int((heads - 1).clamp_min(0).sum())
             self._recheck(p, total, m, n)
             t0 = time.perf_counter()
             self._rebuild(p, layer, f, m, divisor, local, prev)
