@@ -238,6 +238,8 @@ pub static SETTINGS: &[Setting] = &[
         "`DistributedOptimizer(optimizer_on_server=True)`: the servers run SGD or AdamW on float32 parameters (docs/torch.md)"),
     setting!("GRADHUB_SCHEDULING", Choice(&["priority", "fifo"]), Value(|| "priority".into()), WORKER,
         "`DistributedOptimizer`: push the gradients the next forward pass needs first (`priority`), or in the order they are ready (`fifo`)"),
+    setting!("GRADHUB_EAGER_UPDATE", Flag, Value(|| flag(true)), WORKER,
+        "`DistributedOptimizer` (SGD, Adam, AdamW; synchronous schedule): `step()` updates each parameter as soon as its reduced gradient is in, while the others are still being summed, and returns when all are updated (docs/torch.md, \"Eager update\"); 0: one update after every gradient is in"),
     setting!("GRADHUB_SFB", Choice(&["auto", "off", "force"]), Value(|| "auto".into()), WORKER,
         "`DistributedOptimizer`: exchange `nn.Linear` weight gradients as Poseidon's sufficient factors where that moves fewer bytes (`auto`), wherever exact (`force`), or never (`off`); the same on every worker (docs/torch.md)"),
     setting!("GRADHUB_SHAPE_CHECK", Flag, Value(|| flag(true)), WORKER,

@@ -15,10 +15,20 @@ from conftest import assert_all_passed, free_port, run_launch
                          ids=["mlp-sgd-sync", "mlp-nesterov-overlap", "cnn-sgd-overlap", "cnn-nesterov-sync"])
 def test_training_matches_single_process(model, opt, overlap):
     # 4 workers on 4 disjoint shards == one process on the combined batch, within 1e-5 relative.
-    # With overlap, a StepLR schedule also checks that per-parameter updates follow LR changes.
-    cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 20, "sched": overlap}
+    # A StepLR schedule also checks that per-parameter updates (overlap, the eager update) follow LR changes.
+    cfg = {"model": model, "opt": opt, "overlap": overlap, "steps": 20, "sched": True}
+    if not overlap:
+        cfg["eager"] = True  # the default: each parameter updated as its gradient comes in
     rc, out = run_launch(4, 2, "torch_train.py", cfg, threads=1)
     assert_all_passed(rc, out, 4)
+
+
+@pytest.mark.parametrize("opt", ["nesterov", "adamw"])
+def test_training_with_one_update_after_every_gradient_matches_single_process(opt):
+    # GRADHUB_EAGER_UPDATE=0: step() waits for every gradient, then one update (with a StepLR schedule).
+    cfg = {"model": "cnn", "opt": opt, "steps": 12, "sched": True, "eager": False}
+    rc, out = run_launch(3, 2, "torch_train.py", cfg, threads=1, env={"GRADHUB_EAGER_UPDATE": "0"})
+    assert_all_passed(rc, out, 3)
 
 
 # Each fusion setting in both sync modes, and with SGD (1 pass) and AdamW with
@@ -541,3 +551,65 @@ def test_autotune_file_from_another_job_or_unreadable_is_tuned_again(tmp_path, c
     path.write_text("{not json")
     assert autotune.load(str(path), job, 256 << 10) is None
     assert "cannot use" in capsys.readouterr().err
+
+
+def test_eager_update_waits_for_each_operation_as_it_finishes():
+    # The synchronous schedule's eager update alone (optimizer._wait_each),
+    # against stand-in handles finished by another thread in a set order:
+    # `each` gets the parameters of every operation as it finishes (a
+    # fusion bucket's all at once), before the later ones are done; a
+    # failed operation raises from its wait().
+    import threading
+    import time
+
+    from gradhub.torch.optimizer import _wait_each
+
+    class Op:
+        def __init__(self, fail=False):
+            self.fail, self.finished, self.waited, self.cbs = fail, False, 0, []
+            self.lock = threading.Lock()
+
+        def add_done_callback(self, fn):
+            with self.lock:
+                if not self.finished:
+                    self.cbs.append(fn)
+                    return
+            fn(self)
+
+        def done(self):
+            return self.finished
+
+        def finish(self):
+            with self.lock:
+                self.finished = True
+                cbs, self.cbs = self.cbs, []
+            for fn in cbs:
+                fn(self)
+
+        def wait(self, timeout=None):
+            assert self.finished, "waited before it finished"
+            self.waited += 1
+            if self.fail:
+                raise RuntimeError("push_pull failed")
+
+    a, bucket, c = Op(), Op(), Op()
+    a.finish()  # done before the step
+    handles = {1: a, 2: bucket, 3: bucket, 4: c}
+    calls = []
+
+    def each(pids):  # each operation finishes only after the call for the one before
+        calls.append((sorted(pids), c.finished))
+        nxt = c if bucket.finished else bucket
+        if not nxt.finished:
+            threading.Timer(0.02, nxt.finish).start()
+
+    t0 = time.monotonic()
+    _wait_each(handles, each)
+    assert time.monotonic() - t0 < 5
+    assert calls == [([1], False), ([2, 3], False), ([4], True)]
+    assert (a.waited, bucket.waited, c.waited) == (1, 1, 1)
+
+    bad, late = Op(fail=True), Op()
+    threading.Timer(0.05, bad.finish).start()
+    with pytest.raises(RuntimeError, match="push_pull failed"):
+        _wait_each({1: bad, 2: late}, calls.append)

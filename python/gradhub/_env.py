@@ -428,6 +428,7 @@ class TorchOptions:
     overlap_forward: bool | str    # or "auto": off unless autotuning tries it
     optimizer_on_server: bool
     scheduling: str                # priority or fifo
+    eager_update: bool             # the synchronous step updates each parameter as its gradient comes in
     sfb: str                       # sufficient factors: auto, off or force
     fusion_threshold: int          # bytes of a fusion bucket (small gradients travel packed); 0: off
 
@@ -464,6 +465,7 @@ def torch_options() -> TorchOptions:
         else get("GRADHUB_OVERLAP_FORWARD"),
         optimizer_on_server=get("GRADHUB_OPTIMIZER_ON_SERVER"),
         scheduling=get("GRADHUB_SCHEDULING"),
+        eager_update=get("GRADHUB_EAGER_UPDATE"),
         sfb=get("GRADHUB_SFB"),
         fusion_threshold=get("GRADHUB_FUSION_THRESHOLD"),
     )

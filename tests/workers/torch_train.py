@@ -7,6 +7,7 @@ fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 fc1_bias (bool, default true: the fc model's first layer has a bias),
+eager (bool: assert that step() updated eagerly, GRADHUB_EAGER_UPDATE, in every step, or in none),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile), autotune (bool: overlap left
 to GRADHUB_AUTOTUNE, and the tensors held at the end printed).
@@ -296,6 +297,9 @@ if "sfb_layers" in CONFIG:
     assert chosen == sorted(CONFIG["sfb_layers"]), chosen
     # After the decision autograd leaves the chosen weights' own gradients to the factors.
     assert not chosen or steps < 2 or opt._gh_sfb.skipped_calls > 0, opt._gh_sfb.skipped_calls
+if "eager" in CONFIG:
+    # The synchronous step's eager update (GRADHUB_EAGER_UPDATE) ran, or not.
+    assert (opt._gh_mode.eager_steps == steps) == CONFIG["eager"], opt._gh_mode.eager_steps
 if overlap and opt_kind != "none":
     assert deferred == steps - 1, f"updates were applied in {deferred} of {steps - 1} forward passes"
 worst = 0.0

@@ -55,6 +55,9 @@ class _Clock:
         self.deadline = None
         # A straggler's compute takes this many times longer (`--straggler`).
         self.slowdown = 1.0
+        # Seconds the sleeps returned after their deadlines, summed: the
+        # emulation's own cost on a busy machine (reported per iteration).
+        self.late = 0.0
 
     def spend(self, seconds: float):
         seconds *= self.slowdown
@@ -65,6 +68,7 @@ class _Clock:
         ahead = self.deadline - now
         if ahead > 2e-4:
             time.sleep(ahead)
+            self.late += max(0.0, time.perf_counter() - self.deadline)
 
 
 CLOCK = _Clock()
@@ -207,7 +211,7 @@ def main():
     if rank == world - 1:
         CLOCK.slowdown = float(cfg.get("straggler", 1.0))
     x = torch.ones(1, requires_grad=True)
-    times = []
+    times, lates = [], []
     t_start = time.time()
     dev = cfg.get("netdev")
     warmup, iters = cfg.get("warmup", 3), cfg.get("iters", 10)
@@ -232,11 +236,12 @@ def main():
             t_start = time.time()
         if i == warmup + iters:
             net1, t_end = link_counters(dev), time.time()
-        t0 = time.perf_counter()
+        t0, late0 = time.perf_counter(), CLOCK.late
         opt.zero_grad()
         model(x).backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+        lates.append(CLOCK.late - late0)
     if system == "gradhub" and hasattr(opt, "finish"):
         opt.finish()
     if together is not None:
@@ -245,6 +250,7 @@ def main():
         t_end = time.time()
     steps = len(times) + tuning
     times = times[warmup:warmup + iters]
+    lates = lates[warmup:warmup + iters]
     res = {
         "rank": rank,
         "world": world,
@@ -254,6 +260,7 @@ def main():
         "batch": profile.batch,
         "compute_per_iter": profile.time_per_batch,
         "iter_times": times,
+        "sleep_late_s": sum(lates) / max(1, len(lates)),
         "t_start": t_start, "t_end": t_end,
         "host": cfg.get("host"), "local_rank": cfg.get("local_rank", 0), "local_size": cfg.get("local_size", 1),
         "params_scaled": sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -261,6 +268,9 @@ def main():
                                                    "GRADHUB_SCHEDULING", "GRADHUB_HOST_REDUCE", "GRADHUB_ASYNC")
                     if os.environ.get(k)},
     }
+    if system == "gradhub":
+        # Whether step() updated eagerly (GRADHUB_EAGER_UPDATE): the simulator predicts the run as it ran.
+        res["eager_update"] = getattr(getattr(opt, "_gh_mode", None), "eager_steps", 0) > 0
     if tuner is not None:
         res["autotune"] = {"steps": tuning, "trials": len(tuner.trials), "choice": tuner.best.describe(),
                            "gain": tuner.start_time / tuner.best_time if tuner.best_time else None}

@@ -44,6 +44,8 @@ VARIANTS = {
     # machine's own congestion control instead of cubic.
     "nospread": {"GRADHUB_SPREAD_BYTES": "0"},
     "syscc": {"GRADHUB_TCP_CONGESTION": "system"},
+    # The synchronous step's eager update off: one update after every gradient is in.
+    "noeager": {"GRADHUB_EAGER_UPDATE": "0"},
     # Chunks of 64 KiB (read by the scheduler; only without --partition-bytes, i.e. with --unscaled).
     "chunk64k": {"GRADHUB_PARTITION_BYTES": str(64 << 10)},
     # The spread at 2 MiB whatever the placement; the credit at 512 KiB whatever the chunk size.
@@ -198,6 +200,11 @@ def summarize(results: list[dict]) -> dict:
         out["goodput_Bps"] = r0["bytes"] / out["iter_time_mean"]
     if "params_scaled" in r0:
         out["model_bytes"] = r0["params_scaled"] * 4
+    if "sleep_late_s" in r0:
+        # The emulated compute's sleeps returning late, per iteration (the mean worker).
+        out["sleep_late_ms"] = 1e3 * statistics.mean(r["sleep_late_s"] for r in results)
+    if "eager_update" in r0:
+        out["eager_update"] = all(r["eager_update"] for r in results)
     if "autotune" in r0:
         out["autotune"] = r0["autotune"]
     if "sfb_layers" in r0:

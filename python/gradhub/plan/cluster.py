@@ -53,6 +53,7 @@ class Options:
     fusion_threshold: int = 256 * KIB   # GRADHUB_FUSION_THRESHOLD
     host_reduce: bool = True            # GRADHUB_HOST_REDUCE
     overlap_forward: bool = False       # GRADHUB_OVERLAP_FORWARD
+    eager_update: bool = True           # GRADHUB_EAGER_UPDATE (synchronous schedule only)
     scheduling: str = "priority"        # GRADHUB_SCHEDULING
     rack_reduce: str = "auto"           # GRADHUB_RACK_REDUCE
 
@@ -84,6 +85,7 @@ class Options:
                             ("fusion_threshold", "GRADHUB_FUSION_THRESHOLD", str),
                             ("host_reduce", "GRADHUB_HOST_REDUCE", lambda v: "1" if v else "0"),
                             ("overlap_forward", "GRADHUB_OVERLAP_FORWARD", lambda v: "1" if v else "0"),
+                            ("eager_update", "GRADHUB_EAGER_UPDATE", lambda v: "1" if v else "0"),
                             ("scheduling", "GRADHUB_SCHEDULING", str),
                             ("rack_reduce", "GRADHUB_RACK_REDUCE", str)):
             v = getattr(self, f)

@@ -11,7 +11,9 @@ while the bytes pushed but not yet received by their servers stay under the
 credit and the spread, a chunk ahead of every one in flight going anyway
 (preemption); then the host's uplink, the rack's core link, the owner's
 downlink, the owner thread's sum, its result back the same way, and the
-worker's local step (all at once, or per layer with forward overlap).
+worker's local step (per message as its result comes in, once backward is
+done: the eager update; all at once with GRADHUB_EAGER_UPDATE=0; per layer
+before its next forward with forward overlap).
 
 Symmetry: every worker host does the same thing at the same time (same
 profile, same placement share), so one representative worker host, one
@@ -268,7 +270,10 @@ class GradhubSim:
         inflight_keys: list = []
         its = [{"msg_left": [len(m.chunks) for m in self.msgs], "members": [m.members for m in self.msgs],
                 "layer_left": [len(x) for x in layer_msgs], "left": len(self.msgs), "waiting": None,
-                "bwd_done": False, "comm_done": not self.msgs, "inflight": 0} for _ in range(iters)]
+                "bwd_done": False, "comm_done": not self.msgs, "inflight": 0,
+                # The eager update: bytes whose results came in during backward (updated at step()),
+                # and updates not finished yet.
+                "early_bytes": 0, "updating": 0} for _ in range(iters)]
         win = {"bytes": 0}
         updated = [[not layer_msgs[li] for li in range(L)] for _ in range(iters)]
         wcpu = self.cpu if self.cores else self.w_cpu
@@ -330,12 +335,29 @@ class GradhubSim:
 
             e.use(wcpu, key, send, lambda: e.use(self.up, 0, pu, lambda: e.at(e.now + lat, via_core, arrive)))
 
+        eager = o.eager_update and not o.overlap_forward
+
+        def update_some(i, nbytes):
+            """The eager update of `nbytes` of parameters on the main thread."""
+            st = its[i]
+            st["updating"] += 1
+
+            def updated():
+                st["updating"] -= 1
+                step_end(i)
+            main_cpu(step_s * nbytes / max(1, p.model_bytes), updated)
+
         def chunk_done(i, mi):
             st = its[i]
             st["msg_left"][mi] -= 1
             if st["msg_left"][mi]:
                 return
             st["left"] -= 1
+            if eager:  # step() updates it now, or (still in backward) all such at once when step() starts
+                if st["bwd_done"]:
+                    update_some(i, self.msgs[mi].nbytes)
+                else:
+                    st["early_bytes"] += self.msgs[mi].nbytes
             for li in self.msgs[mi].layers:
                 st["layer_left"][li] -= 1
                 if o.overlap_forward and st["layer_left"][li] == 0:
@@ -346,10 +368,16 @@ class GradhubSim:
                 step_end(i)
 
         def step_end(i):
-            """Synchronous step: the next forward once every result is in and the local step ran."""
+            """Synchronous step: the next forward once every result is in and the local step ran
+            (with the eager update, once every message's update ran)."""
             st = its[i]
-            if not o.overlap_forward and st["comm_done"] and st["bwd_done"] and i + 1 < iters:
+            if o.overlap_forward or not (st["comm_done"] and st["bwd_done"]) or i + 1 >= iters:
+                return
+            if not eager:
                 main_cpu(step_s, forward, i + 1, 0)
+            elif st["updating"] == 0 and not st.get("next"):
+                st["next"] = True
+                forward(i + 1, 0)
 
         def layer_updated(i, li):
             updated[i][li] = True
@@ -375,6 +403,8 @@ class GradhubSim:
         def backward(i, li):
             if li < 0:
                 its[i]["bwd_done"] = True
+                if eager and its[i]["early_bytes"]:
+                    update_some(i, its[i]["early_bytes"])
                 if o.overlap_forward and i + 1 < iters:
                     forward(i + 1, 0)
                 step_end(i)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_CACHE = Path("docs/bench/plan/validate.jsonl")
@@ -97,11 +97,13 @@ def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2,
     return failed
 
 
-def predict(c: Config, costs, cores: int) -> tuple[float, float, float]:
+def predict(c: Config, costs, cores: int, eager_update: bool = True) -> tuple[float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
     as `gradhub bench train` runs it (every byte count / scale, this
-    machine's cores shared by every emulated host), and the core-seconds
-    per gradhub iteration it charges the machine."""
+    machine's cores shared by every emulated host; `eager_update`: whether
+    the measured run's step updated eagerly, which runs measured before
+    that existed did not), and the core-seconds per gradhub iteration it
+    charges the machine."""
     from .cluster import Cluster, Options, rate
     from .ddp import simulate_ddp
     from .profile import builtin, emulated
@@ -109,7 +111,7 @@ def predict(c: Config, costs, cores: int) -> tuple[float, float, float]:
 
     prof = emulated(builtin(c.model, c.scale), costs)
     cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
-    gh = simulate_gradhub(prof, cl, Options().scaled(c.scale), costs)
+    gh = simulate_gradhub(prof, cl, replace(Options(), eager_update=eager_update).scaled(c.scale), costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
     return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s
 
@@ -123,7 +125,8 @@ def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[d
         g, d = have.get(config_key(c, "gradhub")), have.get(config_key(c, "ddp"))
         if not g or not d:
             continue
-        pg, pd, cpu = predict(c, costs, cores)
+        # A record without the field was measured before the eager update existed.
+        pg, pd, cpu = predict(c, costs, cores, bool(g.get("eager_update", False)))
         rows.append({"model": c.model, "workers": c.workers, "k": c.k, "rate": c.rate, "scale": c.scale,
                      "gradhub_measured": g["samples_per_s"], "gradhub_predicted": pg,
                      "ddp_measured": d["samples_per_s"], "ddp_predicted": pd,

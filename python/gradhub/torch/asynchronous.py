@@ -36,7 +36,7 @@ import torch
 
 from .. import api as _api
 from .ops import parameter_names
-from .overlap import ELEMENTWISE
+from .modes import ELEMENTWISE
 
 
 class _AsynchronousOptimizer:

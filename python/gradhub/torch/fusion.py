@@ -78,6 +78,10 @@ class _BucketStep:
             torch._foreach_copy_(self._grads, self._b.views)
             self._unpacked = True
 
+    def add_done_callback(self, fn) -> None:
+        """`fn(self)` once the bucket's operation has finished (see `ops.Handle`)."""
+        self._handle.add_done_callback(lambda _h: fn(self))
+
 
 class Fusion:
     def __init__(self, opt, threshold: int, matrices: bool = True):

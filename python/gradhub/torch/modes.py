@@ -23,6 +23,10 @@ import torch
 
 from .ops import _wire_spec
 
+# Optimizers whose update of a parameter depends only on that parameter's
+# gradient and state, so parameters can be updated one at a time.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
 
 class OnWorkers:
     """Updates run on the workers: gradients are reduced under
@@ -66,6 +70,27 @@ class OnWorkers:
     def before_step(self) -> None:
         """step() was called."""
 
+    def eager(self, closure):
+        """The synchronous schedule's eager update, or None: a function
+        that updates the parameters given (ids) as soon as their reduced
+        gradients are in, while the others are still in flight, when the
+        wrapped optimizer updates each parameter from its own gradient and
+        state alone (`ELEMENTWISE`, no closure). The same arithmetic as one
+        step over all of them (the update restricted to some parameters is
+        `update_some`), finished before step() returns, as Horovod's."""
+        opt = self.opt
+        if closure is not None or not opt._gh_eager or not issubclass(opt._gh_base_cls, ELEMENTWISE):
+            return None
+        return self._update_ids
+
+    def _update_ids(self, pids: list) -> None:
+        opt = self.opt
+        by_group: dict[int, list] = {}
+        for pid in sorted(pids, key=opt._gh_rank_of.__getitem__):  # a stable key for update_some's cache
+            by_group.setdefault(opt._gh_group_idx[pid], []).append(opt._gh_by_id[pid])
+        for ps in by_group.values():
+            self.update_some(ps, None)
+
     def update(self, closure):
         """The update after synchronize(): the wrapped optimizer's step."""
         opt = self.opt
@@ -105,6 +130,7 @@ class Synchronous:
     def __init__(self, opt, where: OnWorkers):
         self.opt = opt
         self.where = where
+        self.eager_steps = 0  # steps that updated eagerly (OnWorkers.eager)
 
     def attach(self) -> None:
         """Hooks of the schedule's own, registered after the optimizer's."""
@@ -142,6 +168,12 @@ class Synchronous:
                               "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
                               "your code.", stacklevel=5)
             else:
+                eager = self.where.eager(closure)
+                if eager is not None:
+                    opt.synchronize(eager)  # and updated
+                    self.eager_steps += 1
+                    opt._gh_synchronized = False
+                    return None
                 opt.synchronize()
         opt._gh_synchronized = False
         return self.where.update(closure)

@@ -21,6 +21,7 @@ for `optimizer_on_server`, PHub). Autotuning (autotune.py) watches step().
 from __future__ import annotations
 
 import contextlib
+import queue
 import warnings
 import weakref
 from typing import Iterable
@@ -32,11 +33,11 @@ from .. import api as _api
 from . import autotune
 from .compression import Compression, NoneCompressor
 from .fusion import Fusion
-from .modes import OnWorkers, Synchronous
+from .modes import ELEMENTWISE, OnWorkers, Synchronous
 from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec, parameter_names
 from .process_sets import _resolve, global_process_set
 from .sufficient_factors import SufficientFactors
-from .overlap import ELEMENTWISE, ForwardOverlap
+from .overlap import ForwardOverlap
 from .asynchronous import asynchronous_optimizer
 from .server_optimizer import OnServers, server_unsupported
 
@@ -54,7 +55,7 @@ class _DistributedOptimizer:
                  op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
                  sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off",
                  fusion_threshold: int = 0, partition_bytes: int = 0, schedule: type = Synchronous,
-                 where: type = OnWorkers):
+                 where: type = OnWorkers, eager: bool = True):
         super().__init__(params)
         self._gh_ps = process_set
         self._gh_base_cls = base_cls  # the wrapped optimizer's class
@@ -86,6 +87,7 @@ class _DistributedOptimizer:
         self._gh_group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._gh_by_id = {id(p): p for p in all_params}
         self._gh_fifo = fifo
+        self._gh_eager = eager  # the synchronous schedule's eager update (modes.py)
         self._gh_own_cache: dict[int, list] = {}
         self._gh_tuner = None  # an autotune.Autotuner while tuning
         # The mode, chosen once: the schedule, holding where updates run.
@@ -272,8 +274,11 @@ class _DistributedOptimizer:
 
     # -------------------------------------------------------------- Horovod API
 
-    def synchronize(self):
-        """Wait until every gradient of this step has been reduced."""
+    def synchronize(self, _each=None):
+        """Wait until every gradient of this step has been reduced.
+        (`_each(ids)`, internal: called on this thread with the ids of
+        the parameters whose reductions have finished, as they finish: the
+        eager update, modes.py.)"""
         self._gh_finalize_order()
         # As Horovod: a parameter this worker produced no gradient for this
         # step (a branch of the model not taken here) is reduced with a zero
@@ -286,13 +291,19 @@ class _DistributedOptimizer:
                 self._gh_counts[id(p)] = 0
                 self._gh_start(p)
         # Once per operation: a fusion bucket is the handle of all its members.
-        for h in {id(h): h for h in self._gh_handles.values()}.values():
-            h.wait()
+        if _each is None or self._gh_sparse:
+            for h in {id(h): h for h in self._gh_handles.values()}.values():
+                h.wait()
+        else:
+            _wait_each(self._gh_handles, _each)
+            _each = None
         # As Horovod, a sparse gradient is sparse again after its reduction,
         # also with sparse_as_dense (which only says how it travels).
         for p, sparse_dim in self._gh_sparse:
             p.grad = p.grad.to_sparse(sparse_dim)
         self._gh_sparse.clear()
+        if _each is not None:  # sparse gradients: all at once, once they are sparse again
+            _each(list(self._gh_handles))
         if self._gh_sfb is not None:
             self._gh_sfb.decide()
         done = list(self._gh_handles)
@@ -368,6 +379,39 @@ class _DistributedOptimizer:
 # The optimizers that declared their tensors over the whole job, in the
 # order they did: an elastic reset declares them again in that order.
 _declared: list[weakref.ref] = []
+
+
+def _wait_each(handles: dict, each) -> None:
+    """Wait for every operation of `handles` ({param id: handle}, a handle
+    shared by the parameters of a fusion bucket), calling `each(ids)` on
+    this thread with the parameter ids of the operations finished since
+    the last call, as they finish: the synchronous schedule's eager update
+    (modes.py). A failed operation raises from its wait(), as with one
+    wait() per operation."""
+    ops: dict[int, tuple] = {}  # id(handle) -> (handle, its parameter ids)
+    for pid, h in handles.items():
+        ops.setdefault(id(h), (h, []))[1].append(pid)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    for key, (h, _) in ops.items():
+        h.add_done_callback(lambda _h, key=key: finished.put(key))  # from a core thread, or at once
+    left = set(ops)
+    while left:
+        try:
+            ready = {finished.get(timeout=1.0)}
+        except queue.Empty:  # a callback never lost, but a poll costs nothing here
+            ready = {key for key in left if ops[key][0].done()}
+            if not ready:
+                continue
+        while True:
+            try:
+                ready.add(finished.get_nowait())
+            except queue.Empty:
+                break
+        ready &= left
+        for key in ready:
+            ops[key][0].wait()
+        left -= ready
+        each([pid for key in ready for pid in ops[key][1]])
 
 
 def redeclare_all() -> None:
@@ -510,7 +554,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                  fusion_threshold=start.fusion_threshold,
                  partition_bytes=0 if start.partition_bytes == job_partition else start.partition_bytes,
                  schedule=ForwardOverlap if with_overlap else Synchronous,
-                 where=OnServers if optimizer_on_server else OnWorkers)
+                 where=OnServers if optimizer_on_server else OnWorkers,
+                 eager=env.eager_update)
     opt._gh_mode.switch_overlap(start.overlap_forward)
     opt.defaults = optimizer.defaults
     if optimizer.state:

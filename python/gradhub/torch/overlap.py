@@ -25,10 +25,6 @@ from torch.overrides import TorchFunctionMode
 
 from .modes import Synchronous
 
-# Optimizers whose update of a parameter depends only on that parameter's
-# gradient and state, so parameters can be updated one at a time.
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
 
 # The number the next autograd node created on this thread will get (nodes
 # are numbered in creation order): what places a node in a module call.

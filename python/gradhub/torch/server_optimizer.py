@@ -143,6 +143,10 @@ class OnServers(OnWorkers):
 
         return Handle(h, finish, name)
 
+    def eager(self, closure):
+        """No eager update: the servers run the updates (synchronize() copies the new values in)."""
+        return None
+
     def update(self, closure):
         # The servers ran the update; synchronize() copied the new values in.
         loss = None
