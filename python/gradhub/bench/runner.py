@@ -23,6 +23,7 @@ GLOO_PORT = 29400
 VARIANTS = {
     "priority": {},
     "fifo": {"GRADHUB_SCHEDULING": "fifo"},
+    "size": {"GRADHUB_SCHEDULING": "size"},
     "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
     "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
     # The host stage off (read by the scheduler): every worker of a host

@@ -52,7 +52,7 @@ class _DistributedOptimizer:
     construction (modes.py)."""
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                 op=Average, *, base_cls: type, fifo: bool = False, predivide: float = 1.0,
+                 op=Average, *, base_cls: type, scheduling: str = "priority", predivide: float = 1.0,
                  sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off",
                  fusion_threshold: int = 0, partition_bytes: int = 0, schedule: type = Synchronous,
                  where: type = OnWorkers, eager: bool = True):
@@ -86,7 +86,9 @@ class _DistributedOptimizer:
         # Group index, not the dict: load_state_dict() replaces the group dicts.
         self._gh_group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._gh_by_id = {id(p): p for p in all_params}
-        self._gh_fifo = fifo
+        self._gh_scheduling = scheduling  # priority (forward order), size (largest first) or fifo
+        self._gh_size_rank: dict[int, int] = {}
+        self._gh_rank_sizes()
         self._gh_eager = eager  # the synchronous schedule's eager update (modes.py)
         self._gh_own_cache: dict[int, list] = {}
         self._gh_tuner = None  # an autotune.Autotuner while tuning
@@ -177,10 +179,18 @@ class _DistributedOptimizer:
 
     def _gh_priority(self, p) -> int:
         """Higher = sooner. Earlier in the forward pass = more urgent.
-        (GRADHUB_SCHEDULING=fifo: all equal, i.e. in order of readiness.)"""
-        if self._gh_fifo:
+        (GRADHUB_SCHEDULING=fifo: all equal, i.e. in order of readiness;
+        size: larger tensors first, ties in forward order.)"""
+        if self._gh_scheduling == "fifo":
             return 0
+        if self._gh_scheduling == "size":
+            return self._gh_size_rank[id(p)]
         return len(self._gh_params) - self._gh_rank_of[id(p)]
+
+    def _gh_rank_sizes(self) -> None:
+        """GRADHUB_SCHEDULING=size: each parameter's rank by bytes (the largest highest), ties in forward order."""
+        order = sorted(self._gh_params, key=lambda p: (p.numel() * p.element_size(), -self._gh_rank_of[id(p)]))
+        self._gh_size_rank = {id(p): i + 1 for i, p in enumerate(order)}
 
     def _gh_module_params(self, module):
         """Parameters a module's forward uses directly: its own, those of
@@ -224,6 +234,7 @@ class _DistributedOptimizer:
         unseen = [id(p) for p in self._gh_params if id(p) not in self._gh_forward_seen]
         self._gh_rank_of = {pid: i for i, pid in enumerate(seen + unseen)}
         self._gh_order_final = True
+        self._gh_rank_sizes()
 
     def _gh_make_hook(self, p):
         # Forward overlap checks that no update is pending; the other modes check nothing.
@@ -548,7 +559,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
     # Re-create with the same param_groups (hyperparameters included) and defaults.
     opt.defaults = optimizer.defaults
     cls.__init__(opt, optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                 base_cls=base, fifo=env.scheduling == "fifo", predivide=gradient_predivide_factor,
+                 base_cls=base, scheduling=env.scheduling, predivide=gradient_predivide_factor,
                  sparse_as_dense=sparse_as_dense, process_set=ps,
                  sfb=_check_sfb(env.sfb if sufficient_factors is None else sufficient_factors),
                  fusion_threshold=start.fusion_threshold,
