@@ -149,7 +149,7 @@ def test_one_counter_for_automatic_names():
     ("GRADHUB_PEER_TIMEOUT", "10s", _env.scheduler_env, "is not a number"),
     ("GRADHUB_COLOCATED", "maybe", _env.server_env, "is not a flag"),
     ("GRADHUB_OVERLAP_FORWARD", "2", _env.torch_options, "is not a flag"),
-    ("GRADHUB_SCHEDULING", "lifo", _env.torch_options, "expected priority or fifo"),
+    ("GRADHUB_SCHEDULING", "lifo", _env.torch_options, "expected auto, priority, size or fifo"),
     ("GRADHUB_ROLE", "client", _env.role, "expected worker, server or scheduler"),
 ])
 def test_bad_environment_values_name_the_variable(monkeypatch, var, value, reader, text):
@@ -165,7 +165,8 @@ def test_environment_defaults_and_flags(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     assert _env.server_env().threads is None and not _env.server_env().colocated
     assert _env.scheduler_env().peer_timeout == 10.0
-    assert _env.torch_options().scheduling == "priority" and _env.role() == "worker"
+    assert _env.torch_options().scheduling == "auto" and _env.role() == "worker"
+    assert _env.torch_options().eager_update
     monkeypatch.setenv("GRADHUB_COLOCATED", "Yes")
     monkeypatch.setenv("GRADHUB_OVERLAP_FORWARD", "off")
     monkeypatch.setenv("GRADHUB_SCHEDULING", "FIFO")

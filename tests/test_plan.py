@@ -14,7 +14,7 @@ from gradhub.bench.runner import allreduce_time, byteps_optimum_time, host_link_
 from gradhub.plan.cluster import Cluster, Options
 from gradhub.plan.costs import Costs
 from gradhub.plan.ddp import ring_time, simulate_ddp
-from gradhub.plan.profile import SimLayer, SimProfile, builtin
+from gradhub.plan.profile import SimLayer, SimProfile, builtin, emulated
 from gradhub.plan.search import KNOBS, exhaustive, plan
 from gradhub.plan.sim import simulate_gradhub
 
@@ -82,6 +82,20 @@ def test_more_cpu_servers_never_slower_and_priority_beats_fifo_on_a_slow_link():
     pr = simulate_gradhub(p, base, over, Costs()).iter_s
     fifo = simulate_gradhub(p, base, replace(over, scheduling="fifo"), Costs()).iter_s
     assert pr <= fifo
+
+
+def test_eager_update_and_largest_first_end_the_synchronous_step_sooner():
+    # The emulated cluster (the local step on the shared cores): VGG-19's largest tensor, last in
+    # forward order, is last in with P3's priorities, so its update follows the last byte; the eager
+    # update with the largest tensors first leaves only small updates after it.
+    p = emulated(builtin("vgg19", 20), Costs())
+    c = Cluster(4, 1, 4, False, 1e9, server_threads=2, shared_cores=2)
+    o = Options(partition_bytes=256 << 10, fusion_threshold=256 << 10)
+    t = {(s, e): simulate_gradhub(p, c, replace(o, scheduling=s, eager_update=e), Costs()).iter_s
+         for s in ("priority", "size") for e in (False, True)}
+    assert t[("size", True)] < t[("priority", True)] < t[("priority", False)], t
+    assert t[("size", True)] < 0.97 * t[("size", False)], t
+    assert simulate_gradhub(p, c, o, Costs()).iter_s == t[("size", True)]  # the default: auto = size, eager
 
 
 def test_vgg19_on_256_workers_simulates_quickly():

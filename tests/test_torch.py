@@ -613,3 +613,19 @@ def test_eager_update_waits_for_each_operation_as_it_finishes():
     threading.Timer(0.05, bad.finish).start()
     with pytest.raises(RuntimeError, match="push_pull failed"):
         _wait_each({1: bad, 2: late}, calls.append)
+
+    # Operations whose wait() may run a collective (`ordered`) are waited in
+    # the order given, the same on every worker, whatever order they finish in.
+    first, plain, second = Op(), Op(), Op()
+    first.ordered = second.ordered = True
+    second.finish()
+    plain.finish()
+    got = []
+
+    def each2(pids):
+        got.append(sorted(pids))
+        if not first.finished:
+            threading.Timer(0.02, first.finish).start()
+
+    _wait_each({1: first, 2: plain, 3: second}, each2)
+    assert got == [[2], [1, 3]] and second.waited == 1

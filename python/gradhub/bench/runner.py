@@ -24,6 +24,8 @@ VARIANTS = {
     "priority": {},
     "fifo": {"GRADHUB_SCHEDULING": "fifo"},
     "size": {"GRADHUB_SCHEDULING": "size"},
+    # Forward order (P3's priorities) whatever the schedule: with noeager, the defaults before session 34.
+    "fwdorder": {"GRADHUB_SCHEDULING": "priority"},
     "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
     "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
     # The host stage off (read by the scheduler): every worker of a host

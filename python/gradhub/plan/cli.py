@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fusion-threshold", type=int, default=Options.fusion_threshold, help="fusion bucket bytes")
     s.add_argument("--no-host-reduce", action="store_true", help="host stage off")
     s.add_argument("--overlap-forward", action="store_true", help="forward overlap on")
-    s.add_argument("--fifo", action="store_true", help="GRADHUB_SCHEDULING=fifo")
+    s.add_argument("--scheduling", choices=["auto", "priority", "size", "fifo"], default="auto",
+                   help="GRADHUB_SCHEDULING (default auto: priority with forward overlap, else size)")
+    s.add_argument("--fifo", action="store_true", help="GRADHUB_SCHEDULING=fifo (the same as --scheduling fifo)")
     s.add_argument("--no-eager-update", action="store_true",
                    help="GRADHUB_EAGER_UPDATE=0: the synchronous step updates after every result is in")
     s.add_argument("--json", action="store_true", help="print one JSON object")
@@ -105,7 +107,7 @@ def _simulate(args) -> int:
         return 2
     o = Options(partition_bytes=args.partition_bytes, credit_bytes=args.credit_bytes,
                 fusion_threshold=args.fusion_threshold, host_reduce=not args.no_host_reduce,
-                overlap_forward=args.overlap_forward, scheduling="fifo" if args.fifo else "priority",
+                overlap_forward=args.overlap_forward, scheduling="fifo" if args.fifo else args.scheduling,
                 eager_update=not args.no_eager_update)
     gh = simulate_gradhub(prof, c, o, costs)
     ddp = simulate_ddp(prof, replace(c, cpu_servers=0), costs, 25e6 / args.scale)

@@ -54,7 +54,7 @@ class Options:
     host_reduce: bool = True            # GRADHUB_HOST_REDUCE
     overlap_forward: bool = False       # GRADHUB_OVERLAP_FORWARD
     eager_update: bool = True           # GRADHUB_EAGER_UPDATE (synchronous schedule only)
-    scheduling: str = "priority"        # GRADHUB_SCHEDULING
+    scheduling: str = "auto"            # GRADHUB_SCHEDULING (auto: priority with forward overlap, else size)
     rack_reduce: str = "auto"           # GRADHUB_RACK_REDUCE
 
     @property

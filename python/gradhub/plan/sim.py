@@ -61,6 +61,7 @@ class Message:
     nbytes: int
     layers: list[int]                # layers whose gradients it carries
     members: int                     # tensors it waits for
+    largest: int = 0                 # its largest tensor's bytes (GRADHUB_SCHEDULING=size ranks by it)
     chunks: list[tuple[int, str]] = field(default_factory=list)   # (bytes, owner kind "gpu"/"cpu")
 
 
@@ -80,12 +81,13 @@ def messages(profile: SimProfile, opt: Options) -> tuple[list[Message], dict[tup
         if len(bucket) == 1:
             li, ti, b = bucket[0]
             of[(li, ti)] = len(msgs)
-            msgs.append(Message(li, b, [li], 1))
+            msgs.append(Message(li, b, [li], 1, b))
         elif bucket:
             for li, ti, _ in bucket:
                 of[(li, ti)] = len(msgs)
             layers = sorted({li for li, _, _ in bucket})
-            msgs.append(Message(min(layers), sum(b for _, _, b in bucket), layers, len(bucket)))
+            msgs.append(Message(min(layers), sum(b for _, _, b in bucket), layers, len(bucket),
+                                max(b for _, _, b in bucket)))
         bucket.clear()
 
     size = 0
@@ -99,11 +101,18 @@ def messages(profile: SimProfile, opt: Options) -> tuple[list[Message], dict[tup
                 size += b
             elif b > 0:
                 of[(li, ti)] = len(msgs)
-                msgs.append(Message(li, b, [li], 1))
+                msgs.append(Message(li, b, [li], 1, b))
     close()
-    if opt.scheduling == "fifo":
+    sched = opt.scheduling
+    if sched == "auto":  # as the workers' _gh_reprioritize
+        sched = "priority" if opt.overlap_forward else "size"
+    if sched == "fifo":
         for m in msgs:
             m.prio = 0
+    elif sched == "size":  # the largest first, ties in forward order
+        order = sorted(range(len(msgs)), key=lambda i: (-msgs[i].largest, msgs[i].prio))
+        for rank, i in enumerate(order):
+            msgs[i].prio = rank
     return msgs, of
 
 

@@ -54,7 +54,8 @@ class _Bucket:
         self.counts = [0] * len(params)  # backward passes counted in this step, by member
         self.arrived = 0                 # their sum
         # The members' highest priority, and the order it was computed for
-        # (the optimizer replaces its order once, when the forward pass tells it).
+        # (the optimizer replaces its priorities when the forward pass tells the order, and when
+        # autotuning switches forward overlap).
         self.priority = 0
         self.priority_for = None
 
@@ -188,8 +189,8 @@ class Fusion:
                 # Reduced dense, made sparse again at synchronize(), as unfused.
                 grads[j] = b.params[j].grad = g.to_dense()
                 opt._gh_sparse.append((b.params[j], g.sparse_dim()))
-        if b.priority_for is not opt._gh_rank_of:
-            b.priority, b.priority_for = max(opt._gh_priority(p) for p in b.params), opt._gh_rank_of
+        if b.priority_for is not opt._gh_prio:
+            b.priority, b.priority_for = max(opt._gh_priority(p) for p in b.params), opt._gh_prio
         torch._foreach_copy_(b.views, grads)
         step = _BucketStep(b, opt._gh_reduce(b.buf, b.name, b.priority), grads)
         b.counts = [0] * len(b.params)

@@ -75,11 +75,12 @@ class OnWorkers:
         that updates the parameters given (ids) as soon as their reduced
         gradients are in, while the others are still in flight, when the
         wrapped optimizer updates each parameter from its own gradient and
-        state alone (`ELEMENTWISE`, no closure). The same arithmetic as one
-        step over all of them (the update restricted to some parameters is
+        state alone (one of the `ELEMENTWISE` classes itself: a subclass
+        may override step(); no closure). The same arithmetic as one step
+        over all of them (the update restricted to some parameters is
         `update_some`), finished before step() returns, as Horovod's."""
         opt = self.opt
-        if closure is not None or not opt._gh_eager or not issubclass(opt._gh_base_cls, ELEMENTWISE):
+        if closure is not None or not opt._gh_eager or opt._gh_base_cls not in ELEMENTWISE:
             return None
         return self._update_ids
 
@@ -171,6 +172,10 @@ class Synchronous:
                 eager = self.where.eager(closure)
                 if eager is not None:
                     opt.synchronize(eager)  # and updated
+                    # As the wrapped step would: a frozen parameter that still has a gradient.
+                    rest = [id(p) for p in opt._gh_params if not p.requires_grad and p.grad is not None]
+                    if rest:
+                        eager(rest)
                     self.eager_steps += 1
                     opt._gh_synchronized = False
                     return None

@@ -86,14 +86,14 @@ class _DistributedOptimizer:
         # Group index, not the dict: load_state_dict() replaces the group dicts.
         self._gh_group_idx = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         self._gh_by_id = {id(p): p for p in all_params}
-        self._gh_scheduling = scheduling  # priority (forward order), size (largest first) or fifo
-        self._gh_size_rank: dict[int, int] = {}
-        self._gh_rank_sizes()
+        self._gh_scheduling = scheduling  # auto, priority (forward order), size (largest first) or fifo
+        self._gh_prio: dict[int, int] = {}  # param id -> priority (_gh_reprioritize)
         self._gh_eager = eager  # the synchronous schedule's eager update (modes.py)
         self._gh_own_cache: dict[int, list] = {}
         self._gh_tuner = None  # an autotune.Autotuner while tuning
         # The mode, chosen once: the schedule, holding where updates run.
         self._gh_mode = schedule(self, where(self))
+        self._gh_reprioritize()
         self._gh_server = where.on_server
         # Small gradients travel packed (not with a compressor of the user's,
         # nor with the optimizer on the servers, which keep state per tensor).
@@ -178,19 +178,34 @@ class _DistributedOptimizer:
         return self.param_groups[self._gh_group_idx[id(p)]]
 
     def _gh_priority(self, p) -> int:
-        """Higher = sooner. Earlier in the forward pass = more urgent.
-        (GRADHUB_SCHEDULING=fifo: all equal, i.e. in order of readiness;
-        size: larger tensors first, ties in forward order.)"""
-        if self._gh_scheduling == "fifo":
-            return 0
-        if self._gh_scheduling == "size":
-            return self._gh_size_rank[id(p)]
-        return len(self._gh_params) - self._gh_rank_of[id(p)]
+        """Higher = sooner (see `_gh_reprioritize`)."""
+        return self._gh_prio.get(id(p), 0)
 
-    def _gh_rank_sizes(self) -> None:
-        """GRADHUB_SCHEDULING=size: each parameter's rank by bytes (the largest highest), ties in forward order."""
-        order = sorted(self._gh_params, key=lambda p: (p.numel() * p.element_size(), -self._gh_rank_of[id(p)]))
-        self._gh_size_rank = {id(p): i + 1 for i, p in enumerate(order)}
+    def _gh_reprioritize(self) -> None:
+        """The priorities of the scheduling in force (GRADHUB_SCHEDULING):
+        - `priority`: forward order, earlier = more urgent (P3: the next
+          forward pass needs its first layers first);
+        - `size`: the largest tensors first, ties in forward order. With the
+          synchronous schedule nothing runs before every update is done, so
+          the order decides only what is left after the last byte: the
+          updates of the last tensors in (eager update, modes.py), the
+          smaller the sooner step() returns;
+        - `fifo`: all equal, i.e. in order of readiness;
+        - `auto` (default): forward order while forward overlap is on, the
+          largest first otherwise.
+        Called when built, when the forward order is known, and when
+        autotuning switches forward overlap."""
+        sched = self._gh_scheduling
+        if sched == "auto":
+            sched = "priority" if getattr(self._gh_mode, "on", False) else "size"
+        rank = self._gh_rank_of
+        if sched == "fifo":
+            self._gh_prio = {}
+        elif sched == "size":
+            order = sorted(self._gh_params, key=lambda p: (p.numel() * p.element_size(), -rank[id(p)]))
+            self._gh_prio = {id(p): i + 1 for i, p in enumerate(order)}
+        else:
+            self._gh_prio = {id(p): len(self._gh_params) - rank[id(p)] for p in self._gh_params}
 
     def _gh_module_params(self, module):
         """Parameters a module's forward uses directly: its own, those of
@@ -234,7 +249,7 @@ class _DistributedOptimizer:
         unseen = [id(p) for p in self._gh_params if id(p) not in self._gh_forward_seen]
         self._gh_rank_of = {pid: i for i, pid in enumerate(seen + unseen)}
         self._gh_order_final = True
-        self._gh_rank_sizes()
+        self._gh_reprioritize()
 
     def _gh_make_hook(self, p):
         # Forward overlap checks that no update is pending; the other modes check nothing.
@@ -398,10 +413,15 @@ def _wait_each(handles: dict, each) -> None:
     this thread with the parameter ids of the operations finished since
     the last call, as they finish: the synchronous schedule's eager update
     (modes.py). A failed operation raises from its wait(), as with one
-    wait() per operation."""
+    wait() per operation. An operation whose wait() may run a collective of
+    its own (`ordered`: sufficient factors that gather in full) is waited
+    in the order of `handles`, the same on every worker, as the others of
+    its kind: finished out of that order, it waits for those before it."""
     ops: dict[int, tuple] = {}  # id(handle) -> (handle, its parameter ids)
     for pid, h in handles.items():
         ops.setdefault(id(h), (h, []))[1].append(pid)
+    ordered = [key for key, (h, _) in ops.items() if getattr(h, "ordered", False)]
+    held: set[int] = set()  # finished, ordered, waiting for an earlier ordered one
     finished: queue.SimpleQueue = queue.SimpleQueue()
     for key, (h, _) in ops.items():
         h.add_done_callback(lambda _h, key=key: finished.put(key))  # from a core thread, or at once
@@ -419,10 +439,16 @@ def _wait_each(handles: dict, each) -> None:
             except queue.Empty:
                 break
         ready &= left
-        for key in ready:
+        held |= ready.intersection(ordered)
+        go = [key for key in ready if key not in held]
+        while ordered and ordered[0] in held:
+            held.discard(ordered[0])
+            go.append(ordered.pop(0))
+        for key in go:
             ops[key][0].wait()
-        left -= ready
-        each([pid for key in ready for pid in ops[key][1]])
+        left.difference_update(go)
+        if go:
+            each([pid for key in go for pid in ops[key][1]])
 
 
 def redeclare_all() -> None:

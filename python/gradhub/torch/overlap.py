@@ -147,6 +147,7 @@ class ForwardOverlap(Synchronous):
 
     def switch_overlap(self, on: bool) -> None:
         self.on = on
+        self.opt._gh_reprioritize()  # GRADHUB_SCHEDULING=auto follows it
 
     def _call_starts(self, module, inputs):
         self.depth += 1

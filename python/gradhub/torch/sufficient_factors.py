@@ -273,7 +273,9 @@ class SufficientFactors:
             self.rebuild_seconds += time.perf_counter() - t0
             return p.grad
 
-        return Handle(h, rebuild, name)
+        handle = Handle(h, rebuild, name)
+        handle.ordered = True  # rebuild() may gather in full: waited in the same order on every worker
+        return handle
 
     @staticmethod
     def _rebuild(p, layer: _Layer, f: torch.Tensor, m: int, divisor: int, local: bool, prev) -> None:
