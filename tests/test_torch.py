@@ -344,7 +344,7 @@ def test_fusion_buckets_pack_unpack_and_answer_a_late_member_from_its_own_step()
 
     class Opt:
         _gh_ps, _gh_mode = Ps(), Mode()
-        _gh_passes, _gh_sparse_as_dense, _gh_rank_of = 1, False, {}
+        _gh_passes, _gh_sparse_as_dense, _gh_prio = 1, False, {}
 
         def __init__(self, params):
             self._gh_params = params
