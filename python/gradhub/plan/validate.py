@@ -47,11 +47,15 @@ CONFIGS = _grid()
 
 def _key(rec: dict) -> tuple:
     lay = rec.get("layout", {})
+    if rec.get("system") == "none":  # no traffic: neither the servers nor the rate matter
+        return (rec.get("model"), lay.get("workers"), None, None, float(rec.get("scale", 0)), "none")
     k = lay.get("cpu_servers", 0) if rec.get("system") == "gradhub" else None
     return (rec.get("model"), lay.get("workers"), k, rec.get("rate"), float(rec.get("scale", 0)), rec.get("system"))
 
 
 def config_key(c: Config, system: str) -> tuple:
+    if system == "none":
+        return (c.model, c.workers, None, None, float(c.scale), "none")
     return (c.model, c.workers, c.k if system == "gradhub" else None, c.rate, float(c.scale), system)
 
 
@@ -83,7 +87,7 @@ def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2,
     failed = 0
     for c in configs:
         have = load_cache(cache)
-        systems = [s for s in ("ddp", "gradhub") if config_key(c, s) not in have]
+        systems = [s for s in ("none", "ddp", "gradhub") if config_key(c, s) not in have]
         if not systems:
             continue
         print(f"== measuring {c.label}: {', '.join(systems)}", flush=True)
@@ -97,26 +101,47 @@ def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2,
     return failed
 
 
-def predict(c: Config, costs, cores: int, eager_update: bool = True) -> tuple[float, float, float]:
+def predict(c: Config, costs, cores: int, before_s34: bool = False,
+            nosync_s: float | None = None) -> tuple[float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
     as `gradhub bench train` runs it (every byte count / scale, this
-    machine's cores shared by every emulated host; `eager_update`: whether
-    the measured run's step updated eagerly, which runs measured before
-    that existed did not), and the core-seconds per gradhub iteration it
-    charges the machine."""
+    machine's cores shared by every emulated host; `before_s34`: measured
+    with the defaults before the eager update and the largest-first order,
+    i.e. one update after every result and forward order), and the
+    core-seconds per gradhub iteration it charges the machine.
+
+    `nosync_s`: the emulated model's iteration measured without any
+    synchronization, every worker computing at once (`gradhub bench train
+    --systems none`): the profile's compute is then what the emulated
+    model takes on this machine with that many workers (the profile as
+    measured, which a real model's would be too), not its idle
+    calibration's replay (`profile.emulated`): each layer's time scaled so
+    that forward, backward and the local step add up to it."""
+    from dataclasses import replace as _replace
+
     from .cluster import Cluster, Options, rate
     from .ddp import simulate_ddp
-    from .profile import builtin, emulated
+    from .profile import SimProfile, builtin, emulated
     from .sim import simulate_gradhub
 
     prof = emulated(builtin(c.model, c.scale), costs)
+    if nosync_s:
+        spread = max(1.0, c.workers / cores) if cores else 1.0
+        step_s = prof.model_bytes / costs.step_Bps * spread
+        total = sum(lay.forward_s + lay.backward_s for lay in prof.layers)
+        f = max(0.1, (nosync_s - step_s) / total)
+        prof = SimProfile(prof.name, prof.batch,
+                          [_replace(lay, forward_s=lay.forward_s * f, backward_s=lay.backward_s * f)
+                           for lay in prof.layers], prof.source + ", compute as measured without synchronization")
     cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
-    gh = simulate_gradhub(prof, cl, replace(Options(), eager_update=eager_update).scaled(c.scale), costs)
+    opt = replace(Options(), eager_update=False, scheduling="priority") if before_s34 else Options()
+    gh = simulate_gradhub(prof, cl, opt.scaled(c.scale), costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
     return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s
 
 
-def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[dict], str]:
+def table(configs: list[Config], cache: Path, costs, cores: int,
+          measured_compute: bool = True) -> tuple[list[dict], str]:
     """Rows (measured and predicted samples/s of both systems, relative
     errors) and the Markdown table; configurations not measured are skipped."""
     have = load_cache(cache)
@@ -125,8 +150,10 @@ def table(configs: list[Config], cache: Path, costs, cores: int) -> tuple[list[d
         g, d = have.get(config_key(c, "gradhub")), have.get(config_key(c, "ddp"))
         if not g or not d:
             continue
+        none = have.get(config_key(c, "none"))
         # A record without the field was measured before the eager update existed.
-        pg, pd, cpu = predict(c, costs, cores, bool(g.get("eager_update", False)))
+        pg, pd, cpu = predict(c, costs, cores, before_s34="eager_update" not in g,
+                              nosync_s=none["iter_time_mean"] if none and measured_compute else None)
         rows.append({"model": c.model, "workers": c.workers, "k": c.k, "rate": c.rate, "scale": c.scale,
                      "gradhub_measured": g["samples_per_s"], "gradhub_predicted": pg,
                      "ddp_measured": d["samples_per_s"], "ddp_predicted": pd,
@@ -176,7 +203,7 @@ def run(args) -> int:
 
         for path in write(Path(args.plots), costs):
             print(f"wrote {path}")
-    rows, md = table(configs, cache, costs, args.cores or costs.machine_cores)
+    rows, md = table(configs, cache, costs, args.cores or costs.machine_cores, not args.idle_compute)
     if not rows:
         print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
         return 1
@@ -205,6 +232,10 @@ def add_arguments(p) -> None:
     p.add_argument("--cores", type=int, default=0,
                    help="cores the emulated hosts share (default: the calibrated machine's, `machine_cores` in "
                         "the calibration file)")
+    p.add_argument("--idle-compute", action="store_true",
+                   help="predict with the emulated model's compute replayed from the idle calibration, even where "
+                        "the cache has its no-sync run (by default each model's compute is its no-sync run's: "
+                        "every worker computing at once, without synchronization)")
     p.add_argument("--json", help="write the table's rows (with --plan-check: the check's results) to this JSON file")
     p.add_argument("--plan-check", action="store_true",
                    help="instead of the table: check `gradhub plan` against exhaustive emulation on two small cases "

@@ -52,7 +52,7 @@ class _DistributedOptimizer:
     construction (modes.py)."""
 
     def __init__(self, params, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                 op=Average, *, base_cls: type, scheduling: str = "priority", predivide: float = 1.0,
+                 op=Average, *, base_cls: type, scheduling: str = "auto", predivide: float = 1.0,
                  sparse_as_dense: bool = False, process_set=global_process_set, sfb: str = "off",
                  fusion_threshold: int = 0, partition_bytes: int = 0, schedule: type = Synchronous,
                  where: type = OnWorkers, eager: bool = True):
