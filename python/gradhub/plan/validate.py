@@ -77,7 +77,7 @@ def train_argv(model: str, scale: float, workers: int, k: int, rate: str, system
             "--trials", str(trials), "--json", str(out)]
 
 
-def measure(configs: list[Config], cache: Path, iters: int = 6, warmup: int = 2, trials: int = 1) -> int:
+def measure(configs: list[Config], cache: Path, iters: int = 20, warmup: int = 3, trials: int = 1) -> int:
     """Run `gradhub bench train` for every configuration (and system) the
     cache lacks, the median of `trials` interleaved trials; each run appends
     its records to the cache. Returns the number of failed runs."""
@@ -220,12 +220,13 @@ def run(args) -> int:
 def add_arguments(p) -> None:
     p.add_argument("--measure", action="store_true",
                    help="run the configurations the cache lacks on the emulated cluster first (root; slow: "
-                        "about 25 min for all; hold /work/bench.lock or equivalent while others measure)")
+                        "about 12 min for all; hold /work/bench.lock or equivalent while others measure)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE),
                    help=f"JSON lines of measured runs, read and appended (default {DEFAULT_CACHE})")
     p.add_argument("--limit", type=int, default=0, help="only the first N configurations (default: all)")
-    p.add_argument("--iters", type=int, default=6, help="timed iterations per measured run (default 6)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per measured run (default 20; "
+                                                          "6 moved rows by up to 8 points between runs)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--trials", type=int, default=1,
                    help="interleaved trials per run, the median counts (default 1; 3 on a machine others load)")
     p.add_argument("--costs", help="calibration file (default ~/.config/gradhub/costs.json, else built-in)")
