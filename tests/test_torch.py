@@ -23,6 +23,14 @@ def test_training_matches_single_process(model, opt, overlap):
     assert_all_passed(rc, out, 4)
 
 
+def test_eager_update_follows_the_state_load_state_dict_puts_in_place():
+    # A checkpoint (or an elastic rollback) loaded mid-run replaces the optimizer's state: the eager
+    # update's per-parameter updates use the loaded momentum from then on, as one update would.
+    cfg = {"model": "cnn", "opt": "nesterov", "steps": 10, "reload_at": 4, "eager": True}
+    rc, out = run_launch(2, 1, "torch_train.py", cfg, threads=1)
+    assert_all_passed(rc, out, 2)
+
+
 @pytest.mark.parametrize("opt", ["nesterov", "adamw"])
 def test_training_with_one_update_after_every_gradient_matches_single_process(opt):
     # GRADHUB_EAGER_UPDATE=0: step() waits for every gradient, then one update (with a StepLR schedule).

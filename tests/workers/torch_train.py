@@ -7,6 +7,7 @@ fusion (DistributedOptimizer's fusion_threshold), opt (sgd|sgd0: no momentum nor
 overlap (bool), server (optimizer on the servers), predivide (gradient_predivide_factor),
 sparse_as_dense (bool), autocast (bool: forward under CPU bfloat16 autocast), sfb (auto|force|off: sufficient factors for nn.Linear weights),
 fc1_bias (bool, default true: the fc model's first layer has a bias),
+reload_at (a step: before it, both optimizers load a copy of their state with the buffers zeroed),
 eager (bool: assert that step() updated eagerly, GRADHUB_EAGER_UPDATE, in every step, or in none),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile), autotune (bool: overlap left
@@ -221,7 +222,23 @@ if not server:
     ref_opt.zero_grad()
 ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5) if sched else None
 ref_losses = []
+reload_at = CONFIG.get("reload_at")
+
+
+def reload_zeroed(o) -> None:
+    """load_state_dict() of a copy of o's state with its buffers zeroed (a
+    checkpoint or an elastic rollback replaces the optimizer's state so)."""
+    sd = copy.deepcopy(o.state_dict())
+    for st in sd["state"].values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                v.zero_()
+    o.load_state_dict(sd)
+
+
 for s in range(steps):
+    if s == reload_at:
+        reload_zeroed(ref_opt)
     ref_opt.zero_grad()
     for k in range(passes):
         x, y = batch(s * passes + k)
@@ -250,6 +267,8 @@ losses = []
 deferred = 0
 first = next(model.parameters())
 for s in range(steps):
+    if s == reload_at:
+        reload_zeroed(opt)
     opt.zero_grad()
     for k in range(passes):
         x, y = batch(s * passes + k)

@@ -112,10 +112,12 @@ class OnWorkers:
             base = opt._gh_base_cls
             hyper0 = {k: v for k, v in group.items() if k != "params"}
             sub = base(params, **{k: v for k, v in hyper0.items() if k in base.__init__.__code__.co_varnames})
-            sub.state = opt.state  # shared: keyed by parameter
             if len(self.sub) >= 4096:  # sets that keep changing (stragglers): bounded
                 self.sub.clear()
             self.sub[key] = sub
+        # Shared, keyed by parameter; set at every call: load_state_dict()
+        # (a checkpoint, an elastic rollback) replaces the optimizer's dict.
+        sub.state = opt.state
         sub.param_groups[0].update(hyper)
         with torch.no_grad():
             sub.step()
