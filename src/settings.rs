@@ -237,7 +237,7 @@ pub static SETTINGS: &[Setting] = &[
     setting!("GRADHUB_OPTIMIZER_ON_SERVER", Flag, Value(|| flag(false)), WORKER,
         "`DistributedOptimizer(optimizer_on_server=True)`: the servers run SGD or AdamW on float32 parameters (docs/torch.md)"),
     setting!("GRADHUB_SCHEDULING", Choice(&["auto", "priority", "size", "fifo"]), Value(|| "auto".into()), WORKER,
-        "`DistributedOptimizer`: push the gradients the next forward pass needs first (`priority`, P3), the largest first (`size`: with the synchronous step, the last updates after the last byte are the smallest), or in the order they are ready (`fifo`); `auto`: `priority` with forward overlap, else `size` (docs/torch.md)"),
+        "`DistributedOptimizer`: push the gradients the next forward pass needs first (`priority`, P3), the largest first (`size`: with the synchronous step, the last updates after the last byte are the smallest), or in the order they are ready (`fifo`: the same order on every worker, whenever each one's gradients arrive); `auto`: `priority` with forward overlap, else `fifo` (docs/torch.md)"),
     setting!("GRADHUB_EAGER_UPDATE", Flag, Value(|| flag(true)), WORKER,
         "`DistributedOptimizer` (SGD, Adam, AdamW; synchronous schedule): `step()` updates each parameter as soon as its reduced gradient is in, while the others are still being summed, and returns when all are updated (docs/torch.md, \"Eager update\"); 0: one update after every gradient is in"),
     setting!("GRADHUB_SFB", Choice(&["auto", "off", "force"]), Value(|| "auto".into()), WORKER,

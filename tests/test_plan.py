@@ -87,15 +87,17 @@ def test_more_cpu_servers_never_slower_and_priority_beats_fifo_on_a_slow_link():
 def test_eager_update_and_largest_first_end_the_synchronous_step_sooner():
     # The emulated cluster (the local step on the shared cores): VGG-19's largest tensor, last in
     # forward order, is last in with P3's priorities, so its update follows the last byte; the eager
-    # update with the largest tensors first leaves only small updates after it.
+    # update with the largest tensors first leaves only small updates after it. In readiness order
+    # (fifo, the default) VGG-19's fully-connected layers, first in backward, go first too.
     p = emulated(builtin("vgg19", 20), Costs())
     c = Cluster(4, 1, 4, False, 1e9, server_threads=2, shared_cores=2)
     o = Options(partition_bytes=256 << 10, fusion_threshold=256 << 10)
     t = {(s, e): simulate_gradhub(p, c, replace(o, scheduling=s, eager_update=e), Costs()).iter_s
-         for s in ("priority", "size") for e in (False, True)}
+         for s in ("priority", "size", "fifo") for e in (False, True)}
     assert t[("size", True)] < t[("priority", True)] < t[("priority", False)], t
     assert t[("size", True)] < 0.97 * t[("size", False)], t
-    assert simulate_gradhub(p, c, o, Costs()).iter_s == t[("size", True)]  # the default: auto = size, eager
+    assert t[("fifo", True)] < 0.97 * t[("fifo", False)] and t[("fifo", True)] < t[("priority", True)], t
+    assert simulate_gradhub(p, c, o, Costs()).iter_s == t[("fifo", True)]  # the default: auto = fifo, eager
 
 
 def test_vgg19_on_256_workers_simulates_quickly():

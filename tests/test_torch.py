@@ -33,9 +33,11 @@ def test_eager_update_follows_the_state_load_state_dict_puts_in_place():
 
 @pytest.mark.parametrize("opt", ["nesterov", "adamw"])
 def test_training_with_one_update_after_every_gradient_matches_single_process(opt):
-    # GRADHUB_EAGER_UPDATE=0: step() waits for every gradient, then one update (with a StepLR schedule).
+    # GRADHUB_EAGER_UPDATE=0: step() waits for every gradient, then one update (with a StepLR schedule);
+    # and the largest tensors first (GRADHUB_SCHEDULING=size), the worker checks the priorities.
     cfg = {"model": "cnn", "opt": opt, "steps": 12, "sched": True, "eager": False}
-    rc, out = run_launch(3, 2, "torch_train.py", cfg, threads=1, env={"GRADHUB_EAGER_UPDATE": "0"})
+    rc, out = run_launch(3, 2, "torch_train.py", cfg, threads=1,
+                         env={"GRADHUB_EAGER_UPDATE": "0", "GRADHUB_SCHEDULING": "size"})
     assert_all_passed(rc, out, 3)
 
 

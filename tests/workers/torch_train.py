@@ -16,6 +16,7 @@ to GRADHUB_AUTOTUNE, and the tensors held at the end printed).
 
 import copy
 import math
+import os
 import time
 
 import torch
@@ -318,14 +319,17 @@ if "sfb_layers" in CONFIG:
     assert not chosen or steps < 2 or opt._gh_sfb.skipped_calls > 0, opt._gh_sfb.skipped_calls
 if model_kind in ("mlp", "cnn") and not autotuned:
     # GRADHUB_SCHEDULING=auto: forward order with forward overlap (these models use their parameters
-    # in registration order), else the largest tensors first.
+    # in registration order), else all equal (in order of readiness); `size`: the largest first.
     ps = [p for p in model.parameters() if p.requires_grad]
     prio = [opt._gh_priority(p) for p in ps]
-    if overlap:
-        assert prio == sorted(prio, reverse=True) and len(set(prio)) == len(prio), prio
-    else:
+    sched = os.environ.get("GRADHUB_SCHEDULING", "auto")
+    if sched == "size":
         size = [p.numel() for p in ps]
         assert all(prio[i] > prio[j] for i in range(len(ps)) for j in range(len(ps)) if size[i] > size[j]), prio
+    elif overlap or sched == "priority":
+        assert prio == sorted(prio, reverse=True) and len(set(prio)) == len(prio), prio
+    else:
+        assert len(set(prio)) == 1, prio
 if "eager" in CONFIG:
     # The synchronous step's eager update (GRADHUB_EAGER_UPDATE) ran, or not.
     assert (opt._gh_mode.eager_steps == steps) == CONFIG["eager"], opt._gh_mode.eager_steps

@@ -271,6 +271,8 @@ def main():
     if system == "gradhub":
         # Whether step() updated eagerly (GRADHUB_EAGER_UPDATE): the simulator predicts the run as it ran.
         res["eager_update"] = getattr(getattr(opt, "_gh_mode", None), "eager_steps", 0) > 0
+        if hasattr(opt, "_gh_schedule"):
+            res["scheduling"] = opt._gh_schedule()
     if tuner is not None:
         res["autotune"] = {"steps": tuning, "trials": len(tuner.trials), "choice": tuner.best.describe(),
                            "gain": tuner.start_time / tuner.best_time if tuner.best_time else None}

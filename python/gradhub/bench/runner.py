@@ -208,6 +208,8 @@ def summarize(results: list[dict]) -> dict:
         out["sleep_late_ms"] = 1e3 * statistics.mean(r["sleep_late_s"] for r in results)
     if "eager_update" in r0:
         out["eager_update"] = all(r["eager_update"] for r in results)
+    if "scheduling" in r0:
+        out["scheduling"] = r0["scheduling"]
     if "autotune" in r0:
         out["autotune"] = r0["autotune"]
     if "sfb_layers" in r0:

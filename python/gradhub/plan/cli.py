@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-host-reduce", action="store_true", help="host stage off")
     s.add_argument("--overlap-forward", action="store_true", help="forward overlap on")
     s.add_argument("--scheduling", choices=["auto", "priority", "size", "fifo"], default="auto",
-                   help="GRADHUB_SCHEDULING (default auto: priority with forward overlap, else size)")
+                   help="GRADHUB_SCHEDULING (default auto: priority with forward overlap, else fifo)")
     s.add_argument("--fifo", action="store_true", help="GRADHUB_SCHEDULING=fifo (the same as --scheduling fifo)")
     s.add_argument("--no-eager-update", action="store_true",
                    help="GRADHUB_EAGER_UPDATE=0: the synchronous step updates after every result is in")

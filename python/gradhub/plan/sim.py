@@ -6,7 +6,8 @@ gradient handed over as backward produces it (wait-free backprop), small
 ones packed into fusion buckets (torch/fusion.py's rule); each tensor cut
 into chunks of the partition size, placed on server threads by BytePS's
 weighted greedy split (placement/mod.rs); chunks leave in priority order
-(the next forward's first layers first; FIFO with GRADHUB_SCHEDULING=fifo)
+(GRADHUB_SCHEDULING: by default as they are ready, the next forward's
+first layers first with forward overlap, the largest first with `size`)
 while the bytes pushed but not yet received by their servers stay under the
 credit and the spread, a chunk ahead of every one in flight going anyway
 (preemption); then the host's uplink, the rack's core link, the owner's
@@ -105,7 +106,7 @@ def messages(profile: SimProfile, opt: Options) -> tuple[list[Message], dict[tup
     close()
     sched = opt.scheduling
     if sched == "auto":  # as the workers' _gh_reprioritize
-        sched = "priority" if opt.overlap_forward else "size"
+        sched = "priority" if opt.overlap_forward else "fifo"
     if sched == "fifo":
         for m in msgs:
             m.prio = 0

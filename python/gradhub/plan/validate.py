@@ -101,13 +101,23 @@ def measure(configs: list[Config], cache: Path, iters: int = 20, warmup: int = 3
     return failed
 
 
-def predict(c: Config, costs, cores: int, before_s34: bool = False,
+def ran_with(rec: dict) -> dict:
+    """The defaults a cached gradhub record ran with, as Options fields:
+    records say whether the step updated eagerly since session 34 and the
+    scheduling in force since session 35. Before the eager update: one
+    update after every result, forward order; session 34: eager, the
+    largest first."""
+    if "eager_update" not in rec:
+        return {"eager_update": False, "scheduling": "priority"}
+    return {"eager_update": bool(rec["eager_update"]), "scheduling": rec.get("scheduling", "size")}
+
+
+def predict(c: Config, costs, cores: int, ran: dict | None = None,
             nosync_s: float | None = None) -> tuple[float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
     as `gradhub bench train` runs it (every byte count / scale, this
-    machine's cores shared by every emulated host; `before_s34`: measured
-    with the defaults before the eager update and the largest-first order,
-    i.e. one update after every result and forward order), and the
+    machine's cores shared by every emulated host; `ran`: Options fields
+    the measured run had, `ran_with`, else today's defaults), and the
     core-seconds per gradhub iteration it charges the machine.
 
     `nosync_s`: the emulated model's iteration measured without any
@@ -134,7 +144,7 @@ def predict(c: Config, costs, cores: int, before_s34: bool = False,
                           [_replace(lay, forward_s=lay.forward_s * f, backward_s=lay.backward_s * f)
                            for lay in prof.layers], prof.source + ", compute as measured without synchronization")
     cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
-    opt = replace(Options(), eager_update=False, scheduling="priority") if before_s34 else Options()
+    opt = replace(Options(), **(ran or {}))
     gh = simulate_gradhub(prof, cl, opt.scaled(c.scale), costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
     return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s
@@ -151,8 +161,7 @@ def table(configs: list[Config], cache: Path, costs, cores: int,
         if not g or not d:
             continue
         none = have.get(config_key(c, "none"))
-        # A record without the field was measured before the eager update existed.
-        pg, pd, cpu = predict(c, costs, cores, before_s34="eager_update" not in g,
+        pg, pd, cpu = predict(c, costs, cores, ran=ran_with(g),
                               nosync_s=none["iter_time_mean"] if none and measured_compute else None)
         rows.append({"model": c.model, "workers": c.workers, "k": c.k, "rate": c.rate, "scale": c.scale,
                      "gradhub_measured": g["samples_per_s"], "gradhub_predicted": pg,

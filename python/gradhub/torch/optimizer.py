@@ -181,6 +181,13 @@ class _DistributedOptimizer:
         """Higher = sooner (see `_gh_reprioritize`)."""
         return self._gh_prio.get(id(p), 0)
 
+    def _gh_schedule(self) -> str:
+        """The scheduling in force: GRADHUB_SCHEDULING with `auto` resolved
+        (see `_gh_reprioritize`)."""
+        if self._gh_scheduling == "auto":
+            return "priority" if getattr(self._gh_mode, "on", False) else "fifo"
+        return self._gh_scheduling
+
     def _gh_reprioritize(self) -> None:
         """The priorities of the scheduling in force (GRADHUB_SCHEDULING):
         - `priority`: forward order, earlier = more urgent (P3: the next
@@ -190,14 +197,21 @@ class _DistributedOptimizer:
           the order decides only what is left after the last byte: the
           updates of the last tensors in (eager update, modes.py), the
           smaller the sooner step() returns;
-        - `fifo`: all equal, i.e. in order of readiness;
-        - `auto` (default): forward order while forward overlap is on, the
-          largest first otherwise.
+        - `fifo`: all equal, i.e. in order of readiness (the job-wide order
+          is then the tensors' keys, first use first: the same on every
+          worker whenever each one's gradients arrive);
+        - `auto` (default): forward order while forward overlap is on,
+          `fifo` otherwise. A priority that differs from readiness lets a
+          late gradient (BERT's embedding, the largest and the last in
+          backward) preempt the others; workers reach it at different
+          times, so for a while each pushes different chunks, and each
+          one's windows fill with chunks waiting for the others' pushes
+          while its link idles (BERT-base with CPU-only servers, 4 hosts:
+          fifo 13 % faster than `size`; docs/benchmarks.md, "Scheduling:
+          readiness order").
         Called when built, when the forward order is known, and when
         autotuning switches forward overlap."""
-        sched = self._gh_scheduling
-        if sched == "auto":
-            sched = "priority" if getattr(self._gh_mode, "on", False) else "size"
+        sched = self._gh_schedule()
         rank = self._gh_rank_of
         if sched == "fifo":
             self._gh_prio = {}
