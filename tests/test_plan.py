@@ -261,3 +261,13 @@ def test_emulated_path_fit_recovers_per_message_and_per_byte():
     points = {s: (2 * msgs * (per_msg + s * per_byte), msgs) for s in SIZES}
     got = _fit(points)
     assert got[0] == pytest.approx(per_msg, rel=1e-9) and got[1] == pytest.approx(per_byte, rel=1e-9)
+
+
+def test_cached_runs_are_predicted_with_the_defaults_they_ran():
+    # Records from before the eager update (session 33 and earlier), from session 34 (eager, the largest
+    # first) and from session 35 on (they name the scheduling in force) each predicted as they ran.
+    from gradhub.plan.validate import ran_with
+
+    assert ran_with({"samples_per_s": 1.0}) == {"eager_update": False, "scheduling": "priority"}
+    assert ran_with({"eager_update": True}) == {"eager_update": True, "scheduling": "size"}
+    assert ran_with({"eager_update": False, "scheduling": "fifo"}) == {"eager_update": False, "scheduling": "fifo"}
