@@ -5,8 +5,8 @@
 //! from `crate::error::Error` to Python exceptions. The Python package builds
 //! the user API on this.
 
-use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Sender, TrySendError};
 use pyo3::create_exception;
@@ -61,11 +61,65 @@ fn callback_queue() -> &'static Sender<(Py<PyAny>, Option<String>)> {
     })
 }
 
+/// Callbacks and the interpreter's exit. Once CPython finalizes, a thread
+/// that takes the GIL is ended mid-call (or finds no interpreter): on the
+/// callback thread a panic or an abort (SIGABRT) after the script's work
+/// was done. `close_callbacks` runs from an atexit hook, before
+/// finalization: from then on callbacks are dropped unrun, and it waits
+/// (bounded) for the ones already running to finish.
+struct Gate {
+    closing: bool,
+    running: usize,
+}
+
+static GATE: Mutex<Gate> = Mutex::new(Gate { closing: false, running: 0 });
+static GATE_IDLE: Condvar = Condvar::new();
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+fn gate() -> MutexGuard<'static, Gate> {
+    GATE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn run_callback(f: Py<PyAny>, err: Option<String>) {
+    {
+        let mut g = gate();
+        if g.closing {
+            // Not even a reference count to drop: the interpreter is going.
+            std::mem::forget(f);
+            return;
+        }
+        g.running += 1;
+    }
     Python::attach(|py| {
         if let Err(e) = f.call1(py, (err,)) {
             // Like an exception in a thread: reported, never lost silently.
             e.write_unraisable(py, Some(f.bind(py)));
+        }
+        drop(f);
+    });
+    let mut g = gate();
+    g.running -= 1;
+    if g.running == 0 {
+        GATE_IDLE.notify_all();
+    }
+}
+
+/// Stop running completion callbacks: the interpreter is about to exit
+/// (gradhub registers this with atexit, to run after its shutdown). Waits
+/// up to 5 s, without the GIL, for callbacks already running.
+#[pyfunction]
+fn close_callbacks(py: Python<'_>) {
+    py.detach(|| {
+        let mut g = gate();
+        g.closing = true;
+        let deadline = Instant::now() + CLOSE_WAIT;
+        while g.running > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                log::warn!(target: "worker", "{} completion callback(s) still running at exit", g.running);
+                break;
+            }
+            g = GATE_IDLE.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
         }
     });
 }
@@ -414,6 +468,7 @@ fn kernel_simd_level() -> &'static str {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::logging::init();
+    m.add_function(wrap_pyfunction!(close_callbacks, m)?)?;
     m.add_function(wrap_pyfunction!(run_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(start_scheduler, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;

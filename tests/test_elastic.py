@@ -23,7 +23,7 @@ def test_a_lost_worker_rolls_the_others_back_to_the_last_commit(cluster_factory)
     c = cluster_factory(3, 1, GRADHUB_PEER_TIMEOUT="3")
     for w in range(3):
         c.start_worker(w, "torch_elastic.py", {"lose": 2})
-    assert c.procs["worker2"].wait(timeout=120) == 9
+    assert c.procs["worker2"].wait(timeout=120) == 9, c.log("worker2")
     for w in range(2):
         assert c.procs[f"worker{w}"].wait(timeout=60) == 0, c.log(f"worker{w}")
         assert "ROLLED BACK" in c.log(f"worker{w}"), c.log(f"worker{w}")

@@ -32,12 +32,15 @@ def test_digits_distributed_matches_single_process():
     assert a1 > 0.9 and a4 > 0.9, (a1, a4)
     assert abs(a1 - a4) <= 0.02, (a1, a4)
     # The asynchronous mode (issue 31), every worker pushing for itself: the
-    # same samples reach the synchronous run's accuracy within 2 points.
+    # same samples reach the synchronous run's accuracy within 4 points.
+    # Stale updates cost it some, and which ones are stale varies: 12 runs
+    # here ended 2.5 points below to 1.3 above the synchronous run (397
+    # test digits: one is 0.25 points).
     rc, out = run([sys.executable, "-m", "gradhub", "launch", "-w", "4", "-s", "2", "--", sys.executable, *args],
                   GRADHUB_ASYNC=1, GRADHUB_HOST_REDUCE=0)
     assert rc == 0, out[-3000:]
     aa = final_accuracy(out)
-    assert abs(a4 - aa) <= 0.02, (a4, aa)
+    assert a4 - aa <= 0.04, (a4, aa)
 
 
 def test_synthetic_benchmark_runs():

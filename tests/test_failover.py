@@ -109,8 +109,8 @@ def test_losing_a_chunk_and_its_replica_with_optimizer_state_is_a_clear_error(cl
         assert c.procs[f"worker{w}"].wait(timeout=60) != 0
         log = c.log(f"worker{w}")
         assert "was lost" in log and "server-side optimizer" in log, log
-    assert c.procs["scheduler"].wait(timeout=30) == 1
-    assert c.procs["server0"].wait(timeout=30) == 1
+    assert c.procs["scheduler"].wait(timeout=30) == 1, c.log("scheduler")
+    assert c.procs["server0"].wait(timeout=30) == 1, c.log("server0")
 
 
 def test_losing_a_server_with_optimizer_state_and_failover_off_is_a_clear_error(cluster_factory):
@@ -120,7 +120,7 @@ def test_losing_a_server_with_optimizer_state_and_failover_off_is_a_clear_error(
     for w in range(WORKERS):
         assert c.procs[f"worker{w}"].wait(timeout=60) != 0
         assert "server 1" in c.log(f"worker{w}"), c.log(f"worker{w}")
-    assert c.procs["scheduler"].wait(timeout=30) == 1
+    assert c.procs["scheduler"].wait(timeout=30) == 1, c.log("scheduler")
 
 
 def add_server(c, name="server3"):

@@ -35,7 +35,7 @@ def test_server_killed_mid_round_raises_naming_it(cluster_factory, tmp_path, ser
     line = wait_line(c, "worker0", "RAISED", timeout=20)
     assert time.monotonic() - killed < 20
     assert f"server {servers - 1}" in line, line
-    assert c.procs["worker0"].wait(timeout=20) == 3
+    assert c.procs["worker0"].wait(timeout=20) == 3, c.log("worker0")
 
 
 def test_worker_killed_is_reported_to_the_others(cluster_factory, tmp_path):
@@ -49,8 +49,8 @@ def test_worker_killed_is_reported_to_the_others(cluster_factory, tmp_path):
     line = wait_line(c, "worker0", "RAISED", timeout=20)
     assert "worker 1" in line, line
     # The scheduler and the server end with an error, they don't hang.
-    assert c.procs["scheduler"].wait(timeout=20) == 1
-    assert c.procs["server0"].wait(timeout=20) == 1
+    assert c.procs["scheduler"].wait(timeout=20) == 1, c.log("scheduler")
+    assert c.procs["server0"].wait(timeout=20) == 1, c.log("server0")
 
 
 def test_a_process_set_member_killed_is_reported_to_members_and_non_members(cluster_factory):
@@ -66,9 +66,24 @@ def test_a_process_set_member_killed_is_reported_to_members_and_non_members(clus
     for w in (0, 2):
         line = wait_line(c, f"worker{w}", "RAISED", timeout=20)
         assert "worker 1" in line, line
-        assert c.procs[f"worker{w}"].wait(timeout=20) == 3
-    assert c.procs["scheduler"].wait(timeout=20) == 1
-    assert c.procs["server0"].wait(timeout=20) == 1
+        assert c.procs[f"worker{w}"].wait(timeout=20) == 3, c.log(f"worker{w}")
+    assert c.procs["scheduler"].wait(timeout=20) == 1, c.log("scheduler")
+    assert c.procs["server0"].wait(timeout=20) == 1, c.log("server0")
+
+
+def test_completion_callbacks_at_exit_neither_abort_nor_are_cut_short():
+    # A callback still running when the script ends finishes, and the
+    # worker exits with the script's status.
+    rc, out = run_launch(1, 1, "callback_at_exit.py", {"status": 5})
+    assert rc == 5 and "CALLBACK DONE" in out and "panicked" not in out, out[-4000:]
+    # Operations in flight at exit: shutdown fails them, and their callbacks
+    # met the interpreter's finalization on the callback thread (a panic
+    # in most runs, SIGABRT in some, before the fix).
+    for _ in range(3):
+        rc, out = run_launch(2, 1, "callback_at_exit.py", {"status": 5, "mode": "in_flight"})
+        mine = "\n".join(line for line in out.splitlines() if line.startswith("[worker 0]"))
+        assert rc == 5 and "EXITING" in mine, out[-4000:]
+        assert "panicked" not in mine and "Fatal Python error" not in mine, mine[-4000:]
 
 
 @pytest.mark.parametrize("how", ["exception", "shutdown"])
@@ -83,9 +98,9 @@ def test_a_worker_that_fails_is_not_a_worker_that_finished(cluster_factory, tmp_
     line = wait_line(c, "worker0", "RAISED", timeout=20)
     want = "ZeroDivisionError: a bug in the training script" if how == "exception" else "operations in flight: never_matched"
     assert "worker 1" in line and want in line, line
-    assert c.procs["worker1"].wait(timeout=20) == (1 if how == "exception" else 0)
-    assert c.procs["scheduler"].wait(timeout=20) == 1
-    assert c.procs["server0"].wait(timeout=20) == 1
+    assert c.procs["worker1"].wait(timeout=20) == (1 if how == "exception" else 0), c.log("worker1")
+    assert c.procs["scheduler"].wait(timeout=20) == 1, c.log("scheduler")
+    assert c.procs["server0"].wait(timeout=20) == 1, c.log("server0")
 
 
 @pytest.mark.parametrize("what,how,host_reduce", [
@@ -104,10 +119,10 @@ def test_a_worker_that_left_fails_what_still_needs_it(cluster_factory, what, how
     line = wait_line(c, "worker0", "RAISED", timeout=30)
     assert "left the job" in line and "1" in line and "same collective operations" in line, line
     assert "STEP 1" in c.log("worker0") and "STEP 2" not in c.log("worker0")
-    assert c.procs["worker1"].wait(timeout=20) == (1 if how == "exit1" else 0)
-    assert c.procs["worker0"].wait(timeout=20) == 3
-    assert c.procs["scheduler"].wait(timeout=20) == 1
-    assert c.procs["server0"].wait(timeout=20) == 1
+    assert c.procs["worker1"].wait(timeout=20) == (1 if how == "exit1" else 0), c.log("worker1")
+    assert c.procs["worker0"].wait(timeout=20) == 3, c.log("worker0")
+    assert c.procs["scheduler"].wait(timeout=20) == 1, c.log("scheduler")
+    assert c.procs["server0"].wait(timeout=20) == 1, c.log("server0")
 
 
 def test_silent_peer_detected_by_heartbeat(cluster_factory, tmp_path):
@@ -205,7 +220,7 @@ def test_garbage_to_server_port_is_rejected_and_job_continues(cluster_factory, t
     c.wait_for("worker1", "PASS")
     log = c.log("server0")
     assert "closing connection" in log and "bad magic" in log
-    assert c.procs["server0"].wait(timeout=20) == 0
+    assert c.procs["server0"].wait(timeout=20) == 0, c.log("server0")
 
 
 def test_usage_errors_and_mismatched_declarations():
@@ -267,4 +282,4 @@ def test_a_member_out_of_file_descriptors_accepts_what_waited_once_some_free_up(
     go.write_text("go")
     c.wait_for("worker0", "PASS")
     c.wait_for("worker1", "PASS")
-    assert c.procs["server0"].wait(timeout=20) == 0
+    assert c.procs["server0"].wait(timeout=20) == 0, c.log("server0")

@@ -133,6 +133,10 @@ def settings() -> list[tuple[str, str, str | None, str, list[str], str, list[str
     """Every GRADHUB_* setting (src/settings.rs): (name, kind, default as
     written or None, default as documented, roles, help, choices, aliases)."""
 
+def close_callbacks() -> None:
+    """Stop running completion callbacks before the interpreter exits
+    (registered with atexit by gradhub; waits up to 5 s for running ones)."""
+
 def run_scheduler(config: SchedulerConfig) -> None:
     """Run a scheduler until the job ends (blocking, without the GIL)."""
 

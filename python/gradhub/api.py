@@ -22,6 +22,12 @@ from ._core import GradhubError, GradhubTimeoutError
 from .buffers import INTEGER_DTYPES, describe, get_buffer, is_torch_tensor, stage, validate
 
 _lock = threading.Lock()
+# Completion callbacks run on a core thread, which must not take the GIL
+# once the interpreter finalizes: stop them at exit (those not started are
+# dropped). Registered at import, so it runs after the shutdown that init()
+# registers (atexit is LIFO).
+atexit.register(_core.close_callbacks)
+
 _client: _core.Client | None = None
 _embedded = None  # roles.Embedded: in-process scheduler / server (torchrun mode)
 _exit_error: str | None = None  # an unhandled exception, seen on the way out

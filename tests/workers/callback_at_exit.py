@@ -1,0 +1,46 @@
+"""Worker: completion callbacks meet the end of the script.
+
+mode "running": a callback is still running (in Python, the GIL released
+in time.sleep) when the script ends. mode "in_flight": rank 0 ends with an
+operation in flight, whose failure (shutdown fails the job) calls its
+callback while the interpreter exits; rank 1 never pushes.
+
+CPython ends a thread that takes the GIL once finalization has begun; for
+gradhub's callback thread that was an unwind through Rust frames, and the
+process could abort (SIGABRT) after its work was done. Each script must
+exit with its own status; "running" prints CALLBACK DONE first."""
+
+import sys
+import threading
+import time
+
+import numpy as np
+
+import gradhub
+from common import CONFIG
+
+gradhub.init()
+mode = CONFIG.get("mode", "running")
+started = threading.Event()
+
+
+def slow(_h):
+    started.set()
+    time.sleep(0.5)
+    print("CALLBACK DONE", flush=True)
+
+
+x = np.ones(1000, dtype=np.float32)
+if mode == "running":
+    h = gradhub.push_pull_async(x, name="x")
+    h.add_done_callback(slow)
+    h.wait()
+    if not started.wait(30):
+        sys.exit("the callback did not start")
+elif gradhub.rank() == 0:
+    for i in range(20):
+        gradhub.push_pull_async(x.copy(), name=f"x{i}").add_done_callback(lambda _h: time.sleep(0.01))
+else:
+    time.sleep(5)
+print("EXITING", flush=True)
+sys.exit(CONFIG.get("status", 0))
