@@ -233,9 +233,9 @@ def main():
             if together is not None:
                 together.meet("timed")
             net0 = link_counters(dev)
-            t_start = time.time()
+            t_start, main0 = time.time(), time.thread_time()
         if i == warmup + iters:
-            net1, t_end = link_counters(dev), time.time()
+            net1, t_end, main1 = link_counters(dev), time.time(), time.thread_time()
         t0, late0 = time.perf_counter(), CLOCK.late
         opt.zero_grad()
         model(x).backward()
@@ -247,7 +247,7 @@ def main():
     if together is not None:
         together.meet("done", everyone=False)  # worker 0 holds the store: it leaves last
     if not extra:
-        t_end = time.time()
+        t_end, main1 = time.time(), time.thread_time()
     steps = len(times) + tuning
     times = times[warmup:warmup + iters]
     lates = lates[warmup:warmup + iters]
@@ -261,6 +261,9 @@ def main():
         "compute_per_iter": profile.time_per_batch,
         "iter_times": times,
         "sleep_late_s": sum(lates) / max(1, len(lates)),
+        # This process's main (training) thread's CPU per timed iteration:
+        # forward, backward, the hooks and step(), and what it sends itself.
+        "main_cpu_s": (main1 - main0) / max(1, iters),
         "t_start": t_start, "t_end": t_end,
         "host": cfg.get("host"), "local_rank": cfg.get("local_rank", 0), "local_size": cfg.get("local_size", 1),
         "params_scaled": sum(p.numel() for p in model.parameters() if p.requires_grad),

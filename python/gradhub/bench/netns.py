@@ -27,6 +27,12 @@ class ClusterError(RuntimeError):
     pass
 
 
+def tbf_burst(rate_bps: int) -> int:
+    """The emulated links' token bucket: a burst of ~4 ms at line rate (at
+    least 64 KiB so GSO super-packets pass); 20 ms of queue behind it."""
+    return max(int(rate_bps) // 8 // 250, 64 * 1024)
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(list(argv), capture_output=True, text=True)
     if check and p.returncode != 0:
@@ -183,9 +189,7 @@ class EmulatedCluster:
 
     def _shape(self, tc: list[str], dev: str, rate: int | None = None):
         rate = rate or self.rate_bps
-        # Token bucket: burst of ~4 ms at line rate (at least 64 KiB so GSO
-        # super-packets pass), 20 ms of queue.
-        burst = max(rate // 8 // 250, 64 * 1024)
+        burst = tbf_burst(rate)
         _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
              "latency", _env.get("GRADHUB_BENCH_TBF_LATENCY"))
 

@@ -206,6 +206,9 @@ def summarize(results: list[dict]) -> dict:
     if "sleep_late_s" in r0:
         # The emulated compute's sleeps returning late, per iteration (the mean worker).
         out["sleep_late_ms"] = 1e3 * statistics.mean(r["sleep_late_s"] for r in results)
+    if "main_cpu_s" in r0:
+        # The training thread's CPU per iteration (the mean worker).
+        out["main_cpu_ms"] = 1e3 * statistics.mean(r["main_cpu_s"] for r in results)
     if "eager_update" in r0:
         out["eager_update"] = all(r["eager_update"] for r in results)
     if "scheduling" in r0:

@@ -179,25 +179,29 @@ def add_calibrate_arguments(p) -> None:
     p.add_argument("--out", default=str(DEFAULT_FILE), help=f"where to write the costs (default {DEFAULT_FILE})")
     p.add_argument("--quick", action="store_true", help="smaller microbenchmarks (a few seconds)")
     p.add_argument("--emulated", action="store_true",
-                   help="measure only the emulated network path's CPU (veth, bridge, tc; per byte and per message "
-                        "beyond loopback, what `--shared-cores` charges) and update those two costs in --out, "
-                        "keeping the others (root, network namespaces, about 40 s; hold /work/bench.lock or "
-                        "equivalent while others measure)")
+                   help="measure only the emulated cluster's costs: the network path's CPU (veth, bridge, tc; per "
+                        "byte and per message beyond loopback) and a worker's main-thread CPU per push_pull there "
+                        "(an emulated training run of a model outside the validation set), what `--shared-cores` "
+                        "charges; update those in --out, keeping the others (root, network namespaces, about 3 "
+                        "min; hold /work/bench.lock or equivalent while others measure)")
 
 
 def run_calibrate(args) -> int:
     out = Path(args.out)
     old = Costs.load(out) if out.exists() else Costs()
     if args.emulated:
-        from .netcal import measure
+        from .netcal import main_thread, measure
 
         print("emulated network path, CPU beyond loopback TCP's:")
         m = measure(seconds=1.5 if args.quick else 3.0)
         c = replace(old, path_cpu_per_byte=m["path_cpu_per_byte"], path_cpu_per_msg_s=m["path_cpu_per_msg_s"],
                     source=f"{old.source.split('; ')[0]}; {m['path_source']}")
+        print("a worker's main thread per push_pull, every host's threads on the shared cores:")
+        c = replace(c, emu_op_cpu_s=main_thread(c, iters=15 if args.quick else 30,
+                                                trials=1 if args.quick else 3)["emu_op_cpu_s"])
     else:   # the microbenchmarks; the emulated path's costs stay as calibrated
         c = replace(calibrate(args.quick), path_cpu_per_byte=old.path_cpu_per_byte,
-                    path_cpu_per_msg_s=old.path_cpu_per_msg_s)
+                    path_cpu_per_msg_s=old.path_cpu_per_msg_s, emu_op_cpu_s=old.emu_op_cpu_s)
         if "; " in old.source:
             c = replace(c, source=f"{c.source}; {old.source.split('; ', 1)[1]}")
     c.save(out)

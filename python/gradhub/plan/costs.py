@@ -46,6 +46,11 @@ class Costs:
     # from the hosts' cores that way.
     path_cpu_per_byte: float = 9.43e-10  # CPU seconds per byte crossing between emulated hosts
     path_cpu_per_msg_s: float = 6.7e-06  # CPU per message crossing between emulated hosts
+    # A worker's main thread per push_pull on the emulated cluster, where
+    # every worker's threads and the servers share the machine's cores
+    # (`gradhub bench calibrate --emulated`, netcal.main_thread: measured on
+    # a model outside the validation set); 0: op_cpu_s, measured alone.
+    emu_op_cpu_s: float = 0.0
     # Cores of the machine calibrated: what the emulated cluster's hosts all
     # share there (`gradhub bench validate`, `--shared-cores`).
     machine_cores: int = 2
@@ -202,4 +207,5 @@ def describe(c: Costs) -> str:
             f"local step {c.step_Bps / 1e9:.2f} GB/s of parameters, {c.op_cpu_s * 1e6:.0f} us worker CPU per "
             f"push_pull, sleep {c.sleep_overshoot_s * 1e6:.0f} us late, {c.layer_cpu_s * 1e6:.0f} us CPU per emulated "
             f"layer, wire efficiency {c.wire_efficiency:.3f}, {c.machine_cores} cores, emulated network path "
-            f"{c.path_cpu_per_byte * 1e9:.3f} ns per byte and {c.path_cpu_per_msg_s * 1e6:.1f} us per message")
+            f"{c.path_cpu_per_byte * 1e9:.3f} ns per byte and {c.path_cpu_per_msg_s * 1e6:.1f} us per message"
+            + (f", {c.emu_op_cpu_s * 1e6:.0f} us main-thread CPU per push_pull there" if c.emu_op_cpu_s else ""))

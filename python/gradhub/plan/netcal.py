@@ -145,3 +145,50 @@ def measure(rates=("500mbit", "1gbit"), flows=(1, 4), seconds: float = 2.0, log=
     return {"path_cpu_per_msg_s": max(0.0, statistics.median(r["msg_s"] for r in rows)),
             "path_cpu_per_byte": max(0.0, statistics.median(r["byte_s"] for r in rows)),
             "path_runs": rows, "path_source": f"gradhub bench calibrate --emulated, {time.strftime('%Y-%m-%d %H:%M')}"}
+
+
+# The main-thread calibration's run: a model outside the validation set
+# (validate.CONFIGS), so the table checks this cost rather than fits it.
+MAIN_CONFIG = ("inception_v3", 4, 0, "1gbit")
+
+
+def main_thread(costs, iters: int = 30, trials: int = 3, log=print) -> dict:
+    """A worker's main-thread CPU per push_pull on the emulated cluster.
+
+    `gradhub bench train` runs MAIN_CONFIG without synchronization and
+    under gradhub; every worker reports its main (training) thread's CPU
+    per iteration. What gradhub adds there, less what the simulator already
+    charges that thread for the chunks it sends itself, per push_pull, is
+    `emu_op_cpu_s`: the hooks, push_pull and the eager update's calls, at
+    the cost they have while every host's threads share the cores (about
+    3 x op_cpu_s, which is measured alone on loopback)."""
+    import tempfile
+    from dataclasses import replace as _replace
+    from pathlib import Path
+
+    from ..bench.cli import main as bench_main
+    from .sim import GradhubSim
+    from .validate import Config, _inputs, ran_with, train_argv
+
+    model, workers, k, rate = MAIN_CONFIG
+    c = Config(model, workers, k, rate)
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "main.jsonl"
+        rc = bench_main(train_argv(model, c.scale, workers, k, rate, ["none", "gradhub"], iters, 3, out, trials))
+        recs = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())} if out.exists() else {}
+    if rc != 0 or not {"none", "gradhub"} <= recs.keys():
+        raise RuntimeError(f"the main-thread calibration run ({c.label}) failed")
+    none, gh = recs["none"], recs["gradhub"]
+    extra = (gh["main_cpu_ms"] - none["main_cpu_ms"]) / 1e3
+    base = _replace(costs, emu_op_cpu_s=costs.op_cpu_s)
+    sim = GradhubSim(*_inputs(c, base, base.machine_cores, ran_with(gh), none["iter_time_mean"]), base)
+    res = sim.run()
+    msgs = len(sim.msgs)
+    sends = res.main_sync_cpu_s - msgs * base.op_cpu_s
+    per_op = max(costs.op_cpu_s, (extra - sends) / msgs)
+    log(f"  {c.label}: main thread {none['main_cpu_ms']:.1f} ms per iteration without synchronization, "
+        f"{gh['main_cpu_ms']:.1f} ms with gradhub; {msgs} push_pulls, {sends * 1e3:.1f} ms of the thread's own sends "
+        f"(the model's) -> {per_op * 1e6:.0f} us per push_pull (alone: {costs.op_cpu_s * 1e6:.0f} us)")
+    return {"emu_op_cpu_s": per_op, "main_run": {"config": c.label, "none_main_cpu_ms": none["main_cpu_ms"],
+                                                 "gradhub_main_cpu_ms": gh["main_cpu_ms"], "push_pulls": msgs,
+                                                 "own_sends_ms": sends * 1e3}}

@@ -34,6 +34,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from ..bench.netns import tbf_burst
 from ..bench.runner import byteps_optimum_time
 from .cluster import Cluster, Options
 from .costs import Costs
@@ -53,6 +54,7 @@ class Result:
     wall_s: float = 0.0
     detail: str = ""
     machine_cpu_s: float = 0.0       # with shared cores: the machine's core-seconds per iteration the model charges
+    main_sync_cpu_s: float = 0.0     # a worker's main thread per iteration, for its push_pulls and own sends
 
 
 @dataclass
@@ -240,6 +242,7 @@ class GradhubSim:
             send = (self.n_push * k.chunk_cpu_s / 2 + k.tcp_cpu_per_byte * wire / 2 + path / 2) / self.cores
             srv = (self.n_push * k.chunk_cpu_s / 2 + hosts_owning * summed / k.sum_Bps
                    + k.tcp_cpu_per_byte * wire / 2 + path / 2) / self.cores
+            send_path = path / 2 / self.cores
             if c.workers_per_host > 1 and self.o.host_reduce:
                 send += 2 * c.workers * b / k.mem_Bps / self.cores   # contribute and copy out
             recv = 0.0
@@ -248,8 +251,9 @@ class GradhubSim:
             recv = P * k.chunk_cpu_s / 4 + k.tcp_cpu_per_byte * (res_up + loop) / 2
             srv = (self.n_push / (H if kind == "gpu" else c.cpu_servers)) * k.chunk_cpu_s / 2 \
                 + summed / k.sum_Bps + k.tcp_cpu_per_byte * (own_down + own_up) / 2
+            send_path = 0.0
         got = (push_up / self.B, own_down / self.B, res_up / self.B, own_up / self.B, core_b / self.core_B,
-               send, srv, recv)
+               send, srv, recv, send_path)
         self._cost_cache[key] = got
         return got
 
@@ -285,10 +289,15 @@ class GradhubSim:
                 # and updates not finished yet.
                 "early_bytes": 0, "updating": 0} for _ in range(iters)]
         win = {"bytes": 0}
+        caller: dict = {"sends": None, "tokens": 0}   # what the main thread sends now (shared cores only)
         updated = [[not layer_msgs[li] for li in range(L)] for _ in range(iters)]
         wcpu = self.cpu if self.cores else self.w_cpu
-        # Per push_pull, every worker's CPU (all of them on the shared cores).
-        op_s = self.k.op_cpu_s * spread
+        # Per push_pull, every worker's CPU (all of them on the shared cores):
+        # on the emulated cluster, its main thread's as measured there.
+        op_s = (self.k.emu_op_cpu_s if self.cores and self.k.emu_op_cpu_s > 0 else self.k.op_cpu_s) * spread
+        # The main thread's CPU for gradhub (push_pulls and its own sends),
+        # pool-seconds over every iteration: Result.main_sync_cpu_s.
+        main_sync = [0.0]
 
         def main_cpu(s, fn, *args):
             """The workers' main (autograd) thread's CPU: on the shared pool
@@ -318,7 +327,7 @@ class GradhubSim:
 
         def send_chunk(key, i, mi, ci):
             b, kind = self.msgs[mi].chunks[ci]
-            pu, od, ru, ou, cb, send, srv, recv = self.costs(b, kind)
+            pu, od, ru, ou, cb, send, srv, recv, send_path = self.costs(b, kind)
 
             def via_core(then):
                 """Across the racks' core links (one level or two), then on."""
@@ -343,7 +352,17 @@ class GradhubSim:
                 e.use(self.down, 0, ru if kind == "gpu" else pu,
                       lambda: e.use(wcpu, key, recv, chunk_done, i, mi))
 
-            e.use(wcpu, key, send, lambda: e.use(self.up, 0, pu, lambda: e.at(e.now + lat, via_core, arrive)))
+            def leave():
+                e.use(self.up, 0, pu, lambda: e.at(e.now + lat, via_core, arrive))
+
+            if caller["sends"] is not None:   # sent from the caller's thread, which waits for it
+                if caller["tokens"] >= b:     # the link's token bucket lets it through at once
+                    caller["tokens"] -= b
+                    caller["sends"].append((send, leave))
+                else:                         # queued at the shaper: the path's CPU comes later, elsewhere
+                    caller["sends"].append((send - send_path, lambda: e.use(wcpu, key, send_path, leave)))
+            else:
+                e.use(wcpu, key, send, leave)
 
         eager = o.eager_update and not o.overlap_forward
 
@@ -439,10 +458,35 @@ class GradhubSim:
                 return
 
             def issued():
+                # push_pull sends what the windows admit at once, on the
+                # caller's thread (client/io/submit.rs): on the emulated
+                # cluster that thread pays the send and the network path up
+                # to the shaper, and backward goes on after it.
+                caller["sends"] = []
+                # As far as the emulated uplink's token bucket lets them
+                # through (full when the link is idle), the caller's thread
+                # also carries them along the path; the rest waits in the
+                # shaper, for the kernel to send from a timer.
+                idle = self.up.free > 0 and not self.up.queue
+                caller["tokens"] = tbf_burst(self.c.rate_bps) if idle else 0
                 for mi in ready:
                     enqueue(i, mi)
-                backward(i, li - 1)
+                sends, caller["sends"] = caller["sends"], None
+                if not sends:
+                    backward(i, li - 1)
+                    return
+                left = [len(sends)]
+
+                def sent(leave):
+                    leave()
+                    left[0] -= 1
+                    if left[0] == 0:
+                        backward(i, li - 1)
+                for cpu, leave in sends:
+                    main_sync[0] += cpu
+                    main_cpu(cpu, sent, leave)
             cpu_s = p.layers[li].backward_cpu_s * spread + len(ready) * op_s
+            main_sync[0] += len(ready) * op_s
             main_cpu(cpu_s, issued)
 
         def enqueue(i, mi):
@@ -468,7 +512,7 @@ class GradhubSim:
                          for m in self.msgs for b, kind in m.chunks) * self.B
         return Result("gradhub", N * p.batch / iter_s, iter_s, neck, util, host_bytes, e.events,
                       time.perf_counter() - t0, "two-level racks" if self.two else "",
-                      self.cpu.busy * self.cores / iters)
+                      self.cpu.busy * self.cores / iters, main_sync[0] / spread / iters)
 
 
 def simulate_gradhub(profile: SimProfile, c: Cluster, opt: Options, costs: Costs) -> Result:

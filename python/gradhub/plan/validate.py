@@ -112,6 +112,35 @@ def ran_with(rec: dict) -> dict:
     return {"eager_update": bool(rec["eager_update"]), "scheduling": rec.get("scheduling", "size")}
 
 
+def simulate_config(c: Config, costs, cores: int, ran: dict | None = None, nosync_s: float | None = None):
+    """The simulator's gradhub Result for a configuration as `predict` runs it."""
+    from .sim import simulate_gradhub
+
+    prof, cl, opt = _inputs(c, costs, cores, ran, nosync_s)
+    return simulate_gradhub(prof, cl, opt, costs)
+
+
+def _inputs(c: Config, costs, cores: int, ran: dict | None, nosync_s: float | None):
+    """(profile, cluster, options) of a configuration, see `predict`."""
+    from dataclasses import replace as _replace
+
+    from .cluster import Cluster, Options, rate
+    from .profile import SimProfile, builtin, emulated
+
+    prof = emulated(builtin(c.model, c.scale), costs)
+    if nosync_s:
+        spread = max(1.0, c.workers / cores) if cores else 1.0
+        step_s = prof.model_bytes / costs.step_Bps * spread
+        total = sum(lay.forward_s + lay.backward_s for lay in prof.layers)
+        f = max(0.1, (nosync_s - step_s) / total)
+        prof = SimProfile(prof.name, prof.batch,
+                          [_replace(lay, forward_s=lay.forward_s * f, backward_s=lay.backward_s * f)
+                           for lay in prof.layers], prof.source + ", compute as measured without synchronization")
+    cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
+    opt = replace(Options(), **(ran or {}))
+    return prof, cl, opt.scaled(c.scale)
+
+
 def predict(c: Config, costs, cores: int, ran: dict | None = None,
             nosync_s: float | None = None) -> tuple[float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
@@ -127,25 +156,12 @@ def predict(c: Config, costs, cores: int, ran: dict | None = None,
     measured, which a real model's would be too), not its idle
     calibration's replay (`profile.emulated`): each layer's time scaled so
     that forward, backward and the local step add up to it."""
-    from dataclasses import replace as _replace
-
-    from .cluster import Cluster, Options, rate
+    from .cluster import Cluster, rate
     from .ddp import simulate_ddp
-    from .profile import SimProfile, builtin, emulated
     from .sim import simulate_gradhub
 
-    prof = emulated(builtin(c.model, c.scale), costs)
-    if nosync_s:
-        spread = max(1.0, c.workers / cores) if cores else 1.0
-        step_s = prof.model_bytes / costs.step_Bps * spread
-        total = sum(lay.forward_s + lay.backward_s for lay in prof.layers)
-        f = max(0.1, (nosync_s - step_s) / total)
-        prof = SimProfile(prof.name, prof.batch,
-                          [_replace(lay, forward_s=lay.forward_s * f, backward_s=lay.backward_s * f)
-                           for lay in prof.layers], prof.source + ", compute as measured without synchronization")
-    cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
-    opt = replace(Options(), **(ran or {}))
-    gh = simulate_gradhub(prof, cl, opt.scaled(c.scale), costs)
+    prof, cl, opt = _inputs(c, costs, cores, ran, nosync_s)
+    gh = simulate_gradhub(prof, cl, opt, costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
     return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s
 
