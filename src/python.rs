@@ -90,6 +90,7 @@ fn run_callback(f: Py<PyAny>, err: Option<String>) {
         }
         g.running += 1;
     }
+    let _running = Running;
     Python::attach(|py| {
         if let Err(e) = f.call1(py, (err,)) {
             // Like an exception in a thread: reported, never lost silently.
@@ -97,10 +98,19 @@ fn run_callback(f: Py<PyAny>, err: Option<String>) {
         }
         drop(f);
     });
-    let mut g = gate();
-    g.running -= 1;
-    if g.running == 0 {
-        GATE_IDLE.notify_all();
+}
+
+/// One callback running (counted in `Gate::running`), until dropped, also
+/// by a panic.
+struct Running;
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let mut g = gate();
+        g.running -= 1;
+        if g.running == 0 {
+            GATE_IDLE.notify_all();
+        }
     }
 }
 

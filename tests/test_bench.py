@@ -168,6 +168,8 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
     for r in rows:
         assert r["samples_per_s"] > 0 and 0 < r["scaling_efficiency"] <= 1.2
         assert r["busy_cores"] is None or 0 <= r["busy_cores"] <= 2.5
+        # The training thread's CPU per iteration: some, never more than the iteration's time.
+        assert 0 < r["main_cpu_ms"] <= 1e3 * r["iter_time_mean"] * 1.05, r
     none, ddp, gh = rows
     assert gh["sfb_layers"] == 3, gh
     assert gh["fc_param_diff"] < 1e-5, gh["fc_param_diff"]  # the average of the same gradients as DDP's

@@ -20,7 +20,7 @@ from gradhub.plan.sim import simulate_gradhub
 
 # Free CPU, every byte a payload byte: what the closed forms assume.
 IDEAL = Costs(sum_Bps=1e18, chunk_cpu_s=0.0, tcp_cpu_per_byte=0.0, mem_Bps=1e18, step_Bps=1e18, op_cpu_s=0.0,
-              wire_efficiency=1.0, path_cpu_per_byte=0.0, path_cpu_per_msg_s=0.0)
+              wire_efficiency=1.0, path_cpu_per_byte=0.0, path_cpu_per_msg_s=0.0, emu_op_cpu_s=0.0)
 MB = 1_000_000
 
 
@@ -271,3 +271,66 @@ def test_cached_runs_are_predicted_with_the_defaults_they_ran():
     assert ran_with({"samples_per_s": 1.0}) == {"eager_update": False, "scheduling": "priority"}
     assert ran_with({"eager_update": True}) == {"eager_update": True, "scheduling": "size"}
     assert ran_with({"eager_update": False, "scheduling": "fifo"}) == {"eager_update": False, "scheduling": "fifo"}
+
+
+def test_the_emulated_push_pull_cost_is_the_main_threads_on_shared_cores_only():
+    """`emu_op_cpu_s` (a push_pull's main-thread CPU measured on the
+    emulated cluster) replaces op_cpu_s (measured alone) where every host's
+    threads share the cores, and only there; Result.main_sync_cpu_s is that
+    thread's CPU for gradhub per iteration."""
+    L, n, cores = 10, 4, 2
+    prof = SimProfile("chain", 1, [SimLayer(f"l{i}", [4096], 1e-3, 2e-3) for i in range(L)])
+    costs = replace(IDEAL, op_cpu_s=1e-4, emu_op_cpu_s=1e-3)
+    fast = Cluster(n, 1, 0, True, 1e15, latency_s=0.0)
+    o = Options(fusion_threshold=0)
+    real = simulate_gradhub(prof, fast, o, costs)
+    assert real.iter_s == pytest.approx(prof.compute_s + 1e-4, rel=0.01)
+    shared = simulate_gradhub(prof, replace(fast, shared_cores=cores), o, costs)
+    assert shared.iter_s == pytest.approx(prof.compute_s + L * 1e-3 * n / cores, rel=0.01)
+    assert shared.main_sync_cpu_s == pytest.approx(L * 1e-3, rel=1e-9)
+
+
+def test_the_caller_sends_what_the_windows_admit_and_backward_waits_for_it():
+    """On the emulated cluster the main thread sends a push_pull's chunks
+    itself as far as the windows admit (client/io/submit.rs): their CPU is
+    that thread's, and backward goes on after it. With a wide window every
+    chunk goes so (chunk_cpu_s / 2 each: the sending end's half); with a
+    window of one byte, only a chunk ahead of everything in flight."""
+    L, n, cores, part, per_chunk = 8, 4, 2, 64 * 1024, 1e-4
+    prof = SimProfile("chain", 1, [SimLayer(f"l{i}", [4 * part], 1e-3, 2e-3) for i in range(L)])
+    costs = replace(IDEAL, chunk_cpu_s=per_chunk)
+    c = Cluster(n, 1, 0, True, 1e15, latency_s=0.0, shared_cores=cores)
+    wide = simulate_gradhub(prof, c, Options(fusion_threshold=0, partition_bytes=part, credit_bytes=1 << 30), costs)
+    assert wide.main_sync_cpu_s == pytest.approx(L * 4 * per_chunk / 2, rel=1e-9)
+    # Backward waited for them: each layer's sends, every worker's at once on the shared cores.
+    assert wide.iter_s >= prof.compute_s + (L - 1) * 4 * per_chunk / 2 * n / cores
+    narrow = simulate_gradhub(prof, c, Options(fusion_threshold=0, partition_bytes=part, credit_bytes=1), costs)
+    assert 0 < narrow.main_sync_cpu_s < wide.main_sync_cpu_s
+
+
+def test_the_callers_sends_carry_the_path_as_far_as_the_token_bucket_lets_them():
+    """The emulated network path's CPU of a chunk the main thread sends is
+    its own while the uplink's token bucket (bench/netns.py: ~4 ms at line
+    rate, at least 64 KiB) lets it through; beyond it, the chunk waits in
+    the shaper and the path's CPU is spent later, off that thread."""
+    from gradhub.bench.netns import tbf_burst
+
+    n, cores, part = 4, 2, 64 * 1024
+    prof = SimProfile("one", 1, [SimLayer("t", [64 * part], 1e-3, 2e-3)])
+    costs = replace(IDEAL, path_cpu_per_byte=1e-9)
+    o = Options(fusion_threshold=0, partition_bytes=part, credit_bytes=1 << 30)
+    sends = {}
+    for rate in (1e8, 1e11):
+        c = Cluster(n, 1, 0, True, rate, latency_s=0.0, shared_cores=cores)
+        sends[rate] = simulate_gradhub(prof, c, o, costs).main_sync_cpu_s
+    assert tbf_burst(1e8) == 64 * 1024 and tbf_burst(1e11) > 64 * part
+    assert sends[1e11] > 10 * sends[1e8] > 0
+
+
+def test_the_main_thread_calibration_takes_its_own_sends_out():
+    from gradhub.plan.netcal import per_push_pull
+
+    # 26 ms more per iteration, 4 ms of it the thread's own sends, 88 push_pulls: 250 us each.
+    assert per_push_pull(26e-3, 4e-3, 88, 68e-6) == pytest.approx(250e-6)
+    # Never below a push_pull's cost alone (a noisy run can measure less).
+    assert per_push_pull(1e-3, 4e-3, 88, 68e-6) == 68e-6

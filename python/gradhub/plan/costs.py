@@ -44,13 +44,14 @@ class Costs:
     # message crossing between emulated hosts, beyond loopback TCP's. Only
     # the shared-cores pool charges it: a real cluster's NICs do not take it
     # from the hosts' cores that way.
-    path_cpu_per_byte: float = 9.43e-10  # CPU seconds per byte crossing between emulated hosts
-    path_cpu_per_msg_s: float = 6.7e-06  # CPU per message crossing between emulated hosts
+    path_cpu_per_byte: float = 7.00e-10  # CPU seconds per byte crossing between emulated hosts
+    path_cpu_per_msg_s: float = 0.0      # CPU per message crossing between emulated hosts (the fit's median: 0)
     # A worker's main thread per push_pull on the emulated cluster, where
     # every worker's threads and the servers share the machine's cores
     # (`gradhub bench calibrate --emulated`, netcal.main_thread: measured on
     # a model outside the validation set); 0: op_cpu_s, measured alone.
-    emu_op_cpu_s: float = 0.0
+    # The built-in value is from 2026-11-26 (docs/bench/plan/calibration.json).
+    emu_op_cpu_s: float = 2.35e-04
     # Cores of the machine calibrated: what the emulated cluster's hosts all
     # share there (`gradhub bench validate`, `--shared-cores`).
     machine_cores: int = 2

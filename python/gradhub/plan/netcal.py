@@ -147,6 +147,13 @@ def measure(rates=("500mbit", "1gbit"), flows=(1, 4), seconds: float = 2.0, log=
             "path_runs": rows, "path_source": f"gradhub bench calibrate --emulated, {time.strftime('%Y-%m-%d %H:%M')}"}
 
 
+def per_push_pull(extra_s: float, own_sends_s: float, push_pulls: int, alone_s: float) -> float:
+    """The main thread's CPU per push_pull: what gradhub added to it per
+    iteration, less the chunks it sent itself (charged apart), per
+    push_pull; never below what one costs alone (`op_cpu_s`)."""
+    return max(alone_s, (extra_s - own_sends_s) / max(1, push_pulls))
+
+
 # The main-thread calibration's run: a model outside the validation set
 # (validate.CONFIGS), so the table checks this cost rather than fits it.
 MAIN_CONFIG = ("inception_v3", 4, 0, "1gbit")
@@ -179,13 +186,13 @@ def main_thread(costs, iters: int = 30, trials: int = 3, log=print) -> dict:
     if rc != 0 or not {"none", "gradhub"} <= recs.keys():
         raise RuntimeError(f"the main-thread calibration run ({c.label}) failed")
     none, gh = recs["none"], recs["gradhub"]
-    extra = (gh["main_cpu_ms"] - none["main_cpu_ms"]) / 1e3
+    extra = (gh["main_cpu_ms"] - none["main_cpu_ms"]) / 1e3   # what gradhub adds to the thread, per iteration
     base = _replace(costs, emu_op_cpu_s=costs.op_cpu_s)
     sim = GradhubSim(*_inputs(c, base, base.machine_cores, ran_with(gh), none["iter_time_mean"]), base)
     res = sim.run()
     msgs = len(sim.msgs)
     sends = res.main_sync_cpu_s - msgs * base.op_cpu_s
-    per_op = max(costs.op_cpu_s, (extra - sends) / msgs)
+    per_op = per_push_pull(extra, sends, msgs, costs.op_cpu_s)
     log(f"  {c.label}: main thread {none['main_cpu_ms']:.1f} ms per iteration without synchronization, "
         f"{gh['main_cpu_ms']:.1f} ms with gradhub; {msgs} push_pulls, {sends * 1e3:.1f} ms of the thread's own sends "
         f"(the model's) -> {per_op * 1e6:.0f} us per push_pull (alone: {costs.op_cpu_s * 1e6:.0f} us)")

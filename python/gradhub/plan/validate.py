@@ -142,12 +142,13 @@ def _inputs(c: Config, costs, cores: int, ran: dict | None, nosync_s: float | No
 
 
 def predict(c: Config, costs, cores: int, ran: dict | None = None,
-            nosync_s: float | None = None) -> tuple[float, float, float]:
+            nosync_s: float | None = None) -> tuple[float, float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
     as `gradhub bench train` runs it (every byte count / scale, this
     machine's cores shared by every emulated host; `ran`: Options fields
-    the measured run had, `ran_with`, else today's defaults), and the
-    core-seconds per gradhub iteration it charges the machine.
+    the measured run had, `ran_with`, else today's defaults), the
+    core-seconds per gradhub iteration it charges the machine and the CPU
+    seconds per iteration it charges a worker's main thread for gradhub.
 
     `nosync_s`: the emulated model's iteration measured without any
     synchronization, every worker computing at once (`gradhub bench train
@@ -163,7 +164,7 @@ def predict(c: Config, costs, cores: int, ran: dict | None = None,
     prof, cl, opt = _inputs(c, costs, cores, ran, nosync_s)
     gh = simulate_gradhub(prof, cl, opt, costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
-    return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s
+    return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s, gh.main_sync_cpu_s
 
 
 def table(configs: list[Config], cache: Path, costs, cores: int,
@@ -177,7 +178,7 @@ def table(configs: list[Config], cache: Path, costs, cores: int,
         if not g or not d:
             continue
         none = have.get(config_key(c, "none"))
-        pg, pd, cpu = predict(c, costs, cores, ran=ran_with(g),
+        pg, pd, cpu, main = predict(c, costs, cores, ran=ran_with(g),
                               nosync_s=none["iter_time_mean"] if none and measured_compute else None)
         rows.append({"model": c.model, "workers": c.workers, "k": c.k, "rate": c.rate, "scale": c.scale,
                      "gradhub_measured": g["samples_per_s"], "gradhub_predicted": pg,
@@ -185,7 +186,12 @@ def table(configs: list[Config], cache: Path, costs, cores: int,
                      "gradhub_error": pg / g["samples_per_s"] - 1, "ddp_error": pd / d["samples_per_s"] - 1,
                      # The machine's busy cores x iteration time (the run's sampler, whole machine) beside
                      # the core-seconds the model charges the shared cores per iteration.
-                     "cpu_measured_s": (g.get("busy_cores") or 0.0) * g["iter_time_mean"], "cpu_model_s": cpu})
+                     "cpu_measured_s": (g.get("busy_cores") or 0.0) * g["iter_time_mean"], "cpu_model_s": cpu,
+                     # A worker's training thread: what gradhub adds to it per iteration (its CPU
+                     # beyond the no-sync run's; records since session 36) beside the model's charge.
+                     "main_measured_s": (g["main_cpu_ms"] - none["main_cpu_ms"]) / 1e3
+                     if none and "main_cpu_ms" in g and "main_cpu_ms" in none else None,
+                     "main_model_s": main})
     lines = ["| model | hosts | k | rate (x scale) | gradhub measured | predicted | error | DDP measured | predicted "
              "| error |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
@@ -198,13 +204,17 @@ def table(configs: list[Config], cache: Path, costs, cores: int,
 def cpu_table(rows: list[dict]) -> str:
     """Markdown: the machine's measured CPU per gradhub iteration (busy
     cores x iteration time) beside what the model charges the shared cores,
-    so the CPU model can be checked across k, not only its throughput."""
-    lines = ["| model | hosts | rate | k | measured core-ms / iteration | model | model / measured |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    and what gradhub adds to a worker's main thread beside the model's
+    charge, so the CPU model can be checked across k, not only its
+    throughput."""
+    lines = ["| model | hosts | rate | k | measured core-ms / iteration | model | model / measured "
+             "| main thread: gradhub's ms / iteration | model |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         m, p = r["cpu_measured_s"] * 1e3, r["cpu_model_s"] * 1e3
+        main = "" if r.get("main_measured_s") is None else f"{r['main_measured_s'] * 1e3:.1f}"
         lines.append(f"| {r['model']} | {r['workers']} | {r['rate']} | {r['k']} | {m:.1f} | {p:.1f} "
-                     f"| {p / m if m else float('nan'):.2f} |")
+                     f"| {p / m if m else float('nan'):.2f} | {main} | {r['main_model_s'] * 1e3:.1f} |")
     return "\n".join(lines)
 
 
