@@ -1,7 +1,8 @@
-"""`gradhub bench calibrate --emulated`: the CPU the emulated cluster's
-network path costs (veth pairs, the bridge, tc's token buckets, a second
-host's TCP stack, the softirqs between them), which the loopback
-microbenchmarks of costs.py never see.
+"""`gradhub bench calibrate --emulated`: the costs only the emulated cluster
+has. First, the CPU its network path costs (veth pairs, the bridge, tc's
+token buckets, a second host's TCP stack, the softirqs between them), which
+the loopback microbenchmarks of costs.py never see; then a worker's
+main-thread CPU per push_pull there (`main_thread`).
 
 Measured with the bench's own emulated cluster (bench/netns.py): clients on
 one emulated host, an echo server on another, each of F connections sending
@@ -167,8 +168,8 @@ def main_thread(costs, iters: int = 30, trials: int = 3, log=print) -> dict:
     per iteration. What gradhub adds there, less what the simulator already
     charges that thread for the chunks it sends itself, per push_pull, is
     `emu_op_cpu_s`: the hooks, push_pull and the eager update's calls, at
-    the cost they have while every host's threads share the cores (about
-    3 x op_cpu_s, which is measured alone on loopback)."""
+    the cost they have while every host's threads share the cores
+    (op_cpu_s is measured alone, on loopback)."""
     import tempfile
     from dataclasses import replace as _replace
     from pathlib import Path

@@ -26,7 +26,9 @@ push on each host link and H/k of them on each CPU-only server's link.
 Summed over a model this is exactly the BytePS split's per-link bytes; what
 is averaged is which host owns a given chunk. On the emulated cluster
 (`shared_cores`), every host's CPU work runs on the same few cores: one CPU
-resource takes the whole cluster's work for each chunk."""
+resource takes the whole cluster's work for each chunk, and a worker's
+main thread, which runs the push_pulls' Python and sends what the windows
+admit at once, takes its share there before backward goes on."""
 
 from __future__ import annotations
 
@@ -459,14 +461,12 @@ class GradhubSim:
 
             def issued():
                 # push_pull sends what the windows admit at once, on the
-                # caller's thread (client/io/submit.rs): on the emulated
-                # cluster that thread pays the send and the network path up
-                # to the shaper, and backward goes on after it.
+                # caller's thread (client/io/submit.rs), and backward goes on
+                # after it. As far as the uplink's token bucket lets them
+                # through (full when the link is idle), that thread also
+                # carries them along the emulated path; the rest waits in the
+                # shaper, and the kernel sends it later from a timer.
                 caller["sends"] = []
-                # As far as the emulated uplink's token bucket lets them
-                # through (full when the link is idle), the caller's thread
-                # also carries them along the path; the rest waits in the
-                # shaper, for the kernel to send from a timer.
                 idle = self.up.free > 0 and not self.up.queue
                 caller["tokens"] = tbf_burst(self.c.rate_bps) if idle else 0
                 for mi in ready:
