@@ -172,20 +172,20 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--k-rate", default="1gbit")
     w.add_argument("--mbytes", type=float, default=32.0)
     w.add_argument("--out", default="docs/bench", help="output folder (default docs/bench)")
-    su = sub.add_parser("suite", help="run every experiment of docs/benchmarks.md and regenerate its tables",
+    su = sub.add_parser("suite", help="run every experiment of docs/bench/suite.md and regenerate its tables",
                         description="Runs the fixed experiment list (about 25 minutes here), writes one "
                                     "JSON (+ PNG) per experiment into --out, then regenerates the report section "
                                     "of --doc from them.")
     su.add_argument("--out", default="docs/bench", help="data folder (default docs/bench)")
-    su.add_argument("--doc", default="docs/benchmarks.md", help="document to update ('' to skip)")
+    su.add_argument("--doc", default="docs/bench/suite.md", help="document to update ('' to skip)")
     su.add_argument("--workers", type=int, default=4)
     su.add_argument("--only", help="comma list of experiments (default: all; see --list)")
     su.add_argument("--resume", action="store_true", help="skip experiments whose JSON already exists")
     su.add_argument("--quick", action="store_true", help="tiny version of every experiment (smoke test)")
     su.add_argument("--list", action="store_true", help="list the experiments and exit")
-    r = sub.add_parser("report", help="regenerate the report section of docs/benchmarks.md from the JSON")
+    r = sub.add_parser("report", help="regenerate the tables of docs/bench/suite.md from the JSON")
     r.add_argument("--out", default="docs/bench", help="data folder (default docs/bench)")
-    r.add_argument("--doc", default="docs/benchmarks.md")
+    r.add_argument("--doc", default="docs/bench/suite.md")
     sub.add_parser("cleanup", help="remove namespaces/bridges left by a killed run")
     from ..plan import cli as plan_cli, validate
 

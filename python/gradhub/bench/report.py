@@ -1,6 +1,6 @@
 """`gradhub bench report`: render the suite's JSON results (docs/bench/*.json)
-as the generated section of docs/benchmarks.md: the machine, the commands,
-every table, the plots, and each target from issue 4 marked met or not.
+as the generated section of docs/bench/suite.md: the machine, the commands,
+every table, the plots, and each target marked met or not.
 
 Only the text between the BEGIN/END markers is replaced; the hand-written
 analysis around it stays.
@@ -60,12 +60,11 @@ def render_meta(datasets: list[dict]) -> list[str]:
     if not metas:
         return ["(no machine information recorded in the data files)", ""]
     m = max(metas, key=lambda x: x.get("date", ""))
-    dates = sorted({x.get("date", "?") for x in metas})
     commits = sorted({x.get("commit", "?") for x in metas})
     cmds = sorted({x["command"].strip() for x in metas if x.get("command")})
     out = [f"Measured on: {m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory', '?')}, "
            f"Linux {m.get('kernel', '?')}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}; "
-           f"gradhub commit {', '.join(commits)}; {dates[0]}" + (f" to {dates[-1]}" if len(dates) > 1 else "") + ".",
+           f"gradhub commit {', '.join(commits)}.",
            "", "Produced by:", "", "```bash"]
     out += cmds or ["gradhub bench suite"]
     out += ["gradhub bench report   # re-render this section from the JSON", "```", ""]

@@ -1,5 +1,5 @@
-"""`gradhub bench suite`: every experiment behind the suite's section of
-docs/benchmarks.md, then `report` to regenerate that section from the JSON.
+"""`gradhub bench suite`: every experiment behind docs/bench/suite.md, then
+`report` to regenerate its tables from the JSON.
 
 The experiment list is fixed (that is what makes the document reproducible);
 --only picks some, --resume skips those whose JSON already exists (to finish
