@@ -1,5 +1,5 @@
 """CPU time of one worker's step on a fully-connected head with sufficient
-factors, single thread (what docs/benchmarks.md, issue 35, quotes).
+factors, single thread (what docs/benchmarks.md, "Sufficient factors", quotes).
 
 AlexNet's FC head at 1/16 of its bytes (2304 -> 1024 -> 1024 -> 250; 8 rows a
 worker, 4 workers' rows rebuilt): forward + backward with and without

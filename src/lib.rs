@@ -48,7 +48,8 @@ pub const DEFAULT_CREDIT_BYTES: usize = 512 << 10;
 /// The default credit holds at least this many chunks: credit comes back
 /// only when a chunk has arrived whole, so a window of one or two large
 /// chunks sends in bursts and idles the link for a round trip between them
-/// (issue 28: 256 KiB chunks under 512 KiB of credit cost VGG-19 13 %).
+/// (256 KiB chunks under 512 KiB of credit cost up to 8 % in training;
+/// docs/benchmarks.md, "Chunk size and credit").
 pub const CREDIT_CHUNKS: usize = 4;
 
 /// The credit per connection when `GRADHUB_CREDIT_BYTES` is not set: the

@@ -547,10 +547,10 @@ def state_run(mode: str, calls: int, every: int, workers: int = 2) -> dict:
 
 
 def bench_state(args, out):
-    """Memory of every role over many small push_pulls (issue 10: bounded
-    state): unnamed calls free their tensors; the "unique" mode gives every
-    call a new name that is never released, which is what unnamed calls
-    did before; "named" reuses four names."""
+    """Memory of every role over many small push_pulls (bounded state):
+    unnamed calls free their tensors; the "unique" mode gives every
+    call a new name that is never released (what unnamed calls would cost
+    without their release); "named" reuses four names."""
     calls = 2_000 if args.quick else args.calls
     every = max(calls // 10, 1)
     res = []
@@ -629,7 +629,7 @@ def _attack(addr: tuple[str, int], kind: str, rng) -> socket.socket | None:
 
 
 def bench_hostile(args, out):
-    """Issue 10 item 4: a running job (scheduler, one server, two workers)
+    """A running job (scheduler, one server, two workers)
     while 1,000 hostile connections hit the scheduler and the server (idle,
     half a header, garbage, a header claiming 64 MiB): its sums, rate,
     threads and memory before, during and after."""

@@ -1,4 +1,4 @@
-"""`gradhub bench gpu`: the GPU check anyone can run (issue 32).
+"""`gradhub bench gpu`: the GPU check anyone can run.
 
 On whatever GPUs the machine has (one worker per GPU, `gradhub launch` on
 this machine):

@@ -24,12 +24,12 @@ VARIANTS = {
     "priority": {},
     "fifo": {"GRADHUB_SCHEDULING": "fifo"},
     "size": {"GRADHUB_SCHEDULING": "size"},
-    # Forward order (P3's priorities) whatever the schedule: with noeager, the defaults before session 34.
+    # Forward order (P3's priorities) whatever the schedule; with noeager, one update after every result.
     "fwdorder": {"GRADHUB_SCHEDULING": "priority"},
     "overlap": {"GRADHUB_OVERLAP_FORWARD": "1"},
     "server": {"GRADHUB_OPTIMIZER_ON_SERVER": "1"},
     # The host stage off (read by the scheduler): every worker of a host
-    # pushes and pulls everything itself, as before issue 9.
+    # pushes and pulls everything itself.
     "nohost": {"GRADHUB_HOST_REDUCE": "0"},
     # Host stage on, but the owners push to their own host's server over
     # loopback TCP instead of by reference through shared memory.
@@ -43,7 +43,7 @@ VARIANTS = {
                  "GRADHUB_SERVER_TIMELINE": "/tmp/gradhub-bench-timeline-server.{rank}.json"},
     # Tensor fusion off (every gradient its own push_pull), or buckets of 1 MiB (unscaled).
     "nofusion": {"GRADHUB_FUSION_THRESHOLD": "0"},
-    # The traffic defaults' alternatives (issue 28): no spread window; the
+    # The traffic defaults' alternatives: no spread window; the
     # machine's own congestion control instead of cubic.
     "nospread": {"GRADHUB_SPREAD_BYTES": "0"},
     "syscc": {"GRADHUB_TCP_CONGESTION": "system"},
@@ -59,12 +59,12 @@ VARIANTS = {
     # levels forced (auto, the default, lets PHub's model decide).
     "flat": {"GRADHUB_RACK_REDUCE": "off"},
     "racks": {"GRADHUB_RACK_REDUCE": "on"},
-    # Sufficient factors (issue 14): off, or forced wherever exact (auto is the default).
+    # Sufficient factors: off, or forced wherever exact (auto is the default).
     "nosfb": {"GRADHUB_SFB": "off"},
     "sfb": {"GRADHUB_SFB": "force"},
     # Autotuning during untimed steps before the timed ones (3 steps a trial).
     # Overlap changes training semantics: autotune tries it only when allowed.
-    # Training modes (issue 31): BytePS's asynchronous mode, unbounded or
+    # Training modes: BytePS's asynchronous mode, unbounded or
     # with a staleness bound of 2; sums in rank order.
     "async": {"GRADHUB_ASYNC": "1"},
     "stale2": {"GRADHUB_ASYNC": "1", "GRADHUB_STALENESS": "2"},

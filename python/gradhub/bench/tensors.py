@@ -1,6 +1,6 @@
 """`gradhub bench tensors`: what a step costs with many small tensors, with
-tensor fusion on and off (issue 13: "a model with 300 tensors pays no more
-per step than one with 30").
+tensor fusion on and off (the aim: a model with 300 tensors pays no more
+per step than one with 30).
 
 Each configuration is a `gradhub launch` job on this machine (loopback, so
 the per-tensor costs are not hidden behind a slow network): W workers train

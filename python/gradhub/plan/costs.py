@@ -50,7 +50,7 @@ class Costs:
     # every worker's threads and the servers share the machine's cores
     # (`gradhub bench calibrate --emulated`, netcal.main_thread: measured on
     # a model outside the validation set); 0: op_cpu_s, measured alone.
-    # The built-in value is from 2026-11-26 (docs/bench/plan/calibration.json).
+    # The built-in value is docs/bench/plan/calibration.json's.
     emu_op_cpu_s: float = 2.35e-04
     # Cores of the machine calibrated: what the emulated cluster's hosts all
     # share there (`gradhub bench validate`, `--shared-cores`).

@@ -102,11 +102,10 @@ def measure(configs: list[Config], cache: Path, iters: int = 20, warmup: int = 3
 
 
 def ran_with(rec: dict) -> dict:
-    """The defaults a cached gradhub record ran with, as Options fields:
-    records say whether the step updated eagerly since session 34 and the
-    scheduling in force since session 35. Before the eager update: one
-    update after every result, forward order; session 34: eager, the
-    largest first."""
+    """The defaults a cached gradhub record ran with, as Options fields. A
+    record without `eager_update` predates the eager update: one update
+    after every result, forward order; one with it but without `scheduling`
+    updated eagerly with the largest tensors first."""
     if "eager_update" not in rec:
         return {"eager_update": False, "scheduling": "priority"}
     return {"eager_update": bool(rec["eager_update"]), "scheduling": rec.get("scheduling", "size")}
@@ -188,7 +187,7 @@ def table(configs: list[Config], cache: Path, costs, cores: int,
                      # the core-seconds the model charges the shared cores per iteration.
                      "cpu_measured_s": (g.get("busy_cores") or 0.0) * g["iter_time_mean"], "cpu_model_s": cpu,
                      # A worker's training thread: what gradhub adds to it per iteration (its CPU
-                     # beyond the no-sync run's; records since session 36) beside the model's charge.
+                     # beyond the no-sync run's, in records that have `main_cpu_ms`) beside the model's charge.
                      "main_measured_s": (g["main_cpu_ms"] - none["main_cpu_ms"]) / 1e3
                      if none and "main_cpu_ms" in g and "main_cpu_ms" in none else None,
                      "main_model_s": main})

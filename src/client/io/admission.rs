@@ -105,7 +105,7 @@ pub fn split_credit(base: usize, placed: &[u64]) -> Vec<usize> {
 /// case the spread exists for. With equal shares TCP's per-flow fairness
 /// already gives each server its share, and the spread only throttles (a
 /// VGG-19 step with 4 CPU-only servers and 256 KiB chunks: 315.6 samples/s
-/// with it at 2 MiB, 337.1 without; issue 28).
+/// with it at 2 MiB, 337.1 without; docs/benchmarks.md).
 pub fn uneven(placed: &[u64]) -> bool {
     let mut nonzero = placed.iter().filter(|&&b| b > 0);
     let Some(&first) = nonzero.next() else { return false };
