@@ -1,7 +1,8 @@
 //! gradhub core: the gradient-synchronization data plane.
 //!
 //! Modules by role and concern:
-//! - `protocol`: frame header, control messages, validation
+//! - `protocol`: frame header, control messages, the one frame reader, the
+//!   authentication handshake
 //! - `transport`: the framed nonblocking data connection shared by server and
 //!   client, connect-with-retry, byte views
 //! - `session`: a member's membership in a job (join, heartbeats, liveness),
@@ -14,6 +15,10 @@
 //! - `host`: what a host's workers and its server share (host-stage sums,
 //!   pushes by reference)
 //! - `order`: deterministic sums (`GRADHUB_DETERMINISTIC`): rank-order adds
+//! - `training`: the training mode (`GRADHUB_ASYNC`, `GRADHUB_STALENESS`)
+//! - `timeline`: servers' and workers' chunk timelines (Chrome traces)
+//! - `metrics`: Prometheus metrics of the scheduler, servers and the service
+//! - `waits`: stall watches and the message when a needed worker left
 //! - `error`: the one error type of the entry points (for the bindings)
 //! - `logging`: one log format for every role (`GRADHUB_LOG`)
 //! - `settings`: every `GRADHUB_*` setting, declared once; the only reader
