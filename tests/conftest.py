@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -59,6 +60,23 @@ def assert_all_passed(rc: int, out: str, workers: int) -> None:
     assert rc == 0, out[-6000:]
     for r in range(workers):
         assert f"[worker {r}] PASS" in out, out[-6000:]
+    assert_labels_agree(out)
+
+
+# A launcher's line whose process names itself: `[server 1] [gradhub server 1/t0] ...`.
+_NAMED = re.compile(r"^\[(worker|server) (\d+)(?:@\S+)?\] \[gradhub (worker|server) (\d+)(?:/t\d+)?\]", re.M)
+
+
+def assert_labels_agree(out: str) -> None:
+    """One numbering: the launcher's label of each line in which a process
+    names itself is that name."""
+    for m in _NAMED.finditer(out):
+        assert m.group(1, 2) == m.group(3, 4), f"label and name differ: {m.group(0)!r}\n{out[-6000:]}"
+
+
+def alarming(out: str) -> list[str]:
+    """The lines a user grepping a log for trouble would find."""
+    return [line for line in out.splitlines() if "warning" in line.lower() or "failed" in line.lower()]
 
 
 class Cluster:

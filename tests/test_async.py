@@ -10,7 +10,7 @@ import re
 import time
 
 import pytest
-from conftest import assert_all_passed, run_launch
+from conftest import alarming, assert_all_passed, run_launch
 
 
 def steps_and_lead(out: str, workers: int) -> tuple[list[int], int]:
@@ -24,31 +24,39 @@ def steps_and_lead(out: str, workers: int) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("hosts", [[0, 1, 2], [0, 0, 1, 1]], ids=["3-hosts", "host-stage"])
 def test_a_bound_of_zero_keeps_the_workers_in_step_exactly_as_synchronous_sgd(hosts):
-    # Two servers (so chunks have replicas); with the host stage, each
-    # host's two workers combine their changes and push once.
+    # Two servers (so chunks have replicas); with the host stage asked for
+    # (off by default in this mode), each host's two workers combine their
+    # changes and push once, and the scheduler says they keep in step.
     n = len(hosts)
-    rc, out = run_launch(n, 2, "async_train.py", {"steps": 12, "exact": True, "hosts": hosts},
-                         env={"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 0})
+    env = {"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 0}
+    if len(set(hosts)) < n:
+        env["GRADHUB_HOST_REDUCE"] = 1
+    rc, out = run_launch(n, 2, "async_train.py", {"steps": 12, "exact": True, "hosts": hosts}, env=env)
     assert_all_passed(rc, out, n)
     steps, lead = steps_and_lead(out, n)
     assert steps == [12] * n and lead == 0, (steps, lead)
+    said = "asynchronous with the host stage on (GRADHUB_HOST_REDUCE=1): the workers of each host wait" in out
+    assert said == (len(set(hosts)) < n), out[-4000:]
 
 
 def test_a_straggler_does_not_hold_the_others_back_and_a_bound_holds():
-    cfg = {"seconds": 3.0, "sleep": {"0": 0.005, "1": 0.005, "2": 0.15}}
-    rc, out = run_launch(3, 1, "async_train.py", cfg, env={"GRADHUB_ASYNC": 1})
-    assert_all_passed(rc, out, 3)
-    steps, lead = steps_and_lead(out, 3)
+    # Four workers on one host, the default settings: host mates do not
+    # wait for each other (the host stage is off in this mode).
+    cfg = {"seconds": 3.0, "sleep": {"0": 0.005, "1": 0.005, "2": 0.005, "3": 0.15}, "hosts": [0, 0, 0, 0]}
+    rc, out = run_launch(4, 2, "async_train.py", cfg, env={"GRADHUB_ASYNC": 1})
+    assert_all_passed(rc, out, 4)
+    assert not alarming(out), out[-6000:]
+    steps, lead = steps_and_lead(out, 4)
     # Unbounded: the fast workers run at their own pace, far ahead.
-    assert min(steps[0], steps[1]) >= 4 * steps[2], steps
+    assert min(steps[:3]) >= 4 * steps[3], steps
     assert lead > 2, (steps, lead)
-    rc, out = run_launch(3, 1, "async_train.py", cfg, env={"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 2})
-    assert_all_passed(rc, out, 3)
-    bounded, lead = steps_and_lead(out, 3)
+    rc, out = run_launch(4, 2, "async_train.py", cfg, env={"GRADHUB_ASYNC": 1, "GRADHUB_STALENESS": 2})
+    assert_all_passed(rc, out, 4)
+    bounded, lead = steps_and_lead(out, 4)
     assert 1 <= lead <= 2, (bounded, lead)
     # The fast workers waited for the straggler (they ran on alone only
     # after it left, in the moments before their own clocks ran out).
-    assert max(bounded[0], bounded[1]) < min(steps[0], steps[1]) / 2, (steps, bounded)
+    assert max(bounded[:3]) < min(steps[:3]) / 2, (steps, bounded)
 
 
 def test_a_member_in_another_mode_is_refused_at_init(cluster_factory):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import job_env
+from conftest import alarming, assert_all_passed, job_env, run_launch
 from gradhub.launch.hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
 from gradhub.launch.output import Pump, Terminal
 
@@ -33,6 +33,27 @@ def test_the_first_process_that_failed_is_named(tmp_path):
         assert out.returncode == 1, out
         assert "gradhub launch: worker 1 exited with code 1; stopping the job" in out.stderr, out.stderr
         assert "ValueError: boom" in out.stdout
+
+
+def test_a_normal_end_is_quiet_and_every_label_is_the_process_own_name():
+    # A straggler finishing last while the servers close the job: no role
+    # prints a warning or a failure, and each line's label is the number
+    # the process gives itself (assert_all_passed checks the labels).
+    cfg = {"sizes": [1000, 262_147], "dtypes": ["float32"], "rounds": 8, "sleep": {"3": 0.03}}
+    rc, out = run_launch(4, 2, "check_sums.py", cfg)
+    assert_all_passed(rc, out, 4)
+    assert not alarming(out), out[-6000:]
+
+
+def test_a_label_follows_the_number_the_process_gives_itself():
+    out = io.BytesIO()
+    term = Terminal(out)
+    names: list[str] = []
+    pump = Pump(term, "worker 2@hostb", -1, renamed=names.append)
+    pump.feed(b"hello\n[gradhub worker 1] this worker is rank 1 of 2\n[gradhub server 0] not mine\nbye\n")
+    assert out.getvalue() == (b"[worker 2@hostb] hello\n[worker 1@hostb] [gradhub worker 1] this worker is rank 1 of 2\n"
+                              b"[worker 1@hostb] [gradhub server 0] not mine\n[worker 1@hostb] bye\n")
+    assert names == ["worker 1@hostb"]
 
 
 def _pump(chunks: list[bytes]) -> bytes:

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from conftest import job_env, run_launch
+from conftest import alarming, assert_labels_agree, job_env, run_launch
 
 from gradhub.launch import elastic
 
@@ -28,6 +28,12 @@ def test_a_worker_lost_mid_step_leaves_the_others_to_finish_and_the_launch_succe
     assert out.count("SIZE 2 ") == 2 and out.count("RESETS [2]") == 2, out[-6000:]
     assert "gradhub launch: worker 2 exited with code 9 (lost; the job went on with 2)" in out, out[-6000:]
     assert "the job finished with 2 of 3 workers; lost: worker 2 (exited with code 9)" in out, out[-6000:]
+    # One numbering: what warns is the loss of worker 2, by that name; the
+    # job's normal end (after the survivors' PASS) is quiet in every role.
+    assert all("worker 2" in line for line in alarming(out)), alarming(out)
+    end = out[out.rindex("] PASS"):]
+    assert not alarming(end), end
+    assert_labels_agree(out)
 
 
 def test_with_max_workers_a_lost_worker_is_replaced_and_the_replacement_joins_at_a_commit():
@@ -39,10 +45,13 @@ def test_with_max_workers_a_lost_worker_is_replaced_and_the_replacement_joins_at
                          launch_args=["--min-workers", "2", "--max-workers", "3", *FLAGS], timeout=150)
     assert rc == 0, out[-6000:]
     assert "gradhub launch: started worker 3 to replace worker 2; it joins at the job's next commit" in out, out[-6000:]
-    for w in (0, 1, 3):
+    # The newcomer takes rank 2 in the job, and its label follows.
+    assert "[worker 2] [gradhub worker 2] this worker is rank 2 of 3" in out, out[-6000:]
+    for w in (0, 1, 2):
         assert f"[worker {w}] PASS" in out, out[-6000:]
     assert out.count("SIZE 3 ") == 3, out[-6000:]
-    assert out.count("RESETS [2, 3]") == 2 and "RESETS []" in out, out[-6000:]  # survivors: lost, then joined
+    assert out.count("RESETS [2, 3]") == 2 and "[worker 2] SIZE 3 RANK 2 RESETS []" in out, out[-6000:]
+    assert_labels_agree(out)
 
 
 def test_below_the_minimum_the_launch_stops_everything_and_fails_with_the_reason():

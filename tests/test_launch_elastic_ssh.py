@@ -85,7 +85,8 @@ def test_over_ssh_a_lost_worker_is_replaced_on_its_host(ssh_hosts, tmp_path):  #
                 extra=["--min-workers", "2", "--max-workers", "3", "--peer-timeout", "3"], GH_TEST=json.dumps(cfg))
     out, err = Job(p, marker).finished()
     assert f"gradhub launch: started worker 3@{b.ip} to replace worker 2@{b.ip}" in err, err
-    for w in (f"0@{a.ip}", f"1@{a.ip}", f"3@{b.ip}"):
+    # The newcomer takes rank 2 in the job, and its label follows.
+    for w in (f"0@{a.ip}", f"1@{a.ip}", f"2@{b.ip}"):
         assert f"[worker {w}] PASS" in out, out[-4000:]
     assert out.count("SIZE 3 ") == 3, out[-4000:]
 

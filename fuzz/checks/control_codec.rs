@@ -194,7 +194,7 @@ pub fn message(s: &mut Source) -> Control {
             threads: s.u32(),
             colocated: s.u8() & 1 == 1,
         }),
-        20 => Control::ServiceStart { job: s.text(), namespace: s.u32(), start: s.u64() },
+        20 => Control::ServiceStart { job: s.text(), namespace: s.u32(), start: s.u64(), rank: s.u32() },
         21 => Control::ServiceStats {
             jobs: s.list(4, |s| JobTraffic {
                 job: s.text(),

@@ -354,7 +354,7 @@ class SchedulerEnv:
     peer_timeout: float
     join_timeout: float            # GRADHUB_JOIN_TIMEOUT: for every member to register (an elastic generation too)
     namespace: int
-    host_reduce: bool              # GRADHUB_HOST_REDUCE: workers sharing a host sum there first
+    host_reduce: bool | None       # GRADHUB_HOST_REDUCE: workers sharing a host sum there first (None: unless asynchronous)
     failover: bool                 # GRADHUB_FAILOVER: a lost server's chunks move to the others
     rack_reduce: str               # GRADHUB_RACK_REDUCE: auto (PHub's model), on or off
     link_gbit: float               # GRADHUB_LINK_GBIT: each host's link, for the model (0: not given)

@@ -77,7 +77,10 @@ def _check_elastic(env) -> None:
     if not 1 <= env.min_workers <= env.num_workers <= most:
         raise RuntimeError(f"gradhub.init(): an elastic job needs 1 <= GRADHUB_MIN_WORKERS ({env.min_workers}) <= "
                            f"GRADHUB_NUM_WORKERS ({env.num_workers}) <= GRADHUB_MAX_WORKERS ({most})")
-    env.rank = -1  # a generation's ranks: survivors first, in their old order (the service's choice)
+    # A generation's ranks are the service's choice: survivors first, in
+    # their old order, then newcomers in the order of the ranks they asked
+    # for (GRADHUB_RANK: the launcher's numbering), so the first generation
+    # numbers the workers as their launcher does.
 
 
 def _elastic_reg(env, prev_rank: int):

@@ -90,6 +90,17 @@ impl Client {
         })?;
         let w = session.welcome.clone();
         let me = w.rank as usize;
+        let before = cfg.elastic.map(|e| if e.prev_rank >= 0 { e.prev_rank } else { cfg.rank });
+        if before.is_some_and(|r| i64::from(r) != i64::from(w.rank)) {
+            // The service numbers each generation; this line (under the new
+            // number) lets the launcher's label follow it.
+            log::info!(
+                target: &format!("worker {}", w.rank),
+                "this worker is rank {} of {} in the elastic job's new generation",
+                w.rank,
+                w.num_workers
+            );
+        }
         let (Some(host), Some(&local_rank)) = (w.worker_hosts.get(me), w.worker_local_ranks.get(me)) else {
             return Err(ClientError::Setup(format!("the Welcome has no host for worker {me}")));
         };

@@ -322,4 +322,7 @@ impl Completion for Shared {
     fn failure(&self) -> Option<String> {
         Shared::failure(self)
     }
+    fn closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }

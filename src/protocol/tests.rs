@@ -295,7 +295,7 @@ fn sample_controls() -> Vec<Control> {
             colocated: false,
         }),
         Control::ServiceJoin(ServiceJoin { hostname: String::new(), addr: String::new(), threads: 0, colocated: true }),
-        Control::ServiceStart { job: "team-a.resnet".into(), namespace: u32::MAX, start: 3 },
+        Control::ServiceStart { job: "team-a.resnet".into(), namespace: u32::MAX, start: 3, rank: 2 },
         Control::ServiceStats { jobs: vec![] },
         Control::ServiceStats {
             jobs: vec![

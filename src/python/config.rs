@@ -171,6 +171,7 @@ impl PySchedulerConfig {
         if !(link_gbit >= 0.0 && core_gbit >= 0.0 && link_gbit.is_finite() && core_gbit.is_finite()) {
             return Err(PyValueError::new_err("bandwidths must be finite and not negative"));
         }
+        let training = training(asynchronous, staleness)?;
         let cfg = SchedulerConfig {
             bind: bind.unwrap_or(d.bind),
             num_workers: num_workers.unwrap_or(d.num_workers),
@@ -181,7 +182,9 @@ impl PySchedulerConfig {
             stall_ms: stall_ms.unwrap_or(d.stall_ms),
             join_timeout_ms: join_timeout_ms.unwrap_or(d.join_timeout_ms),
             namespace: namespace.unwrap_or(d.namespace),
-            host_reduce: host_reduce.unwrap_or(d.host_reduce),
+            // Unset: the host stage would make host mates wait for each
+            // other, so the asynchronous mode turns it off.
+            host_reduce: host_reduce.unwrap_or(d.host_reduce && !training.is_asynchronous()),
             failover: failover.unwrap_or(d.failover),
             rack_reduce,
             link_gbit,
@@ -191,7 +194,7 @@ impl PySchedulerConfig {
             max_bytes: max_bytes.unwrap_or(d.max_bytes),
             metrics_addr: metrics_addr.or(d.metrics_addr),
             sum_order: sum_order(deterministic),
-            training: training(asynchronous, staleness)?,
+            training,
         };
         Ok(PySchedulerConfig { cfg })
     }

@@ -57,6 +57,10 @@ pub struct Timing {
 pub struct Candidate {
     /// Its rank in the generation it comes from; None: new to the job.
     pub prev_rank: Option<u32>,
+    /// The rank a worker new to the job asked for (`GRADHUB_RANK`, as
+    /// `gradhub launch` numbers it): newcomers are ranked by it, so the
+    /// first generation numbers the workers as their launcher does.
+    pub requested: Option<u32>,
     pub arrived: Instant,
 }
 
@@ -74,7 +78,10 @@ pub enum Decision {
 /// The rank of each candidate (in the order given) in the new generation.
 pub fn assign(cands: &[Candidate]) -> Vec<u32> {
     let mut order: Vec<usize> = (0..cands.len()).collect();
-    order.sort_by_key(|&i| (cands[i].prev_rank.is_none(), cands[i].prev_rank, cands[i].arrived, i));
+    order.sort_by_key(|&i| {
+        let c = &cands[i];
+        (c.prev_rank.is_none(), c.prev_rank, c.requested.unwrap_or(u32::MAX), c.arrived, i)
+    });
     let mut ranks = vec![0; cands.len()];
     for (rank, &i) in order.iter().enumerate() {
         ranks[i] = rank as u32;
@@ -313,7 +320,8 @@ impl Formations {
         if announced {
             log::info!(target: "service", "elastic job '{name}': a worker waits to join; re-forming at the next commit");
         }
-        let cand = Candidate { prev_rank, arrived: Instant::now() };
+        let requested = u32::try_from(reg.requested_rank).ok();
+        let cand = Candidate { prev_rank, requested, arrived: Instant::now() };
         let link = stream.try_clone().ok();
         f.waiters.push(Waiter { ticket, cand, link, announced });
         f.waiting += 1;
@@ -394,10 +402,10 @@ mod tests {
         let t0 = Instant::now();
         // Old ranks 3 and 1 survived (2 died), a newcomer came first, another later.
         let cands = [
-            Candidate { prev_rank: None, arrived: at(t0, 0) },
-            Candidate { prev_rank: Some(3), arrived: at(t0, 5) },
-            Candidate { prev_rank: Some(1), arrived: at(t0, 9) },
-            Candidate { prev_rank: None, arrived: at(t0, 7) },
+            Candidate { prev_rank: None, requested: None, arrived: at(t0, 0) },
+            Candidate { prev_rank: Some(3), requested: None, arrived: at(t0, 5) },
+            Candidate { prev_rank: Some(1), requested: None, arrived: at(t0, 9) },
+            Candidate { prev_rank: None, requested: None, arrived: at(t0, 7) },
         ];
         assert_eq!(assign(&cands), vec![2, 1, 0, 3]);
         // Dense whatever the gaps: 0..n.
@@ -407,9 +415,21 @@ mod tests {
     }
 
     #[test]
+    fn newcomers_take_the_ranks_they_asked_for_in_order() {
+        let t0 = Instant::now();
+        // The first generation: the launcher's workers 0..3 arriving in another order.
+        let c = |requested, ms| Candidate { prev_rank: None, requested, arrived: at(t0, ms) };
+        assert_eq!(assign(&[c(Some(2), 0), c(Some(0), 5), c(Some(1), 9)]), vec![2, 0, 1]);
+        // Survivors still come first; a newcomer asking for nothing comes after those that asked.
+        let survivor = Candidate { prev_rank: Some(0), requested: Some(5), arrived: at(t0, 20) };
+        assert_eq!(assign(&[c(None, 0), c(Some(7), 5), survivor]), vec![2, 1, 0]);
+    }
+
+    #[test]
     fn forms_at_once_at_the_maximum() {
         let t0 = Instant::now();
-        let cands: Vec<_> = (0..4).map(|i| Candidate { prev_rank: Some(i), arrived: at(t0, 0) }).collect();
+        let cands: Vec<_> =
+            (0..4).map(|i| Candidate { prev_rank: Some(i), requested: None, arrived: at(t0, 0) }).collect();
         let b = Bounds { min: 2, max: 4 };
         assert_eq!(decide(b, TIMING, 8, &cands, at(t0, 1)), Decision::Form);
         assert_eq!(decide(b, TIMING, 8, &cands[..3], at(t0, 1)), Decision::Wait(at(t0, 1000)));
@@ -419,7 +439,8 @@ mod tests {
     fn forms_at_once_when_the_expected_workers_came() {
         let t0 = Instant::now();
         let b = Bounds { min: 1, max: 8 };
-        let cands: Vec<_> = (0..3).map(|i| Candidate { prev_rank: Some(i), arrived: at(t0, 0) }).collect();
+        let cands: Vec<_> =
+            (0..3).map(|i| Candidate { prev_rank: Some(i), requested: None, arrived: at(t0, 0) }).collect();
         assert_eq!(decide(b, TIMING, 3, &cands, at(t0, 1)), Decision::Form);
         assert_eq!(decide(b, TIMING, 3, &cands[..2], at(t0, 1)), Decision::Wait(at(t0, 1000)));
         // Never below the minimum, even when fewer were expected (survivors of a loss).
@@ -436,8 +457,8 @@ mod tests {
         let t0 = Instant::now();
         let b = Bounds { min: 2, max: 8 };
         let cands = [
-            Candidate { prev_rank: Some(0), arrived: at(t0, 0) },
-            Candidate { prev_rank: Some(2), arrived: at(t0, 300) },
+            Candidate { prev_rank: Some(0), requested: None, arrived: at(t0, 0) },
+            Candidate { prev_rank: Some(2), requested: None, arrived: at(t0, 300) },
         ];
         // A later arrival restarts the settle time.
         assert_eq!(decide(b, TIMING, 8, &cands, at(t0, 900)), Decision::Wait(at(t0, 1300)));
@@ -450,13 +471,13 @@ mod tests {
     fn fails_with_the_reason_below_the_minimum_at_the_timeout() {
         let t0 = Instant::now();
         let b = Bounds { min: 3, max: 8 };
-        let cands = [Candidate { prev_rank: Some(1), arrived: at(t0, 0) }];
+        let cands = [Candidate { prev_rank: Some(1), requested: None, arrived: at(t0, 0) }];
         match decide(b, TIMING, 8, &cands, at(t0, 60_000)) {
             Decision::Fail(why) => assert!(why.contains("only 1 worker(s)") && why.contains("minimum of 3"), "{why}"),
             other => panic!("{other:?}"),
         }
         // At the minimum by then, it forms instead.
-        let two = [cands[0], Candidate { prev_rank: None, arrived: at(t0, 59_999) }];
+        let two = [cands[0], Candidate { prev_rank: None, requested: None, arrived: at(t0, 59_999) }];
         assert_eq!(decide(Bounds { min: 2, max: 8 }, TIMING, 8, &two, at(t0, 60_000)), Decision::Form);
     }
 
@@ -479,7 +500,7 @@ mod tests {
     fn a_candidate_whose_connection_closed_is_left_out_and_not_waited_for() {
         let t0 = Instant::now();
         let b = Bounds { min: 2, max: 8 };
-        let c = |prev: Option<u32>, ms| Candidate { prev_rank: prev, arrived: at(t0, ms) };
+        let c = |prev: Option<u32>, ms| Candidate { prev_rank: prev, requested: None, arrived: at(t0, ms) };
         // The first generation: 4 expected, 4 came, one of them has gone.
         let mut cands: Vec<Fake> = (0..4).map(|i| Fake(c(None, i), i == 1, false)).collect();
         let first = Expect::First { initial: 4 };
@@ -511,8 +532,8 @@ mod tests {
         let b = Bounds { min: 2, max: 8 };
         // Waiting (2 of 4 came): nothing is removed yet, the decision is decide's.
         let mut cands = vec![
-            Fake(Candidate { prev_rank: None, arrived: at(t0, 0) }, true, false),
-            Fake(Candidate { prev_rank: None, arrived: at(t0, 1) }, false, false),
+            Fake(Candidate { prev_rank: None, requested: None, arrived: at(t0, 0) }, true, false),
+            Fake(Candidate { prev_rank: None, requested: None, arrived: at(t0, 1) }, false, false),
         ];
         let first = Expect::First { initial: 4 };
         assert_eq!(form_or_wait(b, TIMING, first, &mut cands, at(t0, 2)), Decision::Wait(at(t0, 1001)));

@@ -252,6 +252,13 @@ impl Members {
             if cfg.host_reduce { "" } else { " (host reduction off)" },
             placer.describe_shares(&servers)
         );
+        if cfg.training.is_asynchronous() && cfg.host_reduce && (pushing as u32) < cfg.num_workers {
+            log::info!(
+                target: "scheduler",
+                "asynchronous with the host stage on (GRADHUB_HOST_REDUCE=1): the workers of each host wait for \
+                 each other every step; unset it to let every worker run at its own pace"
+            );
+        }
         if plan.racks.len() > 1 {
             log::info!(target: "scheduler", "racks {:?}: {}", plan.racks, plan.why);
             if plan.reduce && cfg.failover && cfg.num_servers > 1 {

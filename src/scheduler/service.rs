@@ -370,6 +370,10 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         svc2.elastic.wake();
         match job.conclude() {
             Ok(()) => log::info!(target: "service", "job '{name2}': complete"),
+            // A lost worker ends an elastic job's generation, not the job.
+            Err(SchedulerError::JobFailed(why)) if elastic_job => {
+                log::info!(target: "service", "elastic job '{name2}': a generation ended ({why})")
+            }
             Err(e) => log::warn!(target: "service", "job '{name2}' ended: {e}"),
         }
         let mut jobs = lock(&svc2.jobs);
@@ -382,8 +386,9 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         shared.fail(&mut st, None, format!("the service cannot start the job: {e}"));
         return Err(format!("the service cannot start the job: {e}"));
     }
-    for s in &servers {
-        if !s.send(&Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start }) {
+    for (rank, s) in servers.iter().enumerate() {
+        let start = Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start, rank: rank as u32 };
+        if !s.send(&start) {
             // Its server would never register: fail now, not at the join timeout.
             let why = format!("the service's server at {} could not be told to start the job", s.peer);
             let mut st = shared.lock();
@@ -428,7 +433,13 @@ fn serve_server(svc: &Arc<Service>, join: ServiceJoin, stream: TcpStream, peer: 
             Err(e) => break e.to_string(),
         }
     };
-    log::warn!(target: "service", "server {id} ({peer}) left the service: {why}");
+    // With no job of its running (stopped at the service's end), leaving is no loss.
+    let running = {
+        let jobs = lock(&svc.jobs);
+        lock(&entry.jobs).iter().any(|j| jobs.get(j).is_some_and(|j| !j.ended.load(Ordering::SeqCst)))
+    };
+    let level = if running { log::Level::Warn } else { log::Level::Info };
+    log::log!(target: "service", level, "server {id} ({peer}) left the service: {why}");
     lock(&svc.servers).retain(|s| s.id != id);
     let _ = stream.shutdown(std::net::Shutdown::Both);
 }

@@ -83,8 +83,8 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
     let mut next_report = Instant::now();
     let result = loop {
         match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(Ok(Control::ServiceStart { job, namespace, start })) => {
-                match start_instance(&server, &cfg.master, &job, namespace, start) {
+            Ok(Ok(Control::ServiceStart { job, namespace, start, rank })) => {
+                match start_instance(&server, &cfg.master, &job, namespace, start, rank) {
                     Ok(i) => instances.push(i),
                     Err(e) => {
                         log::error!(target: "server", "cannot start a server for job '{job}': {e}");
@@ -101,6 +101,11 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
                     "the service at {service} sent nothing for {:.1}s",
                     cfg.peer_timeout.as_secs_f64()
                 )))
+            }
+            Ok(Err(ReadError::Closed)) if idle(&mut instances, &mut failed) => {
+                // Stopped with nothing of ours running: its normal end.
+                log::info!(target: "server", "the service at {service} closed, with no job running here; exiting");
+                break Ok(());
             }
             Ok(Err(e)) => break Err(ServerError::JobFailed(format!("lost the service at {service}: {e}"))),
             Err(RecvTimeoutError::Timeout) => {}
@@ -137,8 +142,10 @@ fn start_instance(
     job: &str,
     namespace: u32,
     start: u64,
+    rank: u32,
 ) -> Result<Instance, String> {
     let mut c = template.clone();
+    c.rank = i32::try_from(rank).map_err(|_| format!("rank {rank} out of range"))?;
     c.secret = Secret::new(master.job_token(job).as_bytes()).for_job(job).map_err(|e| e.to_string())?;
     c.namespace = namespace;
     c.traffic = Arc::default();
@@ -150,6 +157,13 @@ fn start_instance(
         .map_err(|e| e.to_string())?;
     log::info!(target: "server", "job '{job}': server started");
     Ok(Instance { job: job.to_string(), start, traffic, join })
+}
+
+/// Whether no job runs here (once the instances whose job ended are
+/// joined; those that ended with an error join `failed`).
+fn idle(instances: &mut Vec<Instance>, failed: &mut Vec<JobTraffic>) -> bool {
+    failed.extend(reap(instances));
+    instances.is_empty()
 }
 
 /// Join the instances whose job ended, logging how; the ones that ended
@@ -166,7 +180,14 @@ fn reap(instances: &mut Vec<Instance>) -> Vec<JobTraffic> {
                 continue;
             }
             Ok(Err(e)) => {
-                log::warn!(target: "server", "job '{}' ended: {e}; its server's memory is freed", i.job);
+                // Its job's members report the job's end (an elastic job's
+                // generation ends so, and the job goes on): the service's
+                // side of it is only this.
+                let why = match &e {
+                    ServerError::JobFailed(why) => why.clone(),
+                    other => other.to_string(),
+                };
+                log::info!(target: "server", "job '{}': its server ended ({why}); its memory is freed", i.job);
                 e.to_string()
             }
             Err(_) => {

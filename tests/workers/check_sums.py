@@ -2,8 +2,11 @@
 
 Config (GH_TEST JSON): sizes, dtypes, rounds, average, in_flight (async all at
 once with random priorities), reverse_declare (odd ranks declare in reverse),
-credit (the credit per connection this worker must have been given).
+credit (the credit per connection this worker must have been given), sleep
+{rank: seconds after each round} (a straggler).
 """
+
+import time
 
 import numpy as np
 
@@ -49,6 +52,7 @@ for rnd in range(rounds):
             gradhub.push_pull(arrays[name], name=name, average=average, timeout=120, **kw(dt))
     for name, s, dt in names:
         check(arrays[name], n, s, dt, seed, integer, average, f"rank {r} round {rnd} {name}")
+    time.sleep(float(CONFIG.get("sleep", {}).get(str(r), 0.0)))
 
 print("PASS", r, flush=True)
 gradhub.shutdown()

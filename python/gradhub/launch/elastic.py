@@ -16,11 +16,13 @@ import secrets
 import time
 
 from .. import _core
-from .proc import Proc, stop_unready, stopped_on_signals
+from .proc import Proc, stop_procs, stop_unready, stopped_on_signals
 
 # Seconds to wait for the service to be up with every server registered:
 # a job takes the servers registered when its first worker arrives.
 SERVICE_READY_S = 60.0
+# Seconds to wait, at the end, for the service to see its job's end.
+SERVICE_IDLE_S = 5.0
 
 
 def add_args(lp) -> None:
@@ -95,9 +97,27 @@ class Elastic:
         servers registered (Ctrl-C stops it); None, or, when it did not
         (a process of the service exited, or the wait timed out), the
         launch's exit code once the service's processes were stopped."""
+        self.address, self.service = address, list(service)
         with stopped_on_signals(service):
             why = self._wait_ready(address, servers, service)
         return None if why is None else stop_unready(service, why, tool)
+
+    def stop(self) -> None:
+        """The job is done: stop its service quietly. Once no job runs on it
+        (its last generation's end reached every server, or a few seconds
+        passed), the servers first, then the scheduler: each then finds
+        nothing running, so neither reports a loss."""
+        deadline = time.monotonic() + SERVICE_IDLE_S
+        while time.monotonic() < deadline:
+            try:
+                st = json.loads(_core.service_status(self.address, self.master, 1.0))
+            except _core.GradhubError:
+                break
+            if not st["jobs"] and not any(s["jobs"] for s in st["servers"]):
+                break
+            time.sleep(0.1)
+        stop_procs([p for p in self.service if p.role == "server"])
+        stop_procs(self.service)
 
     def _wait_ready(self, address: str, servers: int, service: list[Proc]) -> str | None:
         deadline = time.monotonic() + SERVICE_READY_S

@@ -46,8 +46,8 @@ def scheduler_flags(args) -> list[str]:
     flags = ["--stall-seconds", str(args.stall_seconds), "--peer-timeout", str(args.peer_timeout)]
     if args.partition_bytes:
         flags += ["--partition-bytes", str(args.partition_bytes)]
-    if not args.host_reduce:
-        flags.append("--no-host-reduce")
+    if args.host_reduce is not None:   # None: the scheduler's default, from the training mode
+        flags.append("--host-reduce" if args.host_reduce else "--no-host-reduce")
     if not args.failover:
         flags.append("--no-failover")
     flags += ["--rack-reduce", args.rack_reduce, "--link-gbit", str(args.link_gbit),
@@ -106,4 +106,5 @@ def launch_local(args, command: list[str]) -> int:
     # An elastic job with --max-workers: a lost worker is replaced (here, on this machine).
     replace = start_worker if el is not None and el.max_workers is not None else None
     return supervise(procs, workers, "gradhub launch", min_workers=el.min_workers if el else None,
-                     replace=replace, max_workers=el.max_workers or 0 if el else 0)
+                     replace=replace, max_workers=el.max_workers or 0 if el else 0,
+                     stop_service=el.stop if el else None)

@@ -12,8 +12,27 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import threading
-from typing import BinaryIO
+from typing import BinaryIO, Callable
+
+# A line in which a process names itself as the job numbers it: the core's
+# log prefix (`[gradhub worker 2] ...`, `[gradhub server 1/t0] ...`).
+_SELF_NAME = re.compile(rb"^\[gradhub (worker|server) (\d+)(?:/t\d+)?\]")
+
+
+def own_name(label: str, text: bytes) -> str | None:
+    """The label `text` calls for: the number the process gives itself
+    (its rank in the job, which an elastic job's service assigns and may
+    change each generation), on a label of the same role; None: keep it."""
+    m = _SELF_NAME.match(text)
+    if m is None:
+        return None
+    role, num = m.group(1).decode(), m.group(2).decode()
+    name, at, host = label.partition("@")
+    if name.split(" ")[0] != role or name == f"{role} {num}":
+        return None
+    return f"{role} {num}{at}{host}"
 
 
 class Terminal:
@@ -62,8 +81,12 @@ class Segment(enum.Enum):
 class Pump:
     """Reads one child's output and writes it to the terminal under `label`."""
 
-    def __init__(self, terminal: Terminal, label: str, fd: int):
+    def __init__(self, terminal: Terminal, label: str, fd: int, renamed: Callable[[str], None] | None = None):
+        """`renamed(label)`: the process named itself otherwise (`own_name`);
+        its lines from then on carry the new label."""
         self.terminal = terminal
+        self.label = label
+        self.renamed = renamed
         self.prefix = f"[{label}] ".encode()
         self.fd = fd
         self.kind = Segment.LINE
@@ -122,6 +145,11 @@ class Pump:
         self.shown = 0
 
     def _write(self, text: bytes, end: bytes, redraw: bool) -> None:
+        label = own_name(self.label, text)
+        if label is not None:
+            self.label, self.prefix = label, f"[{label}] ".encode()
+            if self.renamed is not None:
+                self.renamed(label)
         if end == b"\r":
             self.terminal.progress(self, self.prefix, text)
         else:

@@ -44,9 +44,15 @@ class Proc:
         self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   stdin=stdin, start_new_session=True)
         assert self.p.stdout is not None
-        self.pump = threading.Thread(target=Pump(terminal(), label, self.p.stdout.fileno()).run, daemon=True)
+        # The label follows the number the process gives itself (`own_name`),
+        # so the launcher's messages about it use the job's numbering too.
+        pump = Pump(terminal(), label, self.p.stdout.fileno(), renamed=self._renamed)
+        self.pump = threading.Thread(target=pump.run, daemon=True)
         self.pump.start()
         threading.Thread(target=self._wait, daemon=True).start()
+
+    def _renamed(self, label: str) -> None:
+        self.label = label
 
     def _wait(self) -> None:
         rc = self.p.wait()
@@ -80,7 +86,7 @@ def describe(rc: int) -> str:
     return f"exited with code {rc}"
 
 
-def _stop(procs: list[Proc], grace: float = 5.0) -> None:
+def stop_procs(procs: list[Proc], grace: float = 5.0) -> None:
     for p in procs:
         if p.poll() is None:
             p.signal(signal.SIGTERM)
@@ -178,7 +184,7 @@ class Losses:
 def stop_unready(procs: list[Proc], why: str, tool: str) -> int:
     """The job could not start (`why`): stop what was started; the exit code."""
     print(f"{tool}: {why}; stopping the job", file=sys.stderr, flush=True)
-    _stop(procs)
+    stop_procs(procs)
     return 1
 
 
@@ -189,7 +195,7 @@ def stopped_on_signals(procs: list[Proc]):
     would) and exits with 128 + the signal."""
 
     def on_signal(signum, _frame):
-        _stop(procs)
+        stop_procs(procs)
         sys.exit(128 + signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -201,7 +207,8 @@ def stopped_on_signals(procs: list[Proc]):
 
 
 def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: int | None = None,
-              replace=None, max_workers: int = 0, tick=None, retired: set[Proc] | None = None) -> int:
+              replace=None, max_workers: int = 0, tick=None, retired: set[Proc] | None = None,
+              stop_service=None) -> int:
     """Wait for the workers; stop everything as soon as one process fails (or
     on Ctrl-C/SIGTERM) and return the first failure's exit code, else 0.
     `min_workers`: an elastic job on a shared service the launch started (a
@@ -211,7 +218,8 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
     than `max_workers` run (or None: no room for it). `tick()`: called on
     every turn of the loop (an elastic job following its discovered hosts
     adds workers to `procs` and `workers` there); `retired`: workers it
-    stopped on purpose (their exit is a stop, not a loss to replace)."""
+    stopped on purpose (their exit is a stop, not a loss to replace);
+    `stop_service()`: stops the elastic job's service at its normal end."""
 
     def start_replacement(lost: Proc) -> Proc | None:
         p = replace(lost)
@@ -236,14 +244,16 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
                 assert bad is not None and bad.rc is not None
                 why = fatal[1] if fatal else f"{bad.label} {describe(bad.rc)}"
                 print(f"{tool}: {why}; stopping the job", file=sys.stderr, flush=True)
-                _stop(procs)
+                stop_procs(procs)
                 return exit_code(bad.rc)
             if all(w.poll() == 0 for w in live if w in workers):
                 break
             time.sleep(0.05)
         if losses is not None:
             # A shared service outlives its jobs: the launch stops it (its exit is not the job's).
-            _stop(procs)
+            if stop_service is not None:
+                stop_service()
+            stop_procs(procs)
             if losses.lost:
                 print(f"{tool}: {losses.summary()}", file=sys.stderr, flush=True)
             return 0
@@ -254,7 +264,7 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
         rest = [p for p in procs if p.poll() is None]
         if rest:
             print(f"{tool}: " + ", ".join(p.label for p in rest) + " did not exit; terminating", file=sys.stderr)
-        _stop(procs)
+        stop_procs(procs)
         bad = first_failure([p for p in procs if p not in rest])
         if bad is not None and bad.rc is not None:
             print(f"{tool}: {bad.label} {describe(bad.rc)} after the workers finished", file=sys.stderr)

@@ -282,7 +282,7 @@ def launch_ssh(args, command: list[str]) -> int:
     try:
         return supervise(procs, workers, tool, min_workers=el.min_workers,
                          replace=replace if el.max_workers is not None else None, max_workers=most,
-                         tick=follower.tick if follower else None, retired=retired)
+                         tick=follower.tick if follower else None, retired=retired, stop_service=el.stop)
     finally:
         if follower is not None:
             follower.poller.stop()

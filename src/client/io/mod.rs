@@ -212,6 +212,9 @@ pub trait Completion: Send + Sync {
     fn finish_op(&self, op: &Op, error: Option<String>);
     fn fail_job(&self, msg: String);
     fn failure(&self) -> Option<String>;
+    /// This worker is leaving (it said goodbye): the servers closing its
+    /// connections is the job's normal end, not a loss.
+    fn closing(&self) -> bool;
 }
 
 /// Why something waiting for a worker that left can never complete.

@@ -226,7 +226,12 @@ impl IoCore {
         self.rx[i].reset();
         c.link.deregister(&io.registry);
         c.broke(&mut c.send());
-        log::warn!(target: &format!("worker {}", io.rank), "{}: {why}; waiting for the scheduler's failover", c.desc());
+        let target = format!("worker {}", io.rank);
+        if self.owner.closing() {
+            log::debug!(target: &target, "{}: {why} while this worker leaves", c.desc());
+        } else {
+            log::warn!(target: &target, "{}: {why}; waiting for the scheduler's failover", c.desc());
+        }
     }
 
     /// Fail the job if a broken connection's server was not taken over

@@ -309,6 +309,9 @@ pub enum Control {
         job: String,
         namespace: u32,
         start: u64,
+        /// The rank this server takes in the job: its place among the
+        /// service's servers, so a job numbers them as the service does.
+        rank: u32,
     },
     /// Per job: bytes pushed to this server process and chunk rounds, so far.
     ServiceStats {

@@ -194,8 +194,8 @@ impl Control {
             Control::ServiceJoin(j) => {
                 w.str(&j.hostname).str(&j.addr).u32(j.threads).u8(j.colocated as u8);
             }
-            Control::ServiceStart { job, namespace, start } => {
-                w.str(job).u32(*namespace).u64(*start);
+            Control::ServiceStart { job, namespace, start, rank } => {
+                w.str(job).u32(*namespace).u64(*start).u32(*rank);
             }
             Control::ServiceStats { jobs } => {
                 w.u32(jobs.len() as u32);
@@ -456,7 +456,8 @@ impl Control {
             MsgType::ServiceStart => {
                 let job = r.str("job")?;
                 let namespace = r.u32("namespace")?;
-                Control::ServiceStart { job, namespace, start: r.u64("start")? }
+                let start = r.u64("start")?;
+                Control::ServiceStart { job, namespace, start, rank: r.u32("rank")? }
             }
             MsgType::ServiceStats => {
                 let n = r.count("jobs", 20)?;

@@ -199,7 +199,14 @@ impl Deltas {
         if !self.initialized {
             return Vec::new();
         }
-        let ready = |o: &Owed| matches!(o, Owed::Answer { kept: true, .. });
+        // Every worker starts from worker 0's parameters as they came: the
+        // answers to the init pushes wait until every live pusher's is in,
+        // so none is answered after another's changes were added.
+        let started = (0..self.steps.len()).all(|p| self.gone[p] || self.steps[p] >= 1);
+        let ready = |o: &Owed| match *o {
+            Owed::Answer { kept, round, .. } => kept && (started || round > 0),
+            Owed::Nothing => false,
+        };
         // Answers each pusher has had: one fewer than its pushes if one is owed.
         let had: Vec<u32> = self
             .steps
@@ -268,6 +275,25 @@ mod tests {
             assert_eq!(ranks(&a), vec![(0, round)]);
             assert_eq!(a[0].lead, round);
         }
+    }
+
+    #[test]
+    fn every_worker_starts_from_the_parameters_as_they_came() {
+        // Worker 0's init push is in; worker 1's is late: worker 0 is not
+        // answered (nor can it push a change) until it is, so worker 1's
+        // answer cannot carry worker 0's first change.
+        let mut d = Deltas::new(&[0, 1], None);
+        d.applied(0, 0, false, true, false);
+        assert!(d.answers().is_empty(), "worker 1 has not started");
+        assert_eq!(d.admit(0, 1), Err(Refusal::Early { owed: 0 }));
+        d.applied(1, 0, false, false, false);
+        assert_eq!(ranks(&d.answers()), vec![(0, 0), (1, 0)]);
+        // A pusher that left before starting holds nobody back.
+        let mut d = Deltas::new(&[0, 1, 2], None);
+        d.applied(0, 0, false, true, false);
+        d.applied(1, 0, false, false, false);
+        d.leave(2);
+        assert_eq!(ranks(&d.answers()), vec![(0, 0), (1, 0)]);
     }
 
     #[test]
