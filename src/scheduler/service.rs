@@ -387,7 +387,8 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         return Err(format!("the service cannot start the job: {e}"));
     }
     for (rank, s) in servers.iter().enumerate() {
-        let start = Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start, rank: rank as u32 };
+        let start =
+            Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start, rank: rank as u32 };
         if !s.send(&start) {
             // Its server would never register: fail now, not at the join timeout.
             let why = format!("the service's server at {} could not be told to start the job", s.peer);
