@@ -54,12 +54,14 @@ def test_host_link_bytes_are_the_byteps_split(n, k, w, host):
 
 @pytest.mark.parametrize("n", [2, 4, 16, 256])
 def test_ring_all_reduce_time_is_two_n_minus_one_over_n_s_over_b(n):
+    """DDP over gloo (torch DDP on CPU, the emulated cluster's): a flat ring."""
     S, B = 100 * MB, 10e9
-    net, cpu, lat = ring_time(Cluster(n, 1, 0, False, B, latency_s=0.0), S, IDEAL)
+    c = Cluster(n, 1, 0, False, B, latency_s=0.0, allreduce="gloo")
+    net, cpu, lat = ring_time(c, S, IDEAL)
     assert net == pytest.approx(allreduce_time(n, S, B), rel=1e-9)
     assert cpu < 1e-6 and lat == 0
     # Through the bucketed simulation too: one tensor is one bucket (DDP never splits a tensor).
-    r = simulate_ddp(push_pull_only(S), Cluster(n, 1, 0, False, B, latency_s=0.0), IDEAL)
+    r = simulate_ddp(push_pull_only(S), c, IDEAL)
     assert r.iter_s == pytest.approx(allreduce_time(n, S, B), rel=1e-6)
 
 

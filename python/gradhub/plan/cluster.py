@@ -28,6 +28,31 @@ class Cluster:
     # The emulated cluster: every host shares this machine's cores (0: each
     # host has its own CPU, as real machines do).
     shared_cores: int = 0
+    # A real GPU machine's insides and its NIC's transport, as NCCL sees them
+    # (nccl.py): a name of nccl.GPU_LINKS or a bus bandwidth in GB/s; "rdma"
+    # or "tcp" (NCCL's socket transport). gradhub itself always runs TCP.
+    gpu_link: str = "nvlink"
+    transport: str = "rdma"
+    # Payload per bit of line rate on every link, as measured on the cluster
+    # (0: the transport's own: TCP's wire efficiency, nccl.TRANSPORTS).
+    link_efficiency: float = 0.0
+    # DDP's all-reduce: "nccl" (GPUs), "gloo" (torch DDP on CPU: a flat ring
+    # over TCP, what the emulated cluster runs), "auto": gloo with shared
+    # cores (the emulated cluster), else nccl.
+    allreduce: str = "auto"
+
+    @property
+    def backend(self) -> str:
+        if self.allreduce != "auto":
+            return self.allreduce
+        return "gloo" if self.shared_cores else "nccl"
+
+    @property
+    def gpu_stage(self) -> bool:
+        """Whether a machine's GPUs reduce among themselves over their links
+        before gradhub's host stage (the torch local stage on GPUs): real
+        GPU machines of several GPUs under the NCCL backend."""
+        return self.backend == "nccl" and self.workers_per_host > 1 and not self.shared_cores
 
     @property
     def workers(self) -> int:
@@ -42,7 +67,10 @@ class Cluster:
         lay += "" if self.colocated else " (not colocated)"
         if self.racks > 1:
             lay += f", {self.racks} racks (core {(self.core_bps or self.rate_bps) / 1e9:g} Gbit/s)"
-        return lay + f", {self.rate_bps / 1e9:g} Gbit/s"
+        lay += f", {self.rate_bps / 1e9:g} Gbit/s"
+        if self.backend == "nccl":
+            lay += f" ({self.transport}, GPU links {self.gpu_link})"
+        return lay
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,15 @@ is averaged is which host owns a given chunk. On the emulated cluster
 (`shared_cores`), every host's CPU work runs on the same few cores: one CPU
 resource takes the whole cluster's work for each chunk, and a worker's
 main thread, which runs the push_pulls' Python and sends what the windows
-admit at once, takes its share there before backward goes on."""
+admit at once, takes its share there before backward goes on.
+
+On a real GPU cluster (`Cluster.gpu_stage`: the NCCL backend, several GPUs
+a machine) a push_pull starts with the torch local stage: NCCL's
+reduce-scatter among the machine's GPUs over their links, each GPU's share
+copied to host memory over PCIe (nccl.py's GPU links), then the host stage
+and the servers as above; its result is copied back and all-gathered before
+the gradient is ready. The machine's link runs at the NIC's payload rate,
+no faster than the PCIe uplink it may share with two GPUs' copies."""
 
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..bench.netns import tbf_burst
-from ..bench.runner import byteps_optimum_time
+from ..bench.runner import byteps_optimum_time, host_link_bytes
+from . import nccl
 from .cluster import Cluster, Options
 from .costs import Costs
 from .engine import Engine, Resource
@@ -190,8 +199,25 @@ class GradhubSim:
         H, W, k = c.hosts, c.workers_per_host, c.cpu_servers
         self.P = 1 if opt.host_reduce or W == 1 else W          # pushing processes per host
         self.n_push = H * self.P
-        B = c.rate_bps * costs.wire_efficiency / 8               # payload bytes/s per link
-        core = (c.core_bps or c.rate_bps) * costs.wire_efficiency / 8
+        eff = c.link_efficiency or costs.wire_efficiency
+        B = c.rate_bps * eff / 8                                 # payload bytes/s per link
+        core = (c.core_bps or c.rate_bps) * eff / 8
+        # The GPU stage (real GPU machines): NCCL among the machine's GPUs and
+        # their copies to and from host memory; with the host stage on, the
+        # torch local stage (a reduce-scatter, 1/W of each tensor copied per
+        # GPU), else every GPU copies its whole gradient.
+        self.gpu = c.gpu_stage
+        self.link = nccl.gpu_link(c.gpu_link) if self.gpu else None
+        B_host = B
+        if self.gpu and self.link.nic_staged:
+            # The NIC's PCIe switch uplink also carries the copies of the GPUs
+            # under that switch (1/host_links of the machine's): per direction
+            # the NIC's bytes plus those.
+            M = max(1, profile.model_bytes)
+            nic = host_link_bytes(H, k, M, W, opt.host_reduce, c.colocated)
+            copies = M * (1 if opt.host_reduce else W) / self.link.host_links
+            if nic > 0:
+                B_host = min(B, self.link.copy_Bps * nic / (nic + copies))
         self.two = two_level(c, opt)
         e = self.e = Engine()
         self.cores = c.shared_cores
@@ -204,7 +230,9 @@ class GradhubSim:
         self.w_cpu = Resource("worker I/O threads", W)
         self.cpu = Resource("machine CPU (emulated hosts share it)")
         self.compute = Resource("GPU compute")
-        self.B, self.core_B = B, core
+        self.rs, self.ag = Resource("GPU links (reduce-scatter)"), Resource("GPU links (all-gather)")
+        self.d2h, self.h2d = Resource("PCIe to host"), Resource("PCIe from host")
+        self.B, self.B_host, self.core_B = B, B_host, core
         # Per-chunk costs by owner kind, precomputed per distinct chunk size.
         self._cost_cache: dict[tuple[int, str], tuple] = {}
         # The representative worker's windows (every pusher of the host has its own).
@@ -254,7 +282,14 @@ class GradhubSim:
             srv = (self.n_push / (H if kind == "gpu" else c.cpu_servers)) * k.chunk_cpu_s / 2 \
                 + summed / k.sum_Bps + k.tcp_cpu_per_byte * (own_down + own_up) / 2
             send_path = 0.0
-        got = (push_up / self.B, own_down / self.B, res_up / self.B, own_up / self.B, core_b / self.core_B,
+            if self.gpu and self.o.host_reduce:
+                # The host stage on GPU machines: each chunk's live share (one
+                # GPU's, the others push zeros as headers) contributed to shared
+                # memory, and copied out for that GPU: a memory pass each way.
+                send += b / k.mem_Bps
+                recv += b / k.mem_Bps
+        own_B = self.B_host if kind == "gpu" else self.B   # the owner's link: a worker machine's or a CPU-only one's
+        got = (push_up / self.B_host, own_down / own_B, res_up / self.B_host, own_up / own_B, core_b / self.core_B,
                send, srv, recv, send_path)
         self._cost_cache[key] = got
         return got
@@ -378,11 +413,44 @@ class GradhubSim:
                 step_end(i)
             main_cpu(step_s * nbytes / max(1, p.model_bytes), updated)
 
+        gpu_t: dict[int, tuple[float, float]] = {}
+
+        def gpu_times(mi):
+            """(reduce-scatter, copy) seconds of a message's GPU stage, each way."""
+            got = gpu_t.get(mi)
+            if got is None:
+                n, W = self.msgs[mi].nbytes, self.c.workers_per_host
+                if o.host_reduce:
+                    got = (nccl.intra_collective(self.link, W, n), nccl.host_copy(self.link, W, n))
+                else:   # every GPU copies its whole gradient
+                    got = (0.0, nccl.host_copy(self.link, W, W * n))
+                gpu_t[mi] = got
+            return got
+
+        def stage_in(i, mi):
+            """On GPU machines: the machine's GPUs reduce-scatter the gradient
+            and copy their shares to host memory; then the push_pull's chunks queue."""
+            if not self.gpu:
+                enqueue(i, mi)
+                return
+            key = (self.msgs[mi].prio, i, mi, -1)
+            rs, cp = gpu_times(mi)
+            e.use(self.rs, key, rs, lambda: e.use(self.d2h, key, cp, enqueue, i, mi))
+
         def chunk_done(i, mi):
             st = its[i]
             st["msg_left"][mi] -= 1
             if st["msg_left"][mi]:
                 return
+            if self.gpu:   # the result's shares copied back and all-gathered among the GPUs
+                key = (self.msgs[mi].prio, i, mi, -1)
+                ag, cp = gpu_times(mi)
+                e.use(self.h2d, key, cp, lambda: e.use(self.ag, key, ag, msg_done, i, mi))
+            else:
+                msg_done(i, mi)
+
+        def msg_done(i, mi):
+            st = its[i]
             st["left"] -= 1
             if eager:  # step() updates it now, or (still in backward) all such at once when step() starts
                 if st["bwd_done"]:
@@ -455,7 +523,7 @@ class GradhubSim:
                     ready.append(mi)
             if not self.cores:
                 for mi in ready:
-                    e.use(wcpu, (self.msgs[mi].prio, i, mi, -1), op_s, enqueue, i, mi)
+                    e.use(wcpu, (self.msgs[mi].prio, i, mi, -1), op_s, stage_in, i, mi)
                 backward(i, li - 1)
                 return
 
@@ -505,11 +573,11 @@ class GradhubSim:
             iter_s = starts[1] - starts[0]
         span = e.now
         res = [self.up, self.down, self.s_up, self.s_down, self.core_up, self.core_down, self.g_cpu, self.s_cpu,
-               self.w_cpu, self.cpu, self.compute]
+               self.w_cpu, self.cpu, self.compute, self.rs, self.ag, self.d2h, self.h2d]
         util = {r.name: r.busy / r.units / span for r in res if r.busy > 0}
         neck = max(util, key=util.get) if util else "none"
         host_bytes = sum(self.costs(b, kind)[0] + (self.costs(b, kind)[2] if kind == "gpu" else 0)
-                         for m in self.msgs for b, kind in m.chunks) * self.B
+                         for m in self.msgs for b, kind in m.chunks) * self.B_host
         return Result("gradhub", N * p.batch / iter_s, iter_s, neck, util, host_bytes, e.events,
                       time.perf_counter() - t0, "two-level racks" if self.two else "",
                       self.cpu.busy * self.cores / iters, main_sync[0] / spread / iters)
