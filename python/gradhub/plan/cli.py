@@ -17,6 +17,17 @@ from .profile import load
 from .sim import byteps_optimum, simulate_gradhub
 
 
+def _gpu_link(text: str) -> str:
+    """An argparse type: a GPU link `nccl.gpu_link` knows (kept as text)."""
+    from .nccl import gpu_link
+
+    try:
+        gpu_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--gpu-link ")) from None
+    return text
+
+
 def _model_args(p) -> None:
     from ..bench.profiles import PROFILES
 
@@ -49,13 +60,25 @@ def _cluster_args(p, plan: bool = False) -> None:
     p.add_argument("--shared-cores", type=int, default=0,
                    help="every host shares this many cores (the emulated cluster on one machine; default 0: "
                         "each machine has its own)")
+    p.add_argument("--gpu-link", type=_gpu_link, default="nvlink",
+                   help="the GPU machines' insides, as NCCL sees them: nvlink (V100 NVLink, one NIC: BytePS's "
+                        "machine; default), nvlink-a100, nvlink-h100, pcie (PCIe 3.0 only), or an all-reduce bus "
+                        "bandwidth in GB/s (docs/planning.md)")
+    p.add_argument("--transport", choices=["rdma", "tcp"], default="rdma",
+                   help="NCCL's transport between machines (default rdma; tcp: NCCL's sockets); gradhub runs TCP")
+    p.add_argument("--link-efficiency", type=float, default=0.0, metavar="F",
+                   help="payload per bit of line rate measured on the cluster, at most 1 (default: the transport's)")
+    p.add_argument("--allreduce", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="DDP's all-reduce: nccl (GPUs), gloo (a flat ring on CPU); default auto: gloo with "
+                        "--shared-cores (the emulated cluster), else nccl")
 
 
 def _cluster(args, k: int = 0, colocated: bool = True) -> Cluster:
     return Cluster(args.hosts, args.workers_per_host, getattr(args, "cpu_servers", k),
                    not getattr(args, "no_colocated", not colocated), rate(args.rate),
                    rate(args.core_rate) if args.core_rate else 0.0, max(1, args.racks), args.latency_us * 1e-6,
-                   args.server_threads, args.shared_cores)
+                   args.server_threads, args.shared_cores, args.gpu_link, args.transport,
+                   min(1.0, args.link_efficiency), args.allreduce)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,13 +133,16 @@ def _simulate(args) -> int:
                 overlap_forward=args.overlap_forward, scheduling="fifo" if args.fifo else args.scheduling,
                 eager_update=not args.no_eager_update)
     gh = simulate_gradhub(prof, c, o, costs)
-    ddp = simulate_ddp(prof, replace(c, cpu_servers=0), costs, 25e6 / args.scale)
+    from .ddp import BUCKET_CAP
+
+    # torch DDP's 25 MiB buckets; the emulated cluster's runs use 25 MB (both / scale, as the bench runs them).
+    ddp = simulate_ddp(prof, replace(c, cpu_servers=0), costs, (BUCKET_CAP if c.backend == "nccl" else 25e6) / args.scale)
     opt = byteps_optimum(prof, c)
     out = {"model": prof.name, "cluster": c.describe(), "workers": c.workers,
            "model_mbytes": prof.model_bytes / 1e6, "compute_ms": prof.compute_s * 1e3,
            "gradhub_samples_per_s": gh.samples_per_s, "ddp_samples_per_s": ddp.samples_per_s,
            "speedup_over_ddp": gh.samples_per_s / ddp.samples_per_s, "bottleneck": gh.bottleneck,
-           "ddp_bottleneck": ddp.bottleneck, "utilization": gh.utilization,
+           "ddp_bottleneck": ddp.bottleneck, "ddp_allreduce": ddp.detail, "utilization": gh.utilization,
            "byteps_optimum_samples_per_s": opt, "share_of_byteps_optimum": gh.samples_per_s / opt,
            "host_link_mbytes_per_iter": gh.host_bytes / 1e6, "iteration_ms": gh.iter_s * 1e3,
            "simulated_events": gh.events, "simulation_s": gh.wall_s + ddp.wall_s, "costs": costs.source}
@@ -128,7 +154,7 @@ def _simulate(args) -> int:
     print(f"  gradhub  {gh.samples_per_s:10.1f} samples/s  ({gh.iter_s * 1e3:.1f} ms/iteration; busiest: "
           f"{gh.bottleneck} {gh.utilization.get(gh.bottleneck, 0):.0%})")
     print(f"  DDP      {ddp.samples_per_s:10.1f} samples/s  ({ddp.iter_s * 1e3:.1f} ms/iteration; busiest: "
-          f"{ddp.bottleneck})")
+          f"{ddp.bottleneck}; {ddp.detail})")
     print(f"  gradhub / DDP {out['speedup_over_ddp']:.2f}; {out['share_of_byteps_optimum']:.0%} of the BytePS "
           f"optimum ({opt:.1f} samples/s); {gh.host_bytes / 1e6:.1f} MB per host link and iteration; "
           f"simulated in {out['simulation_s']:.2f} s")
@@ -136,13 +162,14 @@ def _simulate(args) -> int:
 
 
 def _plan(args) -> int:
-    from .search import env_file, plan
+    from .search import MODEL_ERROR, env_file, plan, verdict
 
     prof = load(args.model, args.scale, args.profile, args.torch_model)
     costs = Costs.load(args.costs)
     base = _cluster(args)
     prices = Prices(args.gpu_price, args.cpu_price) if (args.gpu_price or args.cpu_price) else None
     choices, ddp = plan(prof, base, costs, args.cpu_available, prices, not args.no_overlap, top=args.top)
+    use, gain = verdict(choices, ddp, base, prices)
     rows = [{"k": ch.cluster.cpu_servers, "colocated": ch.cluster.colocated, "env": ch.options.env(),
              "samples_per_s": ch.result.samples_per_s, "speedup_over_ddp": ch.result.samples_per_s / ddp.samples_per_s,
              "cost_per_sample": ch.cost_per_sample, "bottleneck": ch.result.bottleneck,
@@ -150,10 +177,11 @@ def _plan(args) -> int:
     if args.apply and choices:
         Path(args.apply).write_text(env_file(choices[0]))
     if args.json:
-        print(json.dumps({"model": prof.name, "ddp_samples_per_s": ddp.samples_per_s, "choices": rows}))
+        print(json.dumps({"model": prof.name, "ddp_samples_per_s": ddp.samples_per_s, "ddp_allreduce": ddp.detail,
+                          "verdict": use, "gain_over_ddp": gain, "model_error": MODEL_ERROR, "choices": rows}))
         return 0
     print(f"{prof.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs, {args.rate}, up to "
-          f"{args.cpu_available} CPU-only machines; DDP: {ddp.samples_per_s:.1f} samples/s")
+          f"{args.cpu_available} CPU-only machines; DDP: {ddp.samples_per_s:.1f} samples/s ({ddp.detail})")
     print(f"{'#':>2s} {'k':>3s} {'colocated':>9s} {'samples/s':>10s} {'vs DDP':>7s} {'$/Msample':>10s}  "
           f"settings; why (busiest resource)")
     for i, (ch, r) in enumerate(zip(choices, rows), 1):
@@ -161,6 +189,12 @@ def _plan(args) -> int:
         env = " ".join(f"{k}={v}" for k, v in sorted(r["env"].items())) or "defaults"
         print(f"{i:2d} {r['k']:3d} {str(r['colocated']).lower():>9s} {r['samples_per_s']:10.1f} "
               f"{r['speedup_over_ddp']:7.2f} {cps}  {env}; {r['bottleneck']} {r['bottleneck_utilization']:.0%}")
+    what = "samples per unit of price" if prices else "samples/s"
+    if use == "ddp":
+        print(f"verdict: use DDP: the best layout gives {gain:.2f}x DDP's {what}, within the model's error "
+              f"({MODEL_ERROR:.0%}; docs/planning.md)")
+    else:
+        print(f"verdict: use gradhub (choice 1): {gain:.2f}x DDP's {what}, beyond the model's error ({MODEL_ERROR:.0%})")
     if args.apply and choices:
         print(f"wrote {args.apply} (the first choice: `set -a; . {args.apply}; set +a` before `gradhub launch`)")
     return 0
