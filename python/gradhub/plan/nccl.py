@@ -56,16 +56,16 @@ class GpuLink:
 # (doc/PERFORMANCE.md: algbw x 2(n-1)/n); docs/planning.md cites each.
 GPU_LINKS = {
     # V100 SXM2 (DGX-1 class, the papers' NVLink machines): 1.2 Tbit/s of NVLink per GPU (BytePS §4.2.2)
-    # at NCCL's ~80 % protocol efficiency on NVLink (nccl-tests issue 212) = 120 GB/s; four PCIe 3.0
+    # at NCCL's ~80 % protocol efficiency on NVLink (github.com/NVIDIA/nccl-tests/issues/212) = 120 GB/s; four PCIe 3.0
     # switches of two GPUs each (BytePS §4.2.2), 13.1 GB/s per GPU-host copy (BytePS §4.2.1).
     # Its one NIC sits on the PCIe switch of GPUs 0 and 1, and NCCL sends through that switch's uplink
     # (BytePS §4.2.2), staged in host memory: GPUDirect RDMA needs the GPU and the NIC on one switch
     # (BytePS §4.2.2: under 50 Gbit/s otherwise, "confirmed by our own measurements").
     "nvlink": GpuLink("nvlink", 120 * GB, "nvlink", 13.1 * GB, 4, True, "V100 NVLink, one NIC (BytePS's machine)"),
-    # A100 SXM4 / HGX A100: 200-208 GB/s measured (nccl-tests issues 149, 178); PCIe 4.0 doubles 3.0's rate.
+    # A100 SXM4 / HGX A100: 200-208 GB/s measured (github.com/NVIDIA/nccl-tests/issues/149, /178); PCIe 4.0 doubles 3.0's rate.
     # HGX machines put their NICs under the GPUs' PCIe switches: GPUDirect RDMA, no staging.
     "nvlink-a100": GpuLink("nvlink-a100", 205 * GB, "nvlink", 26.2 * GB, 4, False, "A100 NVLink (HGX A100)"),
-    # H100 SXM / HGX H100, ring algorithm: 365-370 GB/s (nccl issue 1455, nccl-tests issue 212); PCIe 5.0.
+    # H100 SXM / HGX H100, ring algorithm: 365-370 GB/s (github.com/NVIDIA/nccl/issues/1455, github.com/NVIDIA/nccl-tests/issues/212); PCIe 5.0.
     "nvlink-h100": GpuLink("nvlink-h100", 370 * GB, "nvlink", 52.4 * GB, 4, False, "H100 NVLink (HGX H100)"),
     # PCIe 3.0 only (BytePS §4.2.1's machine: two PCIe switches of four GPUs): a ring crossing the switches
     # runs at the cross-switch GPU-to-GPU copy rate, 80 Gbit/s = 10 GB/s; 13.1 GB/s per GPU-host copy.
@@ -103,8 +103,8 @@ class Transport:
 
 TRANSPORTS = {
     # 12.2 GB/s of all-reduce busbw on a 100 Gbit/s InfiniBand card: "as good as you can get"
-    # (NCCL's maintainer, nccl-tests issue 29): 0.976 of the line rate.
-    "rdma": Transport("rdma", 12.2 / 12.5, False, "nccl-tests issue 29"),
+    # (NCCL's maintainer, github.com/NVIDIA/nccl-tests/issues/29): 0.976 of the line rate.
+    "rdma": Transport("rdma", 12.2 / 12.5, False, "github.com/NVIDIA/nccl-tests/issues/29"),
     # NCCL's socket transport: TCP's payload per Ethernet frame (Costs.wire_efficiency, 1448/1514)
     # and the calibrated CPU per message (Costs.chunk_cpu_s) on each machine-crossing step.
     "tcp": Transport("tcp", 0.0, True, "Costs.wire_efficiency, Costs.chunk_cpu_s"),
