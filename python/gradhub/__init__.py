@@ -12,7 +12,7 @@ Low-level API (the PyTorch integration builds on it)::
 
 from __future__ import annotations
 
-from ._core import GradhubError, GradhubTimeoutError  # noqa: F401
+from ._core import PROTOCOL_VERSION, GradhubError, GradhubTimeoutError  # noqa: F401
 from .api import (  # noqa: F401
     Handle,
     barrier,
@@ -33,8 +33,34 @@ from .api import (  # noqa: F401
     size,
 )
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The installed package's version (pyproject.toml's, through its
+    metadata); without metadata (the source tree on PYTHONPATH), the
+    source tree's pyproject.toml; else "0+unknown"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("gradhub")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+        from pathlib import Path
+
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
+            project = tomllib.load(f)["project"]
+        if project.get("name") == "gradhub":
+            return str(project["version"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return "0+unknown"
+
+
+__version__ = _version()
 __all__ = [
+    "PROTOCOL_VERSION",
     "GradhubError",
     "GradhubTimeoutError",
     "Handle",

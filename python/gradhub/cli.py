@@ -11,22 +11,26 @@ import json
 import sys
 
 from . import _core, _env, roles
+from ._argtypes import Parser, count as _count, existing_file, output_file, port
 from .launch import elastic as launch_elastic
 
 # The `--help` epilogs: the settings each command's roles read, from the
 # registry (src/settings.rs), so they show its defaults.
 ALL_ROLES = ("worker", "server", "scheduler", "launcher")
 
+# The scheduler's timeouts travel in milliseconds as u32.
+_SECONDS = _count(0, float, above=True, most=10**6)
+
 
 def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> None:
-    p.add_argument("--partition-bytes", type=int, default=env.partition_bytes,
+    p.add_argument("--partition-bytes", type=_count(4), default=env.partition_bytes,
                    help="chunk size in bytes " + _env.fallback("GRADHUB_PARTITION_BYTES"))
-    p.add_argument("--stall-seconds", type=float, default=env.stall_seconds,
+    p.add_argument("--stall-seconds", type=_count(0, float, most=10**6), default=env.stall_seconds,
                    help="servers report a round that waited longer than this " + _env.fallback("GRADHUB_STALL_SECONDS"))
-    p.add_argument("--peer-timeout", type=float, default=env.peer_timeout,
+    p.add_argument("--peer-timeout", type=_SECONDS, default=env.peer_timeout,
                    help="seconds without a heartbeat before any member is declared dead; the scheduler tells "
                    "every member " + _env.fallback("GRADHUB_PEER_TIMEOUT"))
-    p.add_argument("--join-timeout", type=float, default=env.join_timeout,
+    p.add_argument("--join-timeout", type=_SECONDS, default=env.join_timeout,
                    help="seconds to wait for every member to register; on a shared service also how long an "
                    "elastic job's next generation may gather before it fails below its minimum "
                    + _env.fallback("GRADHUB_JOIN_TIMEOUT"))
@@ -55,17 +59,12 @@ def _add_metrics_arg(p, default: str | None) -> None:
                    + _env.fallback("GRADHUB_METRICS_ADDR"))
 
 
-def _count(least: int, kind=int):
-    """An argparse type: a number of `kind`, at least `least`."""
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if v < least or v > 2**31:
-            raise argparse.ArgumentTypeError(f"{text} is out of range (at least {least})")
-        return v
-    return parse
+def version_line() -> str:
+    """`gradhub 0.1.0 (protocol 14)`: the package, and the wire protocol its
+    core speaks (members of one job must speak the same)."""
+    from . import __version__
+
+    return f"gradhub {__version__} (protocol {_core.PROTOCOL_VERSION})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,12 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     variable raises ValueError naming it)."""
     senv = _env.scheduler_env()
     venv = _env.server_env()
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="gradhub",
         description="gradhub: gradient synchronization for data-parallel training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_env.env_help(ALL_ROLES),
     )
+    p.add_argument("--version", action="version", version=version_line(),
+                   help="print gradhub's version and its wire protocol's, then exit")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     lp = sub.add_parser(
@@ -97,18 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
         "  gradhub launch --host-discovery-script ./hosts.sh --min-workers 2 --max-workers 8 -- python train.py\n\n"
         + _env.env_help(ALL_ROLES),
     )
-    lp.add_argument("-w", "--workers", type=int, default=None,
+    lp.add_argument("-w", "--workers", type=_count(1), default=None,
                     help="number of worker processes (required on this machine; with -H/--hostfile: default "
                     "every slot)")
-    lp.add_argument("-s", "--servers", type=int, default=1, help="number of summation servers (default 1)")
-    lp.add_argument("--server-threads", type=int, default=venv.threads or 1,
+    lp.add_argument("-s", "--servers", type=_count(1), default=1, help="number of summation servers (default 1)")
+    lp.add_argument("--server-threads", type=_count(1), default=venv.threads or 1,
                     help="threads per server (GRADHUB_SERVER_THREADS, else 1)")
     g = lp.add_mutually_exclusive_group()
     g.add_argument("--colocated", action="store_true",
                    help="mark every server as colocated with a worker (all-reduce-like traffic split)")
-    g.add_argument("--colocated-servers", type=int, default=0, metavar="C",
+    g.add_argument("--colocated-servers", type=_count(0), default=0, metavar="C",
                    help="mark the first C servers colocated, the rest CPU-only (mixed job)")
-    lp.add_argument("--port", type=int, default=0, help="scheduler port (default: a free port)")
+    lp.add_argument("--port", type=port, default=0, help="scheduler port (default: a free port)")
     hg = lp.add_argument_group(
         "across hosts (SSH)", "Workers on other hosts, started over ssh (key-based login, no password prompt); "
         "the scheduler runs on this machine (or --scheduler-host first), a server on each worker host (colocated) unless --server-hosts. "
@@ -122,10 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="worker hosts, one a line: 'host slots=N' or 'host:N' (# comments)")
     hg.add_argument("--server-hosts", default=None, metavar="HOST,...",
                     help="run one CPU-only server on each of these hosts instead of a colocated one per worker host")
-    hg.add_argument("--ssh-port", type=int, default=None, help="ssh port on every host (default: ssh's, 22)")
-    hg.add_argument("--ssh-identity-file", default=None, metavar="FILE",
+    hg.add_argument("--ssh-port", type=_count(1, most=65535), default=None, help="ssh port on every host (default: ssh's, 22)")
+    hg.add_argument("--ssh-identity-file", type=existing_file, default=None, metavar="FILE",
                     help="private key for every ssh connection (ssh -i)")
-    hg.add_argument("--ssh-config", default=None, metavar="FILE",
+    hg.add_argument("--ssh-config", type=existing_file, default=None, metavar="FILE",
                     help="an ssh_config file for every ssh connection (ssh -F): user names, jump hosts, host keys")
     hg.add_argument("--scheduler-host", choices=("local", "first"), default="local",
                     help="where the scheduler (an elastic job's shared service) runs: on this machine (local, the "
@@ -149,9 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--insecure", action="store_true", default=_env.insecure(),
                     help="listen beyond loopback without a job token (GRADHUB_INSECURE=1): anyone who can "
                     "reach the port can join the job")
-    sp.add_argument("--workers", type=int, default=senv.num_workers,
+    sp.add_argument("--workers", type=_count(1), default=senv.num_workers,
                     help="number of workers (GRADHUB_NUM_WORKERS)")
-    sp.add_argument("--servers", type=int, default=senv.num_servers,
+    sp.add_argument("--servers", type=_count(1), default=senv.num_servers,
                     help="number of servers (GRADHUB_NUM_SERVERS)")
     _add_scheduler_args(sp, senv)
     _add_metrics_arg(sp, senv.metrics_addr)
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vp.add_argument("--scheduler", default=venv.scheduler,
                     help="scheduler host:port (GRADHUB_SCHEDULER)")
-    vp.add_argument("--threads", type=int,
+    vp.add_argument("--threads", type=_count(1),
                     default=venv.threads if venv.threads is not None else roles.default_server_threads(),
                     help="server threads (GRADHUB_SERVER_THREADS, else one per core)")
     vp.add_argument("--colocated", action="store_true", default=venv.colocated,
@@ -195,11 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="host to listen on (default: 127.0.0.1 if the scheduler is on loopback, else 0.0.0.0)")
     vp.add_argument("--insecure", action="store_true", default=_env.insecure(),
                     help="reach beyond loopback without a job token (GRADHUB_INSECURE=1)")
-    vp.add_argument("--port", type=int, default=venv.port,
+    vp.add_argument("--port", type=port, default=venv.port,
                     help="first port; thread t listens on port+t; 0: free ports " + _env.fallback("GRADHUB_SERVER_PORT"))
-    vp.add_argument("--rank", type=int, default=venv.rank,
+    vp.add_argument("--rank", type=_count(-1), default=venv.rank,
                     help="request this server rank; -1: assigned " + _env.fallback("GRADHUB_SERVER_RANK"))
-    vp.add_argument("--connect-timeout", type=float, default=venv.connect_timeout,
+    vp.add_argument("--connect-timeout", type=_count(0, float, above=True), default=venv.connect_timeout,
                     help="seconds to keep retrying the scheduler " + _env.fallback("GRADHUB_CONNECT_TIMEOUT"))
     vp.add_argument("--rack", default=venv.rack,
                     help="this server's rack, when the job's members are in racks (GRADHUB_RACK; workers set the "
@@ -226,13 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "servers and jobs: members, tensors and bytes held, bytes pushed and the current rate.")
     stp.add_argument("--scheduler", default=venv.scheduler, help="the service's host:port (GRADHUB_SCHEDULER)")
     stp.add_argument("--json", action="store_true", help="print the report as JSON")
-    stp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the service (default 10)")
+    stp.add_argument("--timeout", type=_count(0, float, above=True), default=10.0, help="seconds to wait for the service (default 10)")
     tl = sub.add_parser(
         "timeline", help="merge workers' and servers' timelines into one trace",
         description="gradhub timeline merge OUT FILE...: the timelines of several workers (GRADHUB_TIMELINE "
         "with {rank} in the path) in one Chrome/Perfetto trace, on one clock.")
     tl.add_argument("action", choices=["merge"])
-    tl.add_argument("out", help="the merged trace to write")
+    tl.add_argument("out", type=output_file, help="the merged trace to write")
     tl.add_argument("files", nargs="+", help="the workers' (and servers': gradhub server --timeline) timeline files")
     stg = sub.add_parser(
         "settings", help="list every GRADHUB_* setting: default, who reads it, what it does",
@@ -356,8 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
             print(f"gradhub timeline: {e}", file=sys.stderr)
             return 2
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(events, f)
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(events, f)
+        except OSError as e:
+            print(f"gradhub timeline: {args.out}: cannot write it: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"gradhub timeline: {len(events)} events from {len(args.files)} files in {args.out}")
         return 0
     if args.cmd in ("token", "status"):
@@ -374,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from .launch import launch
 
+    parser.prog = "gradhub launch"  # the checks below: launch's usage errors
     cmd = args.command
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -391,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.scheduler_host == "first" and not remote:
         parser.error("--scheduler-host first needs hosts (-H/--hostfile/--host-discovery-script): a job on this "
                      "machine has its scheduler here")
-    if args.slots_per_host < 1 or args.discovery_interval <= 0:
-        parser.error("--slots-per-host needs at least 1 and --discovery-interval more than 0")
+    if args.slots_per_host < 1:
+        parser.error(f"argument --slots-per-host: {args.slots_per_host} is out of range (at least 1)")
+    if not 0 < args.discovery_interval < float("inf"):
+        parser.error(f"argument --discovery-interval: {args.discovery_interval:g} is out of range (more than 0)")
     try:
         return launch(args, cmd)
     except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)

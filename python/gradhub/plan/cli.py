@@ -7,14 +7,54 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
+from .._argtypes import Parser, count, output_file
 from .cluster import Cluster, Options, Prices, rate
 from .costs import DEFAULT_FILE, Costs, calibrate, describe
 from .ddp import simulate_ddp
 from .profile import load
 from .sim import byteps_optimum, simulate_gradhub
+
+
+def _rate(text: str) -> str:
+    """An argparse type: a link rate in tc syntax, above 0 (kept as text)."""
+    try:
+        ok = rate(text) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate above 0 (examples: 1gbit, 500mbit, 25gbit)")
+    return text
+
+
+def _costs_file(text: str) -> str:
+    """An argparse type: a calibration file `Costs.load` can read (kept as
+    the path): a JSON object whose costs are numbers."""
+    try:
+        Costs.load(text)
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"{text}: no such file (make one with `gradhub bench calibrate`)") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read it: {e.strerror or e}") from None
+    except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
+        raise argparse.ArgumentTypeError(f"{text}: not valid JSON: {e}") from None
+    except (AttributeError, TypeError):   # not an object, or a field the dataclass refuses
+        raise argparse.ArgumentTypeError(f"{text}: not a calibration file (a JSON object of costs, as "
+                                         "`gradhub bench calibrate` writes)") from None
+    d = json.loads(Path(text).read_text())
+    for f in fields(Costs):
+        v = d.get(f.name, getattr(Costs, f.name))
+        if f.name == "source":
+            continue
+        # Rates divide: more than 0; times and CPU costs: at least 0.
+        rate_like = f.name.endswith("_Bps") or f.name in ("wire_efficiency", "machine_cores")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v if rate_like else 0 <= v) \
+                or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text}: {f.name} is {v!r}, not a number "
+                                             f"{'more than' if rate_like else 'at least'} 0")
+    return text
 
 
 def _gpu_link(text: str) -> str:
@@ -35,29 +75,32 @@ def _model_args(p) -> None:
 
     p.add_argument("--model", default="vgg19", choices=sorted([*PROFILES, *EXTRA]),
                    help="a built-in profile, as `gradhub bench train` (default vgg19)")
-    p.add_argument("--scale", type=float, default=1.0,
+    p.add_argument("--scale", type=count(0, float, above=True), default=1.0,
                    help="divide every byte count by this, as `gradhub bench train --scale` (default 1: the real model)")
     p.add_argument("--profile", metavar="FILE.json",
                    help='a profile file: {"batch": 32, "layers": [{"name", "params", "dtype", "forward_ms", '
                         '"backward_ms"}, ...]} in forward order')
     p.add_argument("--torch-model", metavar="MODULE:FACTORY",
                    help="time a PyTorch model on this machine: FACTORY() returns (model, example_batch)")
-    p.add_argument("--costs", help=f"calibration file from `gradhub bench calibrate` (default {DEFAULT_FILE} if "
-                                   "present, else this project's machine)")
+    p.add_argument("--costs", type=_costs_file,
+                   help=f"calibration file from `gradhub bench calibrate` (default {DEFAULT_FILE} if "
+                        "present, else this project's machine)")
 
 
 def _cluster_args(p, plan: bool = False) -> None:
-    p.add_argument("--hosts", type=int, default=4, help="worker (GPU) machines (default 4)")
-    p.add_argument("--workers-per-host", type=int, default=1, metavar="W", help="GPUs per machine (default 1)")
+    p.add_argument("--hosts", type=count(1), default=4, help="worker (GPU) machines (default 4)")
+    p.add_argument("--workers-per-host", type=count(1), default=1, metavar="W", help="GPUs per machine (default 1)")
     if not plan:
-        p.add_argument("--cpu-servers", type=int, default=0, metavar="K", help="CPU-only server machines (default 0)")
+        p.add_argument("--cpu-servers", type=count(0), default=0, metavar="K",
+                       help="CPU-only server machines (default 0)")
         p.add_argument("--no-colocated", action="store_true", help="no server on the GPU machines")
-    p.add_argument("--rate", default="1gbit", help="each machine's link, each direction, tc syntax (default 1gbit)")
-    p.add_argument("--core-rate", help="each rack's link to the core (default: one host link)")
-    p.add_argument("--racks", type=int, default=1, help="racks the machines are split into (default 1)")
-    p.add_argument("--latency-us", type=float, default=50.0, help="one-way latency per hop, us (default 50)")
-    p.add_argument("--server-threads", type=int, default=1, help="threads per server (default 1)")
-    p.add_argument("--shared-cores", type=int, default=0,
+    p.add_argument("--rate", type=_rate, default="1gbit",
+                   help="each machine's link, each direction, tc syntax (default 1gbit)")
+    p.add_argument("--core-rate", type=_rate, help="each rack's link to the core (default: one host link)")
+    p.add_argument("--racks", type=count(1), default=1, help="racks the machines are split into (default 1)")
+    p.add_argument("--latency-us", type=count(0, float), default=50.0, help="one-way latency per hop, us (default 50)")
+    p.add_argument("--server-threads", type=count(1), default=1, help="threads per server (default 1)")
+    p.add_argument("--shared-cores", type=count(0), default=0,
                    help="every host shares this many cores (the emulated cluster on one machine; default 0: "
                         "each machine has its own)")
     p.add_argument("--gpu-link", type=_gpu_link, default="nvlink",
@@ -66,7 +109,7 @@ def _cluster_args(p, plan: bool = False) -> None:
                         "bandwidth in GB/s (docs/planning.md)")
     p.add_argument("--transport", choices=["rdma", "tcp"], default="rdma",
                    help="NCCL's transport between machines (default rdma; tcp: NCCL's sockets); gradhub runs TCP")
-    p.add_argument("--link-efficiency", type=float, default=0.0, metavar="F",
+    p.add_argument("--link-efficiency", type=count(0, float), default=0.0, metavar="F",
                    help="payload per bit of line rate measured on the cluster, at most 1 (default: the transport's)")
     p.add_argument("--allreduce", choices=["auto", "nccl", "gloo"], default="auto",
                    help="DDP's all-reduce: nccl (GPUs), gloo (a flat ring on CPU); default auto: gloo with "
@@ -82,7 +125,7 @@ def _cluster(args, k: int = 0, colocated: bool = True) -> Cluster:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gradhub", description="Predict gradhub's and DDP's training throughput.")
+    p = Parser(prog="gradhub", description="Predict gradhub's and DDP's training throughput.")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
     s = sub.add_parser("simulate", help="simulate training iterations under gradhub and DDP",
                        description="A chunk-level discrete-event simulation of training under gradhub (and of "
@@ -92,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "--cpu-servers 16 --rate 100gbit")
     _model_args(s)
     _cluster_args(s)
-    s.add_argument("--partition-bytes", type=int, default=Options.partition_bytes, help="chunk size (default 256 KiB)")
-    s.add_argument("--credit-bytes", type=int, default=Options.credit_bytes, help="credit per connection (default: the larger of 512 KiB and 4 chunks, as the workers' default)")
-    s.add_argument("--fusion-threshold", type=int, default=Options.fusion_threshold, help="fusion bucket bytes")
+    s.add_argument("--partition-bytes", type=count(4), default=Options.partition_bytes, help="chunk size (default 256 KiB)")
+    s.add_argument("--credit-bytes", type=count(1), default=Options.credit_bytes, help="credit per connection (default: the larger of 512 KiB and 4 chunks, as the workers' default)")
+    s.add_argument("--fusion-threshold", type=count(0), default=Options.fusion_threshold, help="fusion bucket bytes")
     s.add_argument("--no-host-reduce", action="store_true", help="host stage off")
     s.add_argument("--overlap-forward", action="store_true", help="forward overlap on")
     s.add_argument("--scheduling", choices=["auto", "priority", "size", "fifo"], default="auto",
@@ -110,13 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "resource.")
     _model_args(pl)
     _cluster_args(pl, plan=True)
-    pl.add_argument("--cpu-available", type=int, default=4, help="CPU-only machines available, at most (default 4)")
-    pl.add_argument("--gpu-price", type=float, default=0.0, help="price per GPU machine and hour (rank by cost)")
-    pl.add_argument("--cpu-price", type=float, default=0.0, help="price per CPU-only machine and hour")
+    pl.add_argument("--cpu-available", type=count(0), default=4, help="CPU-only machines available, at most (default 4)")
+    pl.add_argument("--gpu-price", type=count(0, float), default=0.0, help="price per GPU machine and hour (rank by cost)")
+    pl.add_argument("--cpu-price", type=count(0, float), default=0.0, help="price per CPU-only machine and hour")
     pl.add_argument("--no-overlap", action="store_true", help="do not consider forward overlap (it changes "
                                                               "training semantics: updates one step late per layer)")
-    pl.add_argument("--top", type=int, default=5, help="how many choices to print (default 5)")
-    pl.add_argument("--apply", metavar="FILE", help="write the first choice's settings to FILE (KEY=VALUE lines)")
+    pl.add_argument("--top", type=count(1), default=5, help="how many choices to print (default 5)")
+    pl.add_argument("--apply", type=output_file, metavar="FILE", help="write the first choice's settings to FILE (KEY=VALUE lines)")
     pl.add_argument("--json", action="store_true", help="print JSON")
     return p
 

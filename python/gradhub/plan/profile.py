@@ -84,6 +84,8 @@ def builtin(name: str, scale: float = 1.0) -> SimProfile:
     `gradhub.bench.emulate` builds them."""
     from ..bench import profiles
 
+    if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
+        raise ValueError(f"scale {scale!r}: expected a number more than 0")
     p = EXTRA[name]() if name in EXTRA else profiles.get(name)
     layers = [SimLayer(l.name, [4 * max(1, math.ceil(n / scale)) for n in l.params], f, b)
               for l, (f, b) in zip(p.layers, p.compute_times())]
@@ -128,18 +130,59 @@ def emulated(p: SimProfile, costs) -> SimProfile:
 
 def from_json(path: str) -> SimProfile:
     """`{"batch": B, "layers": [{"name", "params", "dtype", "forward_ms", "backward_ms"}, ...]}`,
-    forward order; `params` is the element count of the layer's gradients."""
-    with open(path) as f:
-        d = json.load(f)
+    forward order; `params` is the element count of the layer's gradients
+    (`name` and `dtype`, float32 if not given, may be left out).
+
+    A malformed file raises ValueError naming it and the problem (`p.json:
+    layer 3 lacks 'params'`); layers are counted from 0."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it: {e.strerror or e}") from None
+    except ValueError as e:   # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    shape = '{"batch": B, "layers": [{"name", "params", "dtype", "forward_ms", "backward_ms"}, ...]}'
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: not a profile (expected a JSON object {shape})")
+    for key in ("batch", "layers"):
+        if key not in d:
+            raise ValueError(f"{path}: not a profile: lacks {key!r} (expected {shape})")
+    batch = _number(path, "batch", d["batch"], whole=True, least=1)
+    if not isinstance(d["layers"], list) or not d["layers"]:
+        raise ValueError(f"{path}: 'layers' is {d['layers']!r}, expected a non-empty list of layers")
     layers = []
     for i, l in enumerate(d["layers"]):
+        if not isinstance(l, dict):
+            raise ValueError(f"{path}: layer {i} is {l!r}, expected an object {{\"name\", \"params\", \"dtype\", "
+                             f"\"forward_ms\", \"backward_ms\"}}")
+        for key in ("params", "forward_ms", "backward_ms"):
+            if key not in l:
+                raise ValueError(f"{path}: layer {i} lacks {key!r}")
         dtype = l.get("dtype", "float32")
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise ValueError(f"{path}: layer {i}: unknown dtype {dtype!r} (one of {', '.join(DTYPE_BYTES)})")
-        n = int(l.get("params", 0))
-        layers.append(SimLayer(l.get("name", f"layer{i}"), [n * DTYPE_BYTES[dtype]] if n else [],
-                               float(l.get("forward_ms", 0)) / 1e3, float(l.get("backward_ms", 0)) / 1e3))
-    return SimProfile(d.get("name", path), int(d["batch"]), layers, path)
+        n = _number(path, f"layer {i}: params", l["params"], whole=True)
+        fwd = _number(path, f"layer {i}: forward_ms", l["forward_ms"])
+        bwd = _number(path, f"layer {i}: backward_ms", l["backward_ms"])
+        layers.append(SimLayer(str(l.get("name", f"layer{i}")), [n * DTYPE_BYTES[dtype]] if n else [],
+                               fwd / 1e3, bwd / 1e3))
+    prof = SimProfile(str(d.get("name", path)), batch, layers, path)
+    if prof.model_bytes == 0 and prof.compute_s == 0:
+        raise ValueError(f"{path}: nothing to simulate: every layer's params, forward_ms and backward_ms are 0")
+    return prof
+
+
+def _number(path: str, what: str, v, whole: bool = False, least: int = 0):
+    """A profile's number `v` (JSON: not a bool, finite, at least `least`;
+    `whole`: an integer, returned as int), else ValueError naming it."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= least
+    if ok and whole and not float(v).is_integer():
+        ok = False
+    if not ok:
+        kind = "an integer" if whole else "a number"
+        raise ValueError(f"{path}: {what} is {v!r}, expected {kind} at least {least}")
+    return int(v) if whole else float(v)
 
 
 def from_torch(spec: str, steps: int = 5, warmup: int = 2) -> SimProfile:
@@ -148,12 +191,20 @@ def from_torch(spec: str, steps: int = 5, warmup: int = 2) -> SimProfile:
     layer, timed by hooks; the step's measured forward and backward times are
     split over the layers in proportion to those (after `warmup` untimed
     steps, the median of `steps`)."""
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"--torch-model {spec!r}: expected module:factory")
+    try:
+        factory = getattr(importlib.import_module(mod), fn)
+    except ImportError as e:
+        raise ValueError(f"--torch-model {spec}: cannot import {mod}: {e}") from None
+    except AttributeError:
+        raise ValueError(f"--torch-model {spec}: module {mod} has no {fn}") from None
+    if not callable(factory):
+        raise ValueError(f"--torch-model {spec}: {fn} is not a function")
     import torch
 
-    mod, _, fn = spec.partition(":")
-    if not fn:
-        raise ValueError(f"--torch-model {spec!r}: expected module:factory")
-    made = getattr(importlib.import_module(mod), fn)()
+    made = factory()
     if not (isinstance(made, tuple) and len(made) == 2):
         raise ValueError(f"--torch-model {spec}: the factory must return (model, example_batch)")
     model, x = made
