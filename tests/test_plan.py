@@ -272,8 +272,8 @@ def test_emulated_path_fit_recovers_per_message_and_per_byte():
 
 
 def test_cached_runs_are_predicted_with_the_defaults_they_ran():
-    # Records from before the eager update (session 33 and earlier), from session 34 (eager, the largest
-    # first) and from session 35 on (they name the scheduling in force) each predicted as they ran.
+    # Records from before the eager update, from when it ran with the largest tensors first, and the
+    # later ones (they name the scheduling in force): each predicted as it ran.
     from gradhub.plan.validate import ran_with
 
     assert ran_with({"samples_per_s": 1.0}) == {"eager_update": False, "scheduling": "priority"}
