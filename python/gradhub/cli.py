@@ -36,7 +36,11 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
                    + _env.fallback("GRADHUB_JOIN_TIMEOUT"))
     p.add_argument("--no-host-reduce", dest="host_reduce", action="store_false", default=env.host_reduce,
                    help="workers that share a machine each push everything themselves instead of summing in "
-                   "shared memory first and pushing one share each (GRADHUB_HOST_REDUCE=0)")
+                   "shared memory first and pushing one share each (GRADHUB_HOST_REDUCE=0; the default with "
+                   "GRADHUB_ASYNC=1)")
+    p.add_argument("--host-reduce", dest="host_reduce", action="store_true",
+                   help="workers that share a machine sum there first, also in the asynchronous mode, where "
+                   "they then wait for each other every step (GRADHUB_HOST_REDUCE=1; the default otherwise)")
     p.add_argument("--no-failover", dest="failover", action="store_false", default=env.failover,
                    help="fail the job when a server is lost, instead of moving its chunks to the other servers "
                    "and going on (GRADHUB_FAILOVER=0)")
@@ -60,7 +64,7 @@ def _add_metrics_arg(p, default: str | None) -> None:
 
 
 def version_line() -> str:
-    """`gradhub 0.1.0 (protocol 14)`: the package, and the wire protocol its
+    """`gradhub 0.1.0 (protocol N)`: the package, and the wire protocol its
     core speaks (members of one job must speak the same)."""
     from . import __version__
 
