@@ -46,8 +46,9 @@ pub mod waits;
 #[cfg(feature = "python")]
 mod python;
 
-/// Default chunk size. See docs/benchmarks.md for the measurement behind it.
-pub const DEFAULT_PARTITION_BYTES: u32 = 256 << 10;
+/// Default chunk size (`settings::defaults`). See docs/benchmarks.md for the
+/// measurement behind it.
+pub use settings::defaults::PARTITION_BYTES as DEFAULT_PARTITION_BYTES;
 /// Least per-connection credit (bytes in flight). See docs/benchmarks.md.
 pub const DEFAULT_CREDIT_BYTES: usize = 512 << 10;
 /// The default credit holds at least this many chunks: credit comes back

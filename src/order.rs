@@ -7,6 +7,7 @@
 //! the arrival order either way.
 
 use crate::protocol::DType;
+use crate::settings::{self, defaults};
 
 /// The order a reduction adds the contributions of its workers in: the
 /// same on every worker and server of a job (the scheduler refuses a
@@ -30,6 +31,17 @@ impl SumOrder {
         } else {
             SumOrder::Arrival
         }
+    }
+
+    /// `GRADHUB_DETERMINISTIC`: the order sums add contributions in, for a
+    /// role whose config was not given it (the Python bindings'
+    /// constructors); a malformed value is a warning and the default.
+    pub fn from_env() -> SumOrder {
+        let on = settings::read_flag("GRADHUB_DETERMINISTIC").unwrap_or_else(|e| {
+            log::warn!("{e}; using {}", u8::from(defaults::DETERMINISTIC));
+            None
+        });
+        SumOrder::deterministic(on.unwrap_or(defaults::DETERMINISTIC))
     }
 
     pub fn is_deterministic(self) -> bool {

@@ -7,6 +7,8 @@
 //! training). The same on every member of a job: the scheduler refuses a
 //! member whose mode differs (`scheduler::membership`).
 
+use crate::settings::{self, defaults};
+
 /// How a job's workers wait for each other.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Training {
@@ -23,6 +25,30 @@ pub enum Training {
 const UNBOUNDED: u32 = u32::MAX;
 
 impl Training {
+    /// The default mode (`GRADHUB_ASYNC`'s default; no staleness bound).
+    pub fn default_mode() -> Training {
+        if defaults::ASYNC {
+            Training::Asynchronous { staleness: None }
+        } else {
+            Training::Synchronous
+        }
+    }
+
+    /// `GRADHUB_ASYNC` and `GRADHUB_STALENESS`: the training mode, for a
+    /// role whose config was not given it (the Python bindings'
+    /// constructors).
+    pub fn from_env() -> Result<Training, String> {
+        let on = settings::read_flag("GRADHUB_ASYNC")?.unwrap_or(defaults::ASYNC);
+        let staleness = match settings::raw("GRADHUB_STALENESS") {
+            None => None,
+            Some(v) => Some(
+                v.parse::<u32>()
+                    .map_err(|_| format!("GRADHUB_STALENESS={v:?} is not a count of steps (0, 1, 2, ...)"))?,
+            ),
+        };
+        Training::new(on, staleness)
+    }
+
     /// From the settings' values: `asynchronous` and the staleness bound
     /// (which only an asynchronous job has).
     pub fn new(asynchronous: bool, staleness: Option<u32>) -> Result<Training, String> {

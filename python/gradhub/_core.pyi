@@ -129,9 +129,10 @@ class ClientConfig:
     ) -> None:
         """ValueError for an invalid job name."""
 
-def settings() -> list[tuple[str, str, str | None, str, list[str], str, list[str], list[str]]]:
+def settings() -> list[tuple[str, str, str | None, str, list[str], str, list[str], list[str], str]]:
     """Every GRADHUB_* setting (src/settings.rs): (name, kind, default as
-    written or None, default as documented, roles, help, choices, aliases)."""
+    written or None, default as documented, roles, help, choices, aliases,
+    tier: "user", "advanced" or "internal")."""
 
 def close_callbacks() -> None:
     """Stop running completion callbacks before the interpreter exits

@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 use crate::session::SessionError;
+use crate::settings::defaults;
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -56,18 +57,18 @@ impl Default for ClientConfig {
             rank: -1,
             num_workers: 0,
             num_servers: 0,
-            namespace: 0,
+            namespace: defaults::NAMESPACE,
             credit_bytes: None,
             spread_bytes: None,
-            connect_timeout: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(defaults::CONNECT_TIMEOUT_SECS),
             local_rank: -1,
             local_size: -1,
             host: None,
-            server_shm: true,
+            server_shm: defaults::SERVER_SHM,
             secret: Secret::none(),
-            rack: String::new(),
-            sum_order: SumOrder::Arrival,
-            training: crate::training::Training::Synchronous,
+            rack: defaults::RACK.into(),
+            sum_order: SumOrder::deterministic(defaults::DETERMINISTIC),
+            training: crate::training::Training::default_mode(),
             elastic: None,
         }
     }

@@ -44,16 +44,16 @@ fn seconds(s: f64) -> Duration {
 /// The job's sum order: as given, else `GRADHUB_DETERMINISTIC` (every
 /// role reads it, so a process started without the argument still agrees).
 fn sum_order(deterministic: Option<bool>) -> SumOrder {
-    deterministic.map_or_else(crate::settings::sum_order, SumOrder::deterministic)
+    deterministic.map_or_else(SumOrder::from_env, SumOrder::deterministic)
 }
 
 /// The job's training mode: as given, else `GRADHUB_ASYNC` and
 /// `GRADHUB_STALENESS` (read by every role, as the sum order is).
 fn training(asynchronous: Option<bool>, staleness: Option<u32>) -> PyResult<crate::training::Training> {
     let t = match asynchronous {
-        Some(on) => crate::settings::training()
+        Some(on) => crate::training::Training::from_env()
             .and_then(|env| crate::training::Training::new(on, staleness.or(env.staleness()))),
-        None => crate::settings::training().and_then(|t| match staleness {
+        None => crate::training::Training::from_env().and_then(|t| match staleness {
             Some(s) => crate::training::Training::new(t.is_asynchronous(), Some(s)),
             None => Ok(t),
         }),
@@ -337,7 +337,8 @@ impl PyServiceServerConfig {
 }
 
 /// One row of the settings registry: (name, kind, default as written or
-/// None, the default as the docs show it, roles, help, choices, aliases).
+/// None, the default as the docs show it, roles, help, choices, aliases,
+/// tier: user, advanced or internal).
 type SettingRow = (
     &'static str,
     &'static str,
@@ -347,6 +348,7 @@ type SettingRow = (
     &'static str,
     Vec<&'static str>,
     Vec<&'static str>,
+    &'static str,
 );
 
 fn row(s: &Setting) -> SettingRow {
@@ -363,6 +365,7 @@ fn row(s: &Setting) -> SettingRow {
         s.help,
         choices,
         s.aliases.to_vec(),
+        s.tier.name(),
     )
 }
 

@@ -4,6 +4,7 @@
 use super::racks::RackMode;
 use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
+use crate::settings::defaults;
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -54,23 +55,24 @@ impl Default for SchedulerConfig {
             bind: "0.0.0.0:0".into(),
             num_workers: 1,
             num_servers: 1,
-            partition_bytes: crate::DEFAULT_PARTITION_BYTES,
+            partition_bytes: defaults::PARTITION_BYTES,
             heartbeat_ms: 1000,
-            peer_timeout_ms: 10_000,
-            stall_ms: 30_000,
-            join_timeout_ms: 300_000,
-            namespace: 0,
+            peer_timeout_ms: defaults::PEER_TIMEOUT_MS,
+            stall_ms: defaults::STALL_MS,
+            join_timeout_ms: defaults::JOIN_TIMEOUT_MS,
+            namespace: defaults::NAMESPACE,
+            // GRADHUB_HOST_REDUCE: on; off by default in the asynchronous mode (`src/python/config.rs`).
             host_reduce: true,
-            failover: true,
-            rack_reduce: RackMode::Auto,
-            link_gbit: 0.0,
-            core_gbit: 0.0,
+            failover: defaults::FAILOVER,
+            rack_reduce: RackMode::parse(defaults::RACK_REDUCE).expect("GRADHUB_RACK_REDUCE's default is a mode"),
+            link_gbit: defaults::LINK_GBIT,
+            core_gbit: defaults::CORE_GBIT,
             secret: Secret::none(),
             max_tensors: 0,
             max_bytes: 0,
             metrics_addr: None,
-            sum_order: SumOrder::Arrival,
-            training: crate::training::Training::Synchronous,
+            sum_order: SumOrder::deterministic(defaults::DETERMINISTIC),
+            training: crate::training::Training::default_mode(),
         }
     }
 }

@@ -25,6 +25,7 @@ use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
 use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError};
+use crate::settings::defaults;
 use thread::{LinkTo, NewLink, ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
@@ -123,23 +124,23 @@ impl Default for ServerConfig {
         ServerConfig {
             scheduler: "127.0.0.1:9000".into(),
             threads: 1,
-            colocated: false,
+            colocated: defaults::COLOCATED,
             advertise: None,
             bind_host: "0.0.0.0".into(),
-            base_port: 0,
-            rank: -1,
+            base_port: defaults::SERVER_PORT,
+            rank: defaults::SERVER_RANK,
             num_workers: 0,
             num_servers: 0,
-            namespace: 0,
-            connect_timeout: Duration::from_secs(60),
+            namespace: defaults::NAMESPACE,
+            connect_timeout: Duration::from_secs(defaults::CONNECT_TIMEOUT_SECS),
             host: None,
             secret: Secret::none(),
             traffic: Arc::default(),
             timeline: None,
-            rack: String::new(),
+            rack: defaults::RACK.into(),
             metrics_addr: None,
-            sum_order: SumOrder::Arrival,
-            training: crate::training::Training::Synchronous,
+            sum_order: SumOrder::deterministic(defaults::DETERMINISTIC),
+            training: crate::training::Training::default_mode(),
         }
     }
 }
