@@ -22,7 +22,7 @@
 //! - `error`: the one error type of the entry points (for the bindings)
 //! - `logging`: one log format for every role (`GRADHUB_LOG`)
 //! - `settings`: every `GRADHUB_*` setting, declared once; the only reader
-//!   of the environment
+//!   of the environment, and a leaf (it uses no other module)
 //! - `python` (feature "python"): the PyO3 extension `gradhub._core`
 
 pub mod client;

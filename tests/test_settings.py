@@ -1,7 +1,8 @@
 """The settings registry (src/settings.rs, seen as `_core.settings()`) and
 everything that must agree with it: the variables the code mentions, the
-README's settings table, the `--help` fallbacks and defaults, and the one Rust
-module that reads the environment. Static checks; no job is started."""
+README's settings tables (its user-facing and advanced tiers), the `--help`
+fallbacks and defaults, the one Rust module that reads the environment, and
+that module being a leaf of the crate. Static checks; no job is started."""
 
 import re
 from pathlib import Path
@@ -53,6 +54,7 @@ def test_registry_rows_are_well_formed(clean_env):
         assert set(s.roles) <= {"worker", "server", "scheduler", "launcher", "bench"} and s.roles, s
         assert s.help and "|" not in s.help and "\n" not in s.help, s
         assert (s.kind == "choice") == bool(s.choices), s
+        assert s.tier in _env.TIERS, s
         # The default parses as its type (and a choice is one of its choices).
         value = _env.get(s.name)
         assert (value is None) == (s.default is None), s
@@ -67,23 +69,67 @@ def test_only_the_settings_module_reads_the_environment_in_rust():
     assert hits and all(h.startswith("src/settings.rs:") for h in hits), hits
 
 
-def test_readme_table_is_the_registry():
+def _readme_settings() -> tuple[str, str]:
+    """README's generated settings tables, and its whole Settings section."""
     readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
     marker = "<!-- generated from src/settings.rs by `gradhub settings --markdown`"
-    assert marker in readme
-    table = readme.split(marker, 1)[1].split("\n", 1)[1]
-    table = table[: table.index("\n\n") + 1]
-    assert table == _env.markdown_table(), "regenerate it: gradhub settings --markdown"
+    assert marker in section and "<!-- end of the generated settings -->" in section
+    tables = section.split(marker, 1)[1].split("\n", 1)[1].split("<!-- end of the generated settings -->", 1)[0]
+    return tables, section
 
 
-def test_settings_command_prints_the_table(capsys):
+def test_readme_tables_are_the_registry():
+    tables, section = _readme_settings()
+    assert tables == _env.markdown_table(), "regenerate them: gradhub settings --markdown"
+    assert "gradhub settings --all" in section
+
+
+def test_every_setting_has_a_tier_and_internal_ones_stay_out_of_the_readme(capsys):
+    from gradhub import cli
+
+    tiers = {s.name: s.tier for s in _env.SETTINGS.values()}
+    assert set(tiers.values()) == {"user", "advanced", "internal"}
+    internal = {n for n, t in tiers.items() if t == "internal"}
+    # The harness and ablation knobs are internal; what a job needs is not.
+    assert {"GRADHUB_BENCH_QUICK", "GRADHUB_BENCH_TBF_LATENCY", "GRADHUB_SPIN_US", "GRADHUB_KERNELS",
+            "GRADHUB_SPREAD_BYTES", "GRADHUB_HOST_ID"} <= internal
+    assert tiers["GRADHUB_SCHEDULER"] == tiers["GRADHUB_JOB_TOKEN"] == tiers["GRADHUB_ASYNC"] == "user"
+    assert tiers["GRADHUB_PARTITION_BYTES"] == tiers["GRADHUB_HOST_REDUCE"] == "advanced"
+    _, section = _readme_settings()
+    documented = set(NAME.findall(section))
+    assert documented & internal == set(), "internal settings are not for the README"
+    assert documented >= set(tiers) - internal
+    # `gradhub settings` lists the two documented tiers, `--all` every one.
+    assert cli.main(["settings"]) == 0
+    shown = set(NAME.findall(capsys.readouterr().out))
+    assert shown == set(tiers) - internal
+    assert cli.main(["settings", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert set(NAME.findall(out)) == set(tiers)
+    assert out.index(_env.TIERS["user"]) < out.index(_env.TIERS["advanced"]) < out.index(_env.TIERS["internal"])
+    # The --help epilogs leave them out too.
+    assert "GRADHUB_KERNELS" not in _env.env_help(("worker", "server")) and "GRADHUB_LOG" in _env.env_help(("server",))
+
+
+def test_settings_command_prints_the_tables(capsys):
     from gradhub import cli
 
     assert cli.main(["settings", "--markdown"]) == 0
     assert capsys.readouterr().out == _env.markdown_table()
-    assert cli.main(["settings"]) == 0
+    assert cli.main(["settings", "--markdown", "--all"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in _env.SETTINGS)
+    assert all(f"| `{name}`" in out for name in _env.SETTINGS)
+
+
+def test_settings_rs_is_a_leaf_of_the_crate():
+    # The registry names no other module (settings.rs's unit test
+    # `settings_is_a_leaf` holds the same): the modules that read settings
+    # and the configs that share its defaults form no import circle.
+    code = (ROOT / "src" / "settings.rs").read_text().split("#[cfg(test)]", 1)[0]
+    paths = [line.strip() for line in code.splitlines()
+             if re.search(r"\b(crate|super)::", line) and not line.lstrip().startswith("//")]
+    assert paths == []
 
 
 def _actions(parser):

@@ -1,6 +1,6 @@
 """Every setting gradhub reads from the environment, parsed in one place,
 by the registry the core declares them in (src/settings.rs, as
-`_core.settings()`): name, type, default, roles, help.
+`_core.settings()`): name, type, default, roles, help, tier.
 
 gradhub reads its own GRADHUB_* variables first and falls back to torchrun's
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
@@ -41,11 +41,22 @@ class Setting(NamedTuple):
     help: str
     choices: tuple[str, ...]
     aliases: tuple[str, ...]       # older names read when this one is not set (Horovod's)
+    tier: str                      # user, advanced or internal (see TIERS)
 
 
 SETTINGS: dict[str, Setting] = {
-    r[0]: Setting(r[0], r[1], r[2], r[3], tuple(r[4]), r[5], tuple(r[6]), tuple(r[7])) for r in _core.settings()
+    r[0]: Setting(r[0], r[1], r[2], r[3], tuple(r[4]), r[5], tuple(r[6]), tuple(r[7]), r[8])
+    for r in _core.settings()
 }
+
+# Who a setting is for, and the heading it is listed under: README shows the
+# first two tiers, `gradhub settings --all` every one.
+TIERS = {
+    "user": "User-facing settings (what you set to run a job)",
+    "advanced": "Advanced settings (tuning and layout)",
+    "internal": "Internal settings (test, benchmark and ablation knobs, not for jobs)",
+}
+DOCUMENTED_TIERS = ("user", "advanced")
 
 _REGISTRY = object()  # get()'s default: the registry's
 
@@ -123,25 +134,49 @@ def fallback(name: str) -> str:
     return f"({name}; default {setting(name).default_doc})"
 
 
+def _entry(s: Setting) -> list[str]:
+    """A setting as the help texts show it: name, default, wrapped help."""
+    alias = f" (or {', '.join(s.aliases)})" if s.aliases else ""
+    return [f"  {s.name}{alias}  [default: {s.default_doc}]",
+            *textwrap.wrap(s.help.replace("`", ""), 76, initial_indent="      ", subsequent_indent="      ")]
+
+
 def env_help(roles: tuple[str, ...]) -> str:
-    """The `gradhub <cmd> --help` epilog: every setting a role reads."""
-    lines = ["environment (flags win over variables):"]
+    """The `gradhub <cmd> --help` epilog: every user-facing and advanced
+    setting a role reads (the internal ones: `gradhub settings --all`)."""
+    lines = ["environment (flags win over variables; internal ones: gradhub settings --all):"]
     for s in SETTINGS.values():
-        if not set(s.roles) & set(roles):
-            continue
-        alias = f" (or {', '.join(s.aliases)})" if s.aliases else ""
-        lines.append(f"  {s.name}{alias}  [default: {s.default_doc}]")
-        lines += textwrap.wrap(s.help.replace("`", ""), 76, initial_indent="      ", subsequent_indent="      ")
+        if set(s.roles) & set(roles) and s.tier in DOCUMENTED_TIERS:
+            lines += _entry(s)
     return "\n".join(lines) + "\n"
 
 
-def markdown_table() -> str:
-    """README's settings table (`gradhub settings --markdown`)."""
-    rows = ["| variable | default | read by | meaning |", "| --- | --- | --- | --- |"]
-    for s in SETTINGS.values():
-        name = f"`{s.name}`" + "".join(f" (or `{a}`)" for a in s.aliases)
-        rows.append(f"| {name} | {s.default_doc} | {', '.join(s.roles)} | {s.help} |")
-    return "\n".join(rows) + "\n"
+def settings_text(all_tiers: bool = False) -> str:
+    """`gradhub settings`: the user-facing and advanced settings under a
+    heading each; with `all_tiers` (`--all`) the internal ones too."""
+    blocks = []
+    for tier, heading in TIERS.items():
+        if all_tiers or tier in DOCUMENTED_TIERS:
+            entries = [line for s in SETTINGS.values() if s.tier == tier for line in _entry(s)]
+            blocks.append("\n".join([f"{heading}:", *entries]))
+    if not all_tiers:
+        blocks.append("Internal settings (test, benchmark and ablation knobs): gradhub settings --all.")
+    return "\n\n".join(blocks) + "\n"
+
+
+def markdown_table(all_tiers: bool = False) -> str:
+    """README's settings tables (`gradhub settings --markdown`): the
+    user-facing and the advanced settings, each under a heading (with
+    `all_tiers`, the internal ones too)."""
+    out = []
+    for tier in TIERS if all_tiers else DOCUMENTED_TIERS:
+        rows = [f"### {TIERS[tier]}", "", "| variable | default | read by | meaning |", "| --- | --- | --- | --- |"]
+        for s in SETTINGS.values():
+            if s.tier == tier:
+                name = f"`{s.name}`" + "".join(f" (or `{a}`)" for a in s.aliases)
+                rows.append(f"| {name} | {s.default_doc} | {', '.join(s.roles)} | {s.help} |")
+        out.append("\n".join(rows) + "\n")
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------- workers

@@ -240,10 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("out", type=output_file, help="the merged trace to write")
     tl.add_argument("files", nargs="+", help="the workers' (and servers': gradhub server --timeline) timeline files")
     stg = sub.add_parser(
-        "settings", help="list every GRADHUB_* setting: default, who reads it, what it does",
-        description="Every GRADHUB_* setting, from the registry the core declares them in (src/settings.rs). "
-        "--markdown prints README's settings table.")
-    stg.add_argument("--markdown", action="store_true", help="print the table in README form")
+        "settings", help="list the GRADHUB_* settings: default, who reads it, what it does",
+        description="The GRADHUB_* settings, from the registry the core declares them in (src/settings.rs): "
+        "the user-facing and the advanced ones; --all adds the internal ones (test, benchmark and ablation "
+        "knobs). --markdown prints README's settings tables.")
+    stg.add_argument("--all", action="store_true", dest="all_tiers",
+                     help="every setting, the internal ones too")
+    stg.add_argument("--markdown", action="store_true", help="print the tables in README form")
     sub.add_parser("simulate", help="predict gradhub's and DDP's samples/s on any cluster (docs/planning.md)",
                    add_help=False)
     sub.add_parser("plan", help="search servers, layout and options for a cluster with the simulator",
@@ -285,9 +288,9 @@ def _run_server(args) -> int:
 
 def _settings(args) -> int:
     if args.markdown:
-        print(_env.markdown_table(), end="")
+        print(_env.markdown_table(args.all_tiers), end="")
         return 0
-    print(_env.env_help(ALL_ROLES + ("bench",)), end="")
+    print(_env.settings_text(args.all_tiers), end="")
     return 0
 
 
