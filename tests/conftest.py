@@ -17,6 +17,38 @@ from gradhub._ports import free_port
 
 HERE = Path(__file__).parent
 WORKERS = HERE / "workers"
+ZYGOTE = HERE / "zygote.py"
+
+
+def worker_argv(script: str, fresh: bool = False) -> list[str]:
+    """The command that runs tests/workers/`script`: through the session's
+    zygote (tests/zygote.py: torch already imported; the same process
+    semantics), or, `fresh`, in an interpreter of its own (a test of
+    interpreter start-up or exit)."""
+    if fresh:
+        return [sys.executable, str(WORKERS / script)]
+    return [sys.executable, str(ZYGOTE), str(WORKERS / script)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def zygote(tmp_path_factory):
+    """One process per session that imports torch and gradhub once and
+    forks each worker script run through `worker_argv` (GH_ZYGOTE names it;
+    without it, or from another network namespace, workers run as usual)."""
+    if os.environ.get("GH_NO_ZYGOTE"):
+        yield None
+        return
+    path = tmp_path_factory.mktemp("zygote") / "sock"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
+    p = subprocess.Popen([sys.executable, str(ZYGOTE), "--serve", str(path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    assert p.stdout is not None and p.stdout.readline() == b"ready\n", "the test zygote did not start"
+    os.environ["GH_ZYGOTE"] = f"{path}|{os.readlink('/proc/self/ns/net')}"
+    yield p
+    os.environ.pop("GH_ZYGOTE", None)
+    assert p.stdin is not None
+    p.stdin.close()
+    p.wait(timeout=30)
 
 
 def free_port_pair() -> int:
@@ -46,11 +78,12 @@ def job_env(**extra) -> dict[str, str]:
 
 
 def run_launch(workers: int, servers: int, script: str, config: dict | None = None, *, threads: int = 1,
-               launch_args: list[str] | None = None, timeout: float = 240, env: dict | None = None):
-    """Run `gradhub launch` with a worker script from tests/workers; returns (rc, output)."""
+               launch_args: list[str] | None = None, timeout: float = 240, env: dict | None = None,
+               fresh: bool = False):
+    """Run `gradhub launch` with a worker script from tests/workers; returns
+    (rc, output). `fresh`: each worker in an interpreter of its own (`worker_argv`)."""
     argv = [sys.executable, "-m", "gradhub", "launch", "-w", str(workers), "-s", str(servers),
-            "--server-threads", str(threads), *(launch_args or []), "--",
-            sys.executable, str(WORKERS / script)]
+            "--server-threads", str(threads), *(launch_args or []), "--", *worker_argv(script, fresh)]
     e = job_env(GH_TEST=json.dumps(config or {}), **(env or {}))
     p = subprocess.run(argv, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     return p.returncode, p.stdout.decode(errors="replace")
@@ -114,7 +147,7 @@ class Cluster:
 
     def start_worker(self, rank: int, script: str, config: dict | None = None, **env) -> subprocess.Popen:
         env = dict(self.env, GRADHUB_RANK=str(rank), GH_TEST=json.dumps(config or {}), **env)
-        return self._spawn(f"worker{rank}", [sys.executable, str(WORKERS / script)], env)
+        return self._spawn(f"worker{rank}", worker_argv(script), env)
 
     def log(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")

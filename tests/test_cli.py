@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import WORKERS, assert_all_passed, free_port, free_port_pair, job_env, run_launch
+from conftest import WORKERS, assert_all_passed, free_port, free_port_pair, job_env, run_launch, worker_argv
 
 
 def gh(*args, timeout=60, env=None):
@@ -77,7 +77,7 @@ def test_torchrun_environment_embeds_scheduler_and_servers():
         # Two "nodes" on one machine: each process says which node it is on.
         env = job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=master_port, WORLD_SIZE=4, RANK=rank,
                       LOCAL_RANK=rank % 2, LOCAL_WORLD_SIZE=2, GRADHUB_HOST_ID=f"node{rank // 2}", GH_TEST=cfg)
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / "check_sums.py")], env=env,
+        procs.append(subprocess.Popen(worker_argv("check_sums.py"), env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outs = [p.communicate(timeout=120)[0].decode() for p in procs]
     for r, (p, o) in enumerate(zip(procs, outs)):

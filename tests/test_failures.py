@@ -74,13 +74,13 @@ def test_a_process_set_member_killed_is_reported_to_members_and_non_members(clus
 def test_completion_callbacks_at_exit_neither_abort_nor_are_cut_short():
     # A callback still running when the script ends finishes, and the
     # worker exits with the script's status.
-    rc, out = run_launch(1, 1, "callback_at_exit.py", {"status": 5})
+    rc, out = run_launch(1, 1, "callback_at_exit.py", {"status": 5}, fresh=True)  # a real exit
     assert rc == 5 and "CALLBACK DONE" in out and "panicked" not in out, out[-4000:]
     # Operations in flight at exit: shutdown fails them, and their callbacks
     # met the interpreter's finalization on the callback thread (a panic
     # in most runs, SIGABRT in some, before the fix).
     for _ in range(3):
-        rc, out = run_launch(2, 1, "callback_at_exit.py", {"status": 5, "mode": "in_flight"})
+        rc, out = run_launch(2, 1, "callback_at_exit.py", {"status": 5, "mode": "in_flight"}, fresh=True)
         mine = "\n".join(line for line in out.splitlines() if line.startswith("[worker 0]"))
         assert rc == 5 and "EXITING" in mine, out[-4000:]
         assert "panicked" not in mine and "Fatal Python error" not in mine, mine[-4000:]

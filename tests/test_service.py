@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORKERS, free_port, job_env
+from conftest import free_port, job_env, worker_argv
 from test_multihost import hosts  # noqa: F401  (the emulated-hosts fixture)
 
 MASTER = "service-master-token-for-tests"
@@ -61,12 +61,13 @@ class Service:
         env["GRADHUB_JOB_TOKEN"] = token if token is not None else self.token(job)
         return env
 
-    def start_job(self, job: str, workers: int, prefix: tuple[str, ...] = (), **cfg) -> list[str]:
-        token = self.token(job)
+    def start_job(self, job: str, workers: int, prefix: tuple[str, ...] = (), token: str | None = None,
+                  **cfg) -> list[str]:
+        token = token if token is not None else self.token(job)
         names = []
         for r in range(workers):
             name = f"{job}-w{r}"
-            self.spawn(name, [*prefix, sys.executable, str(WORKERS / "service_job.py")],
+            self.spawn(name, [*prefix, *worker_argv("service_job.py")],
                        self.worker_env(job, workers, r, token, **cfg))
             names.append(name)
         return names
@@ -121,7 +122,9 @@ def service(tmp_path):
 def test_three_concurrent_jobs_get_exact_sums_and_are_reported(service):
     svc = service(servers=2)
     jobs = {"alpha": (2, "float32"), "beta": (3, "float16"), "gamma": (2, "int64")}
-    names = {j: svc.start_job(j, w, dtype=d, steps=25, size=30_000, sleep=0.1) for j, (w, d) in jobs.items()}
+    tokens = {j: svc.token(j) for j in jobs}  # first, so the jobs start together
+    names = {j: svc.start_job(j, w, token=tokens[j], dtype=d, steps=25, size=30_000, sleep=0.1)
+             for j, (w, d) in jobs.items()}
     # While they run: three jobs, each with its own members, servers and namespace.
     st = svc.wait_until(lambda st: sum(j["state"] == "running" for j in st["jobs"]) == 3, "three running jobs")
     by_name = {j["name"]: j for j in st["jobs"]}
@@ -164,7 +167,7 @@ def test_a_job_killed_mid_step_is_cleaned_up_while_another_finishes(service):
     svc.wait_until(lambda st: all(j["name"] != "victim" for j in st["jobs"])
                    and all("victim" not in s["jobs"] for s in st["servers"]), "the victim's cleanup")
     for s in ("server0", "server1"):
-        assert "job 'victim' ended" in svc.log(s) and "its server's memory is freed" in svc.log(s), svc.log(s)
+        assert "job 'victim': its server ended" in svc.log(s) and "its memory is freed" in svc.log(s), svc.log(s)
     # The service and its servers keep serving: a new job runs.
     again = svc.start_job("after", 2, steps=5)
     assert all(c == 0 for c in svc.wait(again).values())
@@ -174,7 +177,7 @@ def test_a_token_opens_its_own_job_and_nothing_else(service):
     svc = service(servers=1)
     alpha = svc.token("alpha")
     assert alpha != svc.token("beta") and len(alpha) == 64
-    script = [sys.executable, str(WORKERS / "service_job.py")]
+    script = worker_argv("service_job.py")
     # alpha's token, announced as beta; a made-up token; no token at all.
     for token, expect in ((alpha, "authentication failed"), ("0" * 64, "authentication failed"),
                           ("", "needs the job's token")):
@@ -204,7 +207,7 @@ def test_a_token_opens_its_own_job_and_nothing_else(service):
 
 def test_per_job_limits_and_the_job_limit_are_clear_errors(service):
     svc = service(servers=1, args=("--max-jobs", "1", "--job-max-tensors", "3"))
-    script = [sys.executable, str(WORKERS / "service_job.py")]
+    script = worker_argv("service_job.py")
     # A first worker the job would refuse does not start it (no phantom job
     # holding a slot and server instances until the join timeout).
     p = subprocess.run(script, env=svc.worker_env("typo", 2, 5), capture_output=True, text=True, timeout=60)
@@ -217,7 +220,7 @@ def test_per_job_limits_and_the_job_limit_are_clear_errors(service):
     assert not st["jobs"] and not any(s["jobs"] for s in st["servers"]), st
     first = svc.start_job("first", 1, steps=400, sleep=0.05)
     svc.wait_until(lambda st: any(j["state"] == "running" for j in st["jobs"]), "the first job")
-    p = subprocess.run([sys.executable, str(WORKERS / "service_job.py")], env=svc.worker_env("second", 1, 0),
+    p = subprocess.run(worker_argv("service_job.py"), env=svc.worker_env("second", 1, 0),
                        capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "runs its limit of 1 jobs" in p.stderr, p.stderr
     svc.procs[first[0]].kill()
@@ -282,7 +285,7 @@ def test_a_server_that_cannot_serve_a_job_fails_it_at_once(service, tmp_path):
                       "--bind-host", "10.255.255.1"], svc.env)
     svc.wait_until(lambda st: len(st["servers"]) == 1, "the bad server to join")
     start = time.monotonic()
-    p = subprocess.run([sys.executable, str(WORKERS / "service_job.py")], env=svc.worker_env("doomed", 1, 0),
+    p = subprocess.run(worker_argv("service_job.py"), env=svc.worker_env("doomed", 1, 0),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "could not serve it" in p.stderr and "10.255.255.1" in p.stderr, p.stderr
     assert time.monotonic() - start < 30, "the job failed only at its join timeout"
