@@ -82,8 +82,8 @@ def release_when_done(name: str, token: object | None, handles: list) -> None:
 # ---------------------------------------------------------------- shapes and dtypes
 
 # GRADHUB_SHAPE_CHECK=0 (the same on every worker) drops the check below,
-# for scripts of many small allreduces that need the latency (docs/torch.md).
-_SHAPE_CHECK = _env.get("GRADHUB_SHAPE_CHECK")
+# for scripts of many small allreduces that need the latency (docs/torch.md);
+# read at each call, as every setting is once the job has started.
 
 
 def start_shape_check(tensors, name: str, ps: ProcessSet):
@@ -95,7 +95,7 @@ def start_shape_check(tensors, name: str, ps: ProcessSet):
     collectives only: DistributedOptimizer's gradients were declared, sizes
     and dtypes, at its construction."""
     n, r = ps.size(), ps.rank()
-    if n == 1 or not _SHAPE_CHECK:
+    if n == 1 or not _env.get("GRADHUB_SHAPE_CHECK"):
         return None
     mine = repr([(tuple(t.shape), str(t.dtype)) for t in tensors])
     sig = torch.zeros(n, dtype=torch.int64)
