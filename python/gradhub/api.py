@@ -105,13 +105,16 @@ def job_failure() -> str | None:
 
 
 def init(scheduler: str | None = None, rank: int | None = None, num_workers: int | None = None,
-         num_servers: int | None = None, *, _prev_rank: int = -1) -> None:
+         num_servers: int | None = None, *, _prev_rank: int = -1, _worker_env: _env.WorkerEnv | None = None) -> None:
     """Join the job. Arguments override the environment (GRADHUB_SCHEDULER,
     GRADHUB_RANK, GRADHUB_NUM_WORKERS, GRADHUB_NUM_SERVERS, or torchrun's RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
 
     BytePS style: started with GRADHUB_ROLE=server or scheduler, the same
-    script runs that role here and exits when the job ends."""
+    script runs that role here and exits when the job ends.
+
+    `_worker_env`: the settings to join with instead of the environment's
+    (the torch.distributed backend forms its job from what torch gives it)."""
     global _client, _embedded, _joined
     role = _env.role()
     if role != "worker":
@@ -121,7 +124,7 @@ def init(scheduler: str | None = None, rank: int | None = None, num_workers: int
     with _lock:
         if _client is not None:
             return
-        env = _env.worker_env()
+        env = _env.worker_env() if _worker_env is None else _worker_env
         if scheduler is not None:
             env.scheduler = scheduler
             env.embedded = False

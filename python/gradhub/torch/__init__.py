@@ -137,6 +137,23 @@ cuda_built, rocm_built = _absent("cuda_built"), _absent("rocm_built")
 from . import elastic  # noqa: E402 - Horovod's elastic API (membership changes not yet: see its docstring)
 
 
+def _register_backend() -> None:
+    """`dist.init_process_group("gradhub")`: the torch.distributed backend
+    (torch/backend.py). Importing gradhub.torch never fails for it: a torch
+    without run-time backends only warns."""
+    try:
+        from .backend import register
+
+        register()
+    except Exception as e:  # noqa: BLE001
+        import warnings
+
+        warnings.warn(f"gradhub: the torch.distributed backend 'gradhub' is not available: {e}", stacklevel=2)
+
+
+_register_backend()
+
+
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer", "GradhubError", "GradhubTimeoutError",
     "GradhubMismatchError", "Handle", "HookState", "HorovodInternalError", "NotInitializedError", "Max", "Min",

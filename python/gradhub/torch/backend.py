@@ -1,0 +1,1012 @@
+"""A `torch.distributed` backend named "gradhub": `dist.init_process_group("gradhub")`
+(or a device map such as `"cpu:gloo,cuda:gradhub"`) runs the collectives of
+DDP, FSDP, DeviceMesh and the frameworks built on them through gradhub's
+servers. Registered when `gradhub.torch` is imported.
+
+Each collective is one or two push_pulls (a sum across workers):
+
+- all_reduce SUM/AVG/PREMUL_SUM: a push_pull (AVG divided by the servers);
+  MIN, MAX, PRODUCT and the bitwise ops: every member's tensor gathered,
+  then reduced here (the servers only sum);
+- all_gather / gather: every member writes its bytes into its own slot of a
+  zeroed buffer and pushes only that slot (`live`: the rest goes as
+  headers); the sum is everyone's bytes, bit-exact for every dtype (buffers
+  travel as int32 words, x + 0 = x);
+- broadcast / scatter: the root's push, the others push headers only;
+- reduce_scatter: a push_pull of the whole input, each keeping its shard
+  (the servers send back every shard: pulling only one's own is not in the
+  core yet);
+- all_to_all: a gather of every member's input (after a gather of the
+  split sizes, unless even), each keeping what was sent to it;
+- barrier: a push_pull of one element.
+
+The job: an existing one if `gradhub.init()` ran (its rank and size must
+be torch's); one named by GRADHUB_SCHEDULER (`gradhub launch`, a separate
+scheduler, a shared service with GRADHUB_JOB); else the group forms its
+own from what torch hands the backend: rank 0 hosts the scheduler on a
+free port and publishes its address and a job token made up for the job
+in torch's store, the first rank on each host a colocated server (hosts
+told apart as the core does: GRADHUB_HOST_ID, else host name and network
+namespace), as `gradhub.init()` does under torchrun. Such a job ends with
+the default group (`destroy_process_group()`); a new `init_process_group`
+forms a new one.
+
+Sub-groups (`new_group`, DeviceMesh dimensions) are process sets (see
+`process_sets.py`): every worker outside a group pushes zeros for the
+group's operations from a thread of its own, so they need no registration
+on non-members (torch calls the backend on members only).
+
+Names: operations are named by group, kind, dtype and size, and numbered
+per such key (every member calls a group's collectives in the same order,
+so the numbers agree), and a name is used again once its previous round is
+in: DDP's buckets, FSDP's per-layer gathers keep their names, declared
+once, from step to step. A group keeps at most `_MAX_NAMES` such names;
+operations of further keys are named once and freed after their round.
+
+Work: `wait()` (raises `DistBackendError` naming the lost peer when the job
+fails, or the group's timeout), `is_completed()`, `get_future()` (failed
+futures raise in DDP's reducer), `async_op=True`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import itertools
+import os
+import secrets
+import socket
+import sys
+import threading
+import zlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch.futures import Future
+
+from .. import api as _api
+from .. import _env
+from .compression import Compression
+from .process_sets import ProcessSet, global_process_set
+
+NAME = "gradhub"
+_R = dist.ReduceOp.RedOpType
+# Reductions done by gathering every member's tensor and reducing here.
+_GATHERED: dict = {
+    _R.MIN: lambda g: g.amin(0) if g.dtype != torch.bool else g.all(0),
+    _R.MAX: lambda g: g.amax(0) if g.dtype != torch.bool else g.any(0),
+    _R.PRODUCT: lambda g: g.prod(0).to(g.dtype) if g.dtype != torch.bool else g.all(0),
+    _R.BAND: lambda g: _fold(g, torch.bitwise_and),
+    _R.BOR: lambda g: _fold(g, torch.bitwise_or),
+    _R.BXOR: lambda g: _fold(g, torch.bitwise_xor),
+}
+_MAX_NAMES = 256   # persistent names per group (then: named once, freed after the round)
+_WINDOW = 4        # rounds of one key that may be in flight at once, under names of their own
+
+
+def _fold(g: torch.Tensor, fn) -> torch.Tensor:
+    if g.is_floating_point():
+        raise TypeError(f"bitwise reduction of {g.dtype}")
+    out = g[0].clone()
+    for x in g[1:]:
+        out = fn(out, x)
+    return out
+
+
+# ---------------------------------------------------------------- errors and Work
+
+
+class GradhubBackendError(dist.DistBackendError):
+    """A collective of the gradhub backend failed: a peer was lost (named),
+    the job failed, or the group's timeout passed."""
+
+
+def _unsupported(what: str, hint: str = "") -> RuntimeError:
+    return RuntimeError(f"the gradhub torch.distributed backend does not support {what}"
+                        + (f": {hint}" if hint else ""))
+
+
+class _Op:
+    """A collective in flight: completed once, with its output tensors or
+    an error, from a completion callback, the watchdog or a helper thread."""
+
+    __slots__ = ("what", "outputs", "_event", "_error", "_raw", "future", "_lock", "_cuda", "_finished", "__weakref__")
+
+    def __init__(self, what: str, outputs: list[torch.Tensor]):
+        self.what = what
+        self.outputs = outputs
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._finished = False
+        self._lock = threading.Lock()
+        devs = sorted({t.device for t in outputs if t.device.type == "cuda"}, key=str)
+        self._cuda = devs
+        # A failure reaches the future's C++ side (DDP's reducer raises it) through
+        # a callback that raises: torch's Python set_exception alone does not.
+        self._raw = Future(devices=devs) if devs else Future()
+        self.future = self._raw.then(_unwrap)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._error = error
+        try:
+            if error is None:
+                for d in self._cuda:  # the copies back from the host stage are done before anyone reads
+                    torch.cuda.current_stream(d).synchronize()
+                self._raw.set_result((None, self.outputs))
+            else:
+                self._raw.set_result((error, None))
+        finally:
+            self._event.set()  # after the future: a Work waited for is completed, its future too
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._event.wait(timeout):
+            raise GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+
+
+def _unwrap(fut):
+    error, outputs = fut.value()
+    if error is not None:
+        raise error
+    return outputs
+
+
+class Work(dist.Work):
+    """torch's Work for a gradhub collective."""
+
+    def __init__(self, op: _Op, timeout: float):
+        super().__init__()
+        self._op = op
+        self._timeout = timeout
+
+    def wait(self, timeout=None) -> bool:
+        t = self._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            t = timeout.total_seconds()
+        self._op.wait(t)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done()
+
+    def is_success(self) -> bool:
+        return self._op.done() and self._op._error is None
+
+    def exception(self):
+        return self._op._error
+
+    def get_future(self):
+        return self._op.future
+
+    def result(self):
+        return self._op.outputs
+
+    def synchronize(self) -> None:
+        self._op.wait(self._timeout)
+
+
+# A failed job fails the pending operations of every group, and so does the
+# group's timeout: one watchdog thread for the process.
+class _Watchdog:
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, op: _Op, timeout: float) -> None:
+        import weakref
+
+        with self._cv:
+            heapq.heappush(self._heap, (_now() + timeout, next(self._seq), weakref.ref(op), timeout))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradhub-dist-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            pending, err = [], None
+            with self._cv:
+                while self._heap and (self._heap[0][2]() is None or self._heap[0][2]().done()):
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait(1.0)
+                    continue
+                failure = _api.job_failure()
+                deadline, _, ref, timeout = self._heap[0]
+                if failure is not None:
+                    pending = [r() for _, _, r, _ in self._heap]
+                    self._heap.clear()
+                    err = GradhubBackendError(f"gradhub: the job failed: {failure}")
+                elif deadline <= _now():
+                    heapq.heappop(self._heap)
+                    pending = [ref()]
+                    err = GradhubBackendError(f"gradhub: {pending[0].what if pending[0] else 'a collective'} did "
+                                              f"not complete within the group's timeout ({timeout:g} s)")
+                else:
+                    self._cv.wait(min(deadline - _now(), 0.5))
+                    continue
+            for op in pending:
+                if op is not None and not op.done():
+                    op.finish(err)
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+_watchdog = _Watchdog()
+
+
+# ---------------------------------------------------------------- buffers
+
+
+def _words(nbytes: int) -> int:
+    return (nbytes + 3) // 4
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor | None:
+    """`t`'s memory as int32 words, if it can be (contiguous, a multiple of 4 bytes)."""
+    if not t.is_contiguous() or t.numel() * t.element_size() % 4 or t.data_ptr() % 4:
+        return None
+    return t.reshape(-1).view(torch.uint8).view(torch.int32) if t.numel() else None
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _slot_write(buf: torch.Tensor, slot: int, words: int, t: torch.Tensor) -> None:
+    """Put `t`'s bytes at slot `slot` (of `words` int32 words) of `buf`."""
+    b = _bytes_of(t)
+    buf.view(torch.uint8)[slot * words * 4: slot * words * 4 + b.numel()].copy_(b)
+
+
+def _slot_read(buf: torch.Tensor, slot: int, words: int, like: torch.Tensor) -> torch.Tensor:
+    n = like.numel() * like.element_size()
+    raw = buf.view(torch.uint8)[slot * words * 4: slot * words * 4 + n]
+    return raw.view(like.dtype).reshape(like.shape)
+
+
+# ---------------------------------------------------------------- groups
+
+
+class _GroupSet(ProcessSet):
+    """A sub-group's process set: not registered (torch creates sub-groups
+    on their members only); its name prefix is the group's."""
+
+    def __init__(self, ranks: list[int], group_name: str):
+        super().__init__(ranks)
+        self.process_set_id = f"g{group_name}"
+
+
+class GradhubBackend(_C10dBackend):
+    """One torch process group's gradhub side."""
+
+    def __init__(self, rank: int, size: int, ps: ProcessSet, prefix: str, timeout: float, owns_job: bool):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._ps = ps
+        self._prefix = prefix
+        self._timeout = timeout
+        self._owns_job = owns_job
+        self._counts: dict[tuple, int] = {}
+        self._last: dict[str, object] = {}   # persistent name -> its last round in flight
+        self._lock = threading.Lock()
+        self._helper: _Helper | None = None
+        self._closed = False
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def __repr__(self) -> str:
+        return f"<gradhub backend rank {self._rank} of {self._size} ({self._prefix or 'default group'})>"
+
+    # -- names
+
+    def _name(self, kind: str, dtype, nbytes: int) -> str:
+        """The next operation's name, the same on every member (same call order)."""
+        with self._lock:
+            key = (kind, str(dtype), nbytes)
+            n = self._counts.get(key)
+            if n is None:
+                if len(self._counts) >= _MAX_NAMES:
+                    return _api.AutoName(f"{self._prefix}dist.{kind}{_api.AUTO_MARK}{next(self._once)}")
+                n = 0
+            self._counts[key] = n + 1
+            return f"{self._prefix}dist.{kind}.{str(dtype).replace('torch.', '')}.{nbytes}.{n % _WINDOW}"
+
+    @property
+    def _once(self):
+        it = getattr(self, "_once_it", None)
+        if it is None:
+            it = self._once_it = itertools.count()
+        return it
+
+    def _before(self, name: str) -> None:
+        """A name is used again only once its previous round is in here."""
+        prev = self._last.pop(name, None) if not isinstance(name, _api.AutoName) else None
+        if prev is not None and not prev.done():
+            try:
+                prev.wait()
+            except Exception:  # noqa: BLE001 - reported by that operation's own Work
+                pass
+
+    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0):
+        """Start summing `buf` (in place) over the group: an api.Handle."""
+        self._check_open()
+        self._before(name)
+        try:
+            h = self._ps._push_pull_async(buf, name, False, priority, live=live)
+        except _api.GradhubError as e:
+            raise _failure(f"operation {name}", e) from e
+        if not isinstance(name, _api.AutoName):
+            self._last[name] = h
+        return h
+
+    def _check_open(self) -> None:
+        if self._closed or not _api.is_initialized():
+            raise GradhubBackendError("gradhub: the process group was destroyed (its gradhub job has ended)")
+
+    # -- completion
+
+    def _op(self, what: str, outputs: list[torch.Tensor]) -> _Op:
+        op = _Op(what, outputs)
+        _watchdog.add(op, self._timeout)
+        return op
+
+    def _complete_when(self, op: _Op, handles: list, finish: Callable[[], None] | None = None) -> Work:
+        """`op` completes once every handle has: `finish()` runs then (copies out)."""
+        left = [len(handles)]
+        lock = threading.Lock()
+
+        def one(h):
+            try:
+                h.wait()
+            except Exception as e:  # noqa: BLE001
+                op.finish(_failure(op.what, e))
+                return
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                try:
+                    if finish is not None:
+                        finish()
+                except Exception as e:  # noqa: BLE001
+                    op.finish(_failure(op.what, e))
+                    return
+                op.finish()
+
+        if not handles:
+            one_done = finish
+            try:
+                if one_done is not None:
+                    one_done()
+                op.finish()
+            except Exception as e:  # noqa: BLE001
+                op.finish(_failure(op.what, e))
+        for h in handles:
+            h.add_done_callback(one)
+        return Work(op, self._timeout)
+
+    def _in_thread(self, what: str, outputs: list[torch.Tensor], body: Callable[[], None]) -> Work:
+        """Run `body` (several rounds, each waited for) on this group's helper
+        thread, in call order; its names must be taken before (here)."""
+        op = self._op(what, outputs)
+        if self._helper is None:
+            self._helper = _Helper()
+
+        def run():
+            try:
+                body()
+            except Exception as e:  # noqa: BLE001
+                op.finish(_failure(what, e))
+                return
+            op.finish()
+
+        self._helper.submit(run)
+        return Work(op, self._timeout)
+
+    # -- gathers (the building block of min/max, all_gather, gather, all_to_all)
+
+    def _gather_start(self, t: torch.Tensor, name: str, device=None):
+        """Start gathering every member's `t` (same size everywhere): (handle, buffer, words per slot)."""
+        words = _words(t.numel() * t.element_size())
+        buf = torch.zeros(self._size * words, dtype=torch.int32, device=device or t.device)
+        _slot_write(buf, self._rank, words, t)
+        h = self._sum(buf, name, live=(self._rank * words, (self._rank + 1) * words))
+        return h, buf, words
+
+    # ---------------------------------------------------------------- collectives
+
+    def allreduce(self, tensors, opts):
+        t = _one(tensors, "all_reduce")
+        return self._allreduce(t, opts.reduceOp, "all_reduce")
+
+    def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None) -> Work:
+        """Reduce `t` over the group into `out` (default: `t`, in place)."""
+        out = t if out is None else out
+        kind = rop.op
+        if t.is_sparse:
+            raise _unsupported("sparse all_reduce")
+        if kind in _GATHERED:
+            if kind in (_R.BAND, _R.BOR, _R.BXOR) and t.is_floating_point():
+                raise _unsupported(f"{what} with {kind.name} on {t.dtype}", "bitwise ops need integer or bool tensors")
+            name = self._name(what + ".gather", t.dtype, t.numel() * t.element_size())
+            h, buf, words = self._gather_start(t, name)
+            op = self._op(what, [out])
+
+            def reduce():
+                g = torch.stack([_slot_read(buf, q, words, t) for q in range(self._size)])
+                out.copy_(_GATHERED[kind](g).reshape(out.shape).to(out.dtype))
+
+            return self._complete_when(op, [h], reduce)
+        if kind not in (_R.SUM, _R.AVG, _R.PREMUL_SUM):
+            raise _unsupported(f"{what} with op {kind}")
+        src = t
+        if kind == _R.PREMUL_SUM:
+            f = rop.factor
+            src = t * (f.to(t.device) if isinstance(f, torch.Tensor) else f)
+        from .ops import _push_pull_async
+
+        name = self._name(what, t.dtype, t.numel() * t.element_size())
+        self._check_open()
+        self._before(name)
+        target = out if src is t and out.is_contiguous() else None
+        try:
+            h = _push_pull_async(src, name, kind == _R.AVG, 0, Compression.none, target, self._ps)
+        except _api.GradhubError as e:
+            raise _failure(what, e) from e
+        self._last[name] = h
+        op = self._op(what, [out])
+
+        def finish():
+            r = h.wait()
+            if r.data_ptr() != out.data_ptr():
+                out.copy_(r.view(out.shape))
+
+        return self._complete_when(op, [h], finish)
+
+    def allreduce_coalesced(self, tensors, opts):
+        works = [self._allreduce(t, opts.reduceOp, "all_reduce_coalesced") for t in tensors]
+        return _all_of(works, list(tensors), "all_reduce_coalesced", self)
+
+    def allreduce_sparse(self, tensors, opts):
+        raise _unsupported("sparse all_reduce (allreduce_sparse)", "reduce a dense tensor instead")
+
+    def broadcast(self, tensors, opts):
+        t = _one(tensors, "broadcast")
+        root = opts.rootRank
+        nbytes = t.numel() * t.element_size()
+        name = self._name("broadcast", t.dtype, nbytes)
+        op = self._op("broadcast", [t])
+        if nbytes == 0:
+            return self._complete_when(op, [])
+        words = _as_words(t)
+        direct = words is not None
+        buf = words if direct else torch.zeros(_words(nbytes), dtype=torch.int32, device=t.device)
+        if self._rank == root:
+            if not direct:
+                _slot_write(buf, 0, _words(nbytes), t)
+            h = self._sum(buf, name)
+        else:
+            buf.zero_()
+            h = self._sum(buf, name, live=(0, 0))
+
+        def finish():
+            if not direct and self._rank != root:
+                t.copy_(_slot_read(buf, 0, _words(nbytes), t))
+
+        return self._complete_when(op, [h], finish)
+
+    def reduce(self, tensors, opts):
+        t = _one(tensors, "reduce")
+        if self._rank == opts.rootRank:
+            return self._allreduce(t, opts.reduceOp, "reduce")
+        # The others' tensors are left as they are (gloo's leave them unspecified).
+        return self._allreduce(t.clone(), opts.reduceOp, "reduce")
+
+    def all_gather_single(self, output, input, opts):
+        return self._all_gather_flat(output, input, "all_gather_into_tensor")
+
+    def _allgather_base(self, output, input, opts):
+        return self._all_gather_flat(output, input, "all_gather_into_tensor")
+
+    def _all_gather_flat(self, output: torch.Tensor, input: torch.Tensor, what: str) -> Work:
+        if output.numel() != input.numel() * self._size:
+            raise ValueError(f"{what}: the output has {output.numel()} elements, not {self._size} x "
+                             f"{input.numel()} (the group's size times the input's)")
+        if output.dtype != input.dtype:
+            raise TypeError(f"{what}: output dtype {output.dtype} differs from the input's {input.dtype}")
+        nbytes = input.numel() * input.element_size()
+        name = self._name(what, input.dtype, nbytes)
+        op = self._op(what, [output])
+        if nbytes == 0:
+            return self._complete_when(op, [])
+        out_words = _as_words(output)
+        if out_words is not None and nbytes % 4 == 0:  # straight into the output
+            w = nbytes // 4
+            src = _bytes_of(input)
+            # Zero the others' slots, write ours (the input may alias our slot).
+            mine = src.clone() if _overlaps(output, input) else src
+            out_words.zero_()
+            out_words.view(torch.uint8)[self._rank * nbytes:(self._rank + 1) * nbytes].copy_(mine)
+            h = self._sum(out_words, name, live=(self._rank * w, (self._rank + 1) * w))
+            return self._complete_when(op, [h])
+        h, buf, words = self._gather_start(input, name)
+
+        def finish():
+            flat = output.view(self._size, *input.shape) if output.is_contiguous() else None
+            for q in range(self._size):
+                piece = _slot_read(buf, q, words, input)
+                if flat is not None:
+                    flat[q].copy_(piece)
+                else:
+                    output.reshape(self._size, -1)[q].copy_(piece.reshape(-1))
+
+        return self._complete_when(op, [h], finish)
+
+    def allgather(self, output_tensors, input_tensors, opts):
+        t = _one(input_tensors, "all_gather")
+        outs = _one(output_tensors, "all_gather")
+        if len(outs) != self._size:
+            raise ValueError(f"all_gather: {len(outs)} output tensors for a group of {self._size}")
+        for o in outs:
+            if o.numel() != t.numel():
+                raise _unsupported("all_gather of tensors of different sizes",
+                                   f"every member gives {t.numel()} elements here, an output has {o.numel()}")
+        name = self._name("all_gather", t.dtype, t.numel() * t.element_size())
+        op = self._op("all_gather", list(outs))
+        if t.numel() == 0:
+            return self._complete_when(op, [])
+        h, buf, words = self._gather_start(t, name)
+
+        def finish():
+            for q, o in enumerate(outs):
+                o.copy_(_slot_read(buf, q, words, t).reshape(o.shape))
+
+        return self._complete_when(op, [h], finish)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts):
+        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)]
+        return _all_of(works, [o for outs in output_lists for o in outs], "all_gather_coalesced", self)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        works = [self._all_gather_flat(o, i, "all_gather_into_tensor_coalesced") for o, i in zip(outputs, inputs)]
+        return _all_of(works, list(outputs), "all_gather_into_tensor_coalesced", self)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        t = _one(input_tensors, "gather")
+        root = opts.rootRank
+        outs = output_tensors[0] if output_tensors else []
+        name = self._name("gather", t.dtype, t.numel() * t.element_size())
+        op = self._op("gather", list(outs))
+        if t.numel() == 0:
+            return self._complete_when(op, [])
+        h, buf, words = self._gather_start(t, name)
+
+        def finish():
+            if self._rank == root:
+                if len(outs) != self._size:
+                    raise ValueError(f"gather: {len(outs)} output tensors on the root for a group of {self._size}")
+                for q, o in enumerate(outs):
+                    o.copy_(_slot_read(buf, q, words, t).reshape(o.shape))
+
+        return self._complete_when(op, [h], finish)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        out = _one(output_tensors, "scatter")
+        root = opts.rootRank
+        nbytes = out.numel() * out.element_size()
+        name = self._name("scatter", out.dtype, nbytes)
+        op = self._op("scatter", [out])
+        if nbytes == 0:
+            return self._complete_when(op, [])
+        words = _words(nbytes)
+        buf = torch.zeros(self._size * words, dtype=torch.int32, device=out.device)
+        if self._rank == root:
+            ins = input_tensors[0]
+            if len(ins) != self._size:
+                raise ValueError(f"scatter: {len(ins)} input tensors on the root for a group of {self._size}")
+            for q, x in enumerate(ins):
+                if x.numel() != out.numel():
+                    raise _unsupported("scatter of tensors of different sizes")
+                _slot_write(buf, q, words, x)
+            h = self._sum(buf, name)
+        else:
+            h = self._sum(buf, name, live=(0, 0))
+
+        def finish():
+            out.copy_(_slot_read(buf, self._rank, words, out))
+
+        return self._complete_when(op, [h], finish)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        out = _one(output_tensors, "reduce_scatter")
+        ins = _one(input_tensors, "reduce_scatter")
+        if len(ins) != self._size:
+            raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of {self._size}")
+        if any(x.numel() != out.numel() for x in ins):
+            raise _unsupported("reduce_scatter of tensors of different sizes")
+        flat = torch.cat([x.reshape(-1) for x in ins])
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter")
+
+    def reduce_scatter_single(self, output, input, opts):
+        return self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_tensor")
+
+    def _reduce_scatter_base(self, output, input, opts):
+        return self._reduce_scatter_flat(output, input, opts.reduceOp, "reduce_scatter_tensor")
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        works = [self._reduce_scatter_flat(o, i, opts.reduceOp, "reduce_scatter_tensor_coalesced")
+                 for o, i in zip(outputs, inputs)]
+        return _all_of(works, list(outputs), "reduce_scatter_tensor_coalesced", self)
+
+    def _reduce_scatter_flat(self, output: torch.Tensor, input: torch.Tensor, rop, what: str) -> Work:
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(f"{what}: the input has {input.numel()} elements, not {self._size} x "
+                             f"{output.numel()} (the group's size times the output's)")
+        # The whole input is reduced (a copy: the input is the caller's), each keeping its shard.
+        full = input.detach().reshape(-1).clone()
+        op = self._op(what, [output])
+        inner = self._allreduce(full, rop, what)
+        n = output.numel()
+
+        def copy(_fut=None):
+            output.copy_(full[self._rank * n:(self._rank + 1) * n].view(output.shape))
+
+        def done(h):
+            try:
+                if h._op._error is not None:  # (set before its future completes, which calls this)
+                    raise h._op._error
+                copy()
+            except Exception as e:  # noqa: BLE001
+                op.finish(e if isinstance(e, dist.DistBackendError) else _failure(what, e))
+                return
+            op.finish()
+
+        inner._op.future.add_done_callback(lambda _f: done(inner))
+        return Work(op, self._timeout)
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        if len(output_tensors) != self._size or len(input_tensors) != self._size:
+            raise ValueError(f"all_to_all: {len(input_tensors)} inputs and {len(output_tensors)} outputs for a "
+                             f"group of {self._size}")
+        t0 = input_tensors[0]
+        flat_in = torch.cat([x.reshape(-1) for x in input_tensors])
+        sizes = [x.numel() for x in input_tensors]
+        return self._all_to_all(list(output_tensors), flat_in, sizes, t0.dtype, "all_to_all")
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        n = self._size
+        rows_in = input.shape[0] if input.dim() else 1
+        row = input.numel() // max(rows_in, 1) if input.numel() else 0
+        if not input_split_sizes:
+            if rows_in % n:
+                raise ValueError(f"all_to_all_single: {rows_in} rows do not split evenly over {n} members")
+            input_split_sizes = [rows_in // n] * n
+        if not output_split_sizes:
+            out_rows = output.shape[0] if output.dim() else 1
+            if out_rows % n:
+                raise ValueError(f"all_to_all_single: {out_rows} output rows do not split evenly over {n} members")
+            output_split_sizes = [out_rows // n] * n
+        outs = list(output.reshape(-1).split([s * row for s in output_split_sizes])) if output.is_contiguous() \
+            else None
+        if outs is None:
+            raise _unsupported("all_to_all_single into a non-contiguous output")
+        return self._all_to_all(outs, input.reshape(-1), [s * row for s in input_split_sizes], input.dtype,
+                                "all_to_all_single", keep=[output])
+
+    def _all_to_all(self, outs: list[torch.Tensor], flat_in: torch.Tensor, sizes: list[int], dtype, what: str,
+                    keep: list[torch.Tensor] | None = None) -> Work:
+        """Every member's input (split into `sizes` elements per destination)
+        gathered; each keeps the parts sent to it. The sizes first, on a helper thread."""
+        n, me = self._size, self._rank
+        meta_name = self._name(what + ".sizes", torch.int64, n * 8)
+        flat_in = flat_in.detach().clone()
+        elem = flat_in.element_size()
+
+        def body():
+            meta = torch.zeros(n * n, dtype=torch.int64)
+            meta[me * n:(me + 1) * n] = torch.tensor(sizes, dtype=torch.int64)
+            self._sum(meta, meta_name, live=(me * n, (me + 1) * n)).wait()
+            m = meta.view(n, n).tolist()
+            words = _words(max(sum(r) for r in m) * elem)
+            buf = torch.zeros(n * words, dtype=torch.int32, device=flat_in.device)
+            _slot_write(buf, me, words, flat_in)
+            h = self._sum(buf, data_name, live=(me * words, (me + 1) * words))
+            h.wait()
+            for q in range(n):
+                start = sum(m[q][:me])
+                if m[q][me] != outs[q].numel():
+                    raise ValueError(f"{what}: member {q} sends {m[q][me]} elements to member {me}, which expects "
+                                     f"{outs[q].numel()}")
+                raw = buf.view(torch.uint8)[q * words * 4 + start * elem: q * words * 4 + (start + m[q][me]) * elem]
+                outs[q].copy_(raw.view(dtype).reshape(outs[q].shape))
+
+        data_name = _api.AutoName(f"{self._prefix}dist.{what}{_api.AUTO_MARK}{next(self._once)}")
+        return self._in_thread(what, keep or outs, body)
+
+    def barrier(self, opts):
+        name = self._name("barrier", torch.float32, 4)
+        op = self._op("barrier", [])
+        h = self._sum(torch.zeros(1), name)
+        return self._complete_when(op, [h])
+
+    # -- what is not supported: a clear error at the call
+
+    def send(self, tensors, dst, tag):
+        raise _unsupported("point-to-point send (dist.send/isend, batch_isend_irecv)",
+                           "use a collective, or a gloo group for point-to-point traffic")
+
+    def recv(self, tensors, src, tag):
+        raise _unsupported("point-to-point recv (dist.recv/irecv, batch_isend_irecv)",
+                           "use a collective, or a gloo group for point-to-point traffic")
+
+    def recv_anysource(self, tensors, tag):
+        raise _unsupported("point-to-point recv from any source (dist.recv without src)")
+
+    def monitored_barrier(self, opts, wait_all_ranks=False):
+        raise _unsupported("monitored_barrier", "use dist.barrier()")
+
+    def shutdown(self) -> None:
+        self._close()
+
+    def abort(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._helper is not None:
+            self._helper.stop()
+        if self._owns_job:
+            _end_job()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+    b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def _one(tensors, what: str):
+    if len(tensors) != 1:
+        raise _unsupported(f"{what} of {len(tensors)} tensors per process (the multi-device form)",
+                           "one tensor per process")
+    return tensors[0]
+
+
+def _failure(what: str, e: BaseException) -> BaseException:
+    if isinstance(e, dist.DistBackendError):
+        return e
+    if isinstance(e, _api.GradhubError):
+        err = GradhubBackendError(f"gradhub: {what} failed: {e}")
+    else:
+        err = GradhubBackendError(f"gradhub: {what} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+def _all_of(works: list[Work], outputs: list[torch.Tensor], what: str, backend: GradhubBackend) -> Work:
+    op = backend._op(what, outputs)
+    left = [len(works)]
+    lock = threading.Lock()
+
+    def one(w):
+        if w._op._error is not None:  # (set before its future completes, which calls this)
+            op.finish(w._op._error)
+            return
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        op.finish()
+
+    if not works:
+        op.finish()
+    for w in works:
+        w._op.future.add_done_callback(lambda _f, w=w: one(w))
+    return Work(op, backend._timeout)
+
+
+class _Helper:
+    """One thread per group for collectives of several rounds, run in call order."""
+
+    def __init__(self):
+        import queue
+
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._run, name="gradhub-dist-helper", daemon=True)
+        self._t.start()
+
+    def submit(self, fn) -> None:
+        self._q.put(fn)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            fn()
+
+
+# ---------------------------------------------------------------- the job
+
+
+_job_lock = threading.Lock()
+_owned = False        # this backend started the gradhub job the default group uses
+_default: GradhubBackend | None = None
+
+
+def _host_id() -> str:
+    """This process's host, as the core tells hosts apart (`crate::host_id`)."""
+    hid = os.environ.get("GRADHUB_HOST_ID")
+    if hid:
+        return hid
+    try:
+        with open("/proc/sys/kernel/hostname") as f:
+            name = f.read().strip() or socket.gethostname()
+    except OSError:
+        name = socket.gethostname()
+    try:
+        return f"{name} {os.readlink('/proc/self/ns/net')}"
+    except OSError:
+        return name
+
+
+def _advertised_host() -> str:
+    """Where the others reach rank 0's scheduler."""
+    for var in ("GRADHUB_ADVERTISE_ADDR", "MASTER_ADDR"):
+        v = os.environ.get(var)
+        if v:
+            return v
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _form_job(store, rank: int, size: int, timeout: float) -> bool:
+    """Join (or form) the gradhub job of the default group. True if this
+    backend formed it (and ends it with the group)."""
+    if _api.is_initialized():
+        if _api.rank() != rank or _api.size() != size:
+            raise RuntimeError(f"init_process_group('gradhub'): this process is worker {_api.rank()} of "
+                               f"{_api.size()} in its gradhub job, but rank {rank} of {size} in torch's group")
+        _api.serve_set_ops()
+        return False
+    from . import init as _gh_init
+
+    env = _env.worker_env()
+    if env.scheduler is not None and not env.embedded:
+        # A job named by the environment: `gradhub launch`, a separate scheduler, a shared service.
+        env.rank, env.num_workers = rank, size
+        env.connect_timeout = min(env.connect_timeout, timeout) if env.connect_timeout else timeout
+        _gh_init(_worker_env=env)
+        _api.serve_set_ops()
+        return False  # the launcher's (or service's) job: it outlives the group, a new group joins it again
+    # Form one from torch's store. Arrivals count across re-initialisations
+    # in one store: the k-th `size` arrivals are generation k.
+    gen = (store.add("gradhub/arrivals", 1) - 1) // size
+    key = f"gradhub/{gen}"
+    store.set(f"{key}/host/{rank}", _host_id())
+    if rank == 0:
+        from .._ports import free_port
+
+        host = _advertised_host()
+        bind = host if _env.is_loopback(host) else "0.0.0.0"
+        port = free_port(bind if bind != "0.0.0.0" else "127.0.0.1")
+        token = env.token or secrets.token_hex(32)
+        store.set(f"{key}/job", f"{host}:{port} {token}")
+    store.wait([f"{key}/job"] + [f"{key}/host/{q}" for q in range(size)], datetime.timedelta(seconds=timeout))
+    addr, token = store.get(f"{key}/job").decode().split(" ", 1)
+    hosts = [store.get(f"{key}/host/{q}").decode() for q in range(size)]
+    mine = _host_id()
+    same = [q for q, h in enumerate(hosts) if h == mine]
+    env.scheduler = addr
+    env.embedded = True
+    env.rank, env.num_workers = rank, size
+    env.local_rank, env.local_size = same.index(rank), len(same)
+    if not _env.is_set("GRADHUB_NUM_SERVERS") and env.job is None:
+        env.num_servers = len(set(hosts))   # one colocated server per host
+    env.token = token
+    env.connect_timeout = timeout
+    _gh_init(_worker_env=env)
+    _api.serve_set_ops()
+    return True
+
+
+def _end_job() -> None:
+    global _owned
+    with _job_lock:
+        if not _owned:
+            return
+        _owned = False
+    from . import shutdown
+
+    from .process_sets import _reset
+
+    shutdown()
+    _reset()
+
+
+def _create(opts, backend_options=None):
+    """torch's constructor call (extended API): one group's backend."""
+    global _owned, _default
+    timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, datetime.timedelta) else float(opts.timeout)
+    ranks = list(opts.global_ranks_in_group)
+    rank, size = opts.group_rank, opts.group_size
+    default = not ranks or (ranks == list(range(size)) and not dist.is_initialized())
+    if default:
+        with _job_lock:
+            formed = _form_job(opts.store, rank, size, timeout)
+            _owned = _owned or formed
+        b = GradhubBackend(rank, size, global_process_set, "", timeout, formed)
+        _default = b
+        return b
+    if not _api.is_initialized():
+        raise RuntimeError("new_group(backend='gradhub'): the default group is not a gradhub one; create it with "
+                           "init_process_group('gradhub') (or a device map naming gradhub), or call gradhub.init() "
+                           "first")
+    if ranks == list(range(_api.size())):
+        ps: ProcessSet = global_process_set
+    else:
+        ps = _GroupSet(ranks, str(opts.group_id))
+    prefix = f"g{opts.group_id}." if ps is not global_process_set else f"g{opts.group_id}."
+    return GradhubBackend(rank, size, ps, prefix, timeout, False)
+
+
+def _patch_is_completed() -> None:
+    """torch hands a Python backend's Work to the caller inside a holder that
+    forwards `wait()` and `get_future()` only, so the holder's
+    `is_completed()` stays False. Ask the future when the Work itself says
+    no (any backend's: a completed future is a completed Work)."""
+    from torch._C._distributed_c10d import Work as _CWork
+
+    orig = _CWork.is_completed
+    if getattr(orig, "_gradhub", False):
+        return
+
+    def is_completed(self) -> bool:
+        if orig(self):
+            return True
+        try:
+            return self.get_future().done()
+        except Exception:  # noqa: BLE001 - a Work without a future
+            return False
+
+    is_completed._gradhub = True
+    is_completed.__doc__ = orig.__doc__
+    _CWork.is_completed = is_completed
+
+
+def register() -> bool:
+    """Register the backend with torch (once). False if this torch cannot."""
+    if not dist.is_available():
+        return False
+    if NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return True
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    _patch_is_completed()
+    return True
