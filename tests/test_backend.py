@@ -2,8 +2,9 @@
 `dist.init_process_group("gradhub")` under a torchrun-style start (the group
 forms its own gradhub job from torch's store) and under `gradhub launch`
 (the launcher's job). One worker run checks every collective x dtype x op
-against gloo, Work, unsupported calls, a sub-group, DDP training against
-one process, and destroy + init again (tests/workers/backend_collectives.py)."""
+against gloo, Work, unsupported calls, a sub-group, DDP, FSDP2 and hybrid
+sharding on a 2-D DeviceMesh against one process, and destroy + init again
+(tests/workers/backend_collectives.py, backend_fsdp.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_backend_collectives_ddp_and_groups_3_processes_on_2_emulated_hosts():
     results = run_torchrun_style(3, "backend_collectives.py", ["host-a", "host-a", "host-b"])
     for q, (rc, out) in enumerate(results):
         assert rc == 0 and f"PASS {q}" in out, f"rank {q}:\n{out[-6000:]}"
-        assert "against gloo" in out
+        assert "against gloo" in out and "FSDP2: 20 steps equal one process" in out, out[-6000:]
 
 
 def test_backend_under_gradhub_launch_2_workers():
@@ -55,3 +56,4 @@ def test_backend_under_gradhub_launch_2_workers():
     assert rc == 0, out[-6000:]
     for q in range(2):
         assert f"PASS {q}" in out, out[-6000:]
+    assert out.count("HSDP 2x1: 20 steps equal one process") == 2, out[-6000:]

@@ -11,7 +11,8 @@ one run:
 - unsupported calls raise, naming the call;
 - a sub-group (new_group) and its collectives, non-members idle;
 - DDP training for 20 steps (SGD with momentum) equals one process training
-  on the combined batch;
+  on the combined batch, and so do FSDP2 and, with an even number of
+  workers, hybrid sharding on a 2-D DeviceMesh (backend_fsdp.py);
 - destroy_process_group() and a second init_process_group in the process.
 """
 
@@ -271,6 +272,11 @@ for step in range(20):
     opts[1].step()
 for (name, a), b in zip(ddp.module.named_parameters(), single.parameters()):
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (name, (a - b).abs().max())
+
+# ---------------------------------------------------------------- FSDP2, and a 2-D DeviceMesh (hybrid sharding)
+import backend_fsdp  # noqa: E402
+
+backend_fsdp.check()
 
 # ---------------------------------------------------------------- destroy and init again
 dist.destroy_process_group()

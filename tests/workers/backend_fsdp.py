@@ -1,0 +1,64 @@
+"""FSDP2 (`fully_shard`) over the gradhub backend trains as one process
+does on the combined batch (20 steps, SGD with momentum), on a 1-D mesh and
+on a 2-D DeviceMesh (hybrid sharding: replicate x shard). Run by
+backend_collectives.py (`check(n)`) inside its job, or alone."""
+
+import datetime
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import gradhub.torch  # noqa: F401 - registers the backend
+
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def batch(step: int, q: int):
+    g = torch.Generator().manual_seed(100 * step + q)
+    return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def train(mesh, label):
+    r, n = dist.get_rank(), dist.get_world_size()
+    m = model()
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    single = model()
+    opts = [torch.optim.SGD(x.parameters(), lr=0.05, momentum=0.9) for x in (m, single)]
+    for step in range(20):
+        x, y = batch(step, r)
+        opts[0].zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        opts[0].step()
+        xs, ys = zip(*(batch(step, q) for q in range(n)))
+        opts[1].zero_grad()
+        F.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
+        opts[1].step()
+    for (name, a), b in zip(m.named_parameters(), single.parameters()):
+        full = a.full_tensor()
+        assert torch.allclose(full, b, rtol=1e-4, atol=1e-5), (label, name, (full - b).abs().max())
+    print(f"{label}: 20 steps equal one process", flush=True)
+
+
+def check() -> None:
+    n = dist.get_world_size()
+    train(init_device_mesh("cpu", (n,)), "FSDP2")
+    if n % 2 == 0:
+        train(init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard")), f"HSDP 2x{n // 2}")
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gradhub", timeout=datetime.timedelta(seconds=60))
+    check()
+    dist.destroy_process_group()
+    print("PASS", flush=True)
