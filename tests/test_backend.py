@@ -1,4 +1,4 @@
-"""The torch.distributed backend "gradhub" (python/gradhub/torch/backend.py):
+"""The torch.distributed backend "gradhub" (python/gradhub/torch/dist/):
 `dist.init_process_group("gradhub")` under a torchrun-style start (the group
 forms its own gradhub job from torch's store) and under `gradhub launch`
 (the launcher's job). One worker run checks every collective x dtype x op

@@ -128,6 +128,11 @@ def _torchrun_int(name: str, default: int | None = None) -> int | None:
     return default if v is None else _parse(name, "int", v)
 
 
+def torchrun_master() -> str | None:
+    """torchrun's MASTER_ADDR (not a gradhub setting), if set."""
+    return _present("MASTER_ADDR", False)
+
+
 def fallback(name: str) -> str:
     """A command-line flag's help suffix: the variable it falls back to and
     the default from the registry."""

@@ -1,4 +1,4 @@
-"""Worker: the torch.distributed backend "gradhub" (gradhub/torch/backend.py).
+"""Worker: the torch.distributed backend "gradhub" (gradhub/torch/dist/).
 
 Started as torchrun would start it (MASTER_ADDR, RANK, WORLD_SIZE: the
 group forms its own gradhub job from torch's store), or by `gradhub launch`

@@ -139,10 +139,10 @@ from . import elastic  # noqa: E402 - Horovod's elastic API (membership changes 
 
 def _register_backend() -> None:
     """`dist.init_process_group("gradhub")`: the torch.distributed backend
-    (torch/backend.py). Importing gradhub.torch never fails for it: a torch
+    (torch/dist/). Importing gradhub.torch never fails for it: a torch
     without run-time backends only warns."""
     try:
-        from .backend import register
+        from .dist import register
 
         register()
     except Exception as e:  # noqa: BLE001

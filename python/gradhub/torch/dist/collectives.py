@@ -1,75 +1,23 @@
-"""A `torch.distributed` backend named "gradhub": `dist.init_process_group("gradhub")`
-(or a device map such as `"cpu:gloo,cuda:gradhub"`) runs the collectives of
-DDP, FSDP, DeviceMesh and the frameworks built on them through gradhub's
-servers. Registered when `gradhub.torch` is imported.
-
-Each collective is one or two push_pulls (a sum across workers):
-
-- all_reduce SUM/AVG/PREMUL_SUM: a push_pull (AVG divided by the servers);
-  MIN, MAX, PRODUCT and the bitwise ops: every member's tensor gathered,
-  then reduced here (the servers only sum);
-- all_gather / gather: every member writes its bytes into its own slot of a
-  zeroed buffer and pushes only that slot (`live`: the rest goes as
-  headers); the sum is everyone's bytes, bit-exact for every dtype (buffers
-  travel as int32 words, x + 0 = x);
-- broadcast / scatter: the root's push, the others push headers only;
-- reduce_scatter: a push_pull of the whole input, each keeping its shard
-  (the servers send back every shard: pulling only one's own is not in the
-  core yet);
-- all_to_all: a gather of every member's input (after a gather of the
-  split sizes, unless even), each keeping what was sent to it;
-- barrier: a push_pull of one element.
-
-The job: an existing one if `gradhub.init()` ran (its rank and size must
-be torch's); one named by GRADHUB_SCHEDULER (`gradhub launch`, a separate
-scheduler, a shared service with GRADHUB_JOB); else the group forms its
-own from what torch hands the backend: rank 0 hosts the scheduler on a
-free port and publishes its address and a job token made up for the job
-in torch's store, the first rank on each host a colocated server (hosts
-told apart as the core does: GRADHUB_HOST_ID, else host name and network
-namespace), as `gradhub.init()` does under torchrun. Such a job ends with
-the default group (`destroy_process_group()`); a new `init_process_group`
-forms a new one.
-
-Sub-groups (`new_group`, DeviceMesh dimensions) are process sets (see
-`process_sets.py`): every worker outside a group pushes zeros for the
-group's operations from a thread of its own, so they need no registration
-on non-members (torch calls the backend on members only).
-
-Names: operations are named by group, kind, dtype and size, and numbered
-per such key (every member calls a group's collectives in the same order,
-so the numbers agree), and a name is used again once its previous round is
-in: DDP's buckets, FSDP's per-layer gathers keep their names, declared
-once, from step to step. A group keeps at most `_MAX_NAMES` such names;
-operations of further keys are named once and freed after their round.
-
-Work: `wait()` (raises `DistBackendError` naming the lost peer when the job
-fails, or the group's timeout), `is_completed()`, `get_future()` (failed
-futures raise in DDP's reducer), `async_op=True`.
-"""
+"""The gradhub backend's collectives: `GradhubBackend`, one torch process
+group's gradhub side, each collective one or two push_pulls (see the
+package's docstring), and the byte-slot buffers gathers are made of."""
 
 from __future__ import annotations
 
-import datetime
-import heapq
 import itertools
-import os
-import secrets
-import socket
-import sys
 import threading
-import zlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
-from torch.futures import Future
 
-from .. import api as _api
-from .. import _env
-from .compression import Compression
-from .process_sets import ProcessSet, global_process_set
+from ... import api as _api
+from ..compression import Compression
+from ..ops import _push_pull_async
+from ..process_sets import ProcessSet
+from .job import end_job
+from .work import GradhubBackendError, Work, _all_of, _failure, _Helper, _Op, _unsupported, _watchdog
 
 NAME = "gradhub"
 _R = dist.ReduceOp.RedOpType
@@ -93,162 +41,6 @@ def _fold(g: torch.Tensor, fn) -> torch.Tensor:
     for x in g[1:]:
         out = fn(out, x)
     return out
-
-
-# ---------------------------------------------------------------- errors and Work
-
-
-class GradhubBackendError(dist.DistBackendError):
-    """A collective of the gradhub backend failed: a peer was lost (named),
-    the job failed, or the group's timeout passed."""
-
-
-def _unsupported(what: str, hint: str = "") -> RuntimeError:
-    return RuntimeError(f"the gradhub torch.distributed backend does not support {what}"
-                        + (f": {hint}" if hint else ""))
-
-
-class _Op:
-    """A collective in flight: completed once, with its output tensors or
-    an error, from a completion callback, the watchdog or a helper thread."""
-
-    __slots__ = ("what", "outputs", "_event", "_error", "_raw", "future", "_lock", "_cuda", "_finished", "__weakref__")
-
-    def __init__(self, what: str, outputs: list[torch.Tensor]):
-        self.what = what
-        self.outputs = outputs
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-        self._finished = False
-        self._lock = threading.Lock()
-        devs = sorted({t.device for t in outputs if t.device.type == "cuda"}, key=str)
-        self._cuda = devs
-        # A failure reaches the future's C++ side (DDP's reducer raises it) through
-        # a callback that raises: torch's Python set_exception alone does not.
-        self._raw = Future(devices=devs) if devs else Future()
-        self.future = self._raw.then(_unwrap)
-
-    def finish(self, error: BaseException | None = None) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-            self._error = error
-        try:
-            if error is None:
-                for d in self._cuda:  # the copies back from the host stage are done before anyone reads
-                    torch.cuda.current_stream(d).synchronize()
-                self._raw.set_result((None, self.outputs))
-            else:
-                self._raw.set_result((error, None))
-        finally:
-            self._event.set()  # after the future: a Work waited for is completed, its future too
-
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None) -> None:
-        if not self._event.wait(timeout):
-            raise GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s")
-        if self._error is not None:
-            raise self._error
-
-
-def _unwrap(fut):
-    error, outputs = fut.value()
-    if error is not None:
-        raise error
-    return outputs
-
-
-class Work(dist.Work):
-    """torch's Work for a gradhub collective."""
-
-    def __init__(self, op: _Op, timeout: float):
-        super().__init__()
-        self._op = op
-        self._timeout = timeout
-
-    def wait(self, timeout=None) -> bool:
-        t = self._timeout
-        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-            t = timeout.total_seconds()
-        self._op.wait(t)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._op.done()
-
-    def is_success(self) -> bool:
-        return self._op.done() and self._op._error is None
-
-    def exception(self):
-        return self._op._error
-
-    def get_future(self):
-        return self._op.future
-
-    def result(self):
-        return self._op.outputs
-
-    def synchronize(self) -> None:
-        self._op.wait(self._timeout)
-
-
-# A failed job fails the pending operations of every group, and so does the
-# group's timeout: one watchdog thread for the process.
-class _Watchdog:
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._heap: list = []
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def add(self, op: _Op, timeout: float) -> None:
-        import weakref
-
-        with self._cv:
-            heapq.heappush(self._heap, (_now() + timeout, next(self._seq), weakref.ref(op), timeout))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gradhub-dist-watchdog", daemon=True)
-                self._thread.start()
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            pending, err = [], None
-            with self._cv:
-                while self._heap and (self._heap[0][2]() is None or self._heap[0][2]().done()):
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._cv.wait(1.0)
-                    continue
-                failure = _api.job_failure()
-                deadline, _, ref, timeout = self._heap[0]
-                if failure is not None:
-                    pending = [r() for _, _, r, _ in self._heap]
-                    self._heap.clear()
-                    err = GradhubBackendError(f"gradhub: the job failed: {failure}")
-                elif deadline <= _now():
-                    heapq.heappop(self._heap)
-                    pending = [ref()]
-                    err = GradhubBackendError(f"gradhub: {pending[0].what if pending[0] else 'a collective'} did "
-                                              f"not complete within the group's timeout ({timeout:g} s)")
-                else:
-                    self._cv.wait(min(deadline - _now(), 0.5))
-                    continue
-            for op in pending:
-                if op is not None and not op.done():
-                    op.finish(err)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
-
-
-_watchdog = _Watchdog()
 
 
 # ---------------------------------------------------------------- buffers
@@ -461,8 +253,6 @@ class GradhubBackend(_C10dBackend):
         if kind == _R.PREMUL_SUM:
             f = rop.factor
             src = t * (f.to(t.device) if isinstance(f, torch.Tensor) else f)
-        from .ops import _push_pull_async
-
         name = self._name(what, t.dtype, t.numel() * t.element_size())
         self._check_open()
         self._before(name)
@@ -776,7 +566,7 @@ class GradhubBackend(_C10dBackend):
         if self._helper is not None:
             self._helper.stop()
         if self._owns_job:
-            _end_job()
+            end_job()
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -793,220 +583,3 @@ def _one(tensors, what: str):
                            "one tensor per process")
     return tensors[0]
 
-
-def _failure(what: str, e: BaseException) -> BaseException:
-    if isinstance(e, dist.DistBackendError):
-        return e
-    if isinstance(e, _api.GradhubError):
-        err = GradhubBackendError(f"gradhub: {what} failed: {e}")
-    else:
-        err = GradhubBackendError(f"gradhub: {what} failed: {type(e).__name__}: {e}")
-    err.__cause__ = e
-    return err
-
-
-def _all_of(works: list[Work], outputs: list[torch.Tensor], what: str, backend: GradhubBackend) -> Work:
-    op = backend._op(what, outputs)
-    left = [len(works)]
-    lock = threading.Lock()
-
-    def one(w):
-        if w._op._error is not None:  # (set before its future completes, which calls this)
-            op.finish(w._op._error)
-            return
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        op.finish()
-
-    if not works:
-        op.finish()
-    for w in works:
-        w._op.future.add_done_callback(lambda _f, w=w: one(w))
-    return Work(op, backend._timeout)
-
-
-class _Helper:
-    """One thread per group for collectives of several rounds, run in call order."""
-
-    def __init__(self):
-        import queue
-
-        self._q: queue.Queue = queue.Queue()
-        self._t = threading.Thread(target=self._run, name="gradhub-dist-helper", daemon=True)
-        self._t.start()
-
-    def submit(self, fn) -> None:
-        self._q.put(fn)
-
-    def stop(self) -> None:
-        self._q.put(None)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            fn()
-
-
-# ---------------------------------------------------------------- the job
-
-
-_job_lock = threading.Lock()
-_owned = False        # this backend started the gradhub job the default group uses
-_default: GradhubBackend | None = None
-
-
-def _host_id() -> str:
-    """This process's host, as the core tells hosts apart (`crate::host_id`)."""
-    hid = os.environ.get("GRADHUB_HOST_ID")
-    if hid:
-        return hid
-    try:
-        with open("/proc/sys/kernel/hostname") as f:
-            name = f.read().strip() or socket.gethostname()
-    except OSError:
-        name = socket.gethostname()
-    try:
-        return f"{name} {os.readlink('/proc/self/ns/net')}"
-    except OSError:
-        return name
-
-
-def _advertised_host() -> str:
-    """Where the others reach rank 0's scheduler."""
-    for var in ("GRADHUB_ADVERTISE_ADDR", "MASTER_ADDR"):
-        v = os.environ.get(var)
-        if v:
-            return v
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        return "127.0.0.1"
-
-
-def _form_job(store, rank: int, size: int, timeout: float) -> bool:
-    """Join (or form) the gradhub job of the default group. True if this
-    backend formed it (and ends it with the group)."""
-    if _api.is_initialized():
-        if _api.rank() != rank or _api.size() != size:
-            raise RuntimeError(f"init_process_group('gradhub'): this process is worker {_api.rank()} of "
-                               f"{_api.size()} in its gradhub job, but rank {rank} of {size} in torch's group")
-        _api.serve_set_ops()
-        return False
-    from . import init as _gh_init
-
-    env = _env.worker_env()
-    if env.scheduler is not None and not env.embedded:
-        # A job named by the environment: `gradhub launch`, a separate scheduler, a shared service.
-        env.rank, env.num_workers = rank, size
-        env.connect_timeout = min(env.connect_timeout, timeout) if env.connect_timeout else timeout
-        _gh_init(_worker_env=env)
-        _api.serve_set_ops()
-        return False  # the launcher's (or service's) job: it outlives the group, a new group joins it again
-    # Form one from torch's store. Arrivals count across re-initialisations
-    # in one store: the k-th `size` arrivals are generation k.
-    gen = (store.add("gradhub/arrivals", 1) - 1) // size
-    key = f"gradhub/{gen}"
-    store.set(f"{key}/host/{rank}", _host_id())
-    if rank == 0:
-        from .._ports import free_port
-
-        host = _advertised_host()
-        bind = host if _env.is_loopback(host) else "0.0.0.0"
-        port = free_port(bind if bind != "0.0.0.0" else "127.0.0.1")
-        token = env.token or secrets.token_hex(32)
-        store.set(f"{key}/job", f"{host}:{port} {token}")
-    store.wait([f"{key}/job"] + [f"{key}/host/{q}" for q in range(size)], datetime.timedelta(seconds=timeout))
-    addr, token = store.get(f"{key}/job").decode().split(" ", 1)
-    hosts = [store.get(f"{key}/host/{q}").decode() for q in range(size)]
-    mine = _host_id()
-    same = [q for q, h in enumerate(hosts) if h == mine]
-    env.scheduler = addr
-    env.embedded = True
-    env.rank, env.num_workers = rank, size
-    env.local_rank, env.local_size = same.index(rank), len(same)
-    if not _env.is_set("GRADHUB_NUM_SERVERS") and env.job is None:
-        env.num_servers = len(set(hosts))   # one colocated server per host
-    env.token = token
-    env.connect_timeout = timeout
-    _gh_init(_worker_env=env)
-    _api.serve_set_ops()
-    return True
-
-
-def _end_job() -> None:
-    global _owned
-    with _job_lock:
-        if not _owned:
-            return
-        _owned = False
-    from . import shutdown
-
-    from .process_sets import _reset
-
-    shutdown()
-    _reset()
-
-
-def _create(opts, backend_options=None):
-    """torch's constructor call (extended API): one group's backend."""
-    global _owned, _default
-    timeout = opts.timeout.total_seconds() if isinstance(opts.timeout, datetime.timedelta) else float(opts.timeout)
-    ranks = list(opts.global_ranks_in_group)
-    rank, size = opts.group_rank, opts.group_size
-    default = not ranks or (ranks == list(range(size)) and not dist.is_initialized())
-    if default:
-        with _job_lock:
-            formed = _form_job(opts.store, rank, size, timeout)
-            _owned = _owned or formed
-        b = GradhubBackend(rank, size, global_process_set, "", timeout, formed)
-        _default = b
-        return b
-    if not _api.is_initialized():
-        raise RuntimeError("new_group(backend='gradhub'): the default group is not a gradhub one; create it with "
-                           "init_process_group('gradhub') (or a device map naming gradhub), or call gradhub.init() "
-                           "first")
-    if ranks == list(range(_api.size())):
-        ps: ProcessSet = global_process_set
-    else:
-        ps = _GroupSet(ranks, str(opts.group_id))
-    prefix = f"g{opts.group_id}." if ps is not global_process_set else f"g{opts.group_id}."
-    return GradhubBackend(rank, size, ps, prefix, timeout, False)
-
-
-def _patch_is_completed() -> None:
-    """torch hands a Python backend's Work to the caller inside a holder that
-    forwards `wait()` and `get_future()` only, so the holder's
-    `is_completed()` stays False. Ask the future when the Work itself says
-    no (any backend's: a completed future is a completed Work)."""
-    from torch._C._distributed_c10d import Work as _CWork
-
-    orig = _CWork.is_completed
-    if getattr(orig, "_gradhub", False):
-        return
-
-    def is_completed(self) -> bool:
-        if orig(self):
-            return True
-        try:
-            return self.get_future().done()
-        except Exception:  # noqa: BLE001 - a Work without a future
-            return False
-
-    is_completed._gradhub = True
-    is_completed.__doc__ = orig.__doc__
-    _CWork.is_completed = is_completed
-
-
-def register() -> bool:
-    """Register the backend with torch (once). False if this torch cannot."""
-    if not dist.is_available():
-        return False
-    if NAME.upper() in getattr(dist.Backend, "_plugins", {}):
-        return True
-    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
-    _patch_is_completed()
-    return True

@@ -1,0 +1,224 @@
+"""The gradhub backend's Work objects (`Work` over an `_Op`, its future),
+the watchdog that fails pending operations on a job failure or the group's
+timeout, the error type, and the helper thread of multi-round collectives."""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import itertools
+import threading
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ... import api as _api
+
+class GradhubBackendError(dist.DistBackendError):
+    """A collective of the gradhub backend failed: a peer was lost (named),
+    the job failed, or the group's timeout passed."""
+
+
+def _unsupported(what: str, hint: str = "") -> RuntimeError:
+    return RuntimeError(f"the gradhub torch.distributed backend does not support {what}"
+                        + (f": {hint}" if hint else ""))
+
+
+class _Op:
+    """A collective in flight: completed once, with its output tensors or
+    an error, from a completion callback, the watchdog or a helper thread."""
+
+    __slots__ = ("what", "outputs", "_event", "_error", "_raw", "future", "_lock", "_cuda", "_finished", "__weakref__")
+
+    def __init__(self, what: str, outputs: list[torch.Tensor]):
+        self.what = what
+        self.outputs = outputs
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._finished = False
+        self._lock = threading.Lock()
+        devs = sorted({t.device for t in outputs if t.device.type == "cuda"}, key=str)
+        self._cuda = devs
+        # A failure reaches the future's C++ side (DDP's reducer raises it) through
+        # a callback that raises: torch's Python set_exception alone does not.
+        self._raw = Future(devices=devs) if devs else Future()
+        self.future = self._raw.then(_unwrap)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            self._error = error
+        try:
+            if error is None:
+                for d in self._cuda:  # the copies back from the host stage are done before anyone reads
+                    torch.cuda.current_stream(d).synchronize()
+                self._raw.set_result((None, self.outputs))
+            else:
+                self._raw.set_result((error, None))
+        finally:
+            self._event.set()  # after the future: a Work waited for is completed, its future too
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None) -> None:
+        if not self._event.wait(timeout):
+            raise GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s")
+        if self._error is not None:
+            raise self._error
+
+
+def _unwrap(fut):
+    error, outputs = fut.value()
+    if error is not None:
+        raise error
+    return outputs
+
+
+class Work(dist.Work):
+    """torch's Work for a gradhub collective."""
+
+    def __init__(self, op: _Op, timeout: float):
+        super().__init__()
+        self._op = op
+        self._timeout = timeout
+
+    def wait(self, timeout=None) -> bool:
+        t = self._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            t = timeout.total_seconds()
+        self._op.wait(t)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done()
+
+    def is_success(self) -> bool:
+        return self._op.done() and self._op._error is None
+
+    def exception(self):
+        return self._op._error
+
+    def get_future(self):
+        return self._op.future
+
+    def result(self):
+        return self._op.outputs
+
+    def synchronize(self) -> None:
+        self._op.wait(self._timeout)
+
+
+# A failed job fails the pending operations of every group, and so does the
+# group's timeout: one watchdog thread for the process.
+class _Watchdog:
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def add(self, op: _Op, timeout: float) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (_now() + timeout, next(self._seq), weakref.ref(op), timeout))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gradhub-dist-watchdog", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            pending, err = [], None
+            with self._cv:
+                while self._heap and (self._heap[0][2]() is None or self._heap[0][2]().done()):
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait(1.0)
+                    continue
+                failure = _api.job_failure()
+                deadline, _, ref, timeout = self._heap[0]
+                if failure is not None:
+                    pending = [r() for _, _, r, _ in self._heap]
+                    self._heap.clear()
+                    err = GradhubBackendError(f"gradhub: the job failed: {failure}")
+                elif deadline <= _now():
+                    heapq.heappop(self._heap)
+                    pending = [ref()]
+                    err = GradhubBackendError(f"gradhub: {pending[0].what if pending[0] else 'a collective'} did "
+                                              f"not complete within the group's timeout ({timeout:g} s)")
+                else:
+                    self._cv.wait(min(deadline - _now(), 0.5))
+                    continue
+            for op in pending:
+                if op is not None and not op.done():
+                    op.finish(err)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+_watchdog = _Watchdog()
+
+
+def _failure(what: str, e: BaseException) -> BaseException:
+    if isinstance(e, dist.DistBackendError):
+        return e
+    if isinstance(e, _api.GradhubError):
+        err = GradhubBackendError(f"gradhub: {what} failed: {e}")
+    else:
+        err = GradhubBackendError(f"gradhub: {what} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
+
+
+
+def _all_of(works: list[Work], outputs: list[torch.Tensor], what: str, backend) -> Work:
+    op = backend._op(what, outputs)
+    left = [len(works)]
+    lock = threading.Lock()
+
+    def one(w):
+        if w._op._error is not None:  # (set before its future completes, which calls this)
+            op.finish(w._op._error)
+            return
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        op.finish()
+
+    if not works:
+        op.finish()
+    for w in works:
+        w._op.future.add_done_callback(lambda _f, w=w: one(w))
+    return Work(op, backend._timeout)
+
+
+class _Helper:
+    """One thread per group for collectives of several rounds, run in call order."""
+
+    def __init__(self):
+        import queue
+
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._run, name="gradhub-dist-helper", daemon=True)
+        self._t.start()
+
+    def submit(self, fn) -> None:
+        self._q.put(fn)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            fn()
