@@ -15,7 +15,6 @@ from .. import GradhubError, GradhubTimeoutError
 from ..api import GradhubMismatchError, NotInitializedError
 from ..api import barrier as _barrier
 from ..api import cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size
-from ..api import init as _init
 from ..api import join as _join
 from ..api import start_timeline, stop_timeline
 from .compression import Compression, Compressor
@@ -51,7 +50,6 @@ from .ops import (
     push_pull_async,
     synchronize,
 )
-from .local_stage import setup as _local_stage_setup
 from .exchange import (
     allgather_async,
     alltoall,
@@ -65,26 +63,9 @@ from .exchange import (
     sparse_allreduce_async,
 )
 from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, _reset, _resolve, _setup, add_process_set, global_process_set, remove_process_set
+from .process_sets import ProcessSet, _resolve, add_process_set, global_process_set, remove_process_set
+from .startup import init
 from .sync_batch_norm import SyncBatchNorm
-
-
-def init(*args, process_sets=None, **kwargs):
-    """Join the job (see gradhub.init). `process_sets`: as in Horovod, a list
-    of ProcessSets (or rank lists) to register at once, on every worker, or
-    "dynamic" (accepted; add_process_set always works).
-
-    As Horovod's, a second init() in a running job changes nothing (scripts
-    and wrappers such as Lightning call it more than once): the process sets
-    registered stay, and of `process_sets` only those not registered yet
-    are added."""
-    if is_initialized():
-        _setup(process_sets, only_new=True)
-        return
-    _init(*args, **kwargs)
-    _reset()
-    _setup(process_sets)
-    _local_stage_setup()
 
 
 def join(device: int = -1) -> int:

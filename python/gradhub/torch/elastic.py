@@ -309,7 +309,8 @@ def _reset(cause: BaseException) -> None:
     prev = _api.rank()
     _api.shutdown()
     _api.new_generation()
-    from . import agreement, init, local_stage
+    from . import agreement, local_stage
+    from .startup import init
 
     local_stage.forget()
     agreement.forget_all()

@@ -114,6 +114,23 @@ class _Waiter:
             raise GradhubError(f"{what} with this host's workers failed: {failed[0]}") from failed[0]
 
 
+_cpu_staging = _staging.CpuStaging()
+_cuda_staging = None
+
+
+def _staging_for(t: torch.Tensor):
+    """The copy layer of `t`'s device (staging.py; CUDA's, cuda_staging.py,
+    made on first use)."""
+    global _cuda_staging
+    if t.device.type != "cuda":
+        return _cpu_staging
+    if _cuda_staging is None:
+        from .cuda_staging import CudaStaging
+
+        _cuda_staging = CudaStaging()
+    return _cuda_staging
+
+
 def host_key() -> int:
     """This worker's host identity as the core sees it (GRADHUB_HOST_ID, else
     the host name and network namespace), as a positive int64."""
@@ -183,7 +200,7 @@ class LocalGroup:
     def push_pull_async(self, buf: torch.Tensor, name: str, average: bool, priority: int) -> "Handle":
         flat = buf.view(-1)
         n = flat.numel()
-        st = _staging.for_tensor(buf)
+        st = _staging_for(buf)
         op = _Op(buf, name, st)
         if self.whole_job:
             op.whole = True

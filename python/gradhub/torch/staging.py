@@ -112,19 +112,3 @@ class CpuStaging:
 
     def wait(self, marker) -> None:
         """The caller's work after this waits for `marker`: nothing on CPU."""
-
-
-_cpu = CpuStaging()
-_cuda = None
-
-
-def for_tensor(t: torch.Tensor):
-    """The staging of `t`'s device."""
-    global _cuda
-    if t.device.type != "cuda":
-        return _cpu
-    if _cuda is None:
-        from .cuda_staging import CudaStaging
-
-        _cuda = CudaStaging()
-    return _cuda
