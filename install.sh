@@ -3,7 +3,9 @@
 # run as root on a Debian/Ubuntu machine: openssh-server for the SSH launch
 # test on emulated hosts, Slurm's controller, daemon and client with munge
 # for the srun test), then the package itself with its test and example
-# dependencies (the Rust core built by maturin, numpy, torch, pytest).
+# dependencies (the Rust core built by maturin, numpy, torch, pytest), then
+# the lab (lab/: the measurement harness behind docs/, which the tests
+# import; it depends on gradhub, never the reverse).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -17,3 +19,4 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     fi
 fi
 pip install -e ".[dev]"
+pip install -e lab/

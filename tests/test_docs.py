@@ -1,5 +1,5 @@
 """The docs name only what exists: every repository path docs/*.md and
-README.md name (`src/...`, `python/gradhub/...`, `tests/...`, a module
+README.md name (`src/...`, `python/gradhub/...`, `lab/...`, `tests/...`, a module
 relative to its package like `client/io/flow.rs`, a link, a data file of
 docs/bench/), and every section another document cites as
 (docs/X.md, "Heading"). Pure file reads, no gradhub import."""
@@ -16,7 +16,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "docs" / "bench" / "suite.
 # Where the data files docs/benchmarks.md names by their bare names live.
 DATA_DOCS = {ROOT / "docs" / "benchmarks.md": ROOT / "docs" / "bench", ROOT / "docs" / "bench" / "suite.md": ROOT / "docs" / "bench"}
 
-ROOTS = ("src", "python", "tests", "docs", "examples", "deploy", "benches", "fuzz")
+ROOTS = ("src", "python", "lab", "tests", "docs", "examples", "deploy", "benches", "fuzz")
 # A path rooted in the repository, anywhere in the text (prose, backticks, code).
 ROOTED = re.compile(r"(?<![\w./~-])(?:%s)/[\w.{}*<>,/-]*[\w}*>/]" % "|".join(ROOTS))
 FILE_EXT = r"\.(?:rs|py|pyi|md|json|jsonl|png|toml|sh|sbatch|yaml|dict)"
@@ -36,7 +36,8 @@ def _files() -> list[str]:
     out = []
     for top in ROOTS:
         for d, dirs, files in os.walk(ROOT / top):
-            dirs[:] = [x for x in dirs if x not in ("target", "__pycache__", "node_modules") and not x.startswith(".")]
+            dirs[:] = [x for x in dirs if x not in ("target", "__pycache__", "node_modules") and not x.startswith(".")
+                       and not x.endswith(".egg-info")]
             rel = Path(d).relative_to(ROOT).as_posix()
             out.append(rel + "/")
             out += [f"{rel}/{f}" for f in files]
@@ -48,7 +49,7 @@ FILES = _files()
 # starting with one of them names a module; other folders in backticks
 # (`bench-results/gpu/`) are what a command writes.
 PACKAGES = {f.rstrip("/").rsplit("/", 1)[-1] for f in FILES
-            if f.endswith("/") and f.startswith(("src/", "python/gradhub/"))}
+            if f.endswith("/") and f.startswith(("src/", "python/gradhub/", "lab/gradhub_lab/"))}
 
 
 def _expand(token: str) -> list[str]:

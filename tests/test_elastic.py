@@ -99,7 +99,7 @@ def test_the_elastic_fault_campaign_quick_mode(tmp_path):
 
     out = tmp_path / "faults.json"
     # Two of the four faults (the full campaign, docs/reliability.md, runs all four 25 times each).
-    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "faults", "--elastic", "--quick", "--faults",
+    p = subprocess.run([sys.executable, "-m", "gradhub_lab", "faults", "--elastic", "--quick", "--faults",
                         "kill worker,add worker", "--json", str(out)],
                        env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:]

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from conftest import job_env
-from gradhub.bench.faults import FAULTS
+from gradhub_lab.faults import FAULTS
 
 WORKERS, SERVERS = 4, 3
 PEER_TIMEOUT = "2"
@@ -228,12 +228,12 @@ def test_a_server_cannot_join_a_job_that_started_with_one(cluster_factory):
 
 
 def test_fault_campaign_quick_mode(tmp_path):
-    """`gradhub bench faults --quick`: one job per fault (kill, stop, pause
+    """`gradhub-lab faults --quick`: one job per fault (kill, stop, pause
     of each role, a stalled server, an exception, strangers' connections), each started role
     by role, each with a tensor whose optimizer runs on the servers: no hang, no wrong sum
     or parameter, every outcome the expected one."""
     out = tmp_path / "faults.json"
-    p = subprocess.run([sys.executable, "-m", "gradhub", "bench", "faults", "--quick", "--seed", "0",
+    p = subprocess.run([sys.executable, "-m", "gradhub_lab", "faults", "--quick", "--seed", "0",
                         "--json", str(out)], capture_output=True, text=True, timeout=900, env=job_env())
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(out.read_text())
@@ -253,7 +253,7 @@ def test_fault_campaign_quick_mode(tmp_path):
 
 
 def test_fault_campaign_usage_errors():
-    run = [sys.executable, "-m", "gradhub", "bench", "faults"]
+    run = [sys.executable, "-m", "gradhub_lab", "faults"]
     p = subprocess.run(run + ["--list"], capture_output=True, text=True, timeout=60, env=job_env())
     assert p.returncode == 0 and "kill server" in p.stdout and "expect: continue" in p.stdout
     p = subprocess.run(run + ["--faults", "melt server"], capture_output=True, text=True, timeout=60, env=job_env())

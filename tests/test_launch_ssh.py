@@ -20,7 +20,7 @@ import pytest
 
 import gradhub
 from conftest import WORKERS, job_env
-from gradhub.bench.netns import EmulatedCluster, check_available
+from gradhub_lab.netns import EmulatedCluster, check_available
 
 SSH_PORT = 2222
 

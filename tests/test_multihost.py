@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import WORKERS, job_env
-from gradhub.bench.netns import check_available as netns_available
+from gradhub_lab.netns import check_available as netns_available
 
 SUFFIX = f"{os.getpid() % 100000}"
 BRIDGE = f"ghbr{SUFFIX}"

@@ -1,6 +1,7 @@
 """gradhub simulate / plan (python/gradhub/plan): the simulator against
-closed forms, plan against exhaustive search, the CLI's JSON. Pure Python,
-no cluster: fast."""
+closed forms, plan against exhaustive search, the CLI's JSON; the emulated
+cluster's side of it (the lab's costs and validation, lab/gradhub_lab).
+Pure Python, no cluster: fast."""
 
 import json
 import math
@@ -11,14 +12,15 @@ from dataclasses import replace
 
 import pytest
 
-from gradhub.bench.runner import allreduce_time, byteps_optimum_time, host_link_bytes
 from gradhub.plan.cluster import Cluster, Options
 from gradhub.plan.costs import Costs
 from gradhub.plan import nccl
 from gradhub.plan.ddp import HOROVOD_CYCLE_S, ring_time, simulate_ddp
-from gradhub.plan.profile import SimLayer, SimProfile, builtin, emulated
+from gradhub.plan.profile import SimLayer, SimProfile, builtin
 from gradhub.plan.search import KNOBS, MODEL_ERROR, TIE, Choice, exhaustive, machines, plan, rank, verdict
 from gradhub.plan.sim import Result, simulate_gradhub
+from gradhub.plan.theory import allreduce_time, byteps_optimum_time, host_link_bytes
+from gradhub_lab.rig import EmulatedCosts, emulated
 
 # Free CPU, every byte a payload byte: what the closed forms assume.
 IDEAL = Costs(sum_Bps=1e18, chunk_cpu_s=0.0, tcp_cpu_per_byte=0.0, mem_Bps=1e18, step_Bps=1e18, op_cpu_s=0.0,
@@ -93,15 +95,16 @@ def test_eager_update_and_largest_first_end_the_synchronous_step_sooner():
     # forward order, is last in with P3's priorities, so its update follows the last byte; the eager
     # update with the largest tensors first leaves only small updates after it. In readiness order
     # (fifo, the default) VGG-19's fully-connected layers, first in backward, go first too.
-    p = emulated(builtin("vgg19", 20), Costs())
+    costs = EmulatedCosts()
+    p = emulated(builtin("vgg19", 20), costs)
     c = Cluster(4, 1, 4, False, 1e9, server_threads=2, shared_cores=2)
     o = Options(partition_bytes=256 << 10, fusion_threshold=256 << 10)
-    t = {(s, e): simulate_gradhub(p, c, replace(o, scheduling=s, eager_update=e), Costs()).iter_s
+    t = {(s, e): simulate_gradhub(p, c, replace(o, scheduling=s, eager_update=e), costs).iter_s
          for s in ("priority", "size", "fifo") for e in (False, True)}
     assert t[("size", True)] < t[("priority", True)] < t[("priority", False)], t
     assert t[("size", True)] < 0.97 * t[("size", False)], t
     assert t[("fifo", True)] < 0.97 * t[("fifo", False)] and t[("fifo", True)] < t[("priority", True)], t
-    assert simulate_gradhub(p, c, o, Costs()).iter_s == t[("fifo", True)]  # the default: auto = fifo, eager
+    assert simulate_gradhub(p, c, o, costs).iter_s == t[("fifo", True)]  # the default: auto = fifo, eager
 
 
 def test_vgg19_on_256_workers_simulates_quickly():
@@ -136,8 +139,8 @@ def test_plan_first_choice_is_the_exhaustive_best(model, hosts, w, rate):
     assert set(KNOBS) >= set(SMALL)
 
 
-def _cli(*args):
-    out = subprocess.run([sys.executable, "-m", "gradhub", *args], capture_output=True, text=True, timeout=120)
+def _cli(*args, module="gradhub"):
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -161,14 +164,16 @@ def test_plan_json_and_apply(tmp_path):
 
 
 def test_help_texts():
-    for args, words in [(("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json", "--gpu-link",
-                                         "--transport", "--allreduce"]),
-                        (("plan",), ["--cpu-available", "--gpu-price", "--apply", "--gpu-link", "--transport"]),
-                        (("bench", "validate"), ["--measure", "--cache", "--plots", "--plan-check"]),
-                        (("bench", "calibrate"), ["--out", "--quick", "--emulated"])]:
-        out = _cli(*args, "--help")
+    for module, args, words in [
+            ("gradhub", ("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json", "--gpu-link",
+                                        "--transport", "--allreduce"]),
+            ("gradhub", ("plan",), ["--cpu-available", "--gpu-price", "--apply", "--gpu-link", "--transport"]),
+            ("gradhub", ("bench", "calibrate"), ["--out", "--quick"]),
+            ("gradhub_lab", ("validate",), ["--measure", "--cache", "--plots", "--plan-check"]),
+            ("gradhub_lab", ("calibrate",), ["--out", "--quick", "--emulated"])]:
+        out = _cli(*args, "--help", module=module)
         for w in words:
-            assert w in out, (args, w)
+            assert w in out, (module, args, w)
 
 
 def test_json_profile(tmp_path):
@@ -224,7 +229,7 @@ def test_shared_cores_stretch_backward_by_the_workers_python():
 
 @pytest.mark.parametrize("n,k", [(4, 0), (4, 4), (2, 0), (3, 3)])
 def test_emulated_path_cpu_is_crossing_bytes_times_its_cost_on_the_shared_cores(n, k):
-    """The emulated network path's CPU (`gradhub bench calibrate --emulated`)
+    """The emulated network path's CPU (`gradhub-lab calibrate --emulated`)
     is charged per byte and per message crossing between emulated hosts. A
     push_pull of M bytes crosses 2(n-1)M when colocated servers own every
     chunk (a host's own share goes through loopback) and 2nM when CPU-only
@@ -260,10 +265,10 @@ def test_emulated_path_cpu_in_the_ring():
 
 
 def test_emulated_path_fit_recovers_per_message_and_per_byte():
-    """`gradhub bench calibrate --emulated` fits CPU = messages x per message
+    """`gradhub-lab calibrate --emulated` fits CPU = messages x per message
     + bytes x per byte from echo runs at two sizes (each message crosses the
     path twice: there and back)."""
-    from gradhub.plan.netcal import SIZES, _fit
+    from gradhub_lab.netcal import SIZES, _fit
 
     per_msg, per_byte, msgs = 7e-6, 1.5e-9, 1000
     points = {s: (2 * msgs * (per_msg + s * per_byte), msgs) for s in SIZES}
@@ -274,7 +279,7 @@ def test_emulated_path_fit_recovers_per_message_and_per_byte():
 def test_cached_runs_are_predicted_with_the_defaults_they_ran():
     # Records from before the eager update, from when it ran with the largest tensors first, and the
     # later ones (they name the scheduling in force): each predicted as it ran.
-    from gradhub.plan.validate import ran_with
+    from gradhub_lab.validate import ran_with
 
     assert ran_with({"samples_per_s": 1.0}) == {"eager_update": False, "scheduling": "priority"}
     assert ran_with({"eager_update": True}) == {"eager_update": True, "scheduling": "size"}
@@ -318,10 +323,10 @@ def test_the_caller_sends_what_the_windows_admit_and_backward_waits_for_it():
 
 def test_the_callers_sends_carry_the_path_as_far_as_the_token_bucket_lets_them():
     """The emulated network path's CPU of a chunk the main thread sends is
-    its own while the uplink's token bucket (bench/netns.py: ~4 ms at line
+    its own while the uplink's token bucket (gradhub_lab/netns.py: ~4 ms at line
     rate, at least 64 KiB) lets it through; beyond it, the chunk waits in
     the shaper and the path's CPU is spent later, off that thread."""
-    from gradhub.bench.netns import tbf_burst
+    from gradhub.plan.theory import tbf_burst
 
     n, cores, part = 4, 2, 64 * 1024
     prof = SimProfile("one", 1, [SimLayer("t", [64 * part], 1e-3, 2e-3)])
@@ -336,7 +341,7 @@ def test_the_callers_sends_carry_the_path_as_far_as_the_token_bucket_lets_them()
 
 
 def test_the_main_thread_calibration_takes_its_own_sends_out():
-    from gradhub.plan.netcal import per_push_pull
+    from gradhub_lab.netcal import per_push_pull
 
     # 26 ms more per iteration, 4 ms of it the thread's own sends, 88 push_pulls: 250 us each.
     assert per_push_pull(26e-3, 4e-3, 88, 68e-6) == pytest.approx(250e-6)

@@ -251,9 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("plan", help="search servers, layout and options for a cluster with the simulator",
                    add_help=False)
-    sub.add_parser("bench", help="benchmarks: the data plane on loopback (bench core), PyTorch options "
-                   "(bench torch-options) and the emulated-cluster suite (see `gradhub bench --help`)",
-                   add_help=False)
+    sub.add_parser("bench", help="benchmarks for your machines: the data plane on loopback (bench core), many "
+                   "small tensors, this machine's costs for simulate (bench calibrate), the GPU check (see "
+                   "`gradhub bench --help`)", add_help=False)
     return p
 
 

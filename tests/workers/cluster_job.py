@@ -1,4 +1,4 @@
-"""Run by `gradhub bench cluster` on every emulated worker host: checks the
+"""Run by `gradhub-lab cluster` on every emulated worker host: checks the
 host's own address, a gradhub push_pull (when servers run) and a gloo
 all_reduce through the torch.distributed variables the command sets."""
 

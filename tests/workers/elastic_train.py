@@ -1,6 +1,6 @@
 """Worker of an elastic job (GRADHUB_MIN_WORKERS, on a shared service):
 train with hvd.elastic.run and commit every step (the loop of
-gradhub.bench.elastic_loop, shared with the elastic fault campaign); the
+gradhub_lab.elastic_loop, shared with the elastic fault campaign); the
 worker started with GH_VICTIM=1 (or launched as rank `victim`) dies
 mid-step at step `lose_at`. The survivors roll back to that step's commit,
 form the next generation (new ranks and size), and finish with the
@@ -21,7 +21,7 @@ import torch
 
 import gradhub.torch as hvd
 from common import CONFIG
-from gradhub.bench.elastic_loop import Problem, train
+from gradhub_lab.elastic_loop import Problem, train
 
 steps, lose_at = CONFIG.get("steps", 12), CONFIG.get("lose_at", 5)
 # The victim: started with GH_VICTIM=1, or (under `gradhub launch`) the

@@ -1,3 +1,4 @@
-"""The benchmark suite: an emulated cluster on one machine (network namespaces,
-veth, tc), emulated training with real model profiles, and push_pull goodput
-against the BytePS optimum. Entry point: `gradhub bench ...`."""
+"""gradhub's benchmarks for your own machines (`gradhub bench ...`): the data
+plane on loopback, many small tensors, this machine's costs for the
+simulator, the GPU check, timeline pictures. The emulated-cluster harness
+behind docs/ is the lab (lab/ in the source checkout, `gradhub-lab`)."""

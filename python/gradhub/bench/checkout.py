@@ -1,6 +1,6 @@
-"""Developer benchmarks that need the source checkout (`gradhub bench core`,
-`gradhub bench torch-options`): where it is, and the compiled raw-TCP
-baseline (examples/tcp_baseline.rs), built with cargo on first use."""
+"""What needs the source checkout (`gradhub bench core`'s raw-TCP baseline,
+the lab's `torch-options`): where it is, and the compiled raw-TCP baseline
+(examples/tcp_baseline.rs), built with cargo on first use."""
 
 from __future__ import annotations
 

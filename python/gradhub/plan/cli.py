@@ -1,6 +1,5 @@
-"""Command lines of `gradhub simulate`, `gradhub plan` and `gradhub bench
-calibrate` (argparse, output formatting); `gradhub bench validate`'s are in
-validate.py."""
+"""Command lines of `gradhub simulate` and `gradhub plan` (argparse, output
+formatting)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from .._argtypes import Parser, count, output_file
 from .cluster import Cluster, Options, Prices, rate
-from .costs import DEFAULT_FILE, Costs, calibrate, describe
+from .costs import DEFAULT_FILE, Costs
 from .ddp import simulate_ddp
 from .profile import load
 from .sim import byteps_optimum, simulate_gradhub
@@ -69,14 +68,13 @@ def _gpu_link(text: str) -> str:
 
 
 def _model_args(p) -> None:
-    from ..bench.profiles import PROFILES
-
+    from .models import PROFILES
     from .profile import EXTRA
 
     p.add_argument("--model", default="vgg19", choices=sorted([*PROFILES, *EXTRA]),
-                   help="a built-in profile, as `gradhub bench train` (default vgg19)")
+                   help="a built-in model (default vgg19)")
     p.add_argument("--scale", type=count(0, float, above=True), default=1.0,
-                   help="divide every byte count by this, as `gradhub bench train --scale` (default 1: the real model)")
+                   help="divide every byte count by this, as the lab's emulated runs do (default 1: the real model)")
     p.add_argument("--profile", metavar="FILE.json",
                    help='a profile file: {"batch": 32, "layers": [{"name", "params", "dtype", "forward_ms", '
                         '"backward_ms"}, ...]} in forward order')
@@ -178,7 +176,7 @@ def _simulate(args) -> int:
     gh = simulate_gradhub(prof, c, o, costs)
     from .ddp import BUCKET_CAP
 
-    # torch DDP's 25 MiB buckets; the emulated cluster's runs use 25 MB (both / scale, as the bench runs them).
+    # torch DDP's 25 MiB buckets; the emulated cluster's runs use 25 MB (both / scale, as the lab runs them).
     ddp = simulate_ddp(prof, replace(c, cpu_servers=0), costs, (BUCKET_CAP if c.backend == "nccl" else 25e6) / args.scale)
     opt = byteps_optimum(prof, c)
     out = {"model": prof.name, "cluster": c.describe(), "workers": c.workers,
@@ -250,37 +248,3 @@ def main(argv: list[str]) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"gradhub {args.cmd}: {e}", file=sys.stderr)
         return 2
-
-
-def add_calibrate_arguments(p) -> None:
-    p.add_argument("--out", default=str(DEFAULT_FILE), help=f"where to write the costs (default {DEFAULT_FILE})")
-    p.add_argument("--quick", action="store_true", help="smaller microbenchmarks (a few seconds)")
-    p.add_argument("--emulated", action="store_true",
-                   help="measure only the emulated cluster's costs: the network path's CPU (veth, bridge, tc; per "
-                        "byte and per message beyond loopback) and a worker's main-thread CPU per push_pull there "
-                        "(an emulated training run of a model outside the validation set), what `--shared-cores` "
-                        "charges; update those in --out, keeping the others (root, network namespaces, about 3 "
-                        "min; hold /work/bench.lock or equivalent while others measure)")
-
-
-def run_calibrate(args) -> int:
-    out = Path(args.out)
-    old = Costs.load(out) if out.exists() else Costs()
-    if args.emulated:
-        from .netcal import main_thread, measure
-
-        print("emulated network path, CPU beyond loopback TCP's:")
-        m = measure(seconds=1.5 if args.quick else 3.0)
-        c = replace(old, path_cpu_per_byte=m["path_cpu_per_byte"], path_cpu_per_msg_s=m["path_cpu_per_msg_s"],
-                    source=f"{old.source.split('; ')[0]}; {m['path_source']}")
-        print("a worker's main thread per push_pull, every host's threads on the shared cores:")
-        c = replace(c, emu_op_cpu_s=main_thread(c, iters=15 if args.quick else 30,
-                                                trials=1 if args.quick else 3)["emu_op_cpu_s"])
-    else:   # the microbenchmarks; the emulated path's costs stay as calibrated
-        c = replace(calibrate(args.quick), path_cpu_per_byte=old.path_cpu_per_byte,
-                    path_cpu_per_msg_s=old.path_cpu_per_msg_s, emu_op_cpu_s=old.emu_op_cpu_s)
-        if "; " in old.source:
-            c = replace(c, source=f"{c.source}; {old.source.split('; ', 1)[1]}")
-    c.save(out)
-    print(f"{describe(c)}\nwrote {args.out}")
-    return 0

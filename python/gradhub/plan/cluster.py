@@ -7,9 +7,8 @@ two-level racks), with gradhub's defaults (src/settings.rs, src/lib.rs)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
-
-from ..bench.netns import parse_rate
 
 KIB = 1024
 
@@ -98,7 +97,7 @@ class Options:
         return 4 * 512 * KIB if uneven else float("inf")
 
     def scaled(self, scale: float) -> "Options":
-        """What `gradhub bench train --scale S` runs: partition and fusion
+        """What the lab's emulated runs at `--scale S` use: partition and fusion
         divided like every byte count (credit and spread are not)."""
         return replace(self, partition_bytes=max(4096, int(self.partition_bytes / scale)),
                        fusion_threshold=max(1024, int(self.fusion_threshold / scale)))
@@ -120,6 +119,15 @@ class Options:
             if v != getattr(d, f):
                 out[var] = fmt(v)
         return out
+
+
+def parse_rate(rate: str) -> int:
+    """'1gbit', '500mbit', '10Gbit', '100kbit' -> bits per second."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", rate.lower())
+    if not m:
+        raise ValueError(f"invalid rate {rate!r} (examples: 1gbit, 500mbit)")
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    return int(float(m.group(1)) * mult)
 
 
 def rate(text: str) -> float:

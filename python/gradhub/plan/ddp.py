@@ -6,7 +6,7 @@ cluster runs; `Cluster.backend`).
 
 Buckets as DDP builds them: parameters in reverse order, the first bucket
 capped at 1 MiB (torch's `_DEFAULT_FIRST_BUCKET_BYTES`), the others at
-`bucket_cap` (25 MiB; `gradhub bench train` runs 25 MB divided by the scale). A
+`bucket_cap` (25 MiB; the lab's `gradhub-lab train` runs 25 MB divided by the scale). A
 bucket is all-reduced once backward has produced all its gradients, one
 bucket at a time, in order. Over gloo, a ring over N = hosts x GPUs
 processes, ranked host by host, moves 2(N-1)/N of a bucket through each host link each way,
@@ -28,7 +28,7 @@ from .sim import Result
 
 FIRST_BUCKET = 1 << 20
 # torch DDP's bucket_cap_mb=25, in bytes (int(25 * 1024 * 1024)). The emulated
-# cluster's runs (`gradhub bench train`) pass 25e6 / scale themselves.
+# cluster's runs (`gradhub-lab train`) pass 25e6 / scale themselves.
 BUCKET_CAP = 25 * 1024 * 1024
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..bench import profiles as bp
+from . import models as bp
 from .cluster import Cluster, Options
 from .costs import Costs
 from .ddp import simulate_ddp
@@ -43,7 +43,7 @@ TOLERANCE = 0.15
 
 
 def _sim_profile(p: bp.Profile, time_s: float, name: str) -> SimProfile:
-    """A bench profile with its compute set to time_s per batch (split by FLOPs, backward 2x forward)."""
+    """A built-in model (models.py) with its compute set to time_s per batch (split by FLOPs, backward 2x forward)."""
     p = bp.Profile(p.name, p.batch, time_s, p.layers, p.source)
     layers = [SimLayer(l.name, [4 * n for n in l.params], f, b) for l, (f, b) in zip(p.layers, p.compute_times())]
     return SimProfile(name, p.batch, layers, p.source)
@@ -62,7 +62,7 @@ def v100_profiles() -> dict[str, SimProfile]:
                                                        512, "M", 512, 512, 512, "M"], 96), "")
     bert = _bert_large()
     tokens = 8192
-    bert = bp._transformer("bert_large", 30522, 512, 24, 1024, 4096, tokens,
+    bert = bp.transformer("bert_large", 30522, 512, 24, 1024, 4096, tokens,
                            6 * bert.num_params * tokens / TRANSFORMER_FLOP_S, "", True)
     return {
         "resnet50": _sim_profile(r50, 256 / V100_RESNET50_IMG_S, "ResNet-50 (TF, 256 images/GPU)"),

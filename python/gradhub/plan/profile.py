@@ -1,10 +1,9 @@
 """Model profiles for the simulator: per layer (forward order) the gradient
 tensors' bytes and the forward and backward compute times.
 
-Three sources: the built-in profiles of `gradhub bench train`
-(`gradhub.bench.profiles`, byte counts divided by `scale` exactly as the
-emulated model divides them), a JSON file, or a PyTorch model timed on this
-machine (`module:factory`)."""
+Three sources: the built-in models (models.py, byte counts divided by
+`scale` exactly as the lab's emulated model divides them), a JSON file, or
+a PyTorch model timed on this machine (`module:factory`)."""
 
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ class SimProfile:
 def _vgg16():
     """VGG-16 (138,357,544 parameters); time per batch of 32 from VGG-19's
     (PHub Table 3) by FLOP ratio (15.5 / 19.6 GFLOPs)."""
-    from ..bench.profiles import Profile, vgg_layers
+    from .models import Profile, vgg_layers
 
     cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
     return Profile("vgg16", 32, 0.268 * 15.5 / 19.6, vgg_layers(cfg, 32), "PHub Table 3 (VGG-19) by FLOP ratio")
@@ -68,64 +67,28 @@ def _bert_large():
     """BERT-large (24 layers, 1024 wide, with pooler: 335,141,888 parameters),
     32 x 128 tokens; time by the estimate BERT-base uses (6 x params x tokens
     FLOPs at 25 TFLOP/s): 330 ms."""
-    from ..bench.profiles import _transformer
+    from .models import transformer
 
-    return _transformer("bert_large", 30522, 512, 24, 1024, 4096, 32 * 128, 0.330, "estimate (6 N T at 25 TFLOP/s)",
+    return transformer("bert_large", 30522, 512, 24, 1024, 4096, 32 * 128, 0.330, "estimate (6 N T at 25 TFLOP/s)",
                         True)
 
 
-# Profiles only the planner has (the scaling plots), beside `gradhub bench train`'s.
+# Profiles only the planner has (the scaling plots), beside models.py's.
 EXTRA = {"vgg16": _vgg16, "bert_large": _bert_large}
 
 
 def builtin(name: str, scale: float = 1.0) -> SimProfile:
-    """A `gradhub bench train` profile (or one of EXTRA): tensors of
-    ceil(n / scale) float32 elements (at least one), as
-    `gradhub.bench.emulate` builds them."""
-    from ..bench import profiles
+    """A built-in model (models.py, or one of EXTRA): tensors of
+    ceil(n / scale) float32 elements (at least one), as the lab's emulated
+    model builds them."""
+    from . import models
 
     if not (isinstance(scale, (int, float)) and 0 < scale < math.inf):
         raise ValueError(f"scale {scale!r}: expected a number more than 0")
-    p = EXTRA[name]() if name in EXTRA else profiles.get(name)
+    p = EXTRA[name]() if name in EXTRA else models.get(name)
     layers = [SimLayer(l.name, [4 * max(1, math.ceil(n / scale)) for n in l.params], f, b)
               for l, (f, b) in zip(p.layers, p.compute_times())]
     return SimProfile(p.name, p.batch, layers, f"{p.source}, bytes / {scale:g}")
-
-
-def emulated(p: SimProfile, costs) -> SimProfile:
-    """The compute `gradhub bench train`'s emulated model really spends on
-    this profile: its clock (bench/emulate.py `_Clock`) replayed layer by
-    layer, forward then backward, with the calibrated CPU per layer and
-    gradient bytes (torch.full, a memory pass) and the calibrated lateness
-    of each sleep it takes (a sleep is taken once the clock is 0.2 ms
-    ahead; lateness resets the clock, so it adds up)."""
-    t, deadline = 0.0, None
-    times: list[list[float]] = [[0.0, 0.0] for _ in p.layers]
-    cpus: list[list[float]] = [[0.0, 0.0] for _ in p.layers]
-
-    def spend(s: float, cpu: float) -> float:
-        nonlocal t, deadline
-        start = t
-        t += cpu
-        if deadline is None or deadline < t:
-            deadline = t
-        deadline += s
-        if deadline - t > 2e-4:
-            t = deadline + costs.sleep_overshoot_s
-        return t - start
-
-    n = len(p.layers)
-    for i, l in enumerate(p.layers):
-        cpus[i][0] = costs.layer_cpu_s / 2
-        times[i][0] = spend(l.forward_s, cpus[i][0])
-    for i in range(n - 1, -1, -1):
-        l = p.layers[i]
-        cpus[i][1] = costs.layer_cpu_s / 2 + sum(l.tensors) / costs.mem_Bps
-        times[i][1] = spend(l.backward_s, cpus[i][1])
-    # What the last sleep still owes is paid by the next iteration's first.
-    layers = [SimLayer(l.name, l.tensors, f, b, min(f, fc), min(b, bc))
-              for l, (f, b), (fc, bc) in zip(p.layers, times, cpus)]
-    return SimProfile(p.name, p.batch, layers, p.source + ", as the emulated model runs it")
 
 
 def from_json(path: str) -> SimProfile:

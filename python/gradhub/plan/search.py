@@ -293,7 +293,7 @@ def env_file(ch: Choice) -> str:
     lines = [f"# gradhub plan: {c.describe()}; predicted {ch.result.samples_per_s:.1f} samples/s "
              f"(busiest: {ch.result.bottleneck})",
              f"# layout: {c.cpu_servers} CPU-only server machine(s)"
-             + ("" if c.colocated else "; no server on the GPU machines (gradhub bench cluster --no-colocated)"),
+             + ("" if c.colocated else "; no server on the GPU machines"),
              f"GRADHUB_NUM_SERVERS={c.num_servers}"]
     lines += [f"{k}={v}" for k, v in sorted(ch.options.env().items())]
     return "\n".join(lines) + "\n"

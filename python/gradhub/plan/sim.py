@@ -44,13 +44,12 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
-from ..bench.netns import tbf_burst
-from ..bench.runner import byteps_optimum_time, host_link_bytes
 from . import nccl
 from .cluster import Cluster, Options
 from .costs import Costs
 from .engine import Engine, Resource
 from .profile import SimProfile
+from .theory import byteps_optimum_time, host_link_bytes, tbf_burst
 
 
 @dataclass

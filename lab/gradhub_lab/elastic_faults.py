@@ -1,4 +1,4 @@
-"""`gradhub bench faults --elastic`: the elastic fault campaign.
+"""`gradhub-lab faults --elastic`: the elastic fault campaign.
 
 Runs many short elastic jobs (GRADHUB_MIN_WORKERS) on one shared service
 on loopback (`gradhub scheduler --service` and two `gradhub server
@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._ports import free_port
+from gradhub._ports import free_port
+
 from .faults import select_faults, write_results
 
 GRADHUB = [sys.executable, "-m", "gradhub"]
@@ -159,7 +160,7 @@ def run_trial(svc: Service, fault: Fault, seed: int, steps: int, sleep: float, p
     procs: dict[str, subprocess.Popen] = {}
 
     def spawn(name: str) -> None:
-        procs[name] = subprocess.Popen([sys.executable, "-c", "from gradhub.bench.elastic_faults import worker; "
+        procs[name] = subprocess.Popen([sys.executable, "-c", "from gradhub_lab.elastic_faults import worker; "
                                         "worker()"], env=env, stdout=open(tdir / f"{name}.log", "wb"),
                                        stderr=subprocess.STDOUT)
 
@@ -231,7 +232,7 @@ def summarize(results: list[dict]) -> dict:
 
 
 def run(args) -> int:
-    faults = select_faults(FAULTS, args, "gradhub bench faults --elastic")
+    faults = select_faults(FAULTS, args, "gradhub-lab faults --elastic")
     if isinstance(faults, int):
         return faults
     trials = len(faults) if args.quick else args.trials

@@ -1,4 +1,4 @@
-"""`gradhub bench tenancy`: many jobs on one shared service, on the emulated
+"""`gradhub-lab tenancy`: many jobs on one shared service, on the emulated
 cluster (one network namespace per host, every host's link shaped).
 
 One service (`gradhub scheduler --service` on its own host) and S server
@@ -138,7 +138,7 @@ def main(args) -> int:
 
     counts = [int(x) for x in args.jobs.split(",") if x.strip()]
     if not counts or min(counts) < 1:
-        print("gradhub bench tenancy: --jobs needs positive counts", file=sys.stderr)
+        print("gradhub-lab tenancy: --jobs needs positive counts", file=sys.stderr)
         return 2
     names = [f"s{i}" for i in range(args.servers)]
     names += [f"j{j}w{r}" for j in range(max(counts)) for r in range(args.workers_per_job)]

@@ -1,4 +1,4 @@
-"""`gradhub bench torch-options`: throughput of examples/synthetic_benchmark.py
+"""`gradhub-lab torch-options`: throughput of examples/synthetic_benchmark.py
 under each DistributedOptimizer scheduling option, same machine, same run
 (a `gradhub launch` job per option; needs the source checkout)."""
 
@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from .checkout import checkout_root
+from gradhub.bench.checkout import checkout_root
 
 # Environment switches, as an unchanged Horovod script would get them.
 # With 2+ servers, GRADHUB_FAILOVER=0 shows what replicating the server

@@ -1,11 +1,11 @@
-"""`gradhub bench validate --plan-check`: `gradhub plan` against exhaustive
+"""`gradhub-lab validate --plan-check`: `gradhub plan` against exhaustive
 emulation on small cases.
 
 For each case, plan ranks its candidates (the layouts and host-stage
 settings it searches there, at gradhub's defaults scaled like every byte
 count) with the simulator on this machine's shared cores; then every
-candidate is measured on the emulated cluster with `gradhub bench train`
-(the runner the validation table uses). Plan's first choice must be the
+candidate is measured on the emulated cluster with `training.train` (the
+runner the validation table uses). Plan's first choice must be the
 fastest measured. Each case is chosen so plan's own predictions for its
 first and second choice are at least MIN_GAP apart, so run-to-run noise
 cannot swap them; the check says so when a case is ill-chosen."""
@@ -13,9 +13,15 @@ cannot swap them; the check says so when a case is ill-chosen."""
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from gradhub.plan.cluster import Cluster, Options, rate
+from gradhub.plan.profile import builtin
+from gradhub.plan.search import plan
+
+from .rig import EmulatedCosts, emulated
+from .training import TrainSpec, train
 
 MIN_GAP = 0.15
 
@@ -39,12 +45,8 @@ CASES = [
 ]
 
 
-def ranked(case: Case, costs, cores: int):
+def ranked(case: Case, costs: EmulatedCosts, cores: int):
     """Plan's choices for the case, best first (every candidate: top = all)."""
-    from .cluster import Cluster, Options, rate
-    from .profile import builtin, emulated
-    from .search import plan
-
     prof = emulated(builtin(case.model, case.scale), costs)
     base = Cluster(case.hosts, case.workers_per_host, 0, True, rate(case.rate), shared_cores=cores)
     cands = [replace(base, cpu_servers=k) for k in case.cpu_servers]
@@ -61,21 +63,14 @@ def label(ch) -> str:
 
 def measure(case: Case, ch, iters: int, warmup: int) -> float:
     """Samples/s of one candidate on the emulated cluster."""
-    from ..bench.cli import main as bench_main
-    from .validate import train_argv
-
     c = ch.cluster
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "run.jsonl"
-        argv = train_argv(case.model, case.scale, case.hosts, c.cpu_servers, case.rate, ["gradhub"], iters, warmup,
-                          out)
-        argv += ["--workers-per-host", str(c.workers_per_host),
-                 "--host-reduce", "on" if ch.options.host_reduce else "off"]
-        if not c.colocated:
-            argv.append("--no-colocated")
-        if bench_main(argv) != 0:
-            raise RuntimeError(f"gradhub bench train {' '.join(argv[1:])} failed")
-        return json.loads(out.read_text().splitlines()[-1])["samples_per_s"]
+    spec = TrainSpec(model=case.model, scale=case.scale, workers=case.hosts, workers_per_host=c.workers_per_host,
+                     cpu_servers=c.cpu_servers, no_colocated=not c.colocated, rate=case.rate, systems=("gradhub",),
+                     iters=iters, warmup=warmup, host_reduce="on" if ch.options.host_reduce else "off")
+    rc, records = train(spec)
+    if rc != 0 or not records:
+        raise RuntimeError(f"the emulated run of {case.question}, {label(ch)} failed")
+    return records[-1]["samples_per_s"]
 
 
 def check(case: Case, costs, cores: int, iters: int = 4, warmup: int = 1) -> dict:
@@ -103,7 +98,7 @@ def markdown(results: list[dict]) -> str:
 
 
 def run(costs, cores: int, iters: int, warmup: int, json_path: str | None = None) -> int:
-    """`gradhub bench validate --plan-check`: 0 when plan's first choice is the fastest measured in every case."""
+    """`gradhub-lab validate --plan-check`: 0 when plan's first choice is the fastest measured in every case."""
     results = [check(c, costs, cores, iters, warmup) for c in CASES]
     print(markdown(results))
     ok = True

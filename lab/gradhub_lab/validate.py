@@ -1,7 +1,7 @@
-"""`gradhub bench validate`: the simulator against the emulated cluster.
+"""`gradhub-lab validate`: the simulator against the emulated cluster.
 
 Owns the validation set (models x rates x k x worker hosts), running the
-missing measurements with `gradhub bench train` (one JSON record per run,
+missing measurements with `training.train` (one JSON record per run,
 cached as JSON lines so a table can be re-printed without re-measuring), and
 the predicted-vs-measured table, and beside it the machine's CPU per
 iteration against the model's (so the CPU model is checked, not only the
@@ -15,6 +15,14 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from gradhub.plan.cluster import Cluster, Options, rate
+from gradhub.plan.ddp import simulate_ddp
+from gradhub.plan.profile import SimProfile, builtin
+from gradhub.plan.sim import simulate_gradhub
+
+from .rig import EmulatedCosts, emulated
+from .training import TrainSpec, train
 
 DEFAULT_CACHE = Path("docs/bench/plan/validate.jsonl")
 
@@ -69,20 +77,17 @@ def load_cache(path: Path) -> dict[tuple, dict]:
     return out
 
 
-def train_argv(model: str, scale: float, workers: int, k: int, rate: str, systems: list[str], iters: int,
-               warmup: int, out: Path, trials: int = 1) -> list[str]:
-    """`gradhub bench train`'s arguments for one measured run (appended to `out` as JSON lines)."""
-    return ["train", "--model", model, "--workers", str(workers), "--cpu-servers", str(k), "--rate", rate,
-            "--scale", f"{scale:g}", "--systems", ",".join(systems), "--iters", str(iters), "--warmup", str(warmup),
-            "--trials", str(trials), "--json", str(out)]
+def train_spec(model: str, scale: float, workers: int, k: int, rate: str, systems: list[str], iters: int,
+               warmup: int, out: Path | None = None, trials: int = 1) -> TrainSpec:
+    """`training.train`'s spec for one measured run (its records appended to `out` as JSON lines)."""
+    return TrainSpec(model=model, workers=workers, cpu_servers=k, rate=rate, scale=scale, systems=tuple(systems),
+                     iters=iters, warmup=warmup, trials=trials, json_out=str(out) if out else None)
 
 
 def measure(configs: list[Config], cache: Path, iters: int = 20, warmup: int = 3, trials: int = 1) -> int:
-    """Run `gradhub bench train` for every configuration (and system) the
-    cache lacks, the median of `trials` interleaved trials; each run appends
-    its records to the cache. Returns the number of failed runs."""
-    from ..bench.cli import main as bench_main
-
+    """Run `training.train` for every configuration (and system) the cache
+    lacks, the median of `trials` interleaved trials; each run appends its
+    records to the cache. Returns the number of failed runs."""
     cache.parent.mkdir(parents=True, exist_ok=True)
     failed = 0
     for c in configs:
@@ -91,11 +96,11 @@ def measure(configs: list[Config], cache: Path, iters: int = 20, warmup: int = 3
         if not systems:
             continue
         print(f"== measuring {c.label}: {', '.join(systems)}", flush=True)
-        argv = train_argv(c.model, c.scale, c.workers, c.k, c.rate, systems, iters, warmup, cache, trials)
+        spec = train_spec(c.model, c.scale, c.workers, c.k, c.rate, systems, iters, warmup, cache, trials)
         try:
-            rc = bench_main(argv)
+            rc, _ = train(spec)
         except Exception as e:  # one broken run must not lose the rest of the batch
-            print(f"gradhub bench validate: {c.label} failed: {e}", file=sys.stderr, flush=True)
+            print(f"gradhub-lab validate: {c.label} failed: {e}", file=sys.stderr, flush=True)
             rc = 1
         failed += rc != 0
     return failed
@@ -113,19 +118,12 @@ def ran_with(rec: dict) -> dict:
 
 def simulate_config(c: Config, costs, cores: int, ran: dict | None = None, nosync_s: float | None = None):
     """The simulator's gradhub Result for a configuration as `predict` runs it."""
-    from .sim import simulate_gradhub
-
-    prof, cl, opt = _inputs(c, costs, cores, ran, nosync_s)
+    prof, cl, opt = inputs(c, costs, cores, ran, nosync_s)
     return simulate_gradhub(prof, cl, opt, costs)
 
 
-def _inputs(c: Config, costs, cores: int, ran: dict | None, nosync_s: float | None):
+def inputs(c: Config, costs: EmulatedCosts, cores: int, ran: dict | None, nosync_s: float | None):
     """(profile, cluster, options) of a configuration, see `predict`."""
-    from dataclasses import replace as _replace
-
-    from .cluster import Cluster, Options, rate
-    from .profile import SimProfile, builtin, emulated
-
     prof = emulated(builtin(c.model, c.scale), costs)
     if nosync_s:
         spread = max(1.0, c.workers / cores) if cores else 1.0
@@ -133,7 +131,7 @@ def _inputs(c: Config, costs, cores: int, ran: dict | None, nosync_s: float | No
         total = sum(lay.forward_s + lay.backward_s for lay in prof.layers)
         f = max(0.1, (nosync_s - step_s) / total)
         prof = SimProfile(prof.name, prof.batch,
-                          [_replace(lay, forward_s=lay.forward_s * f, backward_s=lay.backward_s * f)
+                          [replace(lay, forward_s=lay.forward_s * f, backward_s=lay.backward_s * f)
                            for lay in prof.layers], prof.source + ", compute as measured without synchronization")
     cl = Cluster(c.workers, 1, c.k, True, rate(c.rate), shared_cores=cores)
     opt = replace(Options(), **(ran or {}))
@@ -143,24 +141,20 @@ def _inputs(c: Config, costs, cores: int, ran: dict | None, nosync_s: float | No
 def predict(c: Config, costs, cores: int, ran: dict | None = None,
             nosync_s: float | None = None) -> tuple[float, float, float, float]:
     """(gradhub, DDP) samples/s the simulator predicts for a configuration,
-    as `gradhub bench train` runs it (every byte count / scale, this
+    as `training.train` runs it (every byte count / scale, this
     machine's cores shared by every emulated host; `ran`: Options fields
     the measured run had, `ran_with`, else today's defaults), the
     core-seconds per gradhub iteration it charges the machine and the CPU
     seconds per iteration it charges a worker's main thread for gradhub.
 
     `nosync_s`: the emulated model's iteration measured without any
-    synchronization, every worker computing at once (`gradhub bench train
+    synchronization, every worker computing at once (`gradhub-lab train
     --systems none`): the profile's compute is then what the emulated
     model takes on this machine with that many workers (the profile as
     measured, which a real model's would be too), not its idle
     calibration's replay (`profile.emulated`): each layer's time scaled so
     that forward, backward and the local step add up to it."""
-    from .cluster import Cluster, rate
-    from .ddp import simulate_ddp
-    from .sim import simulate_gradhub
-
-    prof, cl, opt = _inputs(c, costs, cores, ran, nosync_s)
+    prof, cl, opt = inputs(c, costs, cores, ran, nosync_s)
     gh = simulate_gradhub(prof, cl, opt, costs)
     ddp = simulate_ddp(prof, Cluster(c.workers, 1, 0, False, rate(c.rate), shared_cores=cores), costs, 25e6 / c.scale)
     return gh.samples_per_s, ddp.samples_per_s, gh.machine_cpu_s, gh.main_sync_cpu_s
@@ -218,10 +212,8 @@ def cpu_table(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    """`gradhub bench validate`."""
-    from .costs import Costs
-
-    costs = Costs.load(args.costs)
+    """`gradhub-lab validate`."""
+    costs = EmulatedCosts.load(args.costs)
     if args.plan_check:
         from .check import run as plan_check
 
@@ -231,7 +223,7 @@ def run(args) -> int:
     if args.measure:
         failed = measure(configs, cache, args.iters, args.warmup, args.trials)
         if failed:
-            print(f"gradhub bench validate: {failed} run(s) failed", file=sys.stderr)
+            print(f"gradhub-lab validate: {failed} run(s) failed", file=sys.stderr)
     if args.plots:
         from .plots import write
 
@@ -239,7 +231,7 @@ def run(args) -> int:
             print(f"wrote {path}")
     rows, md = table(configs, cache, costs, args.cores or costs.machine_cores, not args.idle_compute)
     if not rows:
-        print(f"gradhub bench validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
+        print(f"gradhub-lab validate: no measurements in {cache} (run with --measure)", file=sys.stderr)
         return 1
     print(md)
     print("\nCPU per gradhub iteration, the whole machine:\n" + cpu_table(rows))

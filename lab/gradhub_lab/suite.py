@@ -1,4 +1,4 @@
-"""`gradhub bench suite`: every experiment behind docs/bench/suite.md, then
+"""`gradhub-lab suite`: every experiment behind docs/bench/suite.md, then
 `report` to regenerate its tables from the JSON.
 
 The experiment list is fixed (that is what makes the document reproducible);
@@ -112,7 +112,7 @@ def run_suite(out: Path, doc: Path | None, workers: int, quick: bool, only: list
     known = {e.name for e in exps}
     bad = [x for x in only or [] if x not in known]
     if bad:
-        print(f"gradhub bench suite: unknown experiment(s) {', '.join(bad)}; choose from {', '.join(sorted(known))}",
+        print(f"gradhub-lab suite: unknown experiment(s) {', '.join(bad)}; choose from {', '.join(sorted(known))}",
               file=sys.stderr)
         return 2
     todo = [e for e in exps if not only or e.name in only]
@@ -120,7 +120,7 @@ def run_suite(out: Path, doc: Path | None, workers: int, quick: bool, only: list
         todo = [e for e in todo if not (out / f"{e.name}.json").exists()]
     out.mkdir(parents=True, exist_ok=True)
     meta = machine_info()
-    meta["command"] = " ".join(["gradhub bench suite", *argv])
+    meta["command"] = " ".join(["gradhub-lab suite", *argv])
     t0 = time.monotonic()
     for i, e in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] {e.name}: {e.what}", flush=True)

@@ -10,11 +10,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .cluster import Cluster, Options
-from .costs import Costs
-from .ddp import simulate_ddp
-from .profile import builtin
-from .sim import simulate_gradhub
+from gradhub.plan.cluster import Cluster, Options
+from gradhub.plan.costs import Costs
+from gradhub.plan.ddp import simulate_ddp
+from gradhub.plan.profile import builtin
+from gradhub.plan.sim import simulate_gradhub
 
 MODELS = ("resnet50", "vgg16", "bert_large")
 RATES = (25e9, 100e9)

@@ -1,4 +1,6 @@
-"""Model profiles for emulated training (PHub's ZeroComputeEngine idea).
+"""The built-in models: their layers and compute times, for the simulator
+(`gradhub simulate --model`) and the lab's emulated training (PHub's
+ZeroComputeEngine idea).
 
 Each profile lists the model's parameter tensors in forward order with their
 true sizes, and a forward-FLOP count per layer; compute time per layer is the
@@ -210,7 +212,7 @@ def inception_v3(batch=32) -> Profile:
     return Profile("inception_v3", batch, 0.225, m.layers, "PHub Table 3")
 
 
-def _transformer(name, vocab, positions, layers, d, ffn, tokens, time_per_batch, source, bert: bool) -> Profile:
+def transformer(name, vocab, positions, layers, d, ffn, tokens, time_per_batch, source, bert: bool) -> Profile:
     out = []
     emb = [vocab * d, positions * d] + ([2 * d, d, d] if bert else [])  # (+ token types, LayerNorm for BERT)
     out.append(Layer("embeddings", emb, 2.0 * d * tokens))
@@ -239,12 +241,12 @@ def _transformer(name, vocab, positions, layers, d, ffn, tokens, time_per_batch,
 
 def bert_base() -> Profile:
     """BertModel (bert-base-uncased, with pooler): 109,482,240 parameters."""
-    return _transformer("bert_base", 30522, 512, 12, 768, 3072, 32 * 128, 0.110, "estimate (see module doc)", True)
+    return transformer("bert_base", 30522, 512, 12, 768, 3072, 32 * 128, 0.110, "estimate (see module doc)", True)
 
 
 def gpt2_small() -> Profile:
     """GPT2Model (small; output head tied to the embedding): 124,439,808 parameters."""
-    return _transformer("gpt2_small", 50257, 1024, 12, 768, 3072, 8 * 1024, 0.250, "estimate (see module doc)", False)
+    return transformer("gpt2_small", 50257, 1024, 12, 768, 3072, 8 * 1024, 0.250, "estimate (see module doc)", False)
 
 
 PROFILES = {

@@ -17,7 +17,9 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
-from .. import _env
+from gradhub import _env
+from gradhub.plan.cluster import parse_rate
+from gradhub.plan.theory import tbf_burst
 
 PREFIX = "ghb"
 SUBNET = "10.231"
@@ -27,26 +29,11 @@ class ClusterError(RuntimeError):
     pass
 
 
-def tbf_burst(rate_bps: int) -> int:
-    """The emulated links' token bucket: a burst of ~4 ms at line rate (at
-    least 64 KiB so GSO super-packets pass); 20 ms of queue behind it."""
-    return max(int(rate_bps) // 8 // 250, 64 * 1024)
-
-
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run(list(argv), capture_output=True, text=True)
     if check and p.returncode != 0:
         raise ClusterError(f"`{' '.join(argv)}` failed: {p.stderr.strip() or p.stdout.strip()}")
     return p
-
-
-def parse_rate(rate: str) -> int:
-    """'1gbit', '500mbit', '10Gbit', '100kbit' -> bits per second."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", rate.lower())
-    if not m:
-        raise ValueError(f"invalid rate {rate!r} (examples: 1gbit, 500mbit)")
-    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-    return int(float(m.group(1)) * mult)
 
 
 def check_available() -> str | None:

@@ -43,8 +43,9 @@ import time
 import torch
 import torch.nn as nn
 
+from gradhub.plan.models import get as get_profile
+
 from .netns import link_counters
-from .profiles import get as get_profile
 
 
 class _Clock:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from gradhub.plan.theory import allreduce_time, byteps_optimum_time
+
 from . import netns
-from .runner import Layout, allreduce_time, byteps_optimum_time, run_job, variant_env
+from .runner import Layout, run_job, variant_env
 
 
 def _label(system: str, variant: str = "", k: int | None = None) -> str:
@@ -38,7 +40,7 @@ def _write(outdir: Path, name: str, data: dict) -> Path:
 def _train_run(layout, rate, model, scale, iters, system, variant, label, log) -> dict:
     cfg = {"model": model, "scale": scale, "iters": iters, "warmup": 2}
     partition = max(4096, int(256 * 1024 / scale))
-    res = run_job(layout, rate, "gradhub.bench.emulate", cfg, system, env=variant_env(variant),
+    res = run_job(layout, rate, "gradhub_lab.emulate", cfg, system, env=variant_env(variant),
                   partition_bytes=partition)
     res = _clean(res, label=label, variant=variant, rate_bps=netns.parse_rate(rate))
     log(f"  {model} {rate:>8s} {label:28s} {res['samples_per_s']:10.1f} samples/s  eff {res['scaling_efficiency']:.2f}"
@@ -104,7 +106,7 @@ def _goodput_run(workers, k, rate, mbytes, iters, system="gradhub", trials=3) ->
     """Median of `trials` jobs (by mean iteration time): one job's figure
     swings by up to ±5 % on this machine."""
     layout = Layout(workers, k, system == "gradhub")
-    runs = [run_job(layout, rate, "gradhub.bench.goodput", {"mbytes": mbytes, "iters": iters}, system)
+    runs = [run_job(layout, rate, "gradhub_lab.goodput", {"mbytes": mbytes, "iters": iters}, system)
             for _ in range(max(1, trials))]
     runs.sort(key=lambda r: r["iter_time_mean"])
     res = runs[len(runs) // 2]

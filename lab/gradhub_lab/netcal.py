@@ -1,10 +1,10 @@
-"""`gradhub bench calibrate --emulated`: the costs only the emulated cluster
+"""`gradhub-lab calibrate --emulated`: the costs only the emulated cluster
 has. First, the CPU its network path costs (veth pairs, the bridge, tc's
 token buckets, a second host's TCP stack, the softirqs between them), which
 the loopback microbenchmarks of costs.py never see; then a worker's
 main-thread CPU per push_pull there (`main_thread`).
 
-Measured with the bench's own emulated cluster (bench/netns.py): clients on
+Measured with the lab's own emulated cluster (netns.py): clients on
 one emulated host, an echo server on another, each of F connections sending
 a message of S bytes and waiting for it back (a chunk's push and its result),
 at a few rates and connection counts and two message sizes; and the same
@@ -126,7 +126,7 @@ def _fit(points: dict[int, tuple[float, int]]) -> tuple[float, float]:
 def measure(rates=("500mbit", "1gbit"), flows=(1, 4), seconds: float = 2.0, log=print) -> dict:
     """The emulated path's CPU per message and per byte beyond loopback's,
     at each rate and connection count; the medians are what the simulator uses."""
-    from ..bench.netns import EmulatedCluster
+    from .netns import EmulatedCluster
 
     rows = []
     with EmulatedCluster(["a"], rate=None) as c:
@@ -145,7 +145,7 @@ def measure(rates=("500mbit", "1gbit"), flows=(1, 4), seconds: float = 2.0, log=
                 rows.append(row)
     return {"path_cpu_per_msg_s": max(0.0, statistics.median(r["msg_s"] for r in rows)),
             "path_cpu_per_byte": max(0.0, statistics.median(r["byte_s"] for r in rows)),
-            "path_runs": rows, "path_source": f"gradhub bench calibrate --emulated, {time.strftime('%Y-%m-%d %H:%M')}"}
+            "path_runs": rows, "path_source": f"gradhub-lab calibrate --emulated, {time.strftime('%Y-%m-%d %H:%M')}"}
 
 
 def per_push_pull(extra_s: float, own_sends_s: float, push_pulls: int, alone_s: float) -> float:
@@ -163,33 +163,30 @@ MAIN_CONFIG = ("inception_v3", 4, 0, "1gbit")
 def main_thread(costs, iters: int = 30, trials: int = 3, log=print) -> dict:
     """A worker's main-thread CPU per push_pull on the emulated cluster.
 
-    `gradhub bench train` runs MAIN_CONFIG without synchronization and
+    `training.train` runs MAIN_CONFIG without synchronization and
     under gradhub; every worker reports its main (training) thread's CPU
     per iteration. What gradhub adds there, less what the simulator already
     charges that thread for the chunks it sends itself, per push_pull, is
     `emu_op_cpu_s`: the hooks, push_pull and the eager update's calls, at
     the cost they have while every host's threads share the cores
     (op_cpu_s is measured alone, on loopback)."""
-    import tempfile
     from dataclasses import replace as _replace
-    from pathlib import Path
 
-    from ..bench.cli import main as bench_main
-    from .sim import GradhubSim
-    from .validate import Config, _inputs, ran_with, train_argv
+    from gradhub.plan.sim import GradhubSim
+
+    from .training import train
+    from .validate import Config, inputs, ran_with, train_spec
 
     model, workers, k, rate = MAIN_CONFIG
     c = Config(model, workers, k, rate)
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "main.jsonl"
-        rc = bench_main(train_argv(model, c.scale, workers, k, rate, ["none", "gradhub"], iters, 3, out, trials))
-        recs = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())} if out.exists() else {}
+    rc, records = train(train_spec(model, c.scale, workers, k, rate, ["none", "gradhub"], iters, 3, trials=trials))
+    recs = {r["system"]: r for r in records}
     if rc != 0 or not {"none", "gradhub"} <= recs.keys():
         raise RuntimeError(f"the main-thread calibration run ({c.label}) failed")
     none, gh = recs["none"], recs["gradhub"]
     extra = (gh["main_cpu_ms"] - none["main_cpu_ms"]) / 1e3   # what gradhub adds to the thread, per iteration
     base = _replace(costs, emu_op_cpu_s=costs.op_cpu_s)
-    sim = GradhubSim(*_inputs(c, base, base.machine_cores, ran_with(gh), none["iter_time_mean"]), base)
+    sim = GradhubSim(*inputs(c, base, base.machine_cores, ran_with(gh), none["iter_time_mean"]), base)
     res = sim.run()
     msgs = len(sim.msgs)
     sends = res.main_sync_cpu_s - msgs * base.op_cpu_s

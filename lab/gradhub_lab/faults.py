@@ -1,4 +1,4 @@
-"""`gradhub bench faults`: the fault campaign.
+"""`gradhub-lab faults`: the fault campaign.
 
 Runs many short jobs on loopback, each started role by role (a scheduler, 3
 servers and 4 workers as separate processes, the way a multi-host job is
@@ -55,7 +55,7 @@ from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from .._ports import free_port
+from gradhub._ports import free_port
 
 WORKERS, SERVERS = 4, 3
 # (name, elements, dtype): several chunks each at the default partition size, one tiny, one unnamed.
@@ -213,7 +213,7 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     raise_at = rng.randrange(1, t.steps - 1) if t.fault.action == "raise" else -1
     victim = rng.randrange(WORKERS)
     for r in range(WORKERS):
-        code = (f"from gradhub.bench.faults import _worker; "
+        code = (f"from gradhub_lab.faults import _worker; "
                 f"_worker({t.steps}, {t.seed}, {raise_at if r == victim else -1}, {t.server_opt})")
         # Two workers per host with the host stage, so it is under test too.
         host = f"faults-host{r // 2 if t.host_stage else r}"
@@ -429,7 +429,7 @@ def write_results(path: str, seed0: int, peer_timeout: float, steps: int, summar
 
 
 def select_faults(faults: Sequence[F], args, prog: str, default: Sequence[F] | None = None) -> list[F] | int:
-    """The faults a campaign (this one, `gradhub bench faults --elastic`)
+    """The faults a campaign (this one, `gradhub-lab faults --elastic`)
     injects, from `--list` and `--faults`: with `--list`, each fault's line
     printed and the exit status 0; with `--faults`, those named, in the
     campaign's order (an unknown name, or none: said on stderr, status 2);
@@ -462,7 +462,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="jobs with a tensor whose optimizer runs on the servers (default: half, always with "
                          "--quick; never when two servers are lost at once)")
     ap.add_argument("--elastic", action="store_true",
-                    help="the elastic campaign instead (gradhub.bench.elastic_faults): elastic jobs on a shared "
+                    help="the elastic campaign instead (gradhub_lab.elastic_faults): elastic jobs on a shared "
                          "service losing or gaining workers (kill, stop, kill 2, add); --trials, --faults, --list, "
                          "--seed, --peer-timeout, --steps (halved), --quick, --json and --keep-logs apply")
     ap.add_argument("--json", help="write every trial's result to this file")
@@ -472,14 +472,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     # Two servers lost at once still ends some jobs with an error (not a hang,
     # not a wrong sum; docs/reliability.md): in the full campaign, not in --quick.
-    faults = select_faults(FAULTS, args, "gradhub bench faults",
+    faults = select_faults(FAULTS, args, "gradhub-lab faults",
                            default=[f for f in FAULTS if not (args.quick and f.count > 1)])
     if isinstance(faults, int):
         return faults
     trials = len(faults) if args.quick else args.trials
     steps = 25 if args.quick else args.steps
     if steps < 4:
-        print("gradhub bench faults: --steps must be at least 4", file=sys.stderr)
+        print("gradhub-lab faults: --steps must be at least 4", file=sys.stderr)
         return 2
     seed0 = args.seed if args.seed is not None else random.randrange(1 << 30)
     mode = args.server_optimizer or ("always" if args.quick else "half")

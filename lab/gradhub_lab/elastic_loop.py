@@ -1,5 +1,5 @@
 """The elastic training loop that the elastic fault campaign's workers
-(`gradhub.bench.elastic_faults`) and the tests' elastic worker
+(`gradhub_lab.elastic_faults`) and the tests' elastic worker
 (tests/workers/elastic_train.py) both run, and its check.
 
 A small model trained with `hvd.elastic.run`, committing every step. Each

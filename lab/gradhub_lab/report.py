@@ -1,4 +1,4 @@
-"""`gradhub bench report`: render the suite's JSON results (docs/bench/*.json)
+"""`gradhub-lab report`: render the suite's JSON results (docs/bench/*.json)
 as the generated section of docs/bench/suite.md: the machine, the commands,
 every table, the plots, and each target marked met or not.
 
@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-BEGIN = "<!-- BEGIN gradhub bench report (generated from docs/bench/*.json; edits inside are overwritten) -->"
-END = "<!-- END gradhub bench report -->"
+BEGIN = "<!-- BEGIN gradhub-lab report (generated from docs/bench/*.json; edits inside are overwritten) -->"
+END = "<!-- END gradhub-lab report -->"
 
 TRAIN_ORDER = ["train_vgg19", "train_resnet50", "train_bert_base"]
 SWEEP_ORDER = ["vgg19", "alexnet", "resnet50", "inception_v3", "bert_base", "gpt2_small"]
@@ -66,8 +66,8 @@ def render_meta(datasets: list[dict]) -> list[str]:
            f"Linux {m.get('kernel', '?')}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}; "
            f"gradhub commit {', '.join(commits)}.",
            "", "Produced by:", "", "```bash"]
-    out += cmds or ["gradhub bench suite"]
-    out += ["gradhub bench report   # re-render this section from the JSON", "```", ""]
+    out += cmds or ["gradhub-lab suite"]
+    out += ["gradhub-lab report   # re-render this section from the JSON", "```", ""]
     return out
 
 
@@ -222,7 +222,7 @@ def render(datadir: Path, img: str) -> str:
     missing = [n for n in ["rate_check", "k_sweep", *TRAIN_ORDER] + [f"bandwidth_{m}" for m in SWEEP_ORDER]
                if not (datadir / f"{n}.json").exists()]
     if missing:
-        lines += [f"Not measured yet: {', '.join(missing)} (`gradhub bench suite --only ...`).", ""]
+        lines += [f"Not measured yet: {', '.join(missing)} (`gradhub-lab suite --only ...`).", ""]
     lines.append(END)
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,4 @@
-"""`gradhub bench cluster`: run any job across an emulated cluster.
+"""`gradhub-lab cluster`: run any job across an emulated cluster.
 
 Builds the hosts (network namespaces, rate-limited veths), starts the
 scheduler on its own unshaped host, one server per server host (CPU-only
@@ -19,7 +19,8 @@ import os
 import secrets
 import sys
 
-from ..launch import Proc, supervise
+from gradhub.launch import Proc, supervise
+
 from .netns import EmulatedCluster
 from .runner import GLOO_PORT, SCHED_PORT, Layout
 
@@ -40,13 +41,13 @@ def layout_summary(layout: Layout) -> str:
 def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_bytes: int | None = None,
                 extra_env: dict[str, str] | None = None, host_reduce: bool = True, core_rate: str | None = None) -> int:
     if layout.workers < 1:
-        print("gradhub bench cluster: need at least one worker host", file=sys.stderr)
+        print("gradhub-lab cluster: need at least one worker host", file=sys.stderr)
         return 2
     racks = layout.rack_of()
     with EmulatedCluster(layout.host_names(), rate, racks=racks,
                          core_rate=(core_rate or rate) if racks else None) as cluster:
         sched = cluster.hosts["sched"]
-        print(f"gradhub bench cluster: {layout_summary(layout)}, {rate or 'unshaped'} per host"
+        print(f"gradhub-lab cluster: {layout_summary(layout)}, {rate or 'unshaped'} per host"
               + (f", {layout.workers_per_host} workers per host" if layout.workers_per_host > 1 else "")
               + ("" if host_reduce or not layout.num_servers else ", host stage off") + "; "
               + ", ".join(f"{h.name}={h.ip}" for h in cluster.hosts.values()), flush=True)
@@ -91,4 +92,4 @@ def run_cluster(layout: Layout, rate: str | None, command: list[str], partition_
                 env["GRADHUB_RACK"] = f"r{racks[host]}"
             workers.append(Proc(f"worker {r}@{host}", cluster.hosts[host].cmd(command), env))
         procs += workers
-        return supervise(procs, workers, "gradhub bench cluster")
+        return supervise(procs, workers, "gradhub-lab cluster")
