@@ -1,6 +1,7 @@
 """The package's structure: the type stub matches the extension, the torch
 layer reaches the core only through gradhub.api, environment parsing lives in
-_env.py. Static checks and unit tests; no job is started."""
+_env.py, no module imports the lab (lab/gradhub_lab) and no import circle.
+Static checks and unit tests; no job is started."""
 
 import ast
 import re
@@ -122,6 +123,140 @@ def test_api_does_not_import_the_cli():
     for name in ("api.py", "roles.py", "_env.py", "buffers.py"):
         mods = _imports(PKG / name)
         assert not any(m == "cli" or m.endswith(".cli") or m == "gradhub.cli" for m in mods), (name, mods)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in _sources()}
+# Compiled modules (gradhub._core, typed by its stub): importable, nothing of the package's inside.
+COMPILED = {_module_name(p.with_suffix(".py")) for p in PKG.rglob("*.pyi")} - set(MODULES)
+# The lab (lab/gradhub_lab) and the modules it was made of, once in the package.
+LAB = ("gradhub_lab",) + tuple(f"gradhub.bench.{m}" for m in (
+    "netns", "runner", "emulate", "goodput", "cluster", "experiments", "suite", "report", "tenancy", "faults",
+    "elastic_faults", "elastic_loop", "torch_options", "profiles")) + tuple(
+    f"gradhub.plan.{m}" for m in ("validate", "check", "netcal", "plots"))
+
+
+def _imported(module: str, path: Path) -> set[str]:
+    """Every name `module` imports, absolute, at module level or inside a
+    function: `import a.b` names a.b; `from a import b` names a.b where that
+    is a module of the package, else a."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(pkg[:len(pkg) - (node.level - 1)] + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in MODULES or sub in COMPILED else base)
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the package's modules it imports (a name
+    resolved to the closest enclosing module)."""
+    graph = {}
+    for m, p in MODULES.items():
+        deps = set()
+        for name in _imported(m, p):
+            while name and name not in MODULES and name not in COMPILED:
+                name = name.rpartition(".")[0]
+            if name in MODULES and name != m:
+                deps.add(name)
+        graph[m] = deps
+    return graph
+
+
+def test_the_package_never_imports_the_lab():
+    """The lab depends on gradhub, never the reverse: no import of it (nor of
+    a module it was made of) anywhere in the package, nor code that a child
+    process runs naming it (`-m gradhub_lab...`, `import gradhub_lab`)."""
+    hits = [f"{p.relative_to(PKG)}: imports {name}" for m, p in MODULES.items() for name in sorted(_imported(m, p))
+            if any(name == lab or name.startswith(lab + ".") for lab in LAB)]
+    code = re.compile(r"(-m\s+|import\s+|from\s+)gradhub_lab\b")
+    hits += [f"{p.relative_to(PKG)}:{i}: {line.strip()}" for p in MODULES.values()
+             for i, line in enumerate(p.read_text().splitlines(), 1) if code.search(line)]
+    assert hits == []
+    assert not [m for m in LAB if m in MODULES], "a module of the lab is back in the package"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module
+    (Tarjan's algorithm), each as one circle through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(_circle(graph, set(comp)))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _circle(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """One circle through a strongly connected component: from its first
+    module, breadth first, back to it."""
+    start = min(comp)
+    prev = {start: None}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v] & comp):
+            if w == start:
+                path = [v]
+                while prev[path[-1]] is not None:
+                    path.append(prev[path[-1]])
+                return [start] + path[::-1][1:] + [start]
+            if w not in prev:
+                prev[w] = v
+                queue.append(w)
+    return sorted(comp)
+
+
+def test_cycle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_in_the_package():
+    """No module of the package imports one that imports it back, directly
+    or through others, counting imports inside functions too."""
+    graph = _import_graph()
+    assert {"gradhub.api", "gradhub.plan.sim", "gradhub.torch.ops"} <= set(graph)
+    assert "gradhub.plan.costs" in graph["gradhub.plan.sim"] and "gradhub._core" not in graph["gradhub.api"]
+    cycles = _cycles(graph)
+    assert cycles == [], "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 def test_environment_is_read_only_in_env_module():
