@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS, assert_all_passed, run_launch
+from conftest import WORKERS, assert_all_passed, run_launch, worker_argv
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -44,7 +44,7 @@ def test_an_elastic_job_loses_a_worker_mid_step_and_the_others_finish_as_one_pro
         for r in range(3):
             env = svc.worker_env("el", 3, r, token, steps=12, lose_at=5, sfb=sfb)
             env.update(GRADHUB_MIN_WORKERS="2", GRADHUB_PEER_TIMEOUT="3", GH_VICTIM="1" if r == 2 else "0")
-            names.append(svc.spawn(f"el-w{r}", [sys.executable, str(WORKERS / "elastic_train.py")], env) and f"el-w{r}")
+            names.append(svc.spawn(f"el-w{r}", worker_argv("elastic_train.py"), env) and f"el-w{r}")
         codes = svc.wait(names, timeout=120)
         assert codes["el-w2"] == 9, svc.log("el-w2")
         for n in names[:2]:
@@ -69,7 +69,7 @@ def test_a_worker_joins_a_running_elastic_job_at_its_next_commit(tmp_path):
         def start(r: int) -> str:
             env = svc.worker_env("grow", 2, r, token, **cfg)
             env.update(GRADHUB_MIN_WORKERS="2", GRADHUB_MAX_WORKERS="3", GH_VICTIM="0")
-            svc.spawn(f"grow-w{r}", [sys.executable, str(WORKERS / "elastic_train.py")], env)
+            svc.spawn(f"grow-w{r}", worker_argv("elastic_train.py"), env)
             return f"grow-w{r}"
 
         names = [start(0), start(1)]
@@ -144,7 +144,7 @@ def test_an_elastic_job_below_its_minimum_fails_on_every_survivor_with_the_reaso
         for r in range(3):
             env = svc.worker_env("short", 3, r, token, steps=12, lose_at=3)
             env.update(GRADHUB_MIN_WORKERS="3", GRADHUB_PEER_TIMEOUT="3", GH_VICTIM="1" if r == 2 else "0")
-            svc.spawn(f"short-w{r}", [sys.executable, str(WORKERS / "elastic_train.py")], env)
+            svc.spawn(f"short-w{r}", worker_argv("elastic_train.py"), env)
             names.append(f"short-w{r}")
         codes = svc.wait(names, timeout=120)
         assert codes["short-w2"] == 9, svc.log("short-w2")
