@@ -57,3 +57,48 @@ def test_backend_under_gradhub_launch_2_workers():
     for q in range(2):
         assert f"PASS {q}" in out, out[-6000:]
     assert out.count("HSDP 2x1: 20 steps equal one process") == 2, out[-6000:]
+
+
+
+@pytest.mark.parametrize("victim,how,named", [
+    (2, "exit", "worker 2"),    # a worker only (rank 0 hosts host-a's server): its connections close
+    (2, "stop", "worker 2"),    # silent (SIGSTOP): found by the peer timeout
+    (0, "exit", "rank 0"),      # the rank that hosts the job's scheduler (and host-a's server)
+])
+def test_lost_peer_fails_every_pending_work_naming_it(victim, how, named):
+    # The victim dies (or goes silent) while the others have an all_reduce and a broadcast pending
+    # that it never joins (tests/workers/backend_lost_peer.py); peer timeout 3 s.
+    import json
+    import time
+
+    port, hosts = free_port(), ["host-a", "host-b", "host-a"]
+    # A stopped worker must be the process the test kills: not a zygote's fork (its client's SIGKILL
+    # reaches a fork only through a pipe the stopped fork does not watch).
+    procs = [subprocess.Popen(worker_argv("backend_lost_peer.py", fresh=q == victim and how == "stop"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=job_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=q, WORLD_SIZE=3,
+                                          GRADHUB_HOST_ID=hosts[q], GRADHUB_PEER_TIMEOUT=3,
+                                          GH_TEST=json.dumps({"victim": victim, "how": how})))
+             for q in range(3)]
+    t0 = time.monotonic()
+    try:
+        outs = {}
+        for q in range(3):
+            if q != victim:
+                o, _ = procs[q].communicate(timeout=60)
+                outs[q] = (procs[q].returncode, o.decode(errors="replace"), time.monotonic() - t0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    for q, (rc, out, took) in outs.items():
+        assert rc == 0 and f"EXIT {q}" in out, f"rank {q}:\n{out[-6000:]}"
+        lost = [line for line in out.splitlines() if line.startswith(f"LOST {q} ")]
+        assert len(lost) == 2, out[-6000:]
+        for line in lost:
+            secs, msg = float(line.split()[2]), line.split(" ", 3)[3]
+            assert secs < 3 + 5, line  # within the peer timeout (plus slack on a loaded machine)
+            assert msg.startswith("GradhubBackendError") and named in msg, line
+        later = out.split(f"LATER {q} ", 1)[-1].splitlines()[0]
+        assert later.startswith("GradhubBackendError") and named in later, out[-6000:]
+        assert took < 45, f"rank {q} took {took:.0f} s to exit"

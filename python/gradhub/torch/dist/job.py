@@ -109,6 +109,14 @@ def end_job() -> None:
     _reset()
 
 
+def explain(message: str) -> str:
+    """A failure's message, naming rank 0 where it hosted the job's
+    scheduler (a job formed here): the core only knows it lost the scheduler."""
+    if _owned and "connection to the scheduler" in message:
+        return message + " (the job's scheduler ran in rank 0 of the default group: rank 0 was lost)"
+    return message
+
+
 def join(store, rank: int, size: int, timeout: float) -> bool:
     """The default group's job (see `_form_job`): True if formed here (the
     group ends it)."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ... import api as _api
+from .job import explain
 
 class GradhubBackendError(dist.DistBackendError):
     """A collective of the gradhub backend failed: a peer was lost (named),
@@ -145,7 +146,7 @@ class _Watchdog:
                 if failure is not None:
                     pending = [r() for _, _, r, _ in self._heap]
                     self._heap.clear()
-                    err = GradhubBackendError(f"gradhub: the job failed: {failure}")
+                    err = GradhubBackendError(explain(f"gradhub: the job failed: {failure}"))
                 elif deadline <= _now():
                     heapq.heappop(self._heap)
                     pending = [ref()]
@@ -170,7 +171,7 @@ def _failure(what: str, e: BaseException) -> BaseException:
     if isinstance(e, dist.DistBackendError):
         return e
     if isinstance(e, _api.GradhubError):
-        err = GradhubBackendError(f"gradhub: {what} failed: {e}")
+        err = GradhubBackendError(explain(f"gradhub: {what} failed: {e}"))
     else:
         err = GradhubBackendError(f"gradhub: {what} failed: {type(e).__name__}: {e}")
     err.__cause__ = e
