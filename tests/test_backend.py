@@ -102,3 +102,24 @@ def test_lost_peer_fails_every_pending_work_naming_it(victim, how, named):
         later = out.split(f"LATER {q} ", 1)[-1].splitlines()[0]
         assert later.startswith("GradhubBackendError") and named in later, out[-6000:]
         assert took < 45, f"rank {q} took {took:.0f} s to exit"
+
+
+def test_default_env_init_under_gradhub_launch():
+    # No init_method, rank or world size: torch's env:// rendezvous on what `gradhub launch` exports.
+    rc, out = run_launch(2, 1, "backend_env_init.py")
+    assert rc == 0, out[-6000:]
+    for q in range(2):
+        assert f"PASS {q}: env:// init" in out, out[-6000:]
+
+
+def test_gradhub_scheduler_wins_over_the_exported_master_addr(monkeypatch):
+    # What `gradhub launch` exports: gradhub.init() joins the launcher's job, never one of its own.
+    from gradhub import _env
+
+    for k, v in dict(GRADHUB_SCHEDULER="127.0.0.1:1234", GRADHUB_RANK="1", GRADHUB_NUM_WORKERS="2",
+                     GRADHUB_NUM_SERVERS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="5555", RANK="1",
+                     WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2").items():
+        monkeypatch.setenv(k, v)
+    env = _env.worker_env()
+    assert (env.scheduler, env.embedded, env.rank, env.num_workers, env.num_servers) == ("127.0.0.1:1234", False, 1,
+                                                                                           2, 1)

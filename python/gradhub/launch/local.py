@@ -41,6 +41,13 @@ def job_env(args, scheduler: str, workers: int, servers: int) -> dict[str, str]:
     return base
 
 
+def torch_rendezvous_env(host: str, port: int, workers: int) -> dict[str, str]:
+    """What torch's default env:// init reads (each worker's RANK is added):
+    rank 0 hosts the TCPStore at host:port. gradhub.init() still joins the
+    launcher's job (GRADHUB_SCHEDULER wins over MASTER_ADDR)."""
+    return {"MASTER_ADDR": host, "MASTER_PORT": str(port), "WORLD_SIZE": str(workers)}
+
+
 def scheduler_flags(args) -> list[str]:
     """The launch flags the scheduler takes, as its command line."""
     flags = ["--stall-seconds", str(args.stall_seconds), "--peer-timeout", str(args.peer_timeout)]
@@ -94,11 +101,16 @@ def launch_local(args, command: list[str]) -> int:
     if rc is not None:
         return rc
     started = iter(range(1 << 30))
+    # torch's env:// rendezvous (`dist.init_process_group("gradhub")` without arguments): rank 0's
+    # TCPStore on a free port here. Not for an elastic job (its size changes).
+    torch_env = {} if el else torch_rendezvous_env("127.0.0.1", free_port(), workers_n)
 
     def start_worker(_lost: Proc | None = None) -> Proc:
         w = next(started)
-        env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
+        env = {**base, **torch_env, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
                "LOCAL_RANK": str(w), "LOCAL_WORLD_SIZE": str(workers_n)}
+        if torch_env:
+            env["RANK"] = str(w)
         return Proc(f"worker {w}", command, el.worker_env(env) if el else env)
 
     workers = [start_worker() for _ in range(workers_n)]

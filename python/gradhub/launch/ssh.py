@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .._ports import free_port
 from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
 from . import discovery, elastic
-from .local import job_env, scheduler_argv, server_argv
+from .local import job_env, scheduler_argv, server_argv, torch_rendezvous_env
 from .proc import Proc, supervise
 
 # Runs on the remote host (`python -c`): one JSON line on stdin holds the
@@ -138,7 +138,11 @@ import json, os, gradhub._core
 from gradhub._ports import free_port
 seen = os.environ.get("SSH_CONNECTION", "").split()
 addr = seen[2] if len(seen) == 4 else None
-print(json.dumps({"addr": addr, "port": free_port(addr or "0.0.0.0")}))
+port = free_port(addr or "0.0.0.0")
+store = free_port(addr or "0.0.0.0")
+while store == port:
+    store = free_port(addr or "0.0.0.0")
+print(json.dumps({"addr": addr, "port": port, "store_port": store}))
 """
 
 
@@ -239,11 +243,18 @@ def launch_ssh(args, command: list[str]) -> int:
     if rc is not None:
         return rc
     per_host = {h: sum(1 for _, x, _ in slots if x.name == h) for h in used}
+    # torch's env:// rendezvous: rank 0's TCPStore on a port free on its host (not for an elastic job).
+    first = min(slots, key=lambda s: s[0])[1].name
+    seen = checked[every.index(first)][1]
+    torch_env = {} if el else torch_rendezvous_env(seen.get("addr") or _bare(first), seen["store_port"], len(slots))
     workers = []
     for rank, host, local in slots:
         n = str(per_host[host.name])
-        env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank), "GRADHUB_LOCAL_RANK": str(local),
-               "GRADHUB_LOCAL_SIZE": n, "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": n}
+        env = {**base, **torch_env, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank),
+               "GRADHUB_LOCAL_RANK": str(local), "GRADHUB_LOCAL_SIZE": n, "LOCAL_RANK": str(local),
+               "LOCAL_WORLD_SIZE": n}
+        if torch_env:
+            env["RANK"] = str(rank)
         workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command,
                                   el.worker_env(env) if el else env))
     procs += workers
