@@ -367,6 +367,9 @@ impl Formations {
                     let ranks = assign(&cands);
                     let mut first = reg.clone();
                     first.num_workers = cands.len() as u32;
+                    // Its rank is the generation's to give (a newcomer may have
+                    // asked for one beyond this generation's size).
+                    first.requested_rank = -1;
                     let started = jobs.start(name, &first);
                     if started.is_ok() {
                         log::info!(target: "service", "elastic job '{name}': a generation of {} workers", cands.len());
