@@ -145,9 +145,12 @@ class Cluster:
         self.logs[name] = log
         return p
 
-    def start_worker(self, rank: int, script: str, config: dict | None = None, **env) -> subprocess.Popen:
+    def start_worker(self, rank: int, script: str, config: dict | None = None, fresh: bool = False,
+                     **env) -> subprocess.Popen:
+        """`fresh`: in an interpreter of its own (`worker_argv`), e.g. for a
+        worker the test stops with SIGSTOP, which only the process itself gets."""
         env = dict(self.env, GRADHUB_RANK=str(rank), GH_TEST=json.dumps(config or {}), **env)
-        return self._spawn(f"worker{rank}", worker_argv(script), env)
+        return self._spawn(f"worker{rank}", worker_argv(script, fresh), env)
 
     def log(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")

@@ -111,8 +111,8 @@ def test_a_lost_local_worker_fails_its_host_mates_in_bounded_time(cluster_factor
 
     c = cluster_factory(2, 1, GRADHUB_LOCAL_STAGE="torch", GRADHUB_PEER_TIMEOUT="3")
     cfg = {"model": "mlp", "opt": "sgd", "steps": 400, "step_sleep": 0.02}
-    for w in range(2):
-        c.start_worker(w, "torch_train.py", cfg, GRADHUB_HOST_ID="ls-one")
+    for w in range(2):  # SIGSTOP reaches only the process itself: no zygote
+        c.start_worker(w, "torch_train.py", cfg, fresh=how == "stop", GRADHUB_HOST_ID="ls-one")
     c.wait_for("worker0", "STEP 3", 120)
     c.procs["worker1"].send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
     lost = time.monotonic()
