@@ -200,9 +200,12 @@ impl Deltas {
             return Vec::new();
         }
         // Every worker starts from worker 0's parameters as they came: the
-        // answers to the init pushes wait until every live pusher's is in,
-        // so none is answered after another's changes were added.
-        let started = (0..self.steps.len()).all(|p| self.gone[p] || self.steps[p] >= 1);
+        // answers to the init pushes wait until every live pusher's is in
+        // and kept by the replica, and then go together, so none is sent
+        // after another worker's first change was added (an answer carries
+        // the parameters as they are when it goes).
+        let started = (0..self.steps.len()).all(|p| self.gone[p] || self.steps[p] >= 1)
+            && !self.owed.iter().any(|o| matches!(o, Owed::Answer { round: 0, kept: false, .. }));
         let ready = |o: &Owed| match *o {
             Owed::Answer { kept, round, .. } => kept && (started || round > 0),
             Owed::Nothing => false,
@@ -319,15 +322,18 @@ mod tests {
         d.applied(1, 0, false, false, true);
         assert!(d.answers().is_empty(), "not acked yet");
         d.acked();
-        assert_eq!(ranks(&d.answers()), vec![(0, 0)]);
+        assert!(d.answers().is_empty(), "the init answers go together, once every one is kept");
+        d.acked();
+        assert_eq!(ranks(&d.answers()), vec![(0, 0), (1, 0)]);
         d.applied(0, 1, false, false, true);
         d.acked();
-        assert_eq!(ranks(&d.answers()), vec![(1, 0)]);
+        assert_eq!(ranks(&d.answers()), vec![(0, 1)]);
+        d.applied(0, 2, false, false, true);
         // A new replica: what the old one never acked waits for the snapshot.
         d.replica_changed(true);
         assert!(d.answers().is_empty());
         d.acked();
-        assert_eq!(ranks(&d.answers()), vec![(0, 1)]);
+        assert_eq!(ranks(&d.answers()), vec![(0, 2)]);
         d.applied(1, 1, false, false, true);
         d.replica_changed(false);
         assert_eq!(ranks(&d.answers()), vec![(1, 1)], "no replica: nothing to wait for");
