@@ -21,9 +21,15 @@ zygote is named (`GH_ZYGOTE`), when it cannot be reached, or when the
 client runs in another network namespace than the zygote (an emulated
 host: the child would inherit the zygote's).
 
-The child ends as a process running the script would: SystemExit and
-uncaught exceptions unwind to the top, so atexit handlers and interpreter
-finalization run as usual.
+The child ends as a process running the script would, up to the
+interpreter's finalization: an uncaught exception is reported by
+sys.excepthook, non-daemon threads are joined, atexit handlers run and the
+standard streams are flushed, and the exit status is the script's (an
+uncaught KeyboardInterrupt ends it by SIGINT, as Python does). Then it
+leaves with os._exit: tearing down the zygote's inherited heap would copy
+every page of it (copy-on-write), about a second of CPU per worker. A test
+of interpreter finalization itself runs its worker fresh (conftest's
+`worker_argv(fresh=True)`).
 """
 
 import json
@@ -154,8 +160,50 @@ def _become(req: dict, fds: list[int]) -> None:
     script, args = req["argv"][0], req["argv"][1:]
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    runpy.run_path(script, run_name="__main__")
-    sys.exit(0)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = _exit_status(e.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    _leave(code)
+
+
+def _exit_status(code) -> int:
+    """The status `sys.exit(code)` gives, as the interpreter words it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _leave(code: int) -> None:
+    """What Python's finalization does that a script can see, then exit
+    without tearing the heap down (see the module's docstring)."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # joins non-daemon threads, as finalization does first
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:  # an uncaught KeyboardInterrupt: die by SIGINT, as Python does
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
 
 
 def serve(path: str) -> None:

@@ -4,7 +4,7 @@
 //! operations (`state`, `failover`).
 
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -22,15 +22,19 @@ pub(super) struct Job {
     shared: Arc<Shared>,
     started: Instant,
     heartbeats: thread::JoinHandle<()>,
+    /// Dropped at the job's end: wakes the heartbeat thread at once, so
+    /// the end does not wait out a heartbeat period.
+    stop_heartbeats: mpsc::Sender<()>,
 }
 
 impl Job {
     pub fn start(shared: Arc<Shared>) -> Job {
+        let (stop_heartbeats, stopped) = mpsc::channel();
         let heartbeats = {
             let shared = shared.clone();
-            thread::spawn(move || heartbeat_loop(shared))
+            thread::spawn(move || heartbeat_loop(shared, stopped))
         };
-        Job { shared, started: Instant::now(), heartbeats }
+        Job { shared, started: Instant::now(), heartbeats, stop_heartbeats }
     }
 
     /// Whether the job ended (finished or failed); fails it when not every
@@ -58,6 +62,7 @@ impl Job {
     /// After `over`: how the job ended. Every member still connected is
     /// then cut off, so no thread of the job outlives it.
     pub fn conclude(self) -> Result<(), SchedulerError> {
+        drop(self.stop_heartbeats);
         let _ = self.heartbeats.join();
         // Give member threads a moment to flush final messages.
         thread::sleep(Duration::from_millis(200));
@@ -73,7 +78,7 @@ impl Job {
     }
 }
 
-fn heartbeat_loop(shared: Arc<Shared>) {
+fn heartbeat_loop(shared: Arc<Shared>, stopped: mpsc::Receiver<()>) {
     let period = Duration::from_millis(shared.cfg.heartbeat_ms.max(10) as u64);
     loop {
         let members = {
@@ -88,7 +93,9 @@ fn heartbeat_loop(shared: Arc<Shared>) {
         }
         shared.report_declaration_stalls();
         shared.free_on_servers(&mut shared.lock());
-        thread::sleep(period);
+        if !matches!(stopped.recv_timeout(period), Err(mpsc::RecvTimeoutError::Timeout)) {
+            return;
+        }
     }
 }
 
