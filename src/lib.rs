@@ -14,7 +14,7 @@
 //! - `client`: the worker's communication service (priority + credit)
 //! - `host`: what a host's workers and its server share (host-stage sums,
 //!   pushes by reference)
-//! - `order`: deterministic sums (`GRADHUB_DETERMINISTIC`): rank-order adds
+//! - `sum_order`: deterministic sums (`GRADHUB_DETERMINISTIC`): rank-order adds
 //! - `training`: the training mode (`GRADHUB_ASYNC`, `GRADHUB_STALENESS`)
 //! - `timeline`: servers' and workers' chunk timelines (Chrome traces)
 //! - `metrics`: Prometheus metrics of the scheduler, servers and the service
@@ -31,13 +31,13 @@ pub(crate) mod host;
 pub mod kernels;
 pub mod logging;
 pub mod metrics;
-pub mod order;
 pub mod placement;
 pub mod protocol;
 pub mod scheduler;
 pub mod server;
 pub mod session;
 pub mod settings;
+pub mod sum_order;
 pub mod timeline;
 pub mod training;
 pub mod transport;

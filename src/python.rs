@@ -356,8 +356,7 @@ impl PyClient {
     ) -> PyResult<PyHandle> {
         let flags = if asynchronous { crate::protocol::FLAG_ASYNC } else { 0 }
             | if average { crate::protocol::FLAG_AVERAGE } else { 0 }
-            | if init { crate::protocol::FLAG_INIT } else { 0 }
-            | if release_after { crate::client::RELEASE_AFTER } else { 0 };
+            | if init { crate::protocol::FLAG_INIT } else { 0 };
         let dtype = dtype_of(dtype)?;
         if ptr == 0 && nbytes > 0 {
             return Err(PyValueError::new_err("null buffer"));
@@ -365,7 +364,17 @@ impl PyClient {
         // SAFETY: the Python layer passes the data pointer and size of a
         // contiguous, writable buffer owned by `owner`, which the op keeps alive.
         let op = unsafe {
-            self.inner.push_pull_live(ptr as *mut u8, nbytes, dtype, name, flags, priority, Some(Box::new(owner)), live)
+            self.inner.push_pull_live(
+                ptr as *mut u8,
+                nbytes,
+                dtype,
+                name,
+                flags,
+                release_after,
+                priority,
+                Some(Box::new(owner)),
+                live,
+            )
         }
         .map_err(py_err)?;
         Ok(PyHandle { op })

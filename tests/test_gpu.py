@@ -1,4 +1,4 @@
-"""CUDA only: gradhub.torch.cuda_staging (side stream, events, pinned
+"""CUDA only: gradhub.torch.cuda_copies (side stream, events, pinned
 buffers reused) and the torch local stage on NCCL, one worker per GPU.
 Skipped, with the reason, where CUDA is absent; `gradhub bench gpu` is the
 fuller check to run on a GPU machine."""
@@ -11,23 +11,23 @@ from conftest import assert_all_passed, run_launch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="no CUDA device: gradhub.torch.cuda_staging and the NCCL local stage run only under CUDA "
+    reason="no CUDA device: gradhub.torch.cuda_copies and the NCCL local stage run only under CUDA "
            "(run `gradhub bench gpu` on a GPU machine)")
 
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8"]
 
 
-def test_cuda_staging_copies_a_share_out_and_back_through_one_reused_pinned_buffer():
-    from gradhub.torch import staging
-    from gradhub.torch.cuda_staging import CudaStaging
+def test_cuda_copies_copy_a_share_out_and_back_through_one_reused_pinned_buffer():
+    from gradhub.torch import copies
+    from gradhub.torch.cuda_copies import CudaCopies
 
-    st = CudaStaging()
+    st = CudaCopies()
     n, start = 10_001, 2_500
     host = st.buffers.get("t", n, torch.float32)
     assert host.is_pinned() and st.buffers.get("t", n, torch.float32) is host
     share = torch.arange(3_000, dtype=torch.float32, device="cuda") + 1
     host.fill_(7)  # the last round's result: zeroed outside the share
-    d2h, h2d = staging.counters.snapshot()
+    d2h, h2d = copies.counters.snapshot()
     st.to_host(share, host, start)
     assert torch.equal(host[start:start + 3_000], share.cpu())
     assert not host[:start].any() and not host[start + 3_000:].any()
@@ -37,7 +37,7 @@ def test_cuda_staging_copies_a_share_out_and_back_through_one_reused_pinned_buff
     st.wait(st.record(back))
     assert torch.equal(back, share * 2)
     nbytes = share.numel() * share.element_size()
-    assert staging.counters.snapshot() == (d2h + nbytes, h2d + nbytes)
+    assert copies.counters.snapshot() == (d2h + nbytes, h2d + nbytes)
 
 
 @pytest.mark.parametrize("stage", ["auto", "shm"])

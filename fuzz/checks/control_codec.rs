@@ -126,7 +126,11 @@ pub fn message(s: &mut Source) -> Control {
             local_rank: s.u32() as i32,
             local_size: s.u32() as i32,
             rack: s.text(),
-            sum_order: if s.bool() { gradhub::order::SumOrder::Rank } else { gradhub::order::SumOrder::Arrival },
+            sum_order: if s.bool() {
+                gradhub::sum_order::SumOrder::Rank
+            } else {
+                gradhub::sum_order::SumOrder::Arrival
+            },
             training: match s.u8() % 3 {
                 0 => gradhub::training::Training::Synchronous,
                 1 => gradhub::training::Training::Asynchronous { staleness: None },
@@ -209,7 +213,14 @@ pub fn message(s: &mut Source) -> Control {
         24 => Control::Join,
         25 => Control::Joined { rank: s.u32() },
         26 => Control::JoinDone { last: s.u32() },
-        27 => Control::JoinOp { name: s.text(), numel: s.u64(), dtype: s.dtype(), flags: s.u16(), round: s.u32() },
+        27 => Control::JoinOp {
+            name: s.text(),
+            numel: s.u64(),
+            dtype: s.dtype(),
+            flags: s.u16(),
+            round: s.u32(),
+            release_after: s.bool(),
+        },
         28 => Control::SetOp {
             to: s.list(8, |s| s.u32()),
             name: s.text(),
@@ -217,6 +228,7 @@ pub fn message(s: &mut Source) -> Control {
             dtype: s.dtype(),
             flags: s.u16(),
             round: s.u32(),
+            release_after: s.bool(),
         },
         29 => Control::ServerJoined { server: s.server() },
         30 => Control::ServerMove { batch: s.u32(), specs: s.list(4, |s| s.spec()) },

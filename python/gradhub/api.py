@@ -2,7 +2,7 @@
 
 This module is the only door into the core's worker client (`_core.Client`):
 gradhub.torch and every other layer go through the functions below.
-`push_pull_async` is the one staging helper: numpy arrays and CPU tensors are
+`push_pull_async` is the one place tensors reach host memory: numpy arrays and CPU tensors are
 summed in place (zero-copy), CUDA tensors through a pinned host copy that is
 copied back when the operation completes.
 """
@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _core, _env, timeline
 from ._core import GradhubError, GradhubTimeoutError
-from .buffers import INTEGER_DTYPES, describe, get_buffer, is_torch_tensor, stage, validate
+from .buffers import INTEGER_DTYPES, describe, get_buffer, host_memory, is_torch_tensor, validate
 
 _lock = threading.Lock()
 # Completion callbacks run on a core thread, which must not take the GIL
@@ -404,7 +404,7 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     (torch/asynchronous.py builds on this).
     """
     c = _require()
-    host = stage(tensor, dtype)
+    host = host_memory(tensor, dtype)
     buf = get_buffer(host, dtype)
     if average and buf.dtype in INTEGER_DTYPES:
         raise ValueError("average=True needs a floating-point tensor: integers are summed exactly; "

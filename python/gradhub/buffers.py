@@ -1,10 +1,10 @@
-"""Zero-copy access to numpy arrays and CPU torch tensors, and host staging
-of CUDA tensors.
+"""Zero-copy access to numpy arrays and CPU torch tensors, and pinned host
+copies of CUDA tensors.
 
 `get_buffer` returns the raw pointer, size and dtype of a contiguous, writable
 buffer; the caller keeps the object alive for as long as the pointer is used
-(the core holds a reference until the operation completes). `stage` gives the
-host memory an operation works on: the object itself, or a pinned host copy of
+(the core holds a reference until the operation completes). `host_memory`
+gives the host memory an operation works on: the object itself, or a pinned host copy of
 a CUDA tensor. torch is never imported here (a CUDA tensor implies it is
 loaded already), so servers and numpy-only users don't pay for it.
 """
@@ -51,7 +51,7 @@ def get_buffer(x: Any, dtype: str | None = None) -> Buffer:
         return Buffer(x.ctypes.data, x.nbytes, dt, x)
     if is_torch_tensor(x):
         if x.device.type != "cpu":
-            raise ValueError(f"gradhub needs host memory; got a tensor on {x.device} (see buffers.stage)")
+            raise ValueError(f"gradhub needs host memory; got a tensor on {x.device} (see buffers.host_memory)")
         dt = _check_tensor(x, dtype)
         return Buffer(x.data_ptr(), x.numel() * x.element_size(), dt, x)
     raise TypeError(f"gradhub works on numpy arrays and CPU or CUDA torch tensors, not {type(x).__name__}")
@@ -90,7 +90,7 @@ def _check_override(dtype: str | None, own: str | None, name: str, itemsize: int
 
 
 def validate(x: Any, dtype: str | None = None) -> None:
-    """Raise what an in-place operation on `x` would raise, without staging
+    """Raise what an in-place operation on `x` would raise, without copying
     or touching it."""
     if is_torch_tensor(x) and x.device.type == "cuda":
         _check_tensor(x, dtype)
@@ -98,7 +98,7 @@ def validate(x: Any, dtype: str | None = None) -> None:
         get_buffer(x, dtype)
 
 
-def stage(x: Any, dtype: str | None = None) -> Any:
+def host_memory(x: Any, dtype: str | None = None) -> Any:
     """The host memory an in-place operation on `x` works on: `x` itself for
     numpy arrays and CPU tensors (zero-copy), a pinned host copy for a CUDA
     tensor (the caller copies the result back with `x.copy_(host)`)."""

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 use crate::session::SessionError;
 use crate::settings::defaults;
+use crate::sum_order::SumOrder;
 
 #[derive(Debug, Clone)]
 pub struct ClientConfig {

@@ -27,8 +27,8 @@ pub(super) fn set_ops_loop(client: Weak<Client>, rx: crossbeam_channel::Receiver
             return;
         }
         match msg {
-            Ok(Control::JoinOp { name, numel, dtype, flags, round }) => {
-                if let Err(e) = c.push_zeros(&name, numel, dtype, flags, round, true) {
+            Ok(Control::JoinOp { name, numel, dtype, flags, round, release_after }) => {
+                if let Err(e) = c.push_zeros(&name, numel, dtype, (flags, release_after), round, true) {
                     // The job failed (and says why) or is closing.
                     log::debug!(target: &format!("worker {}", c.rank), "process-set thread ends: {e}");
                     return;
@@ -102,8 +102,8 @@ impl Client {
                     }
                     return Ok((last, pushed));
                 }
-                Control::JoinOp { name, numel, dtype, flags, round } => {
-                    let took_part = self.push_zeros(&name, numel, dtype, flags, round, false)?;
+                Control::JoinOp { name, numel, dtype, flags, round, release_after } => {
+                    let took_part = self.push_zeros(&name, numel, dtype, (flags, release_after), round, false)?;
                     pushed.extend(took_part.then_some(name));
                 }
                 _ => {}
@@ -121,7 +121,7 @@ impl Client {
         name: &str,
         numel: u64,
         dtype: DType,
-        flags: u16,
+        (flags, release_after): (u16, bool),
         round: u32,
         background: bool,
     ) -> Result<bool, ClientError> {
@@ -153,7 +153,9 @@ impl Client {
         let mut zeros = vec![0u8; bytes];
         // SAFETY: `zeros` is kept in `zero_pushes` (its heap buffer does not
         // move) until the op has completed.
-        let op = unsafe { self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, 0, None, Some((0, 0)))? };
+        let op = unsafe {
+            self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, release_after, 0, None, Some((0, 0)))?
+        };
         if background {
             let mut t = self.shared.table();
             if t.in_flight.contains(name) {
@@ -208,6 +210,7 @@ impl Client {
             dtype: u.dtype,
             flags: u.flags,
             round: u.round,
+            release_after: u.release_after,
         };
         self.shared.send_ctrl(&msg).map_err(|e| ClientError::Failed(e.to_string()))
     }
@@ -217,7 +220,7 @@ impl Client {
     /// (they have announced them, so they are on their way): wait for
     /// that, at most a peer timeout, rather than leave them in flight.
     pub(super) fn finish_set_pushes(&self) {
-        let deadline = Instant::now() + self.shared.io.peer_timeout.max(Duration::from_secs(5));
+        let deadline = Instant::now() + self.shared.io.peer_timeout().max(Duration::from_secs(5));
         loop {
             {
                 let t = self.shared.table();

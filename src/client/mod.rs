@@ -25,7 +25,6 @@ mod table;
 pub use config::{ClientConfig, ClientError};
 pub use io::IoStats;
 pub use op::{Callback, Op, OpError};
-pub use table::RELEASE_AFTER;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -274,13 +273,17 @@ impl Client {
         keepalive: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<Arc<Op>, ClientError> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.push_pull_live(ptr, nbytes, dtype, name, flags, priority, keepalive, None) }
+        unsafe { self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, None) }
     }
 
     /// `push_pull` of a buffer that is zeros outside bytes `live` (a
     /// worker's own rows of an allgather, a broadcast from another worker):
     /// the chunks wholly outside it are pushed as zeros, header only
     /// (`FLAG_ZEROS`), unless the host stage sums this host's pushes first.
+    /// `release_after`: free the tensor once this round completes (see
+    /// `release`), for a generated name that is never used again; the
+    /// worker's own bookkeeping, told to joined workers in `JoinOp`, never
+    /// a frame flag.
     ///
     /// # Safety
     /// As `push_pull`; and the buffer must be zeros outside `live`.
@@ -292,6 +295,7 @@ impl Client {
         dtype: DType,
         name: &str,
         flags: u16,
+        release_after: bool,
         priority: i32,
         keepalive: Option<Box<dyn std::any::Any + Send>>,
         live: Option<(usize, usize)>,
@@ -307,12 +311,10 @@ impl Client {
             )));
         }
         let numel = (nbytes / dtype.size()) as u64;
-        let known =
-            crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT | crate::protocol::FLAG_ASYNC | RELEASE_AFTER;
+        let known = crate::protocol::FLAG_AVERAGE | crate::protocol::FLAG_INIT | crate::protocol::FLAG_ASYNC;
         if flags & !known != 0 {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
-        let (all_flags, flags, release_after) = (flags, flags & !RELEASE_AFTER, flags & RELEASE_AFTER != 0);
         let op = Arc::new(Op::new(name.to_string(), keepalive, live));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
@@ -343,7 +345,7 @@ impl Client {
         // Counted under the same lock as `peers_joined` is set, so every
         // operation is announced to joined workers once it matters.
         let round = t.uses.get(name).map_or(0, |u| u.round).wrapping_add(1);
-        let u = Use { round, numel, dtype, flags: all_flags };
+        let u = Use { round, numel, dtype, flags, release_after };
         match t.uses.get_mut(name) {
             Some(x) => *x = u,
             None => {
@@ -501,7 +503,7 @@ impl Client {
             let _ = t.join();
         }
         self.shared.io.stop_timeline();
-        if let Some(h) = &self.shared.io.host {
+        if let Some(h) = self.shared.io.host_stage() {
             h.cleanup();
         }
         // Anything still pending can no longer complete.

@@ -4,7 +4,7 @@
 //! joins. It is the data plane's `Completion`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -62,7 +62,7 @@ impl Shared {
             }
             w
         };
-        self.io.left.store(rank, Ordering::Release);
+        self.io.set_left(rank);
         if let Some(name) = self.io.waits_for_local(rank) {
             waiting.push(format!("push_pull '{name}' on their host"));
         }
@@ -210,7 +210,7 @@ impl Shared {
         let mut opt = HashMap::new();
         let mut state_lost = None;
         let conns: Vec<usize> =
-            self.io.conns.iter().enumerate().filter(|(_, c)| c.server == lost).map(|(i, _)| i).collect();
+            self.io.conns().iter().enumerate().filter(|(_, c)| c.server == lost).map(|(i, _)| i).collect();
         self.io.write_off(&conns);
         {
             let mut t = self.table();

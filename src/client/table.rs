@@ -28,15 +28,10 @@ pub(super) struct Parked {
     pub(super) flags: u16,
 }
 
-/// A `push_pull` flag local to this worker (never on the wire): release
-/// the tensor once this round completes (see `Client::release`). For
-/// operations without a name, whose generated names are never used again.
-pub const RELEASE_AFTER: u16 = 0x8000;
-
 #[derive(Default)]
 pub(super) struct Table {
     pub(super) specs: HashMap<String, Arc<TensorSpec>>,
-    /// Names to release when their op completes (`RELEASE_AFTER`).
+    /// Names to release when their op completes (`release_after`).
     pub(super) transient: HashSet<String>,
     pub(super) parked: HashMap<String, Vec<Parked>>,
     pub(super) waiters: HashMap<u32, Waiter>,
@@ -69,8 +64,10 @@ pub(super) struct Use {
     pub(super) round: u32,
     pub(super) numel: u64,
     pub(super) dtype: DType,
-    /// Wire flags, plus RELEASE_AFTER.
+    /// The round's frame flags.
     pub(super) flags: u16,
+    /// Freed once the round completes (see `Client::push_pull_live`).
+    pub(super) release_after: bool,
 }
 
 /// Join messages waiting for `join()` to take them.
@@ -104,7 +101,14 @@ pub(super) fn take_for_reshape(
 
 /// The announcement of a name's latest use to joined workers.
 pub(super) fn join_op(name: &str, u: &Use) -> Control {
-    Control::JoinOp { name: name.to_string(), numel: u.numel, dtype: u.dtype, flags: u.flags, round: u.round }
+    Control::JoinOp {
+        name: name.to_string(),
+        numel: u.numel,
+        dtype: u.dtype,
+        flags: u.flags,
+        round: u.round,
+        release_after: u.release_after,
+    }
 }
 
 pub(super) fn check_matches(s: &TensorSpec, numel: u64, dtype: DType) -> Result<(), ClientError> {

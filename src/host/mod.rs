@@ -4,8 +4,9 @@
 //! publishes it for the others, who copy it out. So a host's link carries
 //! one push and one result per chunk, whatever its number of workers.
 //!
-//! One segment per tensor holds, per chunk and round parity, a state block
-//! and the host's sum (`wire`), plus one buffer for results (`Staging`).
+//! One segment per tensor (`SharedTensor`) holds, per chunk and round
+//! parity, a state block and the host's sum (`wire`), plus one buffer for
+//! results.
 //! Results land apart from the sums so a sum stays intact until its round
 //! completes everywhere, and the last result stays until the next one
 //! arrives: after a server loss, the owner re-sends the one and restores
@@ -24,7 +25,7 @@
 //! every local worker's round r+1 contribution, made after their round r
 //! completed (copy-out included), so nobody still reads round r's buffer.
 //!
-//! With `GRADHUB_DETERMINISTIC=1` (`crate::order`) a chunk's contributions
+//! With `GRADHUB_DETERMINISTIC=1` (`crate::sum_order`) a chunk's contributions
 //! are added in local-rank order (`Adding::LocalRank`): one that comes
 //! before its turn is copied into its worker's slot of a second segment,
 //! which only the host's workers map, and added when every lower local
@@ -44,8 +45,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::kernels;
-use crate::order::{self, SumOrder};
 use crate::protocol::{DType, TensorSpec, FLAG_INIT};
+use crate::sum_order::{self, SumOrder};
 use crate::transport::shm::{Bells, Doorbell, Segment};
 
 /// Most workers one host may have with the host stage (ring masks are u64).
@@ -105,7 +106,7 @@ enum Adding {
 }
 
 /// One tensor's shared buffers on this host.
-pub struct Staging {
+pub struct SharedTensor {
     seg: Segment,
     dtype: DType,
     chunk_elems: usize,
@@ -121,18 +122,18 @@ pub struct Staging {
     adding: Adding,
 }
 
-impl Staging {
+impl SharedTensor {
     /// Map tensor `spec`'s segment on host `host_tag` of job `job_id`.
     /// `mappers`: how many processes map it (the host's workers and its
     /// servers); the last one removes the name, which nobody needs then.
-    pub fn open(job_id: u64, host_tag: u64, spec: &TensorSpec, mappers: usize) -> Result<Staging, String> {
-        let (len, acc, wire, result) = Staging::layout(spec);
+    pub fn open(job_id: u64, host_tag: u64, spec: &TensorSpec, mappers: usize) -> Result<SharedTensor, String> {
+        let (len, acc, wire, result) = SharedTensor::layout(spec);
         let name = format!("gradhub-{job_id:016x}-{host_tag:016x}-k{}", spec.key);
         let seg = Segment::open(&name, len).map_err(|e| format!("tensor '{}': {e}", spec.name))?;
         if seg.word(ATTACHED).fetch_add(1, Ordering::AcqRel) as usize + 1 >= mappers {
             seg.unlink();
         }
-        Ok(Staging {
+        Ok(SharedTensor {
             seg,
             dtype: spec.dtype,
             chunk_elems: spec.chunk_elems as usize,
@@ -326,7 +327,7 @@ impl Staging {
                 let lo = self.word(chunk, round, MASK_LO).load(Ordering::Relaxed) as u64;
                 let hi = self.word(chunk, round, MASK_HI).load(Ordering::Relaxed) as u64;
                 let mask = lo | hi << 32;
-                order::add_waiting(&mut next, self.local_size as usize, |l| {
+                sum_order::add_waiting(&mut next, self.local_size as usize, |l| {
                     let here = mask & (1u64 << l) != 0;
                     if here {
                         self.add_into(chunk, p, slot(l), false);
@@ -481,7 +482,7 @@ pub struct HostStage {
     /// Rings the host's workers, by local rank (this one included).
     pub bells: Bells,
     pub doorbell: Doorbell,
-    staging: Mutex<HashMap<u32, Arc<Staging>>>,
+    tensors: Mutex<HashMap<u32, Arc<SharedTensor>>>,
     /// Segment names this worker opened, removed when it leaves.
     opened: Mutex<Vec<PathBuf>>,
     /// The order contributions are added in (`GRADHUB_DETERMINISTIC`).
@@ -529,19 +530,19 @@ impl HostStage {
             local,
             bells,
             doorbell,
-            staging: Mutex::new(HashMap::new()),
+            tensors: Mutex::new(HashMap::new()),
             opened: Mutex::new(Vec::new()),
             order,
         })
     }
 
     /// The tensor's shared buffers (opened on its first round here).
-    pub fn staging(&self, spec: &TensorSpec) -> Result<Arc<Staging>, String> {
-        let mut map = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+    pub fn tensor(&self, spec: &TensorSpec) -> Result<Arc<SharedTensor>, String> {
+        let mut map = self.tensors.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = map.get(&spec.key) {
             return Ok(s.clone());
         }
-        let mut st = Staging::open(self.job_id, self.host_tag, spec, self.mappers)?;
+        let mut st = SharedTensor::open(self.job_id, self.host_tag, spec, self.mappers)?;
         st.local_size = self.workers.len() as u32;
         if self.order.ranks(spec.dtype) {
             st.in_rank_order(self.job_id, self.host_tag, spec.key, self.workers.len())?;
@@ -553,15 +554,15 @@ impl HostStage {
     }
 
     /// The tensor's shared buffers, if it had a round here.
-    pub fn mapped(&self, key: u32) -> Option<Arc<Staging>> {
-        self.staging.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
+    pub fn mapped(&self, key: u32) -> Option<Arc<SharedTensor>> {
+        self.tensors.lock().unwrap_or_else(|e| e.into_inner()).get(&key).cloned()
     }
 
     /// Forget a released tensor's segment; it is unmapped when the
     /// returned mapping goes. Its name is normally gone already (every
     /// mapper had mapped it before the tensor's first round completed).
-    pub fn forget(&self, key: u32) -> Option<Arc<Staging>> {
-        let st = self.staging.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)?;
+    pub fn forget(&self, key: u32) -> Option<Arc<SharedTensor>> {
+        let st = self.tensors.lock().unwrap_or_else(|e| e.into_inner()).remove(&key)?;
         let paths = st.paths();
         for p in &paths {
             let _ = std::fs::remove_file(p);
@@ -576,7 +577,7 @@ impl HostStage {
     #[allow(clippy::too_many_arguments)]
     pub fn contribute(
         &self,
-        staging: &Staging,
+        tensor: &SharedTensor,
         ptr: *const u8,
         round: u32,
         flags: u16,
@@ -585,12 +586,12 @@ impl HostStage {
         done: &mut dyn FnMut(Contribution),
     ) -> Result<(), String> {
         let part = Part { flags, write: flags & FLAG_INIT == 0 || init_source, local: self.local };
-        let es = staging.dtype.size();
-        for c in 0..staging.num_chunks {
-            let (a, _) = staging.range(c);
+        let es = tensor.dtype.size();
+        for c in 0..tensor.num_chunks {
+            let (a, _) = tensor.range(c);
             // SAFETY: chunk c starts inside the caller's buffer of numel elements.
             let src = unsafe { ptr.add(a * es) };
-            let complete = staging.contribute(c, round, src, part, abort)?;
+            let complete = tensor.contribute(c, round, src, part, abort)?;
             done(Contribution { chunk: c, complete });
         }
         Ok(())

@@ -48,7 +48,7 @@ fn spec(numel: u64, dtype: DType) -> TensorSpec {
 fn sums_complete_with_the_last_contribution_and_rounds_alternate_buffers() {
     let st = stages(3);
     let sp = spec(250, DType::F32);
-    let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+    let seg: Vec<Arc<SharedTensor>> = st.iter().map(|h| h.tensor(&sp).unwrap()).collect();
     let never = || None;
     for round in 0..4u32 {
         let mut completed = Vec::new();
@@ -88,9 +88,9 @@ fn sums_complete_with_the_last_contribution_and_rounds_alternate_buffers() {
 fn host_sums(dtype: DType, n: u32, order: SumOrder, orders: &[Vec<usize>]) -> Vec<Vec<u8>> {
     let st = stages_adding(n, order);
     let sp = spec(250, dtype);
-    let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+    let seg: Vec<Arc<SharedTensor>> = st.iter().map(|h| h.tensor(&sp).unwrap()).collect();
     let data: Vec<Vec<u32>> =
-        (0..n as usize).map(|l| crate::order::test_encode(dtype, &crate::order::test_values(l, 250))).collect();
+        (0..n as usize).map(|l| crate::sum_order::test_encode(dtype, &crate::sum_order::test_values(l, 250))).collect();
     let never = || None;
     let mut sums = Vec::new();
     for (round, arrival) in orders.iter().enumerate() {
@@ -114,7 +114,7 @@ fn host_sums(dtype: DType, n: u32, order: SumOrder, orders: &[Vec<usize>]) -> Ve
 fn in_rank_order_every_arrival_order_gives_the_rank_order_sum() {
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for n in [3u32, 4] {
-            let orders = crate::order::permutations(n as usize);
+            let orders = crate::sum_order::permutations(n as usize);
             let want = host_sums(dtype, n, SumOrder::Arrival, &orders[..1]).remove(0);
             assert_eq!(orders[0], (0..n as usize).collect::<Vec<_>>());
             for (k, got) in host_sums(dtype, n, SumOrder::Rank, &orders).iter().enumerate() {
@@ -132,7 +132,7 @@ fn in_rank_order_every_arrival_order_gives_the_rank_order_sum() {
 fn halves_are_summed_in_f32_and_rounded_once_per_host() {
     let st = stages(2);
     let sp = spec(10, DType::F16);
-    let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+    let seg: Vec<Arc<SharedTensor>> = st.iter().map(|h| h.tensor(&sp).unwrap()).collect();
     // 2048 + 1 + 1 in f16 steps would stay 2048; summed in f32 it is 2050.
     let a: Vec<u16> = (0..10).map(|i| f16::from_f32(if i == 0 { 2048.0 } else { i as f32 }).to_bits()).collect();
     let b: Vec<u16> = (0..10).map(|i| f16::from_f32(if i == 0 { 2.0 } else { 0.5 }).to_bits()).collect();
@@ -157,7 +157,7 @@ fn halves_are_summed_in_f32_and_rounded_once_per_host() {
 fn disagreeing_flags_and_init_rounds() {
     let st = stages(2);
     let sp = spec(150, DType::F32);
-    let seg: Vec<Arc<Staging>> = st.iter().map(|h| h.staging(&sp).unwrap()).collect();
+    let seg: Vec<Arc<SharedTensor>> = st.iter().map(|h| h.tensor(&sp).unwrap()).collect();
     let never = || None;
     let x = vec![5.0f32; 150];
     let y = vec![7.0f32; 150];
@@ -206,7 +206,7 @@ fn a_server_that_does_not_share_the_workers_memory_is_a_clear_error() {
 fn a_lock_held_by_a_lost_worker_gives_way_to_the_jobs_failure() {
     let st = stages(2);
     let sp = spec(10, DType::F32);
-    let seg = st[0].staging(&sp).unwrap();
+    let seg = st[0].tensor(&sp).unwrap();
     // A worker that died holding chunk 0's lock.
     seg.word(0, 0, LOCK).store(1, Ordering::Release);
     let failed = || Some("worker 1 was lost".to_string());

@@ -13,7 +13,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 15;
+pub const VERSION: u8 = 16;
 pub const HEADER_LEN: usize = 32;
 
 /// Flag bit: divide the sum by the number of workers before returning it.
@@ -88,7 +88,7 @@ msg_types! {
     StatusReply = 40, "shared service -> operator: the report, JSON text";
     Join = 41, "worker -> scheduler: this worker has no more data (Horovod's join): it pushes zeros for the others' operations until every worker joined";
     Joined = 42, "scheduler -> workers: a worker joined; announce your operations in flight and to come (JoinOp)";
-    JoinOp = 43, "worker -> scheduler -> joined workers: an operation (name, size, dtype, flags, round) a joined worker must push zeros for";
+    JoinOp = 43, "worker -> scheduler -> joined workers: an operation (name, size, dtype, flags, round, freed after it) a joined worker must push zeros for";
     JoinDone = 44, "scheduler -> workers: every worker joined (payload: the last one); all go on";
     SetOp = 45, "worker -> scheduler: an operation of a process set, for the workers outside it (listed) to push zeros for; forwarded to them as JoinOp";
     ServerJoined = 46, "scheduler -> members: a server joined the running job (its address and ports); workers connect to it";

@@ -11,11 +11,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::client::ClientConfig;
-use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 use crate::scheduler::{RackMode, SchedulerConfig, ServiceConfig};
 use crate::server::{ServerConfig, ServiceServerConfig};
 use crate::settings::{Setting, SETTINGS};
+use crate::sum_order::SumOrder;
 
 /// The job's token (`None` or empty: no token, see `protocol::auth`).
 fn secret_of(token: Option<String>) -> Secret {

@@ -2,9 +2,9 @@
 //! errors of a job as a whole (`SchedulerError`).
 
 use super::racks::RackMode;
-use crate::order::SumOrder;
 use crate::protocol::auth::Secret;
 use crate::settings::defaults;
+use crate::sum_order::SumOrder;
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {

@@ -331,7 +331,7 @@ pub(super) fn check_registration(cfg: &SchedulerConfig, reg: &Register) -> Resul
         return Err(Refusal::JobSize { role, what: "servers", got: reg.num_servers, want: cfg.num_servers });
     }
     if reg.sum_order != cfg.sum_order {
-        let flag = |o: crate::order::SumOrder| o.is_deterministic() as u8;
+        let flag = |o: crate::sum_order::SumOrder| o.is_deterministic() as u8;
         return Err(Refusal::SumOrder { role, got: flag(reg.sum_order), want: flag(cfg.sum_order) });
     }
     if reg.training != cfg.training {
@@ -518,7 +518,7 @@ mod tests {
             local_rank: -1,
             local_size: -1,
             rack: String::new(),
-            sum_order: crate::order::SumOrder::Arrival,
+            sum_order: crate::sum_order::SumOrder::Arrival,
             training: crate::training::Training::Synchronous,
             elastic: None,
         };

@@ -350,9 +350,9 @@ impl Shared {
     /// the workers `to`, outside the set, push zeros for it (sent as a
     /// `JoinOp`). Returns why the announcement is invalid, if it is.
     pub fn forward_set_op(&self, st: &State, from: u32, op: Control) -> Result<(), String> {
-        let Control::SetOp { to, name, numel, dtype, flags, round } = op else { return Ok(()) };
+        let Control::SetOp { to, name, numel, dtype, flags, round, release_after } = op else { return Ok(()) };
         let to = set_op_targets(from, &to, &name, self.cfg.num_workers)?;
-        let msg = Control::JoinOp { name, numel, dtype, flags, round };
+        let msg = Control::JoinOp { name, numel, dtype, flags, round, release_after };
         // One that left is not waited for: the announcer's op fails on its PeerLeft.
         for m in st.members.workers().filter(|m| to.contains(&m.rank)) {
             m.send(&msg, self.cfg.namespace);

@@ -19,13 +19,13 @@ use std::time::Duration;
 use crossbeam_channel::bounded;
 use mio::{Poll, Waker};
 
-use crate::host::{host_tag, Staging};
-use crate::order::SumOrder;
+use crate::host::{host_tag, SharedTensor};
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
 use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_SERVER};
 use crate::session::{Joining, Session, SessionError};
 use crate::settings::defaults;
+use crate::sum_order::SumOrder;
 use thread::{LinkTo, NewLink, ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
@@ -546,11 +546,11 @@ struct Segments {
     job_id: u64,
     host_tag: u64,
     mappers: usize,
-    open: HashMap<u32, Arc<Staging>>,
+    open: HashMap<u32, Arc<SharedTensor>>,
 }
 
 impl Segments {
-    fn map(&mut self, specs: &[TensorSpec]) -> Result<Vec<(u32, Arc<Staging>)>, String> {
+    fn map(&mut self, specs: &[TensorSpec]) -> Result<Vec<(u32, Arc<SharedTensor>)>, String> {
         if self.mappers == 0 {
             return Ok(Vec::new());
         }
@@ -559,7 +559,7 @@ impl Segments {
             let st = match self.open.get(&s.key) {
                 Some(st) => st.clone(),
                 None => {
-                    let st = Arc::new(Staging::open(self.job_id, self.host_tag, s, self.mappers)?);
+                    let st = Arc::new(SharedTensor::open(self.job_id, self.host_tag, s, self.mappers)?);
                     self.open.insert(s.key, st.clone());
                     st
                 }

@@ -626,8 +626,10 @@ fn small_partitions_still_deliver_stall_notices() {
 fn push_pull_live(c: &Client, name: &str, mut buf: Vec<f32>, live: (usize, usize)) -> Vec<f32> {
     let nbytes = buf.len() * 4;
     // SAFETY: buf lives until the op completes (waited below, or the test fails).
-    let op = unsafe { c.push_pull_live(buf.as_mut_ptr() as *mut u8, nbytes, DType::F32, name, 0, 0, None, Some(live)) }
-        .unwrap();
+    let op = unsafe {
+        c.push_pull_live(buf.as_mut_ptr() as *mut u8, nbytes, DType::F32, name, 0, false, 0, None, Some(live))
+    }
+    .unwrap();
     op.wait(Some(IO_TIMEOUT)).unwrap();
     buf
 }

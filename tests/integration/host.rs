@@ -2,7 +2,7 @@
 //! and push one share each. Real scheduler, servers and clients; each
 //! client is put on a host by name (`ClientConfig::host`).
 
-use gradhub::client::{Client, RELEASE_AFTER};
+use gradhub::client::Client;
 use gradhub::protocol::{DType, DeclEntry, FLAG_AVERAGE, FLAG_INIT};
 use half::{bf16, f16};
 
@@ -376,6 +376,16 @@ fn a_round_waiting_for_a_local_worker_is_reported_naming_it() {
     finish(job, clients);
 }
 
+/// In-place push_pull of f32 `buf` whose tensor is freed once it completes.
+fn push_pull_then_release(c: &Client, name: &str, mut buf: Vec<f32>) -> Vec<f32> {
+    let nbytes = buf.len() * 4;
+    // SAFETY: buf lives until the op completes (waited below, or the test fails).
+    let op =
+        unsafe { c.push_pull_live(buf.as_mut_ptr().cast(), nbytes, DType::F32, name, 0, true, 0, None, None) }.unwrap();
+    op.wait(Some(IO_TIMEOUT)).unwrap();
+    buf
+}
+
 #[test]
 fn unnamed_ops_and_reshaped_names_free_their_state_through_the_host_stage() {
     // Server 1 shares host a (pushes by reference).
@@ -388,7 +398,7 @@ fn unnamed_ops_and_reshaped_names_free_their_state_through_the_host_stage() {
                     let n = 1 + (i * 733) % 3000;
                     let mine: Vec<f32> = (0..n).map(|j| v(c.rank, j)).collect();
                     let name = format!("push_pull.noname.{i}");
-                    let got = push_pull(c, &name, mine, DType::F32, RELEASE_AFTER, 0).unwrap();
+                    let got = push_pull_then_release(c, &name, mine);
                     let want: Vec<f32> = (0..n).map(|j| (0..3).map(|r| v(r, j)).sum()).collect();
                     assert_eq!(got, want, "worker {} op {i}", c.rank);
                 }

@@ -63,15 +63,15 @@ p = torch.nn.Parameter(torch.ones(3))
 expect(ValueError, "requires grad", lambda: hvd.allreduce_(p, name="p"))
 expect(ValueError, "requires grad", lambda: hvd.broadcast_(p, 0, name="p2"))
 # CUDA requested without a GPU: torch cannot even build such a tensor here,
-# so exercise gradhub's staging check with a stand-in that claims to be on CUDA.
+# so exercise gradhub's host-copy check with a stand-in that claims to be on CUDA.
 if not torch.cuda.is_available():
-    from gradhub.buffers import stage
+    from gradhub.buffers import host_memory
 
     class OnCuda:
         device = torch.device("cuda", 0)
 
-    expect(RuntimeError, "no GPU is available", lambda: stage(OnCuda()))
-    expect(ValueError, "CPU and CUDA tensors", lambda: stage(torch.ones(2, device="meta")))
+    expect(RuntimeError, "no GPU is available", lambda: host_memory(OnCuda()))
+    expect(ValueError, "CPU and CUDA tensors", lambda: host_memory(torch.ones(2, device="meta")))
     expect(ValueError, "CPU and CUDA tensors", lambda: hvd.allreduce(torch.ones(2, device="meta"), name="meta"))
 # Wrong arguments.
 expect(ValueError, "not both", lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum))

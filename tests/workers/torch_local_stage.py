@@ -1,5 +1,5 @@
 """Worker: exact sums through gradhub.torch with the local stage of
-GRADHUB_LOCAL_STAGE, and the bytes the staging layer copied.
+GRADHUB_LOCAL_STAGE, and the bytes the copy layer copied.
 
 Config: sizes, dtypes, rounds, in_flight (every tensor started at once,
 with priorities, then waited for), average, named (False: generated names),
@@ -14,7 +14,7 @@ import torch
 
 import gradhub.torch as hvd
 from common import CONFIG
-from gradhub.torch import local_stage, staging
+from gradhub.torch import copies, local_stage
 
 torch.set_num_threads(1)
 hvd.init()
@@ -58,7 +58,7 @@ def host_totals(mine: int) -> int:
 
 expected_bytes = 0
 total_bytes = 0
-before = staging.counters.snapshot()
+before = copies.counters.snapshot()
 for rnd in range(rounds):
     handles, want = {}, {}
     for dt in dtypes:
@@ -88,7 +88,7 @@ for rnd in range(rounds):
         assert torch.equal(got.to(torch.float64), ref.to(got.dtype).to(torch.float64)), \
             (key, rnd, got[:8].tolist(), ref[:8].tolist())
 
-d2h, h2d = (a - b for a, b in zip(staging.counters.snapshot(), before))
+d2h, h2d = (a - b for a, b in zip(copies.counters.snapshot(), before))
 if stage == "torch":
     # Each worker copied its share to the host and back; the host's workers together the whole tensors once.
     assert d2h == expected_bytes and h2d == expected_bytes, (d2h, h2d, expected_bytes)
@@ -104,11 +104,11 @@ if CONFIG.get("train", False):
                                    sufficient_factors="off")
     hvd.broadcast_parameters(model.state_dict())
     x = torch.randn(8, 13, generator=torch.Generator().manual_seed(r)).to(dev)
-    before = staging.counters.snapshot()[0]
+    before = copies.counters.snapshot()[0]
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()
-    staged = staging.counters.snapshot()[0] - before
+    staged = copies.counters.snapshot()[0] - before
     grads = sum(my_share(p.numel()) * p.element_size() for p in model.parameters())
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     want = grads if stage == "torch" else 0

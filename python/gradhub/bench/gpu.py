@@ -11,7 +11,7 @@ this machine):
 2. training equivalence: a small CNN (float64) trained through the torch
    stage by the workers on their shards against one process on the
    combined batch;
-3. the staging layer's device-to-host bandwidth against a plain pinned copy
+3. the copy layer's device-to-host bandwidth against a plain pinned copy
    of the same bytes (one GPU, in this process);
 4. images/s of a synthetic ResNet-50 under DDP/NCCL and under gradhub
    (DistributedOptimizer, GRADHUB_LOCAL_STAGE=auto), side by side.
@@ -85,10 +85,10 @@ def _device(torch, local_rank: int):
 
 
 def _sums(torch, hvd, dev) -> dict:
-    from ..torch import staging
+    from ..torch import copies
 
     r, n = hvd.rank(), hvd.size()
-    before = staging.counters.snapshot()[0]
+    before = copies.counters.snapshot()[0]
     checked, tensor_bytes = 0, 0
     for dt_name in DTYPES:
         dt = getattr(torch, dt_name)
@@ -100,7 +100,7 @@ def _sums(torch, hvd, dev) -> dict:
                 raise AssertionError(f"{dt_name} x {s}: {got[:5].tolist()} != {ref[:5].tolist()}")
             checked += 1
             tensor_bytes += s * t.element_size() * (8 if dt == torch.uint8 else 1)  # uint8 travels as int64
-    return {"checked": checked, "staged_bytes": staging.counters.snapshot()[0] - before, "tensor_bytes": tensor_bytes}
+    return {"checked": checked, "staged_bytes": copies.counters.snapshot()[0] - before, "tensor_bytes": tensor_bytes}
 
 
 def _train(torch, hvd, dev) -> dict:
@@ -238,12 +238,12 @@ def _ddp_job(workers: int, steps: int, batch: int) -> dict:
 
 
 def _bandwidth(torch) -> dict:
-    """Device-to-host GB/s of a 256 MiB tensor: a plain pinned copy, and the staging layer's."""
-    from ..torch.cuda_staging import CudaStaging
+    """Device-to-host GB/s of a 256 MiB tensor: a plain pinned copy, and the copy layer's."""
+    from ..torch.cuda_copies import CudaCopies
 
     t = torch.randn(64 << 20, device="cuda")
     pinned = torch.empty(t.numel(), pin_memory=True)
-    st = CudaStaging()
+    st = CudaCopies()
     host = st.buffers.get("bench", t.numel(), t.dtype)
 
     def timed(fn) -> float:
@@ -263,8 +263,8 @@ def _bandwidth(torch) -> dict:
 def _table(report: dict) -> str:
     rows = ["| part | result |", "|---|---|"]
     for stage, s in report.get("sums", {}).items():
-        # The shm stage's CUDA tensors go whole through the core's pinned copy (buffers.stage), which the
-        # staging layer's counters do not see; on CPU it copies nothing.
+        # The shm stage's CUDA tensors go whole through the core's pinned copy (buffers.host_memory), which
+        # the copy layer's counters do not see; on CPU it copies nothing.
         how = {"shm": " (CUDA tensors copied whole by the core's path)" if report.get("gpus") else "",
                "torch": " (one host: one all-reduce, no server round)"}.get(stage, "")
         rows.append(f"| exact sums, {stage} stage | {s['checked']} tensors x {s['workers']} workers on {s['hosts']} "

@@ -7,7 +7,7 @@ For a tensor (or a fusion bucket) of n elements, on a host of W workers:
 
 1. reduce-scatter over the host's group: local rank j ends with the host's
    sum of share j (n split into W equal shares, the last padded);
-2. `staging` copies share j into the tensor's host buffer (zeros elsewhere)
+2. `copies.py` copies share j into the tensor's host buffer (zeros elsewhere)
    and the core push_pulls the whole buffer under the tensor's name with
    `live` = share j, so only the share's chunks leave with data (the rest
    are zeros, pushed as a header); the sum over every worker of every host
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from .. import GradhubError, GradhubTimeoutError
 from .. import _env
 from .. import api as _api
-from . import staging as _staging
+from . import copies as _copies
 
 _TIMEOUT = datetime.timedelta(seconds=600)
 # A host mate that dies or freezes never finishes a local collective, and
@@ -114,21 +114,21 @@ class _Waiter:
             raise GradhubError(f"{what} with this host's workers failed: {failed[0]}") from failed[0]
 
 
-_cpu_staging = _staging.CpuStaging()
-_cuda_staging = None
+_cpu_copies = _copies.CpuCopies()
+_cuda_copies = None
 
 
-def _staging_for(t: torch.Tensor):
-    """The copy layer of `t`'s device (staging.py; CUDA's, cuda_staging.py,
+def _copies_for(t: torch.Tensor):
+    """The copy layer of `t`'s device (copies.py; CUDA's, cuda_copies.py,
     made on first use)."""
-    global _cuda_staging
+    global _cuda_copies
     if t.device.type != "cuda":
-        return _cpu_staging
-    if _cuda_staging is None:
-        from .cuda_staging import CudaStaging
+        return _cpu_copies
+    if _cuda_copies is None:
+        from .cuda_copies import CudaCopies
 
-        _cuda_staging = CudaStaging()
-    return _cuda_staging
+        _cuda_copies = CudaCopies()
+    return _cuda_copies
 
 
 def host_key() -> int:
@@ -172,7 +172,7 @@ class LocalGroup:
             g = self._groups.get(kind)
             if g is None:
                 if kind == "cuda":
-                    from .cuda_staging import nccl_group as make
+                    from .cuda_copies import nccl_group as make
                 else:
                     def make(store, rank, size):
                         return dist.ProcessGroupGloo(store, rank, size, _TIMEOUT)
@@ -200,7 +200,7 @@ class LocalGroup:
     def push_pull_async(self, buf: torch.Tensor, name: str, average: bool, priority: int) -> "Handle":
         flat = buf.view(-1)
         n = flat.numel()
-        st = _staging_for(buf)
+        st = _copies_for(buf)
         op = _Op(buf, name, st)
         if self.whole_job:
             op.whole = True
@@ -231,8 +231,8 @@ class LocalGroup:
                 if op.rs is not None:
                     self._waiters["stage"].wait(op.rs, f"the reduce-scatter of '{op.name}'", op.buf.device)
                 valid = op.share[:op.stop - op.start]
-                host = op.staging.buffers.get(op.name, op.buf.numel(), op.buf.dtype)
-                op.staging.to_host(valid, host, op.start, check=lambda: check_job(f"the reduce-scatter of '{op.name}'"))
+                host = op.copies.buffers.get(op.name, op.buf.numel(), op.buf.dtype)
+                op.copies.to_host(valid, host, op.start, check=lambda: check_job(f"the reduce-scatter of '{op.name}'"))
                 op.host = host
                 op.core = _api.push_pull_async(host, name=op.name, average=op.args[0], priority=op.args[1],
                                                live=(op.start, op.stop))
@@ -247,7 +247,7 @@ class LocalGroup:
                 self._waiters["stage"].wait(op.rs, f"the all-reduce of '{op.name}'", op.buf.device)
             if op.args[0]:
                 op.buf.div_(self.size)  # the servers' average: over every worker, all of them here
-            op.ready = op.staging.record(op.buf)
+            op.ready = op.copies.record(op.buf)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             op.error = e
         op.finish()
@@ -258,7 +258,7 @@ class LocalGroup:
             try:
                 if op.error is None:
                     op.core.wait()
-                    op.staging.from_host(op.host, op.start, op.share[:op.stop - op.start])
+                    op.copies.from_host(op.host, op.start, op.share[:op.stop - op.start])
                     if self.size > 1 and op.share.numel():
                         ag = self.groups(op.buf.device)[1]
                         self._waiters["gather"].wait(ag.allgather([list(op.work.split(op.share.numel()))], [op.share]),
@@ -266,19 +266,19 @@ class LocalGroup:
                     flat = op.buf.view(-1)
                     if op.work.data_ptr() != flat.data_ptr():
                         flat.copy_(op.work[:flat.numel()])
-                    op.ready = op.staging.record(op.buf)
+                    op.ready = op.copies.record(op.buf)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 op.error = e
             if isinstance(op.name, _api.AutoName):
-                op.staging.buffers.drop(op.name)
+                op.copies.buffers.drop(op.name)
             op.finish()
 
 
 class _Op:
     """One operation through the stage, from reduce-scatter to all-gather."""
 
-    def __init__(self, buf: torch.Tensor, name: str, staging):
-        self.buf, self.name, self.staging = buf, name, staging
+    def __init__(self, buf: torch.Tensor, name: str, copies):
+        self.buf, self.name, self.copies = buf, name, copies
         self.start = self.stop = 0
         self.work = self.share = self.rs = self.host = self.core = self.ready = None
         self.whole = False  # the job is on one host: one all-reduce (`LocalGroup.whole_job`)
@@ -321,7 +321,7 @@ class Handle:
             raise GradhubTimeoutError(f"'{op.name}' did not complete within {timeout}s (torch local stage)")
         if op.error is not None:
             raise op.error
-        op.staging.wait(op.ready)  # the caller's stream waits for the result (CUDA); nothing on CPU
+        op.copies.wait(op.ready)  # the caller's stream waits for the result (CUDA); nothing on CPU
         return op.buf
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:

@@ -1,13 +1,14 @@
 //! Admission: when a queued chunk may go on the wire. Per connection two
 //! credit windows (`Window`: unreceived, unreturned), worker-wide the
 //! spread (`Spread`), and the credit split across connections in
-//! proportion to the bytes placed on each (`split_credit`).
+//! proportion to the bytes placed on each (`split_credit`); its state is
+//! `Admission`'s.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::Ordering;
-use std::sync::MutexGuard;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
-use super::flow::Order;
+use super::flow::SendOrder;
 use super::Io;
 use crate::protocol::TensorSpec;
 
@@ -16,24 +17,24 @@ use crate::protocol::TensorSpec;
 #[derive(Default)]
 pub(super) struct Window {
     pub(super) bytes: usize,
-    orders: BTreeMap<Order, usize>,
+    orders: BTreeMap<SendOrder, usize>,
 }
 
 impl Window {
-    pub(super) fn insert(&mut self, order: Order, len: usize) {
+    pub(super) fn insert(&mut self, order: SendOrder, len: usize) {
         self.bytes += len;
         if let Some(old) = self.orders.insert(order, len) {
             self.bytes -= old;
         }
     }
-    pub(super) fn remove(&mut self, order: &Order) {
+    pub(super) fn remove(&mut self, order: &SendOrder) {
         if let Some(len) = self.orders.remove(order) {
             self.bytes -= len;
         }
     }
     /// Whether a chunk of this order may go: within `limit`, or, over it,
     /// if it comes before every chunk in the window (preemption).
-    pub(super) fn admits(&self, order: Order, len: usize, limit: usize) -> bool {
+    pub(super) fn admits(&self, order: SendOrder, len: usize, limit: usize) -> bool {
         self.bytes == 0 || self.bytes + len <= limit || self.orders.keys().next().is_some_and(|&f| order < f)
     }
     /// Whether a chunk of this order may go when only the chunks that come
@@ -41,7 +42,7 @@ impl Window {
     /// unfinished chunk of the job has none before it, so it can always
     /// move (no deadlock), and a newly urgent tensor is not held back by
     /// less urgent chunks still waiting for other workers.
-    pub(super) fn admits_before(&self, order: Order, len: usize, limit: usize) -> bool {
+    pub(super) fn admits_before(&self, order: SendOrder, len: usize, limit: usize) -> bool {
         let mut ahead = 0;
         for (_, &l) in self.orders.range(..order) {
             ahead += l;
@@ -65,11 +66,11 @@ impl Window {
 pub(super) struct Spread {
     pub(super) window: Window,
     /// Each chunk's order and connection (to drop a lost one's).
-    pub(super) entries: HashMap<(u32, u32), (Order, usize)>,
+    pub(super) entries: HashMap<(u32, u32), (SendOrder, usize)>,
 }
 
 impl Spread {
-    pub(super) fn insert(&mut self, key: u32, chunk: u32, order: Order, len: usize, slot: usize) {
+    pub(super) fn insert(&mut self, key: u32, chunk: u32, order: SendOrder, len: usize, slot: usize) {
         // A chunk re-queued (failover) replaces its entry.
         self.remove(key, chunk);
         self.window.insert(order, len);
@@ -85,6 +86,67 @@ impl Spread {
         for (key, chunk) in gone {
             self.remove(key, chunk);
         }
+    }
+}
+
+/// The worker's admission state: the base credit, the bytes placed on
+/// each connection (which split it), and the spread.
+pub(super) struct Admission {
+    /// The base credit per connection (`set_credit` may change it).
+    credit: AtomicUsize,
+    /// Bytes of all declared tensors placed on each connection's server thread.
+    placed: Mutex<Vec<u64>>,
+    /// See `Spread` and `spread_limit`.
+    spread: Mutex<Spread>,
+    fixed: Option<usize>,
+    /// The default spread for the current placement (`split_credit`).
+    auto: AtomicUsize,
+    /// Some connection waits for the spread to shrink (see `Conn::spread_blocked`).
+    pub(super) blocked: AtomicBool,
+}
+
+impl Admission {
+    /// `credit` per connection; `spread`: a fixed limit (Some(0): off), or
+    /// None for the default.
+    pub(super) fn new(credit: usize, spread: Option<usize>) -> Admission {
+        Admission {
+            credit: AtomicUsize::new(credit),
+            placed: Mutex::new(Vec::new()),
+            spread: Mutex::new(Spread::default()),
+            fixed: spread,
+            auto: AtomicUsize::new(0),
+            blocked: AtomicBool::new(false),
+        }
+    }
+
+    pub(super) fn credit(&self) -> usize {
+        self.credit.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn placed(&self) -> MutexGuard<'_, Vec<u64>> {
+        self.placed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The spread's default for shares placed as `shares`.
+    fn set_auto(&self, shares: &[u64]) {
+        let auto = if uneven(shares) { crate::DEFAULT_CREDIT_BYTES * crate::SPREAD_CREDITS } else { 0 };
+        self.auto.store(auto, Ordering::Relaxed);
+    }
+
+    /// Chunks in the spread, and their bytes (see `IoStats`).
+    pub(super) fn unreceived(&self) -> (usize, usize) {
+        let sp = self.spread();
+        (sp.entries.len(), sp.window.bytes)
+    }
+
+    /// Bytes that may come before a chunk in the spread for it to go; 0: no
+    /// limit. Unless set, 2 MiB while the placed shares are uneven, else none.
+    pub(super) fn spread_limit(&self) -> usize {
+        self.fixed.unwrap_or_else(|| self.auto.load(Ordering::Relaxed))
+    }
+
+    pub(super) fn spread(&self) -> MutexGuard<'_, Spread> {
+        self.spread.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -123,7 +185,7 @@ impl Io {
     /// `placed`: the tensor was declared (true) or released (false).
     pub fn note_placement(&self, spec: &TensorSpec, placed: bool) {
         let shares = {
-            let mut bytes = self.placed.lock().unwrap_or_else(|e| e.into_inner());
+            let mut bytes = self.admission.placed();
             for (c, &slot) in spec.slots.iter().enumerate() {
                 if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
                     continue; // another worker on this host pushes it
@@ -140,65 +202,50 @@ impl Io {
     }
 
     pub(super) fn split_credit(&self, shares: &[u64]) {
-        for (c, credit) in self.conns.iter().zip(split_credit(self.credit.load(Ordering::Relaxed), shares)) {
+        for (c, credit) in self.send.conns.iter().zip(split_credit(self.admission.credit(), shares)) {
             c.send().credit = credit;
         }
-        let auto = if uneven(shares) { crate::DEFAULT_CREDIT_BYTES * crate::SPREAD_CREDITS } else { 0 };
-        self.spread_auto.store(auto, Ordering::Relaxed);
+        self.admission.set_auto(shares);
     }
 
     pub fn credit(&self) -> usize {
-        self.credit.load(Ordering::Relaxed)
+        self.admission.credit()
     }
 
     /// Change the base credit per connection (autotuning); a larger window
     /// is used from the next chunk each connection sends.
     pub fn set_credit(&self, bytes: usize) {
-        self.credit.store(bytes.max(1), Ordering::Relaxed);
-        let shares = self.placed.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.admission.credit.store(bytes.max(1), Ordering::Relaxed);
+        let shares = self.admission.placed().clone();
         self.split_credit(&shares);
-        self.pump_all(&(0..self.conns.len()).collect::<Vec<_>>());
-    }
-
-    /// Chunks in the spread, and their bytes (see `IoStats`).
-    pub(super) fn unreceived(&self) -> (usize, usize) {
-        let sp = self.spread();
-        (sp.entries.len(), sp.window.bytes)
-    }
-
-    /// Bytes that may come before a chunk in the spread for it to go; 0: no
-    /// limit. Unless set, 2 MiB while the placed shares are uneven, else none.
-    pub(super) fn spread_limit(&self) -> usize {
-        self.spread_fixed.unwrap_or_else(|| self.spread_auto.load(Ordering::Relaxed))
-    }
-
-    pub(super) fn spread(&self) -> MutexGuard<'_, Spread> {
-        self.spread.lock().unwrap_or_else(|e| e.into_inner())
+        self.pump_all(&(0..self.send.conns.len()).collect::<Vec<_>>());
     }
 
     /// Chunk `chunk` of `key` is no longer in the spread: pump the
     /// connections that waited for it to shrink (a failure there is theirs,
     /// not the caller's connection's).
     pub(super) fn spread_done(&self, key: u32, chunk: u32) {
-        if self.spread_fixed == Some(0) {
+        let adm = &self.admission;
+        if adm.fixed == Some(0) {
             return; // off for good: nothing was counted
         }
         {
-            let mut sp = self.spread();
+            let mut sp = adm.spread();
             sp.remove(key, chunk);
-            if !self.spread_blocked.swap(false, Ordering::AcqRel) {
+            if !adm.blocked.swap(false, Ordering::AcqRel) {
                 return;
             }
         }
+        let conns = &self.send.conns;
         let blocked: Vec<usize> =
-            (0..self.conns.len()).filter(|&i| self.conns[i].spread_blocked.swap(false, Ordering::AcqRel)).collect();
+            (0..conns.len()).filter(|&i| conns[i].spread_blocked.swap(false, Ordering::AcqRel)).collect();
         self.pump_all(&blocked);
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{split_credit, uneven, Order, Spread, Window};
+    use super::{split_credit, uneven, SendOrder, Spread, Window};
 
     #[test]
     fn the_spread_is_for_uneven_shares_only() {
@@ -212,7 +259,7 @@ mod tests {
     }
     use std::cmp::Reverse;
 
-    fn order(priority: i32, key: u32, chunk: u32) -> Order {
+    fn order(priority: i32, key: u32, chunk: u32) -> SendOrder {
         (Reverse(priority), key, chunk, 0)
     }
 

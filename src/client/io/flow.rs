@@ -1,5 +1,5 @@
 //! One chunk's way through this worker: what is queued on a connection
-//! (`SendItem`, in the job-wide `Order`), where its bytes come from
+//! (`SendItem`, in the job-wide `SendOrder`), where its bytes come from
 //! (`ChunkSrc`), and the active round it belongs to (`Active`).
 
 use std::collections::HashMap;
@@ -51,7 +51,7 @@ pub(super) enum SendItem {
 
 impl SendItem {
     /// Position in the job-wide order (smaller = sooner).
-    pub(super) fn order(&self) -> Order {
+    pub(super) fn order(&self) -> SendOrder {
         match self {
             SendItem::Chunk(c) => (std::cmp::Reverse(c.priority), c.key, c.chunk, c.seq),
             // Control frames: FIFO among themselves, before every push.
@@ -59,7 +59,10 @@ impl SendItem {
         }
     }
 }
-pub(super) type Order = (std::cmp::Reverse<i32>, u32, u32, u64);
+/// A send's place in the job-wide order (priority descending, key, chunk,
+/// then queueing): which chunk goes first, not the order sums add in
+/// (`crate::sum_order`).
+pub(super) type SendOrder = (std::cmp::Reverse<i32>, u32, u32, u64);
 
 /// What the frame being written carries: a chunk of a caller's buffer, or
 /// nothing beyond its encoded bytes (control frames).
@@ -109,7 +112,7 @@ pub(super) enum Route {
     Caller,
     /// Pushed from the caller's buffer; the result lands in the tensor's
     /// kept copy and is copied over once whole (failover on: the buffer
-    /// holds this worker's push until then, see `moves::Kept`).
+    /// holds this worker's push until then, see `failover::Kept`).
     Kept,
     /// The host's sum in shared memory, which this worker pushes for its
     /// host (by reference when its server maps the segment); the result
@@ -143,7 +146,7 @@ impl Active {
     pub(super) fn push_src(&self, c: usize) -> Option<ChunkSrc> {
         match (self.route(c), &self.host) {
             (Route::HostOwner, Some(h)) => {
-                let (ptr, len) = h.staging.wire(c, self.round);
+                let (ptr, len) = h.shared.wire(c, self.round);
                 Some(ChunkSrc { ptr, len })
             }
             (Route::Caller | Route::Kept, _) => {
@@ -175,7 +178,7 @@ pub(super) enum Phase {
 }
 
 struct Flight {
-    order: Order,
+    order: SendOrder,
     phase: Phase,
     /// Its stages so far, while a timeline is recorded.
     stamp: Option<Stamp>,
@@ -196,7 +199,7 @@ pub(super) struct InFlight {
 
 impl InFlight {
     /// Queued → on the wire.
-    pub(super) fn sent(&mut self, key: u32, chunk: u32, order: Order, len: usize, stamp: Option<Stamp>) {
+    pub(super) fn sent(&mut self, key: u32, chunk: u32, order: SendOrder, len: usize, stamp: Option<Stamp>) {
         self.forget(key, chunk); // never twice (a chunk re-sent after a move)
         self.unreceived.insert(order, len);
         self.unreturned.insert(order, len);
@@ -248,7 +251,7 @@ impl Io {
     /// (`InFlight::received`), and out of the spread. False if it was not
     /// on the wire there.
     pub(super) fn chunk_received(&self, i: usize, key: u32, chunk: u32) -> bool {
-        if !self.conns[i].send().flights.received(key, chunk) {
+        if !self.send.conns[i].send().flights.received(key, chunk) {
             return false;
         }
         self.spread_done(key, chunk);
@@ -258,7 +261,7 @@ impl Io {
     /// Its result is in: done on connection `i` (`InFlight::done`) and out
     /// of the spread; its stamps, if a timeline is recorded.
     pub(super) fn chunk_returned(&self, i: usize, key: u32, chunk: u32) -> Option<Stamp> {
-        let stamp = self.conns[i].send().flights.done(key, chunk);
+        let stamp = self.send.conns[i].send().flights.done(key, chunk);
         self.spread_done(key, chunk);
         stamp
     }
@@ -266,10 +269,10 @@ impl Io {
 
 #[cfg(test)]
 mod tests {
-    use super::{InFlight, Order, Phase};
+    use super::{InFlight, Phase, SendOrder};
     use std::cmp::Reverse;
 
-    fn order(key: u32, chunk: u32) -> Order {
+    fn order(key: u32, chunk: u32) -> SendOrder {
         (Reverse(0), key, chunk, 0)
     }
 

@@ -3,17 +3,40 @@
 //! owns once the host's sum is ready, taking the others' results once their
 //! owners publish them, and reporting local workers that are late.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::thread::IoCore;
-use super::Io;
-use crate::host::Staging;
+use super::{Io, NONE_LEFT};
+use crate::host::{HostStage, SharedTensor};
 use crate::waits::StallWatch;
 
+/// The host stage as the data plane holds it.
+pub(super) struct HostSide {
+    /// Present when other workers share this host (and host reduction is on).
+    pub(super) stage: Option<HostStage>,
+    /// A host-stage round waiting longer than this is reported (as servers do).
+    pub(super) stall: Duration,
+    /// A worker that left the job (`NONE_LEFT`: none); see `Shared::on_peer_left`.
+    left: AtomicU32,
+}
+
+impl HostSide {
+    pub(super) fn new(stage: Option<HostStage>, stall: Duration) -> HostSide {
+        HostSide { stage, stall, left: AtomicU32::new(NONE_LEFT) }
+    }
+
+    /// The worker that left, if one did.
+    pub(super) fn left(&self) -> Option<u32> {
+        Some(self.left.load(Ordering::Acquire)).filter(|&r| r != NONE_LEFT)
+    }
+}
+
 /// A round through the host stage: which chunks this worker pushes (for
-/// the host, from `staging`), and which of those it has queued.
+/// the host, from `tensor`), and which of those it has queued.
 pub(super) struct HostRound {
-    pub(super) staging: Arc<Staging>,
+    pub(super) shared: Arc<SharedTensor>,
     pub(super) owned: Vec<bool>,
     pub(super) pushed: Vec<bool>,
     /// Since this worker contributed.
@@ -21,22 +44,28 @@ pub(super) struct HostRound {
 }
 
 impl Io {
+    /// Worker `rank` left the job while this one goes on: a host-stage
+    /// round submitted from now on checks for it.
+    pub fn set_left(&self, rank: u32) {
+        self.host.left.store(rank, Ordering::Release);
+    }
+
     /// An active round of this host's stage that still waits for worker
     /// `rank`'s contribution (so, if it left, will never complete).
     pub fn waits_for_local(&self, rank: u32) -> Option<String> {
-        let h = self.host.as_ref()?;
+        let h = self.host.stage.as_ref()?;
         let local = h.workers.iter().position(|&r| r == rank)?;
         let ops = self.ops();
         ops.active
             .values()
-            .find(|a| a.host.as_ref().is_some_and(|hr| hr.staging.missing(a.round) & (1 << local) != 0))
+            .find(|a| a.host.as_ref().is_some_and(|hr| hr.shared.missing(a.round) & (1 << local) != 0))
             .map(|a| a.spec.name.clone())
     }
 }
 
 impl IoCore {
     pub(super) fn ring_pending(&mut self) {
-        if let (Some(h), bells) = (&self.io.host, std::mem::take(&mut self.bells)) {
+        if let (Some(h), bells) = (&self.io.host.stage, std::mem::take(&mut self.bells)) {
             if bells != 0 {
                 h.bells.ring_mask(bells);
             }
@@ -47,15 +76,15 @@ impl IoCore {
     /// worker's contribution: logged once, and quoted by a timed-out wait.
     pub(super) fn check_host_stalls(&mut self) {
         let io = &self.io;
-        let Some(h) = &io.host else { return };
+        let Some(h) = &io.host.stage else { return };
         let mut ops = io.ops();
         for a in ops.active.values_mut() {
             let Some(hr) = &mut a.host else { continue };
-            let missing = hr.staging.missing(a.round);
+            let missing = hr.shared.missing(a.round);
             if missing == 0 {
                 continue; // the host's sums are complete: servers watch the rest
             }
-            let Some(waited) = hr.stall.overdue(io.stall) else { continue };
+            let Some(waited) = hr.stall.overdue(io.host.stall) else { continue };
             let ranks: Vec<u32> =
                 h.workers.iter().enumerate().filter(|(l, _)| missing >> l & 1 == 1).map(|(_, &r)| r).collect();
             let msg = format!(
@@ -74,7 +103,7 @@ impl IoCore {
     pub(super) fn scan_host(&mut self) {
         let io = self.io.clone();
         let io = &*io;
-        let Some(h) = &io.host else { return };
+        let Some(h) = &io.host.stage else { return };
         h.doorbell.drain();
         let mut touched = Vec::new();
         let mut published = Vec::new();
@@ -89,10 +118,10 @@ impl IoCore {
                         continue;
                     }
                     if hr.owned[c] {
-                        if !hr.pushed[c] && hr.staging.ready(c, a.round) {
+                        if !hr.pushed[c] && hr.shared.ready(c, a.round) {
                             push.push(c);
                         }
-                    } else if hr.staging.has_result(c, a.round) {
+                    } else if hr.shared.has_result(c, a.round) {
                         published.push((a.spec.key, c));
                     }
                 }

@@ -1,9 +1,10 @@
-//! The data connections (links) to server threads: their table (`ConnTable`),
-//! each one's send half (priority queue, windows, writer) and `LinkState`,
-//! and the pump that writes as much as admission and the socket allow.
+//! The send side (`SendSide`): the data connections (links) to server
+//! threads, their table (`ConnTable`), each one's send half (priority
+//! queue, windows, writer) and `LinkState`, and the pump that writes as
+//! much as admission and the socket allow.
 
 use std::collections::BinaryHeap;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
@@ -16,6 +17,56 @@ use super::Io;
 use crate::client::ClientError;
 use crate::protocol::{Header, MsgType, ReadError, MAX_JOINED_SLOTS};
 use crate::transport::{ConnError, Connection, FrameWriter, Outgoing};
+
+/// The send side of the data plane: the connections, the registry they
+/// are watched through (the I/O thread's poll), and what was pushed.
+pub(super) struct SendSide {
+    pub(super) conns: ConnTable,
+    pub(super) registry: mio::Registry,
+    pub(super) counts: PushCounts,
+}
+
+impl SendSide {
+    pub(super) fn new(conns: ConnTable, registry: mio::Registry) -> SendSide {
+        SendSide { conns, registry, counts: PushCounts::default() }
+    }
+
+    /// Server connections `conns` belong to a lost server: from now on
+    /// nothing read from them counts. (A server that was only frozen may
+    /// come back and answer rounds its chunks' new servers now hold.)
+    pub(super) fn write_off(&self, conns: &[usize]) {
+        for &i in conns {
+            if let Some(c) = self.conns.get(i) {
+                c.advance(LinkState::WrittenOff);
+            }
+        }
+    }
+}
+
+/// Chunks pushed since the start: by reference, through sockets, and of
+/// those, zeros (a header only).
+#[derive(Default)]
+pub(super) struct PushCounts {
+    by_ref: AtomicU64,
+    by_socket: AtomicU64,
+    zeros: AtomicU64,
+}
+
+impl PushCounts {
+    fn count(&self, by_ref: bool, zeros: bool) {
+        let n = if by_ref { &self.by_ref } else { &self.by_socket };
+        n.fetch_add(1, Ordering::Relaxed);
+        if zeros && !by_ref {
+            self.zeros.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// (by reference, through sockets, zeros).
+    pub(super) fn snapshot(&self) -> (u64, u64, u64) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        (load(&self.by_ref), load(&self.by_socket), load(&self.zeros))
+    }
+}
 
 #[derive(Default)]
 pub(super) struct SendHalf {
@@ -173,15 +224,16 @@ impl Io {
     /// joined: `ServerJoined`) as the next slots, each saying DataHello
     /// (this worker's rank) before anything else.
     pub fn add_conns(&self, streams: Vec<NewConn>) -> std::io::Result<()> {
+        let conns = &self.send.conns;
         for nc in streams {
-            let i = self.conns.len();
-            let link = Connection::new(&self.registry, nc.stream, Token(i), nc.desc)?;
-            let mut send = SendHalf { credit: self.credit.load(Ordering::Relaxed), ..Default::default() };
+            let i = conns.len();
+            let link = Connection::new(&self.send.registry, nc.stream, Token(i), nc.desc)?;
+            let mut send = SendHalf { credit: self.admission.credit(), ..Default::default() };
             // seq 0: ahead of every frame queued later.
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key) = (self.namespace, self.rank);
             send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
-            let by_ref = nc.by_ref && self.host.is_some();
+            let by_ref = nc.by_ref && self.host.stage.is_some();
             let conn = Conn {
                 link,
                 send: Mutex::new(send),
@@ -190,12 +242,12 @@ impl Io {
                 by_ref,
                 spread_blocked: AtomicBool::new(false),
             };
-            if self.conns.push(conn).is_none() {
+            if conns.push(conn).is_none() {
                 return Err(std::io::Error::other(format!("no room for data connection {i}")));
             }
-            self.placed.lock().unwrap_or_else(|e| e.into_inner()).push(0);
-            let _ = self.waker.wake(); // the I/O thread makes room to read it
-            self.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", self.conns[i].desc())))?;
+            self.admission.placed().push(0);
+            self.recv.wake(); // the I/O thread makes room to read it
+            self.pump(i).map_err(|e| std::io::Error::other(format!("{}: {e}", conns[i].desc())))?;
         }
         Ok(())
     }
@@ -204,24 +256,20 @@ impl Io {
     /// nothing read from them counts. (A server that was only frozen may
     /// come back and answer rounds its chunks' new servers now hold.)
     pub fn write_off(&self, conns: &[usize]) {
-        for &i in conns {
-            if let Some(c) = self.conns.get(i) {
-                c.advance(LinkState::WrittenOff);
-            }
-        }
+        self.send.write_off(conns);
     }
 
     /// Callers reading connection `i` themselves (`CallerPoller`): the I/O
     /// thread is not woken for its data while there are any.
     pub(super) fn quiet(&self, i: usize, on: bool) {
-        let Some(c) = self.conns.get(i) else { return };
+        let Some(c) = self.send.conns.get(i) else { return };
         let mut guard = c.send();
         let st = &mut *guard;
         if c.state() != LinkState::Live {
             return; // taken out of the poller for good
         }
         st.quiet_callers = if on { st.quiet_callers + 1 } else { st.quiet_callers.saturating_sub(1) };
-        if let Err(e) = c.link.quiet(&self.registry, &mut st.tx, st.quiet_callers > 0) {
+        if let Err(e) = c.link.quiet(&self.send.registry, &mut st.tx, st.quiet_callers > 0) {
             drop(guard);
             // Not watched any more would be a hang: fail loudly instead.
             self.request_fail(format!("{}: cannot change what the I/O thread watches: {e}", c.desc()));
@@ -231,7 +279,7 @@ impl Io {
     pub(super) fn pump_all(&self, slots: &[usize]) {
         for &slot in slots {
             if let Err(why) = self.pump(slot) {
-                self.request_fail(format!("{}: {why}", self.conns[slot].desc()));
+                self.request_fail(format!("{}: {why}", self.send.conns[slot].desc()));
                 return;
             }
         }
@@ -240,7 +288,8 @@ impl Io {
     /// Queue a control frame for `key` on connection `slot`, ahead of any
     /// push queued after it (highest priority, FIFO among equals).
     pub fn send_control(&self, slot: usize, key: u32, msg_type: MsgType, payload: Vec<u8>) -> Result<(), ClientError> {
-        let c = self.conns.get(slot).ok_or_else(|| ClientError::Failed(format!("no connection for slot {slot}")))?;
+        let c =
+            self.send.conns.get(slot).ok_or_else(|| ClientError::Failed(format!("no connection for slot {slot}")))?;
         {
             let mut ops = self.ops();
             if let Some(f) = &ops.failed {
@@ -256,14 +305,14 @@ impl Io {
 
     /// Send as much as the credit and the socket allow on connection `i`.
     pub(super) fn pump(&self, i: usize) -> Result<(), ConnError> {
-        let c = &self.conns[i];
+        let c = &self.send.conns[i];
         let mut guard = c.send();
         if c.state() != LinkState::Live {
             return Ok(()); // nothing is written to a link that broke or was written off
         }
         let result = self.pump_locked(i, &mut guard);
         match result {
-            Err(e) if self.failover && broke(&e) => {
+            Err(e) if self.failover.on && broke(&e) => {
                 // The server may be lost: its chunks will move (or the wait times out).
                 log::warn!(target: &format!("worker {}", self.rank), "{}: {e}; waiting for the scheduler", c.desc());
                 c.broke(&mut guard);
@@ -274,10 +323,10 @@ impl Io {
     }
 
     pub(super) fn pump_locked(&self, i: usize, st: &mut SendHalf) -> Result<(), ConnError> {
-        let c = &self.conns[i];
+        let c = &self.send.conns[i];
         let (heap, flights, credit) = (&mut st.heap, &mut st.flights, st.credit);
         let ns = self.namespace;
-        let tracing = self.trace_on.load(Ordering::Acquire);
+        let tracing = self.trace.on();
         let next = || {
             if let SendItem::Chunk(top) = heap.peek()? {
                 let order = heap.peek()?.order();
@@ -286,14 +335,14 @@ impl Io {
                 {
                     return None;
                 }
-                let limit = self.spread_limit();
+                let limit = self.admission.spread_limit();
                 if limit > 0 {
                     // Flags set under the lock, so a `spread_done` either
                     // came before this check or sees them.
-                    let sp = self.spread();
+                    let sp = self.admission.spread();
                     if !sp.window.admits_before(order, top.len, limit) {
                         c.spread_blocked.store(true, Ordering::Release);
-                        self.spread_blocked.store(true, Ordering::Release);
+                        self.admission.blocked.store(true, Ordering::Release);
                         return None;
                     }
                 }
@@ -315,15 +364,11 @@ impl Io {
                     };
                     let stamp = tracing.then(|| Stamp::sent(ch.queued, ch.round, ch.len));
                     flights.sent(ch.key, ch.chunk, order, ch.len, stamp);
+                    self.send.counts.count(ch.by_ref, ch.flags & crate::protocol::FLAG_ZEROS != 0);
                     if ch.by_ref {
-                        self.pushed_by_ref.fetch_add(1, Ordering::Relaxed);
                         h.msg_type = MsgType::PushRef;
                         h.payload_len = 0;
                         return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
-                    }
-                    self.pushed_by_socket.fetch_add(1, Ordering::Relaxed);
-                    if ch.flags & crate::protocol::FLAG_ZEROS != 0 {
-                        self.pushed_zeros.fetch_add(1, Ordering::Relaxed);
                     }
                     Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
                 }
@@ -338,7 +383,7 @@ impl Io {
             Carry::Chunk { ptr, len } => unsafe { std::slice::from_raw_parts(ptr, len) },
             Carry::Encoded => &[],
         };
-        let r = c.link.pump(&self.registry, &mut st.tx, next, payload);
+        let r = c.link.pump(&self.send.registry, &mut st.tx, next, payload);
         if !st.detached.is_empty() && st.tx.idle() {
             st.detached.clear();
         }

@@ -54,44 +54,53 @@
 //! dead). The data plane reports back to the client only through
 //! `Completion`.
 //!
-//! Where things are: `submit` (starting a round), `admission` (windows,
-//! the spread, credit split), `links` (the connection table, the pump),
-//! `flow` (phases, routes), `receive` (frame handlers, landing results),
-//! `thread` (the I/O thread's loop and its checks), `host` (the host
-//! stage), `moves` (failover and joins: a pure `moves::plan`, then applied),
-//! `trace` (the chunk timeline).
+//! Where things are: `Io` is made of parts that own their fields, each
+//! with the file that works on it: the send side (`links::SendSide`: the
+//! connection table, the pump, push counts), admission (`admission::
+//! Admission`: windows, the spread, credit split), the receive side
+//! (`thread::RecvSide`: what wakes and steers the I/O thread; its loop and
+//! `IoCore`, with the frame handlers of `receive`), failover
+//! (`failover::Failover`: notes, newest placements; a pure
+//! `failover::plan`, then applied), the host stage (`host::HostSide`) and
+//! the chunk timeline (`trace::Tracing`). `submit` starts a round and
+//! `flow` holds a chunk's phases and routes; the op table (`OpTable`) is
+//! shared by all of them, under one lock.
 //!
 //! Locks, outermost first; a lock is never taken while one after it is
 //! held: the I/O thread's `IoCore` → `ops` (the op table) → a connection's
-//! `send` → `spread`. Leaf locks (nothing taken while held): `latest`,
-//! `placed`, `notes`, `fail_requested`, `trace`, `trace_writer`, the
+//! `send` → the spread (`Admission::spread`). Leaf locks (nothing taken
+//! while held): `Failover`'s `latest` and `notes`, `Admission`'s `placed`,
+//! `RecvSide`'s `fail_requested`, `Tracing`'s `trace` and `writer`, the
 //! connection table's `append`. The client's table lock is never taken
 //! while `ops` is held: ops complete after it is released.
 
 mod admission;
+mod failover;
 mod flow;
 mod host;
 mod links;
-mod moves;
 mod receive;
 mod submit;
 mod thread;
 mod trace;
 
+pub use failover::FailoverNote;
 pub use links::{ConnTable, NewConn};
-pub use moves::FailoverNote;
 pub use thread::IoThread;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use mio::{Interest, Poll, Token, Waker};
 
-use admission::Spread;
+use admission::{Admission, Spread};
+use failover::{Failover, Kept, Released};
 use flow::Active;
-use moves::{Kept, Released};
+use host::HostSide;
+use links::SendSide;
+use thread::RecvSide;
+use trace::Tracing;
 
 use super::op::Op;
 use crate::host::HostStage;
@@ -133,59 +142,21 @@ struct OpTable {
     released: VecDeque<Released>,
 }
 
-/// The send side and the table of operations in flight, shared by callers and the I/O thread.
+/// The worker's data plane, shared by callers and the I/O thread: the
+/// table of operations in flight and the parts that work on it.
 pub struct Io {
-    pub conns: ConnTable,
-    registry: mio::Registry,
-    ops: Mutex<OpTable>,
-    /// The base credit per connection (`set_credit` may change it).
-    credit: AtomicUsize,
-    /// Bytes of all declared tensors placed on each connection's server thread.
-    placed: Mutex<Vec<u64>>,
-    namespace: u32,
-    max_payload: u32,
-    waker: Waker,
-    stop: AtomicBool,
-    fail_requested: Mutex<Option<String>>,
-    /// This worker's rank, and who pushes what.
+    /// This worker's rank, its job's namespace, and who pushes what: read
+    /// by every part.
     rank: u32,
+    namespace: u32,
     layout: Arc<HostLayout>,
-    /// Present when other workers share this host (and host reduction is on).
-    pub host: Option<HostStage>,
-    /// A host-stage round waiting longer than this is reported (as servers do).
-    stall: std::time::Duration,
-    /// A worker that left the job (`NONE_LEFT`: none); see `Shared::on_peer_left`.
-    pub left: AtomicU32,
-    /// Chunks pushed by reference and through sockets, since the start.
-    pushed_by_ref: AtomicU64,
-    pushed_by_socket: AtomicU64,
-    /// Of those through sockets, pushes of zeros (a header only).
-    pushed_zeros: AtomicU64,
-    /// The job survives a lost server (`Welcome::failover`): keep results
-    /// apart (`Kept`) and wait for the failover when a connection breaks.
-    pub failover: bool,
-    pub peer_timeout: Duration,
-    /// Failovers for the I/O thread to apply.
-    notes: Mutex<Vec<FailoverNote>>,
-    /// By key, the newest placement a failover gave it, with the failover's
-    /// batch (see `latest`).
-    latest: Mutex<HashMap<u32, (u32, Arc<TensorSpec>)>>,
-    /// The chunks' timeline, while one is recorded (`start_timeline`), and
-    /// its writer thread.
-    trace: std::sync::RwLock<Option<Arc<crate::timeline::Trace>>>,
-    /// Whether `trace` holds one: read per chunk sent, without the lock.
-    trace_on: AtomicBool,
-    trace_writer: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// Reads a connection on a waiting caller's thread, once the I/O thread
-    /// runs (see `IoCore::poll_for`).
-    poller: OnceLock<super::op::Poller>,
-    /// See `Spread` and `spread_limit`.
-    spread: Mutex<Spread>,
-    spread_fixed: Option<usize>,
-    /// The default spread for the current placement (`split_credit`).
-    spread_auto: AtomicUsize,
-    /// Some connection waits for the spread to shrink (see `Conn::spread_blocked`).
-    spread_blocked: AtomicBool,
+    ops: Mutex<OpTable>,
+    send: SendSide,
+    admission: Admission,
+    recv: RecvSide,
+    failover: Failover,
+    host: HostSide,
+    trace: Tracing,
 }
 
 pub const NONE_LEFT: u32 = u32::MAX;
@@ -244,55 +215,45 @@ impl Io {
         }
         let n = streams.len();
         let io = Io {
-            placed: Mutex::new(Vec::new()),
-            conns: ConnTable::with_room(n),
-            registry: poll.registry().try_clone()?,
-            ops: Mutex::new(OpTable::default()),
-            credit: AtomicUsize::new(credit),
-            namespace,
-            max_payload,
-            waker: Waker::new(poll.registry(), WAKER)?,
-            stop: AtomicBool::new(false),
-            fail_requested: Mutex::new(None),
             rank,
+            namespace,
             layout,
-            host,
-            stall,
-            left: AtomicU32::new(NONE_LEFT),
-            pushed_by_ref: AtomicU64::new(0),
-            pushed_by_socket: AtomicU64::new(0),
-            pushed_zeros: AtomicU64::new(0),
-            failover: failover.is_some(),
-            peer_timeout: failover.unwrap_or_default(),
-            notes: Mutex::new(Vec::new()),
-            latest: Mutex::new(HashMap::new()),
-            trace: Default::default(),
-            trace_on: AtomicBool::new(false),
-            trace_writer: Mutex::new(None),
-            poller: OnceLock::new(),
-            spread: Mutex::new(Spread::default()),
-            spread_fixed: spread,
-            spread_auto: AtomicUsize::new(0),
-            spread_blocked: AtomicBool::new(false),
+            ops: Mutex::new(OpTable::default()),
+            send: SendSide::new(ConnTable::with_room(n), poll.registry().try_clone()?),
+            admission: Admission::new(credit, spread),
+            recv: RecvSide::new(Waker::new(poll.registry(), WAKER)?, max_payload),
+            failover: Failover::new(failover),
+            host: HostSide::new(host, stall),
+            trace: Tracing::default(),
         };
         io.add_conns(streams)?;
         Ok(io)
     }
 
     pub fn stats(&self) -> IoStats {
-        let (unreceived_chunks, unreceived_bytes) = self.unreceived();
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        IoStats {
-            pushed_by_ref: load(&self.pushed_by_ref),
-            pushed_by_socket: load(&self.pushed_by_socket),
-            pushed_zeros: load(&self.pushed_zeros),
-            unreceived_chunks,
-            unreceived_bytes,
-        }
+        let (unreceived_chunks, unreceived_bytes) = self.admission.unreceived();
+        let (pushed_by_ref, pushed_by_socket, pushed_zeros) = self.send.counts.snapshot();
+        IoStats { pushed_by_ref, pushed_by_socket, pushed_zeros, unreceived_chunks, unreceived_bytes }
     }
 
     pub fn rank(&self) -> u32 {
         self.rank
+    }
+
+    /// The data connections, by slot.
+    pub fn conns(&self) -> &ConnTable {
+        &self.send.conns
+    }
+
+    /// The job's peer timeout, when it survives a lost server (else zero).
+    pub fn peer_timeout(&self) -> Duration {
+        self.failover.peer_timeout
+    }
+
+    /// This worker's part in its host's stage, when other workers share
+    /// the host (and host reduction is on).
+    pub fn host_stage(&self) -> Option<&HostStage> {
+        self.host.stage.as_ref()
     }
 
     fn ops(&self) -> MutexGuard<'_, OpTable> {
@@ -300,15 +261,13 @@ impl Io {
     }
 
     pub fn stop(&self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = self.waker.wake();
+        self.recv.stop();
     }
 
     /// Ask the I/O thread to fail everything in flight (it owns the receive
     /// buffers, so only it may release them).
     pub fn request_fail(&self, msg: String) {
-        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
-        let _ = self.waker.wake();
+        self.recv.request_fail(msg);
     }
 
     /// Fail every op in flight. Only called on the I/O thread. `job_failed`:
@@ -317,10 +276,10 @@ impl Io {
     fn fail_all(&self, msg: String, owner: &dyn Completion, job_failed: bool) {
         let mut ops = self.ops();
         let msg = ops.failed.get_or_insert(msg).clone();
-        for c in self.conns.iter() {
+        for c in self.send.conns.iter() {
             c.send().clear();
         }
-        *self.spread() = Spread::default();
+        *self.admission.spread() = Spread::default();
         let drained: Vec<Active> = ops.active.drain().map(|(_, a)| a).collect();
         drop(ops);
         if job_failed {

@@ -29,7 +29,7 @@ unsafe impl Send for ResultDest {}
 impl IoCore {
     pub(super) fn on_readable(&mut self, i: usize, drain: Drain) -> Result<(), ConnError> {
         let io = self.io.clone();
-        let conn = &io.conns[i];
+        let conn = &io.send.conns[i];
         let link = &conn.link;
         loop {
             if conn.state() >= LinkState::WrittenOff {
@@ -38,7 +38,7 @@ impl IoCore {
             // SAFETY: the destination is this chunk's range in an active op's
             // buffer, which stays alive until this thread completes the op.
             let dst = |d: ResultDest| unsafe { std::slice::from_raw_parts_mut(d.dst, d.len) };
-            match link.read_frame(&mut self.rx[i], io.max_payload, dst, drain)? {
+            match link.read_frame(&mut self.rx[i], io.recv.max_payload, dst, drain)? {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(i, hdr)?,
                 Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk)?,
@@ -88,7 +88,7 @@ impl IoCore {
                 let len = a.spec.chunk_bytes(c);
                 let sent = if by_ref { 0 } else { len };
                 let route = a.route(c);
-                if by_ref && !(io.conns[i].by_ref && route == Route::HostOwner) {
+                if by_ref && !(io.send.conns[i].by_ref && route == Route::HostOwner) {
                     return Err(ConnError::Invalid(format!(
                         "result by reference for tensor '{}' chunk {c}, which this worker did not push by reference",
                         a.spec.name
@@ -104,7 +104,7 @@ impl IoCore {
                     )));
                 }
                 let dst = match (route, &a.host, ops.kept.get_mut(&hdr.key)) {
-                    (Route::HostOwner, Some(h), _) => h.staging.result(c).0,
+                    (Route::HostOwner, Some(h), _) => h.shared.result(c).0,
                     (Route::Kept, _, Some(k)) => {
                         let (start, _) = a.spec.chunk_range(c);
                         k.buf[start * a.spec.dtype.size()..].as_mut_ptr()
@@ -157,7 +157,7 @@ impl IoCore {
             // The server refused this worker (e.g. a round that can never
             // complete): the scheduler may not know, so tell it.
             let io = &self.io;
-            self.owner.fail_job(format!("worker {}: {}: {msg}", io.rank, io.conns[i].desc()));
+            self.owner.fail_job(format!("worker {}: {}: {msg}", io.rank, io.send.conns[i].desc()));
             return Err(ConnError::Invalid(msg));
         }
         let s = decode_stall(&buf).map_err(|e| format!("bad stall report: {e}"))?;
@@ -167,7 +167,7 @@ impl IoCore {
                 "server {} thread {} ({}) reports tensor '{}' round {} has waited {:.1}s for worker rank(s) {:?}",
                 s.server,
                 s.thread,
-                io.conns[i].desc(),
+                io.send.conns[i].desc(),
                 a.spec.name,
                 hdr.round,
                 s.waited_ms as f64 / 1000.0,
@@ -184,14 +184,14 @@ impl IoCore {
         // round at once, which must not find this one still counted.
         let stamp = io.chunk_returned(i, key, chunk as u32);
         // Stamps exist only while a timeline is recorded: no lock otherwise.
-        if let Some((s, trace)) = stamp.and_then(|s| Some((s, io.tracing()?))) {
+        if let Some((s, trace)) = stamp.and_then(|s| Some((s, io.trace.current()?))) {
             let name = io.ops().active.get(&key).map(|a| a.spec.name.clone()).unwrap_or_default();
             trace.chunk(&crate::timeline::ChunkStages {
                 tensor: &name,
                 chunk: chunk as u32,
                 round: s.round,
                 bytes: s.len,
-                server: io.conns[i].server,
+                server: io.send.conns[i].server,
                 queued: s.queued,
                 sent: s.sent,
                 received: s.received,
@@ -224,18 +224,18 @@ impl IoCore {
                 }
                 (Route::HostOwner, Some(hr), _) => {
                     // In the shared buffer: take a copy, let the others take theirs.
-                    let (src, _) = hr.staging.result(chunk);
+                    let (src, _) = hr.shared.result(chunk);
                     // SAFETY: both ranges are this chunk's; the op is active and
                     // only this thread completes it.
                     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-                    hr.staging.publish(chunk, a.round);
-                    if let Some(h) = &io.host {
+                    hr.shared.publish(chunk, a.round);
+                    if let Some(h) = &io.host.stage {
                         self.bells |= ((1u64 << h.workers.len()) - 1) & !(1 << h.local);
                     }
                 }
                 (Route::HostPeer, Some(hr), _) => {
                     // Published by the worker of this host that pushed it.
-                    let (src, _) = hr.staging.result(chunk);
+                    let (src, _) = hr.shared.result(chunk);
                     // SAFETY: as above.
                     unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
                 }

@@ -3,13 +3,12 @@
 //! host's sums), sending from the caller's thread at once.
 
 use super::Completion;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::failover::{Kept, NO_ROUND};
 use super::flow::{Active, ChunkSend, Route, SendItem};
 use super::host::HostRound;
-use super::moves::{Kept, NO_ROUND};
-use super::{left_message, Io, Submission, NONE_LEFT};
+use super::{left_message, Io, Submission};
 use crate::waits::StallWatch;
 
 impl Io {
@@ -22,10 +21,10 @@ impl Io {
             Err(e) => return owner.finish_op(&s.op, Some(e)),
         };
         let n = s.spec.num_chunks();
-        let Some(h) = &self.host else {
+        let Some(h) = &self.host.stage else {
             if n == 1 {
                 // Small: its caller may read its result itself (`IoCore::poll_for`).
-                if let Some(poll) = self.poller.get() {
+                if let Some(poll) = self.recv.poller.get() {
                     s.op.set_poller(poll.clone(), s.spec.slots[0] as usize);
                 }
             }
@@ -33,7 +32,7 @@ impl Io {
             self.start(s, round, None, &all, owner);
             return;
         };
-        let staging = match h.staging(&s.spec) {
+        let shared = match h.tensor(&s.spec) {
             Ok(st) => st,
             Err(e) => return owner.finish_op(&s.op, Some(e)),
         };
@@ -45,7 +44,7 @@ impl Io {
         // the ring to ourselves below.
         let (mut ready, mut ring) = (Vec::new(), 0u64);
         let abort = || owner.failure();
-        let contributed = h.contribute(&staging, s.ptr.0, round, s.flags, self.rank == 0, &abort, &mut |c| {
+        let contributed = h.contribute(&shared, s.ptr.0, round, s.flags, self.rank == 0, &abort, &mut |c| {
             if c.complete {
                 if owned[c.chunk] {
                     ready.push(c.chunk);
@@ -60,13 +59,12 @@ impl Io {
             owner.fail_job(msg.clone());
             return owner.finish_op(&s.op, Some(msg));
         }
-        let hr = HostRound { staging: staging.clone(), owned, pushed: vec![false; n], stall: StallWatch::start() };
+        let hr = HostRound { shared: shared.clone(), owned, pushed: vec![false; n], stall: StallWatch::start() };
         if self.start(s, round, Some(hr), &ready, owner) {
             h.bells.ring_mask(ring | 1 << h.local);
         }
         // A local worker left while this was being submitted: see `Shared::on_peer_left`.
-        let left = self.left.load(Ordering::Acquire);
-        if left != NONE_LEFT {
+        if let Some(left) = self.host.left() {
             if let Some(name) = self.waits_for_local(left) {
                 owner.fail_job(left_message(left, self.rank, &format!("push_pull '{name}' on their host")));
             }
@@ -88,7 +86,7 @@ impl Io {
             ops.rounds.insert(key, round.wrapping_add(1));
             return Ok(None);
         }
-        if let Some(&bad) = s.spec.slots.iter().find(|&&slot| slot as usize >= self.conns.len()) {
+        if let Some(&bad) = s.spec.slots.iter().find(|&&slot| slot as usize >= self.send.conns.len()) {
             return Err(format!("tensor '{}' placed on unknown slot {bad}", s.spec.name));
         }
         Ok(Some(round))
@@ -116,8 +114,8 @@ impl Io {
                 return false;
             }
             // Submitted with a spec a failover replaced meanwhile.
-            let spec = self.latest_spec(key).unwrap_or(s.spec);
-            let kept = self.failover && host.is_none();
+            let spec = self.failover.latest_spec(key).unwrap_or(s.spec);
+            let kept = self.failover.on && host.is_none();
             if kept && !ops.kept.contains_key(&key) {
                 let bytes = spec.numel as usize * spec.dtype.size();
                 ops.kept.insert(key, Kept { buf: vec![0u8; bytes].into(), round: vec![NO_ROUND; n] });
@@ -175,14 +173,14 @@ impl Io {
             dtype: a.spec.dtype,
             ptr: src.ptr,
             len,
-            by_ref: route == Route::HostOwner && self.conns[slot].by_ref,
+            by_ref: route == Route::HostOwner && self.send.conns[slot].by_ref,
             queued: Instant::now(),
         });
-        if self.spread_limit() > 0 {
+        if self.admission.spread_limit() > 0 {
             // Before it is on a queue, so it cannot be sent (and received) first.
-            self.spread().insert(a.spec.key, c as u32, item.order(), len, slot);
+            self.admission.spread().insert(a.spec.key, c as u32, item.order(), len, slot);
         }
-        self.conns[slot].send().heap.push(item);
+        self.send.conns[slot].send().heap.push(item);
         Some(slot)
     }
 }

@@ -1,14 +1,15 @@
-//! The I/O thread: its event loop (`IoThread`) and the receiving side it
+//! The I/O thread: its event loop (`IoThread`), the receiving side it
 //! drives (`IoCore`, behind a lock a caller waiting on a one-chunk op may
 //! take to read its result itself), with the checks it runs on a tick
-//! (broken links, host-stage stalls).
+//! (broken links, host-stage stalls), and what other threads use to wake
+//! and steer it (`RecvSide`).
 
 use std::collections::HashSet;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use mio::{Events, Poll};
+use mio::{Events, Poll, Waker};
 
 use super::links::{broke, LinkState};
 use super::receive::ResultDest;
@@ -16,6 +17,54 @@ use super::{Completion, Io};
 use super::{DOORBELL, WAKER};
 use crate::protocol::ReadError;
 use crate::transport::{ConnError, Drain, FrameReader};
+
+/// The receive side as the other threads see it: how to wake the I/O
+/// thread, what they ask of it (stop, fail everything), the largest frame
+/// it reads, and the poller a waiting caller reads with.
+pub(super) struct RecvSide {
+    pub(super) max_payload: u32,
+    waker: Waker,
+    stop: AtomicBool,
+    fail_requested: Mutex<Option<String>>,
+    /// Reads a connection on a waiting caller's thread, once the I/O thread
+    /// runs (see `IoCore::poll_for`).
+    pub(super) poller: OnceLock<crate::client::op::Poller>,
+}
+
+impl RecvSide {
+    pub(super) fn new(waker: Waker, max_payload: u32) -> RecvSide {
+        RecvSide {
+            max_payload,
+            waker,
+            stop: AtomicBool::new(false),
+            fail_requested: Mutex::new(None),
+            poller: OnceLock::new(),
+        }
+    }
+
+    pub(super) fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+
+    pub(super) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// The first failure asked for wins; the I/O thread takes it.
+    pub(super) fn request_fail(&self, msg: String) {
+        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
+        self.wake();
+    }
+
+    fn take_fail_request(&self) -> Option<String> {
+        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
 
 /// What a caller spinning on an op whose result comes on connection `i`
 /// runs: read it, unless the I/O thread is at it (then that thread delivers
@@ -69,13 +118,13 @@ pub struct IoCore {
 
 impl IoThread {
     pub fn new(poll: Poll, io: Arc<Io>, owner: Arc<dyn Completion>) -> IoThread {
-        let n = io.conns.len();
+        let n = io.send.conns.len();
         let rx = (0..n).map(|_| FrameReader::default()).collect();
         let moved_off = (0..n).map(|_| HashSet::new()).collect();
         let core = IoCore { io: io.clone(), owner, rx, failed: false, bells: 0, moved_off, seen: n };
         let core = Arc::new(Mutex::new(core));
         let poller = CallerPoller { core: Arc::downgrade(&core), io: Arc::downgrade(&io) };
-        let _ = io.poller.set(Arc::new(poller));
+        let _ = io.recv.poller.set(Arc::new(poller));
         IoThread { poll, core }
     }
 
@@ -88,16 +137,16 @@ impl IoThread {
         // Only the host stage has rounds to watch here (servers watch
         // theirs), and lost connections wait for a failover.
         let io = self.core().io.clone();
-        let tick = match (&io.host, io.failover) {
+        let tick = match (&io.host.stage, io.failover.on) {
             (None, false) => None,
-            _ => Some(crate::waits::tick(io.stall, io.peer_timeout.max(Duration::from_millis(200)))),
+            _ => Some(crate::waits::tick(io.host.stall, io.failover.peer_timeout.max(Duration::from_millis(200)))),
         };
         loop {
             {
                 let mut core = self.core();
                 core.grow();
                 if tick.is_some() && !core.failed {
-                    if io.host.is_some() {
+                    if io.host.stage.is_some() {
                         core.check_host_stalls();
                     }
                     core.check_lost();
@@ -120,19 +169,17 @@ impl IoThread {
 impl IoCore {
     /// Handle what one poll returned; false once shut down.
     pub(super) fn handle(&mut self, events: &Events) -> bool {
-        if self.io.stop.load(Ordering::SeqCst) {
+        if self.io.recv.stopped() {
             // Shut down: what was sent can no longer complete. Fail it
             // here, where the receive buffers are owned.
             self.fail("gradhub was shut down".into(), false);
             return false;
         }
-        let requested = self.io.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(msg) = requested {
+        if let Some(msg) = self.io.recv.take_fail_request() {
             self.fail(msg, true);
         }
         self.grow();
-        let notes = std::mem::take(&mut *self.io.notes.lock().unwrap_or_else(|e| e.into_inner()));
-        for note in notes {
+        for note in self.io.failover.take_notes() {
             if !self.failed {
                 self.apply_failover(note);
             }
@@ -170,7 +217,7 @@ impl IoCore {
 
     /// Connections added since (a server joined): room to read them.
     pub(super) fn grow(&mut self) {
-        let n = self.io.conns.len();
+        let n = self.io.send.conns.len();
         if n > self.rx.len() {
             self.rx.resize_with(n, FrameReader::default);
             self.moved_off.resize_with(n, HashSet::new);
@@ -188,7 +235,7 @@ impl IoCore {
 
     /// `read`: whether to read, and how far (`Drain`).
     pub(super) fn on_event(&mut self, i: usize, read: Option<Drain>, writable: bool) {
-        if self.failed || i >= self.rx.len() || self.io.conns[i].state() == LinkState::Dead {
+        if self.failed || i >= self.rx.len() || self.io.send.conns[i].state() == LinkState::Dead {
             return;
         }
         let mut res = Ok(());
@@ -199,7 +246,7 @@ impl IoCore {
             res = self.io.pump(i);
         }
         if let Err(e) = &res {
-            if self.io.failover && broke(e) && self.owner.failure().is_none() {
+            if self.io.failover.on && broke(e) && self.owner.failure().is_none() {
                 self.on_lost(i, e.to_string());
                 self.ring_pending();
                 return;
@@ -212,7 +259,7 @@ impl IoCore {
                 }
                 other => other.to_string(),
             };
-            let msg = format!("{}: {why}", self.io.conns[i].desc());
+            let msg = format!("{}: {why}", self.io.send.conns[i].desc());
             self.fail(msg, true);
         }
         self.ring_pending();
@@ -222,9 +269,9 @@ impl IoCore {
     /// wait for the scheduler's failover (`check_lost` bounds the wait).
     pub(super) fn on_lost(&mut self, i: usize, why: String) {
         let io = &self.io;
-        let c = &io.conns[i];
+        let c = &io.send.conns[i];
         self.rx[i].reset();
-        c.link.deregister(&io.registry);
+        c.link.deregister(&io.send.registry);
         c.broke(&mut c.send());
         let target = format!("worker {}", io.rank);
         if self.owner.closing() {
@@ -239,17 +286,17 @@ impl IoCore {
     /// within one): the server may be alive, with only this link down.
     pub(super) fn check_lost(&mut self) {
         let io = &self.io;
-        let limit = io.peer_timeout * 3;
+        let limit = io.failover.peer_timeout * 3;
         // Over the connections this thread has grown into: one added since
         // (a server that joined, on the control thread) is not lost yet.
         let late = (0..self.rx.len()).find(|&i| {
-            let c = &io.conns[i];
+            let c = &io.send.conns[i];
             c.state() != LinkState::Dead && c.send().broken_at.is_some_and(|t| t.elapsed() > limit)
         });
         if let Some(i) = late {
             let msg = format!(
                 "{}: the connection broke and the scheduler reported no failover within {:.1}s",
-                io.conns[i].desc(),
+                io.send.conns[i].desc(),
                 limit.as_secs_f64()
             );
             self.owner.fail_job(msg);

@@ -2,11 +2,13 @@
 //! chunk's stamps (queued, on the wire, received, result) while a
 //! timeline is being recorded, and nothing otherwise.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
 use super::Io;
+use crate::timeline::Trace;
 
 /// When a chunk in flight was queued, started on the wire, and (if it was
 /// not the round's last push) received whole by its server.
@@ -25,31 +27,55 @@ impl Stamp {
     }
 }
 
+/// The chunks' timeline, while one is recorded, and its writer thread.
+#[derive(Default)]
+pub(super) struct Tracing {
+    trace: RwLock<Option<Arc<Trace>>>,
+    /// Whether `trace` holds one: read per chunk sent, without the lock.
+    on: AtomicBool,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Tracing {
+    fn start(&self, t: Arc<Trace>, w: JoinHandle<()>) {
+        self.stop();
+        *self.trace.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
+        self.on.store(true, Ordering::Release);
+        *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
+    }
+
+    fn stop(&self) {
+        self.on.store(false, Ordering::Release);
+        let t = self.trace.write().unwrap_or_else(|e| e.into_inner()).take();
+        drop(t);
+        // Ends when the last `Trace` is gone (the I/O thread may hold one for a moment).
+        if let Some(w) = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = w.join();
+        }
+    }
+
+    /// Whether a timeline is recorded (stamps are taken only then).
+    pub(super) fn on(&self) -> bool {
+        self.on.load(Ordering::Acquire)
+    }
+
+    pub(super) fn current(&self) -> Option<Arc<Trace>> {
+        self.trace.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 impl Io {
     /// Record every chunk this worker pushes from now on in a timeline at
     /// `path` (`crate::timeline`), replacing one already recorded.
     pub fn start_timeline(&self, path: &str) -> std::io::Result<()> {
         let who = format!("worker {}", self.rank);
-        let (t, w) = crate::timeline::Trace::open(path, self.rank, &format!("gradhub {who}"), &[], &who)?;
-        self.stop_timeline();
-        *self.trace.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
-        self.trace_on.store(true, Ordering::Release);
-        *self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
+        let (t, w) = Trace::open(path, self.rank, &format!("gradhub {who}"), &[], &who)?;
+        self.trace.start(t, w);
         Ok(())
     }
 
     /// Stop recording; returns once the file is written.
     pub fn stop_timeline(&self) {
-        self.trace_on.store(false, Ordering::Release);
-        let t = self.trace.write().unwrap_or_else(|e| e.into_inner()).take();
-        drop(t);
-        // Ends when the last `Trace` is gone (the I/O thread may hold one for a moment).
-        if let Some(w) = self.trace_writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = w.join();
-        }
-    }
-
-    pub(super) fn tracing(&self) -> Option<Arc<crate::timeline::Trace>> {
-        self.trace.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.trace.stop();
     }
 }

@@ -4,7 +4,7 @@
 
 use super::frame::{DType, MsgType};
 use super::ProtocolError;
-pub use crate::order::SumOrder;
+pub use crate::sum_order::SumOrder;
 
 mod payload;
 
@@ -332,8 +332,12 @@ pub enum Control {
         name: String,
         numel: u64,
         dtype: DType,
+        /// The round's frame flags (average, init, asynchronous).
         flags: u16,
         round: u32,
+        /// The tensor is freed once this round completes (a generated
+        /// name, never used again): every worker drops it then.
+        release_after: bool,
     },
     JoinDone {
         last: u32,
@@ -347,6 +351,7 @@ pub enum Control {
         dtype: DType,
         flags: u16,
         round: u32,
+        release_after: bool,
     },
 }
 

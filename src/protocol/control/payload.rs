@@ -181,15 +181,15 @@ impl Control {
             Control::JoinDone { last } => {
                 w.u32(*last);
             }
-            Control::JoinOp { name, numel, dtype, flags, round } => {
-                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round);
+            Control::JoinOp { name, numel, dtype, flags, round, release_after } => {
+                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round).u8(*release_after as u8);
             }
-            Control::SetOp { to, name, numel, dtype, flags, round } => {
+            Control::SetOp { to, name, numel, dtype, flags, round, release_after } => {
                 w.u32(to.len() as u32);
                 for r in to {
                     w.u32(*r);
                 }
-                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round);
+                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round).u8(*release_after as u8);
             }
             Control::ServiceJoin(j) => {
                 w.str(&j.hostname).str(&j.addr).u32(j.threads).u8(j.colocated as u8);
@@ -480,7 +480,8 @@ impl Control {
                 let numel = r.u64("numel")?;
                 let dtype = get_dtype(&mut r)?;
                 let flags = r.u16("flags")?;
-                Control::JoinOp { name, numel, dtype, flags, round: r.u32("round")? }
+                let round = r.u32("round")?;
+                Control::JoinOp { name, numel, dtype, flags, round, release_after: r.u8("release_after")? != 0 }
             }
             MsgType::SetOp => {
                 let n = r.count("to", 4)?;
@@ -489,7 +490,8 @@ impl Control {
                 let numel = r.u64("numel")?;
                 let dtype = get_dtype(&mut r)?;
                 let flags = r.u16("flags")?;
-                Control::SetOp { to, name, numel, dtype, flags, round: r.u32("round")? }
+                let round = r.u32("round")?;
+                Control::SetOp { to, name, numel, dtype, flags, round, release_after: r.u8("release_after")? != 0 }
             }
             MsgType::StatusReply => Control::StatusReply { json: r.str("json")? },
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),

@@ -13,7 +13,7 @@
 //! r, so the buffer of round r is never overwritten while it is being sent.
 //!
 //! A worker on this server's own host pushes by reference (`PushRef`): the
-//! chunk is read from the host's shared segment (`crate::host::Staging`)
+//! chunk is read from the host's shared segment (`crate::host::SharedTensor`)
 //! and its result written back there (`ResultRef`), instead of both
 //! crossing the loopback socket.
 //!
@@ -44,18 +44,19 @@
 //! frame's header into a typed `Command` (or refuses it), `apply` carries
 //! it out; `round` is a chunk's round state machine and `sum` its buffers;
 //! `relay` is the links to other server threads (rack relays, replicas);
-//! `ordered` adds a chunk's pushes in rank order when the job's sums must
-//! be deterministic (`GRADHUB_DETERMINISTIC`); `moves` installs, releases, gives up and adopts chunks (and restores
-//! and replays for adopted ones); `flush` finishes rounds and queues and
+//! `accumulation` adds a chunk's pushes in rank order when the job's sums
+//! must be deterministic (`GRADHUB_DETERMINISTIC`); `ownership` installs,
+//! releases, gives up and adopts chunks (and restores and replays for
+//! adopted ones); `flush` finishes rounds and queues and
 //! writes results, acks and notices, and watches for stalls.
 
+mod accumulation;
 mod apply;
 mod asynchronous;
 mod conns;
 mod delta;
 mod flush;
-mod moves;
-mod ordered;
+mod ownership;
 mod relay;
 mod round;
 mod sum;
@@ -70,7 +71,7 @@ use mio::net::TcpListener;
 use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::replica::Replicas;
-use crate::host::Staging;
+use crate::host::SharedTensor;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
 use crate::protocol::{DType, OptConfig, ReadError, TensorSpec};
@@ -102,7 +103,7 @@ pub enum ThreadCmd {
     /// on this host push by reference, and new links (authenticated and
     /// introduced) to other server threads, by slot, with who serves it
     /// (no stream: an owner that could not be reached).
-    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<Staging>)>, Vec<NewLink>, Sender<()>),
+    Declare(Vec<TensorSpec>, bool, Vec<(u32, Arc<SharedTensor>)>, Vec<NewLink>, Sender<()>),
     /// Every worker released these tensors (keys): free their chunks.
     Release(Vec<u32>),
     /// Chunks move to a server that joined (`scheduler::failover::take_in`):
@@ -143,8 +144,8 @@ pub struct ThreadConfig {
     /// What this server's threads summed (a shared service reports it).
     pub traffic: Arc<super::Traffic>,
     pub timeline: Option<Arc<crate::timeline::Trace>>,
-    /// In what order pushes are added (`GRADHUB_DETERMINISTIC`, `ordered`).
-    pub sum_order: crate::order::SumOrder,
+    /// In what order pushes are added (`GRADHUB_DETERMINISTIC`, `accumulation`).
+    pub sum_order: crate::sum_order::SumOrder,
     /// Synchronous rounds, or asynchronous chunks (`delta`).
     pub training: crate::training::Training,
 }
@@ -173,7 +174,7 @@ pub struct ServerThread {
     /// By rank: the worker left the job cleanly (`ThreadCmd::Left`).
     left: Vec<bool>,
     /// Shared segments of this host's tensors (see `ThreadCmd::Declare`).
-    shm: HashMap<u32, Arc<Staging>>,
+    shm: HashMap<u32, Arc<SharedTensor>>,
     /// Keys released here lately, oldest first (at most `FREED_MEMORY`): a
     /// worker may restore a result of one after every worker released it
     /// (the failover reached it after the release), which is no error.

@@ -2,7 +2,7 @@
 //! of a round on them (first push, adding pushes, finishing the sum, a
 //! restored or relayed result). What the round *is* lives in `round`.
 
-use super::ordered::{Accumulation, Park};
+use super::accumulation::{Accumulation, Park};
 use super::round::Round;
 use crate::kernels;
 use crate::protocol::{DType, OptConfig, FLAG_AVERAGE, FLAG_INIT};

@@ -1,6 +1,6 @@
 """CUDA-only: the torch local stage's copies for CUDA tensors, and its NCCL
 groups. Everything here needs a GPU (tests/test_gpu.py runs it under CUDA;
-`staging` is the CPU twin every other test runs).
+`copies` is the CPU twin every other test runs).
 
 - Copies run on one side stream per device, ordered after the gradient's
   producer by an event recorded on the caller's stream, never by a
@@ -8,7 +8,7 @@ groups. Everything here needs a GPU (tests/test_gpu.py runs it under CUDA;
   event (the core reads the host buffer next); the autograd thread never
   waits for a copy.
 - Host buffers are pinned, one per tensor or bucket name, allocated once and
-  reused (`staging.HostBuffers`).
+  reused (`copies.HostBuffers`).
 - The result's copy back is asynchronous: the all-gather (NCCL, which waits
   on the issuing thread's current stream) is ordered after it by an event,
   and `synchronize()`, `step()` and the DDP hook's future make the caller's
@@ -25,7 +25,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .staging import HostBuffers, counters, wait_until
+from .copies import HostBuffers, counters, wait_until
 
 
 def nccl_group(store, rank: int, size: int):
@@ -34,8 +34,8 @@ def nccl_group(store, rank: int, size: int):
     return dist.ProcessGroupNCCL(store, rank, size)
 
 
-class CudaStaging:
-    """`staging.CpuStaging`'s calls for CUDA tensors."""
+class CudaCopies:
+    """`copies.CpuCopies`'s calls for CUDA tensors."""
 
     def __init__(self):
         self.buffers = HostBuffers(pinned=True)

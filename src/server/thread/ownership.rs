@@ -7,9 +7,9 @@
 
 use std::collections::HashSet;
 
+use super::accumulation::Accumulation;
 use super::delta::Deltas;
 use super::flush::{self, Carry, TxItem};
-use super::ordered::Accumulation;
 use super::round::{Origin, Restored, Role, Round};
 use super::sum::{Chunk, ChunkBuf};
 use super::validate::{Dest, PayloadKind};

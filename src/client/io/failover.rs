@@ -1,18 +1,20 @@
 //! Chunks that change server while the job runs: a lost server's taken over
-//! (failover), or moved to a server that joined. The results this worker
-//! keeps to restore them (`Kept`, `Released`), detaching a chunk from a
-//! live server, and applying a `FailoverNote` on the I/O thread.
+//! (failover), or moved to a server that joined. What the data plane holds
+//! for it (`Failover`: the notes to apply, the newest placements), the
+//! results this worker keeps to restore them (`Kept`, `Released`),
+//! detaching a chunk from a live server, and applying a `FailoverNote` on
+//! the I/O thread.
 
 use super::flow::Carry;
 use std::collections::HashMap;
-use std::sync::{Arc, MutexGuard};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use super::flow::SendItem;
 use super::links::{Conn, LinkState};
 use super::thread::IoCore;
 use super::{Io, OpTable};
-use crate::host::Staging;
+use crate::host::SharedTensor;
 use crate::protocol::{Header, MsgType, TensorSpec, NO_SERVER};
 
 /// A tensor's last results (failover on, no host stage): each chunk's
@@ -35,7 +37,7 @@ pub(super) struct Released {
     pub(super) spec: Arc<TensorSpec>,
     pub(super) last_round: Option<u32>,
     pub(super) kept: Option<Kept>,
-    pub(super) staging: Option<Arc<Staging>>,
+    pub(super) shared: Option<Arc<SharedTensor>>,
 }
 pub(super) const RELEASED_FOR: u32 = 3;
 pub(super) const RELEASED_BYTES: usize = 64 << 20;
@@ -53,17 +55,59 @@ pub struct FailoverNote {
     pub opt: HashMap<u32, Vec<u8>>,
 }
 
+/// Failover as the data plane holds it.
+pub(super) struct Failover {
+    /// The job survives a lost server (`Welcome::failover`): keep results
+    /// apart (`Kept`) and wait for the failover when a connection breaks.
+    pub(super) on: bool,
+    pub(super) peer_timeout: Duration,
+    /// Failovers for the I/O thread to apply.
+    notes: Mutex<Vec<FailoverNote>>,
+    /// By key, the newest placement a failover gave it, with the failover's
+    /// batch (see `Io::latest`).
+    latest: Mutex<HashMap<u32, (u32, Arc<TensorSpec>)>>,
+}
+
+impl Failover {
+    /// `peer_timeout`: Some when the job survives a lost server.
+    pub(super) fn new(peer_timeout: Option<Duration>) -> Failover {
+        Failover {
+            on: peer_timeout.is_some(),
+            peer_timeout: peer_timeout.unwrap_or_default(),
+            notes: Mutex::new(Vec::new()),
+            latest: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn note(&self, note: FailoverNote) {
+        self.notes.lock().unwrap_or_else(|e| e.into_inner()).push(note);
+    }
+
+    /// The failovers noted since the last call, for the I/O thread.
+    pub(super) fn take_notes(&self) -> Vec<FailoverNote> {
+        std::mem::take(&mut *self.notes.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub(super) fn latest(&self) -> MutexGuard<'_, HashMap<u32, (u32, Arc<TensorSpec>)>> {
+        self.latest.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn latest_spec(&self, key: u32) -> Option<Arc<TensorSpec>> {
+        self.latest().get(&key).map(|(_, s)| s.clone())
+    }
+}
+
 impl Io {
     /// Drop this worker's state of a released tensor (nothing of it in
     /// flight); with failover on, its last results stay a while (`Released`).
     pub fn forget(&self, spec: &Arc<TensorSpec>) {
-        let staging = self.host.as_ref().and_then(|h| h.forget(spec.key));
+        let shared = self.host.stage.as_ref().and_then(|h| h.forget(spec.key));
         {
             let mut ops = self.ops();
             let last_round = ops.rounds.remove(&spec.key).and_then(|r| r.checked_sub(1));
             let kept = ops.kept.remove(&spec.key);
-            if self.failover {
-                ops.released.push_back(Released { at: Instant::now(), spec: spec.clone(), last_round, kept, staging });
+            if self.failover.on {
+                ops.released.push_back(Released { at: Instant::now(), spec: spec.clone(), last_round, kept, shared });
                 self.prune_released(&mut ops);
             }
         }
@@ -72,7 +116,7 @@ impl Io {
 
     /// Drop released tensors' results once no failover can need them.
     pub(super) fn prune_released(&self, ops: &mut OpTable) {
-        let limit = self.peer_timeout * RELEASED_FOR;
+        let limit = self.failover.peer_timeout * RELEASED_FOR;
         let size = |r: &Released| r.spec.numel as usize * r.spec.dtype.size();
         let mut bytes: usize = ops.released.iter().map(size).sum();
         while let Some(r) = ops.released.front() {
@@ -94,7 +138,7 @@ impl Io {
         let mut st = from.send();
         st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
         st.flights.forget(key, chunk);
-        self.spread().remove(key, chunk);
+        self.admission.spread().remove(key, chunk);
         if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
             // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
             let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
@@ -105,8 +149,8 @@ impl Io {
 
     /// Hand a failover to the I/O thread (see `IoThread::apply_failover`).
     pub fn fail_over(&self, note: FailoverNote) {
-        self.notes.lock().unwrap_or_else(|e| e.into_inner()).push(note);
-        let _ = self.waker.wake();
+        self.failover.note(note);
+        self.recv.wake();
     }
 
     /// The newest placement of every key a failover moved, updated by the
@@ -116,11 +160,7 @@ impl Io {
     /// later one must not move chunks back (two servers lost at once).
     /// A leaf lock: nothing is locked while it is held.
     pub fn latest(&self) -> MutexGuard<'_, HashMap<u32, (u32, Arc<TensorSpec>)>> {
-        self.latest.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub(super) fn latest_spec(&self, key: u32) -> Option<Arc<TensorSpec>> {
-        self.latest().get(&key).map(|(_, s)| s.clone())
+        self.failover.latest()
     }
 }
 
@@ -128,7 +168,7 @@ impl Io {
 pub(super) struct Held<'a> {
     pub(super) spec: &'a TensorSpec,
     pub(super) kept: Option<&'a Kept>,
-    pub(super) staging: Option<Arc<Staging>>,
+    pub(super) shared: Option<Arc<SharedTensor>>,
 }
 
 impl Io {
@@ -144,7 +184,7 @@ impl Io {
     ) -> bool {
         let Some(round) = last else { return false };
         let spec = from.spec;
-        let data: Vec<u8> = match (&from.staging, from.kept) {
+        let data: Vec<u8> = match (&from.shared, from.kept) {
             (Some(st), _) => {
                 if self.layout.owner(self.rank, spec.key, c as u32) != self.rank || !st.has_result(c, round) {
                     return false;
@@ -163,7 +203,7 @@ impl Io {
             _ => return false,
         };
         let slot = spec.slots[c] as usize;
-        let Some(conn) = self.conns.get(slot) else { return false };
+        let Some(conn) = self.send.conns.get(slot) else { return false };
         let mut header = Header::new(MsgType::Restore);
         (header.namespace, header.key, header.chunk, header.round, header.dtype) =
             (self.namespace, spec.key, c as u32, round, spec.dtype);
@@ -238,18 +278,18 @@ impl IoCore {
         let io = self.io.clone();
         let io = &*io;
         for &i in &note.conns {
-            let Some(c) = io.conns.get(i).filter(|_| i < self.rx.len()) else { continue };
+            let Some(c) = io.send.conns.get(i).filter(|_| i < self.rx.len()) else { continue };
             if c.advance(LinkState::Dead) == LinkState::Dead {
                 continue;
             }
             self.rx[i].reset();
-            c.link.deregister(&io.registry);
+            c.link.deregister(&io.send.registry);
             let mut st = c.send();
             st.broken_at.get_or_insert_with(Instant::now);
             st.clear();
             drop(st);
             // What it held is re-queued below, or waits for nothing any more.
-            io.spread().drop_slot(i);
+            io.admission.spread().drop_slot(i);
         }
         let (mut touched, mut restored, mut resent) = (Vec::new(), 0usize, 0usize);
         {
@@ -257,13 +297,13 @@ impl IoCore {
             let ops = &mut *guard;
             io.prune_released(ops);
             {
-                let latest = io.latest();
+                let latest = io.failover.latest();
                 ops.applied.retain(|k, _| latest.contains_key(k));
             }
             for (noted, current) in &note.moved {
                 let key = noted.key;
                 // The newest placement, which this note's may already be behind.
-                let spec = &io.latest_spec(key).unwrap_or_else(|| noted.clone());
+                let spec = &io.failover.latest_spec(key).unwrap_or_else(|| noted.clone());
                 let old = match (ops.active.get(&key), ops.applied.insert(key, spec.clone())) {
                     (Some(a), _) => Some(a.spec.clone()),
                     (None, Some(prev)) => Some(prev),
@@ -277,7 +317,7 @@ impl IoCore {
                     slots.sort_unstable();
                     slots.dedup();
                     for slot in slots {
-                        let Some(conn) = io.conns.get(slot as usize) else { continue };
+                        let Some(conn) = io.send.conns.get(slot as usize) else { continue };
                         let mut header = Header::new(MsgType::OptConfig);
                         (header.namespace, header.key) = (io.namespace, key);
                         ops.seq += 1;
@@ -297,7 +337,7 @@ impl IoCore {
                     (None, Some(r)) => Holding::Idle { last: r.last_round },
                     (None, None) => Holding::Idle { last: ops.rounds.get(&key).and_then(|r| r.checked_sub(1)) },
                 };
-                let live = |slot: usize| io.conns.get(slot).is_some_and(|c| c.state() < LinkState::WrittenOff);
+                let live = |slot: usize| io.send.conns.get(slot).is_some_and(|c| c.state() < LinkState::WrittenOff);
                 let moves = plan(&old, spec, holding, live);
                 log::debug!(
                     target: &format!("worker {}", io.rank),
@@ -309,7 +349,7 @@ impl IoCore {
                     if m.detach {
                         // Off a live server (a move to one that joined): stop
                         // counting on it for this chunk.
-                        io.detach(&io.conns[m.from], key, m.chunk as u32);
+                        io.detach(&io.send.conns[m.from], key, m.chunk as u32);
                         if m.from >= self.moved_off.len() {
                             self.grow(); // added (a server joined) since the loop grew
                         }
@@ -331,12 +371,14 @@ impl IoCore {
                 let seq = &mut ops.seq;
                 let from = match (ops.active.get(&key), released) {
                     (Some(a), _) => {
-                        Held { spec, kept: ops.kept.get(&key), staging: a.host.as_ref().map(|h| h.staging.clone()) }
+                        Held { spec, kept: ops.kept.get(&key), shared: a.host.as_ref().map(|h| h.shared.clone()) }
                     }
-                    (None, Some(r)) => Held { spec, kept: r.kept.as_ref(), staging: r.staging.clone() },
-                    (None, None) => {
-                        Held { spec, kept: ops.kept.get(&key), staging: io.host.as_ref().and_then(|h| h.mapped(key)) }
-                    }
+                    (None, Some(r)) => Held { spec, kept: r.kept.as_ref(), shared: r.shared.clone() },
+                    (None, None) => Held {
+                        spec,
+                        kept: ops.kept.get(&key),
+                        shared: io.host.stage.as_ref().and_then(|h| h.mapped(key)),
+                    },
                 };
                 for m in &moves {
                     restored += io.queue_restore(seq, &from, m.chunk, m.restore, &mut touched) as usize;

@@ -1,5 +1,5 @@
 //! How a chunk's pushes become its sum (`Accumulation`): as they arrive,
-//! or, with `GRADHUB_DETERMINISTIC=1` (`crate::order`), in the rank order
+//! or, with `GRADHUB_DETERMINISTIC=1` (`crate::sum_order`), in the rank order
 //! of its pushers whatever order they arrive in. A push that arrives before
 //! its turn waits in its pusher's slot (the connection's scratch buffer,
 //! taken over, or a pooled copy of a shared chunk) and is added as soon as
@@ -7,8 +7,8 @@
 //! bounded by the pushes in flight. No sockets here: unit-tested below.
 
 use super::sum::{ChunkBuf, Source};
-use crate::order::{self, SumOrder};
 use crate::protocol::DType;
+use crate::sum_order::{self, SumOrder};
 
 /// The chunk's accumulation mode, fixed when it is installed.
 pub(super) enum Accumulation {
@@ -110,7 +110,7 @@ impl InOrder {
             _ => self.waiting[pos] = Waiting::Data(src.park(at.n * at.dtype.size(), scratch, pool)),
         }
         let waiting = &mut self.waiting;
-        order::add_waiting(&mut self.next, waiting.len(), |p| {
+        sum_order::add_waiting(&mut self.next, waiting.len(), |p| {
             let from = match std::mem::replace(&mut waiting[p], Waiting::Nothing) {
                 Waiting::Nothing => return false,
                 Waiting::Zeros => None,
@@ -136,7 +136,7 @@ impl InOrder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::order::{permutations, test_encode as wire, test_values as values};
+    use crate::sum_order::{permutations, test_encode as wire, test_values as values};
     use crate::transport::{bytes, cast};
 
     /// The sum's bytes (for halves, the f32 accumulator's).

@@ -11,7 +11,7 @@ on their devices).
 
 CPU tensors take the same calls (a plain CPU buffer, `Tensor.copy_`), so the
 byte counts the tests check are the ones a GPU would move; CUDA tensors go
-through `cuda_staging` (side stream, events, pinned memory).
+through `cuda_copies` (side stream, events, pinned memory).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class HostBuffers:
             self._bufs.pop(name, None)
 
 
-class CpuStaging:
+class CpuCopies:
     """The copies for CPU tensors: synchronous `copy_`s, counted."""
 
     def __init__(self):
