@@ -30,6 +30,22 @@ def worker_argv(script: str, fresh: bool = False) -> list[str]:
     return [sys.executable, str(ZYGOTE), str(WORKERS / script)]
 
 
+# Tests that build network namespaces, bridges and fixed subnets (emulated
+# hosts), or start machine-wide daemons (sshd on emulated hosts, Slurm):
+# under pytest-xdist they run one after another in one worker process, as
+# their resources are the machine's, not the test's.
+MACHINE_WIDE = {"test_bench.py", "test_multihost.py", "test_auth.py", "test_service.py",
+                "test_torchrun_elastic.py", "test_launch_ssh.py", "test_launch_elastic_ssh.py",
+                "test_launch_slurm.py", "test_plan_emulated.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in MACHINE_WIDE or "hosts" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("machine-wide"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def zygote(tmp_path_factory):
     """One process per session that imports torch and gradhub once and
