@@ -113,10 +113,11 @@ def test_scheduler_and_server_metrics_move_during_a_job(cluster_factory, tmp_pat
     assert v2[("gradhub_resident_bytes", "")] > 0
 
 
-def test_service_metrics_per_job(service):
+def test_service_metrics_per_job(service, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     svc = service(servers=1, args=("--metrics-addr", addr))
-    names = svc.start_job("alpha", 2, dtype="float32", steps=40, size=30_000, sleep=0.05)
+    done = tmp_path / "done"  # the job runs until the test has seen its counters move
+    names = svc.start_job("alpha", 2, dtype="float32", steps=10, size=30_000, sleep=0.05, until=str(done))
     st = svc.wait_until(lambda st: any(j["pushed_bytes"] > 0 for j in st["jobs"]), "traffic reports")
     first = scrape(addr)
     job = '{gradhub_job="alpha"}'
@@ -131,6 +132,7 @@ def test_service_metrics_per_job(service):
     while scrape(addr)[("gradhub_pushed_bytes_total", job)] == first[("gradhub_pushed_bytes_total", job)]:
         assert time.monotonic() < deadline and all(svc.procs[n].poll() is None for n in names), svc.log("service")
         time.sleep(0.2)
+    done.touch()
     assert all(c == 0 for c in svc.wait(names).values())
     svc.wait_until(lambda st: not st["jobs"], "the job to be gone")
     assert scrape(addr)[("gradhub_jobs", "")] == 0

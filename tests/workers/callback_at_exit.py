@@ -31,6 +31,10 @@ def slow(_h):
 
 
 x = np.ones(1000, dtype=np.float32)
+if mode == "in_flight":
+    # Both in the job before rank 0 fails it (else rank 1, still joining
+    # under load, fails first and the launch reports its exit instead).
+    gradhub.push_pull(np.ones(1, dtype=np.float32), name="both_in")
 if mode == "running":
     h = gradhub.push_pull_async(x, name="x")
     h.add_done_callback(slow)
