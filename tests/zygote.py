@@ -214,8 +214,16 @@ def serve(path: str) -> None:
     import numpy  # noqa: F401
     import torch  # noqa: F401
 
+    import torch.distributed  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
     import gradhub  # noqa: F401
     import gradhub.torch  # noqa: F401
+
+    # Its first call imports about 900 modules (a second of CPU).
+    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(False)
 
     import threading
 
