@@ -253,6 +253,48 @@ def test_train_two_workers_per_host_exact_updates(tmp_path):
     assert on["host_tx_per_iter"] < 0.75 * off["host_tx_per_iter"]
 
 
+def test_train_ddp_and_fsdp_on_the_gradhub_backend_and_hook(tmp_path):
+    """The torch.distributed systems on 2 emulated hosts: DDP with gradhub's
+    comm hook (the lab's job), DDP and FSDP2 over the "gradhub" backend (the
+    group forms its own job across the hosts' namespaces) and FSDP2 over
+    gloo each train exactly (FSDP: every worker's shards), and their link
+    bytes are their theory's: M each way for DDP on gradhub (2 hosts),
+    4(n-1)/n M for FSDP on gloo (ring all-gathers, a reduce-scatter that
+    moves an all-reduce's bytes), 2.5 M for FSDP on gradhub."""
+    reason = netns.check_available()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "torch.jsonl"
+    systems = ["ddp-hook", "ddp-gradhub", "fsdp-gloo", "fsdp-gradhub"]
+    p = subprocess.Popen([sys.executable, "-m", "gradhub_lab", "train", "--model", "alexnet", "--workers", "2",
+                          "--scale", "64", "--iters", "2", "--warmup", "1", "--systems", ",".join(systems),
+                          "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
+    try:
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 0, stdout + stderr
+    rows = {r["label"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(rows) == systems, stdout
+    M = rows["ddp-hook"]["model_bytes"]
+    assert M == pytest.approx(profiles.get("alexnet").num_params * 4 / 64, rel=1e-3)
+    theory = {"ddp-hook": M, "ddp-gradhub": M, "fsdp-gloo": 2 * M, "fsdp-gradhub": 2.5 * M}
+    for label, r in rows.items():
+        assert r["workers"] == 2 and r["samples_per_s"] > 0 and r["model_bytes"] == M, label
+        assert r["result_error"] < 1e-4, (label, r["result_error"])
+        assert r["host_bytes_theory"] == pytest.approx(theory[label]), label
+        assert set(r["host_bytes"]) == {"w0", "w1"}, label
+        for way in ("host_tx_per_iter", "host_rx_per_iter"):
+            assert 0.9 <= r[way] / theory[label] <= 1.2, (label, way, r[way] / theory[label])
+    # Nothing of its clusters is left behind (their namespaces are named by
+    # the lab's process id and a count; other jobs may run clusters meanwhile).
+    mine = re.compile(rf"^{netns.PREFIX}{p.pid % 10000}\d{{1,2}}(sched|w\d+)\b", re.M)
+    assert not mine.search(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout)
+    bad = subprocess.run([sys.executable, "-m", "gradhub_lab", "train", "--systems", "ddp-gradhub", "--cpu-servers",
+                          "1"], capture_output=True, text=True, timeout=60, env=job_env())
+    assert bad.returncode == 2 and "colocated server per host only" in bad.stderr, bad.stderr
+
+
 def test_train_across_two_racks_two_levels_halve_the_core_link_bytes(tmp_path):
     """4 emulated hosts in 2 racks joined by shaped core links: one level puts
     2N(R-1)/R of the model on each core link and direction, two levels

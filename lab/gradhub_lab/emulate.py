@@ -7,6 +7,13 @@ tensors, so wait-free backprop, priorities and forward overlap face the real
 timing structure. Systems:
   gradhub  gradhub.torch.DistributedOptimizer (options from the environment)
   ddp      torch DistributedDataParallel over gloo (bucket cap scaled like the model)
+  ddp-hook     DDP over gloo with gradhub's comm hook (`gradhub.torch.ddp_comm_hook`)
+               in the job the lab starts for gradhub (its scheduler and servers)
+  ddp-gradhub  DDP whose process group is the "gradhub" torch.distributed backend
+               (`init_process_group("gradhub")` from torchrun's variables: the
+               group forms its own job, rank 0's scheduler, a server per host)
+  fsdp-gloo, fsdp-gradhub  FSDP2 (`fully_shard` on every emulated layer, then
+               the root; 1-D CPU mesh) over gloo or over the "gradhub" backend
   none     no synchronization: the compute-only upper bound, measured with
            every worker computing at once (they start the timed iterations
            together), so on a shared machine it is what the machine allows
@@ -24,7 +31,9 @@ still slept); a sufficient-factor exchange moves real factors and rebuilds
 real gradients, whose CPU time is reported (`sfb_rebuild_s`, per iteration).
 
 Config (JSON in GH_BENCH): model, scale, unscaled (DDP's buckets at their
-default size), iters, warmup, system, rank, world, ddp_addr, and optionally
+default size), iters, warmup, system, rank, world, ddp_addr (gloo's and the
+no-sync run's rendezvous; the gradhub backend's is torchrun's MASTER_ADDR and
+MASTER_PORT), and optionally
 dump (a path: worker 0 saves the real FC layers' parameters there at the
 end), host, local_rank, local_size, netdev (the host's
 shaped interface, whose byte counters are read at the start of the first
@@ -73,6 +82,10 @@ class _Clock:
 
 
 CLOCK = _Clock()
+
+# The systems on torch.distributed (DDP, FSDP2), and their process group's backend.
+TORCH_SYSTEMS = {"ddp": "gloo", "ddp-hook": "gloo", "ddp-gradhub": "gradhub",
+                 "fsdp-gloo": "gloo", "fsdp-gradhub": "gradhub"}
 
 
 class _SleepFn(torch.autograd.Function):
@@ -163,12 +176,20 @@ class _StartTogether:
             time.sleep(0.0005)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values held here: an FSDP2 (DTensor) parameter's own shard."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
 def param_error(model: nn.Module, steps: int) -> float:
     """Largest relative deviation of any emulated layer's parameter from what
     `steps` SGD steps on the averaged gradient give. Every worker's gradient
     is 1e-6 everywhere, so the average is too: a wrong sum (a worker counted
     twice or not at all, a stale or misplaced chunk) shows up here. (The real
-    FC layers of the FC-faithful mode have real gradients: not checked.)"""
+    FC layers of the FC-faithful mode have real gradients: not checked.)
+    Under FSDP each worker checks its own shard of every parameter; the
+    shards cover every element once, and the run's error is the largest
+    over the workers (runner.summarize)."""
     ref = torch.zeros(1, requires_grad=True)
     o = torch.optim.SGD([ref], lr=1e-3, momentum=0.9)
     for _ in range(steps):
@@ -176,8 +197,9 @@ def param_error(model: nn.Module, steps: int) -> float:
         o.step()
     want = float(ref.detach()[0])
     with torch.no_grad():
-        worst = max(float((p.detach() - want).abs().max())
-                    for m in model.modules() if isinstance(m, SleepLayer) for p in m.parameters())
+        worst = max((float((_local(p).detach() - want).abs().max())
+                     for m in model.modules() if isinstance(m, SleepLayer) for p in m.parameters()
+                     if _local(p).numel()), default=0.0)
     return worst / abs(want)
 
 
@@ -198,14 +220,36 @@ def main():
         rank, world = hvd.rank(), hvd.size()
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    elif system == "ddp":
+    elif system in TORCH_SYSTEMS:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://{cfg['ddp_addr']}", rank=rank, world_size=world)
-        # DDP's buckets scale with every other byte count, unless the run
-        # keeps the defaults a user gets (`unscaled`).
-        bucket_mb = 25.0 if cfg.get("unscaled") else 25.0 / scale
-        model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        if system.endswith("-gradhub"):
+            import gradhub.torch  # noqa: F401 - registers the backend
+
+            # As under torchrun: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE (set by the lab).
+            dist.init_process_group("gradhub")
+        else:
+            dist.init_process_group("gloo", init_method=f"tcp://{cfg['ddp_addr']}", rank=rank, world_size=world)
+        if system == "ddp-hook":
+            import gradhub.torch as hvd
+
+            hvd.init()   # the job the lab started (GRADHUB_SCHEDULER, GRADHUB_RANK, ...)
+        if system.startswith("fsdp"):
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)   # over the shards
+        else:
+            # DDP's buckets scale with every other byte count, unless the run
+            # keeps the defaults a user gets (`unscaled`).
+            bucket_mb = 25.0 if cfg.get("unscaled") else 25.0 / scale
+            model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+            if system == "ddp-hook":
+                model.register_comm_hook(None, hvd.ddp_comm_hook)
     elif system != "none":
         raise ValueError(f"unknown system {system!r}")
     together = _StartTogether(cfg, rank, world) if system == "none" and world > 1 else None
@@ -290,19 +334,23 @@ def main():
     # changes: their parameters are not the reference's.)
     if os.environ.get("GRADHUB_ASYNC") != "1":
         res["param_error"] = param_error(model, steps)
-    if cfg.get("dump") and rank == 0:
+    if cfg.get("dump"):
         # The real FC layers' parameters after training: the bench compares
         # every system's with DDP's (the average of the same gradients).
+        # FSDP's are gathered whole (a collective: every worker takes part).
         net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        torch.save({n: p.detach().clone() for n, p in net.named_parameters()
-                    if isinstance(net.get_submodule(n.rsplit(".", 1)[0]), nn.Linear)}, cfg["dump"])
+        fc = {n: p.detach() for n, p in net.named_parameters()
+              if isinstance(net.get_submodule(n.rsplit(".", 1)[0]), nn.Linear)}
+        fc = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).clone() for n, p in fc.items()}
+        if rank == 0:
+            torch.save(fc, cfg["dump"])
     print("RESULT " + json.dumps(res), flush=True)
-    if system == "gradhub":
-        hvd.shutdown()
-    elif system == "ddp":
+    if system in TORCH_SYSTEMS:
         import torch.distributed as dist
 
-        dist.destroy_process_group()
+        dist.destroy_process_group()   # the gradhub backend's job ends with it
+    if system in ("gradhub", "ddp-hook"):
+        hvd.shutdown()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,16 @@ from .netns import EmulatedCluster
 
 SCHED_PORT = 9000
 GLOO_PORT = 29400
+# torch.distributed's rendezvous for the systems on the "gradhub" backend
+# (torchrun's MASTER_ADDR:MASTER_PORT, on the first worker host).
+TORCH_PORT = 29500
+
+# The systems whose workers join a gradhub job the lab starts (scheduler and
+# servers), and those whose "gradhub" process group forms its own job from
+# torch's store (the scheduler in rank 0, a colocated server in the first
+# worker of each host).
+LAB_JOB_SYSTEMS = ("gradhub", "ddp-hook")
+BACKEND_SYSTEMS = ("ddp-gradhub", "fsdp-gradhub")
 
 
 # gradhub scheduling options, as the environment switches a Horovod-style
@@ -317,11 +327,14 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         devs = {h.name: h.veth for h in cluster.hosts.values() if h.name.startswith("s") and h.name != "sched"}
         devs.update({f"core{r}": dev for r, dev in cluster.core_links.items()})
         sampler = CpuSampler(period=0.05, netdevs=devs) if devs and cluster.rate_bps else CpuSampler()
+        if system in BACKEND_SYSTEMS and (layout.cpu_servers or not layout.colocated or racks):
+            raise ValueError(f"{system}: the gradhub backend forms its own job, with a colocated server per host "
+                             "only (no --cpu-servers, --no-colocated or --racks)")
         if racks and system == "gradhub":
             # What PHub's model needs, from the emulated links (Gbit/s).
             base.setdefault("GRADHUB_LINK_GBIT", str(cluster.rate_bps / 1e9 if cluster.rate_bps else 0))
             base.setdefault("GRADHUB_CORE_GBIT", str(cluster.core_bps / 1e9 if cluster.core_bps else 0))
-        if system == "gradhub":
+        if system in LAB_JOB_SYSTEMS:
             if layout.num_servers < 1:
                 raise ValueError("gradhub needs at least one server (colocated or CPU-only)")
             base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.num_workers),
@@ -356,6 +369,17 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
                         LOCAL_WORLD_SIZE=str(local))
             if racks:
                 wenv["GRADHUB_RACK"] = f"r{racks[hname]}"
+            if system in BACKEND_SYSTEMS:
+                # torchrun's rendezvous on the first worker host; rank 0
+                # advertises the job's scheduler at MASTER_ADDR, which every
+                # emulated host reaches. The chunk size and the server threads
+                # the lab's own job would get (read by the scheduler and
+                # server the group hosts).
+                wenv.update(MASTER_ADDR=cluster.hosts["w0"].ip, MASTER_PORT=str(TORCH_PORT))
+                if partition_bytes:
+                    wenv.setdefault("GRADHUB_PARTITION_BYTES", str(partition_bytes))
+                if layout.server_threads:
+                    wenv.setdefault("GRADHUB_SERVER_THREADS", str(layout.server_threads))
             p = subprocess.Popen(host.cmd([py, "-m", module]), env=wenv, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT)
             procs.append((f"worker{r}", p))

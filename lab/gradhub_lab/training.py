@@ -1,7 +1,9 @@
 """`gradhub-lab train` and `gradhub-lab goodput`: emulated training under
-gradhub, DDP/gloo and no synchronization, and push_pull-only goodput, on
-an emulated cluster (runner.py, netns.py), each run beside its theory (the
-BytePS split's link bytes, gradhub/plan/theory.py)."""
+gradhub, DDP/gloo and no synchronization (and DDP with gradhub's comm hook,
+DDP and FSDP2 over the "gradhub" torch.distributed backend, FSDP2 over
+gloo), and push_pull-only goodput, on an emulated cluster (runner.py,
+netns.py), each run beside its theory (the BytePS split's link bytes,
+gradhub/plan/theory.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from gradhub.plan.cluster import parse_rate
 from gradhub.plan.theory import (allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes,
                                  server_link_bytes)
 
-from .runner import Layout, core_link_bytes, ring_core_link_bytes, run_job, variant_env
+from .runner import BACKEND_SYSTEMS, Layout, core_link_bytes, ring_core_link_bytes, run_job, variant_env
+
+# Every system `train` runs (emulate.py), and those whose members are gradhub
+# roles (--env reaches them).
+SYSTEMS = ("none", "ddp", "gradhub", "ddp-hook", "ddp-gradhub", "fsdp-gloo", "fsdp-gradhub")
+GRADHUB_SYSTEMS = ("gradhub", "ddp-hook", "ddp-gradhub", "fsdp-gradhub")
 
 
 @dataclass
@@ -147,6 +154,28 @@ def gradhub_host_bytes(layout: Layout, model_bytes: float, host_reduce: bool) ->
                            colocated=layout.colocated)
 
 
+def fsdp_host_bytes(layout: Layout, model_bytes: float, system: str) -> float | None:
+    """Theoretical bytes per worker host's link per iteration and direction
+    under FSDP2 with every layer resharded after forward: two all-gathers of
+    the parameters (forward, backward) and one reduce-scatter of the
+    gradients. gloo: a ring all-gather, (n-1)/n M each way; its
+    reduce-scatter moves what its all-reduce does, 2(n-1)/n M (measured:
+    not a ring reduce-scatter's (n-1)/n). The gradhub backend
+    (colocated servers, one worker per host; None otherwise): a
+    reduce-scatter is a push_pull of the whole model (its BytePS split), an
+    all-gather a push of one's own M/n slot and a pull of all of it: up,
+    the slot's share for the other servers, (n-1)/n M/n, plus the own
+    server's 1/n of the result for the other n-1 hosts, (n-1)/n M; down
+    mirrors it."""
+    n = layout.num_workers
+    if system == "fsdp-gloo":
+        return 4 * (n - 1) / n * model_bytes
+    if layout.workers_per_host != 1 or layout.cpu_servers or not layout.colocated:
+        return None
+    gather = (n - 1) / n * model_bytes * (1 + 1 / n)
+    return 2 * gather + gradhub_host_bytes(layout, model_bytes, True)
+
+
 def _compare_with_ddp(runs: list[tuple[str, dict]]) -> None:
     """FC-faithful runs of one trial: each system's real FC parameters after
     training against DDP's (`fc_param_diff`, the largest difference relative
@@ -170,6 +199,15 @@ def train(spec: TrainSpec) -> tuple[int, list[dict]]:
     and return (exit code, the records: one per run, each the median of
     the trials), each also appended to `spec.json_out` if given."""
     layout = layout_of(spec)
+    unknown = [s for s in spec.systems if s not in SYSTEMS]
+    if unknown:
+        print(f"gradhub-lab train: unknown system {unknown[0]!r} (choose from {', '.join(SYSTEMS)})", file=sys.stderr)
+        return 2, []
+    backend = [s for s in spec.systems if s in BACKEND_SYSTEMS]
+    if backend and (layout.cpu_servers or not layout.colocated or layout.racks > 1):
+        print(f"gradhub-lab train: {backend[0]}: the gradhub backend forms its own job, with a colocated server per "
+              "host only (no --cpu-servers, --no-colocated or --racks)", file=sys.stderr)
+        return 2, []
     prof = profiles.get(spec.model)
     cfg = {"model": spec.model, "scale": spec.scale, "iters": spec.iters, "warmup": spec.warmup,
            "fc": spec.fc_faithful, "unscaled": spec.unscaled, "straggler": spec.straggler}
@@ -201,7 +239,7 @@ def train(spec: TrainSpec) -> tuple[int, list[dict]]:
     dumps = tempfile.TemporaryDirectory(prefix="gradhub-bench-fc-") if spec.fc_faithful else None
     for t in range(max(1, spec.trials)):
         for label, system, v in runs:
-            env = {**variant_env(v), **(user_env if system == "gradhub" else {})}
+            env = {**variant_env(v), **(user_env if system in GRADHUB_SYSTEMS else {})}
             # Fusion buckets scale with every other byte count (the same tensors are fused).
             if not spec.unscaled:
                 env.setdefault("GRADHUB_FUSION_THRESHOLD", str(max(1024, int(DEFAULT_FUSION_THRESHOLD / spec.scale))))
@@ -230,16 +268,20 @@ def train(spec: TrainSpec) -> tuple[int, list[dict]]:
             none = res["samples_per_s"]
         M = res.get("model_bytes", 0)
         host_reduce = "nohost" not in v.split("+")
-        theory = {"none": 0.0, "ddp": ring_host_link_bytes(layout.workers, W, M)}.get(
-            system, gradhub_host_bytes(layout, M, host_reduce))
+        if system.startswith("fsdp"):
+            theory = fsdp_host_bytes(layout, M, system)
+        else:
+            theory = {"none": 0.0, "ddp": ring_host_link_bytes(layout.workers, W, M)}.get(
+                system, gradhub_host_bytes(layout, M, host_reduce))
         s_theory = server_link_bytes(layout.workers, layout.cpu_servers, M, W, host_reduce, layout.colocated) \
-            if system == "gradhub" else None
-        ratio = f"{res['samples_per_s'] / ddp:7.2f}" if ddp and system == "gradhub" else f"{'':7s}"
+            if system in ("gradhub", "ddp-hook") else None
+        compared = ddp and system not in ("none", "ddp")
+        ratio = f"{res['samples_per_s'] / ddp:7.2f}" if compared else f"{'':7s}"
         cores = res["busy_cores"]
         print(f"{label:28s} {res['samples_per_s']:10.1f} {res['scaling_efficiency']:6.2f} "
               f"{res['iter_time_p50'] * 1e3:8.1f} {res['iter_time_p90'] * 1e3:8.1f} "
               f"{cores if cores is not None else float('nan'):6.2f} {ratio}{_host_cols(res, theory)}"
-              f"{_check(res, label)}{_server_lines(res, s_theory) if system == 'gradhub' else ''}"
+              f"{_check(res, label)}{_server_lines(res, s_theory) if system in ('gradhub', 'ddp-hook') else ''}"
               + _core_lines(res, layout, system, M)
               + (f"\n  {res['sfb_layers']} layer(s) as sufficient factors; rebuilding their gradients took "
                  f"{res['sfb_rebuild_ms']:.1f} ms of worker CPU per iteration" if res.get("sfb_layers") else "")
@@ -259,7 +301,7 @@ def train(spec: TrainSpec) -> tuple[int, list[dict]]:
         res.update(kind="train", label=label, model=spec.model, scale=spec.scale, variant=v,
                    host_reduce=host_reduce, host_bytes_theory=theory, server_bytes_theory=s_theory,
                    workers_per_host=W,
-                   vs_ddp=res["samples_per_s"] / ddp if ddp and system == "gradhub" else None,
+                   vs_ddp=res["samples_per_s"] / ddp if compared else None,
                    vs_none=res["samples_per_s"] / none if none and system != "none" else None)
         _emit(spec.json_out, res)
         records.append(res)
