@@ -33,16 +33,22 @@ def worker_argv(script: str, fresh: bool = False) -> list[str]:
 # Tests that build network namespaces, bridges and fixed subnets (emulated
 # hosts), or start machine-wide daemons (sshd on emulated hosts, Slurm):
 # under pytest-xdist they run one after another in one worker process, as
-# their resources are the machine's, not the test's.
-MACHINE_WIDE = {"test_bench.py", "test_multihost.py", "test_auth.py", "test_service.py",
-                "test_torchrun_elastic.py", "test_launch_ssh.py", "test_launch_elastic_ssh.py",
-                "test_launch_slurm.py", "test_plan_emulated.py"}
+# their resources are the machine's, not the test's. Such a test is in one
+# of these files, takes the `hosts` fixture, or is marked `machine_wide`.
+MACHINE_WIDE = {"test_multihost.py", "test_launch_ssh.py", "test_launch_elastic_ssh.py", "test_launch_slurm.py",
+                "test_plan_emulated.py"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "machine_wide: uses the machine's network namespaces or daemons "
+                                       "(runs one at a time with the others)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in MACHINE_WIDE or "hosts" in getattr(item, "fixturenames", ()):
+        if (item.path.name in MACHINE_WIDE or "hosts" in getattr(item, "fixturenames", ())
+                or item.get_closest_marker("machine_wide")):
             item.add_marker(pytest.mark.xdist_group("machine-wide"))
 
 

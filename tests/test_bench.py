@@ -153,6 +153,7 @@ def test_parse_rate():
         netns.parse_rate("fast")
 
 
+@pytest.mark.machine_wide
 def test_cluster_end_to_end_two_hosts(tmp_path):
     reason = netns.check_available()
     if reason:
@@ -193,6 +194,7 @@ def test_cluster_end_to_end_two_hosts(tmp_path):
     assert bad.returncode == 2 and "expected NAME=VALUE" in bad.stderr, bad.stderr
 
 
+@pytest.mark.machine_wide
 def test_two_workers_per_host_host_stage_halves_the_host_link_bytes(tmp_path):
     """2 emulated hosts x 2 workers: with the host stage a host's link carries
     what one worker would send (the theoretical figure), without it twice that,
@@ -225,6 +227,7 @@ def test_two_workers_per_host_host_stage_halves_the_host_link_bytes(tmp_path):
     assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.machine_wide
 def test_train_two_workers_per_host_exact_updates(tmp_path):
     """Emulated training with 2 x 2 workers, host stage on and off: every
     parameter ends where exact averaging puts it, and the host stage's link
@@ -253,6 +256,7 @@ def test_train_two_workers_per_host_exact_updates(tmp_path):
     assert on["host_tx_per_iter"] < 0.75 * off["host_tx_per_iter"]
 
 
+@pytest.mark.machine_wide
 def test_train_ddp_and_fsdp_on_the_gradhub_backend_and_hook(tmp_path):
     """The torch.distributed systems on 2 emulated hosts: DDP with gradhub's
     comm hook (the lab's job), DDP and FSDP2 over the "gradhub" backend (the
@@ -295,6 +299,7 @@ def test_train_ddp_and_fsdp_on_the_gradhub_backend_and_hook(tmp_path):
     assert bad.returncode == 2 and "colocated server per host only" in bad.stderr, bad.stderr
 
 
+@pytest.mark.machine_wide
 def test_train_across_two_racks_two_levels_halve_the_core_link_bytes(tmp_path):
     """4 emulated hosts in 2 racks joined by shaped core links: one level puts
     2N(R-1)/R of the model on each core link and direction, two levels
@@ -323,6 +328,7 @@ def test_train_across_two_racks_two_levels_halve_the_core_link_bytes(tmp_path):
     assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.machine_wide
 @pytest.mark.parametrize("extra", [["--cpu-servers", "1"], ["--no-servers"]], ids=["k1", "no-servers"])
 def test_bench_cluster_runs_a_command_on_every_host(extra):
     reason = netns.check_available()
@@ -340,6 +346,7 @@ def test_bench_cluster_runs_a_command_on_every_host(extra):
     assert "ghb" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.machine_wide
 def test_bench_cluster_workers_per_host_local_ranks():
     reason = netns.check_available()
     if reason:
@@ -358,6 +365,7 @@ def test_bench_cluster_workers_per_host_local_ranks():
     assert ns[0] == ns[1] != ns[2] == ns[3], p.stdout
 
 
+@pytest.mark.machine_wide
 def test_bench_cluster_stops_the_job_when_a_worker_fails():
     reason = netns.check_available()
     if reason:
@@ -423,6 +431,7 @@ def test_report_renders_tables_targets_and_keeps_the_rest(tmp_path):
     assert "best is gradhub k=4 overlap at 1.11 × — **not met**" in second and "1.83" not in second
 
 
+@pytest.mark.machine_wide
 def test_suite_quick_end_to_end(tmp_path):
     reason = netns.check_available()
     if reason:
@@ -545,6 +554,7 @@ def test_jain_index():
     assert jain([2.0, 1.0]) == pytest.approx(0.9)
 
 
+@pytest.mark.machine_wide
 def test_bench_tenancy_quick(tmp_path):
     """Two jobs at once on one shared service in the emulated cluster: both
     progress, and the report has each job's share and the fairness index."""
