@@ -199,3 +199,31 @@ def test_the_checks_catch_a_missing_path(tmp_path):
     assert any("src/protocol/control.rs" in m for m in missing)
     assert any("`protocol/control.rs`" in m for m in missing)
     assert any("nowhere.md" in m for m in missing)
+
+
+# Work-log references: a tracker number, a session, a date (history is git's).
+WORK_LOG = re.compile(r"\b(?:issue|session|sprint)s? ?#?\d+\b|(?<![\w-])20\d\d-[01]\d-[0-3]\d(?![\w-])", re.I)
+
+
+def _work_log_refs(paths) -> list[str]:
+    found = []
+    for path in paths:
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if WORK_LOG.search(line):
+                found.append(f"{_rel(path)}:{i}: {line.strip()[:120]}")
+    return found
+
+
+def test_no_work_log_references_in_docs_and_code():
+    trees = [ROOT / t for t in ("src", "python", "lab", "examples")]
+    paths = [p for t in trees for p in t.rglob("*") if p.suffix in (".rs", ".py", ".pyi", ".md")
+             and "target" not in p.parts and p.name != "test_docs.py"]
+    found = _work_log_refs(DOCS + paths)
+    assert not found, "work-log references (keep the measured reason, drop the tracker number or date):\n" + \
+        "\n".join(found)
+
+
+def test_the_work_log_check_catches_one(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("Measured in session 36 (issue 34), 2026-11-29.\nA 3-session job and issue-free text.\n")
+    assert len(_work_log_refs([doc])) == 1

@@ -31,7 +31,7 @@ def test_digits_distributed_matches_single_process():
     a1, a4 = final_accuracy(single), final_accuracy(dist)
     assert a1 > 0.9 and a4 > 0.9, (a1, a4)
     assert abs(a1 - a4) <= 0.02, (a1, a4)
-    # The asynchronous mode (issue 31), every worker pushing for itself: the
+    # The asynchronous mode, every worker pushing for itself: the
     # same samples reach the synchronous run's accuracy within 4 points.
     # Stale updates cost it some, and which ones are stale varies: 12 runs
     # here ended 2.5 points below to 1.3 above the synchronous run (397

@@ -1,5 +1,5 @@
 """A lost summation server: its chunks move to the others and training goes
-on with exactly the sums it would have had (issue 10, item 5); with the
+on with exactly the sums it would have had; with the
 optimizer on the servers, each chunk moves to the replica that kept its
 parameters and optimizer state. Jobs are started role by role, and a
 server is killed (SIGKILL: its connections close) or stopped (SIGSTOP: it

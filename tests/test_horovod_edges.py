@@ -1,4 +1,4 @@
-"""Horovod's own expectations at the edges of gradhub.torch (issue 29), each
+"""Horovod's own expectations at the edges of gradhub.torch, each
 on 2 and 3 workers, many cases per job (the worker scripts list them):
 torch_horovod_edges.py (error types, integer scaling, reducescatter's
 gradient, optimizer details, sparse, disagreements, barrier, join) and

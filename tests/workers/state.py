@@ -1,5 +1,5 @@
 """Worker: unnamed operations and names reused with other shapes keep no
-state behind (issue 10, bounded state), and give the right results."""
+state behind (bounded state), and give the right results."""
 
 import numpy as np
 import torch

@@ -2,7 +2,7 @@
 runs its tests, every case in this one process, each starting with init()
 (idempotent, as Horovod's) and ending with a barrier, whatever the cases
 before left behind (an async operation never waited for, errors, joins,
-process sets added and removed). Cases (issue 29): every async operation
+process sets added and removed). Cases: every async operation
 refuses a name in flight; alltoall's argument errors at the call and its
 disagreements; reducescatter/allreduce disagreements, also in a process set;
 join with allreduce (every dtype, either rank first, names seen before or
