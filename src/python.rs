@@ -479,6 +479,33 @@ impl PyClient {
     }
 }
 
+/// One frame as the wire carries it (checksums filled in), for tests and
+/// tools that talk to members byte by byte. `payload_len`, when given,
+/// overrides the payload's real length (to send a header that lies).
+#[pyfunction]
+#[pyo3(signature = (msg_type, payload=Vec::new(), key=0, chunk=0, round=0, dtype=0, flags=0, namespace=0, payload_len=None))]
+#[allow(clippy::too_many_arguments)]
+fn encode_frame(
+    py: Python<'_>,
+    msg_type: u8,
+    payload: Vec<u8>,
+    key: u32,
+    chunk: u32,
+    round: u32,
+    dtype: u8,
+    flags: u16,
+    namespace: u32,
+    payload_len: Option<u32>,
+) -> PyResult<Py<pyo3::types::PyBytes>> {
+    use crate::protocol::{DType, Header, MsgType};
+    let bad = |what: &str, v: u8| PyValueError::new_err(format!("unknown {what} {v}"));
+    let mut h = Header::new(MsgType::from_u8(msg_type).ok_or_else(|| bad("message type", msg_type))?);
+    h.dtype = DType::from_u8(dtype).ok_or_else(|| bad("dtype", dtype))?;
+    (h.key, h.chunk, h.round, h.flags, h.namespace) = (key, chunk, round, flags, namespace);
+    h.payload_len = payload_len.unwrap_or(payload.len() as u32);
+    Ok(pyo3::types::PyBytes::new(py, &crate::protocol::encode_frame(&h, &payload)).unbind())
+}
+
 #[pyfunction]
 fn kernel_simd_level() -> &'static str {
     crate::kernels::simd_level()
@@ -496,6 +523,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(job_token, m)?)?;
     m.add_function(wrap_pyfunction!(service_status, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_simd_level, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_frame, m)?)?;
     m.add_function(wrap_pyfunction!(config::settings, m)?)?;
     m.add_class::<PyClientConfig>()?;
     m.add_class::<PySchedulerConfig>()?;

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_all_passed, free_port, run_launch
-from gradhub._core import PROTOCOL_VERSION
+from gradhub._core import PROTOCOL_VERSION, encode_frame
 
 
 def wait_line(cluster, name, text, timeout=30):
@@ -168,8 +168,10 @@ def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared, ho
 
 
 def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=PROTOCOL_VERSION):
-    """A data-plane frame header (protocol/frame.rs)."""
-    return struct.pack("<HBBHBBIIIIiI", magic, ver, mtype, flags, dtype, 0, 0, key, chunk, rnd, 0, plen)
+    """A data-plane frame header (protocol/frame.rs), its checksums right;
+    magic and version (checked before them) as given."""
+    frame = encode_frame(mtype, key=key, chunk=chunk, round=rnd, dtype=dtype, flags=flags, payload_len=plen)
+    return struct.pack("<HB", magic, ver) + frame[3:]
 
 
 def held_job(cluster_factory, go, extra_rounds):

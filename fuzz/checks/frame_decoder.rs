@@ -60,8 +60,7 @@ pub fn check(data: &[u8]) {
         h.namespace = 7;
         h.payload_len = payload.len() as u32;
         check_control(&h, payload);
-        let mut frame = h.encode().to_vec();
-        frame.extend_from_slice(payload);
+        let frame = gradhub::protocol::encode_frame(&h, payload);
         if let Ok(msg) = read_control(&mut Cursor::new(&frame), 7) {
             let again = read_control(&mut Cursor::new(&msg.encode(7)), 7)
                 .unwrap_or_else(|e| panic!("re-encoded {msg:?} fails to decode: {e}"));

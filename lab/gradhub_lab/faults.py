@@ -44,7 +44,6 @@ import secrets
 import signal
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 
+from gradhub import _core
 from gradhub._ports import free_port
 
 WORKERS, SERVERS = 4, 3
@@ -228,8 +228,8 @@ def _stranger(addr: tuple[str, int], kind: str, rng: random.Random) -> socket.so
         s.connect(addr)
         if kind == "garbage":
             s.send(rng.randbytes(rng.randrange(1, 200)))
-        else:  # half a frame header (gradhub's magic and version), then nothing
-            s.send(struct.pack("<HBB", 0x4847, 5, 16))
+        else:  # the start of a frame header (gradhub's magic and version), then nothing
+            s.send(_core.encode_frame(16)[:4])
         return s
     except OSError:
         s.close()

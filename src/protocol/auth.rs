@@ -192,11 +192,7 @@ fn frame(msg_type: MsgType, parts: &[&[u8]]) -> Vec<u8> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     let mut h = Header::new(msg_type);
     h.payload_len = len as u32;
-    let mut out = h.encode().to_vec();
-    for p in parts {
-        out.extend_from_slice(p);
-    }
-    out
+    super::encode_frame(&h, &parts.concat())
 }
 
 fn exact<const N: usize>(what: &'static str, payload: &[u8]) -> Result<[u8; N], ProtocolError> {

@@ -12,7 +12,10 @@ pub use control::{
     Control, DeclEntry, ElasticReg, JobTraffic, Register, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
     MAX_JOINED_SLOTS, NO_SERVER,
 };
-pub use frame::{DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS, HEADER_LEN, MAGIC, VERSION};
+pub use frame::{
+    crc32c, encode_frame, DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS, HEADER_LEN, MAGIC,
+    VERSION,
+};
 pub use optim::{OptConfig, OptKind};
 pub use reader::{Frame, FrameReader, ReadError};
 
@@ -51,6 +54,9 @@ pub enum ProtocolError {
     PayloadTooLarge { len: u32, max: u32 },
     #[error("frame truncated: need {need} bytes, got {got}")]
     Truncated { need: usize, got: usize },
+    /// A checksum (`frame`) did not match: the frame changed on the way.
+    #[error("checksum mismatch in {0}: the frame was corrupted on the way")]
+    BadChecksum(String),
     #[error("malformed payload: {0}")]
     BadPayload(String),
     #[error("unexpected message: {0}")]

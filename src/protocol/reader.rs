@@ -7,6 +7,7 @@
 
 use std::io::{self, Read};
 
+use super::frame::{payload_crc, Crc32c};
 use super::{Header, ProtocolError, HEADER_LEN};
 
 /// Owned payload buffers start at this size and double as data arrives.
@@ -59,11 +60,22 @@ fn read_nb<R: Read>(mut r: R, buf: &mut [u8]) -> io::Result<Progress> {
 /// already shows the socket drained (data arriving later raises a new
 /// edge), so the read that would only say `WouldBlock` is skipped: one
 /// syscall fewer per small frame. Not after an event that reported the
-/// peer's close: see `transport::Drain`.
-fn fill<R: Read>(r: &mut R, buf: &mut [u8], got: &mut usize, at_boundary: bool, edge: bool) -> Result<bool, ReadError> {
+/// peer's close: see `transport::Drain`. `crc` takes in every byte read,
+/// while it is still in cache.
+fn fill<R: Read>(
+    r: &mut R,
+    buf: &mut [u8],
+    got: &mut usize,
+    at_boundary: bool,
+    edge: bool,
+    mut crc: Option<&mut Crc32c>,
+) -> Result<bool, ReadError> {
     while *got < buf.len() {
         match read_nb(&mut *r, &mut buf[*got..])? {
             Progress::Moved(n) => {
+                if let Some(c) = crc.as_deref_mut() {
+                    c.update(&buf[*got..*got + n]);
+                }
                 *got += n;
                 if edge && *got < buf.len() {
                     return Ok(false);
@@ -102,11 +114,13 @@ enum ReadState<T> {
         hdr: Header,
         target: T,
         got: usize,
+        crc: Crc32c,
     },
     Owned {
         hdr: Header,
         buf: Vec<u8>,
         got: usize,
+        crc: Crc32c,
     },
 }
 
@@ -115,24 +129,28 @@ enum ReadState<T> {
 pub struct FrameReader<T> {
     head: [u8; HEADER_LEN],
     state: ReadState<T>,
+    /// The checksum the last header announced for its payload.
+    want_crc: u32,
 }
 
 impl<T: Copy> Default for FrameReader<T> {
     fn default() -> Self {
-        FrameReader { head: [0; HEADER_LEN], state: ReadState::Header { got: 0 } }
+        FrameReader { head: [0; HEADER_LEN], state: ReadState::Header { got: 0 }, want_crc: 0 }
     }
 }
 
 impl<T: Copy> FrameReader<T> {
-    /// The payload of `hdr` goes to the caller's memory for `target`.
+    /// The payload of `hdr` (the header just read) goes to the caller's
+    /// memory for `target`. It is checked against its checksum once whole:
+    /// a mismatch is an error, and the caller must not use what landed.
     pub fn receive_into(&mut self, hdr: Header, target: T) {
-        self.state = ReadState::Into { hdr, target, got: 0 };
+        self.state = ReadState::Into { hdr, target, got: 0, crc: Crc32c::default() };
     }
 
-    /// The payload of `hdr` goes to a buffer of the reader's own (control
-    /// payloads, bounded by the header's length limit).
+    /// The payload of `hdr` (the header just read) goes to a buffer of the
+    /// reader's own (control payloads, bounded by the header's length limit).
     pub fn receive_owned(&mut self, hdr: Header) {
-        self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0 };
+        self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0, crc: Crc32c::default() };
     }
 
     /// Part of a frame has arrived and the rest has not.
@@ -148,8 +166,9 @@ impl<T: Copy> FrameReader<T> {
         }
     }
 
-    /// Forget any partial frame (the connection is closing); returns the
-    /// destination being filled, if any.
+    /// Forget any partial frame (the connection is closing, perhaps over a
+    /// payload that failed its checksum); returns the destination being
+    /// filled, if any.
     pub fn reset(&mut self) -> Option<T> {
         let old = std::mem::replace(&mut self.state, ReadState::Header { got: 0 });
         match old {
@@ -191,9 +210,9 @@ impl<T: Copy> FrameReader<T> {
         let done = match &mut self.state {
             ReadState::Header { got } => {
                 let at_boundary = *got == 0;
-                fill(&mut r, &mut self.head, got, at_boundary, edge)?
+                fill(&mut r, &mut self.head, got, at_boundary, edge, None)?
             }
-            ReadState::Into { hdr, target, got } => {
+            ReadState::Into { hdr, target, got, crc } => {
                 let len = hdr.payload_len as usize;
                 let whole: &mut [u8] = if len == 0 { &mut [] } else { dst(*target) };
                 if whole.len() != len {
@@ -202,7 +221,7 @@ impl<T: Copy> FrameReader<T> {
                         whole.len()
                     )));
                 }
-                fill(&mut r, whole, got, false, edge)?
+                fill(&mut r, whole, got, false, edge, Some(crc))?
             }
             ReadState::Unclaimed { hdr } => {
                 return Err(ReadError::Internal(format!(
@@ -210,14 +229,14 @@ impl<T: Copy> FrameReader<T> {
                     hdr.payload_len, hdr.msg_type
                 )))
             }
-            ReadState::Owned { hdr, buf, got } => loop {
+            ReadState::Owned { hdr, buf, got, crc } => loop {
                 // Grow with the data actually received, not with what the
                 // header claims, so a lying peer cannot make us allocate.
                 let len = hdr.payload_len as usize;
                 if *got == buf.len() && buf.len() < len {
                     buf.resize(len.min((buf.len() * 2).max(OWNED_STEP)), 0);
                 }
-                if !fill(&mut r, buf, got, false, edge)? {
+                if !fill(&mut r, buf, got, false, edge, Some(&mut *crc))? {
                     break false;
                 }
                 if *got == len {
@@ -228,9 +247,15 @@ impl<T: Copy> FrameReader<T> {
         if !done {
             return Ok(None);
         }
+        // Checked before leaving the state, so that on a mismatch `reset`
+        // still returns the destination the bad bytes landed in.
+        if let ReadState::Into { hdr, crc, .. } | ReadState::Owned { hdr, crc, .. } = &self.state {
+            self.check(hdr, crc)?;
+        }
         let frame = match std::mem::replace(&mut self.state, ReadState::Header { got: 0 }) {
             ReadState::Header { .. } => {
                 let hdr = Header::decode(&self.head, max_payload)?;
+                self.want_crc = payload_crc(&self.head);
                 if hdr.payload_len > 0 {
                     self.state = ReadState::Unclaimed { hdr };
                 }
@@ -241,5 +266,16 @@ impl<T: Copy> FrameReader<T> {
             ReadState::Unclaimed { .. } => unreachable!("returned above"),
         };
         Ok(Some(frame))
+    }
+
+    fn check(&self, hdr: &Header, crc: &Crc32c) -> Result<(), ReadError> {
+        if hdr.payload_len == 0 || crc.value() == self.want_crc {
+            return Ok(());
+        }
+        let what = format!(
+            "the payload of a {:?} frame (key {}, chunk {}, round {})",
+            hdr.msg_type, hdr.key, hdr.chunk, hdr.round
+        );
+        Err(ProtocolError::BadChecksum(what).into())
     }
 }

@@ -382,7 +382,7 @@ fn valid_header_bytes() -> [u8; HEADER_LEN] {
     h.round = 4;
     h.priority = -5;
     h.payload_len = 100;
-    h.encode()
+    h.encode(&[])
 }
 
 // ---------------------------------------------------------------- header
@@ -398,7 +398,7 @@ fn header_layout_is_little_endian_and_fixed() {
     h.round = 0x100f_0e0d;
     h.priority = -2;
     h.payload_len = 0x1413_1211;
-    let b = h.encode();
+    let b = h.encode(&[]);
     assert_eq!(b.len(), HEADER_LEN);
     assert_eq!(&b[0..2], &MAGIC.to_le_bytes());
     assert_eq!(&b[0..2], b"GH");
@@ -428,7 +428,7 @@ fn header_round_trip_every_type_and_dtype() {
             h.round = 100;
             h.priority = -3;
             h.payload_len = 1234;
-            let got = Header::decode(&h.encode(), u32::MAX).unwrap();
+            let got = Header::decode(&h.encode(&[]), u32::MAX).unwrap();
             assert_eq!(got, h, "{t:?}/{d:?}");
         }
     }
@@ -451,15 +451,15 @@ fn header_round_trip_extreme_values() {
                 priority: extremes_i32[i],
                 payload_len: v,
             };
-            assert_eq!(Header::decode(&h.encode(), u32::MAX).unwrap(), h);
+            assert_eq!(Header::decode(&h.encode(&[]), u32::MAX).unwrap(), h);
         }
     }
     // payload_len exactly at the limit is accepted.
     let mut h = Header::new(MsgType::Declared);
     h.payload_len = MAX_CONTROL_PAYLOAD;
-    assert_eq!(Header::decode(&h.encode(), MAX_CONTROL_PAYLOAD).unwrap(), h);
+    assert_eq!(Header::decode(&h.encode(&[]), MAX_CONTROL_PAYLOAD).unwrap(), h);
     h.payload_len = 0;
-    assert_eq!(Header::decode(&h.encode(), 0).unwrap(), h);
+    assert_eq!(Header::decode(&h.encode(&[]), 0).unwrap(), h);
 }
 
 #[test]
@@ -468,6 +468,73 @@ fn header_decode_ignores_bytes_after_header() {
     buf.extend_from_slice(&[0xff; 50]);
     let h = Header::decode(&buf, u32::MAX).unwrap();
     assert_eq!(h, Header::decode(&valid_header_bytes(), u32::MAX).unwrap());
+}
+
+/// `b` with its header checksum made right again (after a test changed a
+/// field's bytes), so decoding reaches the field's own check.
+fn sealed(mut b: [u8; HEADER_LEN]) -> [u8; HEADER_LEN] {
+    let check = crc32c(&b[..36]);
+    b[36..40].copy_from_slice(&check.to_le_bytes());
+    b
+}
+
+#[test]
+fn crc32c_is_castagnoli() {
+    // The check value of CRC-32C (RFC 3720's iSCSI polynomial).
+    assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+    assert_eq!(crc32c(b""), 0);
+    // Piece by piece, in any cut, is the same as at once.
+    let data: Vec<u8> = (0..10_000u32).map(|i| (i * 31 + 7) as u8).collect();
+    for cut in [0, 1, 15, 16, 17, 255, 4096, 9999, 10_000] {
+        let mut c = frame::Crc32c::default();
+        c.update(&data[..cut]);
+        c.update(&data[cut..]);
+        assert_eq!(c.value(), crc32c(&data), "cut at {cut}");
+    }
+}
+
+#[test]
+fn every_flipped_header_bit_is_refused() {
+    let b = valid_header_bytes();
+    assert!(Header::decode(&b, u32::MAX).is_ok());
+    for byte in 0..HEADER_LEN {
+        for bit in 0..8 {
+            let mut bad = b;
+            bad[byte] ^= 1 << bit;
+            let err = Header::decode(&bad, u32::MAX).expect_err("a flipped bit decodes");
+            // Magic and version are read first (to name a stranger or an
+            // old build); everything else is the checksum's.
+            match byte {
+                0 | 1 => assert!(matches!(err, ProtocolError::BadMagic(_)), "{byte}.{bit}: {err}"),
+                2 => assert!(matches!(err, ProtocolError::UnsupportedVersion(_)), "{byte}.{bit}: {err}"),
+                _ => assert_eq!(err, ProtocolError::BadChecksum("the header".into()), "{byte}.{bit}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_flipped_payload_byte_is_refused_wherever_it_is() {
+    let payload: Vec<u8> = (0..300u32).map(|i| (i * 7) as u8).collect();
+    let (mut h, _) = frame_with_payload(MsgType::Stall, &payload);
+    (h.key, h.chunk, h.round) = (4, 2, 9);
+    let good = encode_frame(&h, &payload);
+    assert_eq!(read_message(&mut Cursor::new(&good), Some(NS), MAX_CONTROL_PAYLOAD).unwrap(), (h, payload.clone()));
+    for at in HEADER_LEN..good.len() {
+        let mut bad = good.clone();
+        bad[at] ^= 0x10;
+        match read_message(&mut Cursor::new(&bad), Some(NS), MAX_CONTROL_PAYLOAD) {
+            Err(ReadError::Protocol(ProtocolError::BadChecksum(what))) => {
+                assert_eq!(what, "the payload of a Stall frame (key 4, chunk 2, round 9)")
+            }
+            other => panic!("byte {at} flipped: {other:?}"),
+        }
+    }
+    // Control messages are checked the same way.
+    let mut ctl = Control::Error { message: "x".repeat(40) }.encode(NS);
+    let last = ctl.len() - 1;
+    ctl[last] ^= 1;
+    assert!(matches!(read_control(&mut Cursor::new(ctl), NS), Err(ReadError::Protocol(ProtocolError::BadChecksum(_)))));
 }
 
 #[test]
@@ -486,10 +553,10 @@ fn header_rejects_short_buffer() {
 fn header_rejects_bad_magic() {
     let mut b = valid_header_bytes();
     b[0] = b'X';
-    assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::BadMagic(0x4858)));
+    assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::BadMagic(0x4858)));
     let mut b = valid_header_bytes();
     b[0..2].copy_from_slice(&MAGIC.to_be_bytes()); // byte-swapped magic
-    assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::BadMagic(MAGIC.swap_bytes())));
+    assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::BadMagic(MAGIC.swap_bytes())));
     // An all-zero buffer fails on magic first.
     assert_eq!(Header::decode(&[0u8; HEADER_LEN], u32::MAX), Err(ProtocolError::BadMagic(0)));
 }
@@ -499,7 +566,7 @@ fn header_rejects_wrong_version() {
     for v in [0u8, 1, VERSION + 1, 0x7f, 0xff] {
         let mut b = valid_header_bytes();
         b[2] = v;
-        assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::UnsupportedVersion(v)));
+        assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::UnsupportedVersion(v)));
     }
 }
 
@@ -509,7 +576,7 @@ fn header_rejects_unknown_type() {
     for v in 0..=255u8 {
         let mut b = valid_header_bytes();
         b[3] = v;
-        let r = Header::decode(&b, u32::MAX);
+        let r = Header::decode(&sealed(b), u32::MAX);
         assert_eq!(
             MsgType::from_u8(v).is_some(),
             known.contains(&v),
@@ -533,15 +600,15 @@ fn header_rejects_unknown_flag_bits() {
         let flags = 1u16 << bit;
         let mut b = valid_header_bytes();
         b[4..6].copy_from_slice(&flags.to_le_bytes());
-        assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::UnknownFlags(flags)), "bit {bit}");
+        assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::UnknownFlags(flags)), "bit {bit}");
         // Known bit plus an unknown one is still rejected, reporting all bits.
         let both = flags | FLAG_AVERAGE;
         b[4..6].copy_from_slice(&both.to_le_bytes());
-        assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::UnknownFlags(both)));
+        assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::UnknownFlags(both)));
     }
     let mut b = valid_header_bytes();
     b[4..6].copy_from_slice(&u16::MAX.to_le_bytes());
-    assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::UnknownFlags(u16::MAX)));
+    assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::UnknownFlags(u16::MAX)));
 }
 
 #[test]
@@ -549,7 +616,7 @@ fn header_rejects_bad_dtype() {
     for v in 0..=255u8 {
         let mut b = valid_header_bytes();
         b[6] = v;
-        let r = Header::decode(&b, u32::MAX);
+        let r = Header::decode(&sealed(b), u32::MAX);
         if v <= 6 {
             assert_eq!(r.unwrap().dtype as u8, v);
         } else {
@@ -563,7 +630,7 @@ fn header_rejects_nonzero_reserved() {
     for v in [1u8, 0x80, 0xff] {
         let mut b = valid_header_bytes();
         b[7] = v;
-        assert_eq!(Header::decode(&b, u32::MAX), Err(ProtocolError::ReservedNonZero));
+        assert_eq!(Header::decode(&sealed(b), u32::MAX), Err(ProtocolError::ReservedNonZero));
     }
 }
 
@@ -572,16 +639,16 @@ fn header_rejects_payload_over_limit() {
     let mut h = Header::new(MsgType::Declared);
     h.payload_len = MAX_CONTROL_PAYLOAD + 1;
     assert_eq!(
-        Header::decode(&h.encode(), MAX_CONTROL_PAYLOAD),
+        Header::decode(&h.encode(&[]), MAX_CONTROL_PAYLOAD),
         Err(ProtocolError::PayloadTooLarge { len: MAX_CONTROL_PAYLOAD + 1, max: MAX_CONTROL_PAYLOAD })
     );
     h.payload_len = u32::MAX;
     assert_eq!(
-        Header::decode(&h.encode(), MAX_CONTROL_PAYLOAD),
+        Header::decode(&h.encode(&[]), MAX_CONTROL_PAYLOAD),
         Err(ProtocolError::PayloadTooLarge { len: u32::MAX, max: MAX_CONTROL_PAYLOAD })
     );
     h.payload_len = 1;
-    assert_eq!(Header::decode(&h.encode(), 0), Err(ProtocolError::PayloadTooLarge { len: 1, max: 0 }));
+    assert_eq!(Header::decode(&h.encode(&[]), 0), Err(ProtocolError::PayloadTooLarge { len: 1, max: 0 }));
 }
 
 #[test]
@@ -678,8 +745,7 @@ fn control_rejects_every_truncation() {
         for cut in 0..payload.len() {
             let mut th = h;
             th.payload_len = cut as u32;
-            let mut tframe = th.encode().to_vec();
-            tframe.extend_from_slice(&payload[..cut]);
+            let tframe = encode_frame(&th, &payload[..cut]);
             let r = decode_frame(&tframe);
             if matches!(msg, Control::Error { .. }) {
                 // Error is free-form text: any prefix is a valid (shorter) message.
@@ -1009,12 +1075,12 @@ fn read_control_reports_header_errors() {
     h.namespace = NS;
     h.payload_len = MAX_CONTROL_PAYLOAD + 1;
     assert!(matches!(
-        read_control(&mut Cursor::new(h.encode().to_vec()), NS),
+        read_control(&mut Cursor::new(h.encode(&[]).to_vec()), NS),
         Err(ReadError::Protocol(ProtocolError::PayloadTooLarge { .. }))
     ));
     h.payload_len = u32::MAX;
     assert!(matches!(
-        read_control(&mut Cursor::new(h.encode().to_vec()), NS),
+        read_control(&mut Cursor::new(h.encode(&[]).to_vec()), NS),
         Err(ReadError::Protocol(ProtocolError::PayloadTooLarge { .. }))
     ));
     // Data-plane frame on a control connection.
@@ -1022,13 +1088,12 @@ fn read_control_reports_header_errors() {
     h.namespace = NS;
     h.dtype = DType::F32;
     h.payload_len = 8;
-    let mut b = h.encode().to_vec();
-    b.extend_from_slice(&[0; 8]);
+    let b = encode_frame(&h, &[0; 8]);
     assert!(matches!(
         read_control(&mut Cursor::new(b), NS),
         Err(ReadError::Protocol(ProtocolError::UnexpectedType(_)))
     ));
-    // Header shorter than 32 bytes: I/O EOF, not a protocol error.
+    // Header shorter than its 40 bytes: I/O EOF, not a protocol error.
     let b = Control::Heartbeat.encode(NS);
     assert!(matches!(read_control(&mut Cursor::new(&b[..10]), NS), Err(ReadError::ClosedMidFrame)));
 }
@@ -1111,10 +1176,10 @@ fn check_decoders_do_not_panic(bytes: &[u8]) {
 proptest! {
     #[test]
     fn prop_header_round_trip(h in any_header()) {
-        prop_assert_eq!(Header::decode(&h.encode(), u32::MAX), Ok(h));
+        prop_assert_eq!(Header::decode(&h.encode(&[]), u32::MAX), Ok(h));
         // Re-encoding a decoded header is byte-identical.
-        let b = h.encode();
-        prop_assert_eq!(Header::decode(&b, u32::MAX).unwrap().encode(), b);
+        let b = h.encode(&[]);
+        prop_assert_eq!(Header::decode(&b, u32::MAX).unwrap().encode(&[]), b);
     }
 
     #[test]
@@ -1132,7 +1197,8 @@ proptest! {
         if use_real_len {
             h.payload_len = rest.len() as u32;
         }
-        let mut bytes = h.encode().to_vec();
+        let payload = if use_real_len { &rest[..] } else { &[][..] };
+        let mut bytes = h.encode(payload).to_vec();
         bytes.extend_from_slice(&rest);
         check_decoders_do_not_panic(&bytes);
     }

@@ -490,7 +490,7 @@ impl Links {
                     }
                     let mut hello = Header::new(MsgType::DataHello);
                     (hello.namespace, hello.key) = (self.namespace, id + t);
-                    match self.connect(owner, &hello.encode()) {
+                    match self.connect(owner, &hello.encode(&[])) {
                         Ok(stream) => out[t as usize].push((owner, Some(stream), LinkTo::Owner, self.name(owner))),
                         // Its server is gone (the job is failing): the
                         // relay's rounds fail with that, naming it.

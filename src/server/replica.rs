@@ -30,7 +30,7 @@
 use std::collections::HashMap;
 
 use super::optimizer::OptState;
-use crate::protocol::{DType, Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT};
+use crate::protocol::{encode_frame, DType, Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT};
 use crate::transport::bytes;
 
 /// What a thread keeps of one chunk it replicates.
@@ -156,7 +156,7 @@ fn frame(msg_type: MsgType, ns: u32, at: (u32, u32, u32), flags: u16, payload: &
     (h.namespace, h.key, h.chunk, h.round, h.flags) = (ns, at.0, at.1, at.2, flags);
     h.dtype = DType::F32;
     h.payload_len = payload.len() as u32;
-    [&h.encode()[..], payload].concat()
+    encode_frame(&h, payload)
 }
 
 /// Round `at.2`'s averaged gradient (or, with FLAG_INIT, the initial parameters).
@@ -193,14 +193,14 @@ pub fn config_frame(ns: u32, key: u32, cfg: &OptConfig) -> Vec<u8> {
     (h.namespace, h.key) = (ns, key);
     let payload = cfg.encode();
     h.payload_len = payload.len() as u32;
-    [&h.encode()[..], &payload].concat()
+    encode_frame(&h, &payload)
 }
 
 /// The first frame on a link: who (which slot) replicates here.
 pub fn hello_frame(ns: u32, slot: u32) -> Vec<u8> {
     let mut h = Header::new(MsgType::ServerHello);
     (h.namespace, h.key) = (ns, slot);
-    h.encode().to_vec()
+    h.encode(&[]).to_vec()
 }
 
 #[cfg(test)]

@@ -104,15 +104,23 @@ pub struct Outgoing<I> {
 
 /// A header inline (no allocation per chunk on the hot path), or whole frames.
 enum Head {
+    /// Not encoded yet: its payload checksum is computed when the frame's
+    /// first byte is written, over the payload about to be copied into the
+    /// socket (so it is in cache for that copy).
+    Pending(Header),
     Header([u8; HEADER_LEN]),
     Bytes(Vec<u8>),
 }
 
 impl Head {
-    fn bytes(&self) -> &[u8] {
+    fn bytes(&mut self, payload: &[u8]) -> &[u8] {
+        if let Head::Pending(h) = self {
+            *self = Head::Header(h.encode(payload));
+        }
         match self {
             Head::Header(h) => h,
             Head::Bytes(b) => b,
+            Head::Pending(_) => unreachable!("encoded above"),
         }
     }
 }
@@ -120,7 +128,7 @@ impl Head {
 impl<I> Outgoing<I> {
     /// A frame whose payload is the item's (see `Connection::pump`).
     pub fn frame(item: I, hdr: &Header) -> Self {
-        Outgoing { item, head: Head::Header(hdr.encode()), sent: 0 }
+        Outgoing { item, head: Head::Pending(*hdr), sent: 0 }
     }
     /// Frames encoded in full, header(s) and payload(s) (batched acks,
     /// notices, control frames); the item's payload must be empty.
@@ -225,7 +233,7 @@ impl Connection {
             }
             let Some(cur) = tx.cur.as_mut() else { break false };
             let body = payload(&cur.item);
-            let head = cur.head.bytes();
+            let head = cur.head.bytes(body);
             let total = head.len() + body.len();
             let (head, body) = if cur.sent < head.len() {
                 (&head[cur.sent..], body)
@@ -292,7 +300,7 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::MsgType;
+    use crate::protocol::{encode_frame, MsgType};
     use std::time::{Duration, Instant};
 
     /// A registered nonblocking connection and the blocking std peer writing to it.
@@ -329,11 +337,9 @@ mod tests {
     fn frames_arrive_whole_whatever_the_segmentation() {
         let (_poll, c, mut peer) = pair();
         let payload: Vec<u8> = (0..100u8).collect();
-        let mut wire = header(MsgType::Push, 100).encode().to_vec();
-        wire.extend_from_slice(&payload);
-        wire.extend_from_slice(&header(MsgType::Stall, 5).encode());
-        wire.extend_from_slice(b"hello");
-        wire.extend_from_slice(&header(MsgType::Received, 0).encode());
+        let mut wire = encode_frame(&header(MsgType::Push, 100), &payload);
+        wire.extend_from_slice(&encode_frame(&header(MsgType::Stall, 5), b"hello"));
+        wire.extend_from_slice(&header(MsgType::Received, 0).encode(&[]));
         // One byte at a time: every partial state of header and payload.
         let writer = std::thread::spawn(move || {
             for b in wire {
@@ -385,7 +391,7 @@ mod tests {
         // event is read: a short read of the data must not end the attempt,
         // or no later edge ever reports the close (a frame "stalled" forever).
         let (mut poll, c, mut peer) = pair();
-        peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
+        peer.write_all(&header(MsgType::Push, 10).encode(&[])[..20]).unwrap();
         drop(peer);
         std::thread::sleep(Duration::from_millis(50));
         let mut rx = FrameReader::<()>::default();
@@ -394,7 +400,7 @@ mod tests {
 
         // Without a close, a short read does end the attempt.
         let (_poll, c, mut peer) = pair();
-        peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
+        peer.write_all(&header(MsgType::Push, 10).encode(&[])[..20]).unwrap();
         std::thread::sleep(Duration::from_millis(50));
         let mut rx = FrameReader::<()>::default();
         assert!(matches!(c.read_frame(&mut rx, 1 << 20, |_| &mut [], Drain::Short), Ok(None)));
@@ -405,13 +411,13 @@ mod tests {
     #[test]
     fn closing_mid_frame_and_bad_headers_are_errors() {
         let (_poll, c, mut peer) = pair();
-        peer.write_all(&header(MsgType::Push, 10).encode()[..20]).unwrap();
+        peer.write_all(&header(MsgType::Push, 10).encode(&[])[..20]).unwrap();
         drop(peer);
         let mut rx = FrameReader::<()>::default();
         assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Read(ReadError::ClosedMidFrame))));
 
         let (_poll, c, mut peer) = pair();
-        let mut bad = header(MsgType::Push, 0).encode();
+        let mut bad = header(MsgType::Push, 0).encode(&[]);
         bad[0] = 0;
         peer.write_all(&bad).unwrap();
         let mut rx = FrameReader::<()>::default();
@@ -420,7 +426,7 @@ mod tests {
 
         // A payload longer than the caller's limit is refused at the header.
         let (_poll, c, mut peer) = pair();
-        peer.write_all(&header(MsgType::Push, 2 << 20).encode()).unwrap();
+        peer.write_all(&header(MsgType::Push, 2 << 20).encode(&[])).unwrap();
         let mut rx = FrameReader::<()>::default();
         assert!(matches!(
             next(&c, &mut rx, &mut []),
@@ -429,9 +435,53 @@ mod tests {
     }
 
     #[test]
+    fn a_payload_corrupted_on_the_way_is_refused_once_whole() {
+        // Received into caller memory piece by piece (the checksum taken in
+        // as it arrives): the frame is an error, never a payload to use.
+        let (_poll, c, mut peer) = pair();
+        let payload: Vec<u8> = (0..5000u32).map(|i| i as u8).collect();
+        let mut wire = encode_frame(&header(MsgType::Push, 5000), &payload);
+        wire[HEADER_LEN + 4321] ^= 0x80;
+        let writer = std::thread::spawn(move || {
+            for piece in wire.chunks(999) {
+                peer.write_all(piece).unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            peer
+        });
+        let mut rx = FrameReader::<u8>::default();
+        let mut dst = vec![0u8; 5000];
+        let Frame::Header(h) = next(&c, &mut rx, &mut dst).unwrap() else { panic!("expected a header") };
+        rx.receive_into(h, 1);
+        let err = next(&c, &mut rx, &mut dst).unwrap_err();
+        assert!(matches!(&err, ConnError::Read(ReadError::Protocol(ProtocolError::BadChecksum(_)))), "{err}");
+        assert!(err.to_string().contains("payload of a Push frame (key 3, chunk 0, round 0)"), "{err}");
+        drop(writer.join().unwrap());
+    }
+
+    #[test]
+    fn frames_written_by_pump_carry_their_payload_checksum() {
+        let (poll, c, peer) = pair();
+        let body: Vec<u8> = (0..70_000u32).map(|i| (i % 251) as u8).collect();
+        let mut queue = vec![Outgoing::frame(0usize, &header(MsgType::Result, body.len() as u32))];
+        let mut tx = FrameWriter::<usize>::default();
+        let reader = std::thread::spawn(move || {
+            let mut peer = peer;
+            crate::protocol::read_message(&mut peer, None, 1 << 20)
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(tx.idle() && queue.is_empty()) {
+            assert!(Instant::now() < deadline, "pump made no progress");
+            c.pump(poll.registry(), &mut tx, || queue.pop(), |_| &body[..]).unwrap();
+        }
+        let (h, got) = reader.join().unwrap().expect("a frame whose checksums hold");
+        assert_eq!((h.msg_type, got), (MsgType::Result, body));
+    }
+
+    #[test]
     fn a_destination_of_the_wrong_size_is_refused() {
         let (_poll, c, mut peer) = pair();
-        peer.write_all(&header(MsgType::Push, 8).encode()).unwrap();
+        peer.write_all(&header(MsgType::Push, 8).encode(&[])).unwrap();
         peer.write_all(&[1; 8]).unwrap();
         let mut rx = FrameReader::<u8>::default();
         let Frame::Header(h) = next(&c, &mut rx, &mut []).unwrap() else { panic!("expected a header") };
@@ -445,7 +495,7 @@ mod tests {
         let big = vec![7u8; 8 << 20];
         let mut queue: Vec<Outgoing<usize>> =
             (0..4).map(|i| Outgoing::frame(i, &header(MsgType::Result, big.len() as u32))).collect();
-        queue.push(Outgoing::encoded(99, header(MsgType::Received, 0).encode().to_vec()));
+        queue.push(Outgoing::encoded(99, header(MsgType::Received, 0).encode(&[]).to_vec()));
         queue.reverse();
         let mut tx = FrameWriter::<usize>::default();
         let payload = |i: &usize| if *i == 99 { &[][..] } else { &big[..] };

@@ -95,8 +95,7 @@ fn a_process_without_the_token_cannot_pose_as_a_server() {
     // It cannot check the scheduler's proof; it answers with a guess.
     let mut guess = gradhub::protocol::Header::new(MsgType::AuthProof);
     guess.payload_len = auth::PROOF_LEN as u32;
-    rogue.reader.write_all(&guess.encode()).unwrap();
-    rogue.reader.write_all(&[7u8; auth::PROOF_LEN]).unwrap();
+    rogue.reader.write_all(&gradhub::protocol::encode_frame(&guess, &[7u8; auth::PROOF_LEN])).unwrap();
     assert_eq!(rejection_of(&mut rogue.reader), REJECTION);
     // A rogue listener a worker is sent to (as if it had got into the
     // cluster map) cannot prove the token: the worker refuses it.

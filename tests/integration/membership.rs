@@ -380,7 +380,7 @@ fn strangers_cannot_hold_the_scheduler_before_registering() {
     let mut hdr = Header::new(MsgType::Register);
     hdr.namespace = NS;
     hdr.payload_len = 1 << 20;
-    big.write_all(&hdr.encode()).unwrap();
+    big.write_all(&hdr.encode(&[])).unwrap();
     let mut reply = Vec::new();
     let _ = big.read_to_end(&mut reply);
     // Before the handshake nothing larger than its frames (64 bytes) is taken.
@@ -393,7 +393,7 @@ fn strangers_cannot_hold_the_scheduler_before_registering() {
     let trickle = std::thread::spawn({
         let mut s = slow.try_clone().unwrap();
         move || {
-            for b in hdr.encode() {
+            for b in hdr.encode(&[]) {
                 if s.write_all(&[b]).is_err() {
                     return;
                 }

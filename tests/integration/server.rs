@@ -5,7 +5,8 @@
 use std::time::{Duration, Instant};
 
 use gradhub::protocol::{
-    decode_stall, Control, DType, Header, MsgType, TensorSpec, Welcome, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS,
+    decode_stall, encode_frame, Control, DType, Header, MsgType, TensorSpec, Welcome, FLAG_AVERAGE, FLAG_INIT,
+    FLAG_ZEROS, HEADER_LEN,
 };
 use half::{bf16, f16};
 
@@ -266,11 +267,11 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     let mut good0 = job.conn(0, 0);
 
     let mut c = job.raw(0);
-    c.send_raw(&[0xAB; 32]);
+    c.send_raw(&[0xAB; HEADER_LEN]);
     c.expect_error("magic");
 
     let mut c = job.raw(0);
-    let mut b = hdr(&spec, |h| h.msg_type = MsgType::DataHello).encode();
+    let mut b = hdr(&spec, |h| h.msg_type = MsgType::DataHello).encode(&[]);
     b[2] = 0xEE; // a version no build speaks
     c.send_raw(&b);
     c.expect_error("version");
@@ -313,6 +314,21 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     c.send_header(&hdr(&spec, |h| h.payload_len = 100));
     let e = c.expect_error("payload");
     assert_contains(&e, &["100", "256"]);
+
+    // Changed on the way: refused by the checksums before anything is
+    // trusted or summed (the round below is still exact). The payload
+    // lands in the accumulator (the round's first push) and is dropped.
+    let mut c = job.conn(0, 1);
+    let mut b = hdr(&spec, |_| {}).encode(&[1u8; 256]);
+    b[13] ^= 1; // the key
+    c.send_raw(&b);
+    c.expect_error("checksum mismatch in the header");
+    let mut c = job.conn(0, 1);
+    let mut b = encode_frame(&hdr(&spec, |_| {}), &f32_bytes(&[1000.0; 64]));
+    b[HEADER_LEN + 10] ^= 4;
+    c.send_raw(&b);
+    let e = c.expect_error("checksum mismatch in the payload");
+    assert_contains(&e, &["Push frame", "corrupted on the way"]);
 
     // A push of zeros carries no payload, and no initial parameters.
     let mut c = job.conn(0, 1);
@@ -452,7 +468,7 @@ fn connection_closed_mid_push_does_not_corrupt_the_sum() {
         // Worker 0 sends a push header and half its payload (received straight
         // into the accumulator when it is first)...
         let mut half = job.conn(0, 0);
-        let mut b = push_header(&spec, 0, r, 0, p0.len()).encode().to_vec();
+        let mut b = push_header(&spec, 0, r, 0, p0.len()).encode(&[]).to_vec();
         b.extend_from_slice(&[0xFF; 512]);
         half.send_raw(&b);
         if r == 1 {
@@ -544,7 +560,7 @@ fn connections_that_never_say_hello_or_stall_mid_frame_are_closed() {
     let mut silent = job.raw(0);
     // Slow: says hello as rank 1, then 10 bytes of a push header, then nothing.
     let mut slow = job.conn(0, 1);
-    slow.send_raw(&push_header(&specs[0], 0, 0, 0, 256).encode()[..10]);
+    slow.send_raw(&push_header(&specs[0], 0, 0, 0, 256).encode(&[])[..10]);
     let start = Instant::now();
     let e = silent.expect_error("no DataHello");
     assert_contains(&e, &["0.6s"]);
@@ -657,9 +673,7 @@ fn a_released_tensor_is_freed_and_its_chunks_serve_the_next_tensors() {
 fn restore(conn: &mut DataConn, spec: &TensorSpec, c: usize, round: u32, payload: &[u8]) {
     let mut h = push_header(spec, c, round, 0, payload.len());
     h.msg_type = MsgType::Restore;
-    let mut b = h.encode().to_vec();
-    b.extend_from_slice(payload);
-    conn.send_raw(&b);
+    conn.send_raw(&encode_frame(&h, payload));
 }
 
 #[test]
@@ -780,7 +794,7 @@ fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate
     let payload = cfg.encode();
     h.payload_len = payload.len() as u32;
     for c in &mut conns {
-        c.send_raw(&[&h.encode()[..], &payload].concat());
+        c.send_raw(&encode_frame(&h, &payload));
     }
     // A gradient before any parameters would be summed as if they were.
     conns[0].push(&w, 0, 0, 0, &f32_bytes(&[1.0; 64]));
@@ -801,7 +815,7 @@ fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate
     link.send_header(&hello);
     let mut rep = Header::new(MsgType::Replicate);
     (rep.namespace, rep.key, rep.dtype, rep.payload_len) = (NS, w.key, DType::F32, 256);
-    link.send_raw(&[&rep.encode()[..], &f32_bytes(&[0.0; 64])].concat());
+    link.send_raw(&encode_frame(&rep, &f32_bytes(&[0.0; 64])));
     link.expect_error("before any parameters");
     drop((grouped, link));
     job.finish();

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use gradhub::client::{Client, ClientConfig};
 use gradhub::protocol::auth::{self, Secret};
 use gradhub::protocol::{
-    read_control, write_control, Control, DType, DeclEntry, Header, MsgType, ReadError, Register, Role, TensorSpec,
-    Welcome, HEADER_LEN,
+    encode_frame, read_control, write_control, Control, DType, DeclEntry, Header, MsgType, ReadError, Register, Role,
+    TensorSpec, Welcome, HEADER_LEN,
 };
 use gradhub::scheduler::{start_scheduler, SchedulerConfig, SchedulerHandle};
 use gradhub::server::{run_server, ServerConfig};
@@ -451,7 +451,7 @@ impl DataConn {
     }
 
     pub fn send_header(&mut self, h: &Header) {
-        self.send_raw(&h.encode());
+        self.send_raw(&h.encode(&[]));
     }
 
     pub fn hello(&mut self, rank: u32) {
@@ -470,18 +470,16 @@ impl DataConn {
     /// Push one chunk: header and payload in one write.
     pub fn push(&mut self, spec: &TensorSpec, chunk: usize, round: u32, flags: u16, payload: &[u8]) {
         let h = push_header(spec, chunk, round, flags, payload.len());
-        let mut b = h.encode().to_vec();
-        b.extend_from_slice(payload);
-        self.send_raw(&b);
+        self.send_raw(&encode_frame(&h, payload));
     }
 
+    /// The next frame, both checksums checked (the one frame reader).
     pub fn try_read_frame(&mut self) -> std::io::Result<(Header, Vec<u8>)> {
-        let mut hb = [0u8; HEADER_LEN];
-        self.s.read_exact(&mut hb)?;
-        let h = Header::decode(&hb, 1 << 30).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))?;
-        let mut p = vec![0u8; h.payload_len as usize];
-        self.s.read_exact(&mut p)?;
-        Ok((h, p))
+        gradhub::protocol::read_message(&mut self.s, None, 1 << 30).map_err(|e| match e {
+            ReadError::Io(e) => e,
+            ReadError::TimedOut => std::io::Error::new(ErrorKind::TimedOut, e),
+            e => std::io::Error::new(ErrorKind::InvalidData, e),
+        })
     }
 
     pub fn read_frame(&mut self) -> (Header, Vec<u8>) {

@@ -33,9 +33,8 @@ def register(sched):
         print("REFUSED server", flush=True)
 
 
-# A DataHello claiming worker 0, with no handshake: magic, version, type 1,
-# flags, dtype, reserved, namespace, key = rank 0, chunk, round, priority, length.
-hello = struct.pack("<HBBHBBIIIIiI", 0x4847, _core.PROTOCOL_VERSION, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+# A DataHello (type 1) claiming worker 0 (key 0), with no handshake.
+hello = _core.encode_frame(1, key=0)
 
 
 def connect(port):

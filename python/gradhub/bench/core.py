@@ -35,7 +35,6 @@ import os
 import resource
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -631,9 +630,9 @@ def _attack(addr: tuple[str, int], kind: str, rng) -> socket.socket | None:
         if kind == "garbage":
             s.send(rng.bytes(64))
         elif kind == "oversize":  # a frame header claiming a 64 MiB payload
-            s.send(struct.pack("<HBBHBBIIIIiI", 0x4847, 5, 16, 0, 0, 0, 0, 0, 0, 0, 0, 64 << 20))
+            s.send(_core.encode_frame(16, payload_len=64 << 20))  # a Register
         elif kind == "slow":  # half a header, the rest never comes
-            s.send(struct.pack("<HBB", 0x4847, 5, 16))
+            s.send(_core.encode_frame(16)[:4])
         return s
     except OSError:
         s.close()

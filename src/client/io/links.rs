@@ -15,7 +15,7 @@ use super::flow::{Carry, InFlight, SendItem};
 use super::trace::Stamp;
 use super::Io;
 use crate::client::ClientError;
-use crate::protocol::{Header, MsgType, ReadError, MAX_JOINED_SLOTS};
+use crate::protocol::{encode_frame, Header, MsgType, ReadError, MAX_JOINED_SLOTS};
 use crate::transport::{ConnError, Connection, FrameWriter, Outgoing};
 
 /// The send side of the data plane: the connections, the registry they
@@ -368,13 +368,13 @@ impl Io {
                     if ch.by_ref {
                         h.msg_type = MsgType::PushRef;
                         h.payload_len = 0;
-                        return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
+                        return Some(Outgoing::encoded(Carry::Encoded, h.encode(&[]).to_vec()));
                     }
                     Some(Outgoing::frame(Carry::Chunk { ptr: ch.ptr, len: ch.len }, &h))
                 }
                 SendItem::Control { mut header, payload, .. } => {
                     header.payload_len = payload.len() as u32;
-                    Some(Outgoing::encoded(Carry::Encoded, [&header.encode()[..], &payload].concat()))
+                    Some(Outgoing::encoded(Carry::Encoded, encode_frame(&header, &payload)))
                 }
             }
         };

@@ -260,10 +260,7 @@ impl Control {
         let mut h = Header::new(self.msg_type());
         h.namespace = namespace;
         h.payload_len = w.buf.len() as u32;
-        let mut out = Vec::with_capacity(crate::protocol::HEADER_LEN + w.buf.len());
-        out.extend_from_slice(&h.encode());
-        out.extend_from_slice(&w.buf);
-        out
+        crate::protocol::encode_frame(&h, &w.buf)
     }
 
     pub fn decode(h: &Header, payload: &[u8]) -> Result<Control, ProtocolError> {

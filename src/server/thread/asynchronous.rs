@@ -13,7 +13,7 @@ use super::sum::{ChunkBuf, Source};
 use super::validate::PayloadKind;
 use super::{ConnResult, ServerThread};
 use crate::kernels;
-use crate::protocol::{DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS};
+use crate::protocol::{encode_frame, DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS};
 use crate::server::replica;
 use crate::transport::{cast, ConnError};
 
@@ -139,11 +139,11 @@ impl ServerThread {
                     // segment: it waits for this frame before reading it.
                     unsafe { std::ptr::copy_nonoverlapping(params.as_ptr(), dst, len.min(params.len())) };
                     h.msg_type = MsgType::ResultRef;
-                    h.encode().to_vec()
+                    h.encode(&[]).to_vec()
                 }
                 None => {
                     h.payload_len = params.len() as u32;
-                    [&h.encode()[..], params].concat()
+                    encode_frame(&h, params)
                 }
             };
             self.cfg.traffic.returned(params.len() as u64);

@@ -12,7 +12,7 @@ use super::validate::{Dest, PayloadKind};
 use super::LinkTo;
 use super::{ConnResult, ServerThread};
 use crate::protocol::auth;
-use crate::protocol::{Header, MsgType};
+use crate::protocol::{encode_frame, Header, MsgType};
 use crate::transport::{bytes_mut, AcceptFailure, ConnError, Connection, Drain, Frame, FrameReader, FrameWriter};
 use mio::Token;
 
@@ -182,7 +182,7 @@ impl ServerThread {
                 let mut h = Header::new(MsgType::Error);
                 h.namespace = if authed { self.cfg.namespace } else { 0 };
                 h.payload_len = msg.len() as u32;
-                c.link.write_last_words(&[&h.encode()[..], msg.as_bytes()].concat());
+                c.link.write_last_words(&encode_frame(&h, msg.as_bytes()));
             }
         }
         c.tx.clear();

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use super::{ConnResult, ServerThread};
-use crate::protocol::{encode_stall, Header, MsgType};
+use crate::protocol::{encode_frame, encode_stall, Header, MsgType};
 use crate::transport::Outgoing;
 
 /// A result waiting to be sent; higher priority first, then FIFO.
@@ -49,7 +49,7 @@ type StalledRound = (Vec<usize>, Vec<u32>, Duration);
 pub(super) fn ack(acks: &mut Vec<u8>, namespace: u32, hdr: &Header) {
     let mut ack = Header::new(MsgType::Received);
     (ack.namespace, ack.key, ack.chunk, ack.round) = (namespace, hdr.key, hdr.chunk, hdr.round);
-    acks.extend_from_slice(&ack.encode());
+    acks.extend_from_slice(&ack.encode(&[]));
 }
 
 impl ServerThread {
@@ -145,7 +145,7 @@ impl ServerThread {
                     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, len.min(src.len())) };
                     h.msg_type = MsgType::ResultRef;
                     h.payload_len = 0;
-                    return Some(Outgoing::encoded(Carry::Encoded, h.encode().to_vec()));
+                    return Some(Outgoing::encoded(Carry::Encoded, h.encode(&[]).to_vec()));
                 }
             }
             Some(Outgoing::frame(Carry::Result { chunk: item.chunk, parity }, &h))
@@ -228,7 +228,7 @@ impl ServerThread {
             h.round = round;
             h.payload_len = payload.len() as u32;
             let pushed: Vec<u32> = first.round.pushed_ranks().collect();
-            let frame = [&h.encode()[..], &payload].concat();
+            let frame = encode_frame(&h, &payload);
             for r in pushed {
                 let Some(t) = self.worker_conn[r as usize] else { continue };
                 if let Some(c) = self.conns.get_mut(&t) {
