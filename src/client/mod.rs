@@ -150,7 +150,8 @@ impl Client {
                     connect_authenticated(&addr, cfg.connect_timeout, &cfg.secret).map_err(|e| setup(&desc, e))?;
                 crate::transport::tune_data_socket(&stream);
                 stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
-                conns.push(io::NewConn { stream: mio::net::TcpStream::from_std(stream), desc, server: s.rank, by_ref });
+                let stream = mio::net::TcpStream::from_std(stream);
+                conns.push(io::NewConn { stream, addr, desc, server: s.rank, by_ref });
             }
         }
 
@@ -160,7 +161,8 @@ impl Client {
         let failover = w.failover.then(|| Duration::from_millis(w.peer_timeout_ms as u64));
         let base_credit = cfg.credit_bytes.unwrap_or_else(|| crate::default_credit_bytes(w.partition_bytes));
         let credit = (base_credit, cfg.spread_bytes);
-        let io = Io::new(&poll, conns, w.rank, credit, ns, limit, Arc::new(layout), host_stage, stall, failover)
+        let mend = (cfg.secret.clone(), Duration::from_millis(w.peer_timeout_ms as u64));
+        let io = Io::new(&poll, conns, w.rank, credit, ns, limit, Arc::new(layout), host_stage, stall, failover, mend)
             .map_err(|e| setup("data connections", e))?;
         let shared = Arc::new(Shared {
             session: session.sender(),

@@ -271,6 +271,7 @@ impl Shared {
             stream.set_nonblocking(true).map_err(setup)?;
             conns.push(io::NewConn {
                 stream: mio::net::TcpStream::from_std(stream),
+                addr,
                 desc,
                 server: s.rank,
                 by_ref: false,

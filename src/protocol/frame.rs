@@ -78,7 +78,14 @@ pub const FLAG_ZEROS: u16 = 4;
 /// payload is the worker's parameter change (with FLAG_INIT, its
 /// parameters), applied on arrival and answered with the parameters.
 pub const FLAG_ASYNC: u16 = 8;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC;
+/// Flag bit, after a broken link was mended (`client::io::mend`): on a
+/// DataHello, the new connection replaces the worker's old one; on a push,
+/// it is sent again, so a push already counted is only acknowledged and a
+/// round already complete is answered with its result (never summed twice).
+pub const FLAG_RESENT: u16 = 16;
+/// The flags of one push alone, not of the round it is part of.
+pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

@@ -108,7 +108,22 @@ pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
 pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> io::Result<TcpStream> {
     let start = Instant::now();
     let stream = connect_retry(addr, timeout)?;
-    let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(5));
+    authenticate(stream, addr, timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(5)), secret)
+}
+
+/// One attempt: connect within `attempt`, then the handshake within 5 s
+/// (mending a link dials in short attempts, see `client::io::mend`).
+pub fn connect_authenticated_once(addr: &str, attempt: Duration, secret: &Secret) -> io::Result<TcpStream> {
+    let stream = resolve(addr).and_then(|a| TcpStream::connect_timeout(&a, attempt))?;
+    stream.set_nodelay(true)?;
+    authenticate(stream, addr, LINK_SILENCE, secret)
+}
+
+/// How long a data link may be silent (nothing acknowledged) before its
+/// socket fails (`tune_data_socket`).
+pub const LINK_SILENCE: Duration = Duration::from_secs(2);
+
+fn authenticate(stream: TcpStream, addr: &str, left: Duration, secret: &Secret) -> io::Result<TcpStream> {
     let mut r = DeadlineReader::new(&stream, left);
     let _ = stream.set_write_timeout(Some(left));
     let result = auth::connect_blocking(&mut r, &mut &stream, secret);
@@ -195,6 +210,15 @@ fn congestion_control() -> Option<&'static str> {
 pub fn tune_data_socket<S: std::os::fd::AsFd>(s: &S) {
     let sock = socket2::SockRef::from(s);
     let _ = sock.set_tcp_nodelay(true);
+    // A link that goes silent (down, or a peer's host gone) fails the
+    // socket within LINK_SILENCE, whether data waits for an ack (the user
+    // timeout) or the link is idle (keep-alive probes), instead of TCP's
+    // retransmissions backing off for minutes: the worker then mends it
+    // (`client::io::mend`), and a new connection gets through as soon as
+    // the link is back.
+    let _ = sock.set_tcp_user_timeout(Some(LINK_SILENCE));
+    let probes = socket2::TcpKeepalive::new().with_time(LINK_SILENCE / 2).with_interval(LINK_SILENCE / 4);
+    let _ = sock.set_tcp_keepalive(&probes);
     if let Some(cc) = congestion_control() {
         if let Err(e) = sock.set_tcp_congestion(cc.as_bytes()) {
             static WARNED: std::sync::Once = std::sync::Once::new();

@@ -283,7 +283,7 @@ impl IoCore {
                 continue;
             }
             self.rx[i].reset();
-            c.link.deregister(&io.send.registry);
+            c.link().deregister(&io.send.registry);
             let mut st = c.send();
             st.broken_at.get_or_insert_with(Instant::now);
             st.clear();
@@ -386,7 +386,7 @@ impl IoCore {
                 if let Some(a) = ops.active.get_mut(&key) {
                     a.spec = spec.clone();
                     for m in moves.iter().filter(|m| m.resend) {
-                        if let Some(slot) = io.queue_chunk(seq, a, m.chunk) {
+                        if let Some(slot) = io.queue_chunk(seq, a, m.chunk, super::mend::Again::No) {
                             resent += 1;
                             if !touched.contains(&slot) {
                                 touched.push(slot);

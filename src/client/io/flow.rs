@@ -198,6 +198,11 @@ pub(super) struct InFlight {
 }
 
 impl InFlight {
+    /// The chunks on the wire or received, result not back.
+    pub(super) fn on_wire(&self) -> Vec<(u32, u32)> {
+        self.chunks.keys().copied().collect()
+    }
+
     /// Queued → on the wire.
     pub(super) fn sent(&mut self, key: u32, chunk: u32, order: SendOrder, len: usize, stamp: Option<Stamp>) {
         self.forget(key, chunk); // never twice (a chunk re-sent after a move)

@@ -129,7 +129,7 @@ impl IoCore {
                     if let Some(hr) = &mut a.host {
                         hr.pushed[c] = true;
                     }
-                    if let Some(slot) = io.queue_chunk(&mut ops.seq, a, c) {
+                    if let Some(slot) = io.queue_chunk(&mut ops.seq, a, c, super::mend::Again::No) {
                         if !touched.contains(&slot) {
                             touched.push(slot);
                         }

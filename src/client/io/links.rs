@@ -5,7 +5,7 @@
 
 use std::collections::BinaryHeap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Instant;
 
 use mio::net::TcpStream;
@@ -85,12 +85,19 @@ pub(super) struct SendHalf {
     pub(super) detached: Vec<Box<[u8]>>,
     /// Callers reading this connection themselves (`Io::quiet`).
     pub(super) quiet_callers: u32,
+    /// Since when it is being mended (`mend`), and the chunk whose result
+    /// was arriving when it broke.
+    pub(super) mending: Option<(Instant, Option<(u32, u32)>)>,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
 
 pub struct Conn {
-    pub(super) link: Connection,
+    /// The socket; a mended link gets a new one (`mend`).
+    link: RwLock<Arc<Connection>>,
+    /// Where it was dialled (host:port), to dial again.
+    pub(super) addr: String,
+    desc: String,
     pub(super) send: Mutex<SendHalf>,
     /// Where it is in its life (`LinkState`), read without the send lock.
     state: AtomicU8,
@@ -106,6 +113,7 @@ pub struct Conn {
 /// A data connection to register: to thread `desc` of server `server`.
 pub struct NewConn {
     pub stream: TcpStream,
+    pub addr: String,
     pub desc: String,
     pub server: u32,
     pub by_ref: bool,
@@ -160,8 +168,11 @@ impl std::ops::Index<usize> for ConnTable {
     }
 }
 
-/// A link's life, which only moves forward (a link may skip states):
+/// A link's life, which only moves forward (a link may skip states),
+/// except from `Mending` back to `Live`:
 /// - `Live`: in use;
+/// - `Mending`: its socket failed with its server not known lost: it is
+///   dialled again (`mend`); nothing is written meanwhile;
 /// - `Broken`: its socket failed (with failover on): nothing is written to
 ///   it, and the I/O thread waits for the scheduler to say where its
 ///   chunks went (`IoCore::check_lost` bounds that wait);
@@ -173,17 +184,19 @@ impl std::ops::Index<usize> for ConnTable {
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
 pub enum LinkState {
     Live = 0,
-    Broken = 1,
-    WrittenOff = 2,
-    Dead = 3,
+    Mending = 1,
+    Broken = 2,
+    WrittenOff = 3,
+    Dead = 4,
 }
 
 impl LinkState {
     fn of(v: u8) -> LinkState {
         match v {
             0 => LinkState::Live,
-            1 => LinkState::Broken,
-            2 => LinkState::WrittenOff,
+            1 => LinkState::Mending,
+            2 => LinkState::Broken,
+            3 => LinkState::WrittenOff,
             _ => LinkState::Dead,
         }
     }
@@ -206,13 +219,24 @@ impl Conn {
     pub(super) fn advance(&self, to: LinkState) -> LinkState {
         LinkState::of(self.state.fetch_max(to as u8, Ordering::SeqCst))
     }
+    /// `Mending` -> `Live` with a new socket (false: it moved on meanwhile,
+    /// e.g. the scheduler wrote its server off).
+    pub(super) fn mended(&self, link: Connection) -> bool {
+        *self.link.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(link);
+        let (from, to) = (LinkState::Mending as u8, LinkState::Live as u8);
+        self.state.compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+    /// The socket now.
+    pub(super) fn link(&self) -> Arc<Connection> {
+        self.link.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
     /// The link failed under the send lock `st`: at least `Broken` from now.
     pub(super) fn broke(&self, st: &mut SendHalf) {
         self.advance(LinkState::Broken);
         st.broken_at.get_or_insert_with(Instant::now);
     }
     pub fn desc(&self) -> &str {
-        &self.link.peer
+        &self.desc
     }
     pub(super) fn send(&self) -> MutexGuard<'_, SendHalf> {
         self.send.lock().unwrap_or_else(|e| e.into_inner())
@@ -227,7 +251,7 @@ impl Io {
         let conns = &self.send.conns;
         for nc in streams {
             let i = conns.len();
-            let link = Connection::new(&self.send.registry, nc.stream, Token(i), nc.desc)?;
+            let link = Connection::new(&self.send.registry, nc.stream, Token(i), nc.desc.clone())?;
             let mut send = SendHalf { credit: self.admission.credit(), ..Default::default() };
             // seq 0: ahead of every frame queued later.
             let mut hello = Header::new(MsgType::DataHello);
@@ -235,7 +259,9 @@ impl Io {
             send.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
             let by_ref = nc.by_ref && self.host.stage.is_some();
             let conn = Conn {
-                link,
+                link: RwLock::new(Arc::new(link)),
+                addr: nc.addr,
+                desc: nc.desc,
                 send: Mutex::new(send),
                 state: AtomicU8::new(LinkState::Live as u8),
                 server: nc.server,
@@ -269,7 +295,7 @@ impl Io {
             return; // taken out of the poller for good
         }
         st.quiet_callers = if on { st.quiet_callers + 1 } else { st.quiet_callers.saturating_sub(1) };
-        if let Err(e) = c.link.quiet(&self.send.registry, &mut st.tx, st.quiet_callers > 0) {
+        if let Err(e) = c.link().quiet(&self.send.registry, &mut st.tx, st.quiet_callers > 0) {
             drop(guard);
             // Not watched any more would be a hang: fail loudly instead.
             self.request_fail(format!("{}: cannot change what the I/O thread watches: {e}", c.desc()));
@@ -312,6 +338,13 @@ impl Io {
         }
         let result = self.pump_locked(i, &mut guard);
         match result {
+            Err(e) if broke(&e) && guard.mending.is_none() => {
+                // The I/O thread mends it (`mend`), or gives it up.
+                drop(guard);
+                self.mend.ask(i, e.to_string());
+                self.recv.wake();
+                Ok(())
+            }
             Err(e) if self.failover.on && broke(&e) => {
                 // The server may be lost: its chunks will move (or the wait times out).
                 log::warn!(target: &format!("worker {}", self.rank), "{}: {e}; waiting for the scheduler", c.desc());
@@ -383,7 +416,7 @@ impl Io {
             Carry::Chunk { ptr, len } => unsafe { std::slice::from_raw_parts(ptr, len) },
             Carry::Encoded => &[],
         };
-        let r = c.link.pump(&self.send.registry, &mut st.tx, next, payload);
+        let r = c.link().pump(&self.send.registry, &mut st.tx, next, payload);
         if !st.detached.is_empty() && st.tx.idle() {
             st.detached.clear();
         }
@@ -395,4 +428,10 @@ impl Io {
 /// not that the server said or sent something wrong.
 pub(super) fn broke(e: &ConnError) -> bool {
     matches!(e, ConnError::Io(_) | ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame | ReadError::Io(_)))
+}
+
+/// The link broke in a way a new connection may mend (`mend`): `broke`,
+/// or a frame that changed on the way.
+pub(super) fn mendable(e: &ConnError) -> bool {
+    broke(e) || matches!(e, ConnError::Read(ReadError::Protocol(crate::protocol::ProtocolError::BadChecksum(_))))
 }

@@ -79,6 +79,7 @@ mod failover;
 mod flow;
 mod host;
 mod links;
+mod mend;
 mod receive;
 mod submit;
 mod thread;
@@ -155,6 +156,7 @@ pub struct Io {
     admission: Admission,
     recv: RecvSide,
     failover: Failover,
+    mend: mend::Mending,
     host: HostSide,
     trace: Tracing,
 }
@@ -209,6 +211,7 @@ impl Io {
         mut host: Option<HostStage>,
         stall: std::time::Duration,
         failover: Option<Duration>,
+        (secret, peer_timeout): (crate::protocol::auth::Secret, Duration),
     ) -> std::io::Result<Io> {
         if let Some(h) = &mut host {
             poll.registry().register(&mut h.doorbell.sock, DOORBELL, Interest::READABLE)?;
@@ -223,6 +226,7 @@ impl Io {
             admission: Admission::new(credit, spread),
             recv: RecvSide::new(Waker::new(poll.registry(), WAKER)?, max_payload),
             failover: Failover::new(failover),
+            mend: mend::Mending::new(secret, peer_timeout),
             host: HostSide::new(host, stall),
             trace: Tracing::default(),
         };

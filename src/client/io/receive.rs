@@ -30,7 +30,7 @@ impl IoCore {
     pub(super) fn on_readable(&mut self, i: usize, drain: Drain) -> Result<(), ConnError> {
         let io = self.io.clone();
         let conn = &io.send.conns[i];
-        let link = &conn.link;
+        let link = conn.link();
         loop {
             if conn.state() >= LinkState::WrittenOff {
                 return Ok(()); // its server was lost; the failover closes it

@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::failover::{Kept, NO_ROUND};
 use super::flow::{Active, ChunkSend, Route, SendItem};
 use super::host::HostRound;
+use super::mend::Again;
 use super::{left_message, Io, Submission};
 use crate::waits::StallWatch;
 
@@ -138,7 +139,7 @@ impl Io {
                 if let Some(h) = &mut a.host {
                     h.pushed[c] = true;
                 }
-                if let Some(slot) = self.queue_chunk(&mut ops.seq, &a, c) {
+                if let Some(slot) = self.queue_chunk(&mut ops.seq, &a, c, Again::No) {
                     if !touched.contains(&slot) {
                         touched.push(slot);
                     }
@@ -152,7 +153,7 @@ impl Io {
 
     /// Put this worker's push of chunk `c` of an active op on its
     /// connection's queue; its slot (None: another worker pushes it).
-    pub(super) fn queue_chunk(&self, seq: &mut u64, a: &Active, c: usize) -> Option<usize> {
+    pub(super) fn queue_chunk(&self, seq: &mut u64, a: &Active, c: usize, again: Again) -> Option<usize> {
         let src = a.push_src(c)?;
         let route = a.route(c);
         let slot = a.spec.slots[c] as usize;
@@ -160,8 +161,9 @@ impl Io {
         // Wholly outside the bytes the caller may have set: zeros, sent as a header.
         let (lo, hi) = a.spec.chunk_range(c);
         let es = a.spec.dtype.size();
-        let zeros = matches!(route, Route::Caller | Route::Kept)
-            && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
+        let zeros = again == Again::ResultOnly
+            || matches!(route, Route::Caller | Route::Kept)
+                && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
         let len = if zeros { 0 } else { src.len };
         let item = SendItem::Chunk(ChunkSend {
             priority: a.priority,
@@ -169,7 +171,7 @@ impl Io {
             key: a.spec.key,
             chunk: c as u32,
             round: a.round,
-            flags: if zeros { a.flags | crate::protocol::FLAG_ZEROS } else { a.flags },
+            flags: again.flags(if zeros { a.flags | crate::protocol::FLAG_ZEROS } else { a.flags }),
             dtype: a.spec.dtype,
             ptr: src.ptr,
             len,

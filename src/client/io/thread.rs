@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use mio::{Events, Poll, Waker};
 
-use super::links::{broke, LinkState};
+use super::links::{broke, mendable, LinkState};
 use super::receive::ResultDest;
 use super::{Completion, Io};
 use super::{DOORBELL, WAKER};
@@ -150,6 +150,7 @@ impl IoThread {
                         core.check_host_stalls();
                     }
                     core.check_lost();
+                    core.check_mends();
                 }
             }
             if let Err(e) = self.poll.poll(&mut events, tick) {
@@ -179,6 +180,7 @@ impl IoCore {
             self.fail(msg, true);
         }
         self.grow();
+        self.finish_mends();
         for note in self.io.failover.take_notes() {
             if !self.failed {
                 self.apply_failover(note);
@@ -235,7 +237,9 @@ impl IoCore {
 
     /// `read`: whether to read, and how far (`Drain`).
     pub(super) fn on_event(&mut self, i: usize, read: Option<Drain>, writable: bool) {
-        if self.failed || i >= self.rx.len() || self.io.send.conns[i].state() == LinkState::Dead {
+        // (A link being mended is read again once its new socket is in.)
+        let state = self.io.send.conns.get(i).map(|c| c.state());
+        if self.failed || i >= self.rx.len() || matches!(state, Some(LinkState::Dead | LinkState::Mending)) {
             return;
         }
         let mut res = Ok(());
@@ -246,6 +250,11 @@ impl IoCore {
             res = self.io.pump(i);
         }
         if let Err(e) = &res {
+            let leaving = self.owner.closing() || self.owner.failure().is_some();
+            if mendable(e) && !leaving && self.start_mend(i, &e.to_string()) {
+                self.ring_pending();
+                return;
+            }
             if self.io.failover.on && broke(e) && self.owner.failure().is_none() {
                 self.on_lost(i, e.to_string());
                 self.ring_pending();
@@ -271,7 +280,7 @@ impl IoCore {
         let io = &self.io;
         let c = &io.send.conns[i];
         self.rx[i].reset();
-        c.link.deregister(&io.send.registry);
+        c.link().deregister(&io.send.registry);
         c.broke(&mut c.send());
         let target = format!("worker {}", io.rank);
         if self.owner.closing() {

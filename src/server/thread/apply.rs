@@ -9,7 +9,7 @@ use super::flush;
 use super::sum::Source;
 use super::validate::{Command, Dest, PayloadKind};
 use super::{ConnResult, ServerThread};
-use crate::protocol::{Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT, FLAG_ZEROS};
+use crate::protocol::{Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT, FLAG_ZEROS, PUSH_OWN_FLAGS};
 use crate::server::replica;
 use crate::transport::ConnError;
 
@@ -18,11 +18,16 @@ impl ServerThread {
     pub(super) fn apply(&mut self, t: usize, hdr: Header, cmd: Command) -> ConnResult {
         match cmd {
             Command::Receive(d) => self.receive(t, hdr, d),
-            Command::PushRef { chunk, at, replay } => {
+            Command::PushRef { chunk, at, kind } => {
                 self.chunks[chunk].round.learn(hdr.round);
-                match replay {
-                    true => self.replay(t, hdr, chunk, true),
-                    false => self.add_push(t, hdr, chunk, Source::Shared(at)),
+                match kind {
+                    PayloadKind::Replay => self.replay(t, hdr, chunk, true),
+                    PayloadKind::Counted => {
+                        let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
+                        flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
+                        Ok(())
+                    }
+                    _ => self.add_push(t, hdr, chunk, Source::Shared(at)),
                 }
             }
             Command::Moved => self.drop_moved(t, hdr),
@@ -37,7 +42,11 @@ impl ServerThread {
                     Command::ServerHello(slot) => conn.server = Some(slot),
                     Command::DataHello(rank) => {
                         conn.rank = Some(rank);
-                        self.worker_conn[rank as usize] = Some(t);
+                        if let Some(old) = self.worker_conn[rank as usize].replace(t).filter(|&o| o != t) {
+                            // (Set first, so closing the old one is no pusher leaving.)
+                            log::info!(target: &self.who(), "worker {rank} mended its link: a new connection replaces the old one");
+                            self.close(old, "");
+                        }
                     }
                     _ => conn.rx.receive_owned(hdr),
                 }
@@ -51,6 +60,13 @@ impl ServerThread {
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         let partition = self.cfg.partition_bytes as usize;
         match d.kind {
+            PayloadKind::Counted => {
+                conn.scratch_for(d.len, partition, &mut self.pool);
+                if d.len == 0 {
+                    flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
+                    return Ok(());
+                }
+            }
             PayloadKind::Push | PayloadKind::Replay => {
                 self.chunks[d.chunk].round.learn(hdr.round);
                 if d.direct {
@@ -105,6 +121,12 @@ impl ServerThread {
             }
             PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
             PayloadKind::Restore => self.restore(t, hdr, d.chunk),
+            PayloadKind::Counted => {
+                if let Some(c) = self.conns.get_mut(&t) {
+                    flush::ack(&mut c.acks, self.cfg.namespace, &hdr);
+                }
+                Ok(())
+            }
             PayloadKind::Moved => {
                 self.ack_moved(t, &hdr);
                 Ok(())
@@ -132,7 +154,7 @@ impl ServerThread {
         let (parity, first, init) = ((hdr.round & 1) as usize, ch.round.untouched(), hdr.flags & FLAG_INIT != 0);
         ch.accumulate(parity, rank, first, init, src, &mut conn.scratch, &mut self.pool);
         let by_ref = matches!(src, Source::Shared(_));
-        if !ch.round.add(rank, hdr.flags & !FLAG_ZEROS, hdr.priority, by_ref, Instant::now) {
+        if !ch.round.add(rank, hdr.flags & !PUSH_OWN_FLAGS, hdr.priority, by_ref, Instant::now) {
             // The last push of a round is answered by the result itself
             // (one frame and one wake-up fewer on a small round trip).
             flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);

@@ -52,6 +52,13 @@ impl Conn {
             self.scratch.resize(chunk.div_ceil(4).max(want.div_ceil(4)), 0);
         }
     }
+    /// Who is at the other end, for messages.
+    pub fn describe(&self) -> String {
+        match self.rank {
+            Some(r) => format!("worker {r} ({})", self.link.peer),
+            None => self.link.peer.clone(),
+        }
+    }
 }
 
 /// A failed handshake closes the connection; the peer is told only that
@@ -165,10 +172,7 @@ impl ServerThread {
             // The accumulator holds a partial push.
             self.chunks[chunk].abort_direct(parity, &mut self.pool);
         }
-        let peer = match c.rank {
-            Some(r) => format!("worker {r} ({})", c.link.peer),
-            None => c.link.peer.clone(),
-        };
+        let peer = c.describe();
         if !why.is_empty() {
             log::warn!(target: &who, "closing connection from {peer}: {why}");
             // Best effort: tell the peer why, unless a frame is half-written.

@@ -74,7 +74,7 @@ use super::replica::Replicas;
 use crate::host::SharedTensor;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
-use crate::protocol::{DType, OptConfig, ReadError, TensorSpec};
+use crate::protocol::{DType, OptConfig, ProtocolError, ReadError, TensorSpec};
 use crate::transport::{AcceptErrors, ConnError, Drain};
 use conns::Conn;
 use sum::Chunk;
@@ -283,6 +283,14 @@ impl ServerThread {
                             Ok(()) => {}
                             // A clean close between frames: the worker is done.
                             Err(ConnError::Read(ReadError::Closed)) => self.close(t, ""),
+                            // Not the peer's doing: its link changed a frame. No
+                            // last words, so a worker mends the link (re-dials,
+                            // re-sends) instead of failing the job.
+                            Err(why @ ConnError::Read(ReadError::Protocol(ProtocolError::BadChecksum(_)))) => {
+                                let peer = self.conns.get(&t).map(|c| c.describe()).unwrap_or_default();
+                                log::warn!(target: &self.who(), "closing connection from {peer}: {why}");
+                                self.close(t, "");
+                            }
                             Err(why) => self.close(t, &why.to_string()),
                         }
                     }

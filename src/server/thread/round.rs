@@ -89,8 +89,12 @@ pub(super) enum Refusal {
 pub(super) enum Admit {
     /// A contribution to the current round.
     Push,
-    /// A push of a round already complete (adopted chunks): answered with its result.
+    /// A push of a round already complete (adopted chunks, or re-sent
+    /// over a mended link): answered with its result.
     Replay,
+    /// A push re-sent over a mended link that this round already counted:
+    /// acknowledged, its payload dropped.
+    Counted,
 }
 
 /// What a restored result of round s does.
@@ -245,6 +249,22 @@ impl Round {
             return Err(Refusal::Twice);
         }
         Ok(Admit::Push)
+    }
+
+    /// `admit` for a push re-sent after its link was mended (FLAG_RESENT):
+    /// the old link may have delivered it, and the result may have been
+    /// lost with that link.
+    pub fn admit_again(&self, rank: u32, round: u32) -> Result<Admit, Refusal> {
+        let at = if self.phase == Phase::Unknown { round } else { self.number };
+        if self.phase != Phase::Retired && self.pushers.contains(&rank) {
+            if round != at && self.done == Some(round) {
+                return Ok(Admit::Replay);
+            }
+            if round == at && self.pushed(rank) {
+                return Ok(Admit::Counted);
+            }
+        }
+        self.admit(rank, round)
     }
 
     /// Unknown -> Idle at `round` (an adopted chunk's first push says it).
@@ -489,6 +509,26 @@ mod tests {
         i.add(0, 0, 0, false, Instant::now);
         i.complete();
         assert_eq!(i.admit(0, 0), Err(Refusal::Round { at: 1 }));
+    }
+
+    #[test]
+    fn a_push_sent_again_over_a_mended_link_counts_once() {
+        let mut r = owner(&[0, 1]);
+        r.add(0, 0, 0, false, Instant::now);
+        // Counted already (the old link delivered it): only acknowledged.
+        assert_eq!(r.admit_again(0, 0), Ok(Admit::Counted));
+        assert_eq!(r.admit(0, 0), Err(Refusal::Twice), "without the flag it is an error");
+        // Not counted yet (the old link lost it): a push like any other.
+        assert_eq!(r.admit_again(1, 0), Ok(Admit::Push));
+        r.add(1, 0, 0, false, Instant::now);
+        r.complete();
+        r.delivered();
+        // Complete (its result lost with the old link): answered again.
+        assert_eq!(r.admit_again(1, 0), Ok(Admit::Replay));
+        assert_eq!(r.admit(1, 0), Err(Refusal::Round { at: 1 }));
+        // Anything else is refused as it would be.
+        assert_eq!(r.admit_again(2, 1), Err(Refusal::NotAPusher));
+        assert_eq!(r.admit_again(0, 5), Err(Refusal::Round { at: 1 }));
     }
 
     #[test]

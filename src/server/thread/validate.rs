@@ -8,7 +8,8 @@ use super::sum::Chunk;
 use super::ServerThread;
 use crate::protocol::auth;
 use crate::protocol::{
-    DType, Header, MsgType, ProtocolError, ReadError, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_ZEROS,
+    DType, Header, MsgType, ProtocolError, ReadError, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_RESENT, FLAG_ZEROS,
+    PUSH_OWN_FLAGS,
 };
 use crate::transport::ConnError;
 
@@ -28,8 +29,12 @@ pub(super) struct Dest {
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum PayloadKind {
     Push,
-    /// A push of a round already complete (adopted chunks): answered with its result.
+    /// A push of a round already complete (adopted chunks, or re-sent over
+    /// a mended link): answered with its result.
     Replay,
+    /// A push re-sent over a mended link, already counted: acknowledged
+    /// once received, its payload dropped.
+    Counted,
     /// A restored result (`MsgType::Restore`).
     Restore,
     /// A restored result of a tensor released here since: dropped.
@@ -56,7 +61,7 @@ pub(super) enum Command {
     Receive(Dest),
     /// A push (or a replay) by reference: the data is in the host's shared
     /// segment at `at`.
-    PushRef { chunk: usize, at: *const u8, replay: bool },
+    PushRef { chunk: usize, at: *const u8, kind: PayloadKind },
     /// Our replica acknowledged a round.
     ReplicaAck,
     /// The owner received a push of ours: nothing to do (no credit here).
@@ -107,7 +112,9 @@ impl ServerThread {
                         self.cfg.num_workers
                     )));
                 }
-                if self.worker_conn[r as usize].is_some() {
+                // A mended link replaces the old connection, which may not
+                // have seen its end yet (`apply`).
+                if self.worker_conn[r as usize].is_some() && hdr.flags & FLAG_RESENT == 0 {
                     return Err(invalid(format!("worker rank {r} is already connected")));
                 }
                 Ok(Command::DataHello(r))
@@ -215,7 +222,7 @@ impl ServerThread {
         }
         // The owner's chunk of this round in the segment, which it leaves
         // alone until our result comes back.
-        Ok(Command::PushRef { chunk: idx, at: ptr.cast_const(), replay: kind == PayloadKind::Replay })
+        Ok(Command::PushRef { chunk: idx, at: ptr.cast_const(), kind })
     }
 
     /// A frame from another server thread: on a link of ours, the replica's
@@ -270,9 +277,14 @@ impl ServerThread {
         let name = self.name(hdr.key);
         // A replay is checked by the round alone (an adopted chunk's round
         // already complete here); everything else must fit the round.
-        let admit = ch.round.admit(rank, hdr.round);
-        if admit == Ok(Admit::Replay) {
-            return Ok((idx, rank, PayloadKind::Replay));
+        let admit = match hdr.flags & FLAG_RESENT {
+            0 => ch.round.admit(rank, hdr.round),
+            _ => ch.round.admit_again(rank, hdr.round),
+        };
+        match admit {
+            Ok(Admit::Replay) => return Ok((idx, rank, PayloadKind::Replay)),
+            Ok(Admit::Counted) => return Ok((idx, rank, PayloadKind::Counted)),
+            _ => {}
         }
         if hdr.dtype != ch.dtype {
             return Err(invalid(format!(
@@ -314,7 +326,7 @@ impl ServerThread {
             return Err(invalid(why));
         }
         // (Zeros or data is each pusher's own business.)
-        if !ch.round.untouched() && hdr.flags & !FLAG_ZEROS != ch.round.flags {
+        if !ch.round.untouched() && hdr.flags & !PUSH_OWN_FLAGS != ch.round.flags {
             return Err(invalid(format!(
                 "tensor '{name}': workers disagree on the round's flags (average/init) in round {}",
                 hdr.round

@@ -1,0 +1,76 @@
+"""Broken data links mended: a proxy between the workers and a server
+resets the connections, flips bytes, or stops forwarding; the workers dial
+again and re-send what was unanswered, and every sum stays exact (the
+server counts each push once). Roles started by hand, as across hosts."""
+
+import time
+
+from conftest import free_port
+from gradhub_lab.proxy import Proxy
+
+# Several chunks per tensor, three dtypes; 2 workers check every sum.
+CONFIG = {"sizes": [1, 1000, 262_147], "rounds": 100,
+          "sleep": {"0": 0.03, "1": 0.03}}
+
+
+def proxied_job(cluster_factory, **env):
+    """2 workers and a server whose data port the workers reach only
+    through a proxy (the server listens on 127.0.0.1, advertises 127.0.0.2)."""
+    port = free_port()
+    proxy = Proxy("127.0.0.2", port, "127.0.0.1", port)
+    # Every push through a socket: no host stage, no shared memory with the server.
+    env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", **env}
+    c = cluster_factory(2, 1, server_ports=[port],
+                        server_args=[["--bind-host", "127.0.0.1", "--advertise-addr", "127.0.0.2"]], **env)
+    for r in range(2):
+        c.start_worker(r, "check_sums.py", CONFIG)
+    c.wait_for("worker0", "LOCAL")
+    c.wait_for("worker1", "LOCAL")
+    return c, proxy
+
+
+def finish(c, proxy):
+    for r in range(2):
+        c.wait_for(f"worker{r}", "PASS", timeout=90)
+        assert c.procs[f"worker{r}"].wait(timeout=30) == 0, c.log(f"worker{r}")
+    assert c.procs["server0"].wait(timeout=30) == 0, c.log("server0")
+    proxy.close()
+
+
+def wait_traffic(proxy, more: int, timeout: float = 30):
+    """Until `more` bytes went up through the proxy (training is under way)."""
+    start, deadline = proxy.bytes_up, time.monotonic() + timeout
+    while proxy.bytes_up < start + more:
+        assert time.monotonic() < deadline, "no traffic through the proxy"
+        time.sleep(0.01)
+
+
+def test_reset_links_are_mended_and_every_sum_stays_exact(cluster_factory):
+    c, proxy = proxied_job(cluster_factory)
+    for _ in range(3):
+        wait_traffic(proxy, 2 << 20)
+        proxy.reset()
+    finish(c, proxy)
+    logs = c.log("worker0") + c.log("worker1")
+    assert logs.count("connected again") >= 3, logs
+    # The server saw each reset too; had it not, the new connection would
+    # have replaced the old one ("mended its link").
+    assert "Connection reset by peer" in c.log("server0") or "mended its link" in c.log("server0")
+
+
+def test_a_byte_changed_on_the_way_is_refused_and_sent_again_never_summed(cluster_factory):
+    c, proxy = proxied_job(cluster_factory)
+    # Into pushes (checked by the server) and into results (by the workers),
+    # at offsets inside payloads and headers alike.
+    for direction, after in (("up", 300_000), ("down", 500_000), ("up", 1_000_003), ("down", 77)):
+        wait_traffic(proxy, 1 << 20)
+        done = proxy.flips_done
+        proxy.flip(direction, after=after, mask=0x20)
+        deadline = time.monotonic() + 30
+        while proxy.flips_done == done:
+            assert time.monotonic() < deadline, "the flip never happened"
+            time.sleep(0.01)
+    finish(c, proxy)
+    logs = c.log("worker0") + c.log("worker1") + c.log("server0")
+    assert "checksum mismatch" in logs, logs
+    assert "connected again" in logs, logs
