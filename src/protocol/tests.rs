@@ -594,9 +594,9 @@ fn header_rejects_unknown_type() {
 
 #[test]
 fn header_rejects_unknown_flag_bits() {
-    // Bit 0 is FLAG_AVERAGE, bit 1 FLAG_INIT, bit 2 FLAG_ZEROS, bit 3 FLAG_ASYNC.
-    assert_eq!((FLAG_INIT, FLAG_ZEROS, crate::protocol::FLAG_ASYNC), (2, 4, 8));
-    for bit in 4..16 {
+    // Bit 0 is FLAG_AVERAGE, bit 1 FLAG_INIT, bit 2 FLAG_ZEROS, bit 3 FLAG_ASYNC, bit 4 FLAG_RESENT.
+    assert_eq!((FLAG_INIT, FLAG_ZEROS, crate::protocol::FLAG_ASYNC, crate::protocol::FLAG_RESENT), (2, 4, 8, 16));
+    for bit in 5..16 {
         let flags = 1u16 << bit;
         let mut b = valid_header_bytes();
         b[4..6].copy_from_slice(&flags.to_le_bytes());
