@@ -186,7 +186,9 @@ impl IoCore {
             // What was written to the old socket is gone with it; what is
             // queued stays queued.
             st.flights.clear();
-            st.tx.clear();
+            // A fresh writer: what it watched was the old socket's.
+            st.tx = Default::default();
+            st.quiet_callers = 0;
             st.detached.clear();
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key, hello.flags) = (io.namespace, io.rank, FLAG_RESENT);
