@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gradhub::client::{Client, ClientConfig};
+use gradhub::scheduler::SchedulerConfig;
 use gradhub::protocol::{Control, DType, DeclEntry, MsgType, Role, FLAG_AVERAGE};
 use half::{bf16, f16};
 
@@ -406,7 +407,9 @@ fn job_with_fake_server(
 
 #[test]
 fn op_fails_naming_the_server_when_it_closes_the_data_connection() {
-    let (h, mut fs, c) = job_with_fake_server(sched_config(1, 1));
+    // The link is closed without an Error frame and the server never answers
+    // again: the worker tries to mend it for the peer timeout, then fails.
+    let (h, mut fs, c) = job_with_fake_server(SchedulerConfig { peer_timeout_ms: 1_500, ..sched_config(1, 1) });
     let name = "x";
     let buf = vec![1.0f32; 10];
     let p = {
@@ -430,7 +433,7 @@ fn op_fails_naming_the_server_when_it_closes_the_data_connection() {
     // The server thread goes away mid-round.
     fs.data.shutdown(std::net::Shutdown::Both).unwrap();
     let e = pending.join().expect_err("push_pull must fail");
-    assert_contains(&e, &["server 0", "'x'"]);
+    assert_contains(&e, &["server 0", "'x'", "could not be made again within 1.5s"]);
     // The client is failed: further calls say why.
     let e = push_pull(&c, "y", vec![1.0f32; 2], DType::F32, 0, 0).unwrap_err();
     assert_contains(&e, &["server 0"]);

@@ -318,17 +318,18 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     // Changed on the way: refused by the checksums before anything is
     // trusted or summed (the round below is still exact). The payload
     // lands in the accumulator (the round's first push) and is dropped.
+    // Closed without an Error frame: the link's fault, not the worker's,
+    // which connects again (client::io::mend).
     let mut c = job.conn(0, 1);
     let mut b = hdr(&spec, |_| {}).encode(&[1u8; 256]);
     b[13] ^= 1; // the key
     c.send_raw(&b);
-    c.expect_error("checksum mismatch in the header");
+    c.expect_closed();
     let mut c = job.conn(0, 1);
     let mut b = encode_frame(&hdr(&spec, |_| {}), &f32_bytes(&[1000.0; 64]));
     b[HEADER_LEN + 10] ^= 4;
     c.send_raw(&b);
-    let e = c.expect_error("checksum mismatch in the payload");
-    assert_contains(&e, &["Push frame", "corrupted on the way"]);
+    c.expect_closed();
 
     // A push of zeros carries no payload, and no initial parameters.
     let mut c = job.conn(0, 1);
