@@ -222,3 +222,61 @@ def test_two_level_reduction_across_racks_of_emulated_hosts(hosts):
     for i, (_, ip) in enumerate((a, b, c)):
         assert f"on {ip} ports" in outs[1 + i], outs[1 + i]
         assert "relayed for this rack" in outs[1 + i], outs[1 + i]
+
+
+def test_a_link_down_for_4s_and_training_resumes_within_2s_of_its_return(hosts):
+    """A worker host's link goes down for 4 s mid-run (its veth, as a
+    cable pulled): its data socket fails after 2 s of silence, the worker
+    dials again in short attempts, and training goes on within 2 s of the
+    link's return, every sum exact (TCP's own retries would wait seconds
+    longer)."""
+    sched_ns, sched_ip = hosts(0)
+    server_ns, _ = hosts(1)
+    worker_hosts = [hosts(2), hosts(3)]
+    veth = f"gh{SUFFIX}v3"  # the second worker host's end on the bridge
+    port = 9556
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:{port}", GRADHUB_NUM_WORKERS=2, GRADHUB_NUM_SERVERS=1,
+                  GH_TEST='{"steps": 120, "pause": 0.05}')
+    py = sys.executable
+    procs = [in_ns(sched_ns, [py, "-m", "gradhub", "scheduler"], env),
+             in_ns(server_ns, [py, "-m", "gradhub", "server", "--threads", "1"], env)]
+    logs = [os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gh-link-{SUFFIX}-{r}.log") for r in range(2)]
+    files = [open(log, "wb") for log in logs]
+    for r, (ns, _) in enumerate(worker_hosts):
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, py, str(WORKERS / "steps.py")],
+                                      env=dict(env, GRADHUB_RANK=str(r)), stdout=files[r], stderr=subprocess.STDOUT))
+
+    def steps(r: int) -> list[float]:
+        with open(logs[r]) as f:
+            return [float(m.group(1)) for m in re.finditer(r"^STEP \d+ ([\d.]+)$", f.read(), re.M)]
+
+    try:
+        deadline = time.monotonic() + 60
+        while len(steps(1)) < 20:
+            assert time.monotonic() < deadline and procs[3].poll() is None, open(logs[1]).read()
+            time.sleep(0.05)
+        sh("ip", "link", "set", veth, "down")
+        time.sleep(4)
+        sh("ip", "link", "set", veth, "up")
+        back = time.time()
+        outs = run_all(procs[:2], timeout=120)
+        for p in procs[2:]:
+            assert p.wait(timeout=120) == 0, [open(log).read() for log in logs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in files:
+            f.close()
+    texts = [open(log).read() for log in logs]
+    for r in range(2):
+        assert f"PASS {r}" in texts[r], texts[r]
+    after = [t for t in steps(1) if t > back]
+    assert after, texts[1]
+    resumed = after[0] - back
+    print(f"training resumed {resumed:.2f}s after the link came back")
+    assert resumed < 2.0, (resumed, texts[1], outs[1])
+    assert "connected again" in texts[1], texts[1]
+    for log in logs:
+        os.unlink(log)
+    assert "job complete" in outs[1]

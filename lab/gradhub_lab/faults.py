@@ -13,7 +13,11 @@ random moment of training:
                   it off, or to a job that has, and must not disturb it;
   raise           an exception in a worker's training loop;
   garbage / slow  a stranger's connection to the scheduler or a server that
-                  sends random bytes, or half a frame header and then nothing.
+                  sends random bytes, or half a frame header and then nothing;
+  reset / flip /  on the links of one server, through a proxy between it and
+  hold            the workers (`gradhub_lab.proxy`): 1-3 resets of every
+                  connection, 1-4 bytes flipped in either direction, or
+                  nothing forwarded for half the peer timeout.
 
 Every worker checks every sum exactly (integer-valued data, summed in
 float64 by every worker for every rank). In half the jobs (every job with
@@ -24,7 +28,9 @@ state (it must move to the chunk's replica) shows as a wrong result. What
 each fault must lead to:
 
   continue        a lost server (killed, stopped for good or stalled: its
-                  chunks move to the others), a pause, a stranger's connection: every
+                  chunks move to the others), a pause, a stranger's connection,
+                  a link reset, changed or held (the worker connects again and
+                  re-sends; the server counts each push once): every
                   worker passes, with every sum exact;
   fail            a lost worker or scheduler, an exception: every member still
                   running exits with an error within a bound (3 peer timeouts
@@ -57,6 +63,8 @@ import numpy as np
 from gradhub import _core
 from gradhub._ports import free_port
 
+from .proxy import Proxy
+
 WORKERS, SERVERS = 4, 3
 # (name, elements, dtype): several chunks each at the default partition size, one tiny, one unnamed.
 TENSORS = (("big", 200_000, "float32"), ("half", 60_000, "float16"), ("small", 100, "float32"),
@@ -69,8 +77,8 @@ OPT_SIZE, OPT_LR, OPT_MOMENTUM = 150_000, 0.5, 0.5
 @dataclass(frozen=True)
 class Fault:
     name: str
-    role: str  # worker, server, scheduler, or "stranger" (a connection from outside the job)
-    action: str  # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts)
+    role: str  # worker, server, scheduler, "stranger" (a connection from outside the job), "link" (a server's)
+    action: str  # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts), reset, flip, hold
     expect: str  # continue or fail
     count: int = 1  # members hit at once
 
@@ -94,6 +102,9 @@ FAULTS = (
     Fault("pause scheduler", "scheduler", "pause", "continue"),
     Fault("garbage connection", "stranger", "garbage", "continue"),
     Fault("slow connection", "stranger", "slow", "continue"),
+    Fault("reset links", "link", "reset", "continue"),
+    Fault("flip bytes", "link", "flip", "continue"),
+    Fault("hold links", "link", "hold", "continue"),
 )
 
 
@@ -165,6 +176,8 @@ class Trial:
     exited: dict[str, float] = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     conns: list[socket.socket] = field(default_factory=list)
+    # By server, the proxy its workers reach it through (link faults only).
+    proxies: list[Proxy] = field(default_factory=list)
 
     def spawn(self, name: str, argv: list[str], env: dict) -> None:
         with open(self.logdir / f"{name}.log", "wb") as f:
@@ -193,6 +206,8 @@ class Trial:
             p.wait()
         for c in self.conns:
             c.close()
+        for px in self.proxies:
+            px.close()
 
 
 def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
@@ -206,8 +221,13 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     py = [sys.executable, "-m", "gradhub"]
     t.env = base
     t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
+    # With a link fault the workers reach each server through a proxy: the
+    # server listens on 127.0.0.1 and advertises 127.0.0.2, where it is.
+    via = "127.0.0.2" if t.fault.role == "link" else "127.0.0.1"
+    if via != "127.0.0.1":
+        t.proxies = [Proxy(via, p, "127.0.0.1", p) for p in sports]
     for s in range(SERVERS):
-        t.spawn(f"server{s}", py + ["server", "--threads", "1", "--rank", str(s), "--advertise-addr", "127.0.0.1",
+        t.spawn(f"server{s}", py + ["server", "--threads", "1", "--rank", str(s), "--advertise-addr", via,
                                     "--bind-host", "127.0.0.1", "--port", str(sports[s])],
                 dict(base, GRADHUB_HOST_ID=f"faults-server{s}"))
     raise_at = rng.randrange(1, t.steps - 1) if t.fault.action == "raise" else -1
@@ -302,6 +322,23 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             t.spawn(targets[0], [sys.executable, "-m", "gradhub", "server", "--threads", "1", "--advertise-addr",
                                  "127.0.0.1", "--bind-host", "127.0.0.1"],
                     dict(t.env, GRADHUB_HOST_ID=f"faults-server{SERVERS}"))
+        elif fault.role == "link":
+            s = rng.randrange(SERVERS)
+            targets, px = [f"server{s}"], t.proxies[s]
+            if fault.action == "reset":
+                for _ in range(rng.randrange(1, 4)):
+                    px.reset()
+                    time.sleep(rng.uniform(0.05, 0.3))
+            elif fault.action == "flip":
+                for _ in range(rng.randrange(1, 5)):
+                    px.flip(rng.choice(("up", "down")), after=rng.randrange(0, 1 << 20), mask=1 << rng.randrange(8))
+                    time.sleep(rng.uniform(0.05, 0.3))
+            else:
+                px.down()
+                time.sleep(peer_timeout * 0.5)
+                px.up()
+            res["flips"] = px.flips_done
+            fault_at = time.monotonic()  # back to training is counted from the fault's end
         elif fault.action == "raise":
             targets = [f"worker{victim}"]
             # The exception comes at its step: time the reports from its worker's exit.
@@ -319,11 +356,14 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         resume_at = None if resume_at is None else fault_at + peer_timeout * resume_at
         # Bound: 3 peer timeouts for the fault to be reported everywhere, plus the rest of the job's run.
         bound = fault_at + 3 * peer_timeout + 30
-        report_at = takeover_at = None
+        report_at = takeover_at = back_at = None
         lost_server = fault.role == "server" and fault.action in ("kill", "stop", "stall")
+        steps_at_fault = t.log("worker0").count("STEP ")
         while True:
             t.poll()
             now = time.monotonic()
+            if back_at is None and fault.expect == "continue" and t.log("worker0").count("STEP ") > steps_at_fault:
+                back_at = now
             if resume_at is not None and now >= resume_at:
                 for x in targets:
                     _signal(t.procs[x], signal.SIGCONT)
@@ -357,6 +397,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             # It joined while the job ran (not after: then it is refused).
             res["joined"] = "joined the running job" in t.log("scheduler")
         if fault.expect == "continue":
+            if back_at is not None:
+                res["back_s"] = back_at - fault_at
             ok = len(passed) == WORKERS and not failed and not hung and res.get("joined", True)
             outcome = "continued" if ok else "failed" if failed else "incomplete"
         else:
@@ -392,13 +434,16 @@ def summarize(results: list[dict]) -> dict:
         down = [r["all_down_s"] for r in rs if "all_down_s" in r]
         first = [r["first_report_s"] for r in rs if "first_report_s" in r]
         over = [r["takeover_s"] for r in rs if "takeover_s" in r]
+        back = [r["back_s"] for r in rs if "back_s" in r]
         rows[name] = {"trials": len(rs), "as_expected": sum(r["ok"] for r in rs), "hangs": sum(r["hang"] for r in rs),
                       "wrong": sum(r["wrong"] for r in rs),
                       "continued": sum(r["outcome"] == "continued" for r in rs),
                       "first_report_median_s": statistics.median(first) if first else None,
                       "all_down_median_s": statistics.median(down) if down else None,
                       "all_down_max_s": max(down) if down else None,
-                      "takeover_median_s": statistics.median(over) if over else None}
+                      "takeover_median_s": statistics.median(over) if over else None,
+                      "back_median_s": statistics.median(back) if back else None,
+                      "back_max_s": max(back) if back else None}
     lost = [r for r in results if "taken_over" in r]
     return {"trials": len(results), "as_expected": sum(r["ok"] for r in results),
             "hangs": sum(r["hang"] for r in results), "wrong": sum(r["wrong"] for r in results),
@@ -492,7 +537,7 @@ def run(args) -> int:
         fault = faults[i % len(faults)]
         r = run_trial(fault, seed0 + i, args.peer_timeout, steps, logroot, server_opt)
         results.append(r)
-        times = "".join(f" {k}={r[k]:.2f}s" for k in ("first_report_s", "all_down_s") if k in r)
+        times = "".join(f" {k}={r[k]:.2f}s" for k in ("first_report_s", "all_down_s", "back_s") if k in r)
         flag = "ok" if r["ok"] else "UNEXPECTED"
         kind = "opt" if r["server_opt"] else "   "
         print(f"  [{i + 1:3d}/{trials}] {fault.name:20s} {kind} -> {r.get('target', '-'):10s} {r['outcome']:26s}{times}  "
@@ -504,17 +549,19 @@ def run(args) -> int:
                 print("    " + "\n    ".join(text.strip().splitlines()[-12:]))
     s = summarize(results)
     print(f"\n  {'fault':20s} {'trials':>6s} {'expected':>8s} {'hangs':>5s} {'wrong':>5s} {'went on':>7s}  "
-          f"{'1st report':>10s} {'all down':>8s} {'(max)':>6s} {'takeover':>8s}")
+          f"{'1st report':>10s} {'all down':>8s} {'(max)':>6s} {'takeover':>8s} {'back':>6s} {'(max)':>6s}")
     for name, row in s["by_fault"].items():
         print(f"  {name:20s} {row['trials']:6d} {row['as_expected']:8d} {row['hangs']:5d} {row['wrong']:5d} "
               f"{row['continued']:7d}  {_fmt(row['first_report_median_s']):>10s} {_fmt(row['all_down_median_s']):>8s} "
-              f"{_fmt(row['all_down_max_s']):>6s} {_fmt(row['takeover_median_s']):>8s}")
+              f"{_fmt(row['all_down_max_s']):>6s} {_fmt(row['takeover_median_s']):>8s} "
+              f"{_fmt(row['back_median_s']):>6s} {_fmt(row['back_max_s']):>6s}")
     print(f"\n  trials {s['trials']}   as expected {s['as_expected']}   hangs {s['hangs']}   wrong results {s['wrong']}   "
           f"jobs that went on after a server loss {s['continued_after_server_loss']}/{s['server_losses']} "
           f"(with the optimizer on the servers: {s['continued_with_server_optimizer']}/"
           f"{s['server_losses_with_server_optimizer']})")
     print(f"  (seconds, medians: 1st report = fault to the first other member exiting with an error, all down = "
-          f"to the last one, takeover = a lost server's chunks moved; campaign wall time {time.monotonic() - t0:.0f} s)")
+          f"to the last one, takeover = a lost server's chunks moved, back = from the fault (a link fault: its end) to "
+          f"worker 0's next step; campaign wall time {time.monotonic() - t0:.0f} s)")
     if args.json:
         write_results(args.json, seed0, args.peer_timeout, steps, s, results)
     bad = s["hangs"] or s["wrong"] or s["as_expected"] != s["trials"]

@@ -165,6 +165,13 @@ def service_status(service: str, token: str, timeout: float = 10.0) -> str:
 def kernel_simd_level() -> str:
     """The summation kernels in use: "avx512", "avx2" or "portable"."""
 
+def encode_frame(msg_type: int, payload: bytes = b"", key: int = 0, chunk: int = 0, round: int = 0,
+                 dtype: int = 0, flags: int = 0, namespace: int = 0, payload_len: int | None = None) -> bytes:
+    """One frame as the wire carries it, checksums filled in (for tests and
+    tools that talk to members byte by byte); `payload_len` overrides the
+    payload's length (a header that lies). ValueError for an unknown
+    message type or dtype."""
+
 class SchedulerHandle:
     """A scheduler running on a background thread of this process."""
 

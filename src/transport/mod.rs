@@ -217,8 +217,12 @@ pub fn tune_data_socket<S: std::os::fd::AsFd>(s: &S) {
     // (`client::io::mend`), and a new connection gets through as soon as
     // the link is back.
     let _ = sock.set_tcp_user_timeout(Some(LINK_SILENCE));
-    let probes = socket2::TcpKeepalive::new().with_time(LINK_SILENCE / 2).with_interval(LINK_SILENCE / 4);
-    let _ = sock.set_tcp_keepalive(&probes);
+    // (The kernel takes whole seconds: a shorter interval is refused, and
+    // with it the whole setting.)
+    let probes = socket2::TcpKeepalive::new().with_time(LINK_SILENCE / 2).with_interval(Duration::from_secs(1));
+    if let Err(e) = sock.set_tcp_keepalive(&probes) {
+        log::debug!(target: "tcp", "keep-alive probes cannot be set: {e}");
+    }
     if let Some(cc) = congestion_control() {
         if let Err(e) = sock.set_tcp_congestion(cc.as_bytes()) {
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -232,6 +236,20 @@ pub fn tune_data_socket<S: std::os::fd::AsFd>(s: &S) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_data_socket_fails_after_the_link_is_silent_for_link_silence() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        tune_data_socket(&s);
+        let sock = socket2::SockRef::from(&s);
+        assert_eq!(sock.tcp_user_timeout().unwrap(), Some(LINK_SILENCE));
+        // Idle links too: probes after LINK_SILENCE / 2, every second.
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), LINK_SILENCE / 2);
+        assert_eq!(sock.tcp_keepalive_interval().unwrap(), Duration::from_secs(1));
+        assert!(sock.tcp_nodelay().unwrap());
+    }
 
     #[test]
     fn casts_cover_the_same_bytes() {

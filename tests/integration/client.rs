@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gradhub::client::{Client, ClientConfig};
-use gradhub::scheduler::SchedulerConfig;
 use gradhub::protocol::{Control, DType, DeclEntry, MsgType, Role, FLAG_AVERAGE};
+use gradhub::scheduler::SchedulerConfig;
 use half::{bf16, f16};
 
 use crate::support::*;
