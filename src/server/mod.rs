@@ -26,7 +26,7 @@ use crate::protocol::{Control, Header, MsgType, Register, Role, TensorSpec, NO_S
 use crate::session::{Joining, Session, SessionError};
 use crate::settings::defaults;
 use crate::sum_order::SumOrder;
-use thread::{LinkTo, NewLink, ServerThread, ThreadCmd, ThreadConfig};
+use thread::{LinkTo, NewLink, Relink, ServerThread, ThreadCmd, ThreadConfig};
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -268,12 +268,13 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
 
     // Spawn the shared-nothing threads.
     let mut cmd_txs = Vec::with_capacity(threads);
-    let mut wakers: Vec<Waker> = Vec::with_capacity(threads);
+    let mut wakers: Vec<Arc<Waker>> = Vec::with_capacity(threads);
+    let slots: Arc<Vec<(String, String)>> = Arc::new(welcome.servers.iter().flat_map(slots_of).collect());
     let mut joins = Vec::with_capacity(threads);
     for (t, l) in listeners.into_iter().enumerate() {
         let poll = Poll::new().map_err(|e| setup("poll", e))?;
         let mut listener = mio::net::TcpListener::from_std(l);
-        let waker = ServerThread::setup(&poll, &mut listener).map_err(|e| setup("poll registration", e))?;
+        let waker = Arc::new(ServerThread::setup(&poll, &mut listener).map_err(|e| setup("poll registration", e))?);
         // Bounded: the control thread waits for each Declare's ack anyway.
         let (tx, rx) = bounded(16);
         let tc = ThreadConfig {
@@ -294,6 +295,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             timeline: timeline.clone(),
             sum_order: cfg.sum_order,
             training: cfg.training,
+            relink: Some(Relink { to_self: tx.clone(), waker: waker.clone(), slots: slots.clone() }),
         };
         let st = ServerThread::new(tc, poll, listener, rx);
         let j = std::thread::Builder::new()
@@ -308,7 +310,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     let mut links = Links {
         first_slot,
         threads: threads as u32,
-        slots: welcome.servers.iter().flat_map(slots_of).collect(),
+        slots: slots.to_vec(),
         made: HashSet::new(),
         secret: cfg.secret.clone(),
         namespace: ns,
@@ -361,7 +363,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
 fn control_loop(
     session: &mut Session,
     cmd_txs: &[crossbeam_channel::Sender<ThreadCmd>],
-    wakers: &[Waker],
+    wakers: &[Arc<Waker>],
     segments: &mut Segments,
     links: &mut Links,
 ) -> Result<(), ServerError> {
@@ -438,7 +440,7 @@ fn control_loop(
 /// a thread is gone.
 fn to_threads(
     cmd_txs: &[crossbeam_channel::Sender<ThreadCmd>],
-    wakers: &[Waker],
+    wakers: &[Arc<Waker>],
     cmd: &mut dyn FnMut(usize) -> ThreadCmd,
 ) -> Result<(), ()> {
     for (t, (tx, w)) in cmd_txs.iter().zip(wakers).enumerate() {

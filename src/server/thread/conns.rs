@@ -194,6 +194,10 @@ impl ServerThread {
         if let Some(slot) = c.server {
             if self.links.get(&slot) == Some(&t) {
                 self.links.remove(&slot);
+                // Broken, not closed by the replica at the job's end.
+                if !why.is_empty() {
+                    self.relink(slot, why);
+                }
             }
             if self.uplinks.get(&slot) == Some(&t) {
                 self.uplinks.remove(&slot);

@@ -58,6 +58,7 @@ mod delta;
 mod flush;
 mod ownership;
 mod relay;
+mod relink;
 mod round;
 mod sum;
 mod validate;
@@ -115,7 +116,11 @@ pub enum ThreadCmd {
     Left(u32),
     /// The job failed: tell every connected worker why, then exit.
     Abort(String),
+    /// A link to the replica at this slot, dialled again (`relink`).
+    Relinked(u32, std::net::TcpStream, String),
 }
+
+pub use relink::Relink;
 
 pub struct ThreadConfig {
     pub server: u32,
@@ -148,6 +153,8 @@ pub struct ThreadConfig {
     pub sum_order: crate::sum_order::SumOrder,
     /// Synchronous rounds, or asynchronous chunks (`delta`).
     pub training: crate::training::Training,
+    /// How to dial a broken replica link again (None: never).
+    pub relink: Option<Relink>,
 }
 
 pub struct ServerThread {
@@ -336,7 +343,9 @@ impl ServerThread {
             }
             ThreadCmd::Stop => return false,
             ThreadCmd::Left(rank) => self.on_left(rank),
+            ThreadCmd::Relinked(slot, stream, name) => self.relinked(slot, stream, &name),
             ThreadCmd::Abort(why) => {
+                self.cfg.relink = None; // nothing to mend any more
                 let tokens: Vec<usize> = self.conns.keys().copied().collect();
                 for t in tokens {
                     self.close(t, &why);
