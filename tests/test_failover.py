@@ -229,7 +229,8 @@ def test_a_server_cannot_join_a_job_that_started_with_one(cluster_factory):
 
 def test_fault_campaign_quick_mode(tmp_path):
     """`gradhub-lab faults --quick`: one job per fault (kill, stop, pause
-    of each role, a stalled server, an exception, strangers' connections), each started role
+    of each role, a stalled server, an exception, strangers' connections, a
+    server's links reset, changed or held by a proxy), each started role
     by role, each with a tensor whose optimizer runs on the servers: no hang, no wrong sum
     or parameter, every outcome the expected one."""
     out = tmp_path / "faults.json"
@@ -249,6 +250,9 @@ def test_fault_campaign_quick_mode(tmp_path):
     for name in ("kill worker", "stop worker", "kill scheduler", "stop scheduler", "raise in worker"):
         assert by[name]["outcome"] == "failed, reported"
         assert by[name]["all_down_s"] < 3 * res["peer_timeout"], by[name]
+    # Links reset, bytes flipped, links held, through a proxy: the job goes on.
+    for name in ("reset links", "flip bytes", "hold links"):
+        assert by[name]["outcome"] == "continued" and "back_s" in by[name], by[name]
     assert f"trials {len(one_at_a_time)}" in p.stdout and "hangs 0" in p.stdout
 
 
