@@ -33,8 +33,11 @@ def slow(_h):
 x = np.ones(1000, dtype=np.float32)
 if mode == "in_flight":
     # Both in the job before rank 0 fails it (else rank 1, still joining
-    # under load, fails first and the launch reports its exit instead).
-    gradhub.push_pull(np.ones(1, dtype=np.float32), name="both_in")
+    # under load, fails first and the launch reports its exit instead). A
+    # barrier, not a push_pull: the scheduler tells both it is done before
+    # it can tell rank 1 that rank 0 failed (one connection, in order),
+    # while a result may reach rank 1 after rank 0 has failed the job.
+    gradhub.barrier()
 if mode == "running":
     h = gradhub.push_pull_async(x, name="x")
     h.add_done_callback(slow)
