@@ -25,7 +25,9 @@ def test_the_first_process_that_failed_is_named(tmp_path):
     # the other workers exit non-zero after it. Twice, since the old launcher
     # named whichever it polled first.
     script = tmp_path / "raise.py"
-    script.write_text("import gradhub, time\ngradhub.init()\n"
+    # Every worker past init() first: under load, one still in init() when the
+    # job fails exits with its own error, and may do so before worker 1 has.
+    script.write_text("import gradhub, time\ngradhub.init()\ngradhub.barrier()\n"
                       "if gradhub.rank() == 1:\n    raise ValueError('boom')\ntime.sleep(60)\n")
     for _ in range(2):
         out = subprocess.run(LAUNCH + ["-w", "3", "-s", "2", "--", sys.executable, str(script)],

@@ -280,3 +280,40 @@ def test_a_link_down_for_4s_and_training_resumes_within_2s_of_its_return(hosts):
     for log in logs:
         os.unlink(log)
     assert "job complete" in outs[1]
+
+
+def test_a_host_cut_off_from_its_server_past_the_peer_timeout_fails_naming_the_link(hosts):
+    """A partition from some peers, not all: worker 1's host loses its route
+    to the server (a blackhole route) but still reaches the scheduler. Its
+    link is mended for the peer timeout, then given up: the job fails,
+    naming the link, within a bound (no hang, nothing summed wrong)."""
+    sched_ns, sched_ip = hosts(0)
+    server_ns, server_ip = hosts(1)
+    worker_hosts = [hosts(2), hosts(3)]
+    port = 9557
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:{port}", GRADHUB_NUM_WORKERS=2, GRADHUB_NUM_SERVERS=1,
+                  GRADHUB_PEER_TIMEOUT="3", GH_TEST='{"steps": 400, "pause": 0.05}')
+    py = sys.executable
+    procs = [in_ns(sched_ns, [py, "-m", "gradhub", "scheduler"], env),
+             in_ns(server_ns, [py, "-m", "gradhub", "server", "--threads", "1"], env)]
+    procs += [in_ns(ns, [py, str(WORKERS / "steps.py")], dict(env, GRADHUB_RANK=str(r)))
+              for r, (ns, _) in enumerate(worker_hosts)]
+    try:
+        time.sleep(4)  # joined and training (400 steps take about 30 s)
+        assert all(p.poll() is None for p in procs)
+        sh("ip", "-n", worker_hosts[1][0], "route", "add", "blackhole", f"{server_ip}/32")
+        cut = time.monotonic()
+        outs = [p.communicate(timeout=60)[0].decode() for p in procs]
+        took = time.monotonic() - cut
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode != 0 for p in procs), outs
+    assert "could not be made again within 3.0s" in outs[3], outs[3]
+    assert "server 0 (" + server_ip in outs[3], outs[3]
+    # The others name the worker that failed the job.
+    assert "worker 1" in outs[2], outs[2]
+    assert not any("WRONG" in o or "AssertionError" in o for o in outs), outs
+    # Silent for the socket's 2 s, mended for 3 s, then the job's end.
+    assert took < 20, took
