@@ -433,7 +433,10 @@ fn op_fails_naming_the_server_when_it_closes_the_data_connection() {
     // The server thread goes away mid-round.
     fs.data.shutdown(std::net::Shutdown::Both).unwrap();
     let e = pending.join().expect_err("push_pull must fail");
-    assert_contains(&e, &["server 0", "'x'", "could not be made again within 1.5s"]);
+    assert_contains(&e, &["server 0", "'x'"]);
+    // Whichever comes first: the mend given up, or the scheduler's verdict
+    // on a fake server that sends no heartbeats (both after the peer timeout).
+    assert!(e.contains("could not be made again within 1.5s") || e.contains("server 0 was lost"), "{e}");
     // The client is failed: further calls say why.
     let e = push_pull(&c, "y", vec![1.0f32; 2], DType::F32, 0, 0).unwrap_err();
     assert_contains(&e, &["server 0"]);
