@@ -5,6 +5,7 @@ server counts each push once). Roles started by hand, as across hosts."""
 
 import time
 
+import pytest
 from conftest import free_port
 from gradhub_lab.proxy import Proxy
 
@@ -13,11 +14,21 @@ CONFIG = {"sizes": [1, 1000, 262_147], "rounds": 100,
           "sleep": {"0": 0.03, "1": 0.03}}
 
 
-def proxied_job(cluster_factory, **env):
+@pytest.fixture
+def proxies():
+    """Proxies made by a test, closed after it whatever its outcome."""
+    made = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def proxied_job(cluster_factory, proxies, **env):
     """2 workers and a server whose data port the workers reach only
     through a proxy (the server listens on 127.0.0.1, advertises 127.0.0.2)."""
     port = free_port()
     proxy = Proxy("127.0.0.2", port, "127.0.0.1", port)
+    proxies.append(proxy)
     # Every push through a socket: no host stage, no shared memory with the server.
     env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", **env}
     c = cluster_factory(2, 1, server_ports=[port],
@@ -37,18 +48,20 @@ def finish(c, proxy):
     proxy.close()
 
 
-def wait_traffic(proxy, more: int, timeout: float = 30):
+def wait_traffic(c, proxy, more: int, timeout: float = 30):
     """Until `more` bytes went up through the proxy (training is under way)."""
     start, deadline = proxy.bytes_up, time.monotonic() + timeout
     while proxy.bytes_up < start + more:
-        assert time.monotonic() < deadline, "no traffic through the proxy"
+        assert time.monotonic() < deadline, (
+            f"no traffic through the proxy for {timeout}s; its events: {proxy.events}\n"
+            + "\n".join(f"--- {n}:\n{c.log(n)}" for n in ("worker0", "worker1", "server0")))
         time.sleep(0.01)
 
 
-def test_reset_links_are_mended_and_every_sum_stays_exact(cluster_factory):
-    c, proxy = proxied_job(cluster_factory)
+def test_reset_links_are_mended_and_every_sum_stays_exact(cluster_factory, proxies):
+    c, proxy = proxied_job(cluster_factory, proxies)
     for _ in range(3):
-        wait_traffic(proxy, 2 << 20)
+        wait_traffic(c, proxy, 2 << 20)
         proxy.reset()
     finish(c, proxy)
     logs = c.log("worker0") + c.log("worker1")
@@ -58,12 +71,12 @@ def test_reset_links_are_mended_and_every_sum_stays_exact(cluster_factory):
     assert "Connection reset by peer" in c.log("server0") or "mended its link" in c.log("server0")
 
 
-def test_a_byte_changed_on_the_way_is_refused_and_sent_again_never_summed(cluster_factory):
-    c, proxy = proxied_job(cluster_factory)
+def test_a_byte_changed_on_the_way_is_refused_and_sent_again_never_summed(cluster_factory, proxies):
+    c, proxy = proxied_job(cluster_factory, proxies)
     # Into pushes (checked by the server) and into results (by the workers),
     # at offsets inside payloads and headers alike.
     for direction, after in (("up", 300_000), ("down", 500_000), ("up", 1_000_003), ("down", 77)):
-        wait_traffic(proxy, 1 << 20)
+        wait_traffic(c, proxy, 1 << 20)
         done = proxy.flips_done
         proxy.flip(direction, after=after, mask=0x20)
         deadline = time.monotonic() + 30

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use gradhub::protocol::{
     decode_stall, encode_frame, Control, DType, Header, MsgType, TensorSpec, Welcome, FLAG_AVERAGE, FLAG_INIT,
-    FLAG_ZEROS, HEADER_LEN,
+    FLAG_RESENT, FLAG_ZEROS, HEADER_LEN,
 };
 use half::{bf16, f16};
 
@@ -494,6 +494,73 @@ fn connection_closed_mid_push_does_not_corrupt_the_sum() {
         c0.close_and_wait();
     }
     drop(c1);
+    job.finish();
+}
+
+/// A mended link: a new connection with a resent DataHello.
+fn mended(job: &DataJob, rank: u32) -> DataConn {
+    let mut c = job.raw(0);
+    let mut h = Header::new(MsgType::DataHello);
+    (h.namespace, h.key, h.flags) = (NS, rank, FLAG_RESENT);
+    c.send_header(&h);
+    c
+}
+
+#[test]
+fn a_push_resent_on_a_mended_link_is_counted_once_and_answered_once() {
+    let mut job = data_job(2, 1, |_| {});
+    let spec = job.declare(0, &[("m", 256, DType::F32)]).remove(0);
+    let v: Vec<Vec<f32>> = (0..2).map(|r| (0..256).map(|i| (r * 1000 + i) as f32).collect()).collect();
+    let p: Vec<Vec<u8>> = v.iter().map(|v| f32_bytes(v)).collect();
+    let want: Vec<f32> = (0..256).map(|i| v[0][i] + v[1][i]).collect();
+    let mut c1 = job.conn(0, 1);
+    let mut old = job.conn(0, 0);
+
+    // Round 0: worker 0's push was counted, then its link broke and was made
+    // again before the round completed: the result goes out on the new link
+    // once, and the push re-sent after it gets no answer at all (the worker
+    // has its result).
+    old.push(&spec, 0, 0, 0, &p[0]);
+    old.expect_received(&spec, 0, 0);
+    let mut c0 = mended(&job, 0);
+    old.expect_closed();
+    c1.push(&spec, 0, 0, 0, &p[1]);
+    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 0)), want);
+    c0.push(&spec, 0, 0, FLAG_RESENT, &p[0]);
+    assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 0)), want);
+
+    // Round 1: re-sent before the round completes (the old link delivered
+    // it): acknowledged, not counted twice; the result comes once.
+    c0.push(&spec, 0, 1, 0, &p[0]);
+    c0.expect_received(&spec, 0, 1);
+    let mut c0 = {
+        drop(c0);
+        mended(&job, 0)
+    };
+    c0.push(&spec, 0, 1, FLAG_RESENT, &p[0]);
+    c0.expect_received(&spec, 0, 1);
+    c1.push(&spec, 0, 1, 0, &p[1]);
+    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 1)), want);
+    assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 1)), want);
+
+    // Round 2: the round completed while worker 0 had no link (its result
+    // lost with the old one): the re-sent push is answered with the result.
+    c0.push(&spec, 0, 2, 0, &p[0]);
+    c0.expect_received(&spec, 0, 2);
+    c0.close_and_wait();
+    c1.push(&spec, 0, 2, 0, &p[1]);
+    assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 2)), want);
+    let mut c0 = mended(&job, 0);
+    c0.push(&spec, 0, 2, FLAG_RESENT, &p[0]);
+    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 2)), want);
+
+    // Round 3 goes on as usual: nothing stale was left on either link.
+    c1.push(&spec, 0, 3, 0, &p[1]);
+    c1.expect_received(&spec, 0, 3);
+    c0.push(&spec, 0, 3, 0, &p[0]);
+    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 3)), want);
+    assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 3)), want);
+    drop((c0, c1));
     job.finish();
 }
 

@@ -266,7 +266,14 @@ impl Io {
     /// Its result is in: done on connection `i` (`InFlight::done`) and out
     /// of the spread; its stamps, if a timeline is recorded.
     pub(super) fn chunk_returned(&self, i: usize, key: u32, chunk: u32) -> Option<Stamp> {
-        let stamp = self.send.conns[i].send().flights.done(key, chunk);
+        let stamp = {
+            let mut st = self.send.conns[i].send();
+            if st.resent.remove(&(key, chunk)) {
+                // Answered before its re-send went: it goes no more.
+                st.heap.retain(|it| !matches!(it, SendItem::Chunk(c) if (c.key, c.chunk) == (key, chunk)));
+            }
+            st.flights.done(key, chunk)
+        };
         self.spread_done(key, chunk);
         stamp
     }

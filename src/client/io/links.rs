@@ -3,7 +3,7 @@
 //! queue, windows, writer) and `LinkState`, and the pump that writes as
 //! much as admission and the socket allow.
 
-use std::collections::BinaryHeap;
+use std::collections::{BinaryHeap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Instant;
@@ -88,6 +88,11 @@ pub(super) struct SendHalf {
     /// Since when it is being mended (`mend`), and the chunk whose result
     /// was arriving when it broke.
     pub(super) mending: Option<(Instant, Option<(u32, u32)>)>,
+    /// Chunks queued again by a mend and not written yet: the server may
+    /// answer one before it goes (its round completed after the link was
+    /// made again), and then it must not go (its op, and the buffer it
+    /// reads, may be gone).
+    pub(super) resent: HashSet<(u32, u32)>,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
@@ -357,7 +362,7 @@ impl Io {
 
     pub(super) fn pump_locked(&self, i: usize, st: &mut SendHalf) -> Result<(), ConnError> {
         let c = &self.send.conns[i];
-        let (heap, flights, credit) = (&mut st.heap, &mut st.flights, st.credit);
+        let (heap, flights, credit, resent) = (&mut st.heap, &mut st.flights, st.credit, &mut st.resent);
         let ns = self.namespace;
         let tracing = self.trace.on();
         let next = || {
@@ -395,6 +400,9 @@ impl Io {
                         priority: ch.priority,
                         payload_len: ch.len as u32,
                     };
+                    if ch.flags & crate::protocol::FLAG_RESENT != 0 {
+                        resent.remove(&(ch.key, ch.chunk));
+                    }
                     let stamp = tracing.then(|| Stamp::sent(ch.queued, ch.round, ch.len));
                     flights.sent(ch.key, ch.chunk, order, ch.len, stamp);
                     self.send.counts.count(ch.by_ref, ch.flags & crate::protocol::FLAG_ZEROS != 0);

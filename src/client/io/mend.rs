@@ -190,6 +190,7 @@ impl IoCore {
             st.tx = Default::default();
             st.quiet_callers = 0;
             st.detached.clear();
+            st.resent.clear();
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key, hello.flags) = (io.namespace, io.rank, FLAG_RESENT);
             st.heap.push(super::flow::SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
@@ -204,7 +205,10 @@ impl IoCore {
             let got = |k: u32, ch: u32| ops.active.get(&k).map(|a| a.got.get(ch as usize).copied().unwrap_or(true));
             for (key, chunk, again) in resends(&sent, partial, got) {
                 if let Some(a) = ops.active.get(&key) {
-                    n += io.queue_chunk(&mut ops.seq, a, chunk as usize, again).is_some() as usize;
+                    if let Some(slot) = io.queue_chunk(&mut ops.seq, a, chunk as usize, again) {
+                        io.send.conns[slot].send().resent.insert((key, chunk));
+                        n += 1;
+                    }
                 }
             }
         }

@@ -9,7 +9,7 @@ use super::flush;
 use super::sum::Source;
 use super::validate::{Command, Dest, PayloadKind};
 use super::{ConnResult, ServerThread};
-use crate::protocol::{Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT, FLAG_ZEROS, PUSH_OWN_FLAGS};
+use crate::protocol::{Header, MsgType, OptConfig, FLAG_ASYNC, FLAG_INIT, FLAG_RESENT, FLAG_ZEROS, PUSH_OWN_FLAGS};
 use crate::server::replica;
 use crate::transport::ConnError;
 
@@ -27,6 +27,7 @@ impl ServerThread {
                         flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
                         Ok(())
                     }
+                    PayloadKind::Discard => Ok(()),
                     _ => self.add_push(t, hdr, chunk, Source::Shared(at)),
                 }
             }
@@ -42,6 +43,9 @@ impl ServerThread {
                     Command::ServerHello(slot) => conn.server = Some(slot),
                     Command::DataHello(rank) => {
                         conn.rank = Some(rank);
+                        if hdr.flags & FLAG_RESENT != 0 {
+                            conn.answered = Some(Vec::new());
+                        }
                         if let Some(old) = self.worker_conn[rank as usize].replace(t).filter(|&o| o != t) {
                             // (Set first, so closing the old one is no pusher leaving.)
                             log::info!(target: &self.who(), "worker {rank} mended its link: a new connection replaces the old one");

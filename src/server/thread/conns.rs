@@ -39,9 +39,28 @@ pub(super) struct Conn {
     /// batched into one write per readable event. Bounded by the pushes a
     /// worker may have unacknowledged (its credit plus preempting chunks).
     pub acks: Vec<u8>,
+    /// On a mended link (a resent DataHello): per chunk index, 1 + the
+    /// round whose result was last queued here (0: none). A push re-sent
+    /// for a round answered here already is not answered again.
+    pub answered: Option<Vec<u32>>,
 }
 
 impl Conn {
+    /// The result of `round` of chunk `idx` was queued on this connection.
+    pub fn note_answer(&mut self, idx: usize, round: u32) {
+        if let Some(a) = &mut self.answered {
+            if a.len() <= idx {
+                a.resize(idx + 1, 0);
+            }
+            a[idx] = round.wrapping_add(1);
+        }
+    }
+
+    /// Whether the result of `round` of chunk `idx` was queued here.
+    pub fn answered(&self, idx: usize, round: u32) -> bool {
+        self.answered.as_ref().is_some_and(|a| a.get(idx) == Some(&round.wrapping_add(1)))
+    }
+
     /// Room for a `want`-byte payload in the scratch buffer (at least a
     /// whole chunk's, so it is sized once), from the pool if it has none.
     pub fn scratch_for(&mut self, want: usize, chunk: usize, pool: &mut Vec<Vec<u32>>) {
@@ -120,6 +139,7 @@ impl ServerThread {
             results: BinaryHeap::new(),
             notices: VecDeque::new(),
             acks: Vec::new(),
+            answered: None,
             accepted: now,
             last_frame: now,
         };

@@ -97,6 +97,7 @@ impl ServerThread {
             let by_ref = self.chunks[idx].round.by_ref(r);
             if let Some(c) = self.conns.get_mut(&t) {
                 c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref, push: false });
+                c.note_answer(idx, round);
                 sent += 1;
             }
             if let Err(why) = self.flush(t) {

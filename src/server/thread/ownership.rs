@@ -303,6 +303,7 @@ impl ServerThread {
         self.seq += 1;
         let priority = hdr.priority;
         conn.results.push(TxItem { priority, seq: self.seq, chunk: idx, round: hdr.round, by_ref, push: false });
+        conn.note_answer(idx, hdr.round);
         self.flush(t)
     }
 

@@ -37,7 +37,8 @@ pub(super) enum PayloadKind {
     Counted,
     /// A restored result (`MsgType::Restore`).
     Restore,
-    /// A restored result of a tensor released here since: dropped.
+    /// Dropped, unanswered: a restored result of a tensor released here
+    /// since, or a push re-sent on a mended link its result went out on.
     Discard,
     /// A push of a chunk given up here (moved to a server that joined):
     /// dropped and acknowledged; the worker re-sends it to the new server.
@@ -282,6 +283,14 @@ impl ServerThread {
             _ => ch.round.admit_again(rank, hdr.round),
         };
         match admit {
+            // Re-sent on a mended link that its result went out on already
+            // (the round completed after the link was made again): the
+            // result answers it, and the worker expects nothing more.
+            Ok(Admit::Replay)
+                if hdr.flags & FLAG_RESENT != 0 && self.conns.get(&t).is_some_and(|c| c.answered(idx, hdr.round)) =>
+            {
+                return Ok((idx, rank, PayloadKind::Discard))
+            }
             Ok(Admit::Replay) => return Ok((idx, rank, PayloadKind::Replay)),
             Ok(Admit::Counted) => return Ok((idx, rank, PayloadKind::Counted)),
             _ => {}
