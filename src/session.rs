@@ -2,21 +2,30 @@
 //! servers: connect (retrying while the scheduler starts), Register, Welcome,
 //! heartbeats from a thread of their own (so slow work never looks like
 //! death), and reading the scheduler's messages under the job's peer
-//! timeout, which the scheduler tells every member in Welcome: a scheduler
-//! silent for that long is reported as lost, whatever the member's role.
+//! timeout, which the scheduler tells every member in Welcome.
+//!
+//! A scheduler lost (its connection closed, or silent for the peer
+//! timeout) is dialled again for up to the peer timeout: a scheduler that
+//! restarted on the same address is sent a `Rejoin` (what the member's
+//! owner reports, `Session::on_rejoin`), and the session goes on. Meanwhile
+//! the data plane trains; what is sent to the scheduler waits (a request
+//! not answered yet, Declare or Barrier, is sent again); one that does not
+//! come back is reported as lost, whatever the member's role.
 
 use std::io::Write;
 use std::net::{IpAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, RecvTimeoutError, Sender};
 
 use crate::protocol::auth::Secret;
-use crate::protocol::{read_control, write_control, Control, MsgType, ReadError, Register, Welcome};
-use crate::transport::connect_authenticated;
+use crate::protocol::{
+    read_control, write_control, Control, MsgType, ReadError, Register, Rejoin, TensorSpec, Welcome,
+};
+use crate::transport::{connect_authenticated, connect_authenticated_once};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -36,6 +45,10 @@ pub enum SessionError {
     Send(std::io::Error),
     #[error("session setup failed: {0}")]
     Setup(std::io::Error),
+    #[error("lost the scheduler at {addr} ({why}) and it did not come back within {secs:.1}s (the peer timeout)")]
+    NotBack { addr: String, why: String, secs: f64 },
+    #[error("the scheduler at {addr} came back but refused this member: {why}")]
+    RefusedBack { addr: String, why: String },
 }
 
 /// Why a scheduler may have closed the connection, for a member that finds
@@ -54,6 +67,26 @@ fn closed_hint(e: &std::io::Error) -> &'static str {
 pub struct Joining {
     stream: TcpStream,
     namespace: u32,
+    addr: String,
+    secret: Secret,
+}
+
+/// What a member knows, for a scheduler that restarted (`Rejoin`).
+#[derive(Default)]
+pub struct Report {
+    pub specs: Vec<TensorSpec>,
+    pub keys: Vec<u32>,
+    pub left: Vec<u32>,
+}
+
+type Reporter = Box<dyn Fn() -> Report + Send + Sync>;
+
+/// How a member comes back to a scheduler that restarted.
+struct Comeback {
+    addr: String,
+    secret: Secret,
+    register: Register,
+    report: Mutex<Option<Reporter>>,
 }
 
 impl Joining {
@@ -65,7 +98,7 @@ impl Joining {
     ) -> Result<Joining, SessionError> {
         let stream = connect_authenticated(scheduler, timeout, secret)
             .map_err(|source| SessionError::Connect { addr: scheduler.to_string(), source })?;
-        Ok(Joining { stream, namespace })
+        Ok(Joining { stream, namespace, addr: scheduler.to_string(), secret: secret.clone() })
     }
 
     /// The local address of the connection: the interface that reaches the
@@ -78,7 +111,7 @@ impl Joining {
     /// registered by then); starts the heartbeats.
     pub fn register(mut self, reg: Register) -> Result<Session, SessionError> {
         let ns = self.namespace;
-        write_control(&mut self.stream, &Control::Register(reg), ns).map_err(SessionError::Send)?;
+        write_control(&mut self.stream, &Control::Register(reg.clone()), ns).map_err(SessionError::Send)?;
         let welcome = match read_control(&mut self.stream, ns) {
             Ok(Control::Welcome(w)) => w,
             Ok(Control::Error { message }) => return Err(SessionError::Rejected(message)),
@@ -86,10 +119,7 @@ impl Joining {
             Err(e) => return Err(SessionError::NoWelcome(e.to_string())),
         };
         let peer_timeout = Duration::from_millis(welcome.peer_timeout_ms.max(1) as u64);
-        self.stream.set_read_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
-        // A scheduler that stops reading must not hang a heartbeat or a goodbye.
-        self.stream.set_write_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
-        let writer = self.stream.try_clone().map_err(SessionError::Setup)?;
+        let writer = timed(&self.stream, peer_timeout)?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let link = Arc::new(Link {
             writer: Mutex::new(writer),
@@ -97,7 +127,12 @@ impl Joining {
             namespace: ns,
             closing: AtomicBool::new(false),
             stop: Mutex::new(Some(stop_tx)),
+            asked: Mutex::new(Vec::new()),
+            away: Mutex::new(None),
+            back: Condvar::new(),
+            peer_timeout,
         });
+        let comeback = Comeback { addr: self.addr, secret: self.secret, register: reg, report: Mutex::new(None) };
         let period = Duration::from_millis(welcome.heartbeat_ms.max(10) as u64);
         let hb = {
             let link = link.clone();
@@ -115,9 +150,30 @@ impl Joining {
                 })
                 .map_err(SessionError::Setup)?
         };
-        Ok(Session { welcome, link, reader: self.stream, peer_timeout, heartbeat: Some(hb), close_on_drop: true })
+        Ok(Session {
+            welcome,
+            link,
+            reader: self.stream,
+            peer_timeout,
+            heartbeat: Some(hb),
+            close_on_drop: true,
+            comeback,
+        })
     }
 }
+
+/// The peer timeout on both directions of a scheduler connection (a
+/// scheduler that stops reading must not hang a heartbeat or a goodbye);
+/// returns the writing half.
+fn timed(stream: &TcpStream, peer_timeout: Duration) -> Result<TcpStream, SessionError> {
+    stream.set_read_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
+    stream.set_write_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
+    stream.try_clone().map_err(SessionError::Setup)
+}
+
+/// Bytes that may wait for a scheduler that is away (messages nobody
+/// waits for; requests wait in `Link::asked`).
+const AWAY_BYTES: usize = 16 << 20;
 
 /// Bytes of deferred messages (`send_later`) sent at once, without waiting
 /// for the next message.
@@ -132,17 +188,101 @@ struct Link {
     closing: AtomicBool,
     /// Dropped to stop the heartbeat thread.
     stop: Mutex<Option<Sender<()>>>,
+    /// Requests sent and not answered yet (Declare, Barrier): sent again
+    /// to a scheduler that restarted. Locked inside `writer`.
+    asked: Mutex<Vec<Control>>,
+    /// Since when the scheduler is away (lost, not back yet). Locked
+    /// inside `writer`; `back` is signalled when it returns.
+    away: Mutex<Option<Instant>>,
+    back: Condvar,
+    peer_timeout: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Link {
     fn send(&self, msg: &Control) -> Result<(), SessionError> {
-        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
-        let mut buf = std::mem::take(&mut *self.later.lock().unwrap_or_else(|e| e.into_inner()));
-        if buf.is_empty() {
-            return write_control(&mut *w, msg, self.namespace).map_err(SessionError::Send);
+        let mut w = lock(&self.writer);
+        let request = matches!(msg, Control::Declare { .. } | Control::Barrier { .. });
+        if request {
+            lock(&self.asked).push(msg.clone());
         }
-        buf.extend_from_slice(&msg.encode(self.namespace));
-        w.write_all(&buf).map_err(SessionError::Send)
+        if lock(&self.away).is_some() {
+            // Heartbeats are for a scheduler that is there; requests go
+            // again from `asked`.
+            if !request && !matches!(msg, Control::Heartbeat) {
+                self.wait_for_return(msg)?;
+            }
+            return Ok(());
+        }
+        let mut buf = std::mem::take(&mut *lock(&self.later));
+        let written = match buf.is_empty() {
+            true => write_control(&mut *w, msg, self.namespace),
+            false => {
+                buf.extend_from_slice(&msg.encode(self.namespace));
+                w.write_all(&buf)
+            }
+        };
+        match written {
+            Ok(()) => Ok(()),
+            // The scheduler is gone: the reader finds out and dials it
+            // again; until then (and if it comes back) this waits too.
+            Err(e) if self.comeback_possible() => {
+                lock(&self.away).get_or_insert_with(Instant::now);
+                if !request && !matches!(msg, Control::Heartbeat) {
+                    self.wait_for_return(msg)?;
+                }
+                let _ = e;
+                Ok(())
+            }
+            Err(e) => Err(SessionError::Send(e)),
+        }
+    }
+
+    /// `msg` waits (encoded) for the scheduler to come back.
+    fn wait_for_return(&self, msg: &Control) -> Result<(), SessionError> {
+        let mut later = lock(&self.later);
+        if later.len() >= AWAY_BYTES {
+            return Err(SessionError::Send(std::io::Error::other(format!(
+                "over {} MiB of messages wait for the scheduler to come back",
+                AWAY_BYTES >> 20
+            ))));
+        }
+        later.extend_from_slice(&msg.encode(self.namespace));
+        Ok(())
+    }
+
+    /// Whether a lost scheduler is dialled again (not while closing).
+    fn comeback_possible(&self) -> bool {
+        !self.closing.load(Ordering::SeqCst)
+    }
+
+    /// The scheduler answered a request: it is not sent again.
+    fn answered(&self, msg: &Control) {
+        let done = |asked: &Control| match (asked, msg) {
+            (Control::Declare { req: a, .. }, Control::Declared { req, .. } | Control::DeclareError { req, .. }) => {
+                a == req
+            }
+            (Control::Barrier { id: a }, Control::BarrierDone { id }) => a == id,
+            _ => false,
+        };
+        lock(&self.asked).retain(|a| !done(a));
+    }
+
+    /// Wait (bounded) while the scheduler is away; true if it is there.
+    fn wait_back(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        let mut away = lock(&self.away);
+        while away.is_some() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            away = self.back.wait_timeout(away, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
     }
 }
 
@@ -160,19 +300,26 @@ impl SessionSender {
     /// both. For messages nobody waits for, e.g. `Release`.
     pub fn send_later(&self, msg: &Control) -> Result<(), SessionError> {
         let full = {
-            let mut later = self.0.later.lock().unwrap_or_else(|e| e.into_inner());
+            let mut later = lock(&self.0.later);
             later.extend_from_slice(&msg.encode(self.0.namespace));
-            later.len() >= SEND_LATER_BYTES
+            later.len()
         };
         match full {
-            true => self.0.send(&Control::Heartbeat),
-            false => Ok(()),
+            n if n >= AWAY_BYTES => self.0.send(msg).and(Err(SessionError::Send(std::io::Error::other(format!(
+                "over {} MiB of messages wait for the scheduler to come back",
+                AWAY_BYTES >> 20
+            ))))),
+            n if n >= SEND_LATER_BYTES => self.0.send(&Control::Heartbeat),
+            _ => Ok(()),
         }
     }
 
     /// Say goodbye (workers) and close: stops the heartbeats and makes a
     /// pending `recv` return. Safe to call more than once.
     pub fn close(&self, goodbye: bool) {
+        if goodbye && !self.closing() && !self.0.wait_back(self.0.peer_timeout) {
+            log::warn!(target: "session", "the scheduler did not come back for this worker's goodbye");
+        }
         if self.0.closing.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -224,6 +371,7 @@ pub struct Session {
     /// Dropping the session closes it (without a goodbye), unless its
     /// owner closes it itself (`keep_open`).
     close_on_drop: bool,
+    comeback: Comeback,
 }
 
 impl Session {
@@ -242,20 +390,109 @@ impl Session {
         self.close_on_drop = false;
     }
 
+    /// What to tell a scheduler that restarted (`Rejoin`), asked for when
+    /// it is dialled again. Without it, a lost scheduler is not dialled.
+    pub fn on_rejoin(&self, report: impl Fn() -> Report + Send + Sync + 'static) {
+        *lock(&self.comeback.report) = Some(Box::new(report));
+    }
+
     /// The scheduler's next message other than a heartbeat. A scheduler
-    /// silent for the peer timeout is an error, as is a closed connection.
+    /// lost (a closed connection, or silent for the peer timeout) is
+    /// dialled again (`rejoin`); one that does not come back is an error.
     pub fn recv(&mut self) -> Result<Control, SessionError> {
         loop {
-            match read_control(&mut self.reader, self.link.namespace) {
-                Ok(Control::Heartbeat) => {}
-                Ok(msg) => return Ok(msg),
-                Err(ReadError::TimedOut) => return Err(SessionError::Silent(self.peer_timeout.as_secs_f64())),
-                Err(ReadError::Closed | ReadError::ClosedMidFrame) => return Err(SessionError::Closed),
-                Err(e) => return Err(SessionError::Lost(e)),
+            let lost = match read_control(&mut self.reader, self.link.namespace) {
+                Ok(Control::Heartbeat) => continue,
+                Ok(msg) => {
+                    self.link.answered(&msg);
+                    return Ok(msg);
+                }
+                Err(ReadError::TimedOut) => SessionError::Silent(self.peer_timeout.as_secs_f64()),
+                Err(ReadError::Closed | ReadError::ClosedMidFrame) => SessionError::Closed,
+                Err(e) => SessionError::Lost(e),
+            };
+            if !self.link.comeback_possible() || lock(&self.comeback.report).is_none() {
+                return Err(lost);
             }
+            self.rejoin(lost)?;
+        }
+    }
+
+    /// Dial the scheduler again until the peer timeout has passed since
+    /// it was lost; a scheduler that restarted is sent a Rejoin and must
+    /// answer with this member's Welcome. Then what waited goes.
+    fn rejoin(&mut self, lost: SessionError) -> Result<(), SessionError> {
+        let since = *lock(&self.link.away).get_or_insert_with(Instant::now);
+        let deadline = since + self.peer_timeout;
+        let addr = self.comeback.addr.clone();
+        let who = format!("{} {}", self.comeback.register.role.name(), self.welcome.rank);
+        log::warn!(target: &who, "{lost}; dialling the scheduler at {addr} again (for up to {:.1}s)", self.peer_timeout.as_secs_f64());
+        let mut why = lost.to_string();
+        let stream = loop {
+            if !self.link.comeback_possible() {
+                return Err(lost);
+            }
+            if Instant::now() >= deadline {
+                return Err(SessionError::NotBack { addr, why, secs: self.peer_timeout.as_secs_f64() });
+            }
+            let attempt = REJOIN_ATTEMPT.min(deadline.saturating_duration_since(Instant::now())).max(REJOIN_PAUSE);
+            match connect_authenticated_once(&addr, attempt, &self.comeback.secret) {
+                Ok(s) => match self.introduce(&s) {
+                    Ok(()) => break s,
+                    Err(SessionError::RefusedBack { why, .. }) => return Err(SessionError::RefusedBack { addr, why }),
+                    Err(e) => why = e.to_string(),
+                },
+                Err(e) => why = format!("connecting again: {e}"),
+            }
+            std::thread::sleep(REJOIN_PAUSE);
+        };
+        let writer = timed(&stream, self.peer_timeout)?;
+        {
+            let mut w = lock(&self.link.writer);
+            *w = writer;
+            let mut buf: Vec<u8> = lock(&self.link.asked).iter().flat_map(|m| m.encode(self.link.namespace)).collect();
+            buf.extend(std::mem::take(&mut *lock(&self.link.later)));
+            *lock(&self.link.away) = None;
+            self.link.back.notify_all();
+            if let Err(e) = w.write_all(&buf) {
+                log::warn!(target: &who, "writing to the scheduler that came back: {e}");
+            }
+        }
+        self.reader = stream;
+        log::info!(target: &who, "the scheduler at {addr} is back: rejoined after {:.1}s", since.elapsed().as_secs_f64());
+        Ok(())
+    }
+
+    /// Rejoin on a fresh connection and read the answer: this member's
+    /// Welcome of this job again.
+    fn introduce(&self, mut s: &TcpStream) -> Result<(), SessionError> {
+        let report = lock(&self.comeback.report).as_ref().map(|f| f()).unwrap_or_default();
+        let msg = Control::Rejoin(Box::new(Rejoin {
+            register: self.comeback.register.clone(),
+            welcome: self.welcome.clone(),
+            specs: report.specs,
+            keys: report.keys,
+            left: report.left,
+        }));
+        let ns = self.link.namespace;
+        s.set_read_timeout(Some(self.peer_timeout)).map_err(SessionError::Setup)?;
+        s.set_write_timeout(Some(self.peer_timeout)).map_err(SessionError::Setup)?;
+        write_control(&mut s, &msg, ns).map_err(SessionError::Send)?;
+        let refused = |why: String| SessionError::RefusedBack { addr: self.comeback.addr.clone(), why };
+        match read_control(&mut s, ns) {
+            Ok(Control::Welcome(w)) if w.job_id == self.welcome.job_id && w.rank == self.welcome.rank => Ok(()),
+            Ok(Control::Welcome(_)) => Err(refused("it welcomed this member to another job".into())),
+            Ok(Control::Error { message }) => Err(refused(message)),
+            Ok(other) => Err(refused(format!("it answered with {:?}", other.msg_type()))),
+            Err(e) => Err(SessionError::NoWelcome(e.to_string())),
         }
     }
 }
+
+/// How long one attempt to dial a lost scheduler may take, and the pause
+/// between attempts (short: the first one after it is back gets through).
+const REJOIN_ATTEMPT: Duration = Duration::from_millis(300);
+const REJOIN_PAUSE: Duration = Duration::from_millis(100);
 
 impl Drop for Session {
     fn drop(&mut self) {

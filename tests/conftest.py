@@ -150,7 +150,8 @@ class Cluster:
         py = [sys.executable, "-m", "gradhub"]
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
-        self._spawn("scheduler", py + ["scheduler", "--bind", self.addr, *(scheduler_args or [])])
+        self.scheduler_argv = py + ["scheduler", "--bind", self.addr, *(scheduler_args or [])]
+        self._spawn("scheduler", self.scheduler_argv)
         for s in range(servers):
             argv = py + ["server", "--threads", str(threads), "--rank", str(s), "--advertise-addr", "127.0.0.1"]
             if server_ports:
@@ -173,6 +174,20 @@ class Cluster:
         worker the test stops with SIGSTOP, which only the process itself gets."""
         env = dict(self.env, GRADHUB_RANK=str(rank), GH_TEST=json.dumps(config or {}), **env)
         return self._spawn(f"worker{rank}", worker_argv(script, fresh), env)
+
+    def restart_scheduler(self) -> subprocess.Popen:
+        """Kill the scheduler (SIGKILL, as an OOM kill would) if it runs, and
+        start it again with the same arguments; its log goes on in the same file."""
+        old = self.procs["scheduler"]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        with open(self.logs["scheduler"], "ab") as f:
+            f.write(b"--- restarted ---\n")
+        p = subprocess.Popen(self.scheduler_argv, env=self.env, stdout=open(self.logs["scheduler"], "ab"),
+                             stderr=subprocess.STDOUT)
+        self.procs["scheduler"] = p
+        return p
 
     def log(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")

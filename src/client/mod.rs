@@ -178,6 +178,8 @@ impl Client {
             hosts_updated: AtomicBool::new(false),
         });
 
+        let weak = Arc::downgrade(&shared);
+        session.on_rejoin(move || weak.upgrade().map(|s| s.rejoin_report()).unwrap_or_default());
         let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new().name(name.into()).spawn(f).map_err(|e| setup("spawn", e))
         };

@@ -56,6 +56,9 @@ impl Shared {
         let mut waiting = {
             let mut t = self.table();
             t.left.get_or_insert(rank);
+            if !t.gone.contains(&rank) {
+                t.gone.push(rank);
+            }
             let mut w: Vec<String> = t.parked.keys().map(|n| format!("push_pull '{n}'")).collect();
             if !t.barriers.is_empty() {
                 w.push("a barrier".into());
@@ -166,6 +169,14 @@ impl Shared {
         if let Err(e) = self.session.send_later(&Control::Release { keys }) {
             self.set_failure(e.to_string());
         }
+    }
+
+    /// What this worker tells a scheduler that restarted: its tensors as
+    /// placed now, and the workers that left.
+    pub(super) fn rejoin_report(&self) -> crate::session::Report {
+        let t = self.table();
+        let specs = t.specs.values().map(|s| TensorSpec::clone(s)).collect();
+        crate::session::Report { specs, keys: Vec::new(), left: t.gone.clone() }
     }
 
     pub(super) fn send_ctrl(&self, msg: &Control) -> Result<(), SessionError> {

@@ -392,6 +392,30 @@ impl Placer {
         changed
     }
 
+    /// Count a tensor placed by an earlier placer of the job (a scheduler
+    /// that restarted: `scheduler::rejoin`), as if placed here: `unplace`'s
+    /// inverse. Slots out of range are skipped (the spec was checked by
+    /// its decoder, not against this job).
+    pub fn account(&mut self, spec: &crate::protocol::TensorSpec) {
+        for (c, &slot) in spec.slots.iter().enumerate() {
+            let b = spec.chunk_bytes(c) as u64;
+            if let Some(l) = self.load.get_mut(slot as usize) {
+                *l += b;
+            }
+            if let Some(l) = spec.replicas.get(c).and_then(|&r| self.replica_load.get_mut(r as usize)) {
+                *l += b;
+            }
+        }
+        for (i, &slot) in spec.relays.iter().enumerate() {
+            let c = i / self.racks_with_workers.len().max(1);
+            if spec.slots.get(c).is_some_and(|&owner| owner != slot) {
+                if let Some(l) = self.relay_load.get_mut(slot as usize) {
+                    *l += spec.chunk_bytes(c) as u64;
+                }
+            }
+        }
+    }
+
     /// Take back a tensor placed earlier, so later tensors fill the room it leaves.
     pub fn unplace(&mut self, spec: &crate::protocol::TensorSpec) {
         for (c, &slot) in spec.slots.iter().enumerate() {

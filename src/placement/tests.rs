@@ -414,3 +414,47 @@ fn chunking() {
     assert_eq!(chunk_elems(4096, 4), 1024);
     assert_eq!(chunk_elems(3, 4), 1);
 }
+
+#[test]
+fn a_placer_that_counts_the_tensors_placed_before_places_the_next_ones_alike() {
+    // A scheduler that restarted rebuilds its placer from the members'
+    // specs: the next tensors go where the first placer would have put them.
+    let placed = |p: &mut Placer, key: u32, numel: u64| {
+        let chunk_elems = 256;
+        let n = numel.div_ceil(chunk_elems);
+        let mut spec = crate::protocol::TensorSpec {
+            key,
+            name: format!("t{key}"),
+            numel,
+            dtype: crate::protocol::DType::F32,
+            chunk_elems,
+            slots: Vec::new(),
+            replicas: Vec::new(),
+            relays: Vec::new(),
+        };
+        spec.slots = p.place((0..n as usize).map(|c| {
+            let (a, b) = (c as u64 * chunk_elems, ((c as u64 + 1) * chunk_elems).min(numel));
+            (b - a) * 4
+        }));
+        spec.replicas = p.place_replicas(&spec);
+        spec
+    };
+    let make = || Placer::new(&servers(&[false, true, false], 2), 3).with_replicas(true);
+    let mut first = make();
+    let before: Vec<_> =
+        [(0, 1000), (1, 77), (2, 5000), (3, 256)].iter().map(|&(k, n)| placed(&mut first, k, n)).collect();
+    let mut again = make();
+    for s in &before {
+        again.account(s);
+    }
+    assert_eq!(again.loads(), first.loads());
+    for (k, n) in [(4, 3000), (5, 1), (6, 900)] {
+        assert_eq!(placed(&mut again, k, n), placed(&mut first, k, n), "tensor {k}");
+    }
+    // And counting is undone by unplacing.
+    for s in &before {
+        again.unplace(s);
+        first.unplace(s);
+    }
+    assert_eq!(again.loads(), first.loads());
+}

@@ -21,7 +21,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 17;
+pub const VERSION: u8 = 18;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by `header_crc`.
 const CHECKED_LEN: usize = 36;
@@ -151,6 +151,7 @@ msg_types! {
     ServerMove = 47, "scheduler -> servers: chunks move to a server that joined (new specs); give yours up unless they hold server-side optimizer state";
     ServerMoveAck = 48, "server -> scheduler: chunks given up; payload: the (key, chunk) pairs kept";
     HostsUpdated = 49, "shared service -> an elastic job's workers: workers wait to join; the job re-forms at its next commit";
+    Rejoin = 50, "member -> a restarted scheduler: its registration, Welcome and what it knows (tensors, keys, who left); answered with Welcome";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

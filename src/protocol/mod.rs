@@ -9,7 +9,7 @@ pub mod optim;
 pub mod reader;
 
 pub use control::{
-    Control, DeclEntry, ElasticReg, JobTraffic, Register, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
+    Control, DeclEntry, ElasticReg, JobTraffic, Register, Rejoin, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
     MAX_JOINED_SLOTS, NO_SERVER,
 };
 pub use frame::{
@@ -66,10 +66,11 @@ pub enum ProtocolError {
     WrongNamespace { got: u32 },
 }
 
-/// The largest message a peer may send before it has registered: a
-/// Register is a few hundred bytes, so a stranger cannot make the scheduler
-/// buffer more than this.
-pub const MAX_REGISTER_PAYLOAD: u32 = 64 << 10;
+/// The largest first message a peer may send once it has authenticated
+/// and before it has registered: a Register is a few hundred bytes, a
+/// Rejoin lists the member's tensors (about 100 bytes each plus 4 per
+/// chunk: a million chunks fit).
+pub const MAX_REGISTER_PAYLOAD: u32 = 16 << 20;
 
 /// Read one control message from a blocking stream (with the one frame
 /// reader). A read timeout on the stream gives `ReadError::TimedOut`.

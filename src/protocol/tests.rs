@@ -7,7 +7,8 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 49] = [
+const ALL_MSG_TYPES: [MsgType; 50] = [
+    MsgType::Rejoin,
     MsgType::HostsUpdated,
     MsgType::SetOp,
     MsgType::ServerJoined,
@@ -109,7 +110,7 @@ fn spec(key: u32, name: &str, numel: u64, dtype: DType, chunk_elems: u64, first_
 /// One realistic instance of every Control variant (plus edge cases:
 /// empty lists, empty strings, unicode, extreme integers).
 fn sample_controls() -> Vec<Control> {
-    vec![
+    let mut all = vec![
         Control::Register(Register {
             role: Role::Worker,
             requested_rank: -1,
@@ -343,7 +344,35 @@ fn sample_controls() -> Vec<Control> {
         },
         Control::Error { message: "scheduler: job namespace mismatch — bye 👋".into() },
         Control::Error { message: String::new() },
-    ]
+    ];
+    // A Rejoin of each registration, with each Welcome and lists long and empty.
+    let regs: Vec<Register> = all
+        .iter()
+        .filter_map(|m| match m {
+            Control::Register(r) => Some(r.clone()),
+            _ => None,
+        })
+        .collect();
+    let welcomes: Vec<Welcome> = all
+        .iter()
+        .filter_map(|m| match m {
+            Control::Welcome(w) => Some(w.clone()),
+            _ => None,
+        })
+        .collect();
+    for (i, register) in regs.into_iter().enumerate() {
+        all.push(Control::Rejoin(Box::new(Rejoin {
+            register,
+            welcome: welcomes[i % welcomes.len()].clone(),
+            specs: match i % 2 {
+                0 => vec![spec(3, "w", 1000, DType::F32, 100, 1), spec(u32::MAX, "ü", 1, DType::BF16, 1, 0)],
+                _ => vec![],
+            },
+            keys: (0..i as u32 * 3).collect(),
+            left: vec![u32::MAX, 0][..i.min(2)].to_vec(),
+        })));
+    }
+    all
 }
 
 /// Split an encoded control frame into (header, payload).

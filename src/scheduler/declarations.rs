@@ -248,6 +248,67 @@ impl Declarations {
         Ok(specs)
     }
 
+    /// A worker that rejoined a scheduler that restarted (`Members::rejoin`)
+    /// has the tensors `specs`, declared, installed and answered: they are
+    /// the job's as placed (the placer counts them once). Errors name a
+    /// worker whose tensor disagrees with another's of the same name.
+    pub fn rejoin(&mut self, rank: u32, num_workers: u32, specs: &[TensorSpec]) -> Result<(), String> {
+        let n = num_workers as usize;
+        for s in specs {
+            let d = match self.decls.get_mut(&s.name) {
+                Some(d) => d,
+                None => {
+                    if let Some(p) = self.placer.as_mut() {
+                        p.account(s);
+                    }
+                    self.by_key.insert(s.key, s.name.clone());
+                    self.decls.entry(s.name.clone()).or_insert(Decl {
+                        numel: s.numel,
+                        dtype: s.dtype,
+                        partition: (s.chunk_elems.saturating_mul(s.dtype.size() as u64)).min(u32::MAX as u64) as u32,
+                        first_rank: rank,
+                        declared_by: vec![false; n],
+                        conflict: None,
+                        spec: Some(s.clone()),
+                        installed: true,
+                        stall: StallWatch::start(),
+                    })
+                }
+            };
+            if d.spec.as_ref() != Some(s) {
+                return Err(format!(
+                    "worker {rank} rejoined with tensor '{}' (key {}) placed unlike worker {}'s",
+                    s.name, s.key, d.first_rank
+                ));
+            }
+            if let Some(b) = d.declared_by.get_mut(rank as usize) {
+                *b = true;
+            }
+            self.next_key = self.next_key.max(s.key.saturating_add(1));
+        }
+        Ok(())
+    }
+
+    /// A server that rejoined has `keys` installed: new tensors take keys
+    /// above them; those no worker holds once every member is back (a
+    /// declaration installed but not answered before the restart, which
+    /// its workers declare again) are freed (`rebuilt`).
+    pub fn server_keys(&mut self, keys: &[u32]) {
+        for &k in keys {
+            self.next_key = self.next_key.max(k.saturating_add(1));
+            if !self.by_key.contains_key(&k) && !self.to_free.contains(&k) {
+                self.to_free.push(k);
+            }
+        }
+    }
+
+    /// Every member rejoined: keys some server holds that a worker reported
+    /// after all stay; the rest are freed.
+    pub fn rebuilt(&mut self) {
+        let by_key = &self.by_key;
+        self.to_free.retain(|k| !by_key.contains_key(k));
+    }
+
     /// The tensors of a batch are installed on every server.
     pub fn installed(&mut self, specs: &[TensorSpec]) {
         for s in specs {

@@ -46,6 +46,18 @@ impl Job {
             return true;
         }
         let join_timeout = Duration::from_millis(shared.cfg.join_timeout_ms as u64);
+        if let Some(rb) = st.members.rebuilding() {
+            let within = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
+            if rb.since.elapsed() > within {
+                let msg = format!(
+                    "the scheduler restarted and {} did not rejoin within {:.1}s (the peer timeout)",
+                    rb.describe_missing(),
+                    within.as_secs_f64()
+                );
+                shared.fail(&mut st, None, msg);
+                return true;
+            }
+        }
         if !st.members.welcomed() && self.started.elapsed() > join_timeout {
             let n = st.members.registered();
             let msg = format!(
@@ -126,15 +138,43 @@ pub(super) fn greet(
     Some((job, first))
 }
 
+/// A member's first message: a registration, or a rejoin of a scheduler
+/// that restarted.
+pub(super) enum Arrival {
+    Register(crate::protocol::Register),
+    Rejoin(Box<crate::protocol::Rejoin>),
+}
+
 /// The Register a member's first message must be (else it is told why).
 pub(super) fn expect_register(
-    mut stream: &TcpStream,
+    stream: &TcpStream,
     peer: SocketAddr,
     first: Result<Control, crate::protocol::ReadError>,
     ns: u32,
 ) -> Option<crate::protocol::Register> {
+    match expect_arrival(stream, peer, first, ns)? {
+        Arrival::Register(r) => Some(r),
+        Arrival::Rejoin(_) => {
+            let message = "this scheduler takes no rejoins (a shared service restarts with its jobs gone)".to_string();
+            log::warn!(target: "scheduler", "rejecting {peer}: {message}");
+            let mut s = stream;
+            let _ = write_control(&mut s, &Control::Error { message }, ns);
+            None
+        }
+    }
+}
+
+/// A Register or a Rejoin, which a member's first message must be (else
+/// it is told why).
+pub(super) fn expect_arrival(
+    mut stream: &TcpStream,
+    peer: SocketAddr,
+    first: Result<Control, crate::protocol::ReadError>,
+    ns: u32,
+) -> Option<Arrival> {
     match first {
-        Ok(Control::Register(r)) => Some(r),
+        Ok(Control::Register(r)) => Some(Arrival::Register(r)),
+        Ok(Control::Rejoin(r)) => Some(Arrival::Rejoin(r)),
         Ok(other) => {
             let message = format!("expected Register, got {:?}", other.msg_type());
             log::warn!(target: "scheduler", "rejecting {peer}: {message}");
@@ -144,6 +184,37 @@ pub(super) fn expect_register(
         Err(e) => {
             log::warn!(target: "scheduler", "rejecting {peer}: bad registration: {e}");
             let _ = write_control(&mut stream, &Control::Error { message: format!("bad registration: {e}") }, ns);
+            None
+        }
+    }
+}
+
+/// Check a rejoin and take the member back into the rebuilt job.
+pub(super) fn admit_rejoin(
+    shared: &Arc<Shared>,
+    rj: crate::protocol::Rejoin,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+) -> Option<(Arc<Member>, TcpStream)> {
+    let ns = shared.cfg.namespace;
+    let who = format!("{} {}", rj.register.role.name(), rj.welcome.rank);
+    if let Err(why) = check_registration(&shared.cfg, &rj.register) {
+        log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
+        let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
+        return None;
+    }
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
+            return None;
+        }
+    };
+    match shared.rejoin(rj, peer, writer) {
+        Ok(me) => Some((me, stream)),
+        Err(why) => {
+            log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
+            let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
             None
         }
     }

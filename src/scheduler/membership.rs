@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::config::SchedulerConfig;
 use super::member::Member;
 use crate::placement::{HostLayout, Placer};
-use crate::protocol::{Control, ReadError, Register, Role, ServerInfo, Welcome};
+use crate::protocol::{Control, ReadError, Register, Rejoin, Role, ServerInfo, Welcome};
 use crate::waits::left_message;
 
 pub(super) struct Registration {
@@ -36,6 +36,29 @@ pub(super) struct Members {
     /// (for a server that joins while the job runs).
     servers: Vec<ServerInfo>,
     welcome: Option<Welcome>,
+    /// A scheduler that restarted, rebuilding the job from the members
+    /// that rejoin (`rejoin`): who has not yet, since when.
+    rebuild: Option<Rebuild>,
+}
+
+pub(super) struct Rebuild {
+    pub since: std::time::Instant,
+    pub missing: std::collections::BTreeSet<(u8, u32)>,
+}
+
+impl Rebuild {
+    /// The members not back yet, in words.
+    pub fn describe_missing(&self) -> String {
+        let name = |&(role, rank): &(u8, u32)| format!("{} {rank}", if role == 0 { "worker" } else { "server" });
+        self.missing.iter().map(name).collect::<Vec<_>>().join(", ")
+    }
+}
+
+fn role_key(role: Role) -> u8 {
+    match role {
+        Role::Worker => 0,
+        Role::Server => 1,
+    }
 }
 
 impl Members {
@@ -169,6 +192,91 @@ impl Members {
         Some(left_message(&format!("worker {rank}"), &format!("while others wait in barrier {id}")))
     }
 
+    /// A scheduler that restarted and waits for members to rejoin.
+    pub fn rebuilding(&self) -> Option<&Rebuild> {
+        self.rebuild.as_ref()
+    }
+
+    /// Member `rj` rejoins a scheduler that restarted: the first one brings
+    /// the job's cluster map (the rest must have the same job), and the
+    /// rebuild waits for every worker that has not left and every server
+    /// of the map. Returns the member, welcomed again, and whether it was
+    /// the last one awaited.
+    pub fn rejoin(
+        &mut self,
+        rj: &Rejoin,
+        peer: SocketAddr,
+        stream: TcpStream,
+        ns: u32,
+    ) -> Result<(Arc<Member>, bool), Refusal> {
+        let (role, rank) = (rj.register.role, rj.welcome.rank);
+        let key = (role_key(role), rank);
+        match &self.welcome {
+            None if !self.joining.is_empty() => {
+                return Err(Refusal::Late(format!(
+                    "{} {rank} rejoins, but this scheduler is forming a new job (members registered afresh)",
+                    role.name()
+                )))
+            }
+            None => {
+                let w = &rj.welcome;
+                let mut missing: std::collections::BTreeSet<(u8, u32)> =
+                    (0..w.num_workers).map(|r| (0, r)).chain(w.servers.iter().map(|s| (1, s.rank))).collect();
+                for r in &rj.left {
+                    missing.remove(&(0, *r));
+                }
+                self.servers = w.servers.clone();
+                self.welcome = Some(Welcome { rank: 0, late: false, ..w.clone() });
+                self.rebuild = Some(Rebuild { since: std::time::Instant::now(), missing });
+                log::warn!(
+                    target: "scheduler",
+                    "{} {rank} rejoins job {:016x}: rebuilding it from its members",
+                    role.name(),
+                    w.job_id
+                );
+            }
+            Some(t) if t.job_id != rj.welcome.job_id => {
+                return Err(Refusal::Late(format!(
+                    "{} {rank} was in job {:016x}, but this scheduler serves job {:016x}",
+                    role.name(),
+                    rj.welcome.job_id,
+                    t.job_id
+                )))
+            }
+            Some(_) if self.rebuild.is_none() => {
+                return Err(Refusal::Late(format!(
+                    "{} {rank} rejoins, but this scheduler has all its members (it did not restart)",
+                    role.name()
+                )))
+            }
+            Some(_) => {}
+        }
+        let rb = self.rebuild.as_mut().ok_or(Refusal::Internal("no rebuild"))?;
+        if !rb.missing.remove(&key) {
+            return Err(Refusal::Late(format!("{} {rank} rejoined already, or is not in this job", role.name())));
+        }
+        for &r in &rj.left {
+            self.said_goodbye.insert(r);
+            rb.missing.remove(&(0, r));
+        }
+        let member = Arc::new(Member::new(role, rank, peer, stream));
+        if !member.send(&Control::Welcome(rj.welcome.clone()), ns) {
+            log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());
+        }
+        self.live.push(member.clone());
+        let done = rb.missing.is_empty();
+        if done {
+            log::info!(
+                target: "scheduler",
+                "job rebuilt: all its {} members rejoined within {:.1}s",
+                self.live.len(),
+                rb.since.elapsed().as_secs_f64()
+            );
+            self.rebuild = None;
+        }
+        Ok((member, done))
+    }
+
     /// Everyone registered: assign ranks, create every member and send each
     /// its Welcome with the cluster map (state lock held, so each member is
     /// known before anyone can send it anything else); returns the job's
@@ -231,20 +339,35 @@ impl Members {
         for s in servers.iter_mut() {
             s.rack = plan.server_racks.get(s.rank as usize).copied().unwrap_or(0);
         }
-        // What pushes is one worker per host (host stage) or every worker: the
-        // BytePS split counts those machines, not the workers on them.
         // Replicas of every chunk on a second server, so a lost server's
         // chunks, server-side optimizer state included, can move (`failover`);
         // not with two levels, whose relays a failover would not move.
         let failover = cfg.failover && cfg.num_servers > 1 && !plan.reduce;
-        let mut placer = Placer::new(&servers, pushing).with_replicas(failover);
-        if plan.reduce {
-            let mut with_workers = vec![false; plan.racks.len()];
-            for &r in &plan.worker_racks {
-                with_workers[r as usize] = true;
+        let template = Welcome {
+            rank: 0,
+            num_workers: cfg.num_workers,
+            partition_bytes: cfg.partition_bytes,
+            heartbeat_ms: cfg.heartbeat_ms,
+            stall_ms: cfg.stall_ms,
+            peer_timeout_ms: cfg.peer_timeout_ms,
+            servers: servers.clone(),
+            worker_hosts: hosts,
+            worker_local_ranks: local_ranks,
+            job_id: random_job_id(),
+            host_reduce: cfg.host_reduce,
+            failover,
+            late: false,
+            racks: plan.racks.clone(),
+            worker_racks: plan.worker_racks.clone(),
+            rack_reduce: plan.reduce,
+        };
+        let placer = match placer_of(&template) {
+            Ok(p) => p,
+            Err(msg) => {
+                self.joining = regs;
+                return Err(msg);
             }
-            placer = placer.with_racks(&plan.server_racks, with_workers);
-        }
+        };
         log::info!(
             target: "scheduler",
             "{} workers on {pushing} pushing machines{}; summation shares per server: {}",
@@ -265,24 +388,6 @@ impl Members {
                 log::warn!(target: "scheduler", "failover is off: a lost server fails a job that reduces within racks");
             }
         }
-        let template = Welcome {
-            rank: 0,
-            num_workers: cfg.num_workers,
-            partition_bytes: cfg.partition_bytes,
-            heartbeat_ms: cfg.heartbeat_ms,
-            stall_ms: cfg.stall_ms,
-            peer_timeout_ms: cfg.peer_timeout_ms,
-            servers: servers.clone(),
-            worker_hosts: hosts,
-            worker_local_ranks: local_ranks,
-            job_id: random_job_id(),
-            host_reduce: cfg.host_reduce,
-            failover,
-            late: false,
-            racks: plan.racks,
-            worker_racks: plan.worker_racks,
-            rack_reduce: plan.reduce,
-        };
         for ((role, rank), g) in assigned.iter().zip(regs) {
             let member = Arc::new(Member::new(*role, *rank, g.peer, g.stream));
             let welcome = Control::Welcome(Welcome { rank: *rank, ..template.clone() });
@@ -297,6 +402,29 @@ impl Members {
         log::info!(target: "scheduler", "all {} members joined", cfg.num_workers + cfg.num_servers);
         Ok(placer)
     }
+}
+
+/// The job's placer for its cluster map `w`: what pushes is one worker per
+/// host (host stage) or every worker, and the BytePS split counts those
+/// machines, not the workers on them; replicas if the job fails over; the
+/// racks if it reduces within them.
+pub(super) fn placer_of(w: &Welcome) -> Result<Placer, String> {
+    let layout = HostLayout::new(&w.worker_hosts, &w.worker_local_ranks, w.host_reduce)?;
+    let mut placer = Placer::new(&w.servers, layout.num_hosts()).with_replicas(w.failover);
+    if w.rack_reduce {
+        let mut with_workers = vec![false; w.racks.len()];
+        for &r in &w.worker_racks {
+            if let Some(x) = with_workers.get_mut(r as usize) {
+                *x = true;
+            }
+        }
+        let mut server_racks = vec![0; w.servers.iter().map(|s| s.rank as usize + 1).max().unwrap_or(0)];
+        for s in &w.servers {
+            server_racks[s.rank as usize] = s.rack;
+        }
+        placer = placer.with_racks(&server_racks, with_workers);
+    }
+    Ok(placer)
 }
 
 /// Why a registration is refused; the message is sent to the member.

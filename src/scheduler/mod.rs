@@ -27,6 +27,7 @@ mod member;
 mod membership;
 mod moves;
 mod racks;
+mod rejoin;
 mod service;
 mod state;
 
@@ -42,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use crate::transport::{AcceptErrors, AcceptFailure};
 use config::checked;
-use job::{admit, expect_register, greet, serve_member, Job};
+use job::{admit, admit_rejoin, expect_arrival, greet, serve_member, Arrival, Job};
 use state::Shared;
 
 pub struct SchedulerHandle {
@@ -136,8 +137,11 @@ fn member_thread(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let timeout = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
     let ns = shared.cfg.namespace;
     let registered = greet(&stream, peer, &shared.cfg.secret.keys(), timeout, |_| ns)
-        .and_then(|(_, first)| expect_register(&stream, peer, first, ns))
-        .and_then(|reg| admit(shared, reg, stream, peer));
+        .and_then(|(_, first)| expect_arrival(&stream, peer, first, ns))
+        .and_then(|arrival| match arrival {
+            Arrival::Register(reg) => admit(shared, reg, stream, peer),
+            Arrival::Rejoin(rj) => admit_rejoin(shared, *rj, stream, peer),
+        });
     shared.pending.fetch_sub(1, Ordering::SeqCst);
     if let Some((me, stream)) = registered {
         serve_member(shared, &me, stream);

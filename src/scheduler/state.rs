@@ -19,7 +19,7 @@ use super::joins::{set_op_targets, JoinOps, JoinStep};
 use super::member::Member;
 use super::membership::{Members, Refusal, Registration};
 use super::moves::Moves;
-use crate::protocol::{Control, DeclEntry, Register, Role, TensorSpec};
+use crate::protocol::{Control, DeclEntry, Register, Rejoin, Role, TensorSpec};
 
 /// Where the job is. Registration is part of `Running`: whether everyone
 /// registered is `Members::welcomed`. Finished and failed are final.
@@ -200,6 +200,54 @@ impl Shared {
         Ok((me, false))
     }
 
+    /// A member rejoins after this scheduler restarted (`Members::rejoin`):
+    /// its tensors (a worker's) or keys (a server's) go into the rebuilt
+    /// declarations. Once every member is back, declarations waiting for
+    /// that go on.
+    pub fn rejoin(&self, rj: Rejoin, peer: SocketAddr, stream: TcpStream) -> Result<Arc<Member>, Refusal> {
+        let cfg = &self.cfg;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        match &st.phase {
+            JobPhase::Failed(f) => return Err(Refusal::JobFailed(f.clone())),
+            JobPhase::Finished => return Err(Refusal::Late("the job has finished".into())),
+            JobPhase::Running => {}
+        }
+        if let Some(why) = super::rejoin::unsupported(cfg, &rj) {
+            return Err(Refusal::Late(why));
+        }
+        let (me, done) = st.members.rejoin(&rj, peer, stream, cfg.namespace)?;
+        if st.decls.placer().is_none() {
+            let placer = st.members.welcome().map(super::membership::placer_of);
+            match placer {
+                Some(Ok(p)) => st.decls.set_placer(p),
+                Some(Err(why)) => {
+                    self.fail(st, None, format!("rebuilding the job: {why}"));
+                    return Err(Refusal::JobFailed(why));
+                }
+                None => {}
+            }
+        }
+        let rebuilt = match rj.register.role {
+            Role::Worker => st.decls.rejoin(me.rank, cfg.num_workers, &rj.specs),
+            Role::Server => {
+                st.decls.server_keys(&rj.keys);
+                Ok(())
+            }
+        };
+        if let Err(why) = rebuilt {
+            self.fail(st, Some(&me), why.clone());
+            return Err(Refusal::JobFailed(why));
+        }
+        if done {
+            st.decls.rebuilt();
+            self.free_on_servers(st);
+            st.answer_ready(cfg.namespace);
+        }
+        self.cv.notify_all();
+        Ok(me)
+    }
+
     /// Record a worker's declarations. Returns a batch of newly complete
     /// specs that must be installed on the servers before anyone is answered.
     pub fn declare(
@@ -235,6 +283,10 @@ impl Shared {
         let ns = self.cfg.namespace;
         let (servers, free) = {
             let mut st = self.lock();
+            // A restarted scheduler installs once every server is back.
+            while st.members.rebuilding().is_some() && !st.is_over() {
+                st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
             let servers: Vec<Arc<Member>> = st.members.servers().cloned().collect();
             (servers, st.decls.take_to_free())
         };

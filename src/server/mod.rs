@@ -317,7 +317,16 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         relay: welcome.rack_reduce.then_some((my_rack, layout.relay_id(first_slot))),
         made_up: HashSet::new(),
     };
-    let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links);
+    // The keys installed here, for a scheduler that restarts (`Rejoin`).
+    let held: Arc<std::sync::Mutex<HashSet<u32>>> = Arc::default();
+    {
+        let held = held.clone();
+        session.on_rejoin(move || crate::session::Report {
+            keys: held.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect(),
+            ..Default::default()
+        });
+    }
+    let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links, &held);
     drop(session);
     for (tx, w) in cmd_txs.iter().zip(&wakers) {
         let _ = tx.send(match &result {
@@ -366,8 +375,18 @@ fn control_loop(
     wakers: &[Arc<Waker>],
     segments: &mut Segments,
     links: &mut Links,
+    held: &std::sync::Mutex<HashSet<u32>>,
 ) -> Result<(), ServerError> {
     let sender = session.sender();
+    let hold = |keys: &mut dyn Iterator<Item = u32>, on: bool| {
+        let mut h = held.lock().unwrap_or_else(|e| e.into_inner());
+        for k in keys {
+            match on {
+                true => h.insert(k),
+                false => h.remove(&k),
+            };
+        }
+    };
     let exited = || ServerError::JobFailed("a server thread exited".into());
     let who = format!("server {}", session.welcome.rank);
     let to_threads = |cmd: &mut dyn FnMut(usize) -> ThreadCmd| to_threads(cmd_txs, wakers, cmd).map_err(|()| exited());
@@ -387,6 +406,7 @@ fn control_loop(
         for _ in cmd_txs {
             ack_rx.recv().map_err(|_| exited())?;
         }
+        hold(&mut specs.iter().map(|s| s.key), true);
         sender.send(&Control::ServerDeclareAck { batch })?;
         Ok(())
     };
@@ -420,6 +440,7 @@ fn control_loop(
                 links.slots.extend(slots_of(&server));
             }
             Control::ServerRelease { keys } => {
+                hold(&mut keys.iter().copied(), false);
                 segments.release(&keys);
                 to_threads(&mut |_| ThreadCmd::Release(keys.clone()))?;
             }

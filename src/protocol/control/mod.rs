@@ -145,6 +145,23 @@ pub struct Welcome {
     pub rack_reduce: bool,
 }
 
+/// A member coming back to its job's scheduler after losing it (the
+/// scheduler restarted, `scheduler::rejoin`): who it is and what it knows,
+/// for the scheduler to rebuild the job from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejoin {
+    /// Its registration as first sent (checked as one is).
+    pub register: Register,
+    /// The Welcome it had: its rank and the job's cluster map.
+    pub welcome: Welcome,
+    /// Workers: the tensors declared and answered, as placed now.
+    pub specs: Vec<TensorSpec>,
+    /// Servers: the keys installed here.
+    pub keys: Vec<u32>,
+    /// Workers: the ranks it was told left the job (`PeerLeft`).
+    pub left: Vec<u32>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeclEntry {
     pub name: String,
@@ -205,6 +222,9 @@ impl TensorSpec {
 pub enum Control {
     Register(Register),
     Welcome(Welcome),
+    /// Instead of Register, to a scheduler that restarted: answered with
+    /// the member's Welcome again.
+    Rejoin(Box<Rejoin>),
     Declare {
         req: u32,
         entries: Vec<DeclEntry>,
@@ -381,6 +401,7 @@ impl Control {
         match self {
             Control::Register(_) => MsgType::Register,
             Control::Welcome(_) => MsgType::Welcome,
+            Control::Rejoin(_) => MsgType::Rejoin,
             Control::Declare { .. } => MsgType::Declare,
             Control::Declared { .. } => MsgType::Declared,
             Control::DeclareError { .. } => MsgType::DeclareError,

@@ -106,55 +106,171 @@ fn get_specs(r: &mut Reader) -> Result<Vec<TensorSpec>, ProtocolError> {
     (0..n).map(|_| get_spec(r)).collect()
 }
 
+fn put_register(w: &mut Writer, m: &Register) {
+    w.u8(m.role.to_u8()).i32(m.requested_rank).str(&m.hostname).str(&m.addr);
+    w.u32(m.ports.len() as u32);
+    for &p in &m.ports {
+        w.u16(p);
+    }
+    w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
+    w.i32(m.local_rank).i32(m.local_size).str(&m.rack).u8(m.sum_order.to_u8());
+    let (mode, bound) = m.training.to_wire();
+    w.u8(mode).u32(bound);
+    match &m.elastic {
+        None => {
+            w.u8(0);
+        }
+        Some(e) => {
+            w.u8(1).u32(e.min_workers).u32(e.max_workers).u32(e.initial).i32(e.prev_rank);
+        }
+    }
+}
+
+fn put_welcome(w: &mut Writer, m: &Welcome) {
+    w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
+    w.u32(m.heartbeat_ms).u32(m.stall_ms).u32(m.peer_timeout_ms);
+    w.u32(m.servers.len() as u32);
+    for s in &m.servers {
+        put_server(w, s);
+    }
+    w.u32(m.worker_hosts.len() as u32);
+    for h in &m.worker_hosts {
+        w.str(h);
+    }
+    w.u32(m.worker_local_ranks.len() as u32);
+    for &l in &m.worker_local_ranks {
+        w.u32(l);
+    }
+    w.u64(m.job_id).u8(m.host_reduce as u8).u8(m.failover as u8).u8(m.late as u8);
+    w.u32(m.racks.len() as u32);
+    for r in &m.racks {
+        w.str(r);
+    }
+    w.u32(m.worker_racks.len() as u32);
+    for &r in &m.worker_racks {
+        w.u32(r);
+    }
+    w.u8(m.rack_reduce as u8);
+}
+
+fn get_register(r: &mut Reader) -> Result<Register, ProtocolError> {
+    let role = Role::from_u8(r.u8("role")?)?;
+    let requested_rank = r.i32("requested_rank")?;
+    let hostname = r.str("hostname")?;
+    let addr = r.str("addr")?;
+    let n = r.count("ports", 2)?;
+    let ports = (0..n).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
+    let colocated = r.u8("colocated")? != 0;
+    let num_workers = r.u32("num_workers")?;
+    let num_servers = r.u32("num_servers")?;
+    let local_rank = r.i32("local_rank")?;
+    let local_size = r.i32("local_size")?;
+    let rack = r.str("rack")?;
+    let order = r.u8("sum_order")?;
+    let sum_order =
+        SumOrder::from_u8(order).ok_or_else(|| ProtocolError::BadPayload(format!("unknown sum order {order}")))?;
+    let (mode, bound) = (r.u8("training mode")?, r.u32("staleness")?);
+    let training = crate::training::Training::from_wire(mode, bound)
+        .ok_or_else(|| ProtocolError::BadPayload(format!("unknown training mode {mode}")))?;
+    let elastic = match r.u8("elastic")? {
+        0 => None,
+        1 => Some(ElasticReg {
+            min_workers: r.u32("min_workers")?,
+            max_workers: r.u32("max_workers")?,
+            initial: r.u32("initial")?,
+            prev_rank: r.i32("prev_rank")?,
+        }),
+        other => return Err(ProtocolError::BadPayload(format!("elastic flag {other}"))),
+    };
+    Ok(Register {
+        role,
+        requested_rank,
+        hostname,
+        addr,
+        ports,
+        colocated,
+        num_workers,
+        num_servers,
+        local_rank,
+        local_size,
+        rack,
+        sum_order,
+        training,
+        elastic,
+    })
+}
+
+fn get_welcome(r: &mut Reader) -> Result<Welcome, ProtocolError> {
+    let rank = r.u32("rank")?;
+    let num_workers = r.u32("num_workers")?;
+    let partition_bytes = r.u32("partition_bytes")?;
+    let heartbeat_ms = r.u32("heartbeat_ms")?;
+    let stall_ms = r.u32("stall_ms")?;
+    let peer_timeout_ms = r.u32("peer_timeout_ms")?;
+    let ns = r.count("servers", 21)?;
+    let mut servers = Vec::with_capacity(ns);
+    for _ in 0..ns {
+        servers.push(get_server(r)?);
+    }
+    let nw = r.count("worker_hosts", 4)?;
+    let worker_hosts: Vec<String> = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;
+    let nl = r.count("worker_local_ranks", 4)?;
+    let worker_local_ranks: Vec<u32> = (0..nl).map(|_| r.u32("local rank")).collect::<Result<_, _>>()?;
+    if nl != nw {
+        return Err(ProtocolError::BadPayload(format!("{nl} local ranks for {nw} workers")));
+    }
+    let job_id = r.u64("job_id")?;
+    let host_reduce = r.u8("host_reduce")? != 0;
+    let failover = r.u8("failover")? != 0;
+    let late = r.u8("late")? != 0;
+    let nr = r.count("racks", 4)?;
+    let racks: Vec<String> = (0..nr).map(|_| r.str("rack")).collect::<Result<_, _>>()?;
+    let nwr = r.count("worker_racks", 4)?;
+    let worker_racks: Vec<u32> = (0..nwr).map(|_| r.u32("worker rack")).collect::<Result<_, _>>()?;
+    let rack_reduce = r.u8("rack_reduce")? != 0;
+    if nwr != nw || worker_racks.iter().any(|&x| x as usize >= nr.max(1)) {
+        return Err(ProtocolError::BadPayload(format!("{nwr} worker racks for {nw} workers in {nr} racks")));
+    }
+    if servers.iter().any(|s| s.rack as usize >= nr.max(1)) {
+        return Err(ProtocolError::BadPayload(format!("a server's rack is not one of the {nr} racks")));
+    }
+    Ok(Welcome {
+        rank,
+        num_workers,
+        partition_bytes,
+        heartbeat_ms,
+        stall_ms,
+        peer_timeout_ms,
+        servers,
+        worker_hosts,
+        worker_local_ranks,
+        job_id,
+        host_reduce,
+        failover,
+        late,
+        racks,
+        worker_racks,
+        rack_reduce,
+    })
+}
+
 impl Control {
     /// Encode into header bytes followed by the payload, ready to write.
     pub fn encode(&self, namespace: u32) -> Vec<u8> {
         let mut w = Writer::new();
         match self {
-            Control::Register(m) => {
-                w.u8(m.role.to_u8()).i32(m.requested_rank).str(&m.hostname).str(&m.addr);
-                w.u32(m.ports.len() as u32);
-                for &p in &m.ports {
-                    w.u16(p);
-                }
-                w.u8(m.colocated as u8).u32(m.num_workers).u32(m.num_servers);
-                w.i32(m.local_rank).i32(m.local_size).str(&m.rack).u8(m.sum_order.to_u8());
-                let (mode, bound) = m.training.to_wire();
-                w.u8(mode).u32(bound);
-                match &m.elastic {
-                    None => {
-                        w.u8(0);
-                    }
-                    Some(e) => {
-                        w.u8(1).u32(e.min_workers).u32(e.max_workers).u32(e.initial).i32(e.prev_rank);
+            Control::Register(m) => put_register(&mut w, m),
+            Control::Welcome(m) => put_welcome(&mut w, m),
+            Control::Rejoin(m) => {
+                put_register(&mut w, &m.register);
+                put_welcome(&mut w, &m.welcome);
+                put_specs(&mut w, &m.specs);
+                for list in [&m.keys, &m.left] {
+                    w.u32(list.len() as u32);
+                    for &k in list {
+                        w.u32(k);
                     }
                 }
-            }
-            Control::Welcome(m) => {
-                w.u32(m.rank).u32(m.num_workers).u32(m.partition_bytes);
-                w.u32(m.heartbeat_ms).u32(m.stall_ms).u32(m.peer_timeout_ms);
-                w.u32(m.servers.len() as u32);
-                for s in &m.servers {
-                    put_server(&mut w, s);
-                }
-                w.u32(m.worker_hosts.len() as u32);
-                for h in &m.worker_hosts {
-                    w.str(h);
-                }
-                w.u32(m.worker_local_ranks.len() as u32);
-                for &l in &m.worker_local_ranks {
-                    w.u32(l);
-                }
-                w.u64(m.job_id).u8(m.host_reduce as u8).u8(m.failover as u8).u8(m.late as u8);
-                w.u32(m.racks.len() as u32);
-                for r in &m.racks {
-                    w.str(r);
-                }
-                w.u32(m.worker_racks.len() as u32);
-                for &r in &m.worker_racks {
-                    w.u32(r);
-                }
-                w.u8(m.rack_reduce as u8);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -266,106 +382,19 @@ impl Control {
     pub fn decode(h: &Header, payload: &[u8]) -> Result<Control, ProtocolError> {
         let mut r = Reader::new(payload);
         let msg = match h.msg_type {
-            MsgType::Register => {
-                let role = Role::from_u8(r.u8("role")?)?;
-                let requested_rank = r.i32("requested_rank")?;
-                let hostname = r.str("hostname")?;
-                let addr = r.str("addr")?;
-                let n = r.count("ports", 2)?;
-                let ports = (0..n).map(|_| r.u16("port")).collect::<Result<_, _>>()?;
-                let colocated = r.u8("colocated")? != 0;
-                let num_workers = r.u32("num_workers")?;
-                let num_servers = r.u32("num_servers")?;
-                let local_rank = r.i32("local_rank")?;
-                let local_size = r.i32("local_size")?;
-                let rack = r.str("rack")?;
-                let order = r.u8("sum_order")?;
-                let sum_order = SumOrder::from_u8(order)
-                    .ok_or_else(|| ProtocolError::BadPayload(format!("unknown sum order {order}")))?;
-                let (mode, bound) = (r.u8("training mode")?, r.u32("staleness")?);
-                let training = crate::training::Training::from_wire(mode, bound)
-                    .ok_or_else(|| ProtocolError::BadPayload(format!("unknown training mode {mode}")))?;
-                let elastic = match r.u8("elastic")? {
-                    0 => None,
-                    1 => Some(ElasticReg {
-                        min_workers: r.u32("min_workers")?,
-                        max_workers: r.u32("max_workers")?,
-                        initial: r.u32("initial")?,
-                        prev_rank: r.i32("prev_rank")?,
-                    }),
-                    other => return Err(ProtocolError::BadPayload(format!("elastic flag {other}"))),
-                };
-                Control::Register(Register {
-                    role,
-                    requested_rank,
-                    hostname,
-                    addr,
-                    ports,
-                    colocated,
-                    num_workers,
-                    num_servers,
-                    local_rank,
-                    local_size,
-                    rack,
-                    sum_order,
-                    training,
-                    elastic,
-                })
-            }
-            MsgType::Welcome => {
-                let rank = r.u32("rank")?;
-                let num_workers = r.u32("num_workers")?;
-                let partition_bytes = r.u32("partition_bytes")?;
-                let heartbeat_ms = r.u32("heartbeat_ms")?;
-                let stall_ms = r.u32("stall_ms")?;
-                let peer_timeout_ms = r.u32("peer_timeout_ms")?;
-                let ns = r.count("servers", 21)?;
-                let mut servers = Vec::with_capacity(ns);
-                for _ in 0..ns {
-                    servers.push(get_server(&mut r)?);
+            MsgType::Register => Control::Register(get_register(&mut r)?),
+            MsgType::Welcome => Control::Welcome(get_welcome(&mut r)?),
+            MsgType::Rejoin => {
+                let register = get_register(&mut r)?;
+                let welcome = get_welcome(&mut r)?;
+                let specs = get_specs(&mut r)?;
+                let mut lists = [Vec::new(), Vec::new()];
+                for (list, what) in lists.iter_mut().zip(["keys", "left"]) {
+                    let n = r.count(what, 4)?;
+                    *list = (0..n).map(|_| r.u32(what)).collect::<Result<_, _>>()?;
                 }
-                let nw = r.count("worker_hosts", 4)?;
-                let worker_hosts: Vec<String> = (0..nw).map(|_| r.str("worker host")).collect::<Result<_, _>>()?;
-                let nl = r.count("worker_local_ranks", 4)?;
-                let worker_local_ranks: Vec<u32> = (0..nl).map(|_| r.u32("local rank")).collect::<Result<_, _>>()?;
-                if nl != nw {
-                    return Err(ProtocolError::BadPayload(format!("{nl} local ranks for {nw} workers")));
-                }
-                let job_id = r.u64("job_id")?;
-                let host_reduce = r.u8("host_reduce")? != 0;
-                let failover = r.u8("failover")? != 0;
-                let late = r.u8("late")? != 0;
-                let nr = r.count("racks", 4)?;
-                let racks: Vec<String> = (0..nr).map(|_| r.str("rack")).collect::<Result<_, _>>()?;
-                let nwr = r.count("worker_racks", 4)?;
-                let worker_racks: Vec<u32> = (0..nwr).map(|_| r.u32("worker rack")).collect::<Result<_, _>>()?;
-                let rack_reduce = r.u8("rack_reduce")? != 0;
-                if nwr != nw || worker_racks.iter().any(|&x| x as usize >= nr.max(1)) {
-                    return Err(ProtocolError::BadPayload(format!(
-                        "{nwr} worker racks for {nw} workers in {nr} racks"
-                    )));
-                }
-                if servers.iter().any(|s| s.rack as usize >= nr.max(1)) {
-                    return Err(ProtocolError::BadPayload(format!("a server's rack is not one of the {nr} racks")));
-                }
-                Control::Welcome(Welcome {
-                    rank,
-                    num_workers,
-                    partition_bytes,
-                    heartbeat_ms,
-                    stall_ms,
-                    peer_timeout_ms,
-                    servers,
-                    worker_hosts,
-                    worker_local_ranks,
-                    job_id,
-                    host_reduce,
-                    failover,
-                    late,
-                    racks,
-                    worker_racks,
-                    rack_reduce,
-                })
+                let [keys, left] = lists;
+                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left }))
             }
             MsgType::Declare => {
                 let req = r.u32("req")?;
