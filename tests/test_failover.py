@@ -247,9 +247,12 @@ def test_fault_campaign_quick_mode(tmp_path):
     assert s["continued_with_server_optimizer"] == s["server_losses_with_server_optimizer"] == s["server_losses"], s
     by = {r["fault"]: r for r in res["trials"]}
     # Lost workers and schedulers are reported everywhere within 3 peer timeouts.
-    for name in ("kill worker", "stop worker", "kill scheduler", "stop scheduler", "raise in worker"):
+    for name in ("kill worker", "stop worker", "stop scheduler", "raise in worker"):
         assert by[name]["outcome"] == "failed, reported"
         assert by[name]["all_down_s"] < 3 * res["peer_timeout"], by[name]
+    # A scheduler killed and started again: every member rejoins, the job goes on.
+    assert by["restart scheduler"]["outcome"] == "continued", by["restart scheduler"]
+    assert by["restart scheduler"]["rejoined_s"] < res["peer_timeout"], by["restart scheduler"]
     # Links reset, bytes flipped, links held, through a proxy: the job goes on.
     for name in ("reset links", "flip bytes", "hold links"):
         assert by[name]["outcome"] == "continued" and "back_s" in by[name], by[name]

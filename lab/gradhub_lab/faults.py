@@ -78,7 +78,9 @@ OPT_SIZE, OPT_LR, OPT_MOMENTUM = 150_000, 0.5, 0.5
 class Fault:
     name: str
     role: str  # worker, server, scheduler, "stranger" (a connection from outside the job), "link" (a server's)
-    action: str  # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts), reset, flip, hold
+    # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts), reset, flip, hold,
+    # restart (killed and started again on its address)
+    action: str
     expect: str  # continue or fail
     count: int = 1  # members hit at once
 
@@ -97,7 +99,7 @@ FAULTS = (
     Fault("stop worker", "worker", "stop", "fail"),
     Fault("pause worker", "worker", "pause", "continue"),
     Fault("raise in worker", "worker", "raise", "fail"),
-    Fault("kill scheduler", "scheduler", "kill", "fail"),
+    Fault("restart scheduler", "scheduler", "restart", "continue"),
     Fault("stop scheduler", "scheduler", "stop", "fail"),
     Fault("pause scheduler", "scheduler", "pause", "continue"),
     Fault("garbage connection", "stranger", "garbage", "continue"),
@@ -179,10 +181,20 @@ class Trial:
     # By server, the proxy its workers reach it through (link faults only).
     proxies: list[Proxy] = field(default_factory=list)
 
-    def spawn(self, name: str, argv: list[str], env: dict) -> None:
-        with open(self.logdir / f"{name}.log", "wb") as f:
+    argv: dict[str, list[str]] = field(default_factory=dict)
+
+    def spawn(self, name: str, argv: list[str], env: dict, append: bool = False) -> None:
+        self.argv[name] = argv
+        with open(self.logdir / f"{name}.log", "ab" if append else "wb") as f:
             self.procs[name] = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT,
                                                 start_new_session=True)
+
+    def restart(self, name: str) -> None:
+        """Kill `name` (SIGKILL) and start it again as it was; its log goes on."""
+        _signal(self.procs[name], signal.SIGKILL)
+        self.procs[name].wait()
+        self.exited.pop(name, None)
+        self.spawn(name, self.argv[name], self.env, append=True)
 
     def log(self, name: str) -> str:
         try:
@@ -310,6 +322,14 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         if fault.action in ("kill", "stop", "pause", "stall"):
             for x in targets:
                 _signal(t.procs[x], signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
+        elif fault.action == "restart":
+            # Killed; started again on its address at a random moment within
+            # the peer timeout (the members dial it that long).
+            _signal(t.procs["scheduler"], signal.SIGKILL)
+            t.procs["scheduler"].wait()
+            time.sleep(rng.uniform(0.1, 0.6) * peer_timeout)
+            t.restart("scheduler")
+            fault_at = time.monotonic()  # back to training is counted from its return
         elif fault.role == "stranger":
             where = rng.choice([("scheduler", port)] + [(f"server{s}", p) for s, p in enumerate(sports)])
             targets = [where[0]]
@@ -356,7 +376,7 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         resume_at = None if resume_at is None else fault_at + peer_timeout * resume_at
         # Bound: 3 peer timeouts for the fault to be reported everywhere, plus the rest of the job's run.
         bound = fault_at + 3 * peer_timeout + 30
-        report_at = takeover_at = back_at = None
+        report_at = takeover_at = back_at = rejoined_at = None
         lost_server = fault.role == "server" and fault.action in ("kill", "stop", "stall")
         steps_at_fault = t.log("worker0").count("STEP ")
         while True:
@@ -375,6 +395,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 report_at = now
             if lost_server and takeover_at is None and t.log("scheduler").count("taken over") >= len(targets):
                 takeover_at = now
+            if fault.action == "restart" and rejoined_at is None and "job rebuilt" in t.log("scheduler"):
+                rejoined_at = now
             if not running or now > bound:
                 break
             time.sleep(0.02)
@@ -399,6 +421,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         if fault.expect == "continue":
             if back_at is not None:
                 res["back_s"] = back_at - fault_at
+            if rejoined_at is not None:
+                res["rejoined_s"] = rejoined_at - fault_at
             ok = len(passed) == WORKERS and not failed and not hung and res.get("joined", True)
             outcome = "continued" if ok else "failed" if failed else "incomplete"
         else:

@@ -64,7 +64,15 @@ pub(super) struct Declarations {
     next_key: u32,
     /// Declarations a worker waits to have answered.
     pending: Vec<PendingReq>,
+    /// Rebuilt by a scheduler that restarted (`rejoin`): a worker may
+    /// release a tensor this scheduler has not heard of yet (its holders
+    /// rejoin later), recorded here by key until one reports it.
+    rebuilt: bool,
+    early: HashMap<u32, Vec<u32>>,
 }
+
+/// At most this many keys released early (`Declarations::early`).
+const EARLY_RELEASES: usize = 1 << 16;
 
 /// Released keys sent to the servers at once, without waiting for the next
 /// install or heartbeat (which take them along: one wake-up of a server for
@@ -254,6 +262,7 @@ impl Declarations {
     /// worker whose tensor disagrees with another's of the same name.
     pub fn rejoin(&mut self, rank: u32, num_workers: u32, specs: &[TensorSpec]) -> Result<(), String> {
         let n = num_workers as usize;
+        self.rebuilt = true;
         for s in specs {
             let d = match self.decls.get_mut(&s.name) {
                 Some(d) => d,
@@ -294,6 +303,7 @@ impl Declarations {
     /// declaration installed but not answered before the restart, which
     /// its workers declare again) are freed (`rebuilt`).
     pub fn server_keys(&mut self, keys: &[u32]) {
+        self.rebuilt = true;
         for &k in keys {
             self.next_key = self.next_key.max(k.saturating_add(1));
             if !self.by_key.contains_key(&k) && !self.to_free.contains(&k) {
@@ -329,6 +339,18 @@ impl Declarations {
     pub fn release(&mut self, rank: u32, num_workers: u32, keys: Vec<u32>) -> Result<bool, String> {
         let n = num_workers as usize;
         for key in keys {
+            if self.rebuilt && !self.retiring.contains_key(&key) && !self.by_key.contains_key(&key) {
+                // Released before its holders rejoined (or freed already).
+                let by = self.early.entry(key).or_default();
+                if by.contains(&rank) {
+                    return Err(format!("worker {rank} released tensor key {key} twice"));
+                }
+                by.push(rank);
+                if self.early.len() > EARLY_RELEASES {
+                    return Err(format!("over {EARLY_RELEASES} tensors released that no worker holds"));
+                }
+                continue;
+            }
             if !self.retiring.contains_key(&key) {
                 let installed =
                     self.by_key.get(&key).and_then(|name| self.decls.get(name)).is_some_and(|d| d.installed);
@@ -337,7 +359,13 @@ impl Declarations {
                     Some(spec) if installed => spec,
                     _ => return Err(format!("worker {rank} released tensor key {key}, which is not in use")),
                 };
-                self.retiring.insert(key, Retiring { spec, released_by: vec![false; n] });
+                let mut released_by = vec![false; n];
+                for r in self.early.remove(&key).unwrap_or_default() {
+                    if let Some(b) = released_by.get_mut(r as usize) {
+                        *b = true;
+                    }
+                }
+                self.retiring.insert(key, Retiring { spec, released_by });
             }
             let Some(r) = self.retiring.get_mut(&key) else { continue };
             if std::mem::replace(&mut r.released_by[rank as usize], true) {
@@ -534,6 +562,52 @@ pub(super) mod tests {
         assert!(matches!(&a[0].1, Control::Declared { req: 9, specs } if specs.len() == 3));
         assert!(matches!(&a[1].1, Control::Declared { req: 7, specs } if specs.len() == 2));
         assert_eq!(d.held(), (2, (40 + 3) * 4));
+    }
+
+    #[test]
+    fn a_restarted_scheduler_rebuilds_the_declarations_from_what_the_members_report() {
+        // The first scheduler: three tensors, one released by worker 1 only.
+        let (cfg, mut first) = job(2, &servers(2, 1));
+        let specs = declare_all(&cfg, &mut first, &[entry("a", 40), entry("b", 3), entry("c", 17)]);
+        let (a, b, c) = (specs[0].clone(), specs[1].clone(), specs[2].clone());
+        // The restarted one: worker 0 holds all three, worker 1 had its
+        // answer for "b" lost (it will declare it again) and released "c".
+        let (_, mut d) = job(2, &servers(2, 1));
+        d.rejoin(0, 2, &specs).unwrap();
+        d.rejoin(1, 2, &[a.clone()]).unwrap();
+        // A server holds a key no worker has: installed, never answered.
+        d.server_keys(&[a.key, b.key, c.key, 9]);
+        d.rebuilt();
+        assert_eq!(d.take_to_free(), [9]);
+        // Worker 1 declares "b" again: answered at once with the same placement.
+        assert!(d.declare(&cfg, 1, 4, vec![entry("b", 3)]).unwrap().is_empty());
+        let got = answers(&mut d);
+        assert!(matches!(&got[..], [(1, Control::Declared { req: 4, specs })] if specs == &[b.clone()]), "{got:?}");
+        // New tensors take keys above every key reported, placed as the
+        // first scheduler would have (its placer counted them all).
+        let next = declare_all(&cfg, &mut d, &[entry("d", 30)]).remove(0);
+        let want = declare_all(&cfg, &mut first, &[entry("d", 30)]).remove(0);
+        assert_eq!(next.key, 10);
+        assert_eq!(TensorSpec { key: 10, ..want }, next);
+        // "c": worker 0 releases it, and worker 1's release reached the old
+        // scheduler only: held until the job ends (documented), not an error.
+        assert!(!d.release(0, 2, vec![c.key]).unwrap());
+        assert!(d.take_to_free().is_empty());
+        // A release of a key nobody reported yet waits for its holder.
+        let (_, mut e) = job(2, &servers(2, 1));
+        e.rejoin(1, 2, &[]).unwrap();
+        e.release(1, 2, vec![a.key]).unwrap();
+        assert!(e.release(1, 2, vec![a.key]).unwrap_err().contains("twice"));
+        e.rejoin(0, 2, &[a.clone()]).unwrap();
+        e.release(0, 2, vec![a.key]).unwrap();
+        assert_eq!(e.take_to_free(), [a.key]);
+        // Workers that disagree on a tensor's placement are named.
+        let mut moved = a.clone();
+        moved.slots.reverse();
+        moved.slots[0] ^= 1;
+        let (_, mut f) = job(2, &servers(2, 1));
+        f.rejoin(0, 2, &[a]).unwrap();
+        assert!(f.rejoin(1, 2, &[moved]).unwrap_err().contains("placed unlike worker 0's"));
     }
 
     #[test]

@@ -317,13 +317,14 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         relay: welcome.rack_reduce.then_some((my_rack, layout.relay_id(first_slot))),
         made_up: HashSet::new(),
     };
-    // The keys installed here, for a scheduler that restarts (`Rejoin`).
-    let held: Arc<std::sync::Mutex<HashSet<u32>>> = Arc::default();
+    // For a scheduler that restarts (`Rejoin`): the keys installed here,
+    // and the workers that left.
+    let held: Arc<std::sync::Mutex<Held>> = Arc::default();
     {
         let held = held.clone();
-        session.on_rejoin(move || crate::session::Report {
-            keys: held.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect(),
-            ..Default::default()
+        session.on_rejoin(move || {
+            let h = held.lock().unwrap_or_else(|e| e.into_inner());
+            crate::session::Report { keys: h.keys.iter().copied().collect(), left: h.left.clone(), specs: Vec::new() }
         });
     }
     let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links, &held);
@@ -368,6 +369,13 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     result
 }
 
+/// What a server tells a scheduler that restarted (`Rejoin`).
+#[derive(Default)]
+struct Held {
+    keys: HashSet<u32>,
+    left: Vec<u32>,
+}
+
 /// Serve the scheduler's requests until the job ends.
 fn control_loop(
     session: &mut Session,
@@ -375,15 +383,15 @@ fn control_loop(
     wakers: &[Arc<Waker>],
     segments: &mut Segments,
     links: &mut Links,
-    held: &std::sync::Mutex<HashSet<u32>>,
+    held: &std::sync::Mutex<Held>,
 ) -> Result<(), ServerError> {
     let sender = session.sender();
     let hold = |keys: &mut dyn Iterator<Item = u32>, on: bool| {
         let mut h = held.lock().unwrap_or_else(|e| e.into_inner());
         for k in keys {
             match on {
-                true => h.insert(k),
-                false => h.remove(&k),
+                true => h.keys.insert(k),
+                false => h.keys.remove(&k),
             };
         }
     };
@@ -445,7 +453,10 @@ fn control_loop(
                 to_threads(&mut |_| ThreadCmd::Release(keys.clone()))?;
             }
             Control::Shutdown => return Ok(()),
-            Control::PeerLeft { rank } => to_threads(&mut |_| ThreadCmd::Left(rank))?,
+            Control::PeerLeft { rank } => {
+                held.lock().unwrap_or_else(|e| e.into_inner()).left.push(rank);
+                to_threads(&mut |_| ThreadCmd::Left(rank))?
+            }
             Control::PeerLost { role, rank: r, reason } => {
                 return Err(ServerError::JobFailed(format!("{} {r} lost: {reason}", role.name())))
             }

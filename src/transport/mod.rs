@@ -111,12 +111,15 @@ pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> 
     authenticate(stream, addr, timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(5)), secret)
 }
 
-/// One attempt: connect within `attempt`, then the handshake within 5 s
-/// (mending a link dials in short attempts, see `client::io::mend`).
+/// One attempt: connect within `attempt`, then the handshake within
+/// `attempt` or a second, whichever is longer (mending a link and
+/// rejoining a scheduler dial in short attempts, see `client::io::mend` and
+/// `session`: a listener that accepts and then says nothing, e.g. one
+/// frozen, must not hold an attempt long past its time).
 pub fn connect_authenticated_once(addr: &str, attempt: Duration, secret: &Secret) -> io::Result<TcpStream> {
     let stream = resolve(addr).and_then(|a| TcpStream::connect_timeout(&a, attempt))?;
     stream.set_nodelay(true)?;
-    authenticate(stream, addr, LINK_SILENCE, secret)
+    authenticate(stream, addr, attempt.max(Duration::from_secs(1)), secret)
 }
 
 /// How long a data link may be silent (nothing acknowledged) before its
