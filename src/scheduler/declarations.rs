@@ -574,7 +574,7 @@ pub(super) mod tests {
         // answer for "b" lost (it will declare it again) and released "c".
         let (_, mut d) = job(2, &servers(2, 1));
         d.rejoin(0, 2, &specs).unwrap();
-        d.rejoin(1, 2, &[a.clone()]).unwrap();
+        d.rejoin(1, 2, std::slice::from_ref(&a)).unwrap();
         // A server holds a key no worker has: installed, never answered.
         d.server_keys(&[a.key, b.key, c.key, 9]);
         d.rebuilt();
