@@ -582,7 +582,10 @@ pub(super) mod tests {
         // Worker 1 declares "b" again: answered at once with the same placement.
         assert!(d.declare(&cfg, 1, 4, vec![entry("b", 3)]).unwrap().is_empty());
         let got = answers(&mut d);
-        assert!(matches!(&got[..], [(1, Control::Declared { req: 4, specs })] if specs == &[b.clone()]), "{got:?}");
+        assert!(
+            matches!(&got[..], [(1, Control::Declared { req: 4, specs })] if specs == std::slice::from_ref(&b)),
+            "{got:?}"
+        );
         // New tensors take keys above every key reported, placed as the
         // first scheduler would have (its placer counted them all).
         let next = declare_all(&cfg, &mut d, &[entry("d", 30)]).remove(0);
