@@ -601,7 +601,7 @@ pub(super) mod tests {
         e.rejoin(1, 2, &[]).unwrap();
         e.release(1, 2, vec![a.key]).unwrap();
         assert!(e.release(1, 2, vec![a.key]).unwrap_err().contains("twice"));
-        e.rejoin(0, 2, &[a.clone()]).unwrap();
+        e.rejoin(0, 2, std::slice::from_ref(&a)).unwrap();
         e.release(0, 2, vec![a.key]).unwrap();
         assert_eq!(e.take_to_free(), [a.key]);
         // Workers that disagree on a tensor's placement are named.
