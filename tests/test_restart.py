@@ -4,7 +4,14 @@ rebuilt from what they report, and training ends with exact sums; one that
 does not come back fails the job within the peer timeout, named. Roles
 started by hand."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+
+from conftest import free_port, job_env, worker_argv
 
 
 def started(cluster_factory, rounds=60, **kw):
@@ -63,3 +70,45 @@ def test_a_restarted_scheduler_waits_for_every_member_and_names_the_one_missing(
     assert c.procs["scheduler"].wait(timeout=30) != 0, c.log("scheduler")
     assert "worker 1 did not rejoin within 4.0s" in c.log("scheduler"), c.log("scheduler")
     assert c.procs["worker0"].wait(timeout=30) != 0, c.log("worker0")
+
+
+def _pids_of(needle: bytes) -> list[int]:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+def test_gradhub_launch_starts_a_killed_scheduler_again_and_the_job_succeeds():
+    port = free_port()
+    argv = [sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--port", str(port), "--",
+            *worker_argv("restart.py")]
+    cfg = {"rounds": 60, "sleep": 0.03, "declare_every": 15}
+    p = subprocess.Popen(argv, env=job_env(GH_TEST=json.dumps(cfg)), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+    out = b""
+    try:
+        assert p.stdout is not None
+        while b"ROUND 3" not in out:
+            line = p.stdout.readline()
+            assert line, out.decode(errors="replace")
+            out += line
+        sched = _pids_of(f"scheduler\x00--bind\x00127.0.0.1:{port}".encode())
+        assert len(sched) == 1, sched
+        os.kill(sched[0], signal.SIGKILL)
+        rest, _ = p.communicate(timeout=120)
+        out += rest
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = out.decode(errors="replace")
+    assert p.returncode == 0, text[-6000:]
+    assert "was killed by SIGKILL; starting it again on its address" in text, text[-6000:]
+    assert "[worker 0] PASS" in text and "[worker 1] PASS" in text, text[-6000:]
+    assert "job rebuilt: all its 3 members rejoined" in text, text[-6000:]

@@ -38,6 +38,7 @@ class Proc:
     def __init__(self, label: str, argv: list[str], env: dict[str, str], stdin: int = subprocess.DEVNULL):
         self.label = label
         self.role = label.replace("@", " ").split()[0]  # scheduler, server or worker: labels start with it
+        self._argv, self._env, self._stdin = argv, env, stdin
         self.rc: int | None = None
         self.seq: int | None = None
         self.exited = threading.Event()
@@ -50,6 +51,10 @@ class Proc:
         self.pump = threading.Thread(target=pump.run, daemon=True)
         self.pump.start()
         threading.Thread(target=self._wait, daemon=True).start()
+
+    def again(self) -> Proc:
+        """The same process started anew (a scheduler that was killed: `supervise`)."""
+        return Proc(self.label, self._argv, self._env, self._stdin)
 
     def _renamed(self, label: str) -> None:
         self.label = label
@@ -101,6 +106,28 @@ def stop_procs(procs: list[Proc], grace: float = 5.0) -> None:
 
 # Seconds to let the rest of a failed job exit before naming its culprit.
 SETTLE_S = 3.0
+
+# Times a job's scheduler killed by a signal is started again (its members
+# rejoin it within the peer timeout: src/scheduler/rejoin.rs).
+SCHEDULER_RESTARTS = 3
+
+
+def killed(rc: int) -> bool:
+    """Whether an exit status is a death by a signal (here, or over ssh: 128 + it)."""
+    return rc < 0 or rc > 128
+
+
+def restart_scheduler(procs: list[Proc], tool: str, left: list[int]) -> None:
+    """A job's scheduler killed by a signal (an OOM kill, a preemption) is
+    started again on its address, at most `left[0]` more times; one that
+    exited by itself (the job failed: 1) is not."""
+    for i, p in enumerate(procs):
+        if p.role == "scheduler" and p.rc is not None and killed(p.rc) and left[0] > 0:
+            left[0] -= 1
+            print(f"{tool}: {p.label} {describe(p.rc)}; starting it again on its address (the members rejoin it)",
+                  file=sys.stderr, flush=True)
+            p.pump.join(timeout=2)
+            procs[i] = p.again()
 
 
 def first_failure(procs: list[Proc]) -> Proc | None:
@@ -229,13 +256,17 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
 
     losses = (Losses(workers, min_workers, start_replacement if replace is not None else None, max_workers,
                      retired) if min_workers is not None else None)
+    restarts = [SCHEDULER_RESTARTS if min_workers is None else 0]  # a shared service takes no rejoins
     with stopped_on_signals(procs):
         while True:
             if tick is not None:
                 tick()
+            restart_scheduler(procs, tool, restarts)
             if losses is not None:
                 losses.update(tool)
-            live = [p for p in procs if losses is None or p not in losses.lost]
+            # (A scheduler killed since `restart_scheduler` looked starts again on the next turn.)
+            live = [p for p in procs if (losses is None or p not in losses.lost)
+                    and not (p.role == "scheduler" and p.rc is not None and killed(p.rc) and restarts[0] > 0)]
             if first_failure(live) is not None:
                 fatal = losses.fatal if losses is not None else None
                 if fatal is None:

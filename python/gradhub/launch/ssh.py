@@ -106,7 +106,11 @@ class RemoteProc(Proc):
     def __init__(self, label: str, ssh: Ssh, host: str, argv: list[str], env: dict[str, str]):
         super().__init__(label, ssh.command(host), dict(os.environ), stdin=subprocess.PIPE)
         self._stdin_lock = threading.Lock()
+        self._remote = (ssh, host, argv, env)
         self._tell(_job_line(env, argv))
+
+    def again(self) -> RemoteProc:
+        return RemoteProc(self.label, *self._remote)
 
     def _tell(self, data: bytes | None) -> None:
         """Write `data` to the bootstrap; None: close its stdin (it kills the process)."""
