@@ -131,6 +131,7 @@ impl Joining {
             away: Mutex::new(None),
             back: Condvar::new(),
             peer_timeout,
+            gone: AtomicBool::new(false),
         });
         let comeback = Comeback { addr: self.addr, secret: self.secret, register: reg, report: Mutex::new(None) };
         let period = Duration::from_millis(welcome.heartbeat_ms.max(10) as u64);
@@ -196,6 +197,8 @@ struct Link {
     away: Mutex<Option<Instant>>,
     back: Condvar,
     peer_timeout: Duration,
+    /// The scheduler was lost and did not come back: nothing waits for it.
+    gone: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -205,6 +208,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Link {
     fn send(&self, msg: &Control) -> Result<(), SessionError> {
         let mut w = lock(&self.writer);
+        if self.gone.load(Ordering::SeqCst) {
+            return Err(SessionError::Send(std::io::Error::other("the scheduler was lost and did not come back")));
+        }
         let request = matches!(msg, Control::Declare { .. } | Control::Barrier { .. });
         if request {
             lock(&self.asked).push(msg.clone());
@@ -254,9 +260,17 @@ impl Link {
         Ok(())
     }
 
-    /// Whether a lost scheduler is dialled again (not while closing).
+    /// Whether a lost scheduler is dialled again (not while closing, nor
+    /// once given up).
     fn comeback_possible(&self) -> bool {
-        !self.closing.load(Ordering::SeqCst)
+        !self.closing.load(Ordering::SeqCst) && !self.gone.load(Ordering::SeqCst)
+    }
+
+    /// The scheduler did not come back: whoever waits for it stops.
+    fn give_up(&self) {
+        let _away = lock(&self.away);
+        self.gone.store(true, Ordering::SeqCst);
+        self.back.notify_all();
     }
 
     /// The scheduler answered a request: it is not sent again.
@@ -275,14 +289,14 @@ impl Link {
     fn wait_back(&self, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
         let mut away = lock(&self.away);
-        while away.is_some() {
+        while away.is_some() && !self.gone.load(Ordering::SeqCst) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
             away = self.back.wait_timeout(away, left).unwrap_or_else(|e| e.into_inner()).0;
         }
-        true
+        away.is_none()
     }
 }
 
@@ -317,7 +331,7 @@ impl SessionSender {
     /// Say goodbye (workers) and close: stops the heartbeats and makes a
     /// pending `recv` return. Safe to call more than once.
     pub fn close(&self, goodbye: bool) {
-        if goodbye && !self.closing() && !self.0.wait_back(self.0.peer_timeout) {
+        if goodbye && !self.closing() && !self.0.gone.load(Ordering::SeqCst) && !self.0.wait_back(self.0.peer_timeout) {
             log::warn!(target: "session", "the scheduler did not come back for this worker's goodbye");
         }
         if self.0.closing.swap(true, Ordering::SeqCst) {
@@ -414,7 +428,10 @@ impl Session {
             if !self.link.comeback_possible() || lock(&self.comeback.report).is_none() {
                 return Err(lost);
             }
-            self.rejoin(lost)?;
+            if let Err(e) = self.rejoin(lost) {
+                self.link.give_up();
+                return Err(e);
+            }
         }
     }
 

@@ -83,9 +83,14 @@ pub const FLAG_ASYNC: u16 = 8;
 /// it is sent again, so a push already counted is only acknowledged and a
 /// round already complete is answered with its result (never summed twice).
 pub const FLAG_RESENT: u16 = 16;
+/// Flag bit, on an Error from a server: it is leaving the job (its session
+/// with the scheduler ended: written off, or the scheduler lost), so a
+/// worker whose job fails over waits for the scheduler's word instead of
+/// failing on this one (`client::io::receive`).
+pub const FLAG_LEAVING: u16 = 32;
 /// The flags of one push alone, not of the round it is part of.
 pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

@@ -243,6 +243,11 @@ impl Members {
                     t.job_id
                 )))
             }
+            Some(_) if self.rebuild.is_none() && role == Role::Server && !self.servers().any(|m| m.rank == rank) => {
+                return Err(Refusal::Late(format!(
+                    "server {rank} was written off (lost: its chunks moved to the other servers); it is out of the job"
+                )))
+            }
             Some(_) if self.rebuild.is_none() => {
                 return Err(Refusal::Late(format!(
                     "{} {rank} rejoins, but this scheduler has all its members (it did not restart)",

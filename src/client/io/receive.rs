@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::flow::Route;
 use super::links::LinkState;
 use super::thread::IoCore;
-use crate::protocol::{decode_stall, Header, MsgType};
+use crate::protocol::{decode_stall, Header, MsgType, ReadError, FLAG_LEAVING};
 use crate::transport::{ConnError, Drain, Frame};
 
 /// Where an incoming result goes: chunk `chunk` of tensor `key`, `len`
@@ -154,6 +154,12 @@ impl IoCore {
         }
         if hdr.msg_type == MsgType::Error {
             let msg = format!("server reported an error: {}", String::from_utf8_lossy(&buf));
+            if hdr.flags & FLAG_LEAVING != 0 && self.io.failover.on {
+                // Out of the job (written off): its chunks move, as the
+                // scheduler says; till then, a link that broke.
+                log::warn!(target: &format!("worker {}", self.io.rank), "{}: {msg}", self.io.send.conns[i].desc());
+                return Err(ConnError::Read(ReadError::Closed));
+            }
             // The server refused this worker (e.g. a round that can never
             // complete): the scheduler may not know, so tell it.
             let io = &self.io;

@@ -205,6 +205,7 @@ impl ServerThread {
                 };
                 let mut h = Header::new(MsgType::Error);
                 h.namespace = if authed { self.cfg.namespace } else { 0 };
+                h.flags = self.farewell;
                 h.payload_len = msg.len() as u32;
                 c.link.write_last_words(&encode_frame(&h, msg.as_bytes()));
             }

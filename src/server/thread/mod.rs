@@ -75,7 +75,7 @@ use super::replica::Replicas;
 use crate::host::SharedTensor;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
-use crate::protocol::{DType, OptConfig, ProtocolError, ReadError, TensorSpec};
+use crate::protocol::{DType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_LEAVING};
 use crate::transport::{AcceptErrors, ConnError, Drain};
 use conns::Conn;
 use sum::Chunk;
@@ -114,8 +114,12 @@ pub enum ThreadCmd {
     Stop,
     /// Worker `rank` left the job cleanly while others go on.
     Left(u32),
-    /// The job failed: tell every connected worker why, then exit.
-    Abort(String),
+    /// The job failed, or this server is out of it (`leaving`: its session
+    /// with the scheduler ended): tell every connected worker why, then exit.
+    Abort {
+        why: String,
+        leaving: bool,
+    },
     /// A link to the replica at this slot, dialled again (`relink`).
     Relinked(u32, std::net::TcpStream, String),
 }
@@ -164,6 +168,9 @@ pub struct ServerThread {
     cmds: Receiver<ThreadCmd>,
     conns: HashMap<usize, Conn>,
     next_token: usize,
+    /// Flags of the Error frames sent as connections close (`FLAG_LEAVING`
+    /// once this server is out of the job).
+    farewell: u16,
     worker_conn: Vec<Option<usize>>,
     chunks: Vec<Chunk>,
     index: HashMap<(u32, u32), usize>,
@@ -223,6 +230,7 @@ impl ServerThread {
             conns: HashMap::new(),
             next_token: FIRST_CONN,
             worker_conn: vec![None; n],
+            farewell: 0,
             chunks: Vec::new(),
             index: HashMap::new(),
             names: HashMap::new(),
@@ -344,8 +352,11 @@ impl ServerThread {
             ThreadCmd::Stop => return false,
             ThreadCmd::Left(rank) => self.on_left(rank),
             ThreadCmd::Relinked(slot, stream, name) => self.relinked(slot, stream, &name),
-            ThreadCmd::Abort(why) => {
+            ThreadCmd::Abort { why, leaving } => {
                 self.cfg.relink = None; // nothing to mend any more
+                if leaving {
+                    self.farewell = FLAG_LEAVING;
+                }
                 let tokens: Vec<usize> = self.conns.keys().copied().collect();
                 for t in tokens {
                     self.close(t, &why);
