@@ -93,6 +93,8 @@ pub(super) struct SendHalf {
     /// made again), and then it must not go (its op, and the buffer it
     /// reads, may be gone).
     pub(super) resent: HashSet<(u32, u32)>,
+    /// How many times this link was mended.
+    pub(super) mends: u32,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}

@@ -191,6 +191,7 @@ impl IoCore {
             st.quiet_callers = 0;
             st.detached.clear();
             st.resent.clear();
+            st.mends += 1;
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key, hello.flags) = (io.namespace, io.rank, FLAG_RESENT);
             st.heap.push(super::flow::SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
