@@ -77,6 +77,7 @@ pub struct Report {
     pub specs: Vec<TensorSpec>,
     pub keys: Vec<u32>,
     pub left: Vec<u32>,
+    pub barriers: u32,
 }
 
 type Reporter = Box<dyn Fn() -> Report + Send + Sync>;
@@ -490,6 +491,7 @@ impl Session {
             specs: report.specs,
             keys: report.keys,
             left: report.left,
+            barriers: report.barriers,
         }));
         let ns = self.link.namespace;
         s.set_read_timeout(Some(self.peer_timeout)).map_err(SessionError::Setup)?;

@@ -27,6 +27,9 @@ pub(super) fn control_loop(shared: Arc<Shared>, mut session: Session) {
                     }
                 }
                 let waiter = shared.table().waiters.remove(&req);
+                if waiter.is_none() && shared.knows(&specs) {
+                    continue; // answered again: a request re-sent after its answer was lost
+                }
                 shared.on_declared(specs.clone());
                 if let Some(Waiter::Sync(tx)) = waiter {
                     let _ = tx.send(Ok(specs));

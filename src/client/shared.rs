@@ -171,12 +171,21 @@ impl Shared {
         }
     }
 
+    /// Whether every one of `specs` is in the table already, as it is.
+    pub(super) fn knows(&self, specs: &[TensorSpec]) -> bool {
+        let t = self.table();
+        specs.iter().all(|s| t.specs.get(&s.name).is_some_and(|have| **have == *s))
+    }
+
     /// What this worker tells a scheduler that restarted: its tensors as
     /// placed now, and the workers that left.
     pub(super) fn rejoin_report(&self) -> crate::session::Report {
         let t = self.table();
         let specs = t.specs.values().map(|s| TensorSpec::clone(s)).collect();
-        crate::session::Report { specs, keys: Vec::new(), left: t.gone.clone() }
+        // Barriers below the first one waited on (or below the next) were passed.
+        let next = self.next_barrier.load(std::sync::atomic::Ordering::Relaxed);
+        let barriers = t.barriers.keys().copied().min().unwrap_or(next);
+        crate::session::Report { specs, keys: Vec::new(), left: t.gone.clone(), barriers }
     }
 
     pub(super) fn send_ctrl(&self, msg: &Control) -> Result<(), SessionError> {

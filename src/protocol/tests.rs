@@ -370,6 +370,7 @@ fn sample_controls() -> Vec<Control> {
             },
             keys: (0..i as u32 * 3).collect(),
             left: vec![u32::MAX, 0][..i.min(2)].to_vec(),
+            barriers: [0, 7, u32::MAX][i % 3],
         })));
     }
     all
@@ -623,9 +624,11 @@ fn header_rejects_unknown_type() {
 
 #[test]
 fn header_rejects_unknown_flag_bits() {
-    // Bit 0 is FLAG_AVERAGE, bit 1 FLAG_INIT, bit 2 FLAG_ZEROS, bit 3 FLAG_ASYNC, bit 4 FLAG_RESENT.
-    assert_eq!((FLAG_INIT, FLAG_ZEROS, crate::protocol::FLAG_ASYNC, crate::protocol::FLAG_RESENT), (2, 4, 8, 16));
-    for bit in 5..16 {
+    // Bit 0 is FLAG_AVERAGE, bit 1 FLAG_INIT, bit 2 FLAG_ZEROS, bit 3 FLAG_ASYNC, bit 4 FLAG_RESENT,
+    // bit 5 FLAG_LEAVING.
+    use crate::protocol::{FLAG_ASYNC, FLAG_LEAVING, FLAG_RESENT};
+    assert_eq!((FLAG_INIT, FLAG_ZEROS, FLAG_ASYNC, FLAG_RESENT, FLAG_LEAVING), (2, 4, 8, 16, 32));
+    for bit in 6..16 {
         let flags = 1u16 << bit;
         let mut b = valid_header_bytes();
         b[4..6].copy_from_slice(&flags.to_le_bytes());

@@ -223,7 +223,10 @@ impl Declarations {
             }
             names.push(e.name);
         }
-        self.pending.push(PendingReq { rank, req, names });
+        // A request sent again (its answer lost with a link) is answered once.
+        if !self.pending.iter().any(|p| p.rank == rank && p.req == req) {
+            self.pending.push(PendingReq { rank, req, names });
+        }
         let mut specs = Vec::new();
         for name in newly_complete {
             let key = self.next_key;

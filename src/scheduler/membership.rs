@@ -30,6 +30,10 @@ pub(super) struct Members {
     /// The member created for each registration slot, in join order.
     by_slot: Vec<Arc<Member>>,
     barriers: HashMap<u32, HashSet<u32>>,
+    /// Barriers below this one completed (every worker numbers its barriers
+    /// alike): one entered again (re-sent after its answer was lost with a
+    /// link or a scheduler) is answered at once.
+    passed: u32,
     said_goodbye: HashSet<u32>,
     /// Every server the job has had, lost ones included, by rank (slots
     /// are numbered over all of them), and the Welcome every member got
@@ -163,6 +167,12 @@ impl Members {
     /// A worker entered barrier `id`; the last one releases everyone.
     /// Returns why the job fails instead, if it must.
     pub fn enter_barrier(&mut self, rank: u32, id: u32, num_workers: u32, ns: u32) -> Result<(), String> {
+        if id < self.passed {
+            if let Some(m) = self.worker(rank) {
+                m.send(&Control::BarrierDone { id }, ns);
+            }
+            return Ok(());
+        }
         let set = self.barriers.entry(id).or_default();
         set.insert(rank);
         if let Some(gone) = self.said_goodbye.iter().find(|r| !set.contains(r)) {
@@ -173,6 +183,7 @@ impl Members {
         }
         if set.len() == num_workers as usize {
             self.barriers.remove(&id);
+            self.passed = self.passed.max(id.saturating_add(1));
             for m in self.workers() {
                 m.send(&Control::BarrierDone { id }, ns);
             }
@@ -264,6 +275,7 @@ impl Members {
             self.said_goodbye.insert(r);
             rb.missing.remove(&(0, r));
         }
+        self.passed = self.passed.max(rj.barriers);
         let member = Arc::new(Member::new(role, rank, peer, stream));
         if !member.send(&Control::Welcome(rj.welcome.clone()), ns) {
             log::warn!(target: "scheduler", "cannot send the welcome to {}", member.describe());

@@ -104,7 +104,7 @@ mod tests {
             training: Default::default(),
             elastic: None,
         };
-        Rejoin { register, welcome, specs: vec![], keys: vec![], left: vec![] }
+        Rejoin { register, welcome, specs: vec![], keys: vec![], left: vec![], barriers: 0 }
     }
 
     #[test]

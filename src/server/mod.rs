@@ -324,7 +324,12 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
         let held = held.clone();
         session.on_rejoin(move || {
             let h = held.lock().unwrap_or_else(|e| e.into_inner());
-            crate::session::Report { keys: h.keys.iter().copied().collect(), left: h.left.clone(), specs: Vec::new() }
+            crate::session::Report {
+                keys: h.keys.iter().copied().collect(),
+                left: h.left.clone(),
+                specs: Vec::new(),
+                barriers: 0,
+            }
         });
     }
     let result = control_loop(&mut session, &cmd_txs, &wakers, &mut segments, &mut links, &held);

@@ -145,6 +145,11 @@ fn barrier_completes_only_when_every_worker_entered() {
             assert_eq!(w.recv(), Control::BarrierDone { id });
         }
     }
+    // One entered again after it completed (its answer lost with a link)
+    // is answered at once, to that worker alone.
+    job.workers[1].send(&Control::Barrier { id: 1 }).unwrap();
+    assert_eq!(job.workers[1].recv(), Control::BarrierDone { id: 1 });
+    job.workers[0].expect_silence(Duration::from_millis(200));
     job.finish();
 }
 

@@ -271,6 +271,7 @@ impl Control {
                         w.u32(k);
                     }
                 }
+                w.u32(m.barriers);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -394,7 +395,8 @@ impl Control {
                     *list = (0..n).map(|_| r.u32(what)).collect::<Result<_, _>>()?;
                 }
                 let [keys, left] = lists;
-                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left }))
+                let barriers = r.u32("barriers")?;
+                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left, barriers }))
             }
             MsgType::Declare => {
                 let req = r.u32("req")?;
