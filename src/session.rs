@@ -25,7 +25,7 @@ use crate::protocol::auth::Secret;
 use crate::protocol::{
     read_control, write_control, Control, MsgType, ReadError, Register, Rejoin, TensorSpec, Welcome,
 };
-use crate::transport::{connect_authenticated, connect_authenticated_once};
+use crate::transport::{connect_authenticated, dial_until, Greeted};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -445,24 +445,20 @@ impl Session {
         let addr = self.comeback.addr.clone();
         let who = format!("{} {}", self.comeback.register.role.name(), self.welcome.rank);
         log::warn!(target: &who, "{lost}; dialling the scheduler at {addr} again (for up to {:.1}s)", self.peer_timeout.as_secs_f64());
-        let mut why = lost.to_string();
-        let stream = loop {
-            if !self.link.comeback_possible() {
-                return Err(lost);
-            }
-            if Instant::now() >= deadline {
+        let greet = |s: TcpStream| match self.introduce(&s) {
+            Ok(()) => Greeted::Done(s),
+            Err(SessionError::RefusedBack { why, .. }) => Greeted::Refused(why),
+            Err(e) => Greeted::Again(e.to_string()),
+        };
+        let dialled = dial_until(&addr, deadline, &self.comeback.secret, || self.link.comeback_possible(), greet);
+        let stream = match dialled {
+            Ok(s) => s,
+            Err(f) if f.refused => return Err(SessionError::RefusedBack { addr, why: f.why }),
+            Err(_) if !self.link.comeback_possible() => return Err(lost),
+            Err(f) => {
+                let why = format!("{lost}; dialling again: {}", f.why);
                 return Err(SessionError::NotBack { addr, why, secs: self.peer_timeout.as_secs_f64() });
             }
-            let attempt = REJOIN_ATTEMPT.min(deadline.saturating_duration_since(Instant::now())).max(REJOIN_PAUSE);
-            match connect_authenticated_once(&addr, attempt, &self.comeback.secret) {
-                Ok(s) => match self.introduce(&s) {
-                    Ok(()) => break s,
-                    Err(SessionError::RefusedBack { why, .. }) => return Err(SessionError::RefusedBack { addr, why }),
-                    Err(e) => why = e.to_string(),
-                },
-                Err(e) => why = format!("connecting again: {e}"),
-            }
-            std::thread::sleep(REJOIN_PAUSE);
         };
         let writer = timed(&stream, self.peer_timeout)?;
         {
@@ -507,11 +503,6 @@ impl Session {
         }
     }
 }
-
-/// How long one attempt to dial a lost scheduler may take, and the pause
-/// between attempts (short: the first one after it is back gets through).
-const REJOIN_ATTEMPT: Duration = Duration::from_millis(300);
-const REJOIN_PAUSE: Duration = Duration::from_millis(100);
 
 impl Drop for Session {
     fn drop(&mut self) {

@@ -14,6 +14,7 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::protocol::auth::{self, AuthError, Secret};
+use crate::protocol::ReadError;
 
 /// Resolve `host:port`, accepting a bare IPv6 or hostname.
 pub fn resolve(addr: &str) -> io::Result<SocketAddr> {
@@ -112,14 +113,67 @@ pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> 
 }
 
 /// One attempt: connect within `attempt`, then the handshake within
-/// `attempt` or a second, whichever is longer (mending a link and
-/// rejoining a scheduler dial in short attempts, see `client::io::mend` and
-/// `session`: a listener that accepts and then says nothing, e.g. one
-/// frozen, must not hold an attempt long past its time).
-pub fn connect_authenticated_once(addr: &str, attempt: Duration, secret: &Secret) -> io::Result<TcpStream> {
+/// `attempt` or a second, whichever is longer (a listener that accepts and
+/// then says nothing, e.g. one frozen, must not hold an attempt long past
+/// its time).
+fn connect_authenticated_once(addr: &str, attempt: Duration, secret: &Secret) -> io::Result<TcpStream> {
     let stream = resolve(addr).and_then(|a| TcpStream::connect_timeout(&a, attempt))?;
     stream.set_nodelay(true)?;
     authenticate(stream, addr, attempt.max(Duration::from_secs(1)), secret)
+}
+
+/// What `dial_until`'s `greet` made of a connection.
+pub enum Greeted<T> {
+    Done(T),
+    /// Not this time (why): dial again.
+    Again(String),
+    /// Refused for good (why).
+    Refused(String),
+}
+
+/// Why `dial_until` stopped without a connection: the last failure, and
+/// whether it was a refusal (dialling again would not help).
+#[derive(Debug)]
+pub struct DialFailed {
+    pub why: String,
+    pub refused: bool,
+}
+
+/// How long one attempt of `dial_until` may take, and the pause between
+/// attempts.
+const DIAL_ATTEMPT: Duration = Duration::from_millis(300);
+const DIAL_PAUSE: Duration = Duration::from_millis(100);
+
+/// Dial a peer that was lost (a broken link mended, a replica linked
+/// again, a scheduler rejoined) and authenticate, in short attempts until
+/// `until` or until `wanted` says no more: the first attempt after the
+/// peer is back gets through, not TCP's backed-off retry. `greet` finishes
+/// each connection made (a hello, a rejoin). A refused handshake is final.
+pub fn dial_until<T>(
+    addr: &str,
+    until: Instant,
+    secret: &Secret,
+    wanted: impl Fn() -> bool,
+    mut greet: impl FnMut(TcpStream) -> Greeted<T>,
+) -> Result<T, DialFailed> {
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let why = match connect_authenticated_once(addr, DIAL_ATTEMPT.min(left).max(DIAL_PAUSE), secret) {
+            Ok(s) => match greet(s) {
+                Greeted::Done(t) => return Ok(t),
+                Greeted::Again(why) => why,
+                Greeted::Refused(why) => return Err(DialFailed { why, refused: true }),
+            },
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {
+                return Err(DialFailed { why: e.to_string(), refused: true })
+            }
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() >= until || !wanted() {
+            return Err(DialFailed { why, refused: false });
+        }
+        std::thread::sleep(DIAL_PAUSE);
+    }
 }
 
 /// How long a data link may be silent (nothing acknowledged) before its
@@ -135,6 +189,11 @@ fn authenticate(stream: TcpStream, addr: &str, left: Duration, secret: &Secret) 
     match result {
         Ok(()) => Ok(stream),
         Err(AuthError::Io(e)) => Err(io::Error::new(e.kind(), format!("{addr}: authentication: {e}"))),
+        // The connection failed during the handshake (closed, reset, timed
+        // out): not a refusal, dialling again may work.
+        Err(AuthError::Read(
+            e @ (ReadError::Closed | ReadError::ClosedMidFrame | ReadError::Io(_) | ReadError::TimedOut),
+        )) => Err(io::Error::new(io::ErrorKind::ConnectionAborted, format!("{addr}: authentication: {e}"))),
         Err(e) => Err(io::Error::new(io::ErrorKind::PermissionDenied, format!("{addr}: {e}"))),
     }
 }

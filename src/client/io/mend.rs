@@ -25,10 +25,8 @@ use crate::protocol::auth::Secret;
 use crate::protocol::{Header, MsgType, FLAG_RESENT};
 use crate::transport::Connection;
 
-/// How long one dial attempt may take before the next starts.
-const ATTEMPT: Duration = Duration::from_millis(300);
-/// The pause between failed attempts.
-const PAUSE: Duration = Duration::from_millis(100);
+/// How long past its time a mend is given up if its dial never reports.
+const LATE: Duration = Duration::from_millis(1200);
 
 /// What mending needs, and the dials that finished.
 pub(super) struct Mending {
@@ -118,7 +116,9 @@ impl IoCore {
         let spawned = std::thread::Builder::new().name(format!("gradhub-mend-{i}")).spawn(move || {
             let until = Instant::now() + within;
             let Some(secret) = weak.upgrade().map(|io| io.mend.secret.clone()) else { return };
-            let result = dial(&addr, until, &secret, || weak.upgrade().is_some_and(|io| io.mending(i)));
+            let wanted = || weak.upgrade().is_some_and(|io| io.mending(i));
+            let result = crate::transport::dial_until(&addr, until, &secret, wanted, crate::transport::Greeted::Done)
+                .map_err(|f| std::io::Error::other(f.why));
             if let Some(io) = weak.upgrade() {
                 io.mend.done.lock().unwrap_or_else(|e| e.into_inner()).push((i, result));
                 io.recv.wake();
@@ -226,7 +226,7 @@ impl IoCore {
         let late: Vec<usize> = (0..self.rx.len())
             .filter(|&i| {
                 self.io.mending(i)
-                    && self.io.send.conns[i].send().mending.is_some_and(|(t, _)| t.elapsed() > within + ATTEMPT * 4)
+                    && self.io.send.conns[i].send().mending.is_some_and(|(t, _)| t.elapsed() > within + LATE)
             })
             .collect();
         for i in late {
@@ -238,27 +238,6 @@ impl IoCore {
 impl Io {
     pub(super) fn mending(&self, i: usize) -> bool {
         self.send.conns.get(i).is_some_and(|c| c.state() == LinkState::Mending)
-    }
-}
-
-/// Dial `addr` and authenticate, in short attempts until `until` or until
-/// `wanted` says no more.
-fn dial(
-    addr: &str,
-    until: Instant,
-    secret: &Secret,
-    wanted: impl Fn() -> bool,
-) -> std::io::Result<std::net::TcpStream> {
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        let attempt = crate::transport::connect_authenticated_once(addr, ATTEMPT.min(left).max(PAUSE), secret);
-        match attempt {
-            Ok(s) => return Ok(s),
-            // Refused by the server's handshake: dialling again will not help.
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => return Err(e),
-            Err(e) if Instant::now() >= until || !wanted() => return Err(e),
-            Err(_) => std::thread::sleep(PAUSE),
-        }
     }
 }
 

@@ -10,13 +10,14 @@
 
 use std::io::Write;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crossbeam_channel::Sender;
 use mio::Waker;
 
 use super::{LinkTo, ServerThread, ThreadCmd};
 use crate::server::replica;
+use crate::transport::{dial_until, Greeted};
 
 /// What a thread needs to dial its replicas again.
 pub struct Relink {
@@ -26,10 +27,6 @@ pub struct Relink {
     /// Every slot's address (host:port) and who serves it.
     pub slots: Arc<Vec<(String, String)>>,
 }
-
-/// How long one dial attempt may take, and the pause between attempts.
-const ATTEMPT: Duration = Duration::from_millis(300);
-const PAUSE: Duration = Duration::from_millis(100);
 
 impl ServerThread {
     /// Our link to the replica at `slot` broke (`why`): dial it again.
@@ -41,23 +38,17 @@ impl ServerThread {
         let hello = replica::hello_frame(self.cfg.namespace, self.cfg.slot);
         let (tx, waker) = (relink.to_self.clone(), relink.waker.clone());
         let spawned = std::thread::Builder::new().name(format!("gradhub-relink-{slot}")).spawn(move || {
-            let until = Instant::now() + within;
-            let stream = loop {
-                let attempt = crate::transport::connect_authenticated_once(&addr, ATTEMPT, &secret)
-                    .and_then(|mut s| s.write_all(&hello).map(|()| s));
-                match attempt {
-                    Ok(s) => break Some(s),
-                    Err(_) if Instant::now() < until => std::thread::sleep(PAUSE),
-                    Err(e) => {
-                        log::warn!(target: "server", "no new link to replica {name} within {within:?}: {e}");
-                        break None;
+            let hello = |mut s: std::net::TcpStream| match s.write_all(&hello) {
+                Ok(()) => Greeted::Done(s),
+                Err(e) => Greeted::Again(e.to_string()),
+            };
+            match dial_until(&addr, Instant::now() + within, &secret, || true, hello) {
+                Ok(s) => {
+                    if tx.send(ThreadCmd::Relinked(slot, s, name)).is_ok() {
+                        let _ = waker.wake();
                     }
                 }
-            };
-            if let Some(s) = stream {
-                if tx.send(ThreadCmd::Relinked(slot, s, name)).is_ok() {
-                    let _ = waker.wake();
-                }
+                Err(f) => log::warn!(target: "server", "no new link to replica {name} within {within:?}: {}", f.why),
             }
         });
         if let Err(e) = spawned {
