@@ -212,6 +212,11 @@ impl Link {
         if self.gone.load(Ordering::SeqCst) {
             return Err(SessionError::Send(std::io::Error::other("the scheduler was lost and did not come back")));
         }
+        if matches!(msg, Control::Error { .. }) {
+            // This member fails the job: a scheduler that closes after it
+            // is not dialled again.
+            self.gone.store(true, Ordering::SeqCst);
+        }
         let request = matches!(msg, Control::Declare { .. } | Control::Barrier { .. });
         if request {
             lock(&self.asked).push(msg.clone());

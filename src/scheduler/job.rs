@@ -189,6 +189,29 @@ pub(super) fn expect_arrival(
     }
 }
 
+/// A registration's checks (refused: told why), then the member's writer:
+/// a clone, so this thread keeps reading from `stream`.
+fn checked_writer(
+    shared: &Shared,
+    reg: &crate::protocol::Register,
+    who: &str,
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+) -> Option<TcpStream> {
+    if let Err(why) = check_registration(&shared.cfg, reg) {
+        log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
+        let _ = write_control(stream, &Control::Error { message: why.to_string() }, shared.cfg.namespace);
+        return None;
+    }
+    match stream.try_clone() {
+        Ok(w) => Some(w),
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
+            None
+        }
+    }
+}
+
 /// Check a rejoin and take the member back into the rebuilt job.
 pub(super) fn admit_rejoin(
     shared: &Arc<Shared>,
@@ -198,18 +221,7 @@ pub(super) fn admit_rejoin(
 ) -> Option<(Arc<Member>, TcpStream)> {
     let ns = shared.cfg.namespace;
     let who = format!("{} {}", rj.register.role.name(), rj.welcome.rank);
-    if let Err(why) = check_registration(&shared.cfg, &rj.register) {
-        log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
-        let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
-        return None;
-    }
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
-            return None;
-        }
-    };
+    let writer = checked_writer(shared, &rj.register, &who, &mut stream, peer)?;
     match shared.rejoin(rj, peer, writer) {
         Ok(me) => Some((me, stream)),
         Err(why) => {
@@ -228,19 +240,7 @@ pub(super) fn admit(
     peer: SocketAddr,
 ) -> Option<(Arc<Member>, TcpStream)> {
     let ns = shared.cfg.namespace;
-    if let Err(why) = check_registration(&shared.cfg, &reg) {
-        log::warn!(target: "scheduler", "rejecting {} at {peer}: {why}", reg.role.name());
-        let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
-        return None;
-    }
-    // The member's writer: a clone, so this thread keeps reading from `stream`.
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
-            return None;
-        }
-    };
+    let writer = checked_writer(shared, &reg, reg.role.name(), &mut stream, peer)?;
     let me = match shared.join(reg, peer, writer) {
         Ok((m, false)) => m,
         Ok((m, true)) => {
