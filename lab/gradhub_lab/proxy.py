@@ -320,12 +320,8 @@ class Proxy:
         room = BUF if blackhole else BUF - len(p.buf[d])
         if room <= 0:  # recv(0) would read as an EOF
             return
-        try:
-            data = src.recv(room)
-        except BlockingIOError:
-            return
-        except OSError as e:
-            self._drop(p, f"{d}: recv: {e}", abort=True)
+        data = self._attempt(p, f"{d}: recv", lambda: src.recv(room))
+        if data is None:
             return
         if not data:
             p.eof[d] = True
@@ -341,12 +337,8 @@ class Proxy:
         if not buf or not p.usable(dst):
             return
         self._apply_flips(p, d)
-        try:
-            n = dst.send(buf)
-        except BlockingIOError:
-            return
-        except OSError as e:
-            self._drop(p, f"{d}: send: {e}", abort=True)
+        n = self._attempt(p, f"{d}: send", lambda: dst.send(buf))
+        if n is None:
             return
         del buf[:n]
         p.sent[d] += n
@@ -354,6 +346,17 @@ class Proxy:
             self.bytes_up += n
         else:
             self.bytes_down += n
+
+    def _attempt(self, p: _Pair, what: str, op):
+        """`op()`'s result, or None: it would block, or it failed (the pair
+        is dropped, its event naming `what`)."""
+        try:
+            return op()
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            self._drop(p, f"{what}: {e}", abort=True)
+            return None
 
     def _apply_flips(self, p: _Pair, d: str) -> None:
         """Flip the bytes of `p`'s buffer (stream offsets sent .. sent + len) that flips aim at."""
