@@ -77,6 +77,7 @@ pub struct Report {
     pub specs: Vec<TensorSpec>,
     pub keys: Vec<u32>,
     pub left: Vec<u32>,
+    pub lost: Vec<u32>,
     pub barriers: u32,
 }
 
@@ -492,6 +493,7 @@ impl Session {
             specs: report.specs,
             keys: report.keys,
             left: report.left,
+            lost: report.lost,
             barriers: report.barriers,
         }));
         let ns = self.link.namespace;

@@ -112,3 +112,26 @@ def test_gradhub_launch_starts_a_killed_scheduler_again_and_the_job_succeeds():
     assert "was killed by SIGKILL; starting it again on its address" in text, text[-6000:]
     assert "[worker 0] PASS" in text and "[worker 1] PASS" in text, text[-6000:]
     assert "job rebuilt: all its 3 members rejoined" in text, text[-6000:]
+
+
+def test_a_job_that_lost_a_server_is_rebuilt_without_it(cluster_factory):
+    """A server killed (its chunks move to the other), then the scheduler:
+    the restarted scheduler does not wait for the lost server (the members
+    say it was lost) and places nothing on it."""
+    c = started(cluster_factory, rounds=90)
+    c.wait_for("worker0", "ROUND 3", timeout=60)
+    c.procs["server1"].kill()
+    deadline = time.monotonic() + 30
+    while "taken over" not in c.log("scheduler"):
+        assert time.monotonic() < deadline, c.log("scheduler")
+        time.sleep(0.05)
+    c.procs["scheduler"].kill()
+    c.procs["scheduler"].wait()
+    time.sleep(0.5)
+    c.restart_scheduler()
+    for r in range(2):
+        c.wait_for(f"worker{r}", "PASS", timeout=90)
+        assert c.procs[f"worker{r}"].wait(timeout=30) == 0, c.log(f"worker{r}")
+    assert c.procs["server0"].wait(timeout=30) == 0, c.log("server0")
+    assert c.procs["scheduler"].wait(timeout=30) == 0, c.log("scheduler")
+    assert "job rebuilt: all its 3 members rejoined" in c.log("scheduler"), c.log("scheduler")

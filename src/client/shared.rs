@@ -185,7 +185,8 @@ impl Shared {
         // Barriers below the first one waited on (or below the next) were passed.
         let next = self.next_barrier.load(std::sync::atomic::Ordering::Relaxed);
         let barriers = t.barriers.keys().copied().min().unwrap_or(next);
-        crate::session::Report { specs, keys: Vec::new(), left: t.gone.clone(), barriers }
+        let (left, lost) = (t.gone.clone(), t.lost_servers.clone());
+        crate::session::Report { specs, keys: Vec::new(), left, lost, barriers }
     }
 
     pub(super) fn send_ctrl(&self, msg: &Control) -> Result<(), SessionError> {
@@ -234,6 +235,9 @@ impl Shared {
         self.io.write_off(&conns);
         {
             let mut t = self.table();
+            if lost != NO_SERVER && !t.lost_servers.contains(&lost) {
+                t.lost_servers.push(lost);
+            }
             let live: HashSet<u32> = t.specs.values().map(|s| s.key).collect();
             // Under the table's lock, before the table changes: a submission
             // that finds the new spec here finds it in the I/O's too.

@@ -39,8 +39,10 @@ pub(super) struct Table {
     pub(super) barriers: HashMap<u32, Sender<Result<(), String>>>,
     /// A worker that left cleanly while this one goes on (`PeerLeft`).
     pub(super) left: Option<u32>,
-    /// Every worker that did (for a scheduler that restarts: `Rejoin`).
+    /// Every worker that did, and every server lost (for a scheduler that
+    /// restarts: `Rejoin`).
     pub(super) gone: Vec<u32>,
+    pub(super) lost_servers: Vec<u32>,
     /// Tensors (keys) whose optimizer runs on the servers: its OptConfig payload.
     pub(super) server_opt: HashMap<u32, Vec<u8>>,
     /// Horovod's join: every name's uses so far (its round counter, the

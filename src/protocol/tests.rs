@@ -370,6 +370,7 @@ fn sample_controls() -> Vec<Control> {
             },
             keys: (0..i as u32 * 3).collect(),
             left: vec![u32::MAX, 0][..i.min(2)].to_vec(),
+            lost: vec![3, 1][..(i + 1).min(2)].to_vec(),
             barriers: [0, 7, u32::MAX][i % 3],
         })));
     }

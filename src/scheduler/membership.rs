@@ -231,11 +231,8 @@ impl Members {
             }
             None => {
                 let w = &rj.welcome;
-                let mut missing: std::collections::BTreeSet<(u8, u32)> =
+                let missing: std::collections::BTreeSet<(u8, u32)> =
                     (0..w.num_workers).map(|r| (0, r)).chain(w.servers.iter().map(|s| (1, s.rank))).collect();
-                for r in &rj.left {
-                    missing.remove(&(0, *r));
-                }
                 self.servers = w.servers.clone();
                 self.welcome = Some(Welcome { rank: 0, late: false, ..w.clone() });
                 self.rebuild = Some(Rebuild { since: std::time::Instant::now(), missing });
@@ -274,6 +271,9 @@ impl Members {
         for &r in &rj.left {
             self.said_goodbye.insert(r);
             rb.missing.remove(&(0, r));
+        }
+        for &s in &rj.lost {
+            rb.missing.remove(&(1, s));
         }
         self.passed = self.passed.max(rj.barriers);
         let member = Arc::new(Member::new(role, rank, peer, stream));

@@ -46,6 +46,17 @@ impl Moves {
         place_again_without(decls, lost)
     }
 
+    /// A member of a job rebuilt by a scheduler that restarted says server
+    /// `lost` was lost before (`rejoin`): its slots take no more chunks.
+    pub fn lost_before(&mut self, lost: u32, decls: &mut Declarations) {
+        if !self.lost.contains(&lost) {
+            self.lost.push(lost);
+            if let Some(p) = decls.placer_mut() {
+                p.remove_server(lost);
+            }
+        }
+    }
+
     pub fn end_take_over(&mut self) {
         self.takeovers = self.takeovers.saturating_sub(1);
     }

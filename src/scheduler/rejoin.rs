@@ -3,13 +3,14 @@
 //! the same address again for up to the peer timeout (`crate::session`)
 //! and sends a `Rejoin` instead of a Register: its registration, the
 //! Welcome it had (rank and cluster map), and what it knows — a worker its
-//! tensors as placed and the peers that left, a server the keys it holds.
+//! tensors as placed, the barriers it passed, the workers that left and the
+//! servers lost; a server the keys it holds, who left and who was lost.
 //!
 //! The first rejoin brings the cluster map (`Members::rejoin`); the job
 //! is rebuilt from the reports (`Declarations::rejoin`, the placer counting
-//! every placed tensor once) and waits, up to the peer timeout, for every
-//! member of the map that has not left; one that does not come back fails
-//! the job, named. Requests the members had not had answered (Declare,
+//! every placed tensor once, the lost servers' slots out) and waits, up to
+//! the peer timeout, for every member of the map that has not left or been
+//! lost; one that does not come back fails the job, named. Requests the members had not had answered (Declare,
 //! Barrier) are sent again by their sessions, and are answered once every
 //! member is back (an install needs every server).
 //!
@@ -104,7 +105,7 @@ mod tests {
             training: Default::default(),
             elastic: None,
         };
-        Rejoin { register, welcome, specs: vec![], keys: vec![], left: vec![], barriers: 0 }
+        Rejoin { register, welcome, specs: vec![], keys: vec![], left: vec![], lost: vec![], barriers: 0 }
     }
 
     #[test]

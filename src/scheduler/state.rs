@@ -228,6 +228,9 @@ impl Shared {
                 None => {}
             }
         }
+        for &lost in &rj.lost {
+            st.moves.lost_before(lost, &mut st.decls);
+        }
         let rebuilt = match rj.register.role {
             Role::Worker => st.decls.rejoin(me.rank, cfg.num_workers, &rj.specs),
             Role::Server => {

@@ -327,6 +327,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
             crate::session::Report {
                 keys: h.keys.iter().copied().collect(),
                 left: h.left.clone(),
+                lost: h.lost.clone(),
                 specs: Vec::new(),
                 barriers: 0,
             }
@@ -381,6 +382,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
 struct Held {
     keys: HashSet<u32>,
     left: Vec<u32>,
+    lost: Vec<u32>,
 }
 
 /// Serve the scheduler's requests until the job ends.
@@ -430,6 +432,9 @@ fn control_loop(
             Control::ServerDeclare { batch, specs } => install(segments, links, &specs, false, batch)?,
             Control::ServerTakeOver { batch, lost, specs } => {
                 let moved = specs.len();
+                if lost != NO_SERVER {
+                    held.lock().unwrap_or_else(|e| e.into_inner()).lost.push(lost);
+                }
                 install(segments, links, &specs, true, batch)?;
                 match lost {
                     NO_SERVER => log::info!(target: &who, "chunks of {moved} tensor(s) moved to their new servers"),

@@ -160,6 +160,9 @@ pub struct Rejoin {
     pub keys: Vec<u32>,
     /// Workers: the ranks it was told left the job (`PeerLeft`).
     pub left: Vec<u32>,
+    /// The servers it was told were lost (their chunks moved: `Failover`,
+    /// `ServerTakeOver`).
+    pub lost: Vec<u32>,
     /// Workers: the barriers it has passed (every worker numbers its
     /// barriers alike: those below this one completed).
     pub barriers: u32,

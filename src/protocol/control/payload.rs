@@ -265,7 +265,7 @@ impl Control {
                 put_register(&mut w, &m.register);
                 put_welcome(&mut w, &m.welcome);
                 put_specs(&mut w, &m.specs);
-                for list in [&m.keys, &m.left] {
+                for list in [&m.keys, &m.left, &m.lost] {
                     w.u32(list.len() as u32);
                     for &k in list {
                         w.u32(k);
@@ -389,14 +389,14 @@ impl Control {
                 let register = get_register(&mut r)?;
                 let welcome = get_welcome(&mut r)?;
                 let specs = get_specs(&mut r)?;
-                let mut lists = [Vec::new(), Vec::new()];
-                for (list, what) in lists.iter_mut().zip(["keys", "left"]) {
+                let mut lists = [Vec::new(), Vec::new(), Vec::new()];
+                for (list, what) in lists.iter_mut().zip(["keys", "left", "lost"]) {
                     let n = r.count(what, 4)?;
                     *list = (0..n).map(|_| r.u32(what)).collect::<Result<_, _>>()?;
                 }
-                let [keys, left] = lists;
+                let [keys, left, lost] = lists;
                 let barriers = r.u32("barriers")?;
-                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left, barriers }))
+                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left, lost, barriers }))
             }
             MsgType::Declare => {
                 let req = r.u32("req")?;
