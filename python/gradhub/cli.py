@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the job's scheduler (one per job)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run the rendezvous/declaration/liveness service of one job. Exits 0 when every "
-        "worker has finished, 1 if the job failed.",
+        "worker has finished, 1 if the job failed. Started again with the same arguments on the same "
+        "address while its job runs (after it was killed), it takes the job back: every member dials it "
+        "for up to the peer timeout and rejoins, and training goes on.",
         epilog=_env.env_help(("scheduler",)),
     )
     sp.add_argument("--bind", default=None,
