@@ -33,27 +33,94 @@ impl FakeScheduler {
             Ok(Control::Register(r)) => assert_eq!(r.role, role),
             other => panic!("expected Register, got {other:?}"),
         }
-        let w = Welcome {
-            rank: 0,
-            num_workers: 1,
-            partition_bytes: 1 << 16,
-            heartbeat_ms: 50,
-            stall_ms: 60_000,
-            peer_timeout_ms,
-            servers: Vec::new(),
-            worker_hosts: vec![gradhub::host_id()],
-            worker_local_ranks: vec![0],
-            job_id: 1,
-            host_reduce: false,
-            failover: false,
-            late: false,
-            racks: Vec::new(),
-            worker_racks: vec![0],
-            rack_reduce: false,
-        };
-        write_control(&mut s, &Control::Welcome(w), 0).expect("welcome");
+        write_control(&mut s, &Control::Welcome(welcome(peer_timeout_ms)), 0).expect("welcome");
         s
     }
+}
+
+/// The Welcome of a one-worker job without servers.
+fn welcome(peer_timeout_ms: u32) -> Welcome {
+    Welcome {
+        rank: 0,
+        num_workers: 1,
+        partition_bytes: 1 << 16,
+        heartbeat_ms: 50,
+        stall_ms: 60_000,
+        peer_timeout_ms,
+        servers: Vec::new(),
+        worker_hosts: vec![gradhub::host_id()],
+        worker_local_ranks: vec![0],
+        job_id: 1,
+        host_reduce: false,
+        failover: false,
+        late: false,
+        racks: Vec::new(),
+        worker_racks: vec![0],
+        rack_reduce: false,
+    }
+}
+
+/// The next message that is not a heartbeat.
+fn next_message(s: &mut TcpStream) -> Control {
+    loop {
+        match read_control(s, 0) {
+            Ok(Control::Heartbeat) => {}
+            Ok(m) => return m,
+            Err(e) => panic!("no message: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_worker_dials_a_lost_scheduler_again_rejoins_and_sends_its_request_once() {
+    let sched = FakeScheduler::new();
+    let addr = sched.addr();
+    let t = std::thread::spawn(move || Client::connect(ClientConfig { scheduler: addr, ..Default::default() }));
+    let first = sched.welcome(Role::Worker, 3000);
+    let client = std::sync::Arc::new(t.join().expect("thread").expect("connect"));
+    // The scheduler goes away; a barrier entered meanwhile waits for it.
+    drop(first);
+    let c = client.clone();
+    let barrier = std::thread::spawn(move || c.barrier());
+    // It comes back: the worker dials it again and rejoins with what it knows.
+    let (mut s, _) = sched.listener.accept().expect("accept");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    accept_authenticated(&s, &Secret::none());
+    let rj = match read_control(&mut s, 0) {
+        Ok(Control::Rejoin(rj)) => rj,
+        other => panic!("expected Rejoin, got {other:?}"),
+    };
+    assert_eq!((rj.register.role, rj.welcome.rank, rj.welcome.job_id), (Role::Worker, 0, 1));
+    assert_eq!((rj.specs.len(), rj.barriers), (0, 0));
+    write_control(&mut s, &Control::Welcome(welcome(3000)), 0).expect("welcome");
+    // A scheduler heartbeats (a silent one would be lost again).
+    let beating = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (mut hb, on) = (s.try_clone().expect("clone"), beating.clone());
+    let heart = std::thread::spawn(move || {
+        while on.load(std::sync::atomic::Ordering::SeqCst) && write_control(&mut hb, &Control::Heartbeat, 0).is_ok() {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    });
+    // The barrier request goes again, once, and its answer releases it.
+    assert_eq!(next_message(&mut s), Control::Barrier { id: 0 });
+    write_control(&mut s, &Control::BarrierDone { id: 0 }, 0).expect("done");
+    barrier.join().expect("thread").expect("barrier");
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_millis(400) {
+        match read_control(&mut s, 0) {
+            Ok(Control::Heartbeat) => {}
+            other => panic!("only heartbeats after the barrier, got {other:?}"),
+        }
+    }
+    assert_eq!(client.failure(), None);
+    // Its goodbye reaches the scheduler that came back.
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    let bye = std::thread::spawn(move || client.shutdown());
+    assert_eq!(next_message(&mut s), Control::Goodbye);
+    beating.store(false, std::sync::atomic::Ordering::SeqCst);
+    heart.join().expect("thread");
+    drop(s);
+    bye.join().expect("thread");
 }
 
 fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
