@@ -12,7 +12,7 @@ use std::io::Cursor;
 
 use gradhub::protocol::{
     decode_stall, encode_stall, read_control, Control, DType, DeclEntry, JobTraffic, OptConfig, OptKind, Register,
-    Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
+    Rejoin, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
 };
 
 /// Values taken from the front of the input; zeros once it is used up.
@@ -111,67 +111,71 @@ impl<'a> Source<'a> {
     }
 }
 
+/// A well-formed registration, fields from `s`.
+fn register(s: &mut Source) -> Register {
+    Register {
+        role: s.role(),
+        requested_rank: s.u32() as i32,
+        hostname: s.text(),
+        addr: s.text(),
+        ports: s.list(8, |s| s.u16()),
+        colocated: s.bool(),
+        num_workers: s.u32(),
+        num_servers: s.u32(),
+        local_rank: s.u32() as i32,
+        local_size: s.u32() as i32,
+        rack: s.text(),
+        sum_order: if s.bool() { gradhub::sum_order::SumOrder::Rank } else { gradhub::sum_order::SumOrder::Arrival },
+        training: match s.u8() % 3 {
+            0 => gradhub::training::Training::Synchronous,
+            1 => gradhub::training::Training::Asynchronous { staleness: None },
+            _ => gradhub::training::Training::Asynchronous { staleness: Some(s.u32() % 1000) },
+        },
+        elastic: s.bool().then(|| gradhub::protocol::ElasticReg {
+            min_workers: s.u32(),
+            max_workers: s.u32(),
+            initial: s.u32(),
+            prev_rank: s.u32() as i32,
+        }),
+    }
+}
+
+/// A well-formed Welcome, fields from `s`.
+fn welcome(s: &mut Source) -> Welcome {
+    let (rank, num_workers, partition_bytes) = (s.u32(), s.u32(), s.u32());
+    let (heartbeat_ms, stall_ms, peer_timeout_ms) = (s.u32(), s.u32(), s.u32());
+    let mut servers = s.list(6, |s| s.server());
+    let worker_hosts = s.list(8, |s| s.text());
+    let worker_local_ranks = worker_hosts.iter().map(|_| s.u32()).collect();
+    let racks = s.list(4, |s| s.text());
+    let n = racks.len().max(1) as u32;
+    let worker_racks = worker_hosts.iter().map(|_| s.u32() % n).collect();
+    servers.iter_mut().for_each(|x| x.rack %= n);
+    Welcome {
+        rank,
+        num_workers,
+        partition_bytes,
+        heartbeat_ms,
+        stall_ms,
+        peer_timeout_ms,
+        servers,
+        worker_hosts,
+        worker_local_ranks,
+        job_id: s.u64(),
+        host_reduce: s.bool(),
+        failover: s.bool(),
+        late: s.bool(),
+        racks,
+        worker_racks,
+        rack_reduce: s.bool(),
+    }
+}
+
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 34 {
-        0 => Control::Register(Register {
-            role: s.role(),
-            requested_rank: s.u32() as i32,
-            hostname: s.text(),
-            addr: s.text(),
-            ports: s.list(8, |s| s.u16()),
-            colocated: s.bool(),
-            num_workers: s.u32(),
-            num_servers: s.u32(),
-            local_rank: s.u32() as i32,
-            local_size: s.u32() as i32,
-            rack: s.text(),
-            sum_order: if s.bool() {
-                gradhub::sum_order::SumOrder::Rank
-            } else {
-                gradhub::sum_order::SumOrder::Arrival
-            },
-            training: match s.u8() % 3 {
-                0 => gradhub::training::Training::Synchronous,
-                1 => gradhub::training::Training::Asynchronous { staleness: None },
-                _ => gradhub::training::Training::Asynchronous { staleness: Some(s.u32() % 1000) },
-            },
-            elastic: s.bool().then(|| gradhub::protocol::ElasticReg {
-                min_workers: s.u32(),
-                max_workers: s.u32(),
-                initial: s.u32(),
-                prev_rank: s.u32() as i32,
-            }),
-        }),
-        1 => {
-            let (rank, num_workers, partition_bytes) = (s.u32(), s.u32(), s.u32());
-            let (heartbeat_ms, stall_ms, peer_timeout_ms) = (s.u32(), s.u32(), s.u32());
-            let mut servers = s.list(6, |s| s.server());
-            let worker_hosts = s.list(8, |s| s.text());
-            let worker_local_ranks = worker_hosts.iter().map(|_| s.u32()).collect();
-            let racks = s.list(4, |s| s.text());
-            let n = racks.len().max(1) as u32;
-            let worker_racks = worker_hosts.iter().map(|_| s.u32() % n).collect();
-            servers.iter_mut().for_each(|x| x.rack %= n);
-            Control::Welcome(Welcome {
-                rank,
-                num_workers,
-                partition_bytes,
-                heartbeat_ms,
-                stall_ms,
-                peer_timeout_ms,
-                servers,
-                worker_hosts,
-                worker_local_ranks,
-                job_id: s.u64(),
-                host_reduce: s.bool(),
-                failover: s.bool(),
-                late: s.bool(),
-                racks,
-                worker_racks,
-                rack_reduce: s.bool(),
-            })
-        }
+    match s.u8() % 35 {
+        0 => Control::Register(register(s)),
+        1 => Control::Welcome(welcome(s)),
         2 => Control::Declare {
             req: s.u32(),
             entries: s.list(6, |s| DeclEntry { name: s.text(), numel: s.u64(), dtype: s.dtype(), partition: s.u32() }),
@@ -234,6 +238,15 @@ pub fn message(s: &mut Source) -> Control {
         30 => Control::ServerMove { batch: s.u32(), specs: s.list(4, |s| s.spec()) },
         31 => Control::ServerMoveAck { batch: s.u32(), kept: s.list(8, |s| (s.u32(), s.u32())) },
         32 => Control::HostsUpdated,
+        33 => Control::Rejoin(Box::new(Rejoin {
+            register: register(s),
+            welcome: welcome(s),
+            specs: s.list(4, |s| s.spec()),
+            keys: s.list(16, |s| s.u32()),
+            left: s.list(8, |s| s.u32()),
+            lost: s.list(4, |s| s.u32()),
+            barriers: s.u32(),
+        })),
         _ => Control::Error { message: s.text() },
     }
 }
