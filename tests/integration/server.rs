@@ -554,12 +554,31 @@ fn a_push_resent_on_a_mended_link_is_counted_once_and_answered_once() {
     c0.push(&spec, 0, 2, FLAG_RESENT, &p[0]);
     assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 2)), want);
 
-    // Round 3 goes on as usual: nothing stale was left on either link.
-    c1.push(&spec, 0, 3, 0, &p[1]);
-    c1.expect_received(&spec, 0, 3);
+    // Round 3: counted, then re-sent on a mended link, its round completing
+    // while the re-sent payload is half way: the result answers it, no
+    // Received follows.
     c0.push(&spec, 0, 3, 0, &p[0]);
-    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 3)), want);
+    c0.expect_received(&spec, 0, 3);
+    let mut c0 = {
+        drop(c0);
+        mended(&job, 0)
+    };
+    let h = push_header(&spec, 0, 3, FLAG_RESENT, p[0].len());
+    let frame = encode_frame(&h, &p[0]);
+    c0.send_raw(&frame[..HEADER_LEN + 100]);
+    std::thread::sleep(Duration::from_millis(50));
+    c1.push(&spec, 0, 3, 0, &p[1]);
     assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 3)), want);
+    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 3)), want);
+    c0.send_raw(&frame[HEADER_LEN + 100..]);
+
+    // Round 4 goes on as usual: nothing stale was left on either link (a
+    // Received for round 3 would come first here).
+    c1.push(&spec, 0, 4, 0, &p[1]);
+    c1.expect_received(&spec, 0, 4);
+    c0.push(&spec, 0, 4, 0, &p[0]);
+    assert_eq!(bytes_f32(&c0.expect_result(&spec, 0, 4)), want);
+    assert_eq!(bytes_f32(&c1.expect_result(&spec, 0, 4)), want);
     drop((c0, c1));
     job.finish();
 }

@@ -133,8 +133,9 @@ impl IoCore {
                     return Err(ConnError::Invalid(format!("Received frame with a {}-byte payload", hdr.payload_len)));
                 }
                 if !io.chunk_received(i, hdr.key, hdr.chunk) {
-                    // On a mended link, a push re-sent may be acknowledged
-                    // after its result came: a credit already returned.
+                    // On a mended link, a late ack of a push re-sent (the
+                    // server answers none after the result, but a stale
+                    // one only returns credit already returned): ignored.
                     if io.send.conns[i].send().mends > 0 {
                         log::debug!(target: &format!("worker {}", io.rank), "{}: a late Received for key {} chunk {} round {}", io.send.conns[i].desc(), hdr.key, hdr.chunk, hdr.round);
                         return io.pump(i);

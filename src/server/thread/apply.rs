@@ -126,7 +126,9 @@ impl ServerThread {
             PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
             PayloadKind::Restore => self.restore(t, hdr, d.chunk),
             PayloadKind::Counted => {
-                if let Some(c) = self.conns.get_mut(&t) {
+                // Its round may have completed while this payload arrived,
+                // the result sent here first: that answers it.
+                if let Some(c) = self.conns.get_mut(&t).filter(|c| !c.answered(d.chunk, hdr.round)) {
                     flush::ack(&mut c.acks, self.cfg.namespace, &hdr);
                 }
                 Ok(())
