@@ -83,10 +83,10 @@ pub const FLAG_ASYNC: u16 = 8;
 /// it is sent again, so a push already counted is only acknowledged and a
 /// round already complete is answered with its result (never summed twice).
 pub const FLAG_RESENT: u16 = 16;
-/// Flag bit, on an Error from a server: it is leaving the job (its session
-/// with the scheduler ended: written off, or the scheduler lost), so a
-/// worker whose job fails over waits for the scheduler's word instead of
-/// failing on this one (`client::io::receive`).
+/// Flag bit, on an Error from a server: it is leaving the job (written off,
+/// the job failed, its scheduler lost), so a worker whose job fails over
+/// waits for the scheduler's word instead of failing on this one
+/// (`client::io::receive`).
 pub const FLAG_LEAVING: u16 = 32;
 /// The flags of one push alone, not of the round it is part of.
 pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT;

@@ -338,9 +338,7 @@ pub fn run_server(cfg: ServerConfig) -> Result<(), ServerError> {
     for (tx, w) in cmd_txs.iter().zip(&wakers) {
         let _ = tx.send(match &result {
             Ok(()) => ThreadCmd::Stop,
-            // Its session ended (written off, or the scheduler lost and not
-            // back): the scheduler, not this server, tells the workers what next.
-            Err(e) => ThreadCmd::Abort { why: e.to_string(), leaving: matches!(e, ServerError::Session(_)) },
+            Err(e) => ThreadCmd::Abort(e.to_string()),
         });
         let _ = w.wake();
     }

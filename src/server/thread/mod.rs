@@ -114,12 +114,9 @@ pub enum ThreadCmd {
     Stop,
     /// Worker `rank` left the job cleanly while others go on.
     Left(u32),
-    /// The job failed, or this server is out of it (`leaving`: its session
-    /// with the scheduler ended): tell every connected worker why, then exit.
-    Abort {
-        why: String,
-        leaving: bool,
-    },
+    /// The job failed, or this server is out of it (written off, its
+    /// scheduler lost): tell every connected worker why, then exit.
+    Abort(String),
     /// A link to the replica at this slot, dialled again (`relink`).
     Relinked(u32, std::net::TcpStream, String),
 }
@@ -352,11 +349,11 @@ impl ServerThread {
             ThreadCmd::Stop => return false,
             ThreadCmd::Left(rank) => self.on_left(rank),
             ThreadCmd::Relinked(slot, stream, name) => self.relinked(slot, stream, &name),
-            ThreadCmd::Abort { why, leaving } => {
+            ThreadCmd::Abort(why) => {
                 self.cfg.relink = None; // nothing to mend any more
-                if leaving {
-                    self.farewell = FLAG_LEAVING;
-                }
+                                        // This server goes: the scheduler, not it, tells the workers
+                                        // what next (a failover, or the job's failure).
+                self.farewell = FLAG_LEAVING;
                 let tokens: Vec<usize> = self.conns.keys().copied().collect();
                 for t in tokens {
                     self.close(t, &why);
