@@ -162,8 +162,9 @@ impl IoCore {
         if hdr.msg_type == MsgType::Error {
             let msg = format!("server reported an error: {}", String::from_utf8_lossy(&buf));
             if hdr.flags & FLAG_LEAVING != 0 && self.io.failover.on {
-                // Out of the job (written off): its chunks move, as the
-                // scheduler says; till then, a link that broke.
+                // The server leaves (written off, the job failed, its
+                // scheduler lost): what next is the scheduler's word (a
+                // failover, or the failure); till then, a link that broke.
                 log::warn!(target: &format!("worker {}", self.io.rank), "{}: {msg}", self.io.send.conns[i].desc());
                 return Err(ConnError::Read(ReadError::Closed));
             }
