@@ -25,7 +25,7 @@ use crate::protocol::auth::Secret;
 use crate::protocol::{
     read_control, write_control, Control, MsgType, ReadError, Register, Rejoin, TensorSpec, Welcome,
 };
-use crate::transport::{connect_authenticated, dial_until, Greeted};
+use crate::transport::{connect_authenticated, dial_until, Authed, Greeted, SealedReader, SealedWriter};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -65,7 +65,8 @@ fn closed_hint(e: &std::io::Error) -> &'static str {
 
 /// Connected to the scheduler, not registered yet.
 pub struct Joining {
-    stream: TcpStream,
+    reader: Reader,
+    writer: Writer,
     namespace: u32,
     addr: String,
     secret: Secret,
@@ -98,33 +99,34 @@ impl Joining {
         namespace: u32,
         secret: &Secret,
     ) -> Result<Joining, SessionError> {
-        let stream = connect_authenticated(scheduler, timeout, secret)
+        let (reader, writer) = connect_authenticated(scheduler, timeout, secret)
+            .and_then(Authed::split)
             .map_err(|source| SessionError::Connect { addr: scheduler.to_string(), source })?;
-        Ok(Joining { stream, namespace, addr: scheduler.to_string(), secret: secret.clone() })
+        Ok(Joining { reader, writer, namespace, addr: scheduler.to_string(), secret: secret.clone() })
     }
 
     /// The local address of the connection: the interface that reaches the
     /// scheduler, which a server advertises by default.
     pub fn local_ip(&self) -> Result<IpAddr, SessionError> {
-        self.stream.local_addr().map(|a| a.ip()).map_err(SessionError::Setup)
+        self.writer.get_ref().local_addr().map(|a| a.ip()).map_err(SessionError::Setup)
     }
 
     /// Register and wait for the Welcome (every member of the job must have
     /// registered by then); starts the heartbeats.
     pub fn register(mut self, reg: Register) -> Result<Session, SessionError> {
         let ns = self.namespace;
-        write_control(&mut self.stream, &Control::Register(reg.clone()), ns).map_err(SessionError::Send)?;
-        let welcome = match read_control(&mut self.stream, ns) {
+        write_control(&mut self.writer, &Control::Register(reg.clone()), ns).map_err(SessionError::Send)?;
+        let welcome = match read_control(&mut self.reader, ns) {
             Ok(Control::Welcome(w)) => w,
             Ok(Control::Error { message }) => return Err(SessionError::Rejected(message)),
             Ok(other) => return Err(SessionError::NoWelcome(format!("got {:?} instead", other.msg_type()))),
             Err(e) => return Err(SessionError::NoWelcome(e.to_string())),
         };
         let peer_timeout = Duration::from_millis(welcome.peer_timeout_ms.max(1) as u64);
-        let writer = timed(&self.stream, peer_timeout)?;
+        timed(self.writer.get_ref(), peer_timeout)?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let link = Arc::new(Link {
-            writer: Mutex::new(writer),
+            writer: Mutex::new(self.writer),
             later: Mutex::new(Vec::new()),
             namespace: ns,
             closing: AtomicBool::new(false),
@@ -156,7 +158,7 @@ impl Joining {
         Ok(Session {
             welcome,
             link,
-            reader: self.stream,
+            reader: self.reader,
             peer_timeout,
             heartbeat: Some(hb),
             close_on_drop: true,
@@ -165,13 +167,16 @@ impl Joining {
     }
 }
 
+/// The halves of the connection to the scheduler (sealed if the job
+/// encrypts).
+type Reader = SealedReader<TcpStream>;
+type Writer = SealedWriter<TcpStream>;
+
 /// The peer timeout on both directions of a scheduler connection (a
-/// scheduler that stops reading must not hang a heartbeat or a goodbye);
-/// returns the writing half.
-fn timed(stream: &TcpStream, peer_timeout: Duration) -> Result<TcpStream, SessionError> {
+/// scheduler that stops reading must not hang a heartbeat or a goodbye).
+fn timed(stream: &TcpStream, peer_timeout: Duration) -> Result<(), SessionError> {
     stream.set_read_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
-    stream.set_write_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
-    stream.try_clone().map_err(SessionError::Setup)
+    stream.set_write_timeout(Some(peer_timeout)).map_err(SessionError::Setup)
 }
 
 /// Bytes that may wait for a scheduler that is away (messages nobody
@@ -183,7 +188,7 @@ const AWAY_BYTES: usize = 16 << 20;
 const SEND_LATER_BYTES: usize = 16 << 10;
 
 struct Link {
-    writer: Mutex<TcpStream>,
+    writer: Mutex<Writer>,
     /// Encoded messages that may wait (`send_later`): written in front of
     /// the next message, in the same write. Locked inside `writer`.
     later: Mutex<Vec<u8>>,
@@ -354,10 +359,10 @@ impl SessionSender {
             // the connection, and a reset can discard the goodbye before the
             // scheduler read it: read to the end (the scheduler closes its
             // side on the goodbye), for a bounded time.
-            let _ = w.shutdown(std::net::Shutdown::Write);
-            drain(&w, Duration::from_millis(500));
+            let _ = w.get_ref().shutdown(std::net::Shutdown::Write);
+            drain(w.get_ref(), Duration::from_millis(500));
         }
-        let _ = w.shutdown(std::net::Shutdown::Both);
+        let _ = w.get_ref().shutdown(std::net::Shutdown::Both);
     }
 
     pub fn closing(&self) -> bool {
@@ -386,7 +391,7 @@ fn drain(s: &TcpStream, limit: Duration) {
 pub struct Session {
     pub welcome: Welcome,
     link: Arc<Link>,
-    reader: TcpStream,
+    reader: Reader,
     peer_timeout: Duration,
     heartbeat: Option<JoinHandle<()>>,
     /// Dropping the session closes it (without a goodbye), unless its
@@ -451,14 +456,20 @@ impl Session {
         let addr = self.comeback.addr.clone();
         let who = format!("{} {}", self.comeback.register.role.name(), self.welcome.rank);
         log::warn!(target: &who, "{lost}; dialling the scheduler at {addr} again (for up to {:.1}s)", self.peer_timeout.as_secs_f64());
-        let greet = |s: TcpStream| match self.introduce(&s) {
-            Ok(()) => Greeted::Done(s),
-            Err(SessionError::RefusedBack { why, .. }) => Greeted::Refused(why),
-            Err(e) => Greeted::Again(e.to_string()),
+        let greet = |a: Authed| {
+            let (mut r, mut w) = match a.split() {
+                Ok(halves) => halves,
+                Err(e) => return Greeted::Again(e.to_string()),
+            };
+            match self.introduce(&mut r, &mut w) {
+                Ok(()) => Greeted::Done((r, w)),
+                Err(SessionError::RefusedBack { why, .. }) => Greeted::Refused(why),
+                Err(e) => Greeted::Again(e.to_string()),
+            }
         };
         let dialled = dial_until(&addr, deadline, &self.comeback.secret, || self.link.comeback_possible(), greet);
-        let stream = match dialled {
-            Ok(s) => s,
+        let (reader, writer) = match dialled {
+            Ok(halves) => halves,
             Err(f) if f.refused => return Err(SessionError::RefusedBack { addr, why: f.why }),
             Err(_) if !self.link.comeback_possible() => return Err(lost),
             Err(f) => {
@@ -466,7 +477,6 @@ impl Session {
                 return Err(SessionError::NotBack { addr, why, secs: self.peer_timeout.as_secs_f64() });
             }
         };
-        let writer = timed(&stream, self.peer_timeout)?;
         {
             let mut w = lock(&self.link.writer);
             *w = writer;
@@ -478,14 +488,14 @@ impl Session {
                 log::warn!(target: &who, "writing to the scheduler that came back: {e}");
             }
         }
-        self.reader = stream;
+        self.reader = reader;
         log::info!(target: &who, "the scheduler at {addr} is back: rejoined after {:.1}s", since.elapsed().as_secs_f64());
         Ok(())
     }
 
     /// Rejoin on a fresh connection and read the answer: this member's
     /// Welcome of this job again.
-    fn introduce(&self, mut s: &TcpStream) -> Result<(), SessionError> {
+    fn introduce(&self, r: &mut Reader, w: &mut Writer) -> Result<(), SessionError> {
         let report = lock(&self.comeback.report).as_ref().map(|f| f()).unwrap_or_default();
         let msg = Control::Rejoin(Box::new(Rejoin {
             register: self.comeback.register.clone(),
@@ -497,11 +507,10 @@ impl Session {
             barriers: report.barriers,
         }));
         let ns = self.link.namespace;
-        s.set_read_timeout(Some(self.peer_timeout)).map_err(SessionError::Setup)?;
-        s.set_write_timeout(Some(self.peer_timeout)).map_err(SessionError::Setup)?;
-        write_control(&mut s, &msg, ns).map_err(SessionError::Send)?;
+        timed(w.get_ref(), self.peer_timeout)?;
+        write_control(w, &msg, ns).map_err(SessionError::Send)?;
         let refused = |why: String| SessionError::RefusedBack { addr: self.comeback.addr.clone(), why };
-        match read_control(&mut s, ns) {
+        match read_control(r, ns) {
             Ok(Control::Welcome(w)) if w.job_id == self.welcome.job_id && w.rank == self.welcome.rank => Ok(()),
             Ok(Control::Welcome(_)) => Err(refused("it welcomed this member to another job".into())),
             Ok(Control::Error { message }) => Err(refused(message)),

@@ -259,6 +259,8 @@ pub static SETTINGS: &[Setting] = &[
         "a shared service's master token (its scheduler, servers, `gradhub token` and `gradhub status`)"),
     setting!(User, "GRADHUB_SERVICE_TOKEN_FILE", Str, Unset("none"), &[Role::Server, Role::Scheduler],
         "a file holding `GRADHUB_SERVICE_TOKEN`"),
+    setting!(User, "GRADHUB_ENCRYPT", Flag, flag(false), ALL,
+        "1 (`--encrypt`): encrypt and authenticate every connection of the job (AES-256-GCM, keys derived from the job token for each connection); needs a token. The same on every member: one that differs is refused, naming this setting (docs/security.md)"),
     setting!(User, "GRADHUB_INSECURE", Flag, flag(false), MEMBERS,
         "1 (`--insecure`): let a scheduler, server or worker whose connections may leave the machine run without a token (anyone reaching its ports can join)"),
     setting!(Advanced, "GRADHUB_PARTITION_BYTES", Int, int(defaults::PARTITION_BYTES as i64), &[Role::Scheduler, Role::Launcher],

@@ -354,6 +354,11 @@ def insecure() -> bool:
     return get("GRADHUB_INSECURE")
 
 
+def encrypt() -> bool:
+    """GRADHUB_ENCRYPT: seal every connection (the core reads it too)."""
+    return get("GRADHUB_ENCRYPT")
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (a name or an address, as given) is this machine's loopback."""
     host = host.strip("[]")

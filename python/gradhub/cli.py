@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import _core, _env, roles
@@ -53,6 +54,12 @@ def _add_scheduler_args(p: argparse.ArgumentParser, env: _env.SchedulerEnv) -> N
     p.add_argument("--core-gbit", type=_count(0, float), default=env.core_gbit,
                    help="each rack's link to the network core in Gbit/s; 0: one host link assumed "
                    + _env.fallback("GRADHUB_CORE_GBIT"))
+
+
+def _add_encrypt_arg(p) -> None:
+    p.add_argument("--encrypt", action="store_true", default=_env.encrypt(),
+                   help="encrypt and authenticate every connection with keys derived from the job token "
+                   "(GRADHUB_ENCRYPT=1); every member of the job must set it, one that does not is refused")
 
 
 def _add_metrics_arg(p, default: str | None) -> None:
@@ -137,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "default) or, started over ssh, on the first worker host (first), at that host's address as "
                     "it saw this machine's ssh come in; for a launching machine the hosts cannot reach")
     _add_scheduler_args(lp, senv)
+    _add_encrypt_arg(lp)
     launch_elastic.add_args(lp)
     lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
 
@@ -161,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--servers", type=_count(1), default=senv.num_servers,
                     help="number of servers (GRADHUB_NUM_SERVERS)")
     _add_scheduler_args(sp, senv)
+    _add_encrypt_arg(sp)
     _add_metrics_arg(sp, senv.metrics_addr)
     g = sp.add_argument_group("shared service", "Run as a long-lived service hosting many jobs at once, each "
                               "known by its name (GRADHUB_JOB) and its own token, derived from the master token "
@@ -168,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "--service`; a job's first worker starts it on every server; --workers/--servers "
                               "do not apply.")
     g.add_argument("--service", action="store_true", help="run as a shared service")
-    service = _core.ServiceConfig("", "")  # its defaults
+    service = _core.ServiceConfig("", "", encrypt=False)  # its defaults
     g.add_argument("--max-jobs", type=_count(1), default=None,
                    help=f"jobs running at once (default {service.max_jobs})")
     g.add_argument("--job-max-workers", type=_count(1), default=None,
@@ -215,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write a Chrome/Perfetto trace of every chunk round here: how long it waited for its "
                     "pushers and which worker came last, and how long finishing it took; {rank} becomes the "
                     "server's rank; `gradhub timeline merge` joins it with the workers' (GRADHUB_SERVER_TIMELINE)")
+    _add_encrypt_arg(vp)
     _add_metrics_arg(vp, venv.metrics_addr)
     vp.add_argument("--service", action="store_true",
                     help="serve every job of the shared service at --scheduler (one server per job, fresh ports "
@@ -233,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         "servers and jobs: members, tensors and bytes held, bytes pushed and the current rate.")
     stp.add_argument("--scheduler", default=venv.scheduler, help="the service's host:port (GRADHUB_SCHEDULER)")
     stp.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_encrypt_arg(stp)
     stp.add_argument("--timeout", type=_count(0, float, above=True), default=10.0, help="seconds to wait for the service (default 10)")
     tl = sub.add_parser(
         "timeline", help="merge workers' and servers' timelines into one trace",
@@ -353,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradhub: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if getattr(args, "encrypt", False):
+        # Read by the core when it builds each role's config, and inherited
+        # by every process `launch` starts.
+        os.environ["GRADHUB_ENCRYPT"] = "1"
     if args.cmd is None:
         parser.print_help()
         return 2

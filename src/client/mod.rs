@@ -146,12 +146,10 @@ impl Client {
                 let by_ref = cfg.server_shm && &s.host == host;
                 let addr = join_host_port(&s.addr, port);
                 let desc = format!("server {} ({addr}) thread {t}", s.rank);
-                let stream =
+                let authed =
                     connect_authenticated(&addr, cfg.connect_timeout, &cfg.secret).map_err(|e| setup(&desc, e))?;
-                crate::transport::tune_data_socket(&stream);
-                stream.set_nonblocking(true).map_err(|e| setup(&desc, e))?;
-                let stream = mio::net::TcpStream::from_std(stream);
-                conns.push(io::NewConn { stream, addr, desc, server: s.rank, by_ref });
+                let conn = io::NewConn::new(authed, addr, desc.clone(), s.rank, by_ref);
+                conns.push(conn.map_err(|e| setup(&desc, e))?);
             }
         }
 

@@ -290,16 +290,8 @@ impl Shared {
             let addr = join_host_port(&s.addr, port);
             let desc = format!("server {} ({addr}) thread {t}", s.rank);
             let setup = |e: std::io::Error| ClientError::Setup(format!("{desc}, which joined the job: {e}"));
-            let stream = connect_authenticated(&addr, self.connect_timeout, &self.secret).map_err(setup)?;
-            crate::transport::tune_data_socket(&stream);
-            stream.set_nonblocking(true).map_err(setup)?;
-            conns.push(io::NewConn {
-                stream: mio::net::TcpStream::from_std(stream),
-                addr,
-                desc,
-                server: s.rank,
-                by_ref: false,
-            });
+            let authed = connect_authenticated(&addr, self.connect_timeout, &self.secret).map_err(setup)?;
+            conns.push(io::NewConn::new(authed, addr, desc.clone(), s.rank, false).map_err(setup)?);
         }
         self.io.add_conns(conns).map_err(|e| ClientError::Setup(format!("server {} joined the job: {e}", s.rank)))
     }

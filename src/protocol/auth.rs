@@ -14,8 +14,16 @@
 //! Each side's proof covers the other side's fresh nonce, so a recorded
 //! handshake cannot be replayed, and the two labels keep one side's proof
 //! from being reflected as the other's. A failed proof closes the
-//! connection with a message that reveals nothing about the job. Nothing is
-//! encrypted: whoever is on the path can read gradients (docs/security.md).
+//! connection with a message that reveals nothing about the job.
+//!
+//! With encryption on (`GRADHUB_ENCRYPT`, `Secret::encrypted`) the hello
+//! and the challenge carry `FLAG_SEALED`, both proofs cover the setting (so
+//! no one on the path can turn it off), a listener refuses a connector that
+//! disagrees naming the setting, and both sides derive the connection's
+//! keys from the token and both nonces (`protocol::seal`): every frame after
+//! the handshake is sealed. Without it nothing is encrypted: whoever is on
+//! the path can read gradients, and frames are only checksummed
+//! (docs/security.md).
 //!
 //! Without a token (`Secret::none`, single-host jobs or an explicit
 //! insecure flag) the same handshake runs with an empty key: one code path,
@@ -33,7 +41,8 @@ use sha2::Sha256;
 
 use std::io::{Read, Write};
 
-use super::{read_message, Header, MsgType, ProtocolError, ReadError, MAX_NOTICE_PAYLOAD};
+use super::seal::{Keys, Side};
+use super::{read_message, Header, MsgType, ProtocolError, ReadError, FLAG_SEALED, MAX_NOTICE_PAYLOAD};
 
 pub const NONCE_LEN: usize = 32;
 pub const PROOF_LEN: usize = 32;
@@ -49,22 +58,28 @@ const CONNECTOR: &[u8] = b"gradhub-auth-v1 connector";
 
 /// The job's secret, and the job name a connector announces with it (empty
 /// outside a shared service). Its Debug output never shows the key.
+/// With `encrypted`, every connection made with it is sealed.
 #[derive(Clone, Default)]
 pub struct Secret {
     key: Vec<u8>,
     job: String,
+    encrypt: bool,
 }
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let key = if self.key.is_empty() { "none" } else { ".." };
-        write!(f, "Secret({key}, job {:?})", self.job)
+        let sealed = if self.encrypt { ", encrypted" } else { "" };
+        write!(f, "Secret({key}, job {:?}{sealed})", self.job)
     }
 }
 
+/// How the setting is named in messages.
+pub const ENCRYPT_SETTING: &str = "GRADHUB_ENCRYPT";
+
 impl Secret {
     pub fn new(token: &[u8]) -> Secret {
-        Secret { key: token.to_vec(), job: String::new() }
+        Secret { key: token.to_vec(), job: String::new(), encrypt: false }
     }
     /// No token: the handshake still runs, and proves nothing.
     pub fn none() -> Secret {
@@ -72,6 +87,21 @@ impl Secret {
     }
     pub fn is_none(&self) -> bool {
         self.key.is_empty()
+    }
+    /// Encrypt every connection (`protocol::seal`), or not. Keys derived
+    /// from no token would be anyone's: encryption needs one.
+    pub fn encrypted(mut self, on: bool) -> Result<Secret, AuthError> {
+        if on && self.key.is_empty() {
+            return Err(AuthError::Setting(format!(
+                "{ENCRYPT_SETTING}=1 needs a job token (GRADHUB_JOB_TOKEN or GRADHUB_JOB_TOKEN_FILE): keys derived \
+                 from no secret protect nothing"
+            )));
+        }
+        self.encrypt = on;
+        Ok(self)
+    }
+    pub fn encrypts(&self) -> bool {
+        self.encrypt
     }
     /// The same key, announced as a member of job `name` of a service.
     pub fn for_job(mut self, name: &str) -> Result<Secret, AuthError> {
@@ -106,11 +136,8 @@ impl Secret {
     /// keyed by this (master) secret: the master itself for the service's
     /// own members (empty name), else the job's derived token.
     pub fn key_for(&self, job: &str) -> Secret {
-        if job.is_empty() {
-            Secret::new(&self.key)
-        } else {
-            Secret::new(self.job_token(job).as_bytes())
-        }
+        let key = if job.is_empty() { self.key.clone() } else { self.job_token(job).into_bytes() };
+        Secret { key, job: String::new(), encrypt: self.encrypt }
     }
 
     fn hmac(&self) -> Hmac<Sha256> {
@@ -118,9 +145,12 @@ impl Secret {
         <Hmac<Sha256> as Mac>::new_from_slice(&self.key).expect("HMAC accepts any key length")
     }
 
+    /// The proofs cover the encryption setting: a connection whose hello
+    /// lost its flag on the way fails.
     fn mac(&self, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
         let mut m = self.hmac();
         m.update(label);
+        m.update(&[self.encrypt as u8]);
         m.update(nc);
         m.update(ns);
         m
@@ -140,6 +170,19 @@ impl Secret {
     fn verify(&self, label: &[u8], nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN], proof: &[u8]) -> bool {
         self.mac(label, nc, ns).verify_slice(proof).is_ok()
     }
+
+    /// The connection's keys, if it is encrypted.
+    fn keys_of(&self, nc: &[u8; NONCE_LEN], ns: &[u8; NONCE_LEN], side: Side) -> Option<Keys> {
+        self.encrypt.then(|| Keys::derive(&self.key, nc, ns, side))
+    }
+
+    fn flags(&self) -> u16 {
+        if self.encrypt {
+            FLAG_SEALED
+        } else {
+            0
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +195,10 @@ pub enum AuthError {
     Rejected(String),
     #[error("invalid job name {0:?}: use 1 to 64 letters, digits, '.', '_' or '-'")]
     BadJobName(String),
+    /// The two ends disagree on a setting both must share (encryption), or
+    /// a setting cannot work: the message names it.
+    #[error("{0}")]
+    Setting(String),
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
     #[error(transparent)]
@@ -188,9 +235,10 @@ pub fn nonce() -> Result<[u8; NONCE_LEN], AuthError> {
     Ok(n)
 }
 
-fn frame(msg_type: MsgType, parts: &[&[u8]]) -> Vec<u8> {
+fn frame(msg_type: MsgType, flags: u16, parts: &[&[u8]]) -> Vec<u8> {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     let mut h = Header::new(msg_type);
+    h.flags = flags;
     h.payload_len = len as u32;
     super::encode_frame(&h, &parts.concat())
 }
@@ -209,12 +257,14 @@ impl Connector {
     /// Start: the hello frame to send.
     pub fn start(secret: &Secret) -> Result<(Connector, Vec<u8>), AuthError> {
         let nc = nonce()?;
-        Ok((Connector { secret: secret.clone(), nc }, frame(MsgType::AuthHello, &[&nc, secret.job.as_bytes()])))
+        let hello = frame(MsgType::AuthHello, secret.flags(), &[&nc, secret.job.as_bytes()]);
+        Ok((Connector { secret: secret.clone(), nc }, hello))
     }
 
     /// The listener's challenge (its payload): check the listener's proof,
-    /// return the proof frame to send.
-    pub fn answer(self, challenge: &[u8]) -> Result<Vec<u8>, AuthError> {
+    /// return the proof frame to send and, if the connection is encrypted,
+    /// its keys (every frame after the proof is sealed).
+    pub fn answer(self, challenge: &[u8]) -> Result<(Vec<u8>, Option<Keys>), AuthError> {
         let c: [u8; NONCE_LEN + PROOF_LEN] = exact("AuthChallenge", challenge)?;
         let ns: [u8; NONCE_LEN] = exact("nonce", &c[..NONCE_LEN])?;
         if !self.secret.verify(LISTENER, &self.nc, &ns, &c[NONCE_LEN..]) {
@@ -224,7 +274,8 @@ impl Connector {
                  for a shared service's servers and operators a wrong GRADHUB_SERVICE_TOKEN)",
             ));
         }
-        Ok(frame(MsgType::AuthProof, &[&self.secret.proof(CONNECTOR, &self.nc, &ns)]))
+        let proof = frame(MsgType::AuthProof, 0, &[&self.secret.proof(CONNECTOR, &self.nc, &ns)]);
+        Ok((proof, self.secret.keys_of(&self.nc, &ns, Side::Connector)))
     }
 }
 
@@ -238,9 +289,11 @@ pub enum Listener {
         ns: [u8; NONCE_LEN],
         key: Secret,
     },
-    /// Authenticated, as a member of this job (empty: no name given).
+    /// Authenticated, as a member of this job (empty: no name given); the
+    /// connection's keys if it is encrypted, until taken.
     Done {
         job: String,
+        keys: Option<Keys>,
     },
 }
 
@@ -285,8 +338,16 @@ impl Listener {
                     check_job_name(job)?;
                 }
                 let key = keys(job);
+                let sealed = hdr.flags & FLAG_SEALED != 0;
+                if sealed != key.encrypt {
+                    let (ours, theirs) = if key.encrypt { ("encrypt", "does not") } else { ("do not encrypt", "does") };
+                    return Err(AuthError::Setting(format!(
+                        "this job's members {ours} their connections and this one {theirs}: set {ENCRYPT_SETTING} \
+                         the same on every member (`--encrypt`)"
+                    )));
+                }
                 let ns = nonce()?;
-                let reply = frame(MsgType::AuthChallenge, &[&ns, &key.proof(LISTENER, &nc, &ns)]);
+                let reply = frame(MsgType::AuthChallenge, key.flags(), &[&ns, &key.proof(LISTENER, &nc, &ns)]);
                 *self = Listener::AwaitProof { nc, ns, key: key.for_job_unchecked(job) };
                 Ok(Some(reply))
             }
@@ -295,7 +356,8 @@ impl Listener {
                     crate::metrics::count(&crate::metrics::AUTH_FAILURES);
                     return Err(AuthError::Failed("wrong job token"));
                 }
-                *self = Listener::Done { job: key.job };
+                let keys = key.keys_of(&nc, &ns, Side::Listener);
+                *self = Listener::Done { job: key.job, keys };
                 Ok(None)
             }
             (Listener::Done { .. }, _) => Err(AuthError::Failed("internal: handshake already done")),
@@ -307,8 +369,8 @@ impl Listener {
 }
 
 /// The connector's whole handshake on a blocking stream (`r` reads it
-/// under a deadline, `w` writes it).
-pub fn connect_blocking<R: Read, W: Write>(r: &mut R, w: &mut W, secret: &Secret) -> Result<(), AuthError> {
+/// under a deadline, `w` writes it); the connection's keys if encrypted.
+pub fn connect_blocking<R: Read, W: Write>(r: &mut R, w: &mut W, secret: &Secret) -> Result<Option<Keys>, AuthError> {
     let (c, hello) = Connector::start(secret)?;
     w.write_all(&hello).map_err(AuthError::Io)?;
     let (h, payload) = read_message(r, None, MAX_NOTICE_PAYLOAD)?;
@@ -317,22 +379,24 @@ pub fn connect_blocking<R: Read, W: Write>(r: &mut R, w: &mut W, secret: &Secret
         MsgType::Error => return Err(AuthError::Rejected(String::from_utf8_lossy(&payload).into_owned())),
         other => return Err(ProtocolError::UnexpectedType(format!("{other:?} instead of AuthChallenge")).into()),
     }
-    let proof = c.answer(&payload)?;
-    w.write_all(&proof).map_err(AuthError::Io)
+    let (proof, keys) = c.answer(&payload)?;
+    w.write_all(&proof).map_err(AuthError::Io)?;
+    Ok(keys)
 }
 
 /// The listener's whole handshake on a blocking stream; returns the job
-/// name the connector announced. On failure the connector is told only
-/// that authentication failed.
+/// name the connector announced and the connection's keys if encrypted.
+/// On failure the connector is told only that authentication failed (or,
+/// for a setting the two ends disagree on, which).
 pub fn listen_blocking<R: Read, W: Write>(
     r: &mut R,
     w: &mut W,
     keys: &impl Fn(&str) -> Secret,
-) -> Result<String, AuthError> {
+) -> Result<(String, Option<Keys>), AuthError> {
     let mut l = Listener::default();
     let result = (|| loop {
-        if let Listener::Done { job } = &l {
-            return Ok(job.clone());
+        if let Listener::Done { job, keys } = &mut l {
+            return Ok((std::mem::take(job), keys.take()));
         }
         let (h, payload) = read_message(r, None, l.payload_limit())?;
         if let Some(reply) = l.on_frame(keys, &h, &payload)? {
@@ -343,8 +407,14 @@ pub fn listen_blocking<R: Read, W: Write>(
         // A peer without the token finds out from our challenge and hangs up
         // before its proof: a failure all the same (a wrong proof counted itself).
         l.hung_up();
-        if !matches!(e, AuthError::Io(_) | AuthError::Read(ReadError::Closed | ReadError::Io(_))) {
-            let _ = w.write_all(&rejection());
+        match e {
+            AuthError::Io(_) | AuthError::Read(ReadError::Closed | ReadError::Io(_)) => {}
+            AuthError::Setting(why) => {
+                let _ = w.write_all(&frame(MsgType::Error, 0, &[why.as_bytes()]));
+            }
+            _ => {
+                let _ = w.write_all(&rejection());
+            }
         }
     }
     result
@@ -352,7 +422,7 @@ pub fn listen_blocking<R: Read, W: Write>(
 
 /// The Error frame a failed handshake gets: the same whatever failed.
 pub fn rejection() -> Vec<u8> {
-    frame(MsgType::Error, &[REJECTION.as_bytes()])
+    frame(MsgType::Error, 0, &[REJECTION.as_bytes()])
 }
 
 pub const REJECTION: &str = "authentication failed: this connection does not hold the job's token";
@@ -372,7 +442,7 @@ mod tests {
         let (h, p) = split(&hello);
         let challenge = l.on_frame(&listener.keys(), &h, &p)?.unwrap();
         let (_, p) = split(&challenge);
-        let proof = c.answer(&p)?;
+        let (proof, _) = c.answer(&p)?;
         let (h, p) = split(&proof);
         assert!(l.on_frame(&listener.keys(), &h, &p)?.is_none());
         assert!(l.is_done());
@@ -399,7 +469,7 @@ mod tests {
         drop(c);
         let forged = Connector { secret: Secret::new(b"b"), nc: p.clone().try_into().unwrap() };
         let proof = forged.secret.proof(CONNECTOR, &forged.nc, &cp[..NONCE_LEN].try_into().unwrap());
-        let (h, _) = split(&frame(MsgType::AuthProof, &[&proof]));
+        let (h, _) = split(&frame(MsgType::AuthProof, 0, &[&proof]));
         assert!(l.on_frame(&Secret::new(b"a").keys(), &h, &proof).is_err());
     }
 
@@ -410,7 +480,7 @@ mod tests {
         let (h, p) = split(&hello);
         let mut first = Listener::default();
         let ch = first.on_frame(&s.keys(), &h, &p).unwrap().unwrap();
-        let proof = c.answer(&split(&ch).1).unwrap();
+        let (proof, _) = c.answer(&split(&ch).1).unwrap();
         // Replayed to a new connection: same hello, same proof.
         let mut second = Listener::default();
         second.on_frame(&s.keys(), &h, &p).unwrap();
@@ -422,13 +492,13 @@ mod tests {
     fn frames_out_of_order_or_malformed_are_errors() {
         let s = Secret::new(b"tok");
         let mut l = Listener::default();
-        let (h, p) = split(&frame(MsgType::AuthProof, &[&[0u8; PROOF_LEN]]));
+        let (h, p) = split(&frame(MsgType::AuthProof, 0, &[&[0u8; PROOF_LEN]]));
         assert!(l.on_frame(&s.keys(), &h, &p).is_err());
         let mut l = Listener::default();
-        let (h, _) = split(&frame(MsgType::AuthHello, &[&[0u8; 5]]));
+        let (h, _) = split(&frame(MsgType::AuthHello, 0, &[&[0u8; 5]]));
         assert!(l.on_frame(&s.keys(), &h, &[0u8; 5]).is_err());
         let mut l = Listener::default();
-        let (h, p) = split(&frame(MsgType::Register, &[]));
+        let (h, p) = split(&frame(MsgType::Register, 0, &[]));
         assert!(l.on_frame(&s.keys(), &h, &p).is_err());
     }
 
@@ -440,11 +510,11 @@ mod tests {
             let mut l = Listener::default();
             let (h, p) = split(&hello);
             let ch = l.on_frame(&master.service_keys(), &h, &p)?.unwrap();
-            let proof = c.answer(&split(&ch).1)?;
+            let (proof, _) = c.answer(&split(&ch).1)?;
             let (h, p) = split(&proof);
             l.on_frame(&master.service_keys(), &h, &p)?;
             match l {
-                Listener::Done { job } => Ok(job),
+                Listener::Done { job, .. } => Ok(job),
                 _ => panic!("not done"),
             }
         };
@@ -469,5 +539,65 @@ mod tests {
         h.payload_len = len;
         let mut l = Listener::default();
         assert!(l.on_frame(&master.service_keys(), &h, &hello[super::super::HEADER_LEN..]).is_err());
+    }
+
+    /// The handshake between `connector` and `listener`, and the keys each ends with.
+    fn keys_after(connector: &Secret, listener: &Secret) -> Result<(Option<Keys>, Option<Keys>), AuthError> {
+        let (c, hello) = Connector::start(connector)?;
+        let mut l = Listener::default();
+        let (h, p) = split(&hello);
+        let ch = l.on_frame(&listener.keys(), &h, &p)?.unwrap();
+        let (proof, ck) = c.answer(&split(&ch).1)?;
+        let (h, p) = split(&proof);
+        l.on_frame(&listener.keys(), &h, &p)?;
+        match l {
+            Listener::Done { keys, .. } => Ok((ck, keys)),
+            _ => panic!("not done"),
+        }
+    }
+
+    #[test]
+    fn encrypting_members_share_fresh_keys_and_a_member_that_disagrees_is_refused_naming_the_setting() {
+        let on = Secret::new(b"tok").encrypted(true).unwrap();
+        let off = Secret::new(b"tok");
+        let (Some(mut ck), Some(mut lk)) = keys_after(&on, &on).unwrap() else { panic!("no keys") };
+        let head = Header::new(MsgType::Heartbeat).encode(&[]);
+        let mut data = *b"gradient";
+        let tag = ck.seal.seal(&head, &mut data).unwrap();
+        lk.open.open(&head, &mut data, &tag).unwrap();
+        assert_eq!(&data, b"gradient");
+        // Another connection of the same members: other keys.
+        let (Some(mut ck2), _) = keys_after(&on, &on).unwrap() else { panic!("no keys") };
+        let mut data = *b"gradient";
+        let tag = ck2.seal.seal(&head, &mut data).unwrap();
+        assert!(pair_open(&mut lk, &head, &mut data, &tag).is_err());
+        // Unencrypted: no keys.
+        let (ck, lk) = keys_after(&off, &off).unwrap();
+        assert!(ck.is_none() && lk.is_none());
+        // Either way round, the listener refuses, naming the setting.
+        for (c, l) in [(&on, &off), (&off, &on)] {
+            let e = keys_after(c, l).unwrap_err();
+            assert!(matches!(e, AuthError::Setting(_)) && e.to_string().contains(ENCRYPT_SETTING), "{e}");
+        }
+        // A hello whose flag was taken off on the way passes the listener's
+        // check but not the connector's: the proofs cover the setting.
+        let (c, mut hello) = Connector::start(&on).unwrap();
+        let mut h = Header::decode(&hello[..super::super::HEADER_LEN], MAX_AUTH_PAYLOAD).unwrap();
+        h.flags = 0;
+        let head = h.encode(&hello[super::super::HEADER_LEN..]);
+        hello[..super::super::HEADER_LEN].copy_from_slice(&head);
+        let mut l = Listener::default();
+        let (h, p) = split(&hello);
+        let ch = l.on_frame(&Secret::new(b"tok").keys(), &h, &p).unwrap().unwrap();
+        assert!(matches!(c.answer(&split(&ch).1), Err(AuthError::Failed(_))));
+        // No token, no encryption.
+        let e = Secret::none().encrypted(true).unwrap_err();
+        assert!(e.to_string().contains("needs a job token"), "{e}");
+        // A service's jobs inherit the master's setting.
+        assert!(on.key_for("job-a").encrypts() && on.key_for("").encrypts());
+    }
+
+    fn pair_open(k: &mut Keys, head: &[u8; 40], data: &mut [u8], tag: &[u8; 16]) -> Result<(), ()> {
+        k.open.open(head, data, tag)
     }
 }

@@ -21,7 +21,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 18;
+pub const VERSION: u8 = 19;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by `header_crc`.
 const CHECKED_LEN: usize = 36;
@@ -88,9 +88,13 @@ pub const FLAG_RESENT: u16 = 16;
 /// waits for the scheduler's word instead of failing on this one
 /// (`client::io::receive`).
 pub const FLAG_LEAVING: u16 = 32;
+/// Flag bit, on AuthHello and AuthChallenge: the sender encrypts its
+/// connections (`protocol::seal`); both ends must agree (`protocol::auth`).
+pub const FLAG_SEALED: u16 = 64;
 /// The flags of one push alone, not of the round it is part of.
 pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING;
+const KNOWN_FLAGS: u16 =
+    FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING | FLAG_SEALED;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

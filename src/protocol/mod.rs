@@ -7,6 +7,7 @@ pub mod control;
 pub mod frame;
 pub mod optim;
 pub mod reader;
+pub mod seal;
 
 pub use control::{
     Control, DeclEntry, ElasticReg, JobTraffic, Register, Rejoin, Role, ServerInfo, ServiceJoin, TensorSpec, Welcome,
@@ -14,7 +15,7 @@ pub use control::{
 };
 pub use frame::{
     crc32c, encode_frame, DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_LEAVING, FLAG_RESENT,
-    FLAG_ZEROS, HEADER_LEN, MAGIC, PUSH_OWN_FLAGS, VERSION,
+    FLAG_SEALED, FLAG_ZEROS, HEADER_LEN, MAGIC, PUSH_OWN_FLAGS, VERSION,
 };
 pub use optim::{OptConfig, OptKind};
 pub use reader::{Frame, FrameReader, ReadError};
@@ -57,6 +58,10 @@ pub enum ProtocolError {
     /// A checksum (`frame`) did not match: the frame changed on the way.
     #[error("checksum mismatch in {0}: the frame was corrupted on the way")]
     BadChecksum(String),
+    /// A sealed frame's tag did not match (`seal`): changed on the way, or
+    /// not sealed with this connection's key.
+    #[error("authentication tag mismatch in {0}: the frame was changed on the way or not sealed with this connection's key")]
+    BadTag(String),
     #[error("malformed payload: {0}")]
     BadPayload(String),
     #[error("unexpected message: {0}")]
@@ -64,6 +69,14 @@ pub enum ProtocolError {
     // The job's own namespace is not told to whoever sent the frame.
     #[error("namespace {got} is not this job's")]
     WrongNamespace { got: u32 },
+}
+
+impl ProtocolError {
+    /// The frame changed between the two ends (a bad checksum or tag): not
+    /// the peer's doing, so the link may be mended instead of failing.
+    pub fn changed_on_the_way(&self) -> bool {
+        matches!(self, ProtocolError::BadChecksum(_) | ProtocolError::BadTag(_))
+    }
 }
 
 /// The largest first message a peer may send once it has authenticated
@@ -93,7 +106,7 @@ pub fn read_message<R: Read>(
 ) -> Result<(Header, Vec<u8>), ReadError> {
     let mut rx = FrameReader::<()>::default();
     loop {
-        match rx.read_from(&mut *r, max_payload, |()| &mut [])? {
+        match rx.read_from(&mut *r, max_payload, |()| &mut [], None)? {
             None => return Err(ReadError::TimedOut),
             Some(Frame::Header(h)) => match namespace {
                 Some(ns) if h.namespace != ns => return Err(ProtocolError::WrongNamespace { got: h.namespace }.into()),

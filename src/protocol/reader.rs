@@ -8,6 +8,7 @@
 use std::io::{self, Read};
 
 use super::frame::{payload_crc, Crc32c};
+use super::seal::{Opener, TAG_LEN};
 use super::{Header, ProtocolError, HEADER_LEN};
 
 /// Owned payload buffers start at this size and double as data arrives.
@@ -105,6 +106,12 @@ enum ReadState<T> {
     Header {
         got: usize,
     },
+    /// A sealed frame without a payload: its tag, checked before the
+    /// header is returned.
+    HeaderTag {
+        hdr: Header,
+        tag: TagIn,
+    },
     /// A header with a payload was returned; the caller has not said where
     /// the payload goes yet (reading on would take it for the next header).
     Unclaimed {
@@ -115,13 +122,22 @@ enum ReadState<T> {
         target: T,
         got: usize,
         crc: Crc32c,
+        tag: TagIn,
     },
     Owned {
         hdr: Header,
         buf: Vec<u8>,
         got: usize,
         crc: Crc32c,
+        tag: TagIn,
     },
+}
+
+/// The tag after a sealed frame's payload, as it arrives.
+#[derive(Default)]
+struct TagIn {
+    got: usize,
+    bytes: [u8; TAG_LEN],
 }
 
 /// Read state of one connection or stream; `T` names a caller-owned
@@ -141,16 +157,17 @@ impl<T: Copy> Default for FrameReader<T> {
 
 impl<T: Copy> FrameReader<T> {
     /// The payload of `hdr` (the header just read) goes to the caller's
-    /// memory for `target`. It is checked against its checksum once whole:
-    /// a mismatch is an error, and the caller must not use what landed.
+    /// memory for `target`. It is checked against its checksum (or its tag)
+    /// once whole: a mismatch is an error, and the caller must not use what
+    /// landed.
     pub fn receive_into(&mut self, hdr: Header, target: T) {
-        self.state = ReadState::Into { hdr, target, got: 0, crc: Crc32c::default() };
+        self.state = ReadState::Into { hdr, target, got: 0, crc: Crc32c::default(), tag: TagIn::default() };
     }
 
     /// The payload of `hdr` (the header just read) goes to a buffer of the
     /// reader's own (control payloads, bounded by the header's length limit).
     pub fn receive_owned(&mut self, hdr: Header) {
-        self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0, crc: Crc32c::default() };
+        self.state = ReadState::Owned { hdr, buf: Vec::new(), got: 0, crc: Crc32c::default(), tag: TagIn::default() };
     }
 
     /// Part of a frame has arrived and the rest has not.
@@ -166,6 +183,11 @@ impl<T: Copy> FrameReader<T> {
         }
     }
 
+    /// The last header's bytes as they arrived.
+    pub fn header_bytes(&self) -> &[u8; HEADER_LEN] {
+        &self.head
+    }
+
     /// Forget any partial frame (the connection is closing, perhaps over a
     /// payload that failed its checksum); returns the destination being
     /// filled, if any.
@@ -179,14 +201,16 @@ impl<T: Copy> FrameReader<T> {
     /// Read until one frame event is complete (`Ok(Some)`) or the socket has
     /// nothing more for now (`Ok(None)`). `dst` gives the caller memory of a
     /// `receive_into` target, exactly the payload's length; it is asked for
-    /// only while that payload is being received.
+    /// only while that payload is being received. `open`: the connection's
+    /// receiving key, when its frames are sealed (`protocol::seal`).
     pub fn read_from<'d, R: Read>(
         &mut self,
         r: R,
         max_payload: u32,
         dst: impl FnOnce(T) -> &'d mut [u8],
+        open: Option<&mut Opener>,
     ) -> Result<Option<Frame<T>>, ReadError> {
-        self.read(r, max_payload, dst, false)
+        self.read(r, max_payload, dst, false, open)
     }
 
     /// `read_from` for a nonblocking socket watched edge-triggered: a short
@@ -196,8 +220,9 @@ impl<T: Copy> FrameReader<T> {
         r: R,
         max_payload: u32,
         dst: impl FnOnce(T) -> &'d mut [u8],
+        open: Option<&mut Opener>,
     ) -> Result<Option<Frame<T>>, ReadError> {
-        self.read(r, max_payload, dst, true)
+        self.read(r, max_payload, dst, true, open)
     }
 
     fn read<'d, R: Read>(
@@ -206,76 +231,125 @@ impl<T: Copy> FrameReader<T> {
         max_payload: u32,
         dst: impl FnOnce(T) -> &'d mut [u8],
         edge: bool,
+        mut open: Option<&mut Opener>,
     ) -> Result<Option<Frame<T>>, ReadError> {
-        let done = match &mut self.state {
-            ReadState::Header { got } => {
-                let at_boundary = *got == 0;
-                fill(&mut r, &mut self.head, got, at_boundary, edge, None)?
-            }
-            ReadState::Into { hdr, target, got, crc } => {
-                let len = hdr.payload_len as usize;
-                let whole: &mut [u8] = if len == 0 { &mut [] } else { dst(*target) };
-                if whole.len() != len {
+        let sealed = open.is_some();
+        let mut dst = Some(dst);
+        loop {
+            // Each arm returns whether its part is whole, checked (before
+            // leaving the state, so that on a mismatch `reset` still
+            // returns the destination the bad bytes landed in).
+            let done = match &mut self.state {
+                ReadState::Header { got } => {
+                    let at_boundary = *got == 0;
+                    fill(&mut r, &mut self.head, got, at_boundary, edge, None)?
+                }
+                ReadState::HeaderTag { hdr, tag } => {
+                    let done = fill(&mut r, &mut tag.bytes, &mut tag.got, false, edge, None)?;
+                    if done {
+                        if let Some(o) = open.as_deref_mut() {
+                            o.open(&self.head, &mut [], &tag.bytes).map_err(|()| changed(hdr))?;
+                        }
+                    }
+                    done
+                }
+                ReadState::Into { hdr, target, got, crc, tag } => {
+                    let len = hdr.payload_len as usize;
+                    let take = dst.take().ok_or_else(|| ReadError::Internal("a payload asked for twice".into()))?;
+                    let whole: &mut [u8] = if len == 0 { &mut [] } else { take(*target) };
+                    if whole.len() != len {
+                        return Err(ReadError::Internal(format!(
+                            "a {}-byte destination for a {len}-byte payload",
+                            whole.len()
+                        )));
+                    }
+                    let mut done = fill(&mut r, whole, got, false, edge, (!sealed).then_some(&mut *crc))?;
+                    if done && sealed {
+                        done = fill(&mut r, &mut tag.bytes, &mut tag.got, false, edge, None)?;
+                    }
+                    if done {
+                        match open.as_deref_mut() {
+                            Some(o) => o.open(&self.head, whole, &tag.bytes).map_err(|()| changed(hdr))?,
+                            None => check_crc(hdr, crc, self.want_crc)?,
+                        }
+                    }
+                    done
+                }
+                ReadState::Unclaimed { hdr } => {
                     return Err(ReadError::Internal(format!(
-                        "a {}-byte destination for a {len}-byte payload",
-                        whole.len()
-                    )));
+                        "the {}-byte payload of a {:?} frame was neither received nor refused",
+                        hdr.payload_len, hdr.msg_type
+                    )))
                 }
-                fill(&mut r, whole, got, false, edge, Some(crc))?
+                ReadState::Owned { hdr, buf, got, crc, tag } => {
+                    let len = hdr.payload_len as usize;
+                    let mut done = loop {
+                        // Grow with the data actually received, not with what the
+                        // header claims, so a lying peer cannot make us allocate.
+                        if *got == buf.len() && buf.len() < len {
+                            buf.resize(len.min((buf.len() * 2).max(OWNED_STEP)), 0);
+                        }
+                        if !fill(&mut r, buf, got, false, edge, (!sealed).then_some(&mut *crc))? {
+                            break false;
+                        }
+                        if *got == len {
+                            break true;
+                        }
+                    };
+                    if done && sealed {
+                        done = fill(&mut r, &mut tag.bytes, &mut tag.got, false, edge, None)?;
+                    }
+                    if done {
+                        match open.as_deref_mut() {
+                            Some(o) => o.open(&self.head, buf, &tag.bytes).map_err(|()| changed(hdr))?,
+                            None => check_crc(hdr, crc, self.want_crc)?,
+                        }
+                    }
+                    done
+                }
+            };
+            if !done {
+                return Ok(None);
             }
-            ReadState::Unclaimed { hdr } => {
-                return Err(ReadError::Internal(format!(
-                    "the {}-byte payload of a {:?} frame was neither received nor refused",
-                    hdr.payload_len, hdr.msg_type
-                )))
-            }
-            ReadState::Owned { hdr, buf, got, crc } => loop {
-                // Grow with the data actually received, not with what the
-                // header claims, so a lying peer cannot make us allocate.
-                let len = hdr.payload_len as usize;
-                if *got == buf.len() && buf.len() < len {
-                    buf.resize(len.min((buf.len() * 2).max(OWNED_STEP)), 0);
+            let frame = match std::mem::replace(&mut self.state, ReadState::Header { got: 0 }) {
+                ReadState::Header { .. } => {
+                    let hdr = Header::decode(&self.head, max_payload)?;
+                    self.want_crc = payload_crc(&self.head);
+                    if hdr.payload_len > 0 {
+                        self.state = ReadState::Unclaimed { hdr };
+                    } else if sealed {
+                        self.state = ReadState::HeaderTag { hdr, tag: TagIn::default() };
+                        continue;
+                    }
+                    Frame::Header(hdr)
                 }
-                if !fill(&mut r, buf, got, false, edge, Some(&mut *crc))? {
-                    break false;
-                }
-                if *got == len {
-                    break true;
-                }
-            },
-        };
-        if !done {
-            return Ok(None);
+                ReadState::HeaderTag { hdr, .. } => Frame::Header(hdr),
+                ReadState::Into { hdr, target, .. } => Frame::Payload(hdr, target),
+                ReadState::Owned { hdr, buf, .. } => Frame::Message(hdr, buf),
+                ReadState::Unclaimed { .. } => unreachable!("returned above"),
+            };
+            return Ok(Some(frame));
         }
-        // Checked before leaving the state, so that on a mismatch `reset`
-        // still returns the destination the bad bytes landed in.
-        if let ReadState::Into { hdr, crc, .. } | ReadState::Owned { hdr, crc, .. } = &self.state {
-            self.check(hdr, crc)?;
-        }
-        let frame = match std::mem::replace(&mut self.state, ReadState::Header { got: 0 }) {
-            ReadState::Header { .. } => {
-                let hdr = Header::decode(&self.head, max_payload)?;
-                self.want_crc = payload_crc(&self.head);
-                if hdr.payload_len > 0 {
-                    self.state = ReadState::Unclaimed { hdr };
-                }
-                Frame::Header(hdr)
-            }
-            ReadState::Into { hdr, target, .. } => Frame::Payload(hdr, target),
-            ReadState::Owned { hdr, buf, .. } => Frame::Message(hdr, buf),
-            ReadState::Unclaimed { .. } => unreachable!("returned above"),
-        };
-        Ok(Some(frame))
     }
+}
 
-    fn check(&self, hdr: &Header, crc: &Crc32c) -> Result<(), ReadError> {
-        if hdr.payload_len == 0 || crc.value() == self.want_crc {
-            return Ok(());
-        }
-        let what = format!(
-            "the payload of a {:?} frame (key {}, chunk {}, round {})",
-            hdr.msg_type, hdr.key, hdr.chunk, hdr.round
-        );
-        Err(ProtocolError::BadChecksum(what).into())
+/// What a frame that failed its tag is: changed on the way, or not sealed
+/// with this connection's key.
+fn changed(hdr: &Header) -> ReadError {
+    ProtocolError::BadTag(format!(
+        "a {:?} frame (key {}, chunk {}, round {})",
+        hdr.msg_type, hdr.key, hdr.chunk, hdr.round
+    ))
+    .into()
+}
+
+fn check_crc(hdr: &Header, crc: &Crc32c, want: u32) -> Result<(), ReadError> {
+    if hdr.payload_len == 0 || crc.value() == want {
+        return Ok(());
     }
+    let what = format!(
+        "the payload of a {:?} frame (key {}, chunk {}, round {})",
+        hdr.msg_type, hdr.key, hdr.chunk, hdr.round
+    );
+    Err(ProtocolError::BadChecksum(what).into())
 }

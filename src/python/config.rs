@@ -17,19 +17,32 @@ use crate::server::{ServerConfig, ServiceServerConfig};
 use crate::settings::{Setting, SETTINGS};
 use crate::sum_order::SumOrder;
 
-/// The job's token (`None` or empty: no token, see `protocol::auth`).
-fn secret_of(token: Option<String>) -> Secret {
-    token.map(|t| Secret::new(t.as_bytes())).unwrap_or_else(Secret::none)
+/// The job's token (`None` or empty: no token, see `protocol::auth`),
+/// encrypting every connection if `encrypt` says so (None:
+/// `GRADHUB_ENCRYPT`, read by every role so that a process started without
+/// the argument still agrees).
+pub(super) fn secret_of(token: Option<String>, encrypt: Option<bool>) -> PyResult<Secret> {
+    let encrypt = match encrypt {
+        Some(on) => on,
+        None => crate::settings::read_flag("GRADHUB_ENCRYPT").map_err(PyValueError::new_err)?.unwrap_or(false),
+    };
+    let secret = token.map(|t| Secret::new(t.as_bytes())).unwrap_or_else(Secret::none);
+    secret.encrypted(encrypt).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A member's token, announced as job `job` of a shared service if given,
 /// and the namespace its frames carry (a service job's is derived from its
 /// name).
-fn member_secret(token: Option<String>, job: Option<String>, namespace: u32) -> PyResult<(Secret, u32)> {
+fn member_secret(
+    token: Option<String>,
+    encrypt: Option<bool>,
+    job: Option<String>,
+    namespace: u32,
+) -> PyResult<(Secret, u32)> {
     match job.filter(|j| !j.is_empty()) {
-        None => Ok((secret_of(token), namespace)),
+        None => Ok((secret_of(token, encrypt)?, namespace)),
         Some(j) => {
-            let s = secret_of(token).for_job(&j).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let s = secret_of(token, encrypt)?.for_job(&j).map_err(|e| PyValueError::new_err(e.to_string()))?;
             // On a shared service the name decides the namespace.
             Ok((s, crate::protocol::auth::job_namespace(&j)))
         }
@@ -70,7 +83,7 @@ pub(super) struct PyClientConfig {
 #[pymethods]
 impl PyClientConfig {
     #[new]
-    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, deterministic=None, elastic=None, asynchronous=None, staleness=None))]
+    #[pyo3(signature = (scheduler, rank=None, num_workers=None, num_servers=None, namespace=None, credit_bytes=None, spread_bytes=None, connect_timeout=None, local_rank=None, local_size=None, server_shm=None, token=None, job=None, rack=None, deterministic=None, elastic=None, asynchronous=None, staleness=None, encrypt=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -91,9 +104,10 @@ impl PyClientConfig {
         elastic: Option<(u32, u32, u32, i32)>,
         asynchronous: Option<bool>,
         staleness: Option<u32>,
+        encrypt: Option<bool>,
     ) -> PyResult<Self> {
         let d = ClientConfig::default();
-        let (secret, namespace) = member_secret(token, job, namespace.unwrap_or(d.namespace))?;
+        let (secret, namespace) = member_secret(token, encrypt, job, namespace.unwrap_or(d.namespace))?;
         let cfg = ClientConfig {
             scheduler,
             rank: rank.unwrap_or(d.rank),
@@ -136,7 +150,7 @@ pub(super) struct PySchedulerConfig {
 #[pymethods]
 impl PySchedulerConfig {
     #[new]
-    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None, deterministic=None, asynchronous=None, staleness=None))]
+    #[pyo3(signature = (bind=None, num_workers=None, num_servers=None, partition_bytes=None, heartbeat_ms=None, peer_timeout_ms=None, stall_ms=None, join_timeout_ms=None, namespace=None, host_reduce=None, failover=None, token=None, rack_reduce=None, link_gbit=None, core_gbit=None, max_tensors=None, max_bytes=None, metrics_addr=None, deterministic=None, asynchronous=None, staleness=None, encrypt=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         bind: Option<String>,
@@ -160,6 +174,7 @@ impl PySchedulerConfig {
         deterministic: Option<bool>,
         asynchronous: Option<bool>,
         staleness: Option<u32>,
+        encrypt: Option<bool>,
     ) -> PyResult<Self> {
         let d = SchedulerConfig::default();
         let rack_reduce = match rack_reduce {
@@ -189,7 +204,7 @@ impl PySchedulerConfig {
             rack_reduce,
             link_gbit,
             core_gbit,
-            secret: token.map(|t| secret_of(Some(t))).unwrap_or(d.secret),
+            secret: secret_of(token, encrypt)?,
             max_tensors: max_tensors.unwrap_or(d.max_tensors),
             max_bytes: max_bytes.unwrap_or(d.max_bytes),
             metrics_addr: metrics_addr.or(d.metrics_addr),
@@ -213,7 +228,7 @@ pub(super) struct PyServerConfig {
 #[pymethods]
 impl PyServerConfig {
     #[new]
-    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None, deterministic=None, asynchronous=None, staleness=None))]
+    #[pyo3(signature = (scheduler, threads=None, colocated=None, advertise=None, bind_host=None, base_port=None, rank=None, num_workers=None, num_servers=None, namespace=None, connect_timeout=None, token=None, timeline=None, rack=None, metrics_addr=None, deterministic=None, asynchronous=None, staleness=None, encrypt=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         scheduler: String,
@@ -234,6 +249,7 @@ impl PyServerConfig {
         deterministic: Option<bool>,
         asynchronous: Option<bool>,
         staleness: Option<u32>,
+        encrypt: Option<bool>,
     ) -> PyResult<Self> {
         let d = ServerConfig::default();
         let cfg = ServerConfig {
@@ -250,7 +266,7 @@ impl PyServerConfig {
             connect_timeout: connect_timeout.map(seconds).unwrap_or(d.connect_timeout),
             // GRADHUB_HOST_ID, read by crate::host_id.
             host: d.host,
-            secret: token.map(|t| secret_of(Some(t))).unwrap_or(d.secret),
+            secret: secret_of(token, encrypt)?,
             traffic: d.traffic,
             timeline: timeline.or(d.timeline),
             rack: rack.unwrap_or(d.rack),
@@ -275,7 +291,8 @@ pub(super) struct PyServiceConfig {
 #[pymethods]
 impl PyServiceConfig {
     #[new]
-    #[pyo3(signature = (bind, token, job=None, max_jobs=None, max_workers=None, max_pending=None, metrics_addr=None))]
+    #[pyo3(signature = (bind, token, job=None, max_jobs=None, max_workers=None, max_pending=None, metrics_addr=None, encrypt=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         bind: String,
         token: String,
@@ -284,18 +301,19 @@ impl PyServiceConfig {
         max_workers: Option<u32>,
         max_pending: Option<usize>,
         metrics_addr: Option<String>,
-    ) -> Self {
+        encrypt: Option<bool>,
+    ) -> PyResult<Self> {
         let d = ServiceConfig::default();
         let cfg = ServiceConfig {
             bind,
-            master: Secret::new(token.as_bytes()),
+            master: secret_of(Some(token), encrypt)?,
             job: job.map(|j| j.cfg.clone()).unwrap_or(d.job),
             max_jobs: max_jobs.unwrap_or(d.max_jobs),
             max_workers: max_workers.unwrap_or(d.max_workers),
             max_pending: max_pending.unwrap_or(d.max_pending),
             metrics_addr: metrics_addr.or(d.metrics_addr),
         };
-        PyServiceConfig { cfg }
+        Ok(PyServiceConfig { cfg })
     }
     #[getter]
     fn max_jobs(&self) -> u32 {
@@ -320,16 +338,21 @@ pub(super) struct PyServiceServerConfig {
 #[pymethods]
 impl PyServiceServerConfig {
     #[new]
-    #[pyo3(signature = (server, token, peer_timeout=None))]
-    fn new(server: PyRef<'_, PyServerConfig>, token: String, peer_timeout: Option<f64>) -> Self {
+    #[pyo3(signature = (server, token, peer_timeout=None, encrypt=None))]
+    fn new(
+        server: PyRef<'_, PyServerConfig>,
+        token: String,
+        peer_timeout: Option<f64>,
+        encrypt: Option<bool>,
+    ) -> PyResult<Self> {
         // The service's own peer timeout is a job's default one.
         let d = Duration::from_millis(u64::from(SchedulerConfig::default().peer_timeout_ms));
         let cfg = ServiceServerConfig {
             server: server.cfg.clone(),
-            master: Secret::new(token.as_bytes()),
+            master: secret_of(Some(token), encrypt)?,
             peer_timeout: peer_timeout.map(|s| Duration::from_secs_f64(s.max(0.1))).unwrap_or(d),
         };
-        PyServiceServerConfig { cfg }
+        Ok(PyServiceServerConfig { cfg })
     }
     fn __repr__(&self) -> String {
         format!("{:?}", self.cfg)

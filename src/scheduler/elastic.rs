@@ -282,7 +282,7 @@ impl Formations {
         (peer_timeout_ms, join_timeout_ms): (u32, u64),
         name: &str,
         (mut reg, e): (Register, ElasticReg),
-        stream: &TcpStream,
+        stream: &super::member::Writer,
     ) -> Result<(Arc<Shared>, Register), String> {
         if e.min_workers == 0 || e.min_workers > e.max_workers || e.max_workers > max_workers {
             return Err(format!(
@@ -322,7 +322,7 @@ impl Formations {
         }
         let requested = u32::try_from(reg.requested_rank).ok();
         let cand = Candidate { prev_rank, requested, arrived: Instant::now() };
-        let link = stream.try_clone().ok();
+        let link = stream.socket().ok();
         f.waiters.push(Waiter { ticket, cand, link, announced });
         f.waiting += 1;
         self.formed.notify_all();

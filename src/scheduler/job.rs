@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use super::config::SchedulerError;
 use super::failover;
-use super::member::Member;
+use super::member::{Member, Reader, Writer};
 use super::membership::{check_registration, lost_reason};
 use super::state::Shared;
 use crate::protocol::auth::{self, Secret};
-use crate::protocol::{read_control, read_control_limited, write_control, Control, Role, MAX_REGISTER_PAYLOAD};
-use crate::transport::DeadlineReader;
+use crate::protocol::{read_control, read_control_limited, Control, Role, MAX_REGISTER_PAYLOAD};
+use crate::transport::{DeadlineReader, SealedReader, SealedWriter};
 
 /// One job's life: its heartbeats, its registration deadline, its end.
 pub(super) struct Job {
@@ -111,31 +111,50 @@ fn heartbeat_loop(shared: Arc<Shared>, stopped: mpsc::Receiver<()>) {
     }
 }
 
-/// A new connection's handshake and first message (the job it announced and
-/// what it sent), or None, logged, if it failed. Before it has registered, a
-/// peer gets a small frame and the peer timeout for the handshake and that
-/// message together, so a stranger can hold neither memory nor a thread.
+/// A new connection, authenticated: the job it announced, its first
+/// message, and the connection's halves.
+pub(super) struct Greeting {
+    pub job: String,
+    pub first: Result<Control, crate::protocol::ReadError>,
+    pub reader: Reader,
+    pub writer: Writer,
+}
+
+/// A new connection's handshake and first message, or None, logged, if it
+/// failed. Before it has registered, a peer gets a small frame and the peer
+/// timeout for the handshake and that message together, so a stranger can
+/// hold neither memory nor a thread.
 pub(super) fn greet(
-    stream: &TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     keys: &impl Fn(&str) -> Secret,
     timeout: Duration,
     namespace_of: impl Fn(&str) -> u32,
-) -> Option<(String, Result<Control, crate::protocol::ReadError>)> {
+) -> Option<Greeting> {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(timeout));
-    let mut within = DeadlineReader::new(stream, timeout);
-    let job = match auth::listen_blocking(&mut within, &mut &*stream, keys) {
-        Ok(job) => job,
+    let mut within = DeadlineReader::new(&stream, timeout);
+    let (job, keys) = match auth::listen_blocking(&mut within, &mut &stream, keys) {
+        Ok(done) => done,
         Err(e) => {
             log::warn!(target: "scheduler", "rejecting {peer}: {e}");
             return None;
         }
     };
+    let (seal, open) = keys.map(|k| (k.seal, k.open)).unzip();
+    let mut within = SealedReader::new(within, open);
     let first = read_control_limited(&mut within, namespace_of(&job), MAX_REGISTER_PAYLOAD);
+    let open = within.into_parts().1;
     let _ = stream.set_read_timeout(Some(timeout));
-    Some((job, first))
+    let reader = match stream.try_clone() {
+        Ok(s) => SealedReader::new(s, open),
+        Err(e) => {
+            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
+            return None;
+        }
+    };
+    Some(Greeting { job, first, reader, writer: Writer::new(SealedWriter::new(stream, seal)) })
 }
 
 /// A member's first message: a registration, or a rejoin of a scheduler
@@ -147,18 +166,17 @@ pub(super) enum Arrival {
 
 /// The Register a member's first message must be (else it is told why).
 pub(super) fn expect_register(
-    stream: &TcpStream,
+    writer: &Writer,
     peer: SocketAddr,
     first: Result<Control, crate::protocol::ReadError>,
     ns: u32,
 ) -> Option<crate::protocol::Register> {
-    match expect_arrival(stream, peer, first, ns)? {
+    match expect_arrival(writer, peer, first, ns)? {
         Arrival::Register(r) => Some(r),
         Arrival::Rejoin(_) => {
             let message = "this scheduler takes no rejoins (a shared service restarts with its jobs gone)".to_string();
             log::warn!(target: "scheduler", "rejecting {peer}: {message}");
-            let mut s = stream;
-            let _ = write_control(&mut s, &Control::Error { message }, ns);
+            writer.send(&Control::Error { message }, ns);
             None
         }
     }
@@ -167,7 +185,7 @@ pub(super) fn expect_register(
 /// A Register or a Rejoin, which a member's first message must be (else
 /// it is told why).
 pub(super) fn expect_arrival(
-    mut stream: &TcpStream,
+    writer: &Writer,
     peer: SocketAddr,
     first: Result<Control, crate::protocol::ReadError>,
     ns: u32,
@@ -178,55 +196,44 @@ pub(super) fn expect_arrival(
         Ok(other) => {
             let message = format!("expected Register, got {:?}", other.msg_type());
             log::warn!(target: "scheduler", "rejecting {peer}: {message}");
-            let _ = write_control(&mut stream, &Control::Error { message }, ns);
+            writer.send(&Control::Error { message }, ns);
             None
         }
         Err(e) => {
             log::warn!(target: "scheduler", "rejecting {peer}: bad registration: {e}");
-            let _ = write_control(&mut stream, &Control::Error { message: format!("bad registration: {e}") }, ns);
+            writer.send(&Control::Error { message: format!("bad registration: {e}") }, ns);
             None
         }
     }
 }
 
-/// A registration's checks (refused: told why), then the member's writer:
-/// a clone, so this thread keeps reading from `stream`.
-fn checked_writer(
-    shared: &Shared,
-    reg: &crate::protocol::Register,
-    who: &str,
-    stream: &mut TcpStream,
-    peer: SocketAddr,
-) -> Option<TcpStream> {
+/// A registration's checks (refused: told why).
+fn checked(shared: &Shared, reg: &crate::protocol::Register, who: &str, writer: &Writer, peer: SocketAddr) -> bool {
     if let Err(why) = check_registration(&shared.cfg, reg) {
         log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
-        let _ = write_control(stream, &Control::Error { message: why.to_string() }, shared.cfg.namespace);
-        return None;
+        writer.send(&Control::Error { message: why.to_string() }, shared.cfg.namespace);
+        return false;
     }
-    match stream.try_clone() {
-        Ok(w) => Some(w),
-        Err(e) => {
-            log::warn!(target: "scheduler", "rejecting {peer}: cannot clone its socket: {e}");
-            None
-        }
-    }
+    true
 }
 
 /// Check a rejoin and take the member back into the rebuilt job.
 pub(super) fn admit_rejoin(
     shared: &Arc<Shared>,
     rj: crate::protocol::Rejoin,
-    mut stream: TcpStream,
+    (reader, writer): (Reader, Writer),
     peer: SocketAddr,
-) -> Option<(Arc<Member>, TcpStream)> {
+) -> Option<(Arc<Member>, Reader)> {
     let ns = shared.cfg.namespace;
     let who = format!("{} {}", rj.register.role.name(), rj.welcome.rank);
-    let writer = checked_writer(shared, &rj.register, &who, &mut stream, peer)?;
-    match shared.rejoin(rj, peer, writer) {
-        Ok(me) => Some((me, stream)),
+    if !checked(shared, &rj.register, &who, &writer, peer) {
+        return None;
+    }
+    match shared.rejoin(rj, peer, writer.clone()) {
+        Ok(me) => Some((me, reader)),
         Err(why) => {
             log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
-            let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
+            writer.send(&Control::Error { message: why.to_string() }, ns);
             None
         }
     }
@@ -236,12 +243,14 @@ pub(super) fn admit_rejoin(
 pub(super) fn admit(
     shared: &Arc<Shared>,
     reg: crate::protocol::Register,
-    mut stream: TcpStream,
+    (reader, writer): (Reader, Writer),
     peer: SocketAddr,
-) -> Option<(Arc<Member>, TcpStream)> {
+) -> Option<(Arc<Member>, Reader)> {
     let ns = shared.cfg.namespace;
-    let writer = checked_writer(shared, &reg, reg.role.name(), &mut stream, peer)?;
-    let me = match shared.join(reg, peer, writer) {
+    if !checked(shared, &reg, reg.role.name(), &writer, peer) {
+        return None;
+    }
+    let me = match shared.join(reg, peer, writer.clone()) {
         Ok((m, false)) => m,
         Ok((m, true)) => {
             // Joined the running job: move chunks to it, on a thread of its
@@ -256,14 +265,14 @@ pub(super) fn admit(
             m
         }
         Err(why) => {
-            let _ = write_control(&mut stream, &Control::Error { message: why.to_string() }, ns);
+            writer.send(&Control::Error { message: why.to_string() }, ns);
             return None;
         }
     };
-    Some((me, stream))
+    Some((me, reader))
 }
 
-pub(super) fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: TcpStream) {
+pub(super) fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: Reader) {
     let ns = shared.cfg.namespace;
     loop {
         let msg = read_control(&mut stream, ns);

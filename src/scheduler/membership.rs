@@ -4,11 +4,11 @@
 //! the job is `state`'s.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::config::SchedulerConfig;
-use super::member::Member;
+use super::member::{Member, Writer};
 use crate::placement::{HostLayout, Placer};
 use crate::protocol::{Control, ReadError, Register, Rejoin, Role, ServerInfo, Welcome};
 use crate::waits::left_message;
@@ -16,7 +16,7 @@ use crate::waits::left_message;
 pub(super) struct Registration {
     pub reg: Register,
     pub peer: SocketAddr,
-    pub stream: TcpStream,
+    pub stream: Writer,
 }
 
 /// Who is in the job: the registrations until everyone has registered,
@@ -67,7 +67,7 @@ fn role_key(role: Role) -> u8 {
 
 impl Members {
     /// Add a registration; returns its slot (join order).
-    pub fn register(&mut self, reg: Register, peer: SocketAddr, stream: TcpStream) -> usize {
+    pub fn register(&mut self, reg: Register, peer: SocketAddr, stream: Writer) -> usize {
         self.joining.push(Registration { reg, peer, stream });
         self.joining.len() - 1
     }
@@ -91,7 +91,7 @@ impl Members {
     /// registration streams) why the job failed.
     pub fn reject_joining(&mut self, message: &str, ns: u32) {
         for r in &mut self.joining {
-            let _ = crate::protocol::write_control(&mut r.stream, &Control::Error { message: message.into() }, ns);
+            r.stream.send(&Control::Error { message: message.into() }, ns);
         }
     }
 
@@ -101,7 +101,7 @@ impl Members {
             m.disconnect();
         }
         for r in &self.joining {
-            let _ = r.stream.shutdown(std::net::Shutdown::Both);
+            r.stream.shutdown(std::net::Shutdown::Both);
         }
     }
 
@@ -217,7 +217,7 @@ impl Members {
         &mut self,
         rj: &Rejoin,
         peer: SocketAddr,
-        stream: TcpStream,
+        stream: Writer,
         ns: u32,
     ) -> Result<(Arc<Member>, bool), Refusal> {
         let (role, rank) = (rj.register.role, rj.welcome.rank);

@@ -136,12 +136,13 @@ fn pending_cap(cfg: &SchedulerConfig) -> usize {
 fn member_thread(shared: &Arc<Shared>, stream: TcpStream, peer: SocketAddr) {
     let timeout = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
     let ns = shared.cfg.namespace;
-    let registered = greet(&stream, peer, &shared.cfg.secret.keys(), timeout, |_| ns)
-        .and_then(|(_, first)| expect_arrival(&stream, peer, first, ns))
-        .and_then(|arrival| match arrival {
-            Arrival::Register(reg) => admit(shared, reg, stream, peer),
-            Arrival::Rejoin(rj) => admit_rejoin(shared, *rj, stream, peer),
-        });
+    let registered = greet(stream, peer, &shared.cfg.secret.keys(), timeout, |_| ns).and_then(|g| {
+        let halves = (g.reader, g.writer);
+        match expect_arrival(&halves.1, peer, g.first, ns)? {
+            Arrival::Register(reg) => admit(shared, reg, halves, peer),
+            Arrival::Rejoin(rj) => admit_rejoin(shared, *rj, halves, peer),
+        }
+    });
     shared.pending.fetch_sub(1, Ordering::SeqCst);
     if let Some((me, stream)) = registered {
         serve_member(shared, &me, stream);

@@ -33,7 +33,8 @@ use crate::logging::json_str as js;
 use crate::transport::{AcceptErrors, AcceptFailure};
 
 use super::config::{checked, SchedulerConfig, SchedulerError};
-use super::job::{admit, expect_register, greet, serve_member, Job};
+use super::job::{admit, expect_register, greet, serve_member, Greeting, Job};
+use super::member::{Reader, Writer};
 use crate::protocol::auth::{job_namespace, Secret};
 use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
 
@@ -124,17 +125,14 @@ struct ServerEntry {
     id: u64,
     join: ServiceJoin,
     peer: SocketAddr,
-    writer: Mutex<TcpStream>,
+    writer: Writer,
     /// The jobs it ran a server for at its last report.
     jobs: Mutex<Vec<String>>,
 }
 
 impl ServerEntry {
     fn send(&self, msg: &Control) -> bool {
-        match self.writer.lock() {
-            Ok(mut w) => write_control(&mut *w, msg, 0).is_ok(),
-            Err(_) => false,
-        }
+        self.writer.send(msg, 0)
     }
 }
 
@@ -229,17 +227,17 @@ fn namespace_of(job: &str) -> u32 {
 /// One connection: a job member, a server process or an operator.
 fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
     let timeout = Duration::from_millis(svc.cfg.job.peer_timeout_ms as u64);
-    let greeted = greet(&stream, peer, &svc.cfg.master.service_keys(), timeout, namespace_of);
-    let Some((job, first)) = greeted else {
+    let greeted = greet(stream, peer, &svc.cfg.master.service_keys(), timeout, namespace_of);
+    let Some(Greeting { job, first, reader, writer }) = greeted else {
         svc.pending.fetch_sub(1, Ordering::SeqCst);
         return;
     };
     if job.is_empty() {
         svc.pending.fetch_sub(1, Ordering::SeqCst);
         match first {
-            Ok(Control::ServiceJoin(j)) => serve_server(svc, j, stream, peer),
+            Ok(Control::ServiceJoin(j)) => serve_server(svc, j, (reader, writer), peer),
             Ok(Control::StatusRequest) => {
-                let _ = write_control(&mut &stream, &Control::StatusReply { json: status_json(svc) }, 0);
+                writer.send(&Control::StatusReply { json: status_json(svc) }, 0);
             }
             Ok(other) => log::warn!(target: "service", "rejecting {peer}: unexpected {:?}", other.msg_type()),
             Err(e) => log::warn!(target: "service", "rejecting {peer}: {e}"),
@@ -247,16 +245,16 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
         return;
     }
     let ns = namespace_of(&job);
-    let reg = expect_register(&stream, peer, first, ns);
+    let reg = expect_register(&writer, peer, first, ns);
     // Authenticated and registered: from here the job's size bounds it.
     svc.pending.fetch_sub(1, Ordering::SeqCst);
     let admitted = reg.and_then(|reg| {
         let role = reg.role;
-        match join(svc, &job, reg, &stream) {
-            Ok((shared, reg)) => admit(&shared, reg, stream, peer).map(|m| (shared, m)),
+        match join(svc, &job, reg, &writer) {
+            Ok((shared, reg)) => admit(&shared, reg, (reader, writer), peer).map(|m| (shared, m)),
             Err(message) => {
                 log::warn!(target: "service", "job '{job}': refusing {} at {peer}: {message}", role.name());
-                let _ = write_control(&mut &stream, &Control::Error { message }, ns);
+                writer.send(&Control::Error { message }, ns);
                 None
             }
         }
@@ -269,7 +267,7 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
 
 /// The job `reg` joins (and the registration it joins with): an elastic
 /// job's worker waits for the job's next generation to form.
-fn join(svc: &Arc<Service>, name: &str, reg: Register, stream: &TcpStream) -> Result<(Arc<Shared>, Register), String> {
+fn join(svc: &Arc<Service>, name: &str, reg: Register, stream: &Writer) -> Result<(Arc<Shared>, Register), String> {
     match reg.elastic {
         Some(e) if reg.role == Role::Worker => {
             let job = &svc.cfg.job;
@@ -403,14 +401,7 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
 /// A server process's link: it reports traffic every second; silent for
 /// the peer timeout or disconnected, it leaves the service (its jobs see
 /// their server instances lost and fail over or fail, as any job does).
-fn serve_server(svc: &Arc<Service>, join: ServiceJoin, stream: TcpStream, peer: SocketAddr) {
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            log::warn!(target: "service", "rejecting server {peer}: {e}");
-            return;
-        }
-    };
+fn serve_server(svc: &Arc<Service>, join: ServiceJoin, (stream, writer): (Reader, Writer), peer: SocketAddr) {
     let id = svc.next_server.fetch_add(1, Ordering::SeqCst);
     log::info!(
         target: "service",
@@ -419,7 +410,7 @@ fn serve_server(svc: &Arc<Service>, join: ServiceJoin, stream: TcpStream, peer: 
         join.threads,
         join.addr
     );
-    let entry = Arc::new(ServerEntry { id, join, peer, writer: Mutex::new(writer), jobs: Mutex::default() });
+    let entry = Arc::new(ServerEntry { id, join, peer, writer: writer.clone(), jobs: Mutex::default() });
     lock(&svc.servers).push(entry.clone());
     let mut stream = stream;
     let why = loop {
@@ -442,7 +433,7 @@ fn serve_server(svc: &Arc<Service>, join: ServiceJoin, stream: TcpStream, peer: 
     let level = if running { log::Level::Warn } else { log::Level::Info };
     log::log!(target: "service", level, "server {id} ({peer}) left the service: {why}");
     lock(&svc.servers).retain(|s| s.id != id);
-    let _ = stream.shutdown(std::net::Shutdown::Both);
+    writer.shutdown(std::net::Shutdown::Both);
 }
 
 fn record(svc: &Service, server: u64, reports: Vec<JobTraffic>) {
@@ -570,10 +561,11 @@ fn status_json(svc: &Service) -> String {
 /// Ask the service at `addr` for its report (authenticated with the master
 /// secret): the JSON text.
 pub fn service_status(addr: &str, master: &Secret, timeout: Duration) -> Result<String, String> {
-    let mut s = crate::transport::connect_authenticated(addr, timeout, master).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    write_control(&mut s, &Control::StatusRequest, 0).map_err(|e| e.to_string())?;
-    match read_control(&mut s, 0) {
+    let s = crate::transport::connect_authenticated(addr, timeout, master).map_err(|e| e.to_string())?;
+    s.stream.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    let (mut r, mut w) = s.split().map_err(|e| e.to_string())?;
+    write_control(&mut w, &Control::StatusRequest, 0).map_err(|e| e.to_string())?;
+    match read_control(&mut r, 0) {
         Ok(Control::StatusReply { json }) => Ok(json),
         Ok(Control::Error { message }) => Err(message),
         Ok(other) => Err(format!("unexpected {:?} from the service", other.msg_type())),

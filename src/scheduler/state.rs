@@ -7,7 +7,7 @@
 //! several sub-states, fail the job or wait on the lock; each sub-state's
 //! own rules are in its module.
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -16,7 +16,7 @@ use super::config::SchedulerConfig;
 use super::declarations::Declarations;
 use super::installs::Installs;
 use super::joins::{set_op_targets, JoinOps, JoinStep};
-use super::member::Member;
+use super::member::{Member, Writer};
 use super::membership::{Members, Refusal, Registration};
 use super::moves::Moves;
 use crate::protocol::{Control, DeclEntry, Register, Rejoin, Role, TensorSpec};
@@ -163,7 +163,7 @@ impl Shared {
     /// known (and welcomed) before anyone can send it anything else — a
     /// server must not miss a tensor installation because its own thread
     /// had not run yet.
-    pub fn join(&self, reg: Register, peer: SocketAddr, stream: TcpStream) -> Result<(Arc<Member>, bool), Refusal> {
+    pub fn join(&self, reg: Register, peer: SocketAddr, stream: Writer) -> Result<(Arc<Member>, bool), Refusal> {
         let cfg = &self.cfg;
         let mut guard = self.lock();
         let st = &mut *guard;
@@ -204,7 +204,7 @@ impl Shared {
     /// its tensors (a worker's) or keys (a server's) go into the rebuilt
     /// declarations. Once every member is back, declarations waiting for
     /// that go on.
-    pub fn rejoin(&self, rj: Rejoin, peer: SocketAddr, stream: TcpStream) -> Result<Arc<Member>, Refusal> {
+    pub fn rejoin(&self, rj: Rejoin, peer: SocketAddr, stream: Writer) -> Result<Arc<Member>, Refusal> {
         let cfg = &self.cfg;
         let mut guard = self.lock();
         let st = &mut *guard;

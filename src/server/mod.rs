@@ -12,7 +12,6 @@ mod thread;
 pub use service::{run_service_server, ServiceServerConfig};
 
 use std::collections::{HashMap, HashSet};
-use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -573,12 +572,12 @@ impl Links {
     }
 
     /// An authenticated link to `slot`, introduced by `hello`.
-    fn connect(&self, slot: u32, hello: &[u8]) -> std::io::Result<std::net::TcpStream> {
+    fn connect(&self, slot: u32, hello: &[u8]) -> std::io::Result<crate::transport::Authed> {
         let (addr, _) = self.slots.get(slot as usize).ok_or_else(|| std::io::Error::other("no such slot"))?;
         // One attempt: the thread's listener exists since its server
         // registered; a refusal means it is gone.
         let mut stream = crate::transport::connect_authenticated(addr, Duration::ZERO, &self.secret)?;
-        stream.write_all(hello)?;
+        stream.write_frames(hello)?;
         Ok(stream)
     }
 }

@@ -4,7 +4,6 @@
 //! token, namespace, ports and threads. Jobs share nothing but the process:
 //! an instance's memory is freed when its job ends, however it ends.
 
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -45,7 +44,7 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
         .map_err(|e| ServerError::Setup(format!("cannot join the service at {service}: {e}")))?;
     let advertise = match &cfg.server.advertise {
         Some(a) => a.clone(),
-        None => stream.local_addr().map_err(|e| setup("local address", e))?.ip().to_string(),
+        None => stream.stream.local_addr().map_err(|e| setup("local address", e))?.ip().to_string(),
     };
     let mut server = cfg.server.clone();
     server.advertise = Some(advertise.clone());
@@ -56,16 +55,15 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
         threads: server.threads.max(1) as u32,
         colocated: server.colocated,
     };
-    stream.set_write_timeout(Some(cfg.peer_timeout)).map_err(|e| setup("socket", e))?;
-    let mut writer = stream.try_clone().map_err(|e| setup("socket", e))?;
+    stream.stream.set_write_timeout(Some(cfg.peer_timeout)).map_err(|e| setup("socket", e))?;
+    stream.stream.set_read_timeout(Some(cfg.peer_timeout)).map_err(|e| setup("socket", e))?;
+    let (mut stream, mut writer) = stream.split().map_err(|e| setup("socket", e))?;
     write_control(&mut writer, &Control::ServiceJoin(join), 0).map_err(|e| setup("cannot join the service", e))?;
     log::info!(target: "server", "serving the jobs of the service at {service} (advertised as {advertise})");
 
     // A reader thread, so this loop can report traffic every second.
     let (tx, rx) = bounded::<Result<Control, ReadError>>(16);
     let reader = {
-        let mut stream: TcpStream = stream;
-        let _ = stream.set_read_timeout(Some(cfg.peer_timeout));
         std::thread::Builder::new()
             .name("gradhub-service-link".into())
             .spawn(move || loop {
@@ -128,7 +126,7 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
         }
     };
     // The instances' jobs cannot go on without the service: they end with it.
-    let _ = writer.shutdown(std::net::Shutdown::Both);
+    let _ = writer.get_ref().shutdown(std::net::Shutdown::Both);
     let _ = reader.join();
     for i in instances {
         let _ = i.join.join();
@@ -146,7 +144,8 @@ fn start_instance(
 ) -> Result<Instance, String> {
     let mut c = template.clone();
     c.rank = i32::try_from(rank).map_err(|_| format!("rank {rank} out of range"))?;
-    c.secret = Secret::new(master.job_token(job).as_bytes()).for_job(job).map_err(|e| e.to_string())?;
+    // The job's derived token, encrypting as the service does.
+    c.secret = master.key_for(job).for_job(job).map_err(|e| e.to_string())?;
     c.namespace = namespace;
     c.traffic = Arc::default();
     c.metrics_addr = None; // one instance per job: the service's scheduler reports them

@@ -9,17 +9,25 @@
 //!   block, because with the interest always on every ACK wakes the thread
 //!   for nothing.
 //!
+//! - Sealing (`protocol::seal`, when the job encrypts): the connection
+//!   holds its two keys; a frame is sealed into the writer's buffer when its
+//!   first byte is written (one copy, where the plain path copies nothing)
+//!   and opened by the reader in place, where the checksum would be checked.
+//!
 //! All methods take `&self`, so a connection can be shared between threads
 //! (the worker sends from callers' threads and receives on its I/O thread);
-//! the read and write states live wherever their owner keeps them.
+//! the read and write states live wherever their owner keeps them, and each
+//! key behind a lock only its direction's user takes.
 
 use std::io::{self, IoSlice, Write};
 use std::os::fd::AsRawFd;
+use std::sync::{Mutex, OnceLock};
 
 use mio::net::TcpStream;
 use mio::unix::SourceFd;
 use mio::{Interest, Registry, Token};
 
+use crate::protocol::seal::{Keys, Opener, Sealer};
 use crate::protocol::{Frame, FrameReader, Header, ProtocolError, ReadError, HEADER_LEN};
 
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +40,13 @@ pub enum ConnError {
     /// round, unknown key, ...): the message says which.
     #[error("{0}")]
     Invalid(String),
+}
+
+impl ConnError {
+    /// A frame changed on the way (`ProtocolError::changed_on_the_way`).
+    pub fn changed_on_the_way(&self) -> bool {
+        matches!(self, ConnError::Read(ReadError::Protocol(p)) if p.changed_on_the_way())
+    }
 }
 
 impl From<ProtocolError> for ConnError {
@@ -110,6 +125,8 @@ enum Head {
     Pending(Header),
     Header([u8; HEADER_LEN]),
     Bytes(Vec<u8>),
+    /// Sealed, whole, into the writer's buffer (`FrameWriter::sealed`).
+    Sealed,
 }
 
 impl Head {
@@ -121,7 +138,27 @@ impl Head {
             Head::Header(h) => h,
             Head::Bytes(b) => b,
             Head::Pending(_) => unreachable!("encoded above"),
+            Head::Sealed => &[],
         }
+    }
+
+    /// Seal the frame(s) with `payload` into `out`, once (the first write).
+    fn seal(&mut self, payload: &[u8], key: &Mutex<Sealer>, out: &mut Vec<u8>) -> Result<(), ConnError> {
+        let mut key = key.lock().unwrap_or_else(|e| e.into_inner());
+        match std::mem::replace(self, Head::Sealed) {
+            Head::Pending(h) => {
+                let head = h.encode(payload);
+                out.clear();
+                out.extend_from_slice(&head);
+                out.extend_from_slice(payload);
+                let tag = key.seal(&head, &mut out[HEADER_LEN..])?;
+                out.extend_from_slice(&tag);
+            }
+            Head::Bytes(b) => key.seal_frames(&b, out)?,
+            Head::Sealed => {}
+            Head::Header(_) => return Err(ConnError::Invalid("internal: a frame half-written in clear".into())),
+        }
+        Ok(())
     }
 }
 
@@ -140,6 +177,8 @@ impl<I> Outgoing<I> {
 /// Write state of one connection.
 pub struct FrameWriter<I> {
     cur: Option<Outgoing<I>>,
+    /// The current frame sealed (encrypted connections only).
+    sealed: Vec<u8>,
     /// Registered for writability (only while a write would block).
     watching_writable: bool,
     /// Not registered for readability (`Connection::quiet`).
@@ -148,7 +187,7 @@ pub struct FrameWriter<I> {
 
 impl<I> Default for FrameWriter<I> {
     fn default() -> Self {
-        FrameWriter { cur: None, watching_writable: false, quiet: false }
+        FrameWriter { cur: None, sealed: Vec::new(), watching_writable: false, quiet: false }
     }
 }
 
@@ -179,13 +218,42 @@ pub struct Connection {
     /// In the poller's set (not after `deregister`, or while quiet with
     /// nothing to watch).
     registered: std::sync::atomic::AtomicBool,
+    /// The keys, once the handshake set them (`seal_with`): every frame
+    /// after it is sealed.
+    seal: OnceLock<Mutex<Sealer>>,
+    open: OnceLock<Mutex<Opener>>,
 }
 
 impl Connection {
     /// Registers `stream` for readability under `token`.
     pub fn new(registry: &Registry, mut stream: TcpStream, token: Token, peer: String) -> io::Result<Connection> {
         registry.register(&mut stream, token, Interest::READABLE)?;
-        Ok(Connection { stream, token, peer, registered: std::sync::atomic::AtomicBool::new(true) })
+        Ok(Connection {
+            stream,
+            token,
+            peer,
+            registered: std::sync::atomic::AtomicBool::new(true),
+            seal: OnceLock::new(),
+            open: OnceLock::new(),
+        })
+    }
+
+    /// Seal and open every frame from now on with `keys` (the handshake's,
+    /// `protocol::seal`). Between frames only, once.
+    pub fn seal_with(&self, keys: Keys) -> Result<(), ConnError> {
+        let twice = || ConnError::Invalid("internal: a connection's keys set twice".into());
+        self.seal.set(Mutex::new(keys.seal)).map_err(|_| twice())?;
+        self.open.set(Mutex::new(keys.open)).map_err(|_| twice())
+    }
+
+    /// The keys of a connection whose handshake ran before it was one
+    /// (dialled and greeted blocking): `seal` has sealed what was written.
+    pub fn seal_with_parts(&self, seal: Option<Sealer>, open: Option<Opener>) -> Result<(), ConnError> {
+        match (seal, open) {
+            (Some(seal), Some(open)) => self.seal_with(Keys { seal, open }),
+            (None, None) => Ok(()),
+            _ => Err(ConnError::Invalid("internal: one key of a connection without the other".into())),
+        }
     }
 
     pub fn stream(&self) -> &TcpStream {
@@ -208,9 +276,11 @@ impl Connection {
         dst: impl FnOnce(T) -> &'d mut [u8],
         drain: Drain,
     ) -> Result<Option<Frame<T>>, ConnError> {
+        let mut key = self.open.get().map(|k| k.lock().unwrap_or_else(|e| e.into_inner()));
+        let open = key.as_deref_mut();
         Ok(match drain {
-            Drain::Short => rx.read_edge(&self.stream, max_payload, dst)?,
-            Drain::Full => rx.read_from(&self.stream, max_payload, dst)?,
+            Drain::Short => rx.read_edge(&self.stream, max_payload, dst, open)?,
+            Drain::Full => rx.read_from(&self.stream, max_payload, dst, open)?,
         })
     }
 
@@ -232,7 +302,11 @@ impl Connection {
                 }
             }
             let Some(cur) = tx.cur.as_mut() else { break false };
-            let body = payload(&cur.item);
+            let mut body = payload(&cur.item);
+            if let Some(key) = self.seal.get() {
+                cur.head.seal(body, key, &mut tx.sealed)?;
+                body = &tx.sealed;
+            }
             let head = cur.head.bytes(body);
             let total = head.len() + body.len();
             let (head, body) = if cur.sent < head.len() {
@@ -293,7 +367,17 @@ impl Connection {
     /// Best effort, nonblocking: e.g. an Error frame before closing, written
     /// only when no frame is half-written (a full socket drops it).
     pub fn write_last_words(&self, bytes: &[u8]) {
-        let _ = (&self.stream).write_all(bytes);
+        match self.seal.get() {
+            Some(key) => {
+                let mut sealed = Vec::new();
+                if key.lock().unwrap_or_else(|e| e.into_inner()).seal_frames(bytes, &mut sealed).is_ok() {
+                    let _ = (&self.stream).write_all(&sealed);
+                }
+            }
+            None => {
+                let _ = (&self.stream).write_all(bytes);
+            }
+        }
     }
 }
 
@@ -476,6 +560,86 @@ mod tests {
         }
         let (h, got) = reader.join().unwrap().expect("a frame whose checksums hold");
         assert_eq!((h.msg_type, got), (MsgType::Result, body));
+    }
+
+    /// The bytes `c` writes for `queue` with `pump` (read back by its peer).
+    fn pumped(poll: &mio::Poll, c: &Connection, peer: std::net::TcpStream, mut queue: Vec<Outgoing<usize>>, bodies: &[Vec<u8>]) -> Vec<u8> {
+        queue.reverse();
+        let mut tx = FrameWriter::<usize>::default();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !(tx.idle() && queue.is_empty()) {
+            assert!(Instant::now() < deadline, "pump made no progress");
+            c.pump(poll.registry(), &mut tx, || queue.pop(), |&i| &bodies[i][..]).unwrap();
+        }
+        peer.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let mut all = Vec::new();
+        let mut peer = peer;
+        let mut buf = [0u8; 1 << 16];
+        while let Ok(n) = std::io::Read::read(&mut peer, &mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.extend_from_slice(&buf[..n]);
+        }
+        all
+    }
+
+    #[test]
+    fn sealed_frames_cross_whole_and_a_changed_byte_is_never_used() {
+        use crate::protocol::seal::{Keys, Side};
+        let keys = |side| Keys::derive(b"tok", &[1; 32], &[2; 32], side);
+        let bodies = vec![(0..5000u32).map(|i| (i % 251) as u8).collect::<Vec<u8>>(), Vec::new()];
+        let (poll, w, peer) = pair();
+        w.seal_with(keys(Side::Connector)).unwrap();
+        let mut run = encode_frame(&header(MsgType::Stall, 5), b"hello");
+        run.extend_from_slice(&header(MsgType::Received, 0).encode(&[]));
+        let queue = vec![Outgoing::frame(0, &header(MsgType::Push, 5000)), Outgoing::encoded(1, run)];
+        let wire = pumped(&poll, &w, peer, queue, &bodies);
+        assert_eq!(wire.len(), 3 * HEADER_LEN + 5000 + 5 + 3 * 16, "each frame carries its tag");
+        assert!(!wire.windows(64).any(|b| b == &bodies[0][..64]), "the payload is not in clear");
+
+        // Read back one byte at a time: every partial state, tags included.
+        let read_back = |wire: Vec<u8>| -> Result<(Vec<u8>, Vec<(MsgType, Vec<u8>)>), ConnError> {
+            let (_poll, r, mut peer) = pair();
+            r.seal_with(keys(Side::Listener)).unwrap();
+            let writer = std::thread::spawn(move || {
+                for b in wire {
+                    if peer.write_all(&[b]).is_err() {
+                        break;
+                    }
+                }
+                peer
+            });
+            let mut rx = FrameReader::<u32>::default();
+            let mut dst = vec![0u8; 5000];
+            let mut got = Vec::new();
+            let result = (|| {
+                let Frame::Header(h) = next(&r, &mut rx, &mut dst)? else { panic!("expected a header") };
+                rx.receive_into(h, 1);
+                let Frame::Payload(..) = next(&r, &mut rx, &mut dst)? else { panic!("expected a payload") };
+                let Frame::Header(h) = next(&r, &mut rx, &mut dst)? else { panic!("expected a header") };
+                rx.receive_owned(h);
+                let Frame::Message(h, b) = next(&r, &mut rx, &mut dst)? else { panic!("expected a message") };
+                got.push((h.msg_type, b));
+                let Frame::Header(h) = next(&r, &mut rx, &mut dst)? else { panic!("expected a header") };
+                got.push((h.msg_type, Vec::new()));
+                Ok(())
+            })();
+            drop(writer.join().unwrap());
+            result.map(|()| (dst, got))
+        };
+        let (dst, got) = read_back(wire.clone()).unwrap();
+        assert_eq!(dst, bodies[0]);
+        assert_eq!(got, vec![(MsgType::Stall, b"hello".to_vec()), (MsgType::Received, Vec::new())]);
+        // A byte changed in the payload, its tag, a header or a header-only
+        // frame's tag: an error where the checksum's would be.
+        for at in [HEADER_LEN + 10, HEADER_LEN + 5000 + 3, HEADER_LEN + 5000 + 16 + 12, wire.len() - 1] {
+            let mut bad = wire.clone();
+            bad[at] ^= 0x20;
+            let err = read_back(bad).unwrap_err();
+            let ok = err.changed_on_the_way() || matches!(err, ConnError::Read(ReadError::Protocol(ProtocolError::BadChecksum(_))));
+            assert!(ok, "byte {at}: {err}");
+        }
     }
 
     #[test]

@@ -1,13 +1,16 @@
 //! Everything between a role and its sockets: the one framed, nonblocking
 //! data connection both the worker and the server use (`conn`), connecting
-//! with retry, byte views of numeric buffers, and what colocated processes
-//! share (`shm`: memory segments and doorbells).
+//! with retry and authenticating (`Authed`, and its sealed halves for the
+//! blocking control paths: `sealed`), byte views of numeric buffers, and
+//! what colocated processes share (`shm`: memory segments and doorbells).
 
 mod conn;
+mod sealed;
 pub mod shm;
 
 pub use crate::protocol::{Frame, FrameReader};
 pub use conn::{ConnError, Connection, Drain, FrameWriter, Outgoing};
+pub use sealed::{Authed, SealedReader, SealedWriter};
 
 use std::io;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -106,7 +109,7 @@ pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
 /// handshake (`protocol::auth`), all within `timeout` (at least 5 s for the
 /// handshake). A listener that rejects us, or cannot prove it holds the
 /// token, is an error of kind PermissionDenied.
-pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> io::Result<TcpStream> {
+pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> io::Result<Authed> {
     let start = Instant::now();
     let stream = connect_retry(addr, timeout)?;
     authenticate(stream, addr, timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(5)), secret)
@@ -116,7 +119,7 @@ pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> 
 /// `attempt` or a second, whichever is longer (a listener that accepts and
 /// then says nothing, e.g. one frozen, must not hold an attempt long past
 /// its time).
-fn connect_authenticated_once(addr: &str, attempt: Duration, secret: &Secret) -> io::Result<TcpStream> {
+fn connect_authenticated_once(addr: &str, attempt: Duration, secret: &Secret) -> io::Result<Authed> {
     let stream = resolve(addr).and_then(|a| TcpStream::connect_timeout(&a, attempt))?;
     stream.set_nodelay(true)?;
     authenticate(stream, addr, attempt.max(Duration::from_secs(1)), secret)
@@ -154,7 +157,7 @@ pub fn dial_until<T>(
     until: Instant,
     secret: &Secret,
     wanted: impl Fn() -> bool,
-    mut greet: impl FnMut(TcpStream) -> Greeted<T>,
+    mut greet: impl FnMut(Authed) -> Greeted<T>,
 ) -> Result<T, DialFailed> {
     loop {
         let left = until.saturating_duration_since(Instant::now());
@@ -180,14 +183,14 @@ pub fn dial_until<T>(
 /// socket fails (`tune_data_socket`).
 pub const LINK_SILENCE: Duration = Duration::from_secs(2);
 
-fn authenticate(stream: TcpStream, addr: &str, left: Duration, secret: &Secret) -> io::Result<TcpStream> {
+fn authenticate(stream: TcpStream, addr: &str, left: Duration, secret: &Secret) -> io::Result<Authed> {
     let mut r = DeadlineReader::new(&stream, left);
     let _ = stream.set_write_timeout(Some(left));
     let result = auth::connect_blocking(&mut r, &mut &stream, secret);
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)?;
     match result {
-        Ok(()) => Ok(stream),
+        Ok(keys) => Ok(Authed { stream, keys }),
         Err(AuthError::Io(e)) => Err(io::Error::new(e.kind(), format!("{addr}: authentication: {e}"))),
         // The connection failed during the handshake (closed, reset, timed
         // out): not a refusal, dialling again may work.

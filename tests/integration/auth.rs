@@ -65,7 +65,7 @@ fn a_recorded_handshake_does_not_pass_again() {
     (&s).write_all(&hello).unwrap();
     let (h, challenge) = read_message(&mut &s, None, 1 << 16).unwrap();
     assert_eq!(h.msg_type, MsgType::AuthChallenge);
-    let proof = c.answer(&challenge).unwrap();
+    let (proof, _) = c.answer(&challenge).unwrap();
     (&s).write_all(&proof).unwrap();
     drop(s);
     // Replayed byte for byte on a new connection: the listener's new nonce

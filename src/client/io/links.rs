@@ -15,8 +15,9 @@ use super::flow::{Carry, InFlight, SendItem};
 use super::trace::Stamp;
 use super::Io;
 use crate::client::ClientError;
+use crate::protocol::seal::Keys;
 use crate::protocol::{encode_frame, Header, MsgType, ReadError, MAX_JOINED_SLOTS};
-use crate::transport::{ConnError, Connection, FrameWriter, Outgoing};
+use crate::transport::{Authed, ConnError, Connection, FrameWriter, Outgoing};
 
 /// The send side of the data plane: the connections, the registry they
 /// are watched through (the I/O thread's poll), and what was pushed.
@@ -119,11 +120,23 @@ pub struct Conn {
 
 /// A data connection to register: to thread `desc` of server `server`.
 pub struct NewConn {
-    pub stream: TcpStream,
-    pub addr: String,
-    pub desc: String,
-    pub server: u32,
-    pub by_ref: bool,
+    stream: TcpStream,
+    keys: Option<Keys>,
+    addr: String,
+    desc: String,
+    server: u32,
+    by_ref: bool,
+}
+
+impl NewConn {
+    /// A connection just made and authenticated (`connect_authenticated`),
+    /// made a nonblocking data connection.
+    pub fn new(authed: Authed, addr: String, desc: String, server: u32, by_ref: bool) -> std::io::Result<NewConn> {
+        crate::transport::tune_data_socket(&authed.stream);
+        authed.stream.set_nonblocking(true)?;
+        let stream = TcpStream::from_std(authed.stream);
+        Ok(NewConn { stream, keys: authed.keys, addr, desc, server, by_ref })
+    }
 }
 
 /// The data connections, by slot: room for the job's first servers' threads
@@ -259,6 +272,9 @@ impl Io {
         for nc in streams {
             let i = conns.len();
             let link = Connection::new(&self.send.registry, nc.stream, Token(i), nc.desc.clone())?;
+            if let Some(keys) = nc.keys {
+                link.seal_with(keys).map_err(std::io::Error::other)?;
+            }
             let mut send = SendHalf { credit: self.admission.credit(), ..Default::default() };
             // seq 0: ahead of every frame queued later.
             let mut hello = Header::new(MsgType::DataHello);
@@ -443,5 +459,5 @@ pub(super) fn broke(e: &ConnError) -> bool {
 /// The link broke in a way a new connection may mend (`mend`): `broke`,
 /// or a frame that changed on the way.
 pub(super) fn mendable(e: &ConnError) -> bool {
-    broke(e) || matches!(e, ConnError::Read(ReadError::Protocol(crate::protocol::ProtocolError::BadChecksum(_))))
+    broke(e) || e.changed_on_the_way()
 }

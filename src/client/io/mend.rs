@@ -33,7 +33,7 @@ pub(super) struct Mending {
     secret: Secret,
     /// How long a link may be mended before it is given up.
     within: Duration,
-    done: Mutex<Vec<(usize, std::io::Result<std::net::TcpStream>)>>,
+    done: Mutex<Vec<(usize, std::io::Result<crate::transport::Authed>)>>,
     /// Links whose writes failed on a caller's thread, for the I/O thread.
     asked: Mutex<Vec<(usize, String)>>,
 }
@@ -47,7 +47,7 @@ impl Mending {
         self.asked.lock().unwrap_or_else(|e| e.into_inner()).push((i, why));
     }
 
-    fn take(&self) -> Vec<(usize, std::io::Result<std::net::TcpStream>)> {
+    fn take(&self) -> Vec<(usize, std::io::Result<crate::transport::Authed>)> {
         std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
@@ -172,13 +172,15 @@ impl IoCore {
 
     /// A new socket for link `i`: DataHello (resent) first, then every
     /// unanswered chunk again; returns how many.
-    fn install(&mut self, i: usize, stream: std::net::TcpStream) -> std::io::Result<usize> {
+    fn install(&mut self, i: usize, authed: crate::transport::Authed) -> std::io::Result<usize> {
         let io = self.io.clone();
         let c = &io.send.conns[i];
+        let (stream, seal, open) = authed.into_parts();
         crate::transport::tune_data_socket(&stream);
         stream.set_nonblocking(true)?;
         let link =
             Connection::new(&io.send.registry, mio::net::TcpStream::from_std(stream), Token(i), c.desc().into())?;
+        link.seal_with_parts(seal, open).map_err(std::io::Error::other)?;
         let (sent, partial) = {
             let mut st = c.send();
             let sent = st.flights.on_wire();

@@ -150,7 +150,8 @@ impl ServerThread {
     /// Our link to the thread at `slot`, which replicates chunks of ours
     /// or owns chunks we relay (authenticated and introduced by the control
     /// loop).
-    pub(super) fn add_link(&mut self, slot: u32, stream: std::net::TcpStream, to: LinkTo, name: &str) {
+    pub(super) fn add_link(&mut self, slot: u32, authed: crate::transport::Authed, to: LinkTo, name: &str) {
+        let (stream, seal, open) = authed.into_parts();
         let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         let what = match to {
             LinkTo::Replica => "replica",
@@ -163,8 +164,12 @@ impl ServerThread {
             self.add_conn(
                 mio::net::TcpStream::from_std(stream),
                 format!("{what} {name} ({peer})"),
-                auth::Listener::Done { job: String::new() },
+                auth::Listener::Done { job: String::new(), keys: None },
             )
+        });
+        let registered = registered.and_then(|t| match self.conns.get(&t) {
+            Some(c) => c.link.seal_with_parts(seal, open).map(|()| t).map_err(std::io::Error::other),
+            None => Ok(t),
         });
         match registered {
             Ok(t) => {
@@ -273,6 +278,11 @@ impl ServerThread {
                     let reply = conn.auth.on_frame(&self.cfg.secret.keys(), &hdr, &buf).map_err(auth_failed)?;
                     if let Some(r) = reply {
                         conn.acks.extend_from_slice(&r); // written by the flush after this read
+                    }
+                    if let auth::Listener::Done { keys: keys @ Some(_), .. } = &mut conn.auth {
+                        // The next frame is the first sealed one (the
+                        // challenge went before the connector could prove).
+                        conn.link.seal_with(keys.take().expect("matched Some"))?;
                     }
                 }
                 Some(Frame::Message(hdr, buf)) => self.on_message(t, hdr, &buf)?,

@@ -75,7 +75,7 @@ use super::replica::Replicas;
 use crate::host::SharedTensor;
 use crate::placement::HostLayout;
 use crate::protocol::auth::Secret;
-use crate::protocol::{DType, OptConfig, ProtocolError, ReadError, TensorSpec, FLAG_LEAVING};
+use crate::protocol::{DType, OptConfig, ReadError, TensorSpec, FLAG_LEAVING};
 use crate::transport::{AcceptErrors, ConnError, Drain};
 use conns::Conn;
 use sum::Chunk;
@@ -95,7 +95,7 @@ pub enum LinkTo {
 
 /// A link to another server thread: its slot, the stream (none: it could
 /// not be reached), what it is for, and who serves it.
-pub type NewLink = (u32, Option<std::net::TcpStream>, LinkTo, String);
+pub type NewLink = (u32, Option<crate::transport::Authed>, LinkTo, String);
 
 pub enum ThreadCmd {
     /// Install specs; the chunks whose slot is this thread's become ours
@@ -118,7 +118,7 @@ pub enum ThreadCmd {
     /// scheduler lost): tell every connected worker why, then exit.
     Abort(String),
     /// A link to the replica at this slot, dialled again (`relink`).
-    Relinked(u32, std::net::TcpStream, String),
+    Relinked(u32, crate::transport::Authed, String),
 }
 
 pub use relink::Relink;
@@ -298,7 +298,7 @@ impl ServerThread {
                             // Not the peer's doing: its link changed a frame. No
                             // last words, so a worker mends the link (re-dials,
                             // re-sends) instead of failing the job.
-                            Err(why @ ConnError::Read(ReadError::Protocol(ProtocolError::BadChecksum(_)))) => {
+                            Err(why) if why.changed_on_the_way() => {
                                 let peer = self.conns.get(&t).map(|c| c.describe()).unwrap_or_default();
                                 log::warn!(target: &self.who(), "closing connection from {peer}: {why}");
                                 self.close(t, "");

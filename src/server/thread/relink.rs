@@ -8,7 +8,6 @@
 //! matter. Past the peer timeout the rounds held for the replica fail as
 //! before (`check_held`). Links to owners (a rack's relay) are not mended.
 
-use std::io::Write;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -38,7 +37,7 @@ impl ServerThread {
         let hello = replica::hello_frame(self.cfg.namespace, self.cfg.slot);
         let (tx, waker) = (relink.to_self.clone(), relink.waker.clone());
         let spawned = std::thread::Builder::new().name(format!("gradhub-relink-{slot}")).spawn(move || {
-            let hello = |mut s: std::net::TcpStream| match s.write_all(&hello) {
+            let hello = |mut s: crate::transport::Authed| match s.write_frames(&hello) {
                 Ok(()) => Greeted::Done(s),
                 Err(e) => Greeted::Again(e.to_string()),
             };
@@ -58,7 +57,7 @@ impl ServerThread {
 
     /// A new link to the replica at `slot`: in use at once, and every chunk
     /// it replicates sends it its whole state.
-    pub(super) fn relinked(&mut self, slot: u32, stream: std::net::TcpStream, name: &str) {
+    pub(super) fn relinked(&mut self, slot: u32, stream: crate::transport::Authed, name: &str) {
         self.add_link(slot, stream, LinkTo::Replica, name);
         let idxs: Vec<usize> =
             (0..self.chunks.len()).filter(|&i| self.chunks[i].round.replica() == Some(slot)).collect();
