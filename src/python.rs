@@ -209,7 +209,13 @@ fn job_token(master: String, job: String) -> PyResult<String> {
 /// The shared service's report (JSON text); `token` is its master token.
 #[pyfunction]
 #[pyo3(signature = (service, token, timeout=10.0, encrypt=None))]
-fn service_status(py: Python<'_>, service: String, token: String, timeout: f64, encrypt: Option<bool>) -> PyResult<String> {
+fn service_status(
+    py: Python<'_>,
+    service: String,
+    token: String,
+    timeout: f64,
+    encrypt: Option<bool>,
+) -> PyResult<String> {
     let master = config::secret_of(Some(token), encrypt)?;
     py.detach(|| scheduler::service_status(&service, &master, Duration::from_secs_f64(timeout.max(0.1))))
         .map_err(GradhubError::new_err)

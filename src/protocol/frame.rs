@@ -93,8 +93,7 @@ pub const FLAG_LEAVING: u16 = 32;
 pub const FLAG_SEALED: u16 = 64;
 /// The flags of one push alone, not of the round it is part of.
 pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT;
-const KNOWN_FLAGS: u16 =
-    FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING | FLAG_SEALED;
+const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING | FLAG_SEALED;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

@@ -60,7 +60,9 @@ pub enum ProtocolError {
     BadChecksum(String),
     /// A sealed frame's tag did not match (`seal`): changed on the way, or
     /// not sealed with this connection's key.
-    #[error("authentication tag mismatch in {0}: the frame was changed on the way or not sealed with this connection's key")]
+    #[error(
+        "authentication tag mismatch in {0}: the frame was changed on the way or not sealed with this connection's key"
+    )]
     BadTag(String),
     #[error("malformed payload: {0}")]
     BadPayload(String),

@@ -102,11 +102,10 @@ impl Sealer {
     /// place; returns the tag that follows it on the wire.
     pub fn seal(&mut self, head: &[u8; HEADER_LEN], data: &mut [u8]) -> Result<[u8; TAG_LEN], ProtocolError> {
         let nonce = self.0.nonce()?;
-        let tag = self
-            .0
-            .key
-            .seal_in_place_separate_tag(nonce, Aad::from(&head[..]), data)
-            .map_err(|_| ProtocolError::BadPayload(format!("a payload of {} bytes is too long to seal", data.len())))?;
+        let tag =
+            self.0.key.seal_in_place_separate_tag(nonce, Aad::from(&head[..]), data).map_err(|_| {
+                ProtocolError::BadPayload(format!("a payload of {} bytes is too long to seal", data.len()))
+            })?;
         let mut t = [0u8; TAG_LEN];
         t.copy_from_slice(tag.as_ref());
         Ok(t)
@@ -120,10 +119,9 @@ impl Sealer {
         let mut ends = Vec::new();
         let mut at = 0;
         while at < frames.len() {
-            let head = frames.get(at..at + HEADER_LEN).ok_or(ProtocolError::Truncated {
-                need: at + HEADER_LEN,
-                got: frames.len(),
-            })?;
+            let head = frames
+                .get(at..at + HEADER_LEN)
+                .ok_or(ProtocolError::Truncated { need: at + HEADER_LEN, got: frames.len() })?;
             let len = u32::from_le_bytes([head[28], head[29], head[30], head[31]]) as usize;
             at += HEADER_LEN + len;
             if at > frames.len() {

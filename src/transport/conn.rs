@@ -563,7 +563,13 @@ mod tests {
     }
 
     /// The bytes `c` writes for `queue` with `pump` (read back by its peer).
-    fn pumped(poll: &mio::Poll, c: &Connection, peer: std::net::TcpStream, mut queue: Vec<Outgoing<usize>>, bodies: &[Vec<u8>]) -> Vec<u8> {
+    fn pumped(
+        poll: &mio::Poll,
+        c: &Connection,
+        peer: std::net::TcpStream,
+        mut queue: Vec<Outgoing<usize>>,
+        bodies: &[Vec<u8>],
+    ) -> Vec<u8> {
         queue.reverse();
         let mut tx = FrameWriter::<usize>::default();
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -637,7 +643,8 @@ mod tests {
             let mut bad = wire.clone();
             bad[at] ^= 0x20;
             let err = read_back(bad).unwrap_err();
-            let ok = err.changed_on_the_way() || matches!(err, ConnError::Read(ReadError::Protocol(ProtocolError::BadChecksum(_))));
+            let ok = err.changed_on_the_way()
+                || matches!(err, ConnError::Read(ReadError::Protocol(ProtocolError::BadChecksum(_))));
             assert!(ok, "byte {at}: {err}");
         }
     }

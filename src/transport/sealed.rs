@@ -82,7 +82,9 @@ impl<R: Read> Read for SealedReader<R> {
                     Ok(Some(Frame::Header(h))) if h.payload_len > 0 => self.rx.receive_owned(h),
                     Ok(Some(Frame::Header(_))) => break Vec::new(),
                     Ok(Some(Frame::Message(_, payload))) => break payload,
-                    Ok(Some(Frame::Payload(..))) => return Err(io::Error::other("internal: a payload in caller memory")),
+                    Ok(Some(Frame::Payload(..))) => {
+                        return Err(io::Error::other("internal: a payload in caller memory"))
+                    }
                     // The end of the stream, to the reader above: it tells
                     // a clean close from one mid-frame.
                     Err(ReadError::Closed | ReadError::ClosedMidFrame) => return Ok(0),

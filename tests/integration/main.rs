@@ -2,6 +2,7 @@
 //! clients (real ones, or fake ones on raw sockets) in one process.
 //!
 //! - `auth`: the token handshake: wrong tokens, replays, rogue members and servers
+//! - `encryption`: an encrypted job's sums, and members whose setting differs
 //! - `membership`: registration, ranks, Welcome, liveness, end of job
 //! - `declarations`: tensor specs, installation on servers, conflicts, stalls, placement
 //! - `server`: the server thread's data plane, driven by fake workers
@@ -18,6 +19,7 @@ mod support;
 mod auth;
 mod client;
 mod declarations;
+mod encryption;
 mod fuzz;
 mod host;
 mod membership;

@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import resource
+import secrets
 import socket
 import statistics
 import subprocess
@@ -84,17 +85,23 @@ def self_cpu() -> float:
 class Job:
     """A 1-server job: scheduler thread in this process, server as a child
     process, this process as the (only or first) worker. It drives the core's
-    client directly (not gradhub.api), so the figures are the core's."""
+    client directly (not gradhub.api), so the figures are the core's.
+    `encrypt`: every connection sealed (GRADHUB_ENCRYPT), with a token made
+    up if none is set."""
 
-    def __init__(self, partition: int, credit: int, threads: int = 1, workers: int = 1):
+    def __init__(self, partition: int, credit: int, threads: int = 1, workers: int = 1, encrypt: bool = False):
         port = free_port()
+        token = _env.job_token() or (secrets.token_hex(16) if encrypt else None)
+        env = dict(os.environ, GRADHUB_ENCRYPT="1" if encrypt else "0")
+        if token:
+            env["GRADHUB_JOB_TOKEN"] = token
         self.sched = _core.start_scheduler(_core.SchedulerConfig(f"127.0.0.1:{port}", workers, 1, partition,
-                                                                token=_env.job_token()))
+                                                                token=token, encrypt=encrypt))
         self.server = subprocess.Popen([sys.executable, "-m", "gradhub", "server", "--scheduler",
                                         f"127.0.0.1:{port}", "--threads", str(threads), "--advertise-addr",
-                                        "127.0.0.1"], stderr=subprocess.DEVNULL)
+                                        "127.0.0.1"], stderr=subprocess.DEVNULL, env=env)
         self.client = _core.Client(_core.ClientConfig(f"127.0.0.1:{port}", rank=0, num_workers=workers, num_servers=1,
-                                                      credit_bytes=credit, token=_env.job_token()))
+                                                      credit_bytes=credit, token=token, encrypt=encrypt))
 
     def push_pull(self, a: np.ndarray, name: str, priority: int = 0):
         return self.client.push_pull_async(a.ctypes.data, a.nbytes, "float32", name, False, priority, a)
@@ -119,8 +126,9 @@ def tcp_echo_goodput(exe: Path, nbytes: int, reps: int) -> tuple[float, float]:
     return nbytes / min(times) / 1e9, cpu_ratio
 
 
-def push_pull_goodput(nbytes: int, reps: int, partition: int, credit: int) -> tuple[float, float]:
-    job = Job(partition, credit)
+def push_pull_goodput(nbytes: int, reps: int, partition: int, credit: int,
+                      encrypt: bool = False) -> tuple[float, float]:
+    job = Job(partition, credit, encrypt=encrypt)
     try:
         a = np.ones(nbytes // 4, dtype=np.float32)
         job.push_pull(a, "t").wait()  # declare + warm up
@@ -140,26 +148,31 @@ def bench_transport(args, out):
     nbytes = 64 << 20
     reps = 3 if args.quick else 8
     trials = 1 if args.quick else 3
-    echo = pp = 0.0
-    echo_cpu = pp_cpu = 0.0
+    echo = pp = sealed = 0.0
+    echo_cpu = pp_cpu = sealed_cpu = 0.0
     exe = args.tcp_baseline
-    for _ in range(trials):  # interleaved, so drift on a shared machine hits both
+    for _ in range(trials):  # interleaved, so drift on a shared machine hits each alike
         e, ec = tcp_echo_goodput(exe, nbytes, reps) if exe else (0.0, 0.0)
         g, gc = push_pull_goodput(nbytes, reps, _core.DEFAULT_PARTITION_BYTES, _core.DEFAULT_CREDIT_BYTES)
+        x, xc = push_pull_goodput(nbytes, reps, _core.DEFAULT_PARTITION_BYTES, _core.DEFAULT_CREDIT_BYTES, True)
         if e > echo:
             echo, echo_cpu = e, ec
         if g > pp:
             pp, pp_cpu = g, gc
+        if x > sealed:
+            sealed, sealed_cpu = x, xc
     print(f"transport  64 MiB f32, 1 worker + 1 server, loopback (best of {trials}x{reps})")
-    if not exe:
+    out["transport"] = {"bytes": nbytes, "push_pull_GBps": pp, "push_pull_cpu": pp_cpu,
+                        "encrypted_GBps": sealed, "encrypted_cpu": sealed_cpu}
+    if exe:
+        print(f"  TCP echo (baseline)   {echo:6.2f} GB/s   cpu {echo_cpu:4.2f}")
+        print(f"  gradhub push_pull     {pp:6.2f} GB/s   cpu {pp_cpu:4.2f}   ratio {pp / echo:5.2f}  (target >= 0.80)")
+        out["transport"].update(echo_GBps=echo, echo_cpu=echo_cpu, ratio=pp / echo)
+    else:
         print(f"  TCP echo (baseline)   not run: {args.no_baseline}")
         print(f"  gradhub push_pull     {pp:6.2f} GB/s   cpu {pp_cpu:4.2f}")
-        out["transport"] = {"bytes": nbytes, "push_pull_GBps": pp, "push_pull_cpu": pp_cpu}
-        return
-    print(f"  TCP echo (baseline)   {echo:6.2f} GB/s   cpu {echo_cpu:4.2f}")
-    print(f"  gradhub push_pull     {pp:6.2f} GB/s   cpu {pp_cpu:4.2f}   ratio {pp / echo:5.2f}  (target >= 0.80)")
-    out["transport"] = {"bytes": nbytes, "echo_GBps": echo, "echo_cpu": echo_cpu, "push_pull_GBps": pp,
-                        "push_pull_cpu": pp_cpu, "ratio": pp / echo}
+    print(f"  encrypted push_pull   {sealed:6.2f} GB/s   cpu {sealed_cpu:4.2f}   {sealed / pp:5.2f} of unencrypted "
+          "(GRADHUB_ENCRYPT=1: AES-256-GCM on every frame)")
 
 
 def _python_ping_pong(addr: str, n: int, iters: int) -> list[float]:
@@ -195,31 +208,34 @@ def bench_latency(args, out):
                 times = _python_ping_pong(addr, n, iters + 50)[50:]
             p.wait()
             best[kind] = min(best[kind], statistics.median(times))
-        job = Job(_core.DEFAULT_PARTITION_BYTES, _core.DEFAULT_CREDIT_BYTES)
-        try:
-            a = np.ones(n // 4, dtype=np.float32)
-            times = []
-            for i in range(iters + 50):
-                t0 = time.perf_counter()
-                job.push_pull(a, "small").wait()
-                if i >= 50:
-                    times.append(time.perf_counter() - t0)
-        finally:
-            job.close()
-        best["gradhub"] = min(best["gradhub"], statistics.median(times))
-    tr, tp, pp = best["rust"], best["python"], best["gradhub"]
+        for kind, encrypt in (("gradhub", False), ("encrypted", True)):
+            job = Job(_core.DEFAULT_PARTITION_BYTES, _core.DEFAULT_CREDIT_BYTES, encrypt=encrypt)
+            try:
+                a = np.ones(n // 4, dtype=np.float32)
+                times = []
+                for i in range(iters + 50):
+                    t0 = time.perf_counter()
+                    job.push_pull(a, "small").wait()
+                    if i >= 50:
+                        times.append(time.perf_counter() - t0)
+            finally:
+                job.close()
+            best[kind] = min(best.get(kind, float("inf")), statistics.median(times))
+    tr, tp, pp, sealed = best["rust"], best["python"], best["gradhub"], best["encrypted"]
     print(f"latency    4 KiB round trip, median of {iters} (best of {trials} trials)")
     if not exe:
         print(f"  TCP ping-pong (baselines)                  not run: {args.no_baseline}")
         print(f"  gradhub push_pull, Python call to done     {pp * 1e6:7.1f} us")
-        out["latency"] = {"bytes": n, "push_pull_us": pp * 1e6}
+        print(f"  the same, encrypted (GRADHUB_ENCRYPT=1)    {sealed * 1e6:7.1f} us")
+        out["latency"] = {"bytes": n, "push_pull_us": pp * 1e6, "encrypted_us": sealed * 1e6}
         return
     print(f"  TCP ping-pong, compiled client (baseline)  {tr * 1e6:7.1f} us")
     print(f"  TCP ping-pong, Python socket client        {tp * 1e6:7.1f} us")
     print(f"  gradhub push_pull, Python call to done     {pp * 1e6:7.1f} us   ratio {pp / tr:5.2f} vs compiled, "
           f"{pp / tp:5.2f} vs Python  (target < 2)")
+    print(f"  the same, encrypted (GRADHUB_ENCRYPT=1)    {sealed * 1e6:7.1f} us   +{(sealed - pp) * 1e6:.1f} us")
     out["latency"] = {"bytes": n, "tcp_rust_us": tr * 1e6, "tcp_python_us": tp * 1e6, "push_pull_us": pp * 1e6,
-                      "ratio": pp / tr}
+                      "ratio": pp / tr, "encrypted_us": sealed * 1e6}
 
 
 def bench_priority(args, out):
