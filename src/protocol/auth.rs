@@ -597,7 +597,12 @@ mod tests {
         assert!(on.key_for("job-a").encrypts() && on.key_for("").encrypts());
     }
 
-    fn pair_open(k: &mut Keys, head: &[u8; 40], data: &mut [u8], tag: &[u8; 16]) -> Result<(), ()> {
+    fn pair_open(
+        k: &mut Keys,
+        head: &[u8; 40],
+        data: &mut [u8],
+        tag: &[u8; 16],
+    ) -> Result<(), crate::protocol::seal::TagMismatch> {
         k.open.open(head, data, tag)
     }
 }

@@ -248,7 +248,7 @@ impl<T: Copy> FrameReader<T> {
                     let done = fill(&mut r, &mut tag.bytes, &mut tag.got, false, edge, None)?;
                     if done {
                         if let Some(o) = open.as_deref_mut() {
-                            o.open(&self.head, &mut [], &tag.bytes).map_err(|()| changed(hdr))?;
+                            o.open(&self.head, &mut [], &tag.bytes).map_err(|_| changed(hdr))?;
                         }
                     }
                     done
@@ -269,7 +269,7 @@ impl<T: Copy> FrameReader<T> {
                     }
                     if done {
                         match open.as_deref_mut() {
-                            Some(o) => o.open(&self.head, whole, &tag.bytes).map_err(|()| changed(hdr))?,
+                            Some(o) => o.open(&self.head, whole, &tag.bytes).map_err(|_| changed(hdr))?,
                             None => check_crc(hdr, crc, self.want_crc)?,
                         }
                     }
@@ -301,7 +301,7 @@ impl<T: Copy> FrameReader<T> {
                     }
                     if done {
                         match open.as_deref_mut() {
-                            Some(o) => o.open(&self.head, buf, &tag.bytes).map_err(|()| changed(hdr))?,
+                            Some(o) => o.open(&self.head, buf, &tag.bytes).map_err(|_| changed(hdr))?,
                             None => check_crc(hdr, crc, self.want_crc)?,
                         }
                     }

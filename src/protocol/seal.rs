@@ -67,10 +67,15 @@ impl Direction {
     }
 }
 
-/// Seals the frames one side sends.
-pub struct Sealer(Direction);
+/// Seals the frames one side sends. (Boxed: an expanded AES key is large,
+/// and keys travel in enums and messages.)
+pub struct Sealer(Box<Direction>);
 /// Opens (checks and decrypts) the frames one side receives.
-pub struct Opener(Direction);
+pub struct Opener(Box<Direction>);
+
+/// A frame failed its tag: changed on the way, or not sealed with this key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TagMismatch;
 
 /// A connection's two keys.
 pub struct Keys {
@@ -88,8 +93,8 @@ impl Keys {
     /// The keys of a connection whose handshake used nonces `nc`
     /// (connector's) and `ns` (listener's), for `side`.
     pub fn derive(token: &[u8], nc: &[u8], ns: &[u8], side: Side) -> Keys {
-        let to_listener = Direction::new(token, TO_LISTENER, nc, ns);
-        let to_connector = Direction::new(token, TO_CONNECTOR, nc, ns);
+        let to_listener = Box::new(Direction::new(token, TO_LISTENER, nc, ns));
+        let to_connector = Box::new(Direction::new(token, TO_CONNECTOR, nc, ns));
         match side {
             Side::Connector => Keys { seal: Sealer(to_listener), open: Opener(to_connector) },
             Side::Listener => Keys { seal: Sealer(to_connector), open: Opener(to_listener) },
@@ -148,13 +153,13 @@ impl Sealer {
 impl Opener {
     /// Check the tag of the frame whose header is `head` and decrypt its
     /// payload `data` in place. A mismatch zeroes `data` (never use it).
-    pub fn open(&mut self, head: &[u8; HEADER_LEN], data: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), ()> {
-        let nonce = self.0.nonce().map_err(|_| ())?;
+    pub fn open(&mut self, head: &[u8; HEADER_LEN], data: &mut [u8], tag: &[u8; TAG_LEN]) -> Result<(), TagMismatch> {
+        let nonce = self.0.nonce().map_err(|_| TagMismatch)?;
         self.0
             .key
             .open_in_place_separate_tag(nonce, Aad::from(&head[..]), Tag::from(*tag), data, 0..)
             .map(|_| ())
-            .map_err(|_| ())
+            .map_err(|_| TagMismatch)
     }
 }
 

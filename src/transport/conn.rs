@@ -605,7 +605,8 @@ mod tests {
         assert!(!wire.windows(64).any(|b| b == &bodies[0][..64]), "the payload is not in clear");
 
         // Read back one byte at a time: every partial state, tags included.
-        let read_back = |wire: Vec<u8>| -> Result<(Vec<u8>, Vec<(MsgType, Vec<u8>)>), ConnError> {
+        type ReadBack = Result<(Vec<u8>, Vec<(MsgType, Vec<u8>)>), ConnError>;
+        let read_back = |wire: Vec<u8>| -> ReadBack {
             let (_poll, r, mut peer) = pair();
             r.seal_with(keys(Side::Listener)).unwrap();
             let writer = std::thread::spawn(move || {
