@@ -87,3 +87,32 @@ def test_a_byte_changed_on_the_way_is_refused_and_sent_again_never_summed(cluste
     logs = c.log("worker0") + c.log("worker1") + c.log("server0")
     assert "checksum mismatch" in logs, logs
     assert "connected again" in logs, logs
+
+
+def test_a_live_server_its_workers_cannot_reach_is_failed_over(cluster_factory, proxies):
+    # Two servers; server 1 behind a proxy that resets every connection
+    # and lets none through for longer than a link is mended (the peer
+    # timeout): the workers give up, tell the scheduler, which writes server
+    # 1 off although it still hears from it; its chunks move to server 0
+    # and every sum stays exact.
+    port = free_port()
+    proxy = Proxy("127.0.0.2", port, "127.0.0.1", port)
+    proxies.append(proxy)
+    env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", "GRADHUB_PEER_TIMEOUT": "2"}
+    c = cluster_factory(2, 2, server_ports=[free_port(), port],
+                        server_args=[[], ["--bind-host", "127.0.0.1", "--advertise-addr", "127.0.0.2"]], **env)
+    for r in range(2):
+        c.start_worker(r, "check_sums.py", CONFIG)
+    c.wait_for("worker0", "LOCAL")
+    wait_traffic(c, proxy, 2 << 20)
+    proxy.reset()  # every connection lost, and no new one through
+    proxy.down()
+    c.wait_for("scheduler", "taken over", timeout=30)
+    proxy.up()
+    for r in range(2):
+        c.wait_for(f"worker{r}", "PASS", timeout=90)
+        assert c.procs[f"worker{r}"].wait(timeout=30) == 0, c.log(f"worker{r}")
+    assert "unreachable from worker" in c.log("scheduler"), c.log("scheduler")
+    assert c.procs["server0"].wait(timeout=30) == 0, c.log("server0")
+    # Server 1 was told it is out, and left with an error.
+    assert c.procs["server1"].wait(timeout=30) != 0 and "out of the job" in c.log("server1"), c.log("server1")

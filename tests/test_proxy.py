@@ -331,3 +331,79 @@ def test_close_joins_everything(rig):
             assert echo_round(s2, b"y") == b"y"
     # This proxy's thread (another test's proxy may run in this process).
     assert not any(th.name == name for th in threading.enumerate())
+
+
+def _opening(rank: int, sealed: bool = False) -> bytes:
+    """A worker's first frames as the proxy sees them: AuthHello (flagged
+    sealed or not), AuthProof, then its DataHello naming `rank` (which an
+    encrypted connection follows with a tag)."""
+    def frame(msg_type: int, payload: bytes, key: int = 0, flags: int = 0) -> bytes:
+        head = bytearray(40)
+        head[0:2], head[2], head[3] = (0x4847).to_bytes(2, "little"), 19, msg_type
+        head[4:6], head[12:16] = flags.to_bytes(2, "little"), key.to_bytes(4, "little")
+        head[28:32] = len(payload).to_bytes(4, "little")
+        return bytes(head) + payload
+    hello = frame(11, bytes(32) + b"job", flags=64 if sealed else 0)
+    return hello + frame(13, bytes(32)) + frame(1, b"", key=rank) + (bytes(16) if sealed else b"")
+
+
+def test_hold_stops_one_ranks_connections_only(rig):
+    """hold(rank) holds the connections whose DataHello names that rank,
+    from it on (a new one's too), and nobody else's; release() delivers
+    what was held, in order."""
+    t, p = rig(echo=False)
+    one, two = connect(p), connect(p)
+    one.sendall(_opening(1))
+    two.sendall(_opening(2, sealed=True))
+    wait_for(lambda: len(t.received) == 2 and len(t.got(0)) + len(t.got(1)) >= 2 * 40 * 3,
+             what="the openings")
+    p.hold(1)
+    one.sendall(b"held")
+    two.sendall(b"free")
+    # Rank 1 again, as a mended link would be: its handshake passes (it
+    # comes before the DataHello names the rank), what follows is held.
+    later = connect(p)
+    opening = _opening(1)
+    later.sendall(opening[:-40])
+    wait_for(lambda: len(t.received) == 3 and len(t.got(2)) == len(opening) - 40, what="the new handshake")
+    later.sendall(opening[-40:] + b"later")
+    wait_for(lambda: any(t.got(i).endswith(b"free") for i in range(2)), what="rank 2's bytes")
+    time.sleep(0.2)
+    assert not any(t.got(i).endswith(b"held") for i in range(3)) and not t.got(2).endswith(b"later")
+    p.release(1)
+    wait_for(lambda: any(t.got(i).endswith(b"held") for i in range(2)) and t.got(2).endswith(b"later"),
+             what="the held bytes")
+    for s in (one, two, later):
+        s.close()
+
+
+def test_cut_resets_one_ranks_connections_and_each_new_one(rig):
+    """cut(rank): that rank's connections are reset, and a new one is reset
+    as soon as its DataHello names the rank; the others pass; restore()
+    lets it through again."""
+    t, p = rig(echo=True)
+    one, two = connect(p), connect(p)
+    for s, rank in ((one, 1), (two, 2)):
+        s.sendall(_opening(rank))
+        assert recv_exact(s, len(_opening(rank))) == _opening(rank)
+    p.cut(1)
+    with pytest.raises(OSError):
+        one.settimeout(3)
+        assert one.recv(1) == b""  # an RST: ConnectionResetError, or the end at once
+        raise ConnectionResetError
+    assert echo_round(two, b"free") == b"free"
+    again = connect(p)
+    opening = _opening(1)
+    again.sendall(opening[:-40])
+    assert recv_exact(again, len(opening) - 40) == opening[:-40]  # the handshake passes
+    again.sendall(opening[-40:])
+    with pytest.raises(OSError):
+        again.settimeout(3)
+        assert again.recv(1) == b""
+        raise ConnectionResetError
+    p.restore(1)
+    back = connect(p)
+    back.sendall(opening)
+    assert recv_exact(back, len(opening)) == opening
+    for s in (one, two, again, back):
+        s.close()

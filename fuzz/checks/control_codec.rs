@@ -173,7 +173,7 @@ fn welcome(s: &mut Source) -> Welcome {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 35 {
+    match s.u8() % 36 {
         0 => Control::Register(register(s)),
         1 => Control::Welcome(welcome(s)),
         2 => Control::Declare {
@@ -247,6 +247,7 @@ pub fn message(s: &mut Source) -> Control {
             lost: s.list(4, |s| s.u32()),
             barriers: s.u32(),
         })),
+        34 => Control::Unreachable { server: s.u32(), reason: s.text() },
         _ => Control::Error { message: s.text() },
     }
 }

@@ -15,9 +15,16 @@ random moment of training:
   garbage / slow  a stranger's connection to the scheduler or a server that
                   sends random bytes, or half a frame header and then nothing;
   reset / flip /  on the links of one server, through a proxy between it and
-  hold            the workers (`gradhub_lab.proxy`): 1-3 resets of every
-                  connection, 1-4 bytes flipped in either direction, or
-                  nothing forwarded for half the peer timeout.
+  hold / cut      the workers (`gradhub_lab.proxy`): 1-3 resets of every
+                  connection, 1-4 bytes flipped in either direction, nothing
+                  forwarded for half the peer timeout (hold), or every
+                  connection reset and none through for 1.5-2.5 peer
+                  timeouts (cut: longer than a link is mended);
+  partition       one worker cut off from one server, the others not (its
+                  connections reset, new ones too), for 0.3-0.6 peer
+                  timeouts, or (long) for 1.5-2.5.
+
+Half the jobs encrypt every connection (GRADHUB_ENCRYPT=1).
 
 Every worker checks every sum exactly (integer-valued data, summed in
 float64 by every worker for every rank). In half the jobs (every job with
@@ -29,9 +36,11 @@ each fault must lead to:
 
   continue        a lost server (killed, stopped for good or stalled: its
                   chunks move to the others), a pause, a stranger's connection,
-                  a link reset, changed or held (the worker connects again and
-                  re-sends; the server counts each push once): every
-                  worker passes, with every sum exact;
+                  a link reset, changed or held, a partition (the worker
+                  connects again and re-sends; the server counts each push
+                  once; a server a worker cannot reach past the peer timeout,
+                  cut or partitioned, is reported and failed over like a lost
+                  one): every worker passes, with every sum exact;
   fail            a lost worker or scheduler, an exception: every member still
                   running exits with an error within a bound (3 peer timeouts
                   after the fault), and the error names the member at fault.
@@ -79,10 +88,11 @@ class Fault:
     name: str
     role: str  # worker, server, scheduler, "stranger" (a connection from outside the job), "link" (a server's)
     # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts), reset, flip, hold,
-    # restart (killed and started again on its address)
+    # cut, partition, partition-long, restart (killed and started again on its address)
     action: str
     expect: str  # continue or fail
     count: int = 1  # members hit at once
+    quick: bool = True  # in --quick (the test suite's)
 
     def describe(self) -> str:
         return f"{self.name:20s} expect: {self.expect}"
@@ -107,6 +117,9 @@ FAULTS = (
     Fault("reset links", "link", "reset", "continue"),
     Fault("flip bytes", "link", "flip", "continue"),
     Fault("hold links", "link", "hold", "continue"),
+    Fault("cut links", "link", "cut", "continue", quick=False),
+    Fault("partition", "link", "partition", "continue"),
+    Fault("long partition", "link", "partition-long", "continue", quick=False),
 )
 
 
@@ -174,6 +187,7 @@ class Trial:
     steps: int
     server_opt: bool
     logdir: Path
+    encrypt: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     exited: dict[str, float] = field(default_factory=dict)
     env: dict = field(default_factory=dict)
@@ -229,7 +243,8 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_") or k == "GRADHUB_LOG"}
     base.update(PYTHONUNBUFFERED="1", GRADHUB_SCHEDULER=f"127.0.0.1:{port}", GRADHUB_NUM_WORKERS=str(WORKERS),
                 GRADHUB_NUM_SERVERS=str(SERVERS), GRADHUB_PEER_TIMEOUT=str(t.peer_timeout),
-                GRADHUB_HOST_REDUCE="1" if t.host_stage else "0", GRADHUB_JOB_TOKEN=secrets.token_hex(16))
+                GRADHUB_HOST_REDUCE="1" if t.host_stage else "0", GRADHUB_JOB_TOKEN=secrets.token_hex(16),
+                GRADHUB_ENCRYPT="1" if t.encrypt else "0")
     py = [sys.executable, "-m", "gradhub"]
     t.env = base
     t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
@@ -301,10 +316,12 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         steps = max(steps, 100)  # time for the new server to start and join
     logdir = logroot / f"trial{seed}"
     logdir.mkdir(parents=True, exist_ok=True)
-    host_stage, coin = rng.random() < 0.5, rng.random() < 0.5
+    host_stage, coin, encrypt = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
     server_opt = (coin if server_opt is None else server_opt) and fault.count == 1
-    t = Trial(fault, seed, peer_timeout, host_stage=host_stage, steps=steps, logdir=logdir, server_opt=server_opt)
-    res: dict = {"fault": fault.name, "seed": seed, "host_stage": t.host_stage, "server_opt": server_opt}
+    t = Trial(fault, seed, peer_timeout, host_stage=host_stage, steps=steps, logdir=logdir, server_opt=server_opt,
+              encrypt=encrypt)
+    res: dict = {"fault": fault.name, "seed": seed, "host_stage": t.host_stage, "server_opt": server_opt,
+                 "encrypted": encrypt}
     try:
         port, sports, victim = _start(t, rng)
         # The fault lands at a random moment of training (the raise is at a random step).
@@ -353,10 +370,23 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 for _ in range(rng.randrange(1, 5)):
                     px.flip(rng.choice(("up", "down")), after=rng.randrange(0, 1 << 20), mask=1 << rng.randrange(8))
                     time.sleep(rng.uniform(0.05, 0.3))
-            else:
+            elif fault.action == "hold":
                 px.down()
                 time.sleep(peer_timeout * 0.5)
                 px.up()
+            elif fault.action == "cut":
+                # Every connection lost (reset) and no new one through.
+                px.reset()
+                px.down()
+                time.sleep(rng.uniform(1.5, 2.5) * peer_timeout)
+                px.up()
+            else:  # one worker cut off from this server only
+                w = rng.randrange(WORKERS)
+                res["partitioned"] = f"worker{w}"
+                px.cut(w)
+                long = fault.action == "partition-long"
+                time.sleep((rng.uniform(1.5, 2.5) if long else rng.uniform(0.3, 0.6)) * peer_timeout)
+                px.restore(w)
             res["flips"] = px.flips_done
             fault_at = time.monotonic()  # back to training is counted from the fault's end
         elif fault.action == "raise":
@@ -368,7 +398,9 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             fault_at = t.exited.get(targets[0], fault_at)
         res["target"] = "+".join(targets)
         # Members out of the job: killed, stopped for good, or raised (they exit with an error).
-        lost = set(targets) if fault.action in ("kill", "stop", "stall", "raise") else set()
+        # (A server cut off past the peer timeout is written off: it exits with an error.)
+        out = ("kill", "stop", "stall", "raise", "cut", "partition-long")
+        lost = set(targets) if fault.action in out else set()
         stopped = targets if fault.action == "stop" else []
         # A pause ends well before the peer timeout; a stall around the
         # moment the job writes the member off, or just after.
@@ -377,7 +409,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
         # Bound: 3 peer timeouts for the fault to be reported everywhere, plus the rest of the job's run.
         bound = fault_at + 3 * peer_timeout + 30
         report_at = takeover_at = back_at = rejoined_at = None
-        lost_server = fault.role == "server" and fault.action in ("kill", "stop", "stall")
+        lost_server = (fault.role == "server" and fault.action in ("kill", "stop", "stall")) or fault.action in (
+            "cut", "partition-long")
         steps_at_fault = t.log("worker0").count("STEP ")
         while True:
             t.poll()
@@ -436,7 +469,7 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 res["all_down_s"] = max(ends) - fault_at
         taken_over = t.log("scheduler").count("taken over") >= len(targets)
         # A stalled server back before the peer timeout was never lost.
-        if lost_server and (taken_over or fault.action != "stall"):
+        if lost_server and (taken_over or fault.action in ("kill", "stop")):
             res["taken_over"] = taken_over
             if takeover_at is not None:
                 res["takeover_s"] = takeover_at - fault_at
@@ -526,7 +559,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-timeout", type=float, default=2.0, help="the jobs' peer timeout, seconds (default 2)")
     ap.add_argument("--steps", type=int, default=40, help="training steps per job (default 40)")
     ap.add_argument("--quick", action="store_true",
-                    help="one trial per fault but 'kill 2 servers', 25 steps each (the test suite's)")
+                    help="one trial per fault but 'kill 2 servers', 'cut links' and 'long partition', 25 steps each "
+                         "(the test suite's)")
     ap.add_argument("--server-optimizer", choices=("half", "always", "never"), default=None,
                     help="jobs with a tensor whose optimizer runs on the servers (default: half, always with "
                          "--quick; never when two servers are lost at once)")
@@ -542,7 +576,7 @@ def run(args) -> int:
     # Two servers lost at once still ends some jobs with an error (not a hang,
     # not a wrong sum; docs/reliability.md): in the full campaign, not in --quick.
     faults = select_faults(FAULTS, args, "gradhub-lab faults",
-                           default=[f for f in FAULTS if not (args.quick and f.count > 1)])
+                           default=[f for f in FAULTS if not (args.quick and (f.count > 1 or not f.quick))])
     if isinstance(faults, int):
         return faults
     trials = len(faults) if args.quick else args.trials

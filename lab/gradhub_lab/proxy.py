@@ -6,7 +6,12 @@ a test, from any thread while traffic flows: flip() one byte of a stream at
 an exact offset; reset() every connection on both sides with an RST; go
 down() (read and forward nothing, so the senders' buffers fill and they
 block, as on a dead link) or blackhole() (read and discard everything), and
-come back up(). Typical use: a server binds 127.0.0.1:P and advertises
+come back up(); hold() the connections of one worker rank only and
+release() them; or cut() one rank off (a host partitioned from this server
+but not from the others): its connections are reset and every new one is
+reset as soon as its DataHello names the rank, until restore(). A
+connection's rank is the one its DataHello names (its header is in clear
+even on an encrypted connection). Typical use: a server binds 127.0.0.1:P and advertises
 127.0.0.2; the proxy listens on 127.0.0.2:P and forwards to 127.0.0.1:P.
 
 One thread does all the I/O, on non-blocking sockets under poll(), holding
@@ -60,6 +65,28 @@ class _Pair:
         self.sent = {d: 0 for d in DIRS}
         self.eof = {d: False for d in DIRS}  # the source sent its FIN
         self.shut = {d: False for d in DIRS}  # and it was passed on
+        self.rank: int | None = None  # the worker rank its DataHello named
+        self.scan = bytearray()  # the first bytes up, until the DataHello (or past any)
+        self.scanning = True
+
+    def note_up(self, data: bytes) -> None:
+        """Find the worker rank in the first frames up: AuthHello, AuthProof
+        (each a 40-byte header and its payload), then the DataHello's header."""
+        if not self.scanning:
+            return
+        self.scan += data
+        at = 0
+        for want in (11, 13, 1):  # AuthHello, AuthProof, DataHello
+            if len(self.scan) < at + 40:
+                return
+            if self.scan[at + 3] != want:
+                break
+            if want == 1:
+                self.rank = int.from_bytes(self.scan[at + 12:at + 16], "little")
+                break
+            at += 40 + int.from_bytes(self.scan[at + 28:at + 32], "little")
+        self.scanning = False
+        self.scan = bytearray()
 
     def ends(self, d: str) -> tuple[socket.socket | None, socket.socket | None]:
         return (self.client, self.target) if d == "up" else (self.target, self.client)
@@ -88,6 +115,8 @@ class Proxy:
             s.setblocking(False)
         self._lock = threading.Lock()
         self._mode = "up"  # up, down or blackhole
+        self._held: set[int] = set()  # worker ranks whose connections are held (`hold`)
+        self._cut: set[int] = set()  # worker ranks whose connections are reset (`cut`)
         self._closing = False
         self._pairs: dict[int, _Pair] = {}
         self._next_id = 0
@@ -132,6 +161,42 @@ class Proxy:
     def up(self) -> None:
         """Forward again, everything held first."""
         self._set_mode("up")
+
+    def hold(self, rank: int) -> None:
+        """As down(), for the connections of worker `rank` only (theirs from
+        their DataHello on, a new one's too once it says it)."""
+        with self._lock:
+            self._held.add(rank)
+            self._event(f"hold rank {rank}")
+        self._wake()
+
+    def release(self, rank: int) -> None:
+        """Forward worker `rank`'s connections again."""
+        with self._lock:
+            self._held.discard(rank)
+            self._event(f"release rank {rank}")
+        self._wake()
+
+    def cut(self, rank: int) -> None:
+        """Reset worker `rank`'s connections, and each new one as soon as its
+        DataHello names it, until restore()."""
+        with self._lock:
+            self._cut.add(rank)
+            cut = [p for p in self._pairs.values() if p.rank == rank]
+            self._event(f"cut rank {rank}: resetting {len(cut)} pairs")
+            for p in cut:
+                self._drop(p, "cut", abort=True)
+        self._wake()
+
+    def restore(self, rank: int) -> None:
+        """Let worker `rank`'s connections through again."""
+        with self._lock:
+            self._cut.discard(rank)
+            self._event(f"restore rank {rank}")
+        self._wake()
+
+    def _stopped(self, p: _Pair) -> bool:
+        return self._mode == "down" or (p.rank is not None and p.rank in self._held)
 
     @property
     def events(self) -> list[str]:
@@ -219,7 +284,7 @@ class Proxy:
             if p.connecting:
                 ev[p.target] |= _OUT
                 timeout = min(timeout, max(0.0, p.deadline - time.monotonic()))
-            if self._mode == "down":
+            if self._stopped(p):
                 continue  # not even reading: that is what makes the senders block
             for d in DIRS:
                 src, dst = p.ends(d)
@@ -283,7 +348,7 @@ class Proxy:
                 self._drop(p, f"connect to target: {os.strerror(err)}", abort=False)
             else:
                 p.connecting = False
-        elif self._mode != "down":  # down() since the poll began: leave it all where it is
+        elif not self._stopped(p):  # down() or hold() since the poll began: leave it all where it is
             for d in DIRS:
                 src, dst = p.ends(d)
                 if s is src and ev & _IN and rev & (_IN | _BAD) and not p.closed:
@@ -330,6 +395,13 @@ class Proxy:
             self.bytes_discarded += len(data)
         else:
             p.buf[d] += data
+            if d == "up":
+                p.note_up(data)
+                if p.rank is not None and p.rank in self._cut:
+                    self._drop(p, f"rank {p.rank} is cut off", abort=True)
+                    return
+                if self._stopped(p):
+                    return  # its DataHello just said it is held: nothing more goes
             self._write(p, d)  # at once, rather than after another poll
 
     def _write(self, p: _Pair, d: str) -> None:

@@ -49,6 +49,7 @@ class SchedulerConfig:
         deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
         asynchronous: bool | None = None,  # the asynchronous mode (GRADHUB_ASYNC, read when None)
         staleness: int | None = None,  # its staleness bound (GRADHUB_STALENESS, read when None)
+        encrypt: bool | None = None,  # encrypt every connection (GRADHUB_ENCRYPT, read when None); needs a token
     ) -> None:
         """ValueError for a bad rack_reduce or bandwidth."""
 
@@ -76,6 +77,7 @@ class ServerConfig:
         deterministic: bool | None = None,  # sums in rank order (GRADHUB_DETERMINISTIC, read when None)
         asynchronous: bool | None = None,  # the asynchronous mode (GRADHUB_ASYNC, read when None)
         staleness: int | None = None,  # its staleness bound (GRADHUB_STALENESS, read when None)
+        encrypt: bool | None = None,  # encrypt every connection (GRADHUB_ENCRYPT, read when None); needs a token
     ) -> None: ...
 
 class ServiceConfig:
@@ -91,6 +93,7 @@ class ServiceConfig:
         max_workers: int | None = None,  # per job
         max_pending: int | None = None,  # connections authenticating at once
         metrics_addr: str | None = None,  # serve Prometheus metrics at http://HOST:PORT/metrics
+        encrypt: bool | None = None,  # encrypt every connection (GRADHUB_ENCRYPT, read when None)
     ) -> None: ...
     @property
     def max_jobs(self) -> int: ...
@@ -101,7 +104,8 @@ class ServiceServerConfig:
     """A server of a shared service: `server` is what each job's instance is
     made of, `token` the service's master token."""
 
-    def __init__(self, server: ServerConfig, token: str, peer_timeout: float | None = None) -> None: ...
+    def __init__(self, server: ServerConfig, token: str, peer_timeout: float | None = None,
+                 encrypt: bool | None = None) -> None: ...
 
 class ClientConfig:
     """A worker's config. None takes the core's default (`ClientConfig::default`)."""
@@ -126,6 +130,7 @@ class ClientConfig:
         elastic: tuple[int, int, int, int] | None = None,  # an elastic job's (min, max, initial size, previous rank)
         asynchronous: bool | None = None,  # the asynchronous mode (GRADHUB_ASYNC, read when None)
         staleness: int | None = None,  # its staleness bound (GRADHUB_STALENESS, read when None)
+        encrypt: bool | None = None,  # encrypt every connection (GRADHUB_ENCRYPT, read when None); needs a token
     ) -> None:
         """ValueError for an invalid job name."""
 
@@ -159,8 +164,9 @@ def job_token(master: str, job: str) -> str:
     """Job `job`'s token on the service whose master token is `master`;
     ValueError for an invalid job name."""
 
-def service_status(service: str, token: str, timeout: float = 10.0) -> str:
-    """The shared service's report, JSON text (`token`: its master token)."""
+def service_status(service: str, token: str, timeout: float = 10.0, encrypt: bool | None = None) -> str:
+    """The shared service's report, JSON text (`token`: its master token;
+    `encrypt`: as the service, GRADHUB_ENCRYPT when None)."""
 
 def kernel_simd_level() -> str:
     """The summation kernels in use: "avx512", "avx2" or "portable"."""

@@ -359,6 +359,12 @@ def encrypt() -> bool:
     return get("GRADHUB_ENCRYPT")
 
 
+def set_encrypt() -> None:
+    """`--encrypt`: GRADHUB_ENCRYPT=1 for this process, whose core reads it
+    when it builds each role's config, and for every process it starts."""
+    os.environ["GRADHUB_ENCRYPT"] = "1"
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (a name or an address, as given) is this machine's loopback."""
     host = host.strip("[]")

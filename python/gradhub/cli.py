@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from . import _core, _env, roles
@@ -365,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     if getattr(args, "encrypt", False):
-        # Read by the core when it builds each role's config, and inherited
-        # by every process `launch` starts.
-        os.environ["GRADHUB_ENCRYPT"] = "1"
+        _env.set_encrypt()
     if args.cmd is None:
         parser.print_help()
         return 2

@@ -336,6 +336,11 @@ impl Completion for Shared {
     fn fail_job(&self, msg: String) {
         Shared::fail_job(self, msg)
     }
+    fn unreachable(&self, server: u32, reason: String) {
+        if let Err(e) = self.send_ctrl(&Control::Unreachable { server, reason }) {
+            log::warn!(target: "worker", "cannot tell the scheduler server {server} is unreachable: {e}");
+        }
+    }
     fn failure(&self) -> Option<String> {
         Shared::failure(self)
     }

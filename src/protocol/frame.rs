@@ -160,6 +160,7 @@ msg_types! {
     ServerMoveAck = 48, "server -> scheduler: chunks given up; payload: the (key, chunk) pairs kept";
     HostsUpdated = 49, "shared service -> an elastic job's workers: workers wait to join; the job re-forms at its next commit";
     Rejoin = 50, "member -> a restarted scheduler: its registration, Welcome and what it knows (tensors, keys, who left); answered with Welcome";
+    Unreachable = 51, "worker -> scheduler: its link to this live server could not be mended within the peer timeout; with failover the server is written off and its chunks move";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

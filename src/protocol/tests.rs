@@ -7,7 +7,8 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 50] = [
+const ALL_MSG_TYPES: [MsgType; 51] = [
+    MsgType::Unreachable,
     MsgType::Rejoin,
     MsgType::HostsUpdated,
     MsgType::SetOp,
@@ -248,6 +249,7 @@ fn sample_controls() -> Vec<Control> {
         Control::PeerLost { role: Role::Server, rank: 1, reason: "heartbeat timeout after 3000 ms".into() },
         Control::PeerLost { role: Role::Worker, rank: u32::MAX, reason: String::new() },
         Control::PeerLeft { rank: 3 },
+        Control::Unreachable { server: 2, reason: "server 2 (10.0.0.3:9001) thread 0: timed out".into() },
         Control::Goodbye,
         Control::Shutdown,
         Control::HostsUpdated,

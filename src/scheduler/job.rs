@@ -272,7 +272,7 @@ pub(super) fn admit(
     Some((me, reader))
 }
 
-pub(super) fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: Reader) {
+pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: Reader) {
     let ns = shared.cfg.namespace;
     loop {
         let msg = read_control(&mut stream, ns);
@@ -300,6 +300,24 @@ pub(super) fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: Reader
                 shared.cv.notify_all();
             }
             Ok(Control::Barrier { id }) if me.role == Role::Worker => shared.enter_barrier(&mut st, me.rank, id),
+            Ok(Control::Unreachable { server, reason }) if me.role == Role::Worker => {
+                // Written off as if lost (once: a second report finds it
+                // gone), on a thread of its own: this one goes on reading
+                // the worker, whose acks and heartbeats the takeover needs.
+                let Some(lost) = st.members.servers().find(|m| m.rank == server).cloned() else { continue };
+                drop(st);
+                let why = format!("server {server} is unreachable from worker {}: {reason}", me.rank);
+                log::warn!(target: "scheduler", "{why}");
+                let sh = shared.clone();
+                let spawned = thread::Builder::new()
+                    .name("gradhub-take-over".into())
+                    .spawn(move || failover::take_over(&sh, &lost, why));
+                if let Err(e) = spawned {
+                    let mut st = shared.lock();
+                    shared.fail(&mut st, None, format!("cannot start taking server {server} over: {e}"));
+                }
+                continue;
+            }
             Ok(Control::Join) if me.role == Role::Worker => shared.join_worker(&mut st, me.rank),
             Ok(op @ Control::JoinOp { .. }) if me.role == Role::Worker => shared.forward_join_op(&mut st, op),
             Ok(op @ Control::SetOp { .. }) if me.role == Role::Worker => {
@@ -337,6 +355,9 @@ pub(super) fn serve_member(shared: &Shared, me: &Arc<Member>, mut stream: Reader
                     return;
                 }
                 let reason = lost_reason(&shared.cfg, me, &e);
+                if me.role == Role::Server && !st.members.servers().any(|m| m.rank == me.rank) {
+                    return; // written off already (unreachable from a worker): its connection was cut
+                }
                 if me.role == Role::Server {
                     drop(st);
                     failover::take_over(shared, me, reason);

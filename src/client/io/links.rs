@@ -96,6 +96,10 @@ pub(super) struct SendHalf {
     pub(super) resent: HashSet<(u32, u32)>,
     /// How many times this link was mended.
     pub(super) mends: u32,
+    /// When it broke first since it last carried a frame from its server
+    /// (`Conn::doubtful`): the mending window counts from then, so a link
+    /// that connects and breaks again and again is given up all the same.
+    pub(super) doubted_at: Option<Instant>,
 }
 // SAFETY: the raw pointers point into caller buffers kept alive by their ops (see BufPtr).
 unsafe impl Send for SendHalf {}
@@ -109,6 +113,9 @@ pub struct Conn {
     pub(super) send: Mutex<SendHalf>,
     /// Where it is in its life (`LinkState`), read without the send lock.
     state: AtomicU8,
+    /// It broke, and has carried no frame from its server since
+    /// (`SendHalf::doubted_at`); cleared by the first frame that arrives.
+    pub(super) doubtful: AtomicBool,
     /// The server (rank) at the other end.
     pub server: u32,
     /// Its server shares this host's memory, so the host's sums go to it
@@ -287,6 +294,7 @@ impl Io {
                 desc: nc.desc,
                 send: Mutex::new(send),
                 state: AtomicU8::new(LinkState::Live as u8),
+                doubtful: AtomicBool::new(false),
                 server: nc.server,
                 by_ref,
                 spread_blocked: AtomicBool::new(false),

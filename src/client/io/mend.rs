@@ -13,6 +13,7 @@
 //! TCP's backed-off retry); the I/O thread installs what it found.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -106,15 +107,26 @@ impl IoCore {
         }
         let partial = self.rx[i].reset().map(|d| (d.key, d.chunk as u32));
         c.link().deregister(&io.send.registry);
-        {
+        let until = {
             let mut st = c.send();
             st.mending = Some((Instant::now(), partial));
+            // From its first break since it last worked: a link that
+            // connects and breaks again at once is not mended forever.
+            let since = match c.doubtful.swap(true, Ordering::Relaxed) {
+                true => st.doubted_at.unwrap_or_else(Instant::now),
+                false => Instant::now(),
+            };
+            st.doubted_at = Some(since);
+            since + io.mend.within
+        };
+        if Instant::now() >= until {
+            self.give_up(i, &format!("{why}, and it has carried nothing since it first broke"));
+            return true;
         }
         log::warn!(target: &format!("worker {}", io.rank), "{}: {why}; connecting again", c.desc());
-        let (addr, within) = (c.addr.clone(), io.mend.within);
+        let addr = c.addr.clone();
         let weak = std::sync::Arc::downgrade(&io);
         let spawned = std::thread::Builder::new().name(format!("gradhub-mend-{i}")).spawn(move || {
-            let until = Instant::now() + within;
             let Some(secret) = weak.upgrade().map(|io| io.mend.secret.clone()) else { return };
             let wanted = || weak.upgrade().is_some_and(|io| io.mending(i));
             let result = crate::transport::dial_until(&addr, until, &secret, wanted, crate::transport::Greeted::Done)
@@ -160,10 +172,13 @@ impl IoCore {
         let c = &io.send.conns[i];
         let secs = io.mend.within.as_secs_f64();
         if io.failover.on {
-            // As if it had broken now: the scheduler's failover comes, or
-            // `check_lost` fails the job.
+            // As if it had broken now: the scheduler, told the server is
+            // unreachable from here, fails it over (unless it is lost
+            // already), or `check_lost` fails the job.
             c.broke(&mut c.send());
             log::warn!(target: &format!("worker {}", io.rank), "{}: not connected again within {secs:.1}s ({why}); waiting for the scheduler's failover", c.desc());
+            let reason = format!("its link {} could not be made again within {secs:.1}s ({why})", c.desc());
+            self.owner.unreachable(c.server, reason);
             return;
         }
         let msg = format!("{}: the connection broke and could not be made again within {secs:.1}s: {why}", c.desc());

@@ -184,6 +184,9 @@ pub struct IoStats {
 pub trait Completion: Send + Sync {
     fn finish_op(&self, op: &Op, error: Option<String>);
     fn fail_job(&self, msg: String);
+    /// This worker cannot reach server `server` (`reason`): the scheduler
+    /// writes it off (failover) if it can.
+    fn unreachable(&self, server: u32, reason: String);
     fn failure(&self) -> Option<String>;
     /// This worker is leaving (it said goodbye): the servers closing its
     /// connections is the job's normal end, not a loss.

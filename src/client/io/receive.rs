@@ -38,7 +38,12 @@ impl IoCore {
             // SAFETY: the destination is this chunk's range in an active op's
             // buffer, which stays alive until this thread completes the op.
             let dst = |d: ResultDest| unsafe { std::slice::from_raw_parts_mut(d.dst, d.len) };
-            match link.read_frame(&mut self.rx[i], io.recv.max_payload, dst, drain)? {
+            let frame = link.read_frame(&mut self.rx[i], io.recv.max_payload, dst, drain)?;
+            if frame.is_some() && conn.doubtful.load(std::sync::atomic::Ordering::Relaxed) {
+                conn.doubtful.store(false, std::sync::atomic::Ordering::Relaxed);
+                // the mended link works
+            }
+            match frame {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(i, hdr)?,
                 Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk)?,

@@ -280,6 +280,14 @@ pub enum Control {
     ServerRelease {
         keys: Vec<u32>,
     },
+    /// A worker's link to server `server` broke and could not be made
+    /// again within the peer timeout (`reason`), while the scheduler still
+    /// hears from the server: a server its workers cannot reach is lost all
+    /// the same.
+    Unreachable {
+        server: u32,
+        reason: String,
+    },
     /// Server `lost` is gone: install `specs` (every tensor that had chunks
     /// on it, placed again); the chunks that are now this server's start
     /// from the workers' re-sent pushes and restored results. Acked like
@@ -425,6 +433,7 @@ impl Control {
             Control::Release { .. } => MsgType::Release,
             Control::ServerRelease { .. } => MsgType::ServerRelease,
             Control::ServerTakeOver { .. } => MsgType::ServerTakeOver,
+            Control::Unreachable { .. } => MsgType::Unreachable,
             Control::Failover { .. } => MsgType::Failover,
             Control::Error { .. } => MsgType::Error,
             Control::ServiceJoin(_) => MsgType::ServiceJoin,

@@ -332,6 +332,9 @@ impl Control {
             Control::PeerLeft { rank } => {
                 w.u32(*rank);
             }
+            Control::Unreachable { server, reason } => {
+                w.u32(*server).str(reason);
+            }
             Control::ServerDeclare { batch, specs } => {
                 w.u32(*batch);
                 put_specs(&mut w, specs);
@@ -430,6 +433,10 @@ impl Control {
             }
             MsgType::Barrier => Control::Barrier { id: r.u32("id")? },
             MsgType::PeerLeft => Control::PeerLeft { rank: r.u32("rank")? },
+            MsgType::Unreachable => {
+                let server = r.u32("server")?;
+                Control::Unreachable { server, reason: r.str("reason")? }
+            }
             MsgType::BarrierDone => Control::BarrierDone { id: r.u32("id")? },
             MsgType::ServerDeclare => {
                 let batch = r.u32("batch")?;
