@@ -143,7 +143,7 @@ pub(super) fn greet(
         }
     };
     let (seal, open) = keys.map(|k| (k.seal, k.open)).unzip();
-    let mut within = SealedReader::new(within, open);
+    let mut within = SealedReader::new(within, open).limit(MAX_REGISTER_PAYLOAD);
     let first = read_control_limited(&mut within, namespace_of(&job), MAX_REGISTER_PAYLOAD);
     let open = within.into_parts().1;
     let _ = stream.set_read_timeout(Some(timeout));

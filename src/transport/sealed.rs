@@ -51,11 +51,27 @@ pub struct SealedReader<R> {
     /// The frame being handed on, and how much of it was.
     out: Vec<u8>,
     at: usize,
+    /// The largest payload it opens (`limit`).
+    max_payload: u32,
 }
 
 impl<R> SealedReader<R> {
     pub fn new(inner: R, open: Option<Opener>) -> SealedReader<R> {
-        SealedReader { inner, open, rx: FrameReader::default(), out: Vec::new(), at: 0 }
+        SealedReader {
+            inner,
+            open,
+            rx: FrameReader::default(),
+            out: Vec::new(),
+            at: 0,
+            max_payload: MAX_CONTROL_PAYLOAD,
+        }
+    }
+    /// Open no payload larger than `max_payload` (default: the largest
+    /// control payload), so a sealed frame is refused at its header as the
+    /// reader above would refuse it, before anything of it is buffered.
+    pub fn limit(mut self, max_payload: u32) -> SealedReader<R> {
+        self.max_payload = max_payload;
+        self
     }
     pub fn get_ref(&self) -> &R {
         &self.inner
@@ -72,12 +88,10 @@ impl<R: Read> Read for SealedReader<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let Some(open) = self.open.as_mut() else { return self.inner.read(buf) };
         if self.at == self.out.len() {
-            // The largest control payload: the reader above applies its
-            // own (smaller) limit to the header handed on, and this one
-            // grows its buffer only with bytes received from a peer that
-            // proved the token.
+            // The buffer grows only with bytes received (from a peer that
+            // proved the token), up to the limit.
             let frame = loop {
-                match self.rx.read_from(&mut self.inner, MAX_CONTROL_PAYLOAD, |()| &mut [], Some(&mut *open)) {
+                match self.rx.read_from(&mut self.inner, self.max_payload, |()| &mut [], Some(&mut *open)) {
                     Ok(None) => return Err(io::Error::from(io::ErrorKind::WouldBlock)),
                     Ok(Some(Frame::Header(h))) if h.payload_len > 0 => self.rx.receive_owned(h),
                     Ok(Some(Frame::Header(_))) => break Vec::new(),
@@ -181,6 +195,10 @@ mod tests {
             let good = got.iter().take_while(|g| g.is_ok()).count();
             assert!(got[..good].iter().zip(&msgs).all(|(g, m)| g.as_ref().ok() == Some(m)));
         }
+        // A frame over the reader's limit is refused at its header.
+        let mut r = SealedReader::new(&wire[..], Some(keys().1.open)).limit(1000);
+        assert_eq!(read_control(&mut r, 7).unwrap(), msgs[0]);
+        assert!(read_control(&mut r, 7).unwrap_err().to_string().contains("exceeds the limit"));
         // A partial frame is refused and nothing is written.
         let mut w = SealedWriter::new(Vec::new(), Some(keys().0.seal));
         assert!(w.write(&two[..two.len() - 1]).is_err());
