@@ -7,11 +7,10 @@ itself: tests/integration/encryption.rs and the Rust unit tests.)"""
 
 import subprocess
 import sys
-import time
 
 from conftest import free_port, job_env
 from test_failover import WORKERS, lose_server, start
-from test_links import finish, proxied_job, proxies, wait_traffic  # noqa: F401  (the proxies fixture)
+from test_links import finish, flip_bytes, proxied_job, proxies  # noqa: F401  (the proxies fixture)
 
 
 def test_an_encrypted_job_trains_exactly_and_goes_on_after_losing_a_server(cluster_factory):
@@ -56,14 +55,7 @@ def test_a_member_that_does_not_encrypt_is_refused_naming_the_setting():
 
 def test_a_byte_changed_on_an_encrypted_link_fails_its_tag_and_is_sent_again(cluster_factory, proxies):
     c, proxy = proxied_job(cluster_factory, proxies, GRADHUB_ENCRYPT="1")
-    for direction, after in (("up", 300_000), ("down", 500_000), ("up", 1_000_003)):
-        wait_traffic(c, proxy, 1 << 20)
-        done = proxy.flips_done
-        proxy.flip(direction, after=after, mask=0x20)
-        deadline = time.monotonic() + 30
-        while proxy.flips_done == done:
-            assert time.monotonic() < deadline, "the flip never happened"
-            time.sleep(0.01)
+    flip_bytes(c, proxy, (("up", 300_000), ("down", 500_000), ("up", 1_000_003)))
     finish(c, proxy)
     logs = c.log("worker0") + c.log("worker1") + c.log("server0")
     assert "authentication tag mismatch" in logs, logs

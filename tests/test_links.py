@@ -58,6 +58,19 @@ def wait_traffic(c, proxy, more: int, timeout: float = 30):
         time.sleep(0.01)
 
 
+def flip_bytes(c, proxy, flips):
+    """Flip a byte at each (direction, offset) of `flips`, once traffic is
+    under way, each after the last one happened."""
+    for direction, after in flips:
+        wait_traffic(c, proxy, 1 << 20)
+        done = proxy.flips_done
+        proxy.flip(direction, after=after, mask=0x20)
+        deadline = time.monotonic() + 30
+        while proxy.flips_done == done:
+            assert time.monotonic() < deadline, "the flip never happened"
+            time.sleep(0.01)
+
+
 def test_reset_links_are_mended_and_every_sum_stays_exact(cluster_factory, proxies):
     c, proxy = proxied_job(cluster_factory, proxies)
     for _ in range(3):
@@ -75,14 +88,7 @@ def test_a_byte_changed_on_the_way_is_refused_and_sent_again_never_summed(cluste
     c, proxy = proxied_job(cluster_factory, proxies)
     # Into pushes (checked by the server) and into results (by the workers),
     # at offsets inside payloads and headers alike.
-    for direction, after in (("up", 300_000), ("down", 500_000), ("up", 1_000_003), ("down", 77)):
-        wait_traffic(c, proxy, 1 << 20)
-        done = proxy.flips_done
-        proxy.flip(direction, after=after, mask=0x20)
-        deadline = time.monotonic() + 30
-        while proxy.flips_done == done:
-            assert time.monotonic() < deadline, "the flip never happened"
-            time.sleep(0.01)
+    flip_bytes(c, proxy, (("up", 300_000), ("down", 500_000), ("up", 1_000_003), ("down", 77)))
     finish(c, proxy)
     logs = c.log("worker0") + c.log("worker1") + c.log("server0")
     assert "checksum mismatch" in logs, logs

@@ -263,17 +263,9 @@ impl<T: Copy> FrameReader<T> {
                             whole.len()
                         )));
                     }
-                    let mut done = fill(&mut r, whole, got, false, edge, (!sealed).then_some(&mut *crc))?;
-                    if done && sealed {
-                        done = fill(&mut r, &mut tag.bytes, &mut tag.got, false, edge, None)?;
-                    }
-                    if done {
-                        match open.as_deref_mut() {
-                            Some(o) => o.open(&self.head, whole, &tag.bytes).map_err(|_| changed(hdr))?,
-                            None => check_crc(hdr, crc, self.want_crc)?,
-                        }
-                    }
-                    done
+                    let done = fill(&mut r, whole, got, false, edge, (!sealed).then_some(&mut *crc))?;
+                    let check = Check { head: &self.head, hdr, crc, want_crc: self.want_crc };
+                    done && check.payload(&mut r, edge, open.as_deref_mut(), whole, tag)?
                 }
                 ReadState::Unclaimed { hdr } => {
                     return Err(ReadError::Internal(format!(
@@ -283,7 +275,7 @@ impl<T: Copy> FrameReader<T> {
                 }
                 ReadState::Owned { hdr, buf, got, crc, tag } => {
                     let len = hdr.payload_len as usize;
-                    let mut done = loop {
+                    let done = loop {
                         // Grow with the data actually received, not with what the
                         // header claims, so a lying peer cannot make us allocate.
                         if *got == buf.len() && buf.len() < len {
@@ -296,16 +288,8 @@ impl<T: Copy> FrameReader<T> {
                             break true;
                         }
                     };
-                    if done && sealed {
-                        done = fill(&mut r, &mut tag.bytes, &mut tag.got, false, edge, None)?;
-                    }
-                    if done {
-                        match open.as_deref_mut() {
-                            Some(o) => o.open(&self.head, buf, &tag.bytes).map_err(|_| changed(hdr))?,
-                            None => check_crc(hdr, crc, self.want_crc)?,
-                        }
-                    }
-                    done
+                    let check = Check { head: &self.head, hdr, crc, want_crc: self.want_crc };
+                    done && check.payload(&mut r, edge, open.as_deref_mut(), buf, tag)?
                 }
             };
             if !done {
@@ -341,6 +325,38 @@ fn changed(hdr: &Header) -> ReadError {
         hdr.msg_type, hdr.key, hdr.chunk, hdr.round
     ))
     .into()
+}
+
+/// What a whole payload is checked against.
+struct Check<'a> {
+    head: &'a [u8; HEADER_LEN],
+    hdr: &'a Header,
+    crc: &'a Crc32c,
+    want_crc: u32,
+}
+
+impl Check<'_> {
+    /// The payload `data` is in: read its tag if it is sealed, then open it
+    /// (`open`) or check its checksum. False: the tag is not whole yet.
+    fn payload<R: Read>(
+        &self,
+        r: &mut R,
+        edge: bool,
+        open: Option<&mut Opener>,
+        data: &mut [u8],
+        tag: &mut TagIn,
+    ) -> Result<bool, ReadError> {
+        match open {
+            Some(o) => {
+                if !fill(r, &mut tag.bytes, &mut tag.got, false, edge, None)? {
+                    return Ok(false);
+                }
+                o.open(self.head, data, &tag.bytes).map_err(|_| changed(self.hdr))?;
+            }
+            None => check_crc(self.hdr, self.crc, self.want_crc)?,
+        }
+        Ok(true)
+    }
 }
 
 fn check_crc(hdr: &Header, crc: &Crc32c, want: u32) -> Result<(), ReadError> {

@@ -144,6 +144,9 @@ impl Head {
 
     /// Seal the frame(s) with `payload` into `out`, once (the first write).
     fn seal(&mut self, payload: &[u8], key: &Mutex<Sealer>, out: &mut Vec<u8>) -> Result<(), ConnError> {
+        if matches!(self, Head::Sealed) {
+            return Ok(()); // sealed when it started: the rest of it goes on
+        }
         let mut key = key.lock().unwrap_or_else(|e| e.into_inner());
         match std::mem::replace(self, Head::Sealed) {
             Head::Pending(h) => {
