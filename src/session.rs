@@ -11,10 +11,17 @@
 //! the data plane trains; what is sent to the scheduler waits (a request
 //! not answered yet, Declare or Barrier, is sent again); one that does not
 //! come back is reported as lost, whatever the member's role.
+//!
+//! A scheduler that did not restart answers the Rejoin with `Resumed`: the
+//! connection had broken (reset, cut mid-frame, a frame changed on the
+//! way). Each side numbers what it sends in the session and keeps it until
+//! the other's `Ack` heartbeat says it arrived (`transport::replay`); on a
+//! resume each sends again what the other had not received, so nothing is
+//! lost or taken twice.
 
 use std::io::Write;
 use std::net::{IpAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -25,6 +32,7 @@ use crate::protocol::auth::Secret;
 use crate::protocol::{
     read_control, write_control, Control, MsgType, ReadError, Register, Rejoin, TensorSpec, Welcome,
 };
+use crate::transport::replay::{counted, Replay};
 use crate::transport::{connect_authenticated, dial_until, Authed, Greeted, SealedReader, SealedWriter};
 
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +135,10 @@ impl Joining {
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let link = Arc::new(Link {
             writer: Mutex::new(self.writer),
-            later: Mutex::new(Vec::new()),
+            later: Mutex::new(Later::default()),
+            replay: Mutex::new(Replay::new()),
+            received: AtomicU64::new(0),
+            failed_from: Mutex::new(None),
             namespace: ns,
             closing: AtomicBool::new(false),
             stop: Mutex::new(Some(stop_tx)),
@@ -144,7 +155,7 @@ impl Joining {
             std::thread::Builder::new()
                 .name("gradhub-heartbeat".into())
                 .spawn(move || loop {
-                    if link.send(&Control::Heartbeat).is_err() {
+                    if link.send(&link.ack()).is_err() {
                         return;
                     }
                     // Wakes at once when the session closes (the sender is dropped).
@@ -187,11 +198,54 @@ const AWAY_BYTES: usize = 16 << 20;
 /// for the next message.
 const SEND_LATER_BYTES: usize = 16 << 10;
 
+/// Whether `msg` is a request the scheduler answers (kept in
+/// `Link::asked` until it does).
+fn is_request(msg: &Control) -> bool {
+    matches!(msg, Control::Declare { .. } | Control::Barrier { .. })
+}
+
+/// Whether an encoded message is a request.
+fn frame_is_request(frame: &[u8]) -> bool {
+    crate::protocol::Header::decode(frame, u32::MAX)
+        .is_ok_and(|h| matches!(h.msg_type, MsgType::Declare | MsgType::Barrier))
+}
+
+/// Encoded messages not handed to a connection yet: deferred
+/// (`send_later`), or sent while the scheduler is away.
+#[derive(Default)]
+struct Later {
+    /// Each message, and whether it is a request (also in `Link::asked`).
+    msgs: Vec<(Vec<u8>, bool)>,
+    bytes: usize,
+}
+
+impl Later {
+    /// Add `msg`; the bytes waiting now.
+    fn push(&mut self, msg: &Control, ns: u32) -> usize {
+        let frame = msg.encode(ns);
+        self.bytes += frame.len();
+        self.msgs.push((frame, is_request(msg)));
+        self.bytes
+    }
+    fn take(&mut self) -> Vec<(Vec<u8>, bool)> {
+        self.bytes = 0;
+        std::mem::take(&mut self.msgs)
+    }
+}
+
 struct Link {
     writer: Mutex<Writer>,
-    /// Encoded messages that may wait (`send_later`): written in front of
-    /// the next message, in the same write. Locked inside `writer`.
-    later: Mutex<Vec<u8>>,
+    /// Messages that wait: written in front of the next message, in the
+    /// same write. Locked inside `writer`.
+    later: Mutex<Later>,
+    /// What this session sent, for a resume. Locked inside `writer`.
+    replay: Mutex<Replay>,
+    /// Messages (heartbeats aside) read from the scheduler in this session.
+    received: AtomicU64,
+    /// The number of the first message whose write failed (the scheduler
+    /// was lost then): sent again to a scheduler that restarted. Locked
+    /// inside `writer`.
+    failed_from: Mutex<Option<u64>>,
     namespace: u32,
     closing: AtomicBool,
     /// Dropped to stop the heartbeat thread.
@@ -223,52 +277,63 @@ impl Link {
             // is not dialled again.
             self.gone.store(true, Ordering::SeqCst);
         }
-        let request = matches!(msg, Control::Declare { .. } | Control::Barrier { .. });
-        if request {
+        if is_request(msg) {
             lock(&self.asked).push(msg.clone());
         }
+        let beat = !counted(msg);
         if lock(&self.away).is_some() {
-            // Heartbeats are for a scheduler that is there; requests go
-            // again from `asked`.
-            if !request && !matches!(msg, Control::Heartbeat) {
+            // Heartbeats are for a scheduler that is there.
+            if !beat {
                 self.wait_for_return(msg)?;
             }
             return Ok(());
         }
-        let mut buf = std::mem::take(&mut *lock(&self.later));
-        let written = match buf.is_empty() {
-            true => write_control(&mut *w, msg, self.namespace),
-            false => {
-                buf.extend_from_slice(&msg.encode(self.namespace));
-                w.write_all(&buf)
+        let mut frames: Vec<Vec<u8>> = lock(&self.later).take().into_iter().map(|(f, _)| f).collect();
+        if !beat {
+            frames.push(msg.encode(self.namespace));
+        }
+        let first = {
+            let mut replay = lock(&self.replay);
+            let first = replay.sent() + 1;
+            for f in &frames {
+                replay.push(f.clone());
             }
+            first
         };
-        match written {
+        let mut buf = frames.concat();
+        if beat {
+            buf.extend(msg.encode(self.namespace));
+        }
+        match w.write_all(&buf) {
             Ok(()) => Ok(()),
-            // The scheduler is gone: the reader finds out and dials it
-            // again; until then (and if it comes back) this waits too.
-            Err(e) if self.comeback_possible() => {
+            // The connection broke: the reader finds out and dials the
+            // scheduler again; what was written goes again from `replay`.
+            Err(_) if self.comeback_possible() => {
                 lock(&self.away).get_or_insert_with(Instant::now);
-                if !request && !matches!(msg, Control::Heartbeat) {
-                    self.wait_for_return(msg)?;
+                if !frames.is_empty() {
+                    lock(&self.failed_from).get_or_insert(first);
                 }
-                let _ = e;
                 Ok(())
             }
             Err(e) => Err(SessionError::Send(e)),
         }
     }
 
+    /// The heartbeat: how much of the scheduler's session arrived.
+    fn ack(&self) -> Control {
+        Control::Ack { received: self.received.load(Ordering::SeqCst) }
+    }
+
     /// `msg` waits (encoded) for the scheduler to come back.
     fn wait_for_return(&self, msg: &Control) -> Result<(), SessionError> {
         let mut later = lock(&self.later);
-        if later.len() >= AWAY_BYTES {
+        if later.bytes >= AWAY_BYTES {
             return Err(SessionError::Send(std::io::Error::other(format!(
                 "over {} MiB of messages wait for the scheduler to come back",
                 AWAY_BYTES >> 20
             ))));
         }
-        later.extend_from_slice(&msg.encode(self.namespace));
+        later.push(msg, self.namespace);
         Ok(())
     }
 
@@ -325,17 +390,13 @@ impl SessionSender {
     /// heartbeat), in order: one write and one wake-up of the scheduler for
     /// both. For messages nobody waits for, e.g. `Release`.
     pub fn send_later(&self, msg: &Control) -> Result<(), SessionError> {
-        let full = {
-            let mut later = lock(&self.0.later);
-            later.extend_from_slice(&msg.encode(self.0.namespace));
-            later.len()
-        };
+        let full = lock(&self.0.later).push(msg, self.0.namespace);
         match full {
             n if n >= AWAY_BYTES => self.0.send(msg).and(Err(SessionError::Send(std::io::Error::other(format!(
                 "over {} MiB of messages wait for the scheduler to come back",
                 AWAY_BYTES >> 20
             ))))),
-            n if n >= SEND_LATER_BYTES => self.0.send(&Control::Heartbeat),
+            n if n >= SEND_LATER_BYTES => self.0.send(&self.0.ack()),
             _ => Ok(()),
         }
     }
@@ -429,7 +490,14 @@ impl Session {
         loop {
             let lost = match read_control(&mut self.reader, self.link.namespace) {
                 Ok(Control::Heartbeat) => continue,
+                Ok(Control::Ack { received }) => {
+                    lock(&self.link.replay).acked(received);
+                    continue;
+                }
                 Ok(msg) => {
+                    if counted(&msg) {
+                        self.link.received.fetch_add(1, Ordering::SeqCst);
+                    }
                     self.link.answered(&msg);
                     return Ok(msg);
                 }
@@ -461,14 +529,14 @@ impl Session {
                 Ok(halves) => halves,
                 Err(e) => return Greeted::Again(e.to_string()),
             };
-            match self.introduce(&mut r, &mut w) {
-                Ok(()) => Greeted::Done((r, w)),
+            match self.introduce(&mut r, &mut w, deadline) {
+                Ok(answer) => Greeted::Done((r, w, answer)),
                 Err(SessionError::RefusedBack { why, .. }) => Greeted::Refused(why),
                 Err(e) => Greeted::Again(e.to_string()),
             }
         };
         let dialled = dial_until(&addr, deadline, &self.comeback.secret, || self.link.comeback_possible(), greet);
-        let (reader, writer) = match dialled {
+        let (reader, writer, answer) = match dialled {
             Ok(halves) => halves,
             Err(f) if f.refused => return Err(SessionError::RefusedBack { addr, why: f.why }),
             Err(_) if !self.link.comeback_possible() => return Err(lost),
@@ -480,22 +548,38 @@ impl Session {
         {
             let mut w = lock(&self.link.writer);
             *w = writer;
-            let mut buf: Vec<u8> = lock(&self.link.asked).iter().flat_map(|m| m.encode(self.link.namespace)).collect();
-            buf.extend(std::mem::take(&mut *lock(&self.link.later)));
+            let frames = match answer {
+                Answer::Welcomed => self.link.for_a_restarted_scheduler(),
+                Answer::Resumed(received) => match self.link.for_a_resumed_session(received) {
+                    Some(frames) => frames,
+                    None => {
+                        let why = format!(
+                            "{lost}; the scheduler came back having received {received} of this member's {} \
+                             messages, and the ones it missed were not kept",
+                            lock(&self.link.replay).sent()
+                        );
+                        return Err(SessionError::RefusedBack { addr, why });
+                    }
+                },
+            };
             *lock(&self.link.away) = None;
             self.link.back.notify_all();
-            if let Err(e) = w.write_all(&buf) {
+            if let Err(e) = w.write_all(&frames.concat()) {
                 log::warn!(target: &who, "writing to the scheduler that came back: {e}");
             }
         }
         self.reader = reader;
-        log::info!(target: &who, "the scheduler at {addr} is back: rejoined after {:.1}s", since.elapsed().as_secs_f64());
+        let how = match answer {
+            Answer::Welcomed => "rejoined",
+            Answer::Resumed(_) => "the session resumed",
+        };
+        log::info!(target: &who, "the scheduler at {addr} is back: {how} after {:.1}s", since.elapsed().as_secs_f64());
         Ok(())
     }
 
     /// Rejoin on a fresh connection and read the answer: this member's
-    /// Welcome of this job again.
-    fn introduce(&self, r: &mut Reader, w: &mut Writer) -> Result<(), SessionError> {
+    /// Welcome of this job again (the scheduler restarted), or Resumed.
+    fn introduce(&self, r: &mut Reader, w: &mut Writer, deadline: Instant) -> Result<Answer, SessionError> {
         let report = lock(&self.comeback.report).as_ref().map(|f| f()).unwrap_or_default();
         let msg = Control::Rejoin(Box::new(Rejoin {
             register: self.comeback.register.clone(),
@@ -505,18 +589,74 @@ impl Session {
             left: report.left,
             lost: report.lost,
             barriers: report.barriers,
+            received: self.link.received.load(Ordering::SeqCst),
         }));
         let ns = self.link.namespace;
-        timed(w.get_ref(), self.peer_timeout)?;
+        // Within the time left to come back (a scheduler that accepts and
+        // never answers must not hold this past the peer timeout).
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        timed(w.get_ref(), left)?;
         write_control(w, &msg, ns).map_err(SessionError::Send)?;
         let refused = |why: String| SessionError::RefusedBack { addr: self.comeback.addr.clone(), why };
         match read_control(r, ns) {
-            Ok(Control::Welcome(w)) if w.job_id == self.welcome.job_id && w.rank == self.welcome.rank => Ok(()),
+            Ok(Control::Welcome(w)) if w.job_id == self.welcome.job_id && w.rank == self.welcome.rank => {
+                timed(r.get_ref(), self.peer_timeout)?;
+                Ok(Answer::Welcomed)
+            }
+            Ok(Control::Resumed { received }) => {
+                timed(r.get_ref(), self.peer_timeout)?;
+                Ok(Answer::Resumed(received))
+            }
             Ok(Control::Welcome(_)) => Err(refused("it welcomed this member to another job".into())),
             Ok(Control::Error { message }) => Err(refused(message)),
             Ok(other) => Err(refused(format!("it answered with {:?}", other.msg_type()))),
             Err(e) => Err(SessionError::NoWelcome(e.to_string())),
         }
+    }
+}
+
+/// How the scheduler took a member back.
+#[derive(Clone, Copy)]
+enum Answer {
+    /// It restarted: a new session.
+    Welcomed,
+    /// It lived, and had received this many of the member's messages.
+    Resumed(u64),
+}
+
+impl Link {
+    /// What goes to a scheduler that restarted (writer locked): the
+    /// requests not answered, what a failed write took with it (requests
+    /// aside: they are in `asked`), what waited; numbered afresh.
+    fn for_a_restarted_scheduler(&self) -> Vec<Vec<u8>> {
+        let ns = self.namespace;
+        let mut frames: Vec<Vec<u8>> = lock(&self.asked).iter().map(|m| m.encode(ns)).collect();
+        let mut replay = lock(&self.replay);
+        if let Some(failed) = lock(&self.failed_from).take().and_then(|from| replay.after(from - 1)) {
+            frames.extend(failed.into_iter().filter(|f| !frame_is_request(f)));
+        }
+        frames.extend(lock(&self.later).take().into_iter().filter(|(_, request)| !request).map(|(f, _)| f));
+        replay.reset();
+        self.received.store(0, Ordering::SeqCst);
+        for f in &frames {
+            replay.push(f.clone());
+        }
+        frames
+    }
+
+    /// What goes to a scheduler whose session resumed, having received
+    /// `received` of this session's messages (writer locked): what it
+    /// missed, then what waited. None if some of it was not kept.
+    fn for_a_resumed_session(&self, received: u64) -> Option<Vec<Vec<u8>>> {
+        let mut replay = lock(&self.replay);
+        let mut frames = replay.after(received)?;
+        replay.acked(received);
+        for (f, _) in lock(&self.later).take() {
+            replay.push(f.clone());
+            frames.push(f);
+        }
+        *lock(&self.failed_from) = None;
+        Some(frames)
     }
 }
 

@@ -140,12 +140,14 @@ class Cluster:
 
     def __init__(self, workers: int, servers: int, threads: int = 1, server_ports: list[int] | None = None,
                  scheduler_args: list[str] | None = None, server_args: list[list[str]] | None = None,
-                 server_envs: list[dict] | None = None, **env):
-        """`server_args` and `server_envs`, by server, add to its command line and environment."""
-        self.port = free_port()
+                 server_envs: list[dict] | None = None, scheduler_via: str | None = None, port: int | None = None, **env):
+        """`server_args` and `server_envs`, by server, add to its command line and environment;
+        the scheduler listens on 127.0.0.1:`port`, and `scheduler_via` is the address the
+        members dial for it (a proxy to it)."""
+        self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.workers = workers
-        self.env = job_env(GRADHUB_SCHEDULER=self.addr, GRADHUB_NUM_WORKERS=workers,
+        self.env = job_env(GRADHUB_SCHEDULER=scheduler_via or self.addr, GRADHUB_NUM_WORKERS=workers,
                            GRADHUB_NUM_SERVERS=servers, **env)
         py = [sys.executable, "-m", "gradhub"]
         self.procs: dict[str, subprocess.Popen] = {}

@@ -167,11 +167,24 @@ def test_stall_report_names_missing_rank(cluster_factory, tmp_path, declared, ho
         c.wait_for(who, "stall resolved")
 
 
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), bit by bit: for a 36-byte header."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
 def header(mtype, key=0, chunk=0, rnd=0, dtype=0, plen=0, flags=0, magic=0x4847, ver=PROTOCOL_VERSION):
-    """A data-plane frame header (protocol/frame.rs), its checksums right;
-    magic and version (checked before them) as given."""
+    """A data-plane frame header (protocol/frame.rs), magic and version as
+    given and its checksums right for them (a stranger's, or another
+    version's: not one of ours changed on the way)."""
     frame = encode_frame(mtype, key=key, chunk=chunk, round=rnd, dtype=dtype, flags=flags, payload_len=plen)
-    return struct.pack("<HB", magic, ver) + frame[3:]
+    checked = struct.pack("<HB", magic, ver) + frame[3:36]
+    assert magic != 0x4847 or ver != PROTOCOL_VERSION or checked + frame[36:40] == frame[:40]
+    return checked + struct.pack("<I", crc32c(checked)) + frame[40:]
 
 
 def held_job(cluster_factory, go, extra_rounds):

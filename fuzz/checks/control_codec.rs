@@ -173,7 +173,7 @@ fn welcome(s: &mut Source) -> Welcome {
 
 /// A well-formed message of any type, fields from `s`.
 pub fn message(s: &mut Source) -> Control {
-    match s.u8() % 36 {
+    match s.u8() % 38 {
         0 => Control::Register(register(s)),
         1 => Control::Welcome(welcome(s)),
         2 => Control::Declare {
@@ -246,8 +246,11 @@ pub fn message(s: &mut Source) -> Control {
             left: s.list(8, |s| s.u32()),
             lost: s.list(4, |s| s.u32()),
             barriers: s.u32(),
+            received: s.u64(),
         })),
         34 => Control::Unreachable { server: s.u32(), reason: s.text() },
+        35 => Control::Ack { received: s.u64() },
+        36 => Control::Resumed { received: s.u64() },
         _ => Control::Error { message: s.text() },
     }
 }

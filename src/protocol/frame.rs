@@ -21,7 +21,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 19;
+pub const VERSION: u8 = 20;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by `header_crc`.
 const CHECKED_LEN: usize = 36;
@@ -161,6 +161,8 @@ msg_types! {
     HostsUpdated = 49, "shared service -> an elastic job's workers: workers wait to join; the job re-forms at its next commit";
     Rejoin = 50, "member -> a restarted scheduler: its registration, Welcome and what it knows (tensors, keys, who left); answered with Welcome";
     Unreachable = 51, "worker -> scheduler: its link to this live server could not be mended within the peer timeout; with failover the server is written off and its chunks move";
+    Ack = 52, "member <-> scheduler: a heartbeat that also says how many messages (heartbeats aside) its sender has received in this session: the other side stops keeping those for a resume";
+    Resumed = 53, "scheduler -> member whose connection broke and that dialled again (Rejoin) while the scheduler lived: how many of its messages arrived; each side sends again what the other missed";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.
@@ -290,11 +292,21 @@ impl Header {
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let magic = u16_at(0);
-        if magic != MAGIC {
-            return Err(ProtocolError::BadMagic(magic));
-        }
-        if b[2] != VERSION {
-            return Err(ProtocolError::UnsupportedVersion(b[2]));
+        if magic != MAGIC || b[2] != VERSION {
+            // A header whose checksum holds with this build's magic and
+            // version had one of them changed on the way (a flipped bit):
+            // not a stranger's, nor another version's.
+            let mut ours = [0u8; CHECKED_LEN];
+            ours.copy_from_slice(&b[..CHECKED_LEN]);
+            ours[..2].copy_from_slice(&MAGIC.to_le_bytes());
+            ours[2] = VERSION;
+            if crc32c(&ours) == u32_at(CHECKED_LEN) {
+                return Err(ProtocolError::BadChecksum("the header".into()));
+            }
+            return Err(match magic != MAGIC {
+                true => ProtocolError::BadMagic(magic),
+                false => ProtocolError::UnsupportedVersion(b[2]),
+            });
         }
         if crc32c(&b[..CHECKED_LEN]) != u32_at(CHECKED_LEN) {
             return Err(ProtocolError::BadChecksum("the header".into()));

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::config::SchedulerError;
 use super::failover;
-use super::member::{Member, Reader, Writer};
+use super::member::{Comeback, Member, Reader, Writer};
 use super::membership::{check_registration, lost_reason};
 use super::state::Shared;
 use crate::protocol::auth::{self, Secret};
@@ -101,7 +101,7 @@ fn heartbeat_loop(shared: Arc<Shared>, stopped: mpsc::Receiver<()>) {
             st.members.all().to_vec()
         };
         for m in members {
-            m.send(&Control::Heartbeat, shared.cfg.namespace);
+            m.send(&m.ack(), shared.cfg.namespace);
         }
         shared.report_declaration_stalls();
         shared.free_on_servers(&mut shared.lock());
@@ -164,24 +164,6 @@ pub(super) enum Arrival {
     Rejoin(Box<crate::protocol::Rejoin>),
 }
 
-/// The Register a member's first message must be (else it is told why).
-pub(super) fn expect_register(
-    writer: &Writer,
-    peer: SocketAddr,
-    first: Result<Control, crate::protocol::ReadError>,
-    ns: u32,
-) -> Option<crate::protocol::Register> {
-    match expect_arrival(writer, peer, first, ns)? {
-        Arrival::Register(r) => Some(r),
-        Arrival::Rejoin(_) => {
-            let message = "this scheduler takes no rejoins (a shared service restarts with its jobs gone)".to_string();
-            log::warn!(target: "scheduler", "rejecting {peer}: {message}");
-            writer.send(&Control::Error { message }, ns);
-            None
-        }
-    }
-}
-
 /// A Register or a Rejoin, which a member's first message must be (else
 /// it is told why).
 pub(super) fn expect_arrival(
@@ -229,6 +211,17 @@ pub(super) fn admit_rejoin(
     if !checked(shared, &rj.register, &who, &writer, peer) {
         return None;
     }
+    let live = {
+        let st = shared.lock();
+        st.members.resumable(&rj).filter(|_| !st.is_over())
+    };
+    if let Some(me) = live {
+        // Its connection broke while this scheduler lived: its own thread
+        // takes the new one and resumes the session.
+        log::info!(target: "scheduler", "{} dialled again from {peer}: resuming its session", me.describe());
+        me.offer(Comeback { reader, writer, received: rj.received });
+        return None;
+    }
     match shared.rejoin(rj, peer, writer.clone()) {
         Ok(me) => Some((me, reader)),
         Err(why) => {
@@ -274,15 +267,19 @@ pub(super) fn admit(
 
 pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: Reader) {
     let ns = shared.cfg.namespace;
+    let within = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
     loop {
         let msg = read_control(&mut stream, ns);
+        if let Ok(m) = &msg {
+            me.heard(m);
+        }
         let mut st = shared.lock();
         let done = st.is_over();
         let gone = me.role == Role::Worker && st.members.has_left(me.rank);
         match msg {
             // A job that is over keeps no member (a shared service frees it).
-            Ok(Control::Heartbeat) if done => return,
-            Ok(Control::Heartbeat) => {}
+            Ok(Control::Heartbeat | Control::Ack { .. }) if done => return,
+            Ok(Control::Heartbeat | Control::Ack { .. }) => {}
             Ok(Control::Declare { req, entries }) if me.role == Role::Worker => {
                 let batch = shared.declare(&mut st, me.rank, req, entries);
                 drop(st);
@@ -354,18 +351,61 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
                 if done || gone {
                     return;
                 }
-                let reason = lost_reason(&shared.cfg, me, &e);
+                drop(st);
+                // A connection that broke (not one the member closed, nor
+                // a silent member) may come back within the peer timeout
+                // since it was last heard; one offered already is taken.
+                let until = match may_resume(&e) {
+                    true => {
+                        log::warn!(target: "scheduler", "{}: {e}; waiting for it to dial again", me.describe());
+                        me.disconnect();
+                        me.heard_at() + within
+                    }
+                    false => Instant::now(),
+                };
+                let mut reason = lost_reason(&shared.cfg, me, &e);
+                if let Some(c) = me.wait_comeback(until) {
+                    match me.resume(c, ns) {
+                        Ok(reader) => {
+                            log::warn!(target: "scheduler", "{}: the session resumed on a new connection", me.describe());
+                            stream = reader;
+                            continue;
+                        }
+                        Err(why) => reason = why,
+                    }
+                } else if may_resume(&e) {
+                    reason = format!("{reason}, and it did not dial again within {:.1}s (the peer timeout)", within.as_secs_f64());
+                }
+                let mut st = shared.lock();
+                if st.is_over() || (me.role == Role::Worker && st.members.has_left(me.rank)) {
+                    return;
+                }
                 if me.role == Role::Server && !st.members.servers().any(|m| m.rank == me.rank) {
                     return; // written off already (unreachable from a worker): its connection was cut
                 }
                 if me.role == Role::Server {
                     drop(st);
-                    failover::take_over(shared, me, reason);
-                    return;
+                    failover::take_over(shared, me, reason.clone());
+                } else {
+                    shared.fail(&mut st, Some(me), reason.clone());
+                    drop(st);
                 }
-                shared.fail(&mut st, Some(me), reason);
+                // A new connection offered meanwhile is told it is out.
+                me.refuse_comeback(&format!("{reason}: it is out of the job"), ns);
                 return;
             }
         }
     }
 }
+
+/// Whether a broken read may be the connection's fault rather than the
+/// member's: reset, cut mid-frame, or a frame changed on the way.
+fn may_resume(e: &crate::protocol::ReadError) -> bool {
+    use crate::protocol::ReadError;
+    match e {
+        ReadError::Io(_) | ReadError::ClosedMidFrame => true,
+        ReadError::Protocol(p) => p.changed_on_the_way(),
+        _ => false,
+    }
+}
+

@@ -208,6 +208,21 @@ impl Members {
         self.rebuild.as_ref()
     }
 
+    /// The live member a rejoin comes from, if this scheduler did not
+    /// restart (same job, not rebuilding, the member still in it): its
+    /// connection broke and its session resumes (`Member::offer`).
+    pub fn resumable(&self, rj: &Rejoin) -> Option<Arc<Member>> {
+        let w = self.welcome.as_ref()?;
+        if w.job_id != rj.welcome.job_id || self.rebuild.is_some() {
+            return None;
+        }
+        let (role, rank) = (rj.register.role, rj.welcome.rank);
+        if role == Role::Worker && self.has_left(rank) {
+            return None;
+        }
+        self.live.iter().find(|m| m.role == role && m.rank == rank).cloned()
+    }
+
     /// Member `rj` rejoins a scheduler that restarted: the first one brings
     /// the job's cluster map (the rest must have the same job), and the
     /// rebuild waits for every worker that has not left and every server

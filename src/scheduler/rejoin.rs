@@ -105,7 +105,7 @@ mod tests {
             training: Default::default(),
             elastic: None,
         };
-        Rejoin { register, welcome, specs: vec![], keys: vec![], left: vec![], lost: vec![], barriers: 0 }
+        Rejoin { register, welcome, specs: vec![], keys: vec![], left: vec![], lost: vec![], barriers: 0, received: 0 }
     }
 
     #[test]

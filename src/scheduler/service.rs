@@ -33,8 +33,8 @@ use crate::logging::json_str as js;
 use crate::transport::{AcceptErrors, AcceptFailure};
 
 use super::config::{checked, SchedulerConfig, SchedulerError};
-use super::job::{admit, expect_register, greet, serve_member, Greeting, Job};
-use super::member::{Reader, Writer};
+use super::job::{admit, expect_arrival, greet, serve_member, Arrival, Greeting, Job};
+use super::member::{Comeback, Reader, Writer};
 use crate::protocol::auth::{job_namespace, Secret};
 use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
 
@@ -245,7 +245,15 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
         return;
     }
     let ns = namespace_of(&job);
-    let reg = expect_register(&writer, peer, first, ns);
+    let reg = match expect_arrival(&writer, peer, first, ns) {
+        Some(Arrival::Register(reg)) => Some(reg),
+        Some(Arrival::Rejoin(rj)) => {
+            svc.pending.fetch_sub(1, Ordering::SeqCst);
+            resume(svc, &job, *rj, (reader, writer), peer);
+            return;
+        }
+        None => None,
+    };
     // Authenticated and registered: from here the job's size bounds it.
     svc.pending.fetch_sub(1, Ordering::SeqCst);
     let admitted = reg.and_then(|reg| {
@@ -262,6 +270,33 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
     if let Some((shared, (me, stream))) = admitted {
         log::info!(target: "service", "job '{job}': admitted {}", me.describe());
         serve_member(&shared, &me, stream);
+    }
+}
+
+/// A member of job `name` dialled again (its connection broke): its
+/// session resumes if the job runs here with it (`Member::offer`). The
+/// service does not rebuild a job it does not run (it restarted: the jobs
+/// it ran are gone).
+fn resume(svc: &Arc<Service>, name: &str, rj: crate::protocol::Rejoin, (reader, writer): (Reader, Writer), peer: SocketAddr) {
+    let who = format!("{} {}", rj.register.role.name(), rj.welcome.rank);
+    let shared = lock(&svc.jobs).get(name).filter(|j| !j.ended.load(Ordering::SeqCst)).map(|j| j.shared.clone());
+    let live = shared.as_ref().and_then(|sh| {
+        let st = sh.lock();
+        st.members.resumable(&rj).filter(|_| !st.is_over())
+    });
+    match (shared, live) {
+        (Some(_), Some(me)) => {
+            log::info!(target: "service", "job '{name}': {} dialled again from {peer}: resuming its session", me.describe());
+            me.offer(Comeback { reader, writer, received: rj.received });
+        }
+        (shared, _) => {
+            let message = match shared {
+                Some(_) => format!("job '{name}' runs here, but not with {who} in it (written off, or it left)"),
+                None => format!("job '{name}' does not run on this service (it restarted, or the job ended): {who} cannot rejoin it"),
+            };
+            log::warn!(target: "service", "rejecting {who} of job '{name}' at {peer}: {message}");
+            writer.send(&Control::Error { message }, namespace_of(name));
+        }
     }
 }
 

@@ -504,8 +504,8 @@ mod tests {
         assert!(matches!(next(&c, &mut rx, &mut []), Err(ConnError::Read(ReadError::ClosedMidFrame))));
 
         let (_poll, c, mut peer) = pair();
-        let mut bad = header(MsgType::Push, 0).encode(&[]);
-        bad[0] = 0;
+        // A stranger's bytes (a flipped bit of ours is a checksum mismatch).
+        let bad = [0u8; crate::protocol::HEADER_LEN];
         peer.write_all(&bad).unwrap();
         let mut rx = FrameReader::<()>::default();
         let err = next(&c, &mut rx, &mut []).unwrap_err();

@@ -1,10 +1,12 @@
 //! Everything between a role and its sockets: the one framed, nonblocking
 //! data connection both the worker and the server use (`conn`), connecting
 //! with retry and authenticating (`Authed`, and its sealed halves for the
-//! blocking control paths: `sealed`), byte views of numeric buffers, and
+//! blocking control paths: `sealed`), what a control session keeps to
+//! resume on a new connection (`replay`), byte views of numeric buffers, and
 //! what colocated processes share (`shm`: memory segments and doorbells).
 
 mod conn;
+pub mod replay;
 mod sealed;
 pub mod shm;
 
@@ -108,11 +110,22 @@ pub fn connect_retry(addr: &str, timeout: Duration) -> io::Result<TcpStream> {
 /// `connect_retry`, then the connector's side of the authentication
 /// handshake (`protocol::auth`), all within `timeout` (at least 5 s for the
 /// handshake). A listener that rejects us, or cannot prove it holds the
-/// token, is an error of kind PermissionDenied.
+/// token, is an error of kind PermissionDenied. A connection cut during
+/// the handshake (a proxy or balancer in front of a listener that is not up
+/// yet accepts and then resets) is dialled again while `timeout` lasts.
 pub fn connect_authenticated(addr: &str, timeout: Duration, secret: &Secret) -> io::Result<Authed> {
     let start = Instant::now();
-    let stream = connect_retry(addr, timeout)?;
-    authenticate(stream, addr, timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(5)), secret)
+    loop {
+        let stream = connect_retry(addr, timeout.saturating_sub(start.elapsed()).max(DIAL_ATTEMPT))?;
+        let left = timeout.saturating_sub(start.elapsed());
+        match authenticate(stream, addr, left.max(Duration::from_secs(5)), secret) {
+            Err(e) if e.kind() != io::ErrorKind::PermissionDenied && left > DIAL_PAUSE => {
+                log::debug!(target: "transport", "{addr}: {e}; dialling again");
+                std::thread::sleep(DIAL_PAUSE);
+            }
+            done => return done,
+        }
+    }
 }
 
 /// One attempt: connect within `attempt`, then the handshake within

@@ -64,7 +64,7 @@ fn welcome(peer_timeout_ms: u32) -> Welcome {
 fn next_message(s: &mut TcpStream) -> Control {
     loop {
         match read_control(s, 0) {
-            Ok(Control::Heartbeat) => {}
+            Ok(Control::Heartbeat | Control::Ack { .. }) => {}
             Ok(m) => return m,
             Err(e) => panic!("no message: {e}"),
         }
@@ -108,7 +108,7 @@ fn a_worker_dials_a_lost_scheduler_again_rejoins_and_sends_its_request_once() {
     let quiet = Instant::now();
     while quiet.elapsed() < Duration::from_millis(400) {
         match read_control(&mut s, 0) {
-            Ok(Control::Heartbeat) => {}
+            Ok(Control::Heartbeat | Control::Ack { .. }) => {}
             other => panic!("only heartbeats after the barrier, got {other:?}"),
         }
     }
@@ -121,6 +121,97 @@ fn a_worker_dials_a_lost_scheduler_again_rejoins_and_sends_its_request_once() {
     heart.join().expect("thread");
     drop(s);
     bye.join().expect("thread");
+}
+
+/// The member's next message, heartbeats skipped; Acks returned (what
+/// they acknowledge is the test's point).
+fn next_with_acks(s: &mut TcpStream) -> Control {
+    loop {
+        match read_control(s, 0) {
+            Ok(Control::Heartbeat) => {}
+            Ok(m) => return m,
+            Err(e) => panic!("no message: {e}"),
+        }
+    }
+}
+
+/// The member's next message that is no heartbeat nor Ack.
+fn next_counted(s: &mut TcpStream) -> Control {
+    loop {
+        match next_with_acks(s) {
+            Control::Ack { .. } => {}
+            m => return m,
+        }
+    }
+}
+
+/// Accept the member dialling again: its Rejoin.
+fn accept_rejoin(sched: &FakeScheduler) -> (TcpStream, gradhub::protocol::Rejoin) {
+    let (mut s, _) = sched.listener.accept().expect("accept");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+    accept_authenticated(&s, &Secret::none());
+    match read_control(&mut s, 0) {
+        Ok(Control::Rejoin(rj)) => (s, *rj),
+        other => panic!("expected Rejoin, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_session_whose_connection_broke_resumes_and_each_side_gets_exactly_what_it_missed() {
+    let sched = FakeScheduler::new();
+    let addr = sched.addr();
+    let t = std::thread::spawn(move || Client::connect(ClientConfig { scheduler: addr, ..Default::default() }));
+    let mut first = sched.welcome(Role::Worker, 3000);
+    let client = std::sync::Arc::new(t.join().expect("thread").expect("connect"));
+    // Two barriers: the first answered, the second's request arrives, then
+    // the connection breaks.
+    let c = client.clone();
+    let barriers = std::thread::spawn(move || c.barrier().and_then(|()| c.barrier()));
+    assert_eq!(next_counted(&mut first), Control::Barrier { id: 0 });
+    write_control(&mut first, &Control::BarrierDone { id: 0 }, 0).expect("done");
+    // The member acknowledges the answer in its heartbeats; its second
+    // request comes meanwhile.
+    let (mut acked, mut second) = (false, false);
+    while !(acked && second) {
+        match next_with_acks(&mut first) {
+            Control::Ack { received: 1 } => acked = true,
+            Control::Ack { received: 0 } => {}
+            Control::Barrier { id: 1 } => second = true,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    drop(first);
+    // It dials again and says how much of the scheduler's session it got.
+    let (mut s, rj) = accept_rejoin(&sched);
+    assert_eq!((rj.welcome.job_id, rj.welcome.rank, rj.received), (1, 0, 1));
+    // This scheduler lived but says it got only the first request: that one
+    // is not sent again (it is acknowledged), the second is, once.
+    write_control(&mut s, &Control::Resumed { received: 1 }, 0).expect("resumed");
+    assert_eq!(next_counted(&mut s), Control::Barrier { id: 1 });
+    write_control(&mut s, &Control::BarrierDone { id: 1 }, 0).expect("done");
+    barriers.join().expect("thread").expect("both barriers");
+    while next_with_acks(&mut s) != (Control::Ack { received: 2 }) {}
+    // Broken again, and this time the scheduler had everything: nothing is
+    // sent again, and the session goes on (a third barrier).
+    drop(s);
+    let (mut s, rj) = accept_rejoin(&sched);
+    assert_eq!(rj.received, 2);
+    write_control(&mut s, &Control::Resumed { received: 2 }, 0).expect("resumed");
+    let c = client.clone();
+    let third = std::thread::spawn(move || c.barrier());
+    assert_eq!(next_counted(&mut s), Control::Barrier { id: 2 }, "only the new request");
+    write_control(&mut s, &Control::BarrierDone { id: 2 }, 0).expect("done");
+    third.join().expect("thread").expect("third barrier");
+    assert_eq!(client.failure(), None);
+    // A scheduler that claims more than was sent is a confused one: the
+    // member gives up on it, naming why.
+    drop(s);
+    let (mut s, _) = accept_rejoin(&sched);
+    write_control(&mut s, &Control::Resumed { received: 99 }, 0).expect("resumed");
+    let failed = wait_until(Duration::from_secs(10), || client.failure().is_some());
+    assert!(failed < Duration::from_secs(10));
+    let why = client.failure().unwrap_or_default();
+    assert!(why.contains("received 99") && why.contains("not kept"), "{why}");
 }
 
 fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
@@ -147,7 +238,7 @@ fn a_worker_uses_the_peer_timeout_from_welcome() {
     }
     assert_eq!(client.failure(), None);
     // ...the member heartbeats too...
-    assert!(matches!(read_control(&mut s, 0), Ok(Control::Heartbeat)));
+    assert!(matches!(read_control(&mut s, 0), Ok(Control::Ack { .. })));
     // ...and silence is detected after the job's timeout, not a built-in 10 s.
     let took = wait_until(Duration::from_secs(5), || client.failure().is_some());
     let why = client.failure().unwrap_or_default();

@@ -196,8 +196,8 @@ impl Member {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             self.reader.set_read_timeout(Some(left)).unwrap();
             match read_control(&mut self.reader, NS) {
-                Ok(Control::Heartbeat) if Instant::now() < deadline => continue,
-                Ok(Control::Heartbeat) => return Err(ReadError::TimedOut),
+                Ok(Control::Heartbeat | Control::Ack { .. }) if Instant::now() < deadline => continue,
+                Ok(Control::Heartbeat | Control::Ack { .. }) => return Err(ReadError::TimedOut),
                 other => return other,
             }
         }
@@ -393,7 +393,7 @@ pub fn auto_ack(mut m: Member) -> AckServer {
                 m.send(&Control::ServerDeclareAck { batch }).expect("ack");
             }
             // Alive, as far as the scheduler can tell.
-            Ok(Control::Heartbeat) => {}
+            Ok(Control::Heartbeat | Control::Ack { .. }) => {}
             Ok(other) => return (m, Some(other)),
             Err(e) if is_timeout(&e) => {
                 if st.load(Ordering::Relaxed) {

@@ -166,6 +166,10 @@ pub struct Rejoin {
     /// Workers: the barriers it has passed (every worker numbers its
     /// barriers alike: those below this one completed).
     pub barriers: u32,
+    /// Messages (heartbeats aside) it received from the scheduler since
+    /// its Welcome: a scheduler that did not restart (the connection
+    /// broke) resumes the session and sends again what came after them.
+    pub received: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -244,6 +248,18 @@ pub enum Control {
         message: String,
     },
     Heartbeat,
+    /// A heartbeat of a member's session that acknowledges: its sender has
+    /// received `received` messages (heartbeats aside) in this session.
+    Ack {
+        received: u64,
+    },
+    /// The answer to a Rejoin that found the scheduler alive (the
+    /// connection had broken): it received `received` of the member's
+    /// messages; it sends again what came after the member's count, and
+    /// the member does the same.
+    Resumed {
+        received: u64,
+    },
     PeerLost {
         role: Role,
         rank: u32,
@@ -434,6 +450,8 @@ impl Control {
             Control::ServerRelease { .. } => MsgType::ServerRelease,
             Control::ServerTakeOver { .. } => MsgType::ServerTakeOver,
             Control::Unreachable { .. } => MsgType::Unreachable,
+            Control::Ack { .. } => MsgType::Ack,
+            Control::Resumed { .. } => MsgType::Resumed,
             Control::Failover { .. } => MsgType::Failover,
             Control::Error { .. } => MsgType::Error,
             Control::ServiceJoin(_) => MsgType::ServiceJoin,

@@ -271,7 +271,7 @@ impl Control {
                         w.u32(k);
                     }
                 }
-                w.u32(m.barriers);
+                w.u32(m.barriers).u64(m.received);
             }
             Control::Declare { req, entries } => {
                 w.u32(*req).u32(entries.len() as u32);
@@ -297,6 +297,9 @@ impl Control {
             }
             Control::JoinDone { last } => {
                 w.u32(*last);
+            }
+            Control::Ack { received } | Control::Resumed { received } => {
+                w.u64(*received);
             }
             Control::JoinOp { name, numel, dtype, flags, round, release_after } => {
                 w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round).u8(*release_after as u8);
@@ -399,7 +402,8 @@ impl Control {
                 }
                 let [keys, left, lost] = lists;
                 let barriers = r.u32("barriers")?;
-                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left, lost, barriers }))
+                let received = r.u64("received")?;
+                Control::Rejoin(Box::new(Rejoin { register, welcome, specs, keys, left, lost, barriers, received }))
             }
             MsgType::Declare => {
                 let req = r.u32("req")?;
@@ -423,6 +427,8 @@ impl Control {
                 Control::DeclareError { req, message: r.str("message")? }
             }
             MsgType::Heartbeat => Control::Heartbeat,
+            MsgType::Ack => Control::Ack { received: r.u64("received")? },
+            MsgType::Resumed => Control::Resumed { received: r.u64("received")? },
             MsgType::Goodbye => Control::Goodbye,
             MsgType::Shutdown => Control::Shutdown,
             MsgType::HostsUpdated => Control::HostsUpdated,
