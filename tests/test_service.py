@@ -36,7 +36,8 @@ class Service:
         self.env = job_env(GRADHUB_SERVICE_TOKEN=MASTER, GRADHUB_SCHEDULER=self.addr)
         self.env.pop("GRADHUB_JOB_TOKEN")
         py = [sys.executable, "-m", "gradhub"]
-        self.spawn("service", [*prefix, *py, "scheduler", "--service", "--bind", self.addr, *args], self.env)
+        self.service_argv = [*prefix, *py, "scheduler", "--service", "--bind", self.addr, *args]
+        self.spawn("service", self.service_argv, self.env)
         for s in range(servers):
             self.spawn(f"server{s}", [*server_prefix, *py, "server", "--service", "--threads", "1"], self.env)
         self.wait_until(lambda st: len(st["servers"]) == servers, "the servers to join")
@@ -46,6 +47,18 @@ class Service:
         self.procs[name] = subprocess.Popen(argv, env=env, stdout=open(self.logs[name], "wb"),
                                             stderr=subprocess.STDOUT)
         return self.procs[name]
+
+    def restart_service(self) -> None:
+        """Kill the service (SIGKILL) and start it again on its address; its
+        log goes on in the same file."""
+        old = self.procs["service"]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        with open(self.logs["service"], "ab") as f:
+            f.write(b"--- restarted ---\n")
+        self.procs["service"] = subprocess.Popen(self.service_argv, env=self.env,
+                                                 stdout=open(self.logs["service"], "ab"), stderr=subprocess.STDOUT)
 
     def log(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")
@@ -147,6 +160,44 @@ def test_three_concurrent_jobs_get_exact_sums_and_are_reported(service):
     # Human-readable status too.
     out = gh("status", env=svc.env)
     assert out.returncode == 0 and "2 server(s)" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_restarted_service_takes_its_jobs_back_and_they_end_exact(service):
+    svc = service(servers=2)
+    jobs = ("alpha", "beta")
+    tokens = {j: svc.token(j) for j in jobs}
+    # Each job declares two more tensors at its end (after the restart):
+    # what needs the service waits for it.
+    names = {j: svc.start_job(j, 2, token=tokens[j], steps=60, size=30_000, sleep=0.05, extra_tensors=2)
+             for j in jobs}
+    for j in jobs:
+        deadline = time.monotonic() + 60
+        while "STEP 5" not in svc.log(f"{j}-w0"):
+            assert time.monotonic() < deadline, svc.log(f"{j}-w0")
+            time.sleep(0.05)
+    svc.procs["service"].kill()
+    svc.procs["service"].wait()
+    steps = {j: svc.log(f"{j}-w0").count("STEP ") for j in jobs}
+    time.sleep(1.0)
+    # The jobs trained on meanwhile (nothing of a step needs the service).
+    assert all(svc.log(f"{j}-w0").count("STEP ") > steps[j] for j in jobs), steps
+    svc.restart_service()
+    for j in jobs:
+        codes = svc.wait(names[j])
+        assert all(c == 0 for c in codes.values()), "\n".join(svc.log(n) for n in names[j]) + svc.log("service")
+        for r in range(2):
+            assert f"[{j} worker {r}] PASS" in svc.log(f"{j}-w{r}")
+    # Its server processes joined it again; the jobs ended there.
+    svc.wait_until(lambda st: len(st["servers"]) == 2 and not st["jobs"], "the servers back and the jobs gone")
+    log = svc.log("service")
+    for j in jobs:
+        assert f"job '{j}': its worker rejoins a service that restarted: rebuilding the job" in log \
+            or f"job '{j}': its server rejoins a service that restarted: rebuilding the job" in log, log
+        assert f"job '{j}': complete" in log.split("--- restarted ---")[1], log
+    for s in ("server0", "server1"):
+        assert "the service at" in svc.log(s) and "is back: joined it again" in svc.log(s), svc.log(s)
+    again = svc.start_job("after", 2, steps=5)
+    assert all(c == 0 for c in svc.wait(again).values())
 
 
 def test_a_job_killed_mid_step_is_cleaned_up_while_another_finishes(service):

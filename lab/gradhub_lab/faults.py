@@ -22,7 +22,13 @@ random moment of training:
                   timeouts (cut: longer than a link is mended);
   partition       one worker cut off from one server, the others not (its
                   connections reset, new ones too), for 0.3-0.6 peer
-                  timeouts, or (long) for 1.5-2.5.
+                  timeouts, or (long) for 1.5-2.5;
+  reset / flip    on the control connections: every member reaches the
+  control         scheduler through a proxy; 1-3 resets of every connection,
+                  or 1-3 bytes flipped in either direction;
+  restart service the job runs on a shared service (its scheduler and 3
+                  server processes `--service`): the service is killed and
+                  started again on its address 0.1-0.6 peer timeouts later.
 
 Half the jobs encrypt every connection (GRADHUB_ENCRYPT=1).
 
@@ -40,7 +46,9 @@ each fault must lead to:
                   connects again and re-sends; the server counts each push
                   once; a server a worker cannot reach past the peer timeout,
                   cut or partitioned, is reported and failed over like a lost
-                  one): every worker passes, with every sum exact;
+                  one), a control connection reset or changed (the session
+                  resumes), the scheduler or the service restarted (the job
+                  is rebuilt): every worker passes, with every sum exact;
   fail            a lost worker or scheduler, an exception: every member still
                   running exits with an error within a bound (3 peer timeouts
                   after the fault), and the error names the member at fault.
@@ -86,7 +94,9 @@ OPT_SIZE, OPT_LR, OPT_MOMENTUM = 150_000, 0.5, 0.5
 @dataclass(frozen=True)
 class Fault:
     name: str
-    role: str  # worker, server, scheduler, "stranger" (a connection from outside the job), "link" (a server's)
+    # worker, server, scheduler, "stranger" (a connection from outside the job), "link" (a server's),
+    # "control" (the members' to the scheduler), "service" (the job runs on a shared service)
+    role: str
     # kill, stop, pause, stall, raise, garbage, slow, join (a new server starts), reset, flip, hold,
     # cut, partition, partition-long, restart (killed and started again on its address)
     action: str
@@ -120,6 +130,9 @@ FAULTS = (
     Fault("cut links", "link", "cut", "continue", quick=False),
     Fault("partition", "link", "partition", "continue"),
     Fault("long partition", "link", "partition-long", "continue", quick=False),
+    Fault("reset control", "control", "reset", "continue"),
+    Fault("flip control", "control", "flip", "continue"),
+    Fault("restart service", "service", "restart", "continue"),
 )
 
 
@@ -192,7 +205,8 @@ class Trial:
     exited: dict[str, float] = field(default_factory=dict)
     env: dict = field(default_factory=dict)
     conns: list[socket.socket] = field(default_factory=list)
-    # By server, the proxy its workers reach it through (link faults only).
+    # By server, the proxy its workers reach it through (link faults); the
+    # one every member reaches the scheduler through (control faults).
     proxies: list[Proxy] = field(default_factory=list)
 
     argv: dict[str, list[str]] = field(default_factory=dict)
@@ -246,17 +260,35 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
                 GRADHUB_HOST_REDUCE="1" if t.host_stage else "0", GRADHUB_JOB_TOKEN=secrets.token_hex(16),
                 GRADHUB_ENCRYPT="1" if t.encrypt else "0")
     py = [sys.executable, "-m", "gradhub"]
+    if t.fault.role == "control":
+        # Every member reaches the scheduler (on 127.0.0.1) through a proxy on 127.0.0.2.
+        t.proxies = [Proxy("127.0.0.2", port, "127.0.0.1", port)]
+        base["GRADHUB_SCHEDULER"] = f"127.0.0.2:{port}"
     t.env = base
-    t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
+    if t.fault.role == "service":
+        # A shared service and its server processes; the job is one of its tenants.
+        master = secrets.token_hex(16)
+        job = f"faults{t.seed}"
+        svc_env = dict(base, GRADHUB_SERVICE_TOKEN=master)
+        svc_env.pop("GRADHUB_JOB_TOKEN")
+        t.spawn("scheduler", py + ["scheduler", "--service", "--bind", f"127.0.0.1:{port}"], svc_env)
+        for s in range(SERVERS):
+            t.spawn(f"server{s}", py + ["server", "--service", "--threads", "1", "--advertise-addr", "127.0.0.1"],
+                    dict(svc_env, GRADHUB_HOST_ID=f"faults-server{s}"))
+        base.update(GRADHUB_JOB=job, GRADHUB_JOB_TOKEN=_core.job_token(master, job))
+        t.env = svc_env  # a restart starts the service as it was
+        _wait_for_servers(t, SERVERS)
     # With a link fault the workers reach each server through a proxy: the
     # server listens on 127.0.0.1 and advertises 127.0.0.2, where it is.
     via = "127.0.0.2" if t.fault.role == "link" else "127.0.0.1"
     if via != "127.0.0.1":
         t.proxies = [Proxy(via, p, "127.0.0.1", p) for p in sports]
-    for s in range(SERVERS):
-        t.spawn(f"server{s}", py + ["server", "--threads", "1", "--rank", str(s), "--advertise-addr", via,
-                                    "--bind-host", "127.0.0.1", "--port", str(sports[s])],
-                dict(base, GRADHUB_HOST_ID=f"faults-server{s}"))
+    if t.fault.role != "service":
+        t.spawn("scheduler", py + ["scheduler", "--bind", f"127.0.0.1:{port}"], base)
+        for s in range(SERVERS):
+            t.spawn(f"server{s}", py + ["server", "--threads", "1", "--rank", str(s), "--advertise-addr", via,
+                                        "--bind-host", "127.0.0.1", "--port", str(sports[s])],
+                    dict(base, GRADHUB_HOST_ID=f"faults-server{s}"))
     raise_at = rng.randrange(1, t.steps - 1) if t.fault.action == "raise" else -1
     victim = rng.randrange(WORKERS)
     for r in range(WORKERS):
@@ -266,6 +298,15 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
         host = f"faults-host{r // 2 if t.host_stage else r}"
         t.spawn(f"worker{r}", [sys.executable, "-c", code], dict(base, GRADHUB_RANK=str(r), GRADHUB_HOST_ID=host))
     return port, sports, victim
+
+
+def _wait_for_servers(t: Trial, n: int, timeout: float = 60) -> None:
+    """Until the service's log says `n` server processes joined it."""
+    deadline = time.monotonic() + timeout
+    while t.log("scheduler").count(" joined from ") < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the service's servers did not join within {timeout}s:\n" + t.log("scheduler"))
+        time.sleep(0.05)
 
 
 def _stranger(addr: tuple[str, int], kind: str, rng: random.Random) -> socket.socket | None:
@@ -284,7 +325,7 @@ def _stranger(addr: tuple[str, int], kind: str, rng: random.Random) -> socket.so
 
 
 def _targets(t: Trial, rng: random.Random) -> list[str]:
-    if t.fault.role == "scheduler":
+    if t.fault.role in ("scheduler", "service", "control"):
         return ["scheduler"]
     n = WORKERS if t.fault.role == "worker" else SERVERS
     return [f"{t.fault.role}{r}" for r in sorted(rng.sample(range(n), t.fault.count))]
@@ -341,7 +382,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 _signal(t.procs[x], signal.SIGKILL if fault.action == "kill" else signal.SIGSTOP)
         elif fault.action == "restart":
             # Killed; started again on its address at a random moment within
-            # the peer timeout (the members dial it that long).
+            # the peer timeout (the members dial it that long). A service
+            # the same way: its server processes dial it again too.
             _signal(t.procs["scheduler"], signal.SIGKILL)
             t.procs["scheduler"].wait()
             time.sleep(rng.uniform(0.1, 0.6) * peer_timeout)
@@ -359,12 +401,20 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
             t.spawn(targets[0], [sys.executable, "-m", "gradhub", "server", "--threads", "1", "--advertise-addr",
                                  "127.0.0.1", "--bind-host", "127.0.0.1"],
                     dict(t.env, GRADHUB_HOST_ID=f"faults-server{SERVERS}"))
-        elif fault.role == "link":
-            s = rng.randrange(SERVERS)
-            targets, px = [f"server{s}"], t.proxies[s]
+        elif fault.role in ("link", "control"):
+            s = rng.randrange(SERVERS) if fault.role == "link" else 0
+            targets, px = ([f"server{s}"] if fault.role == "link" else ["scheduler"]), t.proxies[s]
             if fault.action == "reset":
                 for _ in range(rng.randrange(1, 4)):
                     px.reset()
+                    time.sleep(rng.uniform(0.05, 0.3))
+            elif fault.action == "flip" and fault.role == "control":
+                # Control traffic is a few hundred bytes a second: each flip soon, and waited for.
+                for _ in range(rng.randrange(1, 4)):
+                    done, until = px.flips_done, time.monotonic() + 10 * peer_timeout
+                    px.flip(rng.choice(("up", "down")), after=rng.randrange(0, 400), mask=1 << rng.randrange(8))
+                    while px.flips_done == done and time.monotonic() < until:
+                        time.sleep(0.01)
                     time.sleep(rng.uniform(0.05, 0.3))
             elif fault.action == "flip":
                 for _ in range(rng.randrange(1, 5)):
@@ -422,7 +472,8 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                     _signal(t.procs[x], signal.SIGCONT)
                 resume_at = None
             running = [n for n in t.procs if n not in t.exited and n not in stopped
-                       and not (fault.action in ("kill", "stall") and n in lost)]
+                       and not (fault.action in ("kill", "stall") and n in lost)
+                       and (fault.role != "service" or n.startswith("worker"))]  # a service outlives its jobs
             if fault.expect == "fail" and report_at is None and any(
                     n in t.exited and t.procs[n].returncode != 0 for n in t.procs if n not in lost):
                 report_at = now

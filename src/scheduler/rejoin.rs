@@ -14,10 +14,13 @@
 //! Barrier) are sent again by their sessions, and are answered once every
 //! member is back (an install needs every server).
 //!
+//! A shared service that restarted rebuilds each of its jobs the same way,
+//! the job made again by its first member back (`service::rebuilt_job`).
+//!
 //! Not rebuilt (refused here, so the job fails naming why, as before this
 //! existed): a job that reduces within racks (its workers hold per-rack
-//! slots, not the placement), and a shared service's jobs (a service
-//! takes no rejoins). A tensor released by some workers and not all when
+//! slots, not the placement), and an elastic job's generation on a service.
+//! A tensor released by some workers and not all when
 //! the scheduler went away is freed on the servers at the job's end only.
 
 use super::config::SchedulerConfig;

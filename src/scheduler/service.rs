@@ -33,8 +33,8 @@ use crate::logging::json_str as js;
 use crate::transport::{AcceptErrors, AcceptFailure};
 
 use super::config::{checked, SchedulerConfig, SchedulerError};
-use super::job::{admit, expect_arrival, greet, serve_member, Arrival, Greeting, Job};
-use super::member::{Comeback, Reader, Writer};
+use super::job::{admit, admit_rejoin, expect_arrival, greet, serve_member, Arrival, Greeting, Job};
+use super::member::{Reader, Writer};
 use crate::protocol::auth::{job_namespace, Secret};
 use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, Register, Role, ServiceJoin};
 
@@ -102,8 +102,9 @@ struct JobEntry {
     shared: Arc<Shared>,
     /// This start of the job (its `ServiceStart`): reports of an earlier
     /// start under the same name (an elastic job's last generation) are
-    /// not this one's.
-    start: u64,
+    /// not this one's. None: a job rebuilt by a service that restarted
+    /// (its instances report the start the last service gave them).
+    start: Option<u64>,
     started: Instant,
     traffic: Mutex<JobRate>,
     /// Set by the job's thread once it is over: read without the job's
@@ -159,7 +160,11 @@ pub fn start_service(cfg: ServiceConfig) -> Result<ServiceHandle, SchedulerError
         servers: Mutex::default(),
         pending: AtomicUsize::new(0),
         next_server: AtomicU64::new(0),
-        next_start: AtomicU64::new(0),
+        // Above any start a service that ran before on this address gave
+        // (the instances of jobs it rebuilds report theirs).
+        next_start: AtomicU64::new(
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64),
+        ),
         started: Instant::now(),
         elastic: Formations::default(),
     });
@@ -273,31 +278,59 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
     }
 }
 
-/// A member of job `name` dialled again (its connection broke): its
-/// session resumes if the job runs here with it (`Member::offer`). The
-/// service does not rebuild a job it does not run (it restarted: the jobs
-/// it ran are gone).
+/// A member of job `name` dialled again: its session resumes if the job
+/// runs here with it (its connection broke: `Member::offer`); else it
+/// rejoins the job as rebuilt by a service that restarted (the first
+/// member back starts the rebuild: `rebuilt_job`).
 fn resume(svc: &Arc<Service>, name: &str, rj: crate::protocol::Rejoin, (reader, writer): (Reader, Writer), peer: SocketAddr) {
     let who = format!("{} {}", rj.register.role.name(), rj.welcome.rank);
-    let shared = lock(&svc.jobs).get(name).filter(|j| !j.ended.load(Ordering::SeqCst)).map(|j| j.shared.clone());
-    let live = shared.as_ref().and_then(|sh| {
-        let st = sh.lock();
-        st.members.resumable(&rj).filter(|_| !st.is_over())
-    });
-    match (shared, live) {
-        (Some(_), Some(me)) => {
-            log::info!(target: "service", "job '{name}': {} dialled again from {peer}: resuming its session", me.describe());
-            me.offer(Comeback { reader, writer, received: rj.received });
-        }
-        (shared, _) => {
-            let message = match shared {
-                Some(_) => format!("job '{name}' runs here, but not with {who} in it (written off, or it left)"),
-                None => format!("job '{name}' does not run on this service (it restarted, or the job ended): {who} cannot rejoin it"),
-            };
+    let ns = namespace_of(name);
+    let shared = match rebuilt_job(svc, name, &rj) {
+        Ok(shared) => shared,
+        Err(message) => {
             log::warn!(target: "service", "rejecting {who} of job '{name}' at {peer}: {message}");
-            writer.send(&Control::Error { message }, namespace_of(name));
+            writer.send(&Control::Error { message }, ns);
+            return;
         }
+    };
+    // Resumed (`admit_rejoin` hands the connection to the member's thread)
+    // or taken back into the rebuilt job.
+    if let Some((me, stream)) = admit_rejoin(&shared, rj, (reader, writer), peer) {
+        log::info!(target: "service", "job '{name}': {} rejoined", me.describe());
+        serve_member(&shared, &me, stream);
     }
+}
+
+/// The running job `name`, or, if this service does not run it (it
+/// restarted), the job made again from its first member back: the same
+/// size, namespace and token, rebuilt from what its members report
+/// (`scheduler::rejoin`). Its server instances run on in the service's
+/// server processes and rejoin it as the workers do.
+fn rebuilt_job(svc: &Arc<Service>, name: &str, rj: &crate::protocol::Rejoin) -> Result<Arc<Shared>, String> {
+    let mut jobs = lock(&svc.jobs);
+    if let Some(j) = jobs.get(name).filter(|j| !j.ended.load(Ordering::SeqCst)) {
+        return Ok(j.shared.clone());
+    }
+    if rj.register.elastic.is_some() {
+        return Err(format!(
+            "elastic job '{name}' does not run on this service (it restarted): an elastic job's generation is not \
+             rebuilt; its workers start the next one"
+        ));
+    }
+    let running = jobs.values().filter(|j| !j.ended.load(Ordering::SeqCst)).count();
+    if running >= svc.cfg.max_jobs as usize {
+        return Err(format!("the service runs its limit of {} jobs; job '{name}' cannot be rebuilt", svc.cfg.max_jobs));
+    }
+    let mut cfg = svc.cfg.job.clone();
+    cfg.num_workers = rj.welcome.num_workers;
+    cfg.num_servers = rj.welcome.servers.len() as u32;
+    cfg.namespace = job_namespace(name);
+    cfg.secret = svc.cfg.master.key_for(name);
+    let cfg = checked(cfg).map_err(|e| e.to_string())?;
+    let shared = Shared::new(cfg);
+    run_job(svc, &mut jobs, name, shared.clone(), None, false)?;
+    log::warn!(target: "service", "job '{name}': its {} rejoins a service that restarted: rebuilding the job", rj.register.role.name());
+    Ok(shared)
 }
 
 /// The job `reg` joins (and the registration it joins with): an elastic
@@ -373,6 +406,38 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
     check_registration(&cfg, reg).map_err(|e| e.to_string())?;
     let shared = Shared::new(cfg);
     let start = svc.next_start.fetch_add(1, Ordering::Relaxed);
+    run_job(svc, &mut jobs, name, shared.clone(), Some(start), reg.elastic.is_some())?;
+    drop(jobs);
+    log::info!(
+        target: "service",
+        "job '{name}': started for {} workers on {} servers",
+        reg.num_workers,
+        servers.len()
+    );
+    for (rank, s) in servers.iter().enumerate() {
+        let start =
+            Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start, rank: rank as u32 };
+        if !s.send(&start) {
+            // Its server would never register: fail now, not at the join timeout.
+            let why = format!("the service's server at {} could not be told to start the job", s.peer);
+            let mut st = shared.lock();
+            shared.fail(&mut st, None, why.clone());
+            return Err(why);
+        }
+    }
+    Ok(shared)
+}
+
+/// Enter job `name` in the service's map and run its life on a thread of
+/// its own: it ends (finished or failed) and leaves the map.
+fn run_job(
+    svc: &Arc<Service>,
+    jobs: &mut HashMap<String, Arc<JobEntry>>,
+    name: &str,
+    shared: Arc<Shared>,
+    start: Option<u64>,
+    elastic_job: bool,
+) -> Result<(), String> {
     let entry = Arc::new(JobEntry {
         shared: shared.clone(),
         start,
@@ -381,14 +446,7 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         ended: AtomicBool::new(false),
     });
     jobs.insert(name.to_string(), entry.clone());
-    drop(jobs);
-    log::info!(
-        target: "service",
-        "job '{name}': started for {} workers on {} servers",
-        reg.num_workers,
-        servers.len()
-    );
-    let (svc2, name2, elastic_job) = (svc.clone(), name.to_string(), reg.elastic.is_some());
+    let (svc2, name2) = (svc.clone(), name.to_string());
     let spawned = thread::Builder::new().name(format!("gradhub-job-{name}")).spawn(move || {
         let job = Job::start(entry.shared.clone());
         while !job.over() {
@@ -415,22 +473,12 @@ fn job_for(svc: &Arc<Service>, name: &str, reg: &Register) -> Result<Arc<Shared>
         }
     });
     if let Err(e) = spawned {
+        jobs.remove(name);
         let mut st = shared.lock();
         shared.fail(&mut st, None, format!("the service cannot start the job: {e}"));
         return Err(format!("the service cannot start the job: {e}"));
     }
-    for (rank, s) in servers.iter().enumerate() {
-        let start =
-            Control::ServiceStart { job: name.to_string(), namespace: job_namespace(name), start, rank: rank as u32 };
-        if !s.send(&start) {
-            // Its server would never register: fail now, not at the join timeout.
-            let why = format!("the service's server at {} could not be told to start the job", s.peer);
-            let mut st = shared.lock();
-            shared.fail(&mut st, None, why.clone());
-            return Err(why);
-        }
-    }
-    Ok(shared)
+    Ok(())
 }
 
 /// A server process's link: it reports traffic every second; silent for
@@ -477,7 +525,7 @@ fn record(svc: &Service, server: u64, reports: Vec<JobTraffic>) {
     let mut fail: Vec<(Arc<Shared>, String)> = Vec::new();
     let jobs = lock(&svc.jobs);
     for r in reports {
-        let Some(j) = jobs.get(&r.job).filter(|j| j.start == r.start) else { continue };
+        let Some(j) = jobs.get(&r.job).filter(|j| j.start.is_none_or(|s| s == r.start)) else { continue };
         if !r.error.is_empty() {
             if !j.ended.load(Ordering::SeqCst) {
                 fail.push((j.shared.clone(), format!("a server of the service could not serve it: {}", r.error)));

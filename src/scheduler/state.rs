@@ -316,7 +316,11 @@ impl Shared {
 
     /// Tell the servers to free the tensors every worker released.
     pub fn free_on_servers(&self, st: &mut State) {
-        st.decls.free_on_servers(&st.members, self.cfg.namespace);
+        // Not while a restarted scheduler rebuilds the job: a key a server
+        // reported may yet be reported by a worker not back.
+        if st.members.rebuilding().is_none() {
+            st.decls.free_on_servers(&st.members, self.cfg.namespace);
+        }
     }
 
     /// A tensor some workers declared long ago and others never did: log

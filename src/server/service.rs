@@ -4,6 +4,7 @@
 //! token, namespace, ports and threads. Jobs share nothing but the process:
 //! an instance's memory is freed when its job ends, however it ends.
 
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use crossbeam_channel::{bounded, RecvTimeoutError};
 use super::{run_server, ServerConfig, ServerError, Traffic};
 use crate::protocol::auth::Secret;
 use crate::protocol::{read_control, write_control, Control, JobTraffic, ReadError, ServiceJoin};
+use crate::transport::{dial_until, Authed, Greeted, SealedWriter};
 
 #[derive(Debug, Clone)]
 pub struct ServiceServerConfig {
@@ -35,16 +37,54 @@ struct Instance {
     join: JoinHandle<Result<(), ServerError>>,
 }
 
-/// Serve the service's jobs until the service goes away.
+/// The link to the service: its reading half on a thread of its own (so
+/// the loop can report traffic every second), its writing half here.
+struct Link {
+    rx: crossbeam_channel::Receiver<Result<Control, ReadError>>,
+    writer: SealedWriter<TcpStream>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Link {
+    /// Offer this server to the service on `authed` (ServiceJoin).
+    fn open(authed: Authed, join: &ServiceJoin, peer_timeout: Duration) -> std::io::Result<Link> {
+        authed.stream.set_write_timeout(Some(peer_timeout))?;
+        authed.stream.set_read_timeout(Some(peer_timeout))?;
+        let (mut stream, mut writer) = authed.split()?;
+        write_control(&mut writer, &Control::ServiceJoin(join.clone()), 0)?;
+        let (tx, rx) = bounded::<Result<Control, ReadError>>(16);
+        let reader = std::thread::Builder::new().name("gradhub-service-link".into()).spawn(move || loop {
+            let msg = read_control(&mut stream, 0);
+            let end = msg.is_err();
+            if tx.send(msg).is_err() || end {
+                return;
+            }
+        })?;
+        Ok(Link { rx, writer, reader: Some(reader) })
+    }
+
+    fn close(&mut self) {
+        let _ = self.writer.get_ref().shutdown(std::net::Shutdown::Both);
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+/// Serve the service's jobs until the service goes away. A service lost
+/// (closed, silent for the peer timeout) is dialled again for up to the
+/// peer timeout: one restarted on its address gets this server again, and
+/// the jobs' instances, which run on meanwhile, rejoin it by themselves
+/// (`crate::session`).
 pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
     crate::logging::init();
     let service = cfg.server.scheduler.clone();
     let setup = |what: &str, e: std::io::Error| ServerError::Setup(format!("{what}: {e}"));
-    let stream = crate::transport::connect_authenticated(&service, cfg.server.connect_timeout, &cfg.master)
+    let authed = crate::transport::connect_authenticated(&service, cfg.server.connect_timeout, &cfg.master)
         .map_err(|e| ServerError::Setup(format!("cannot join the service at {service}: {e}")))?;
     let advertise = match &cfg.server.advertise {
         Some(a) => a.clone(),
-        None => stream.stream.local_addr().map_err(|e| setup("local address", e))?.ip().to_string(),
+        None => authed.stream.local_addr().map_err(|e| setup("local address", e))?.ip().to_string(),
     };
     let mut server = cfg.server.clone();
     server.advertise = Some(advertise.clone());
@@ -55,32 +95,15 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
         threads: server.threads.max(1) as u32,
         colocated: server.colocated,
     };
-    stream.stream.set_write_timeout(Some(cfg.peer_timeout)).map_err(|e| setup("socket", e))?;
-    stream.stream.set_read_timeout(Some(cfg.peer_timeout)).map_err(|e| setup("socket", e))?;
-    let (mut stream, mut writer) = stream.split().map_err(|e| setup("socket", e))?;
-    write_control(&mut writer, &Control::ServiceJoin(join), 0).map_err(|e| setup("cannot join the service", e))?;
+    let mut link = Link::open(authed, &join, cfg.peer_timeout).map_err(|e| setup("cannot join the service", e))?;
     log::info!(target: "server", "serving the jobs of the service at {service} (advertised as {advertise})");
 
-    // A reader thread, so this loop can report traffic every second.
-    let (tx, rx) = bounded::<Result<Control, ReadError>>(16);
-    let reader = {
-        std::thread::Builder::new()
-            .name("gradhub-service-link".into())
-            .spawn(move || loop {
-                let msg = read_control(&mut stream, 0);
-                let end = msg.is_err();
-                if tx.send(msg).is_err() || end {
-                    return;
-                }
-            })
-            .map_err(|e| setup("spawn", e))?
-    };
     let mut instances: Vec<Instance> = Vec::new();
     // Instances that could not start or ended with an error: told once.
     let mut failed: Vec<JobTraffic> = Vec::new();
     let mut next_report = Instant::now();
     let result = loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
+        let lost = match link.rx.recv_timeout(Duration::from_millis(200)) {
             Ok(Ok(Control::ServiceStart { job, namespace, start, rank })) => {
                 match start_instance(&server, &cfg.master, &job, namespace, start, rank) {
                     Ok(i) => instances.push(i),
@@ -90,26 +113,21 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
                         failed.push(JobTraffic { job, start, bytes: 0, rounds: 0, error });
                     }
                 }
+                None
             }
-            Ok(Ok(Control::Heartbeat)) => {}
+            Ok(Ok(Control::Heartbeat)) => None,
             Ok(Ok(Control::Error { message })) => break Err(ServerError::JobFailed(format!("the service: {message}"))),
-            Ok(Ok(other)) => log::warn!(target: "server", "ignoring {}", crate::session::unexpected(&other)),
-            Ok(Err(ReadError::TimedOut)) => {
-                break Err(ServerError::JobFailed(format!(
-                    "the service at {service} sent nothing for {:.1}s",
-                    cfg.peer_timeout.as_secs_f64()
-                )))
+            Ok(Ok(other)) => {
+                log::warn!(target: "server", "ignoring {}", crate::session::unexpected(&other));
+                None
             }
-            Ok(Err(ReadError::Closed)) if idle(&mut instances, &mut failed) => {
-                // Stopped with nothing of ours running: its normal end.
-                log::info!(target: "server", "the service at {service} closed, with no job running here; exiting");
-                break Ok(());
-            }
-            Ok(Err(e)) => break Err(ServerError::JobFailed(format!("lost the service at {service}: {e}"))),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => break Err(ServerError::JobFailed("the service link ended".into())),
-        }
-        if next_report.elapsed() >= Duration::from_secs(1) {
+            Ok(Err(ReadError::TimedOut)) => Some(format!("it sent nothing for {:.1}s", cfg.peer_timeout.as_secs_f64())),
+            Ok(Err(ReadError::Closed)) => Some("it closed the connection".to_string()),
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => Some("the service link ended".to_string()),
+        };
+        if lost.is_none() && next_report.elapsed() >= Duration::from_secs(1) {
             next_report = Instant::now();
             failed.extend(reap(&mut instances));
             let mut jobs: Vec<JobTraffic> = instances
@@ -119,19 +137,53 @@ pub fn run_service_server(cfg: ServiceServerConfig) -> Result<(), ServerError> {
                     JobTraffic { job: i.job.clone(), start: i.start, bytes, rounds, error: String::new() }
                 })
                 .collect();
-            jobs.append(&mut failed);
-            if let Err(e) = write_control(&mut writer, &Control::ServiceStats { jobs }, 0) {
-                break Err(ServerError::JobFailed(format!("lost the service at {service}: {e}")));
+            let sent = failed.len();
+            jobs.extend(failed.iter().cloned());
+            match write_control(&mut link.writer, &Control::ServiceStats { jobs }, 0) {
+                Ok(()) => drop(failed.drain(..sent)),
+                Err(e) => {
+                    // Read on: the reader finds the loss and says how.
+                    log::debug!(target: "server", "reporting to the service at {service}: {e}");
+                }
             }
+        }
+        let Some(why) = lost else { continue };
+        link.close();
+        match rejoin_service(&service, &cfg, &join, &why) {
+            Ok(again) => link = again,
+            Err(e) if idle(&mut instances, &mut failed) => {
+                // Stopped with nothing of ours running: its normal end.
+                log::info!(target: "server", "the service at {service} is gone ({e}), with no job running here; exiting");
+                return Ok(());
+            }
+            Err(e) => break Err(ServerError::JobFailed(format!("lost the service at {service}: {e}"))),
         }
     };
     // The instances' jobs cannot go on without the service: they end with it.
-    let _ = writer.get_ref().shutdown(std::net::Shutdown::Both);
-    let _ = reader.join();
+    link.close();
     for i in instances {
         let _ = i.join.join();
     }
     result
+}
+
+/// Dial a lost service again for up to the peer timeout and offer this
+/// server again.
+fn rejoin_service(service: &str, cfg: &ServiceServerConfig, join: &ServiceJoin, why: &str) -> Result<Link, String> {
+    let secs = cfg.peer_timeout.as_secs_f64();
+    log::warn!(target: "server", "lost the service at {service}: {why}; dialling it again (for up to {secs:.1}s)");
+    let since = Instant::now();
+    let greet = |a: Authed| match Link::open(a, join, cfg.peer_timeout) {
+        Ok(link) => Greeted::Done(link),
+        Err(e) => Greeted::Again(e.to_string()),
+    };
+    match dial_until(service, since + cfg.peer_timeout, &cfg.master, || true, greet) {
+        Ok(link) => {
+            log::info!(target: "server", "the service at {service} is back: joined it again after {:.1}s", since.elapsed().as_secs_f64());
+            Ok(link)
+        }
+        Err(f) => Err(format!("{why}, and it did not come back within {secs:.1}s: {}", f.why)),
+    }
 }
 
 fn start_instance(

@@ -256,7 +256,7 @@ def supervise(procs: list[Proc], workers: list[Proc], tool: str, min_workers: in
 
     losses = (Losses(workers, min_workers, start_replacement if replace is not None else None, max_workers,
                      retired) if min_workers is not None else None)
-    restarts = [SCHEDULER_RESTARTS if min_workers is None else 0]  # a shared service takes no rejoins
+    restarts = [SCHEDULER_RESTARTS if min_workers is None else 0]  # an elastic job's service does not rebuild its generations
     with stopped_on_signals(procs):
         while True:
             if tick is not None:
