@@ -30,10 +30,12 @@ class Service:
     jobs started on it."""
 
     def __init__(self, tmp: Path, servers: int = 2, args: tuple[str, ...] = (), bind_host: str = "127.0.0.1",
-                 prefix: tuple[str, ...] = (), server_prefix: tuple[str, ...] = ()):
+                 prefix: tuple[str, ...] = (), server_prefix: tuple[str, ...] = (), encrypt: bool = False):
+        """`encrypt`: every connection of the service and its jobs (GRADHUB_ENCRYPT=1)."""
         self.tmp, self.procs, self.logs = tmp, {}, {}
         self.addr = f"{bind_host}:{free_port()}"
-        self.env = job_env(GRADHUB_SERVICE_TOKEN=MASTER, GRADHUB_SCHEDULER=self.addr)
+        self.encrypt = {"GRADHUB_ENCRYPT": "1"} if encrypt else {}
+        self.env = job_env(GRADHUB_SERVICE_TOKEN=MASTER, GRADHUB_SCHEDULER=self.addr, **self.encrypt)
         self.env.pop("GRADHUB_JOB_TOKEN")
         py = [sys.executable, "-m", "gradhub"]
         self.service_argv = [*prefix, *py, "scheduler", "--service", "--bind", self.addr, *args]
@@ -70,7 +72,7 @@ class Service:
 
     def worker_env(self, job: str, workers: int, rank: int, token: str | None = None, **cfg) -> dict:
         env = job_env(GRADHUB_SCHEDULER=self.addr, GRADHUB_JOB=job, GRADHUB_NUM_WORKERS=workers,
-                      GRADHUB_RANK=rank, GH_TEST=json.dumps(cfg))
+                      GRADHUB_RANK=rank, GH_TEST=json.dumps(cfg), **self.encrypt)
         env["GRADHUB_JOB_TOKEN"] = token if token is not None else self.token(job)
         return env
 
@@ -162,8 +164,9 @@ def test_three_concurrent_jobs_get_exact_sums_and_are_reported(service):
     assert out.returncode == 0 and "2 server(s)" in out.stdout, out.stdout + out.stderr
 
 
-def test_a_restarted_service_takes_its_jobs_back_and_they_end_exact(service):
-    svc = service(servers=2)
+@pytest.mark.parametrize("encrypt", [False, True], ids=["plain", "encrypted"])
+def test_a_restarted_service_takes_its_jobs_back_and_they_end_exact(service, encrypt):
+    svc = service(servers=2, encrypt=encrypt)
     jobs = ("alpha", "beta")
     tokens = {j: svc.token(j) for j in jobs}
     # Each job declares two more tensors at its end (after the restart):

@@ -134,8 +134,9 @@ def run_service(bind: str | None, *, scheduler: str | None = None, stall_seconds
         return 2
     bind = _bind_address(bind, scheduler)
     max_bytes = None if job_max_mib is None else int(job_max_mib * (1 << 20))
+    # Each job's token and encryption come from the master's (`Secret::key_for`), not from this template.
     each = _core.SchedulerConfig(stall_ms=_ms(stall_seconds), peer_timeout_ms=_ms(peer_timeout),
-                                 max_tensors=job_max_tensors, max_bytes=max_bytes, **job)
+                                 max_tensors=job_max_tensors, max_bytes=max_bytes, encrypt=False, **job)
     cfg = _core.ServiceConfig(bind, master, each, max_jobs=max_jobs, max_workers=job_max_workers,
                               metrics_addr=metrics_addr)
     _native_sigint()
@@ -164,7 +165,8 @@ def run_service_server(service: str | None, threads: int, *, bind_host: str | No
     shost, _ = split_hostport(service, DEFAULT_SCHEDULER_PORT)
     if bind_host is None:
         bind_host = "127.0.0.1" if _env.is_loopback(shost) else "0.0.0.0"
-    server = _core.ServerConfig(service, threads=threads, bind_host=bind_host, **settings)
+    # Each job's instance takes its token and encryption from the master's (`Secret::key_for`).
+    server = _core.ServerConfig(service, threads=threads, bind_host=bind_host, encrypt=False, **settings)
     _native_sigint()
     try:
         _core.run_service_server(_core.ServiceServerConfig(server, master, peer_timeout=peer_timeout))
