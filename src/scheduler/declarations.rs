@@ -287,6 +287,17 @@ impl Declarations {
                     })
                 }
             };
+            if d.spec.is_none() && d.conflict.is_none() && d.numel == s.numel && d.dtype == s.dtype {
+                // Declared again by workers whose answer the restart took
+                // (this one had its own): placed and installed by the first
+                // scheduler as reported; they are answered with it.
+                if let Some(p) = self.placer.as_mut() {
+                    p.account(s);
+                }
+                self.by_key.insert(s.key, s.name.clone());
+                d.spec = Some(s.clone());
+                d.installed = true;
+            }
             if d.spec.as_ref() != Some(s) {
                 return Err(format!(
                     "worker {rank} rejoined with tensor '{}' (key {}) placed unlike worker {}'s",
@@ -614,6 +625,33 @@ pub(super) mod tests {
         let (_, mut f) = job(2, &servers(2, 1));
         f.rejoin(0, 2, &[a]).unwrap();
         assert!(f.rejoin(1, 2, &[moved]).unwrap_err().contains("placed unlike worker 0's"));
+    }
+
+    #[test]
+    fn a_tensor_answered_to_some_workers_before_the_restart_keeps_its_placement() {
+        // The first scheduler placed "b" and answered worker 1; the restart
+        // took worker 0's answer, and worker 0 declares it again to the new
+        // scheduler before worker 1 is back with the placement.
+        let (cfg, mut first) = job(2, &servers(2, 1));
+        let specs = declare_all(&cfg, &mut first, &[entry("a", 40), entry("b", 3)]);
+        let (_, mut d) = job(2, &servers(2, 1));
+        d.rejoin(0, 2, &specs[..1]).unwrap();
+        assert!(d.declare(&cfg, 0, 5, vec![entry("b", 3)]).unwrap().is_empty(), "waits for worker 1");
+        d.rejoin(1, 2, &specs).unwrap();
+        d.server_keys(&[specs[0].key, specs[1].key]);
+        d.rebuilt();
+        assert!(d.take_to_free().is_empty(), "every key is held");
+        let got = answers(&mut d);
+        assert!(
+            matches!(&got[..], [(0, Control::Declared { req: 5, specs: s })] if s[..] == specs[1..]),
+            "worker 0 gets the first scheduler's placement: {got:?}"
+        );
+        // New tensors go above it.
+        assert_eq!(declare_all(&cfg, &mut d, &[entry("c", 8)])[0].key, specs[1].key + 1);
+        // A tensor worker 0 declared differently than it was placed is named.
+        let (_, mut e) = job(2, &servers(2, 1));
+        e.declare(&cfg, 0, 6, vec![entry("b", 4)]).unwrap();
+        assert!(e.rejoin(1, 2, &specs[1..]).unwrap_err().contains("placed unlike worker 0's"));
     }
 
     #[test]
