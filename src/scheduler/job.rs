@@ -14,7 +14,7 @@ use super::member::{Comeback, Member, Reader, Writer};
 use super::membership::{check_registration, lost_reason};
 use super::state::Shared;
 use crate::protocol::auth::{self, Secret};
-use crate::protocol::{read_control, read_control_limited, Control, Role, MAX_REGISTER_PAYLOAD};
+use crate::protocol::{read_control, read_control_limited, Control, ReadError, Role, MAX_REGISTER_PAYLOAD};
 use crate::transport::{DeadlineReader, SealedReader, SealedWriter};
 
 /// One job's life: its heartbeats, its registration deadline, its end.
@@ -355,7 +355,11 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
                 // A connection that broke (not one the member closed, nor
                 // a silent member) may come back within the peer timeout
                 // since it was last heard; one offered already is taken.
-                let until = match may_resume(&e) {
+                // A reset may read as a clean end (a heartbeat's write took
+                // its error): the socket's state tells.
+                let broke = may_resume(&e)
+                    || (matches!(e, ReadError::Closed) && crate::transport::ended_by_reset(stream.get_ref()));
+                let until = match broke {
                     true => {
                         log::warn!(target: "scheduler", "{}: {e}; waiting for it to dial again", me.describe());
                         me.disconnect();
@@ -373,8 +377,11 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
                         }
                         Err(why) => reason = why,
                     }
-                } else if may_resume(&e) {
-                    reason = format!("{reason}, and it did not dial again within {:.1}s (the peer timeout)", within.as_secs_f64());
+                } else if broke {
+                    reason = format!(
+                        "{reason}, and it did not dial again within {:.1}s (the peer timeout)",
+                        within.as_secs_f64()
+                    );
                 }
                 let mut st = shared.lock();
                 if st.is_over() || (me.role == Role::Worker && st.members.has_left(me.rank)) {
@@ -408,4 +415,3 @@ fn may_resume(e: &crate::protocol::ReadError) -> bool {
         _ => false,
     }
 }
-

@@ -282,7 +282,13 @@ fn connection(svc: &Arc<Service>, stream: TcpStream, peer: SocketAddr) {
 /// runs here with it (its connection broke: `Member::offer`); else it
 /// rejoins the job as rebuilt by a service that restarted (the first
 /// member back starts the rebuild: `rebuilt_job`).
-fn resume(svc: &Arc<Service>, name: &str, rj: crate::protocol::Rejoin, (reader, writer): (Reader, Writer), peer: SocketAddr) {
+fn resume(
+    svc: &Arc<Service>,
+    name: &str,
+    rj: crate::protocol::Rejoin,
+    (reader, writer): (Reader, Writer),
+    peer: SocketAddr,
+) {
     let who = format!("{} {}", rj.register.role.name(), rj.welcome.rank);
     let ns = namespace_of(name);
     let shared = match rebuilt_job(svc, name, &rj) {

@@ -311,9 +311,64 @@ pub fn tune_data_socket<S: std::os::fd::AsFd>(s: &S) {
     }
 }
 
+/// Whether a connection whose read saw its end was reset (its TCP state is
+/// CLOSE) rather than closed by its peer (a FIN: CLOSE_WAIT). A read can
+/// report a reset as a clean end: when another thread's write on the same
+/// socket took the reset's error first, the read finds only the shut
+/// receive side.
+pub fn ended_by_reset(s: &TcpStream) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: getsockopt writes at most `len` bytes into `info`, a
+        // plain C struct that any bytes are valid for.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        let ok = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                (&mut info as *mut libc::tcp_info).cast(),
+                &mut len,
+            )
+        } == 0;
+        ok && info.tcpi_state == 7 // TCP_CLOSE
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = s;
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reset_is_told_from_a_close_after_the_read_saw_the_end() {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        for reset in [false, true] {
+            let mut ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (theirs, _) = l.accept().unwrap();
+            if reset {
+                socket2::SockRef::from(&theirs).set_linger(Some(Duration::ZERO)).unwrap();
+            }
+            drop(theirs);
+            std::thread::sleep(Duration::from_millis(50));
+            // A write takes a reset's error first; the read then sees an
+            // end. (Written after a FIN, the closed peer would answer with
+            // a reset: a member's end is judged when its read sees it.)
+            if reset {
+                let _ = ours.write_all(b"x");
+            }
+            let mut buf = [0u8; 8];
+            let _ = ours.read(&mut buf);
+            assert_eq!(ended_by_reset(&ours), reset, "reset: {reset}");
+        }
+    }
 
     #[test]
     fn a_data_socket_fails_after_the_link_is_silent_for_link_silence() {
