@@ -292,7 +292,7 @@ def test_service_across_emulated_hosts(hosts, tmp_path):
     server_hosts = [hosts(1), hosts(2)]
     job_hosts = {"east": hosts(3), "west": hosts(4)}
     svc = Service.__new__(Service)
-    svc.tmp, svc.procs, svc.logs = tmp_path, {}, {}
+    svc.tmp, svc.procs, svc.logs, svc.encrypt = tmp_path, {}, {}, {}
     svc.addr = f"{svc_ip}:9600"
     svc.env = job_env(GRADHUB_SERVICE_TOKEN=MASTER, GRADHUB_SCHEDULER=svc.addr)
     svc.env.pop("GRADHUB_JOB_TOKEN")
