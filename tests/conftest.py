@@ -134,6 +134,17 @@ def alarming(out: str) -> list[str]:
     return [line for line in out.splitlines() if "warning" in line.lower() or "failed" in line.lower()]
 
 
+def restart_process(old: subprocess.Popen, argv: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """Kill `old` (SIGKILL, as an OOM kill would) if it runs, and start `argv`
+    again; its output goes on in `log`, after a `--- restarted ---` line."""
+    if old.poll() is None:
+        old.kill()
+    old.wait()
+    with open(log, "ab") as f:
+        f.write(b"--- restarted ---\n")
+    return subprocess.Popen(argv, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
 class Cluster:
     """Scheduler and servers as separate processes, for failure tests that
     need to kill or poke individual members."""
@@ -180,14 +191,7 @@ class Cluster:
     def restart_scheduler(self) -> subprocess.Popen:
         """Kill the scheduler (SIGKILL, as an OOM kill would) if it runs, and
         start it again with the same arguments; its log goes on in the same file."""
-        old = self.procs["scheduler"]
-        if old.poll() is None:
-            old.kill()
-        old.wait()
-        with open(self.logs["scheduler"], "ab") as f:
-            f.write(b"--- restarted ---\n")
-        p = subprocess.Popen(self.scheduler_argv, env=self.env, stdout=open(self.logs["scheduler"], "ab"),
-                             stderr=subprocess.STDOUT)
+        p = restart_process(self.procs["scheduler"], self.scheduler_argv, self.env, self.logs["scheduler"])
         self.procs["scheduler"] = p
         return p
 

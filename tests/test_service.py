@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, job_env, worker_argv
+from conftest import free_port, job_env, restart_process, worker_argv
 from test_multihost import hosts  # noqa: F401  (the emulated-hosts fixture)
 
 MASTER = "service-master-token-for-tests"
@@ -53,14 +53,8 @@ class Service:
     def restart_service(self) -> None:
         """Kill the service (SIGKILL) and start it again on its address; its
         log goes on in the same file."""
-        old = self.procs["service"]
-        if old.poll() is None:
-            old.kill()
-        old.wait()
-        with open(self.logs["service"], "ab") as f:
-            f.write(b"--- restarted ---\n")
-        self.procs["service"] = subprocess.Popen(self.service_argv, env=self.env,
-                                                 stdout=open(self.logs["service"], "ab"), stderr=subprocess.STDOUT)
+        self.procs["service"] = restart_process(self.procs["service"], self.service_argv, self.env,
+                                                self.logs["service"])
 
     def log(self, name: str) -> str:
         return self.logs[name].read_text(errors="replace")
