@@ -177,13 +177,18 @@ def test_a_server_that_joins_takes_chunks_and_every_sum_stays_exact(cluster_fact
 
 
 @pytest.mark.parametrize("server", [False, True], ids=["summation", "server-optimizer"])
-def test_training_that_gains_a_server_ends_with_the_parameters_of_one_that_did_not(cluster_factory, server):
+def test_training_that_gains_a_server_ends_with_the_parameters_of_one_that_did_not(cluster_factory, server, tmp_path):
     # With the optimizer on the servers, chunks that hold its state stay
-    # where they are; only those without any move.
-    cfg = {"model": "mlp", "opt": "sgd", "steps": 16, "step_sleep": 0.05, "server": server}
+    # where they are; only those without any move. The workers hold at step
+    # 8 until the new server has joined (a loaded machine starts it slowly).
+    go = tmp_path / "go"
+    cfg = {"model": "mlp", "opt": "sgd", "steps": 16, "step_sleep": 0.05, "server": server,
+           "hold_at": 8, "hold_file": str(go)}
     c = start(cluster_factory, "torch_train.py", cfg)
     c.wait_for("worker0", "STEP 5", 120)
     add_server(c)
+    c.wait_for("scheduler", "server 3 took over", 120)
+    go.write_text("go")
     every_worker_passes(c)
     assert c.procs["server3"].wait(timeout=30) == 0, c.log("server3")
     sched = c.log("scheduler")

@@ -11,7 +11,8 @@ reload_at (a step: before it, both optimizers load a copy of their state with th
 eager (bool: assert that step() updated eagerly, GRADHUB_EAGER_UPDATE, in every step, or in none),
 steps, passes (backward_passes_per_step), compression (none|fp16), step_sleep (seconds after each
 step, which prints STEP k: the failover tests kill a server meanwhile), autotune (bool: overlap left
-to GRADHUB_AUTOTUNE, and the tensors held at the end printed).
+to GRADHUB_AUTOTUNE, and the tensors held at the end printed), hold_at and hold_file (after step
+hold_at, wait until hold_file exists, at most 120 s: the test acts on the running job first).
 """
 
 import copy
@@ -298,6 +299,11 @@ for s in range(steps):
     if "step_sleep" in CONFIG:
         print("STEP", s, flush=True)
         time.sleep(CONFIG["step_sleep"])
+    if s == CONFIG.get("hold_at") and "hold_file" in CONFIG:
+        # The test does something to the running job first (bounded).
+        until = time.monotonic() + 120
+        while not os.path.exists(CONFIG["hold_file"]) and time.monotonic() < until:
+            time.sleep(0.02)
 if hasattr(opt, "finish"):
     opt.finish()
 
