@@ -69,6 +69,11 @@ pub(super) struct Declarations {
     /// rejoin later), recorded here by key until one reports it.
     rebuilt: bool,
     early: HashMap<u32, Vec<u32>>,
+    /// A restarted scheduler waits for its members (`rejoin` until
+    /// `rebuilt`): complete tensors are not placed yet, since a key a server
+    /// still holds (a tensor freed after the restart began, reported by a
+    /// server not back yet) would be given out again.
+    placing_held: bool,
 }
 
 /// At most this many keys released early (`Declarations::early`).
@@ -227,8 +232,17 @@ impl Declarations {
         if !self.pending.iter().any(|p| p.rank == rank && p.req == req) {
             self.pending.push(PendingReq { rank, req, names });
         }
+        if self.placing_held {
+            return Ok(Vec::new());
+        }
+        Ok(self.place(newly_complete))
+    }
+
+    /// Place the tensors `names` (complete, not placed): a key each, above
+    /// every key given out or reported, and their chunks' servers.
+    fn place(&mut self, names: Vec<String>) -> Vec<TensorSpec> {
         let mut specs = Vec::new();
-        for name in newly_complete {
+        for name in names {
             let key = self.next_key;
             self.next_key += 1;
             let Some(d) = self.decls.get(&name) else { continue };
@@ -256,7 +270,7 @@ impl Declarations {
             self.by_key.insert(key, name.clone());
             specs.push(spec);
         }
-        Ok(specs)
+        specs
     }
 
     /// A worker that rejoined a scheduler that restarted (`Members::rejoin`)
@@ -266,6 +280,7 @@ impl Declarations {
     pub fn rejoin(&mut self, rank: u32, num_workers: u32, specs: &[TensorSpec]) -> Result<(), String> {
         let n = num_workers as usize;
         self.rebuilt = true;
+        self.placing_held = true;
         for s in specs {
             let d = match self.decls.get_mut(&s.name) {
                 Some(d) => d,
@@ -318,6 +333,7 @@ impl Declarations {
     /// its workers declare again) are freed (`rebuilt`).
     pub fn server_keys(&mut self, keys: &[u32]) {
         self.rebuilt = true;
+        self.placing_held = true;
         for &k in keys {
             self.next_key = self.next_key.max(k.saturating_add(1));
             if !self.by_key.contains_key(&k) && !self.to_free.contains(&k) {
@@ -327,10 +343,25 @@ impl Declarations {
     }
 
     /// Every member rejoined: keys some server holds that a worker reported
-    /// after all stay; the rest are freed.
-    pub fn rebuilt(&mut self) {
+    /// after all stay; the rest are freed. Returns the tensors every worker
+    /// declared meanwhile, placed now (to install before they are answered).
+    pub fn rebuilt(&mut self) -> Vec<TensorSpec> {
         let by_key = &self.by_key;
         self.to_free.retain(|k| !by_key.contains_key(k));
+        self.placing_held = false;
+        let mut complete: Vec<String> = Vec::new();
+        for p in &self.pending {
+            for name in &p.names {
+                let ready = self
+                    .decls
+                    .get(name)
+                    .is_some_and(|d| d.spec.is_none() && d.conflict.is_none() && d.declared_by.iter().all(|&b| b));
+                if ready && !complete.contains(name) {
+                    complete.push(name.clone());
+                }
+            }
+        }
+        self.place(complete)
     }
 
     /// The tensors of a batch are installed on every server.
@@ -652,6 +683,35 @@ pub(super) mod tests {
         let (_, mut e) = job(2, &servers(2, 1));
         e.declare(&cfg, 0, 6, vec![entry("b", 4)]).unwrap();
         assert!(e.rejoin(1, 2, &specs[1..]).unwrap_err().contains("placed unlike worker 0's"));
+    }
+
+    #[test]
+    fn a_tensor_declared_while_the_job_is_rebuilt_is_placed_above_every_key_the_servers_report() {
+        // The first scheduler placed "a" and "b"; every worker released "b"
+        // (the highest key) before the restart, and the servers had not
+        // freed it yet.
+        let (cfg, mut first) = job(2, &servers(2, 1));
+        let specs = declare_all(&cfg, &mut first, &[entry("a", 40), entry("b", 3)]);
+        let (_, mut d) = job(2, &servers(2, 1));
+        d.rejoin(0, 2, &specs[..1]).unwrap();
+        d.rejoin(1, 2, &specs[..1]).unwrap();
+        // Both workers declare "c" before the servers are back: not placed
+        // yet, so it cannot take "b"'s key.
+        for rank in 0..2 {
+            assert!(d.declare(&cfg, rank, 3, vec![entry("c", 8)]).unwrap().is_empty(), "placed while rebuilding");
+        }
+        d.server_keys(&[specs[0].key, specs[1].key]);
+        let placed = d.rebuilt();
+        assert_eq!(placed.len(), 1);
+        assert_eq!((placed[0].name.as_str(), placed[0].key), ("c", specs[1].key + 1));
+        assert_eq!(d.take_to_free(), [specs[1].key]);
+        // Answered once installed, with that placement.
+        d.installed(&placed);
+        let got = answers(&mut d);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got.iter().all(|(_, a)| matches!(a, Control::Declared { req: 3, specs } if specs == &placed)));
+        // Placing goes on as before once rebuilt.
+        assert_eq!(declare_all(&cfg, &mut d, &[entry("e", 8)])[0].key, placed[0].key + 1);
     }
 
     #[test]

@@ -223,7 +223,18 @@ pub(super) fn admit_rejoin(
         return None;
     }
     match shared.rejoin(rj, peer, writer.clone()) {
-        Ok(me) => Some((me, reader)),
+        Ok((me, None)) => Some((me, reader)),
+        Ok((me, Some((batch, specs)))) => {
+            // Declared while the job was rebuilt, placed once it is: this
+            // thread goes on to serve the member (a server's acks).
+            let sh = shared.clone();
+            let spawned = thread::Builder::new().name("gradhub-install".into()).spawn(move || sh.install(batch, specs));
+            if let Err(e) = spawned {
+                let mut st = shared.lock();
+                shared.fail(&mut st, None, format!("cannot start installing the tensors declared meanwhile: {e}"));
+            }
+            Some((me, reader))
+        }
         Err(why) => {
             log::warn!(target: "scheduler", "rejecting {who} at {peer}: {why}");
             writer.send(&Control::Error { message: why.to_string() }, ns);

@@ -82,6 +82,10 @@ impl State {
     }
 }
 
+/// Tensors placed together, to install on every server (`Shared::install`)
+/// before their workers are answered: the install's number and the specs.
+pub(super) type Batch = Option<(u32, Vec<TensorSpec>)>;
+
 pub(super) struct Shared {
     pub cfg: SchedulerConfig,
     pub state: Mutex<State>,
@@ -203,8 +207,10 @@ impl Shared {
     /// A member rejoins after this scheduler restarted (`Members::rejoin`):
     /// its tensors (a worker's) or keys (a server's) go into the rebuilt
     /// declarations. Once every member is back, declarations waiting for
-    /// that go on.
-    pub fn rejoin(&self, rj: Rejoin, peer: SocketAddr, stream: Writer) -> Result<Arc<Member>, Refusal> {
+    /// that go on: those every worker declared meanwhile are placed then,
+    /// returned as a batch to install (on a thread of its own: `install`
+    /// waits for acks that member threads read).
+    pub fn rejoin(&self, rj: Rejoin, peer: SocketAddr, stream: Writer) -> Result<(Arc<Member>, Batch), Refusal> {
         let cfg = &self.cfg;
         let mut guard = self.lock();
         let st = &mut *guard;
@@ -242,24 +248,22 @@ impl Shared {
             self.fail(st, Some(&me), why.clone());
             return Err(Refusal::JobFailed(why));
         }
+        let mut batch = None;
         if done {
-            st.decls.rebuilt();
+            let specs = st.decls.rebuilt();
             self.free_on_servers(st);
             st.answer_ready(cfg.namespace);
+            if !specs.is_empty() {
+                batch = Some((st.installs.next_batch(), specs));
+            }
         }
         self.cv.notify_all();
-        Ok(me)
+        Ok((me, batch))
     }
 
     /// Record a worker's declarations. Returns a batch of newly complete
     /// specs that must be installed on the servers before anyone is answered.
-    pub fn declare(
-        &self,
-        st: &mut State,
-        rank: u32,
-        req: u32,
-        entries: Vec<DeclEntry>,
-    ) -> Option<(u32, Vec<TensorSpec>)> {
+    pub fn declare(&self, st: &mut State, rank: u32, req: u32, entries: Vec<DeclEntry>) -> Batch {
         let ns = self.cfg.namespace;
         let specs = match st.decls.declare(&self.cfg, rank, req, entries) {
             Ok(specs) => specs,

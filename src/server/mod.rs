@@ -426,7 +426,22 @@ fn control_loop(
     };
     loop {
         match session.recv()? {
-            Control::ServerDeclare { batch, specs } => install(segments, links, &specs, false, batch)?,
+            Control::ServerDeclare { batch, specs } => {
+                // A new tensor never takes a key held here (only a move or
+                // a takeover installs a held key again): its chunks would go
+                // on from the other tensor's rounds.
+                let held_key = {
+                    let h = held.lock().unwrap_or_else(|e| e.into_inner());
+                    specs.iter().find(|s| h.keys.contains(&s.key)).map(|s| (s.key, s.name.clone()))
+                };
+                if let Some((key, name)) = held_key {
+                    return Err(ServerError::JobFailed(format!(
+                        "the scheduler installed tensor '{name}' under key {key}, which this server holds already \
+                         for another tensor"
+                    )));
+                }
+                install(segments, links, &specs, false, batch)?
+            }
             Control::ServerTakeOver { batch, lost, specs } => {
                 let moved = specs.len();
                 if lost != NO_SERVER {
