@@ -14,7 +14,7 @@
 //!
 //! A scheduler that did not restart answers the Rejoin with `Resumed`: the
 //! connection had broken (reset, cut mid-frame, a frame changed on the
-//! way). Each side numbers what it sends in the session and keeps it until
+//! way, or silent past the keep-alive, `keep_alive`, while both ends live). Each side numbers what it sends in the session and keeps it until
 //! the other's `Ack` heartbeat says it arrived (`transport::replay`); on a
 //! resume each sends again what the other had not received, so nothing is
 //! lost or taken twice.
@@ -131,7 +131,7 @@ impl Joining {
             Err(e) => return Err(SessionError::NoWelcome(e.to_string())),
         };
         let peer_timeout = Duration::from_millis(welcome.peer_timeout_ms.max(1) as u64);
-        timed(self.writer.get_ref(), peer_timeout)?;
+        timed(self.writer.get_ref(), keep_alive(peer_timeout), peer_timeout)?;
         let (stop_tx, stop_rx) = bounded::<()>(0);
         let link = Arc::new(Link {
             writer: Mutex::new(self.writer),
@@ -171,6 +171,7 @@ impl Joining {
             link,
             reader: self.reader,
             peer_timeout,
+            heard: Instant::now(),
             heartbeat: Some(hb),
             close_on_drop: true,
             comeback,
@@ -183,11 +184,21 @@ impl Joining {
 type Reader = SealedReader<TcpStream>;
 type Writer = SealedWriter<TcpStream>;
 
-/// The peer timeout on both directions of a scheduler connection (a
-/// scheduler that stops reading must not hang a heartbeat or a goodbye).
-fn timed(stream: &TcpStream, peer_timeout: Duration) -> Result<(), SessionError> {
-    stream.set_read_timeout(Some(peer_timeout)).map_err(SessionError::Setup)?;
-    stream.set_write_timeout(Some(peer_timeout)).map_err(SessionError::Setup)
+/// A bound on both directions of a scheduler connection (a scheduler
+/// that stops reading must not hang a heartbeat or a goodbye).
+fn timed(stream: &TcpStream, read: Duration, write: Duration) -> Result<(), SessionError> {
+    stream.set_read_timeout(Some(read)).map_err(SessionError::Setup)?;
+    stream.set_write_timeout(Some(write)).map_err(SessionError::Setup)
+}
+
+/// How long a control connection may be silent (no heartbeat either way:
+/// both send one each heartbeat period, at most a quarter of the peer
+/// timeout) before a side takes it for broken and it is made again: half
+/// the peer timeout, so the new one is there before the other side's peer
+/// timeout writes this one off. The scheduler's side shuts it and waits
+/// for the member to dial again (`scheduler::job::serve_member`).
+pub fn keep_alive(peer_timeout: Duration) -> Duration {
+    peer_timeout / 2
 }
 
 /// Bytes that may wait for a scheduler that is away (messages nobody
@@ -454,6 +465,8 @@ pub struct Session {
     link: Arc<Link>,
     reader: Reader,
     peer_timeout: Duration,
+    /// When the scheduler was last heard from (anything, on any connection).
+    heard: Instant,
     heartbeat: Option<JoinHandle<()>>,
     /// Dropping the session closes it (without a goodbye), unless its
     /// owner closes it itself (`keep_open`).
@@ -484,11 +497,17 @@ impl Session {
     }
 
     /// The scheduler's next message other than a heartbeat. A scheduler
-    /// lost (a closed connection, or silent for the peer timeout) is
-    /// dialled again (`rejoin`); one that does not come back is an error.
+    /// lost (a closed connection, or silent past the keep-alive) is dialled
+    /// again (`rejoin`); one that does not come back is an error, as is one
+    /// silent for the peer timeout if it is not dialled.
     pub fn recv(&mut self) -> Result<Control, SessionError> {
         loop {
-            let lost = match read_control(&mut self.reader, self.link.namespace) {
+            let read = read_control(&mut self.reader, self.link.namespace);
+            if read.is_ok() {
+                self.heard = Instant::now();
+            }
+            let can_dial = self.link.comeback_possible() && lock(&self.comeback.report).is_some();
+            let lost = match read {
                 Ok(Control::Heartbeat) => continue,
                 Ok(Control::Ack { received }) => {
                     lock(&self.link.replay).acked(received);
@@ -501,11 +520,12 @@ impl Session {
                     self.link.answered(&msg);
                     return Ok(msg);
                 }
-                Err(ReadError::TimedOut) => SessionError::Silent(self.peer_timeout.as_secs_f64()),
+                Err(ReadError::TimedOut) if !can_dial && self.heard.elapsed() < self.peer_timeout => continue,
+                Err(ReadError::TimedOut) => SessionError::Silent(self.heard.elapsed().as_secs_f64()),
                 Err(ReadError::Closed | ReadError::ClosedMidFrame) => SessionError::Closed,
                 Err(e) => SessionError::Lost(e),
             };
-            if !self.link.comeback_possible() || lock(&self.comeback.report).is_none() {
+            if !can_dial {
                 return Err(lost);
             }
             if let Err(e) = self.rejoin(lost) {
@@ -569,6 +589,7 @@ impl Session {
             }
         }
         self.reader = reader;
+        self.heard = Instant::now();
         let how = match answer {
             Answer::Welcomed => "rejoined",
             Answer::Resumed(_) => "the session resumed",
@@ -595,16 +616,16 @@ impl Session {
         // Within the time left to come back (a scheduler that accepts and
         // never answers must not hold this past the peer timeout).
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-        timed(w.get_ref(), left)?;
+        timed(w.get_ref(), left, left)?;
         write_control(w, &msg, ns).map_err(SessionError::Send)?;
         let refused = |why: String| SessionError::RefusedBack { addr: self.comeback.addr.clone(), why };
         match read_control(r, ns) {
             Ok(Control::Welcome(w)) if w.job_id == self.welcome.job_id && w.rank == self.welcome.rank => {
-                timed(r.get_ref(), self.peer_timeout)?;
+                timed(r.get_ref(), keep_alive(self.peer_timeout), self.peer_timeout)?;
                 Ok(Answer::Welcomed)
             }
             Ok(Control::Resumed { received }) => {
-                timed(r.get_ref(), self.peer_timeout)?;
+                timed(r.get_ref(), keep_alive(self.peer_timeout), self.peer_timeout)?;
                 Ok(Answer::Resumed(received))
             }
             Ok(Control::Welcome(_)) => Err(refused("it welcomed this member to another job".into())),

@@ -537,8 +537,10 @@ def test_bench_hostile_and_state_quick(tmp_path):
     h = res["hostile"]
     assert h["wrong"] == 0 and h["opened"] == h["connections"] == 200
     assert h["closed"] == h["opened"], h
-    # 2 workers + 1 server: at most 2 x 3 + 16 connections register at once (one thread each).
-    assert max(s["scheduler_threads"] for s in h["samples"]) <= h["samples"][0]["scheduler_threads"] + 22, h
+    # 2 workers + 1 server: at most 2 x 3 + 16 connections register at once
+    # (one thread each), and a thread that gave its place back may not have
+    # exited yet when /proc is read (one such seen; 2 allowed).
+    assert max(s["scheduler_threads"] for s in h["samples"]) <= h["samples"][0]["scheduler_threads"] + 22 + 2, h
     assert len({s["server_threads"] for s in h["samples"]}) == 1, h  # an event loop: no thread per connection
     assert h["logs"]["server"]["closing"] >= 100
     modes = {r["mode"]: r for r in res["state"]}

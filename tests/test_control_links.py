@@ -80,3 +80,25 @@ def test_a_control_frame_changed_on_the_way_is_refused_and_the_session_resumes(p
     logs = "".join(c.log(n) for n in MEMBERS + ("scheduler",))
     assert "checksum mismatch" in logs, logs
     assert "the session resumed on a new connection" in c.log("scheduler"), c.log("scheduler")
+
+
+def test_control_connections_silent_past_the_keep_alive_are_made_again(proxied):
+    """Every control connection stops carrying anything, for good, while
+    both ends live (the proxy freezes them: a flow a middlebox lost). Half
+    the peer timeout later each side takes its connection for broken; every
+    member dials again and its session resumes before the peer timeout
+    would have written it off, and the job ends exact."""
+    c, proxy = proxied(GRADHUB_PEER_TIMEOUT="3")
+    seen = rounds_done(c)
+    proxy.freeze()
+    deadline = time.monotonic() + 60
+    while rounds_done(c) < seen + 20:
+        assert time.monotonic() < deadline, c.log("worker0")
+        time.sleep(0.05)
+    ends_exact(c)
+    sched = c.log("scheduler")
+    assert "nothing heard for 1.5s; its connection is shut" in sched, sched
+    assert sched.count("the session resumed on a new connection") >= 4, sched
+    assert "taken over" not in sched and "failed" not in sched, sched
+    for name in MEMBERS:
+        assert "the session resumed after" in c.log(name), c.log(name)

@@ -407,3 +407,21 @@ def test_cut_resets_one_ranks_connections_and_each_new_one(rig):
     assert recv_exact(back, len(opening)) == opening
     for s in (one, two, again, back):
         s.close()
+
+
+def test_freeze_stops_the_open_connections_for_good_and_lets_new_ones_through(rig):
+    """freeze(): what the open connections send afterwards goes nowhere,
+    either way, and they stay open; a new connection works."""
+    t, p = rig()
+    s = connect(p)
+    assert echo_round(s, b"hello") == b"hello"
+    p.freeze()
+    s.sendall(b"lost")
+    with connect(p) as s2:
+        assert echo_round(s2, b"again") == b"again"
+    time.sleep(0.3)
+    assert t.got(0) == b"hello" and p.connections == 1  # the frozen one, open
+    s.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        s.recv(1)
+    s.close()

@@ -23,9 +23,10 @@ random moment of training:
   partition       one worker cut off from one server, the others not (its
                   connections reset, new ones too), for 0.3-0.6 peer
                   timeouts, or (long) for 1.5-2.5;
-  reset / flip    on the control connections: every member reaches the
-  control         scheduler through a proxy; 1-3 resets of every connection,
-                  or 1-3 bytes flipped in either direction;
+  reset / flip /  on the control connections: every member reaches the
+  freeze control  scheduler through a proxy; 1-3 resets of every connection,
+                  1-3 bytes flipped in either direction, or every open
+                  connection silent for good (freeze: neither end closes);
   restart service the job runs on a shared service (its scheduler and 3
                   server processes `--service`): the service is killed and
                   started again on its address 0.1-0.6 peer timeouts later.
@@ -46,8 +47,8 @@ each fault must lead to:
                   connects again and re-sends; the server counts each push
                   once; a server a worker cannot reach past the peer timeout,
                   cut or partitioned, is reported and failed over like a lost
-                  one), a control connection reset or changed (the session
-                  resumes), the scheduler or the service restarted (the job
+                  one), a control connection reset, changed or frozen (the
+                  session resumes), the scheduler or the service restarted (the job
                   is rebuilt): every worker passes, with every sum exact;
   fail            a lost worker or scheduler, an exception: every member still
                   running exits with an error within a bound (3 peer timeouts
@@ -132,6 +133,7 @@ FAULTS = (
     Fault("long partition", "link", "partition-long", "continue", quick=False),
     Fault("reset control", "control", "reset", "continue"),
     Fault("flip control", "control", "flip", "continue"),
+    Fault("freeze control", "control", "freeze", "continue", quick=False),
     Fault("restart service", "service", "restart", "continue"),
 )
 
@@ -408,6 +410,10 @@ def run_trial(fault: Fault, seed: int, peer_timeout: float, steps: int, logroot:
                 for _ in range(rng.randrange(1, 4)):
                     px.reset()
                     time.sleep(rng.uniform(0.05, 0.3))
+            elif fault.action == "freeze":
+                # For good: both ends live, and each takes its connection for
+                # broken after the keep-alive (half the peer timeout).
+                px.freeze()
             elif fault.action == "flip" and fault.role == "control":
                 # Control traffic is a few hundred bytes a second: each flip soon, and waited for.
                 for _ in range(rng.randrange(1, 4)):
@@ -610,7 +616,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peer-timeout", type=float, default=2.0, help="the jobs' peer timeout, seconds (default 2)")
     ap.add_argument("--steps", type=int, default=40, help="training steps per job (default 40)")
     ap.add_argument("--quick", action="store_true",
-                    help="one trial per fault but 'kill 2 servers', 'cut links' and 'long partition', 25 steps each "
+                    help="one trial per fault but 'kill 2 servers', 'cut links', 'long partition' and 'freeze control', "
+                         "25 steps each "
                          "(the test suite's)")
     ap.add_argument("--server-optimizer", choices=("half", "always", "never"), default=None,
                     help="jobs with a tensor whose optimizer runs on the servers (default: half, always with "

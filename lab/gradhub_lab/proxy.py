@@ -68,6 +68,7 @@ class _Pair:
         self.rank: int | None = None  # the worker rank its DataHello named
         self.scan = bytearray()  # the first bytes up, until the DataHello (or past any)
         self.scanning = True
+        self.frozen = False  # forwards nothing more, for good (`Proxy.freeze`)
 
     def note_up(self, data: bytes) -> None:
         """Find the worker rank in the first frames up: AuthHello, AuthProof
@@ -195,8 +196,18 @@ class Proxy:
             self._event(f"restore rank {rank}")
         self._wake()
 
+    def freeze(self) -> None:
+        """The connections open now forward nothing more, either way, for
+        good, and are never closed (a flow a middlebox lost, while both ends
+        live); new connections go through."""
+        with self._lock:
+            for p in self._pairs.values():
+                p.frozen = True
+            self._event(f"freeze {len(self._pairs)} pairs")
+        self._wake()
+
     def _stopped(self, p: _Pair) -> bool:
-        return self._mode == "down" or (p.rank is not None and p.rank in self._held)
+        return self._mode == "down" or p.frozen or (p.rank is not None and p.rank in self._held)
 
     @property
     def events(self) -> list[str]:

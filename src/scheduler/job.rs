@@ -279,6 +279,8 @@ pub(super) fn admit(
 pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: Reader) {
     let ns = shared.cfg.namespace;
     let within = Duration::from_millis(shared.cfg.peer_timeout_ms as u64);
+    let keep_alive = crate::session::keep_alive(within);
+    let _ = stream.get_ref().set_read_timeout(Some(keep_alive));
     loop {
         let msg = read_control(&mut stream, ns);
         if let Ok(m) = &msg {
@@ -363,16 +365,26 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
                     return;
                 }
                 drop(st);
-                // A connection that broke (not one the member closed, nor
-                // a silent member) may come back within the peer timeout
-                // since it was last heard; one offered already is taken.
-                // A reset may read as a clean end (a heartbeat's write took
-                // its error): the socket's state tells.
-                let broke = may_resume(&e)
+                // A connection that broke (not one the member closed) may
+                // come back within the peer timeout since it was last
+                // heard; one offered already is taken. A reset may read as
+                // a clean end (a heartbeat's write took its error): the
+                // socket's state tells. One silent past the keep-alive is
+                // shut (the member, if alive, dials again); a member
+                // silent for the peer timeout is lost, as before.
+                let silent = matches!(e, ReadError::TimedOut) && me.heard_at().elapsed() < within;
+                let broke = silent
+                    || may_resume(&e)
                     || (matches!(e, ReadError::Closed) && crate::transport::ended_by_reset(stream.get_ref()));
                 let until = match broke {
                     true => {
-                        log::warn!(target: "scheduler", "{}: {e}; waiting for it to dial again", me.describe());
+                        let what = match silent {
+                            true => {
+                                format!("nothing heard for {:.1}s; its connection is shut", keep_alive.as_secs_f64())
+                            }
+                            false => e.to_string(),
+                        };
+                        log::warn!(target: "scheduler", "{}: {what}; waiting for it to dial again", me.describe());
                         me.disconnect();
                         me.heard_at() + within
                     }
@@ -384,6 +396,7 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
                         Ok(reader) => {
                             log::warn!(target: "scheduler", "{}: the session resumed on a new connection", me.describe());
                             stream = reader;
+                            let _ = stream.get_ref().set_read_timeout(Some(keep_alive));
                             continue;
                         }
                         Err(why) => reason = why,

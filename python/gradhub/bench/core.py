@@ -633,6 +633,9 @@ def _hostile_worker(port: int, rank: int, seconds: float) -> None:
             print(json.dumps({"rate": rates[-1]}), flush=True)
     gradhub.barrier()
     print(json.dumps({"done": True, "wrong": wrong}), flush=True)
+    # The job stays up until the bench has counted what it closed (the end
+    # of the job would close the rest).
+    sys.stdin.readline()
     gradhub.shutdown()
 
 
@@ -677,8 +680,9 @@ def bench_hostile(args, out):
                                "--threads", "1", "--advertise-addr", "127.0.0.1", "--bind-host", "127.0.0.1",
                                "--port", str(sport)], stderr=logs["server"], env=env)
     code = f"from gradhub.bench.core import _hostile_worker; _hostile_worker({port}, {{r}}, {seconds})"
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdout=subprocess.PIPE, text=True,
-                              stderr=open(f"/tmp/gradhub-hostile-worker{r}.log", "w"), env=env) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(r=r)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, stderr=open(f"/tmp/gradhub-hostile-worker{r}.log", "w"), env=env)
+             for r in range(2)]
     rng = np.random.default_rng(0)
     kinds = ("idle", "slow", "garbage", "oversize")
     conns: list[socket.socket] = []
@@ -714,7 +718,10 @@ def bench_hostile(args, out):
             if len(samples) == 3 and time.monotonic() - t0 > timeout_s + 2:
                 sample(f"+{timeout_s + 2} s (peer timeout {timeout_s} s)")
         done1 = json.loads(procs[1].stdout.readline())
-        # How many hostile connections the job closed (a closed socket reads EOF or an error).
+        # How many hostile connections the job closed (a closed socket reads
+        # EOF or an error), while it still runs, once the last one opened has
+        # had its peer timeout (a loaded machine opens them slowly).
+        time.sleep(max(0.0, t0 + opened + timeout_s + 2 - time.monotonic()))
         closed = 0
         for c in conns:
             try:
@@ -725,6 +732,9 @@ def bench_hostile(args, out):
                 pass
             except OSError:
                 closed += 1
+        for p in procs:
+            p.stdin.write("\n")
+            p.stdin.flush()
         for p in procs:
             p.wait(timeout=60)
         server.wait(timeout=30)
