@@ -367,15 +367,11 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
                 drop(st);
                 // A connection that broke (not one the member closed) may
                 // come back within the peer timeout since it was last
-                // heard; one offered already is taken. A reset may read as
-                // a clean end (a heartbeat's write took its error): the
-                // socket's state tells. One silent past the keep-alive is
-                // shut (the member, if alive, dials again); a member
-                // silent for the peer timeout is lost, as before.
+                // heard; one offered already is taken. One silent past the
+                // keep-alive is shut (the member, if alive, dials again); a
+                // member silent for the peer timeout is lost, as before.
                 let silent = matches!(e, ReadError::TimedOut) && me.heard_at().elapsed() < within;
-                let broke = silent
-                    || may_resume(&e)
-                    || (matches!(e, ReadError::Closed) && crate::transport::ended_by_reset(stream.get_ref()));
+                let broke = silent || may_resume(&e, stream.get_ref());
                 let until = match broke {
                     true => {
                         let what = match silent {
@@ -429,13 +425,16 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
     }
 }
 
-/// Whether a broken read may be the connection's fault rather than the
-/// member's: reset, cut mid-frame, or a frame changed on the way.
-fn may_resume(e: &crate::protocol::ReadError) -> bool {
+/// Whether a failed read of `socket` may be the connection's fault rather
+/// than the member's: reset, cut mid-frame, or a frame changed on the way.
+/// A reset may read as a clean end (a heartbeat's write took its error):
+/// the socket's state tells.
+fn may_resume(e: &crate::protocol::ReadError, socket: &TcpStream) -> bool {
     use crate::protocol::ReadError;
     match e {
         ReadError::Io(_) | ReadError::ClosedMidFrame => true,
         ReadError::Protocol(p) => p.changed_on_the_way(),
+        ReadError::Closed => crate::transport::ended_by_reset(socket),
         _ => false,
     }
 }

@@ -219,3 +219,47 @@ impl Member {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+
+    use super::{Comeback, Member, Writer};
+    use crate::protocol::{read_control, Control, Role};
+    use crate::transport::{SealedReader, SealedWriter};
+
+    /// Both ends of a loopback connection: (the scheduler's, the member's).
+    fn connection() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let member = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (l.accept().unwrap().0, member)
+    }
+
+    fn comeback(received: u64) -> (Comeback, SealedReader<TcpStream>) {
+        let (sched, member) = connection();
+        let reader = SealedReader::new(sched.try_clone().unwrap(), None);
+        let writer = Writer::new(SealedWriter::new(sched, None));
+        (Comeback { reader, writer, received }, SealedReader::new(member, None))
+    }
+
+    #[test]
+    fn a_member_back_with_a_count_the_scheduler_cannot_answer_is_refused_and_one_it_can_is_resumed() {
+        let (sched, _old) = connection();
+        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let me = Member::new(Role::Worker, 1, peer, Writer::new(SealedWriter::new(sched, None)));
+        assert!(me.send(&Control::PeerLeft { rank: 3 }, 0) && me.send(&Control::BarrierDone { id: 7 }, 0));
+        // It says it received more than was ever sent: refused, and told why.
+        let (c, mut member) = comeback(5);
+        let Err(why) = me.resume(c, 0) else { panic!("resumed with a count past what was sent") };
+        assert!(why.contains("received 5 of the scheduler's 2 messages"), "{why}");
+        assert!(matches!(read_control(&mut member, 0), Ok(Control::Error { message }) if message == why));
+        // It received the first: it is told what arrived of its own and sent the second again.
+        let (c, mut member) = comeback(1);
+        assert!(me.resume(c, 0).is_ok());
+        assert!(matches!(read_control(&mut member, 0), Ok(Control::Resumed { received: 0 })));
+        assert!(matches!(read_control(&mut member, 0), Ok(Control::BarrierDone { id: 7 })));
+        // What is sent now goes to the new connection.
+        assert!(me.send(&Control::Shutdown, 0));
+        assert!(matches!(read_control(&mut member, 0), Ok(Control::Shutdown)));
+    }
+}
