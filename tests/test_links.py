@@ -122,3 +122,33 @@ def test_a_live_server_its_workers_cannot_reach_is_failed_over(cluster_factory, 
     assert c.procs["server0"].wait(timeout=30) == 0, c.log("server0")
     # Server 1 was told it is out, and left with an error.
     assert c.procs["server1"].wait(timeout=30) != 0 and "out of the job" in c.log("server1"), c.log("server1")
+
+
+def test_a_worker_cut_off_from_every_server_is_named_and_no_server_is_written_off(cluster_factory, proxies):
+    # Two servers, each behind its own proxy; worker 1 alone is cut off
+    # from both (its network failed: every connection reset, none let
+    # through), the other worker and the scheduler still reach everyone.
+    # Worker 1 gives up on both servers and reports them: the scheduler
+    # blames worker 1, which alone reported them, instead of writing the
+    # healthy servers off one after the other.
+    ports = [free_port(), free_port()]
+    made = [Proxy(f"127.0.0.{2 + s}", p, "127.0.0.1", p) for s, p in enumerate(ports)]
+    proxies.extend(made)
+    env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", "GRADHUB_PEER_TIMEOUT": "2"}
+    c = cluster_factory(2, 2, server_ports=ports,
+                        server_args=[["--bind-host", "127.0.0.1", "--advertise-addr", f"127.0.0.{2 + s}"]
+                                     for s in range(2)], **env)
+    for r in range(2):
+        c.start_worker(r, "check_sums.py", CONFIG)
+    c.wait_for("worker0", "LOCAL")
+    for p in made:
+        wait_traffic(c, p, 1 << 20)
+    for p in made:
+        p.cut(1)
+    c.wait_for("scheduler", "job failed", timeout=30)
+    sched = c.log("scheduler")
+    assert "worker 1 cannot reach servers 0, 1, which no other worker reported: it is the one cut off" in sched, sched
+    assert "taken over" not in sched and "moving its chunks" not in sched, sched
+    for name in ("worker0", "worker1", "server0", "server1"):
+        assert c.procs[name].wait(timeout=30) != 0, c.log(name)
+    assert "worker 1" in c.log("worker0") and "it is the one cut off" in c.log("worker1"), c.log("worker1")

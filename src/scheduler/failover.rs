@@ -15,11 +15,43 @@
 //! `moves`' (`Moves`, `TakeIn`).
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::member::Member;
 use super::moves::TakeIn;
+use super::reach::Blame;
 use super::state::Shared;
 use crate::protocol::{Control, NO_SERVER};
+
+/// Worker `worker` cannot reach live server `server` (`why`): half the peer
+/// timeout later (time for the worker's other links to give up too, if its
+/// own network failed), the server is written off, or the worker, if it
+/// alone reported several servers (`reach`), fails the job as one cut off.
+pub(super) fn unreachable(shared: &Shared, worker: &Member, server: u32, why: String) {
+    let window = Duration::from_millis(shared.cfg.peer_timeout_ms as u64 / 2);
+    std::thread::sleep(window);
+    let mut st = shared.lock();
+    if st.is_over() {
+        return;
+    }
+    match st.reach.blame(worker.rank, Instant::now(), window) {
+        Blame::Worker { servers } => {
+            let list: Vec<String> = servers.iter().map(u32::to_string).collect();
+            let reason = format!(
+                "worker {} cannot reach servers {}, which no other worker reported: it is the one cut off ({why})",
+                worker.rank,
+                list.join(", ")
+            );
+            worker.send(&Control::Error { message: reason.clone() }, shared.cfg.namespace);
+            shared.fail(&mut st, Some(worker), reason);
+        }
+        Blame::Server => {
+            let Some(lost) = st.members.servers().find(|m| m.rank == server).cloned() else { return };
+            drop(st);
+            take_over(shared, &lost, why);
+        }
+    }
+}
 
 /// Server `lost` is gone for `reason`: move its chunks, or fail the job if
 /// failover is off or no server is left.
@@ -28,7 +60,8 @@ pub(super) fn take_over(shared: &Shared, lost: &Member, reason: String) {
     let (batch, specs) = {
         let mut guard = shared.lock();
         let st = &mut *guard;
-        if st.is_over() {
+        // Over, or written off already (two reports of one unreachable server).
+        if st.is_over() || !st.members.servers().any(|m| m.rank == lost.rank) {
             return;
         }
         let others: Vec<Arc<Member>> = st.members.servers().filter(|m| m.rank != lost.rank).cloned().collect();

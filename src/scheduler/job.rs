@@ -311,20 +311,24 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
             }
             Ok(Control::Barrier { id }) if me.role == Role::Worker => shared.enter_barrier(&mut st, me.rank, id),
             Ok(Control::Unreachable { server, reason }) if me.role == Role::Worker => {
-                // Written off as if lost (once: a second report finds it
-                // gone), on a thread of its own: this one goes on reading
-                // the worker, whose acks and heartbeats the takeover needs.
-                let Some(lost) = st.members.servers().find(|m| m.rank == server).cloned() else { continue };
+                // Judged a moment later (`reach`), on a thread of its own:
+                // this one goes on reading the worker, whose acks and
+                // heartbeats a takeover needs. A report of a server gone
+                // already is moot.
+                if !st.members.servers().any(|m| m.rank == server) {
+                    continue;
+                }
+                st.reach.record(me.rank, server, Instant::now());
                 drop(st);
                 let why = format!("server {server} is unreachable from worker {}: {reason}", me.rank);
                 log::warn!(target: "scheduler", "{why}");
-                let sh = shared.clone();
+                let (sh, worker) = (shared.clone(), me.clone());
                 let spawned = thread::Builder::new()
-                    .name("gradhub-take-over".into())
-                    .spawn(move || failover::take_over(&sh, &lost, why));
+                    .name("gradhub-unreachable".into())
+                    .spawn(move || failover::unreachable(&sh, &worker, server, why));
                 if let Err(e) = spawned {
                     let mut st = shared.lock();
-                    shared.fail(&mut st, None, format!("cannot start taking server {server} over: {e}"));
+                    shared.fail(&mut st, None, format!("cannot start judging server {server}'s report: {e}"));
                 }
                 continue;
             }

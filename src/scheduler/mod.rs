@@ -27,6 +27,7 @@ mod member;
 mod membership;
 mod moves;
 mod racks;
+mod reach;
 mod rejoin;
 mod service;
 mod state;

@@ -19,6 +19,7 @@ use super::joins::{set_op_targets, JoinOps, JoinStep};
 use super::member::{Member, Writer};
 use super::membership::{Members, Refusal, Registration};
 use super::moves::Moves;
+use super::reach::Reports;
 use crate::protocol::{Control, DeclEntry, Register, Rejoin, Role, TensorSpec};
 
 /// Where the job is. Registration is part of `Running`: whether everyone
@@ -40,6 +41,8 @@ pub(super) struct State {
     pub installs: Installs,
     pub moves: Moves,
     pub joins: JoinOps,
+    /// Workers' reports of servers they cannot reach (`reach`).
+    pub reach: Reports,
     /// Workers whose loss failed the job (an elastic job's next generation
     /// expects the others back: `service`).
     pub lost_workers: u32,
