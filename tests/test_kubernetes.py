@@ -63,6 +63,7 @@ def test_manifests_give_every_role_what_it_needs(workers_file):
     n_servers = sum(r for r, _ in by_role["server"])
     sched_addr = f"{svc['metadata']['name']}:{9000}"
     parser = build_parser()
+    encrypt: set[str] = set()
 
     for component, replicas, t in roles:
         spec = t["spec"]
@@ -78,6 +79,8 @@ def test_manifests_give_every_role_what_it_needs(workers_file):
                     _env._parse(name, s.kind, e["value"], s.choices)  # a value gradhub accepts
         # The token: from the Secret, mounted where GRADHUB_JOB_TOKEN_FILE says.
         assert any(v in env for v in TOKEN_VARS), (component, env)
+        # Encryption shown, and set alike on every role (a member that differs is refused).
+        encrypt.add(env["GRADHUB_ENCRYPT"]["value"])
         path = env["GRADHUB_JOB_TOKEN_FILE"]["value"]
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
         secret_vols = {v["name"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "gradhub-token"}
@@ -104,6 +107,7 @@ def test_manifests_give_every_role_what_it_needs(workers_file):
             if "GRADHUB_RANK" in env:  # else the operator's RANK
                 assert env["GRADHUB_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == ANNOTATION_INDEX
             assert int(env["GRADHUB_LOCAL_SIZE"]["value"]) == 1  # one worker per pod
+    assert len(encrypt) == 1, encrypt
     # An indexed Job's index is each worker's rank: ranks 0..N-1, once each.
     for d in docs:
         if d["kind"] == "Job" and d["spec"].get("completionMode") == "Indexed":
