@@ -8,6 +8,8 @@
 mod control_codec;
 #[path = "../../fuzz/checks/frame_decoder.rs"]
 mod frame_decoder;
+#[path = "../../fuzz/checks/sealed_reader.rs"]
+mod sealed_reader;
 
 /// xorshift64*: reproducible inputs without a dependency.
 struct Rng(u64);
@@ -56,4 +58,26 @@ fn frame_decoder_checks_hold_on_random_and_mutated_frames() {
         frame.extend_from_slice(s.rest());
         frame_decoder::check(&frame);
     }
+}
+
+#[test]
+fn sealed_reader_checks_hold_on_random_and_changed_sealed_frames() {
+    let mut rng = Rng(0x0bad_5eed_f00d_cafe);
+    let (mut whole, mut cut) = (0, 0);
+    for i in 0..RUNS {
+        let mut input = rng.bytes(600);
+        // Half of them sealed messages; a third of those shortened, so that
+        // few or no bytes are left to change them.
+        if let Some(first) = input.first_mut() {
+            *first = (*first & !1) | (i % 2) as u8;
+        }
+        if i % 6 == 1 {
+            input.truncate(input.len().min(1 + rng.next() as usize % 300));
+        }
+        let (sent, got) = sealed_reader::check(&input);
+        whole += usize::from(sent > 0 && got == sent);
+        cut += usize::from(got < sent);
+    }
+    // Both outcomes were reached: all handed on, and a change refused.
+    assert!(whole > RUNS / 20 && cut > RUNS / 20, "{whole} delivered whole, {cut} cut short of {RUNS}");
 }
