@@ -4,8 +4,8 @@
 //! death), and reading the scheduler's messages under the job's peer
 //! timeout, which the scheduler tells every member in Welcome.
 //!
-//! A scheduler lost (its connection closed, or silent for the peer
-//! timeout) is dialled again for up to the peer timeout: a scheduler that
+//! A scheduler lost (its connection closed, or silent past the
+//! keep-alive) is dialled again for up to the peer timeout: a scheduler that
 //! restarted on the same address is sent a `Rejoin` (what the member's
 //! owner reports, `Session::on_rejoin`), and the session goes on. Meanwhile
 //! the data plane trains; what is sent to the scheduler waits (a request
@@ -14,8 +14,9 @@
 //!
 //! A scheduler that did not restart answers the Rejoin with `Resumed`: the
 //! connection had broken (reset, cut mid-frame, a frame changed on the
-//! way, or silent past the keep-alive, `keep_alive`, while both ends live). Each side numbers what it sends in the session and keeps it until
-//! the other's `Ack` heartbeat says it arrived (`transport::replay`); on a
+//! way, or silent past the keep-alive while both ends live: `keep_alive`).
+//! Each side numbers what it sends in the session and keeps it until the
+//! other's `Ack` heartbeat says it arrived (`transport::replay`); on a
 //! resume each sends again what the other had not received, so nothing is
 //! lost or taken twice.
 
