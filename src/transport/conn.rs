@@ -367,6 +367,12 @@ impl Connection {
         }
     }
 
+    /// Closing sends a reset, not a clean end: the peer takes the link for
+    /// broken (and mends it) rather than closed by a peer that is done.
+    pub fn reset_on_close(&self) {
+        let _ = socket2::SockRef::from(&self.stream).set_linger(Some(std::time::Duration::ZERO));
+    }
+
     /// Best effort, nonblocking: e.g. an Error frame before closing, written
     /// only when no frame is half-written (a full socket drops it).
     pub fn write_last_words(&self, bytes: &[u8]) {

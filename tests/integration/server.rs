@@ -321,18 +321,18 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     // Changed on the way: refused by the checksums before anything is
     // trusted or summed (the round below is still exact). The payload
     // lands in the accumulator (the round's first push) and is dropped.
-    // Closed without an Error frame: the link's fault, not the worker's,
+    // Reset without an Error frame: the link's fault, not the worker's,
     // which connects again (client::io::mend).
     let mut c = job.conn(0, 1);
     let mut b = hdr(&spec, |_| {}).encode(&[1u8; 256]);
     b[13] ^= 1; // the key
     c.send_raw(&b);
-    c.expect_closed();
+    c.expect_reset();
     let mut c = job.conn(0, 1);
     let mut b = encode_frame(&hdr(&spec, |_| {}), &f32_bytes(&[1000.0; 64]));
     b[HEADER_LEN + 10] ^= 4;
     c.send_raw(&b);
-    c.expect_closed();
+    c.expect_reset();
 
     // A push of zeros carries no payload, and no initial parameters.
     let mut c = job.conn(0, 1);
@@ -907,6 +907,15 @@ fn optimizer_chunks_refuse_gradients_without_parameters_and_links_only_replicate
     (rep.namespace, rep.key, rep.dtype, rep.payload_len) = (NS, w.key, DType::F32, 256);
     link.send_raw(&encode_frame(&rep, &f32_bytes(&[0.0; 64])));
     link.expect_error("before any parameters");
+    // A replication frame changed on the way: the link is reset, not closed
+    // cleanly, so the thread that opened it dials it again (`relink`)
+    // instead of taking it for a replica that is done.
+    let mut link = job.raw(0);
+    link.send_header(&hello);
+    let mut b = encode_frame(&rep, &f32_bytes(&[0.0; 64]));
+    b[HEADER_LEN + 3] ^= 0x10;
+    link.send_raw(&b);
+    link.expect_reset();
     drop((grouped, link));
     job.finish();
 }

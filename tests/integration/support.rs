@@ -533,6 +533,18 @@ impl DataConn {
             Err(e) => panic!("expected the server to close the connection: {e}"),
         }
     }
+
+    /// The server reset the connection (the link broke: its peer mends it),
+    /// without sending more frames: not a clean end.
+    pub fn expect_reset(&mut self) {
+        let mut b = [0u8; 64];
+        match self.s.read(&mut b) {
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => {}
+            Ok(0) => panic!("expected a reset, the server closed the connection cleanly"),
+            Ok(n) => panic!("expected a reset, got {n} more bytes"),
+            Err(e) => panic!("expected a reset: {e}"),
+        }
+    }
 }
 
 pub fn push_header(spec: &TensorSpec, chunk: usize, round: u32, flags: u16, len: usize) -> Header {

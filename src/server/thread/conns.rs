@@ -190,6 +190,18 @@ impl ServerThread {
 
     /// Close connection `t`, telling the peer `why` (nothing: a clean close).
     pub(super) fn close(&mut self, t: usize, why: &str) {
+        self.close_as(t, why, !why.is_empty());
+    }
+
+    /// Close connection `t`, which broke (`why`: a frame changed on the
+    /// way), without last words: a link of ours is mended as broken.
+    pub(super) fn close_broken(&mut self, t: usize, why: &str) {
+        self.close_as(t, why, false);
+    }
+
+    /// Close connection `t`: the peer is told `why` if `tell`; a link of
+    /// ours that closed for a reason (`why` not empty) is dialled again.
+    fn close_as(&mut self, t: usize, why: &str, tell: bool) {
         let who = self.who();
         let Some(mut c) = self.conns.remove(&t) else { return };
         c.auth.hung_up();
@@ -198,7 +210,7 @@ impl ServerThread {
             self.chunks[chunk].abort_direct(parity, &mut self.pool);
         }
         let peer = c.describe();
-        if !why.is_empty() {
+        if tell {
             log::warn!(target: &who, "closing connection from {peer}: {why}");
             // Best effort: tell the peer why, unless a frame is half-written.
             if c.tx.idle() {

@@ -296,12 +296,17 @@ impl ServerThread {
                             // A clean close between frames: the worker is done.
                             Err(ConnError::Read(ReadError::Closed)) => self.close(t, ""),
                             // Not the peer's doing: its link changed a frame. No
-                            // last words, so a worker mends the link (re-dials,
-                            // re-sends) instead of failing the job.
+                            // last words, and a reset, so the peer mends the link
+                            // (a worker re-dials and re-sends; a server thread
+                            // whose replica link this is dials it again) instead
+                            // of failing the job or taking it for a clean end.
                             Err(why) if why.changed_on_the_way() => {
                                 let peer = self.conns.get(&t).map(|c| c.describe()).unwrap_or_default();
                                 log::warn!(target: &self.who(), "closing connection from {peer}: {why}");
-                                self.close(t, "");
+                                if let Some(c) = self.conns.get(&t) {
+                                    c.link.reset_on_close();
+                                }
+                                self.close_broken(t, &why.to_string());
                             }
                             Err(why) => self.close(t, &why.to_string()),
                         }
