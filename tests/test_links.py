@@ -152,3 +152,30 @@ def test_a_worker_cut_off_from_every_server_is_named_and_no_server_is_written_of
     for name in ("worker0", "worker1", "server0", "server1"):
         assert c.procs[name].wait(timeout=30) != 0, c.log(name)
     assert "worker 1" in c.log("worker0") and "it is the one cut off" in c.log("worker1"), c.log("worker1")
+
+
+def test_a_broken_replica_link_is_dialled_again_and_training_stays_exact(cluster_factory, proxies):
+    # The optimizer on the servers (AdamW): each chunk's state is kept on
+    # the other server, over a server-to-server link. Server 1 is reached
+    # through a proxy, links from server 0 included; every connection
+    # through it is reset twice. Server 0 dials its replica again and sends
+    # it every chunk's state; the workers mend their links; every worker
+    # ends with the parameters of single-process training (torch_train.py).
+    port = free_port()
+    proxy = Proxy("127.0.0.2", port, "127.0.0.1", port)
+    proxies.append(proxy)
+    env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", "GRADHUB_PEER_TIMEOUT": "2"}
+    c = cluster_factory(2, 2, server_ports=[free_port(), port],
+                        server_args=[[], ["--bind-host", "127.0.0.1", "--advertise-addr", "127.0.0.2"]], **env)
+    cfg = {"model": "mlp", "opt": "adamw", "steps": 30, "step_sleep": 0.05, "server": True}
+    for r in range(2):
+        c.start_worker(r, "torch_train.py", cfg)
+    for step in ("STEP 5", "STEP 15"):
+        c.wait_for("worker0", step, timeout=120)
+        proxy.reset()
+    for r in range(2):
+        assert c.procs[f"worker{r}"].wait(timeout=120) == 0, c.log(f"worker{r}")
+        assert f"PASS {r}" in c.log(f"worker{r}"), c.log(f"worker{r}")
+    assert "linked to replica" in c.log("server0") and "again" in c.log("server0"), c.log("server0")
+    for name in ("scheduler", "server0", "server1"):
+        assert c.procs[name].wait(timeout=30) == 0, c.log(name)
