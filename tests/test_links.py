@@ -95,18 +95,26 @@ def test_a_byte_changed_on_the_way_is_refused_and_sent_again_never_summed(cluste
     assert "connected again" in logs, logs
 
 
-def test_a_live_server_its_workers_cannot_reach_is_failed_over(cluster_factory, proxies):
-    # Two servers; server 1 behind a proxy that resets every connection
-    # and lets none through for longer than a link is mended (the peer
-    # timeout): the workers give up, tell the scheduler, which writes server
-    # 1 off although it still hears from it; its chunks move to server 0
-    # and every sum stays exact.
+def second_server_proxied(cluster_factory, proxies):
+    """2 workers and 2 servers (2 s peer timeout); server 1 is reached only
+    through a proxy (it listens on 127.0.0.1, advertises 127.0.0.2), by the
+    workers and by server 0's links to it alike. No worker started yet."""
     port = free_port()
     proxy = Proxy("127.0.0.2", port, "127.0.0.1", port)
     proxies.append(proxy)
     env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", "GRADHUB_PEER_TIMEOUT": "2"}
     c = cluster_factory(2, 2, server_ports=[free_port(), port],
                         server_args=[[], ["--bind-host", "127.0.0.1", "--advertise-addr", "127.0.0.2"]], **env)
+    return c, proxy
+
+
+def test_a_live_server_its_workers_cannot_reach_is_failed_over(cluster_factory, proxies):
+    # Two servers; server 1 behind a proxy that resets every connection
+    # and lets none through for longer than a link is mended (the peer
+    # timeout): the workers give up, tell the scheduler, which writes server
+    # 1 off although it still hears from it; its chunks move to server 0
+    # and every sum stays exact.
+    c, proxy = second_server_proxied(cluster_factory, proxies)
     for r in range(2):
         c.start_worker(r, "check_sums.py", CONFIG)
     c.wait_for("worker0", "LOCAL")
@@ -161,12 +169,7 @@ def test_a_broken_replica_link_is_dialled_again_and_training_stays_exact(cluster
     # through it is reset twice. Server 0 dials its replica again and sends
     # it every chunk's state; the workers mend their links; every worker
     # ends with the parameters of single-process training (torch_train.py).
-    port = free_port()
-    proxy = Proxy("127.0.0.2", port, "127.0.0.1", port)
-    proxies.append(proxy)
-    env = {"GRADHUB_HOST_REDUCE": "0", "GRADHUB_SERVER_SHM": "0", "GRADHUB_PEER_TIMEOUT": "2"}
-    c = cluster_factory(2, 2, server_ports=[free_port(), port],
-                        server_args=[[], ["--bind-host", "127.0.0.1", "--advertise-addr", "127.0.0.2"]], **env)
+    c, proxy = second_server_proxied(cluster_factory, proxies)
     cfg = {"model": "mlp", "opt": "adamw", "steps": 30, "step_sleep": 0.05, "server": True}
     for r in range(2):
         c.start_worker(r, "torch_train.py", cfg)
