@@ -766,10 +766,21 @@ fn restore(conn: &mut DataConn, spec: &TensorSpec, c: usize, round: u32, payload
     conn.send_raw(&encode_frame(&h, payload));
 }
 
-#[test]
-fn a_lost_servers_chunks_are_taken_over_restored_and_replayed() {
-    // Server 0 is real, server 1 a fake that the test drops; 3 fake workers.
-    let (nw, ns) = (3u32, 2u32);
+/// Server 0 real, server 1 a fake that is lost at once; `nw` fake workers,
+/// told of the failover, with data connections to server 0.
+struct TakenOver {
+    h: gradhub::scheduler::SchedulerHandle,
+    real: Pending<Result<(), String>>,
+    workers: Vec<Member>,
+    /// Tensor x before and after the failover, and its chunks that moved.
+    x: TensorSpec,
+    x2: TensorSpec,
+    lost: Vec<usize>,
+    conns: Vec<DataConn>,
+}
+
+fn taken_over(nw: u32) -> TakenOver {
+    let ns = 2u32;
     let h = start(sched_config(nw, ns));
     let real = spawn_server(server_config(h.addr, 1, false, 0, nw, ns));
     let mut fake = Member::register(h.addr, server_reg(1, "127.0.0.1", vec![40_999], false, nw, ns));
@@ -798,48 +809,91 @@ fn a_lost_servers_chunks_are_taken_over_restored_and_replayed() {
     for w in &mut workers[1..] {
         assert!(matches!(w.recv(), Control::Failover { lost: 1, .. }));
     }
-    let mut conns: Vec<DataConn> = (0..nw).map(|r| DataConn::connect_hello("127.0.0.1", port, r)).collect();
+    let conns: Vec<DataConn> = (0..nw).map(|r| DataConn::connect_hello("127.0.0.1", port, r)).collect();
+    TakenOver { h, real, workers, x, x2, lost, conns }
+}
+
+impl TakenOver {
+    fn finish(self) {
+        drop(self.conns);
+        for w in &self.workers {
+            w.send(&Control::Goodbye).unwrap();
+        }
+        assert_eq!(self.real.join(), Ok(()));
+        assert_eq!(wait_scheduler(self.h), Ok(()));
+    }
+}
+
+#[test]
+fn a_lost_servers_chunks_are_taken_over_restored_and_replayed() {
+    let mut job = taken_over(3);
+    let (x, x2, lost, conns) = (&job.x, &job.x2, &job.lost, &mut job.conns);
     let (c0, c1) = (lost[0], lost[1]);
     let n = x2.chunk_bytes(c0) / 4;
     let result = f32_bytes(&vec![7.0; n]);
     let push = |r: usize| f32_bytes(&vec![(r + 1) as f32; n]);
     // Chunk c0: worker 2 missed round 4's result and pushes it again; worker
     // 0 received it and restores it; worker 1 too (a duplicate, ignored).
-    conns[2].push(&x2, c0, 4, 0, &push(2));
-    conns[2].expect_received(&x2, c0, 4);
-    restore(&mut conns[0], &x2, c0, 4, &result);
-    assert_eq!(conns[2].expect_result(&x2, c0, 4), result, "the restored result completes the round");
-    restore(&mut conns[1], &x2, c0, 4, &result);
+    conns[2].push(x2, c0, 4, 0, &push(2));
+    conns[2].expect_received(x2, c0, 4);
+    restore(&mut conns[0], x2, c0, 4, &result);
+    assert_eq!(conns[2].expect_result(x2, c0, 4), result, "the restored result completes the round");
+    restore(&mut conns[1], x2, c0, 4, &result);
     // Round 5 is summed from everyone's pushes as usual.
     for (r, conn) in conns.iter_mut().enumerate() {
-        conn.push(&x2, c0, 5, 0, &push(r));
+        conn.push(x2, c0, 5, 0, &push(r));
         if r < 2 {
-            conn.expect_received(&x2, c0, 5);
+            conn.expect_received(x2, c0, 5);
         }
     }
-    for conn in &mut conns {
-        assert_eq!(bytes_f32(&conn.expect_result(&x2, c0, 5)), vec![6.0; n]);
+    for conn in conns.iter_mut() {
+        assert_eq!(bytes_f32(&conn.expect_result(x2, c0, 5)), vec![6.0; n]);
     }
     // Chunk c1: the restored result comes first; a push of that round is
     // answered with it at once (a replay), and round 4 goes on.
-    restore(&mut conns[1], &x2, c1, 3, &result);
-    conns[1].push(&x2, c1, 4, 0, &push(1));
-    conns[1].expect_received(&x2, c1, 4); // so the restore was taken before what follows
-    conns[2].push(&x2, c1, 3, 0, &push(2));
-    assert_eq!(conns[2].expect_result(&x2, c1, 3), result);
+    restore(&mut conns[1], x2, c1, 3, &result);
+    conns[1].push(x2, c1, 4, 0, &push(1));
+    conns[1].expect_received(x2, c1, 4); // so the restore was taken before what follows
+    conns[2].push(x2, c1, 3, 0, &push(2));
+    assert_eq!(conns[2].expect_result(x2, c1, 3), result);
     // Restoring a chunk that was not taken over, or a round ahead of it, breaks the protocol.
     if let Some(kept) = (0..x2.num_chunks()).find(|&c| x.slots[c] == 0) {
-        restore(&mut conns[0], &x2, kept, 0, &f32_bytes(&vec![1.0; x2.chunk_bytes(kept) / 4]));
+        restore(&mut conns[0], x2, kept, 0, &f32_bytes(&vec![1.0; x2.chunk_bytes(kept) / 4]));
         conns[0].expect_error("did not take over");
     }
-    restore(&mut conns[1], &x2, c1, 9, &result);
+    restore(&mut conns[1], x2, c1, 9, &result);
     conns[1].expect_error("round 9 but the chunk is at round 4");
-    drop(conns);
-    for w in &workers {
-        w.send(&Control::Goodbye).unwrap();
+    job.finish();
+}
+
+#[test]
+fn a_push_whose_round_a_restored_result_completes_while_it_arrives_is_answered_with_that_result() {
+    // Worker 2 missed round 4's result of a moved chunk and pushes it
+    // again; worker 0 received it and restores it while worker 2's payload
+    // is still on its way; worker 0 then goes on to round 5.
+    let mut job = taken_over(3);
+    let (x2, c, conns) = (&job.x2, job.lost[0], &mut job.conns);
+    let n = x2.chunk_bytes(c) / 4;
+    let result = f32_bytes(&vec![7.0; n]);
+    let push = |r: usize, round: u32| f32_bytes(&vec![(10 * round as usize + r) as f32; n]);
+    let frame = encode_frame(&push_header(x2, c, 4, 0, 4 * n), &push(2, 4));
+    let half = frame.len() / 2;
+    conns[2].send_raw(&frame[..half]);
+    std::thread::sleep(Duration::from_millis(300)); // its header taken first: the chunk is at round 4
+    restore(&mut conns[0], x2, c, 4, &result);
+    conns[0].push(x2, c, 5, 0, &push(0, 5));
+    conns[0].expect_received(x2, c, 5); // so the restore completed round 4 before the rest arrives
+    conns[2].send_raw(&frame[half..]);
+    // Not a push of round 5 (that would sum round 4's data into it): a
+    // replay of round 4, answered with the restored result.
+    assert_eq!(conns[2].expect_result(x2, c, 4), result);
+    conns[1].push(x2, c, 5, 0, &push(1, 5));
+    conns[1].expect_received(x2, c, 5);
+    conns[2].push(x2, c, 5, 0, &push(2, 5));
+    for conn in conns.iter_mut() {
+        assert_eq!(bytes_f32(&conn.expect_result(x2, c, 5)), vec![153.0; n], "round 5 is its pushes' sum");
     }
-    assert_eq!(real.join(), Ok(()));
-    assert_eq!(wait_scheduler(h), Ok(()));
+    job.finish();
 }
 
 #[test]

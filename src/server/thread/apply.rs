@@ -120,9 +120,16 @@ impl ServerThread {
             return Ok(());
         }
         match d.kind {
-            PayloadKind::Push => {
-                self.add_push(t, hdr, d.chunk, if d.direct { Source::Direct } else { Source::Scratch })
+            PayloadKind::Push if d.direct => self.add_push(t, hdr, d.chunk, Source::Direct),
+            // (Asynchronous chunks count pushes their own way: `delta`.)
+            PayloadKind::Push if hdr.flags & FLAG_ASYNC != 0 || self.chunks[d.chunk].deltas.is_some() => {
+                self.add_push(t, hdr, d.chunk, Source::Scratch)
             }
+            PayloadKind::Push => match self.on_arrival(t, &hdr, d.chunk)? {
+                PayloadKind::Push => self.add_push(t, hdr, d.chunk, Source::Scratch),
+                PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
+                _ => Ok(()),
+            },
             PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
             PayloadKind::Restore => self.restore(t, hdr, d.chunk),
             PayloadKind::Counted => {

@@ -303,33 +303,8 @@ impl ServerThread {
                 ch.dtype.name()
             )));
         }
-        match admit {
-            Ok(_) => {}
-            Err(Refusal::Retired) => {
-                return Err(invalid(format!(
-                    "tensor '{name}' chunk {}: no longer summed here (the job is failing)",
-                    hdr.chunk
-                )))
-            }
-            Err(Refusal::Round { at }) => {
-                return Err(invalid(format!(
-                    "tensor '{name}' chunk {}: push for round {} but the chunk is at round {at}",
-                    hdr.chunk, hdr.round
-                )))
-            }
-            Err(Refusal::NotAPusher) => {
-                return Err(invalid(format!(
-                    "tensor '{name}' chunk {}: worker {rank} pushed, but worker {} pushes it for that host",
-                    hdr.chunk,
-                    self.cfg.layout.owner(rank, hdr.key, hdr.chunk)
-                )))
-            }
-            Err(Refusal::Twice) => {
-                return Err(invalid(format!(
-                    "tensor '{name}' chunk {}: worker {rank} pushed twice in round {}",
-                    hdr.chunk, hdr.round
-                )))
-            }
+        if let Err(why) = admit {
+            return Err(self.refused(hdr, rank, why));
         }
         if let Some(why) = self.never_completes(ch) {
             return Err(invalid(why));
@@ -359,6 +334,41 @@ impl ServerThread {
             return Err(invalid(self.no_parameters(ch)));
         }
         Ok((idx, rank, PayloadKind::Push))
+    }
+
+    /// A push admitted at its header, its payload now arrived in scratch:
+    /// admitted again, since a restored result may have completed its
+    /// round meanwhile (an adopted chunk, `Round::restore`), which makes it
+    /// a replay of that round, not a push to the next one.
+    pub(super) fn on_arrival(&self, t: usize, hdr: &Header, idx: usize) -> Result<PayloadKind, ConnError> {
+        let conn = self.conns.get(&t).ok_or("internal: no connection")?;
+        let rank = conn.rank.ok_or("internal: no rank")?;
+        match self.chunks[idx].round.admit(rank, hdr.round) {
+            Ok(Admit::Push) => Ok(PayloadKind::Push),
+            // (As at the header: a result sent on this link answers it.)
+            Ok(Admit::Replay) if hdr.flags & FLAG_RESENT != 0 && conn.answered(idx, hdr.round) => {
+                Ok(PayloadKind::Discard)
+            }
+            Ok(Admit::Replay) => Ok(PayloadKind::Replay),
+            Ok(Admit::Counted) => Ok(PayloadKind::Counted),
+            Err(why) => Err(self.refused(hdr, rank, why)),
+        }
+    }
+
+    /// Why rank's push `hdr` does not fit its chunk's round, in words.
+    fn refused(&self, hdr: &Header, rank: u32, why: Refusal) -> ConnError {
+        let (name, c, round) = (self.name(hdr.key), hdr.chunk, hdr.round);
+        invalid(match why {
+            Refusal::Retired => format!("tensor '{name}' chunk {c}: no longer summed here (the job is failing)"),
+            Refusal::Round { at } => {
+                format!("tensor '{name}' chunk {c}: push for round {round} but the chunk is at round {at}")
+            }
+            Refusal::NotAPusher => format!(
+                "tensor '{name}' chunk {c}: worker {rank} pushed, but worker {} pushes it for that host",
+                self.cfg.layout.owner(rank, hdr.key, hdr.chunk)
+            ),
+            Refusal::Twice => format!("tensor '{name}' chunk {c}: worker {rank} pushed twice in round {round}"),
+        })
     }
 
     /// The chunk a data frame names (owned by this thread), and its sender.
