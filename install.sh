@@ -5,7 +5,11 @@
 # for the srun test), then the package itself with its test and example
 # dependencies (the Rust core built by maturin, numpy, torch, pytest), then
 # the lab (lab/: the measurement harness behind docs/, which the tests
-# import; it depends on gradhub, never the reverse).
+# import; it depends on gradhub, never the reverse), then a second
+# environment with the oldest torch the package accepts (.venv-oldest-torch/:
+# torch, numpy, pytest; gradhub from this tree on PYTHONPATH), where
+# tests/test_torch_versions.py runs the backend's tests
+# (GRADHUB_NO_OLDEST_TORCH=1 skips it outside CI).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -20,3 +24,8 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 pip install -e ".[dev]"
 pip install -e lab/
+if [ "${GRADHUB_NO_OLDEST_TORCH:-0}" != 1 ]; then
+    oldest=$(python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["torch"] if d.startswith("torch>=")).split(">=")[1])')
+    [ -x .venv-oldest-torch/bin/python ] || python -m venv .venv-oldest-torch
+    .venv-oldest-torch/bin/pip install -q "torch~=${oldest}.0" numpy "pytest>=8,<9" pytest-xdist pyyaml
+fi

@@ -61,10 +61,10 @@ import torch.distributed as dist
 from ... import api as _api
 from ..process_sets import ProcessSet, global_process_set
 from . import job as _job
-from .collectives import NAME, GradhubBackend, _GroupSet
+from .collectives import NAME, GradhubBackend, GradhubProcessGroup, _GroupSet, backend_class
 from .work import GradhubBackendError, Work
 
-__all__ = ["NAME", "GradhubBackend", "GradhubBackendError", "Work", "register"]
+__all__ = ["NAME", "GradhubBackend", "GradhubBackendError", "GradhubProcessGroup", "Work", "backend_class", "register"]
 
 
 def _create(opts, backend_options=None):
@@ -75,7 +75,7 @@ def _create(opts, backend_options=None):
     default = not ranks or (ranks == list(range(size)) and not dist.is_initialized())
     if default:
         formed = _job.join(opts.store, rank, size, timeout)
-        return GradhubBackend(rank, size, global_process_set, "", timeout, formed)
+        return backend_class()(rank, size, global_process_set, "", timeout, formed, store=opts.store)
     if not _api.is_initialized():
         raise RuntimeError("new_group(backend='gradhub'): the default group is not a gradhub one; create it with "
                            "init_process_group('gradhub') (or a device map naming gradhub), or call gradhub.init() "
@@ -85,7 +85,7 @@ def _create(opts, backend_options=None):
     else:
         ps = _GroupSet(ranks, str(opts.group_id))
     prefix = f"g{opts.group_id}." if ps is not global_process_set else f"g{opts.group_id}."
-    return GradhubBackend(rank, size, ps, prefix, timeout, False)
+    return backend_class()(rank, size, ps, prefix, timeout, False, store=opts.store)
 
 
 def _patch_is_completed() -> None:

@@ -85,10 +85,12 @@ class _GroupSet(ProcessSet):
         self.process_set_id = f"g{group_name}"
 
 
-class GradhubBackend(_C10dBackend):
-    """One torch process group's gradhub side."""
+class Collectives:
+    """One torch process group's gradhub side: every collective, on top of
+    whichever torch class this torch lets Python extend (`backend_class`)."""
 
-    def __init__(self, rank: int, size: int, ps: ProcessSet, prefix: str, timeout: float, owns_job: bool):
+    def __init__(self, rank: int, size: int, ps: ProcessSet, prefix: str, timeout: float, owns_job: bool,
+                 store=None):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._ps = ps
@@ -251,7 +253,7 @@ class GradhubBackend(_C10dBackend):
             raise _unsupported(f"{what} with op {kind}")
         src = t
         if kind == _R.PREMUL_SUM:
-            f = rop.factor
+            f = _premul_factor(rop)
             src = t * (f.to(t.device) if isinstance(f, torch.Tensor) else f)
         name = self._name(what, t.dtype, t.numel() * t.element_size())
         self._check_open()
@@ -398,6 +400,28 @@ class GradhubBackend(_C10dBackend):
 
         return self._complete_when(op, [h], finish)
 
+    def gather_single(self, output, input, opts):
+        """`dist.gather_single` (torch 2.15): every member's `input` into the
+        root's one `output` (empty elsewhere)."""
+        root = opts.rootRank
+        nbytes = input.numel() * input.element_size()
+        name = self._name("gather_single", input.dtype, nbytes)
+        op = self._op("gather_single", [output])
+        if self._rank == root and output.numel() != input.numel() * self._size:
+            raise ValueError(f"gather_single: the output has {output.numel()} elements, not {self._size} x "
+                             f"{input.numel()} (the group's size times the input's)")
+        if nbytes == 0:
+            return self._complete_when(op, [])
+        h, buf, words = self._gather_start(input, name)
+
+        def finish():
+            if self._rank == root:
+                rows = output.reshape(self._size, -1)
+                for q in range(self._size):
+                    rows[q].copy_(_slot_read(buf, q, words, input).reshape(-1))
+
+        return self._complete_when(op, [h], finish)
+
     def scatter(self, output_tensors, input_tensors, opts):
         out = _one(output_tensors, "scatter")
         root = opts.rootRank
@@ -531,6 +555,16 @@ class GradhubBackend(_C10dBackend):
         data_name = _api.AutoName(f"{self._prefix}dist.{what}{_api.AUTO_MARK}{next(self._once)}")
         return self._in_thread(what, keep or outs, body)
 
+    # torch 2.12's names for three of the above (its dist.* call these)
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
+        return self.all_gather_single_coalesced(outputs, inputs, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        return self.reduce_scatter_single_coalesced(outputs, inputs, opts)
+
     def barrier(self, opts):
         name = self._name("barrier", torch.float32, 4)
         op = self._op("barrier", [])
@@ -577,9 +611,69 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _premul_factor(rop):
+    """A PREMUL_SUM's factor (a float or a tensor): `rop.factor`, or where
+    torch does not expose it (2.12), from the op's pickled state."""
+    f = getattr(rop, "factor", None)
+    return f if f is not None else rop.__getstate__()[1]
+
+
 def _one(tensors, what: str):
     if len(tensors) != 1:
         raise _unsupported(f"{what} of {len(tensors)} tensors per process (the multi-device form)",
                            "one tensor per process")
     return tensors[0]
 
+
+
+# ---------------------------------------------------------------- torch's base class
+
+
+class GradhubBackend(Collectives, _C10dBackend):
+    """The backend as torch ≥ 2.14 takes it: a `Backend` (c10d's per-device
+    layer), registered under its process group by torch."""
+
+
+class GradhubProcessGroup(Collectives, dist.ProcessGroup):
+    """The backend where torch's `Backend` has no constructor Python can
+    call (2.13 and before: "No constructor defined!"): a whole
+    `ProcessGroup`, which torch installs as the group itself. torch keeps a
+    group's name on its per-device backends, so a group without one has no
+    name (DeviceMesh, FSDP2 and DTensor read it): a gloo backend is
+    registered for the CPU to hold it. torch's Python calls and DDP's
+    reducer reach this class's collectives; the C++ paths that dispatch
+    per device (functional collectives) reach gloo: slower there, never
+    wrong."""
+
+    def __init__(self, rank: int, size: int, ps: ProcessSet, prefix: str, timeout: float, owns_job: bool,
+                 store=None):
+        super().__init__(rank, size, ps, prefix, timeout, owns_job)
+        if store is not None:
+            import datetime
+
+            # A store can outlive its group (init, destroy, init again): each
+            # creation's gloo keys go under a prefix of their own, or a member
+            # would read the previous gloo's addresses.
+            gen = (store.add("gradhub/placeholder", 1) - 1) // size
+            keys = dist.PrefixStore(f"gradhub/placeholder/{gen}", store)
+            gloo = dist.ProcessGroupGloo(keys, rank, size, datetime.timedelta(seconds=timeout))
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+
+
+_chosen: type | None = None
+
+
+def backend_class() -> type:
+    """The class this torch can construct from Python: the `Backend`
+    subclass where it can be made, else the `ProcessGroup` one."""
+    global _chosen
+    if _chosen is None:
+        class _Probe(_C10dBackend):
+            pass
+
+        try:
+            _Probe(0, 1)
+            _chosen = GradhubBackend
+        except TypeError:
+            _chosen = GradhubProcessGroup
+    return _chosen
