@@ -48,3 +48,12 @@ def test_cuda_tensors_sum_exactly_and_stage_one_share_per_gpu(stage):
     rc, out = run_launch(workers, 1, "torch_local_stage.py", cfg, env={"GRADHUB_LOCAL_STAGE": stage})
     assert_all_passed(rc, out, workers)
 
+
+
+def test_the_backend_on_cuda_tensors_collectives_ddp_and_fsdp2_equal_one_process():
+    # Two processes whatever the GPUs (on one GPU they share it; the shared-memory local stage).
+    from conftest import free_port
+
+    rc, out = run_launch(2, 1, "backend_cuda.py", {"port": free_port()}, env={"GRADHUB_LOCAL_STAGE": "shm"})
+    assert_all_passed(rc, out, 2)
+    assert out.count("FSDP2 on CUDA: 20 steps equal one process") == 2, out[-6000:]

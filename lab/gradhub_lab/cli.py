@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of none (no synchronization, every worker computing at once: the bound each "
                         "other run is put beside), ddp, gradhub, and torch.distributed on gradhub: ddp-hook (DDP "
                         "over gloo, gradhub's comm hook, the lab's gradhub job), ddp-gradhub (DDP over the "
-                        "\"gradhub\" backend, which forms its own job), fsdp-gloo, fsdp-gradhub (FSDP2, every "
-                        "layer sharded; the backend systems: colocated servers only)")
+                        "\"gradhub\" backend: it forms its own job with colocated servers, or joins the lab's "
+                        "with --cpu-servers or --no-colocated), fsdp-gloo, fsdp-gradhub (FSDP2, every layer "
+                        "sharded)")
     t.add_argument("--unscaled", action="store_true",
                    help="leave the chunk size, fusion buckets and DDP's buckets at the defaults a user gets (roles at "
                         "defaults, as started by hand) instead of dividing them by --scale with every other byte count")

@@ -327,14 +327,18 @@ def run_job(layout: Layout, rate: str | None, module: str, cfg: dict, system: st
         devs = {h.name: h.veth for h in cluster.hosts.values() if h.name.startswith("s") and h.name != "sched"}
         devs.update({f"core{r}": dev for r, dev in cluster.core_links.items()})
         sampler = CpuSampler(period=0.05, netdevs=devs) if devs and cluster.rate_bps else CpuSampler()
-        if system in BACKEND_SYSTEMS and (layout.cpu_servers or not layout.colocated or racks):
-            raise ValueError(f"{system}: the gradhub backend forms its own job, with a colocated server per host "
-                             "only (no --cpu-servers, --no-colocated or --racks)")
+        if system in BACKEND_SYSTEMS and racks:
+            raise ValueError(f"{system}: the gradhub backend's job has no racks (no --racks)")
+        # The backend forms its own job (a colocated server per host) as under
+        # torchrun, or joins one the lab starts, as a user with CPU-only
+        # server hosts starts it by hand (GRADHUB_SCHEDULER).
+        lab_job = system in LAB_JOB_SYSTEMS or (system in BACKEND_SYSTEMS and
+                                                (layout.cpu_servers or not layout.colocated))
         if racks and system == "gradhub":
             # What PHub's model needs, from the emulated links (Gbit/s).
             base.setdefault("GRADHUB_LINK_GBIT", str(cluster.rate_bps / 1e9 if cluster.rate_bps else 0))
             base.setdefault("GRADHUB_CORE_GBIT", str(cluster.core_bps / 1e9 if cluster.core_bps else 0))
-        if system in LAB_JOB_SYSTEMS:
+        if lab_job:
             if layout.num_servers < 1:
                 raise ValueError("gradhub needs at least one server (colocated or CPU-only)")
             base.update(GRADHUB_SCHEDULER=f"{sched.ip}:{SCHED_PORT}", GRADHUB_NUM_WORKERS=str(layout.num_workers),

@@ -204,9 +204,9 @@ def train(spec: TrainSpec) -> tuple[int, list[dict]]:
         print(f"gradhub-lab train: unknown system {unknown[0]!r} (choose from {', '.join(SYSTEMS)})", file=sys.stderr)
         return 2, []
     backend = [s for s in spec.systems if s in BACKEND_SYSTEMS]
-    if backend and (layout.cpu_servers or not layout.colocated or layout.racks > 1):
-        print(f"gradhub-lab train: {backend[0]}: the gradhub backend forms its own job, with a colocated server per "
-              "host only (no --cpu-servers, --no-colocated or --racks)", file=sys.stderr)
+    if backend and layout.racks > 1:
+        print(f"gradhub-lab train: {backend[0]}: the gradhub backend's job has no racks (no --racks)",
+              file=sys.stderr)
         return 2, []
     prof = profiles.get(spec.model)
     cfg = {"model": spec.model, "scale": spec.scale, "iters": spec.iters, "warmup": spec.warmup,

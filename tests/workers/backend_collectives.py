@@ -9,6 +9,8 @@ one run:
   from every rank's inputs (AVG, PREMUL_SUM);
 - async Work: wait, is_completed, get_future;
 - unsupported calls raise, naming the call;
+- all_gather_coalesced, sparse all_reduce, monitored_barrier (passing, and
+  naming the ranks that did not come);
 - a sub-group (new_group) and its collectives, non-members idle;
 - DDP training for 20 steps (SGD with momentum) equals one process training
   on the combined batch, and so do FSDP2 and, with an even number of
@@ -237,6 +239,49 @@ for what, call in [("send", lambda: dist.send(torch.ones(1), (r + 1) % n)),
         assert "gradhub" in str(e) and what in str(e), e
     else:
         raise AssertionError(f"{what} did not raise")
+
+# ---------------------------------------------------------------- all_gather_coalesced: one output list per member
+ins = [torch.full((2, 2), float(r)), torch.full((3,), 10.0 + r)]
+outs = [[torch.zeros(2, 2), torch.zeros(3)] for _ in range(n)]
+dist.all_gather_coalesced(outs, ins)
+for q in range(n):
+    assert torch.equal(outs[q][0], torch.full((2, 2), float(q))) and torch.equal(outs[q][1], torch.full((3,), 10.0 + q)), outs
+
+# ---------------------------------------------------------------- sparse all_reduce (SUM), as gloo's
+for shape, dense in [((6,), ()), ((5, 4), (3,))]:
+    def sparse(q):
+        g = torch.Generator().manual_seed(77 + q)
+        k = q + 1   # a different number of entries on every rank
+        idx = torch.stack([torch.randint(0, s_, (k,), generator=g) for s_ in shape])
+        return torch.sparse_coo_tensor(idx, torch.randn((k, *dense), generator=g), (*shape, *dense))
+    t = sparse(r)
+    dist.all_reduce(t)
+    want = sum((sparse(q) for q in range(n)), torch.zeros((*shape, *dense)).to_sparse(len(shape))).coalesce()
+    assert t.is_sparse and torch.allclose(t.to_dense(), want.to_dense(), atol=1e-6), (t, want)
+
+# ---------------------------------------------------------------- monitored_barrier: passes, then names who did not come
+try:
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    monitored = True
+except ValueError as e:   # torch 2.12 and 2.13 refuse it on any backend but gloo, before calling it
+    assert "only implemented for GLOO" in str(e), e
+    monitored = False
+if monitored:
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=30), wait_all_ranks=True)
+if monitored and r == 0:
+    for wait_all, words in [(False, "Rank 1 failed to pass monitoredBarrier"),
+                            (True, f"Ranks {', '.join(map(str, range(1, n)))} failed to pass monitoredBarrier"),
+                            (False, "Rank 0 timed out in monitoredBarrier")]:
+        t0 = datetime.datetime.now()
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=0 if "timed out" in words else 0.3),
+                                   wait_all_ranks=wait_all)
+        except RuntimeError as e:
+            assert words in str(e), (words, e)
+        else:
+            raise AssertionError(f"monitored_barrier did not raise {words!r}")
+        assert (datetime.datetime.now() - t0).total_seconds() < 10
+dist.barrier()
 
 # ---------------------------------------------------------------- a sub-group
 sub_ranks = list(range(n - 1)) if n > 2 else [0, 1]

@@ -26,9 +26,9 @@ def batch(step: int, q: int):
     return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def train(mesh, label):
+def train(mesh, label, device: str = "cpu"):
     r, n = dist.get_rank(), dist.get_world_size()
-    m = model()
+    m = model().to(device)
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -38,14 +38,14 @@ def train(mesh, label):
     for step in range(20):
         x, y = batch(step, r)
         opts[0].zero_grad()
-        F.cross_entropy(m(x), y).backward()
+        F.cross_entropy(m(x.to(device)), y.to(device)).backward()
         opts[0].step()
         xs, ys = zip(*(batch(step, q) for q in range(n)))
         opts[1].zero_grad()
         F.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
         opts[1].step()
     for (name, a), b in zip(m.named_parameters(), single.parameters()):
-        full = a.full_tensor()
+        full = a.full_tensor().cpu()
         assert torch.allclose(full, b, rtol=1e-4, atol=1e-5), (label, name, (full - b).abs().max())
     print(f"{label}: 20 steps equal one process", flush=True)
 

@@ -17,7 +17,7 @@ from ..compression import Compression
 from ..ops import _push_pull_async
 from ..process_sets import ProcessSet
 from .job import end_job
-from .work import GradhubBackendError, Work, _all_of, _failure, _Helper, _Op, _unsupported, _watchdog
+from .work import GradhubBackendError, Work, _all_of, _failure, _Helper, _now, _Op, _unsupported, _watchdog
 
 NAME = "gradhub"
 _R = dist.ReduceOp.RedOpType
@@ -48,6 +48,11 @@ def _fold(g: torch.Tensor, fn) -> torch.Tensor:
 
 def _words(nbytes: int) -> int:
     return (nbytes + 3) // 4
+
+
+def _aligned(words: int) -> int:
+    """`words` rounded up to a multiple of 4 (16 bytes)."""
+    return (words + 3) // 4 * 4
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor | None:
@@ -92,6 +97,14 @@ class Collectives:
     def __init__(self, rank: int, size: int, ps: ProcessSet, prefix: str, timeout: float, owns_job: bool,
                  store=None):
         super().__init__(rank, size)
+        # The group's keys in torch's store (monitored_barrier): a store can
+        # outlive its group (init, destroy, init again), so each creation's
+        # keys go under a prefix of their own.
+        self._keys = None
+        if store is not None:
+            gen = (store.add("gradhub/created", 1) - 1) // size
+            self._keys = dist.PrefixStore(f"gradhub/{gen}", store)
+        self._barriers = 0
         self._rank, self._size = rank, size
         self._ps = ps
         self._prefix = prefix
@@ -105,6 +118,13 @@ class Collectives:
 
     def getBackendName(self) -> str:
         return NAME
+
+    @property
+    def supports_coalescing(self) -> bool:
+        """No coalescing (torch then calls each operation itself); defined
+        here because torch's property, read on a Python subclass, calls
+        itself until the stack overflows (batch_isend_irecv reads it)."""
+        return False
 
     def __repr__(self) -> str:
         return f"<gradhub backend rank {self._rank} of {self._size} ({self._prefix or 'default group'})>"
@@ -229,14 +249,61 @@ class Collectives:
 
     def allreduce(self, tensors, opts):
         t = _one(tensors, "all_reduce")
+        if t.is_sparse:
+            return self._sparse_allreduce(t, opts.reduceOp)
         return self._allreduce(t, opts.reduceOp, "all_reduce")
+
+    def _sparse_allreduce(self, t: torch.Tensor, rop) -> Work:
+        """A sparse COO tensor's sum, as gloo's: every member's indices and
+        values gathered (their counts first), summed and coalesced here,
+        `t` replaced by the sum."""
+        if rop.op != _R.SUM:
+            raise _unsupported(f"sparse all_reduce with {rop.op.name}", "only SUM, as gloo")
+        n, me = self._size, self._rank
+        meta_name = self._name("all_reduce.sparse.nnz", torch.int64, n * 8)
+        c = t.detach().coalesce()
+        idx, vals = c.indices().contiguous(), c.values().contiguous()
+        row = vals[0].numel() if vals.dim() > 1 else 1   # dense elements per index
+
+        def body():
+            meta = torch.zeros(n, dtype=torch.int64)
+            meta[me] = idx.shape[1]
+            self._sum(meta, meta_name, live=(me, me + 1)).wait()
+            counts = meta.tolist()
+            most = max(counts)
+            # Slots and the values within them start on 16 bytes (the widest element).
+            iw = _aligned(_words(most * idx.shape[0] * 8))
+            words = iw + _aligned(_words(most * row * vals.element_size()))
+            if most:
+                buf = torch.zeros(n * words, dtype=torch.int32)
+                raw = buf.view(torch.uint8)
+                ib, vb = _bytes_of(idx), _bytes_of(vals)
+                raw[me * words * 4: me * words * 4 + ib.numel()].copy_(ib)
+                raw[(me * words + iw) * 4: (me * words + iw) * 4 + vb.numel()].copy_(vb)
+                self._sum(buf, data_name, live=(me * words, (me + 1) * words)).wait()
+            all_idx, all_vals = [], []
+            for q, k in enumerate(counts):
+                if not k:
+                    continue
+                base = q * words * 4
+                all_idx.append(raw[base: base + k * idx.shape[0] * 8].view(torch.int64).view(idx.shape[0], k))
+                vbytes = raw[base + iw * 4: base + iw * 4 + k * row * vals.element_size()]
+                all_vals.append(vbytes.view(vals.dtype).view(k, *vals.shape[1:]))
+            if all_idx:
+                total = torch.sparse_coo_tensor(torch.cat(all_idx, 1), torch.cat(all_vals), t.shape).coalesce()
+            else:
+                total = torch.sparse_coo_tensor(idx, vals, t.shape).coalesce()
+            t.copy_(total)
+
+        data_name = _api.AutoName(f"{self._prefix}dist.all_reduce.sparse{_api.AUTO_MARK}{next(self._once)}")
+        return self._in_thread("sparse all_reduce", [t], body)
 
     def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None) -> Work:
         """Reduce `t` over the group into `out` (default: `t`, in place)."""
         out = t if out is None else out
         kind = rop.op
         if t.is_sparse:
-            raise _unsupported("sparse all_reduce")
+            raise _unsupported(f"sparse {what}", "all_reduce takes sparse tensors")
         if kind in _GATHERED:
             if kind in (_R.BAND, _R.BOR, _R.BXOR) and t.is_floating_point():
                 raise _unsupported(f"{what} with {kind.name} on {t.dtype}", "bitwise ops need integer or bool tensors")
@@ -278,7 +345,7 @@ class Collectives:
         return _all_of(works, list(tensors), "all_reduce_coalesced", self)
 
     def allreduce_sparse(self, tensors, opts):
-        raise _unsupported("sparse all_reduce (allreduce_sparse)", "reduce a dense tensor instead")
+        return self._sparse_allreduce(_one(tensors, "all_reduce"), opts.reduceOp)
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
@@ -374,7 +441,11 @@ class Collectives:
         return self._complete_when(op, [h], finish)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts):
-        works = [self.allgather([outs], [t], opts) for outs, t in zip(output_lists, input_tensors)]
+        """`output_lists[q][i]`: member q's tensor i (one list per member)."""
+        if len(output_lists) != self._size or any(len(outs) != len(input_tensors) for outs in output_lists):
+            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for a group of {self._size}, "
+                             f"each needs {len(input_tensors)} tensors (one per input)")
+        works = [self.allgather([[outs[i] for outs in output_lists]], [t], opts) for i, t in enumerate(input_tensors)]
         return _all_of(works, [o for outs in output_lists for o in outs], "all_gather_coalesced", self)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
@@ -585,7 +656,55 @@ class Collectives:
         raise _unsupported("point-to-point recv from any source (dist.recv without src)")
 
     def monitored_barrier(self, opts, wait_all_ranks=False):
-        raise _unsupported("monitored_barrier", "use dist.barrier()")
+        """gloo's monitored barrier, through torch's store: every other
+        member checks in with member 0, which names who did not within the
+        timeout (the first in rank order, or all with `wait_all_ranks`) and
+        otherwise lets them all go. Blocking, as gloo's."""
+        import datetime
+
+        t = opts if isinstance(opts, datetime.timedelta) else opts.timeout   # (the ProcessGroup form gets the timeout)
+        timeout = t.total_seconds() if isinstance(t, datetime.timedelta) else float(t)
+        if self._keys is None:
+            raise _unsupported("monitored_barrier on a group created without torch's store")
+        self._barriers += 1
+        key = f"monitored_barrier/{self._barriers}"
+        go = f"{key}/go"
+        start = _now()
+        ms = round(timeout * 1000)
+        if self._rank != 0:
+            self._keys.set(f"{key}/{self._rank}", "1")
+            try:
+                self._keys.wait([go], datetime.timedelta(seconds=max(timeout, 1e-3)))
+                ok = self._keys.get(go) == b"ok"
+            except Exception:  # noqa: BLE001 - the store's timeout
+                ok = False
+            if not ok:
+                raise GradhubBackendError(
+                    f"Rank {self._rank} successfully reached monitoredBarrier, but received errors while waiting "
+                    f"for send/recv from rank 0. Please check rank 0 logs for faulty rank.")
+            return None
+        failed, done = [], []
+        for q in range(1, self._size):
+            # (as gloo: waiting for all, each member gets the whole timeout)
+            left = timeout if wait_all_ranks else timeout - (_now() - start)
+            if left <= 0 and not wait_all_ranks:
+                self._keys.set(go, "failed")
+                raise GradhubBackendError(f"Rank 0 timed out in monitoredBarrier after {ms} ms. Original timeout "
+                                          f"{ms} ms; ranks {done} checked in")
+            try:
+                self._keys.wait([f"{key}/{q}"], datetime.timedelta(seconds=max(left, 1e-3)))
+                done.append(q)
+            except Exception:  # noqa: BLE001 - the store's timeout
+                failed.append(q)
+                if not wait_all_ranks:
+                    self._keys.set(go, "failed")
+                    raise GradhubBackendError(f"[Rank 0]: Rank {q} failed to pass monitoredBarrier in {ms} ms")
+        if failed:
+            self._keys.set(go, "failed")
+            raise GradhubBackendError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
+                                      f"monitoredBarrier in {ms} ms")
+        self._keys.set(go, "ok")
+        return None
 
     def shutdown(self) -> None:
         self._close()
@@ -640,24 +759,22 @@ class GradhubProcessGroup(Collectives, dist.ProcessGroup):
     `ProcessGroup`, which torch installs as the group itself. torch keeps a
     group's name on its per-device backends, so a group without one has no
     name (DeviceMesh, FSDP2 and DTensor read it): a gloo backend is
-    registered for the CPU to hold it. torch's Python calls and DDP's
+    registered for the CPU (and CUDA) to hold it. torch's Python calls and DDP's
     reducer reach this class's collectives; the C++ paths that dispatch
     per device (functional collectives) reach gloo: slower there, never
     wrong."""
 
     def __init__(self, rank: int, size: int, ps: ProcessSet, prefix: str, timeout: float, owns_job: bool,
                  store=None):
-        super().__init__(rank, size, ps, prefix, timeout, owns_job)
-        if store is not None:
+        super().__init__(rank, size, ps, prefix, timeout, owns_job, store)
+        if self._keys is not None:
             import datetime
 
-            # A store can outlive its group (init, destroy, init again): each
-            # creation's gloo keys go under a prefix of their own, or a member
-            # would read the previous gloo's addresses.
-            gen = (store.add("gradhub/placeholder", 1) - 1) // size
-            keys = dist.PrefixStore(f"gradhub/placeholder/{gen}", store)
-            gloo = dist.ProcessGroupGloo(keys, rank, size, datetime.timedelta(seconds=timeout))
-            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+            # Under this creation's prefix: a member must not read a previous gloo's addresses.
+            gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self._keys), rank, size,
+                                         datetime.timedelta(seconds=timeout))
+            for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+                self._register_backend(torch.device(dev), dist.ProcessGroup.BackendType.GLOO, gloo)
 
 
 _chosen: type | None = None
