@@ -9,7 +9,7 @@
 # environment with the oldest torch the package accepts (.venv-oldest-torch/:
 # torch, numpy, pytest; gradhub from this tree on PYTHONPATH), where
 # tests/test_torch_versions.py runs the backend's tests
-# (GRADHUB_NO_OLDEST_TORCH=1 skips it outside CI).
+# (OLDEST_TORCH=0 skips it outside CI).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -24,7 +24,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
 fi
 pip install -e ".[dev]"
 pip install -e lab/
-if [ "${GRADHUB_NO_OLDEST_TORCH:-0}" != 1 ]; then
+if [ "${OLDEST_TORCH:-1}" != 0 ]; then
     oldest=$(python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["torch"] if d.startswith("torch>=")).split(">=")[1])')
     [ -x .venv-oldest-torch/bin/python ] || python -m venv .venv-oldest-torch
     .venv-oldest-torch/bin/pip install -q "torch~=${oldest}.0" numpy "pytest>=8,<9" pytest-xdist pyyaml

@@ -227,3 +227,12 @@ def test_the_work_log_check_catches_one(tmp_path):
     doc = tmp_path / "x.md"
     doc.write_text("Measured in session 36 (issue 34), 2026-11-29.\nA 3-session job and issue-free text.\n")
     assert len(_work_log_refs([doc])) == 1
+
+
+def test_the_protocol_version_the_docs_quote_is_the_code_s():
+    # `gradhub --version` as the docs quote it, against the wire protocol's version in the core.
+    code = re.search(r"pub const VERSION: u8 = (\d+);", (ROOT / "src" / "protocol" / "frame.rs").read_text())
+    assert code, "src/protocol/frame.rs: no VERSION"
+    quoted = [(d.name, m.group(1)) for d in DOCS for m in re.finditer(r"\(protocol (\d+)\)", d.read_text())]
+    assert ("README.md", code.group(1)) in quoted, "README.md quotes no `(protocol N)`"
+    assert all(v == code.group(1) for _, v in quoted), (quoted, code.group(1))

@@ -133,6 +133,8 @@ def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_ho
     for r, host, local in ((0, a, 0), (1, a, 1), (2, b, 0), (3, b, 1)):
         assert f"[worker {r}@{host.ip}] PASS {r}" in out, out[-4000:]
         assert f"[worker {r}@{host.ip}] LOCAL {local} of 2" in out, out[-4000:]
+        node = 0 if host is a else 1
+        assert f"[worker {r}@{host.ip}] NODE {node} GROUP {node} OF 2 LOCAL_WORLD_SIZE 2" in out, out[-4000:]
     assert f"[server 0@{c.ip}]" in out
     # The token went over stdin: no process's command line holds it.
     assert "GRADHUB_JOB_TOKEN" not in err

@@ -1,6 +1,6 @@
 """The settings registry (src/settings.rs, seen as `_core.settings()`) and
 everything that must agree with it: the variables the code mentions, the
-README's settings tables (its user-facing and advanced tiers), the `--help`
+docs/settings.md's settings tables (the user-facing and advanced tiers), the `--help`
 fallbacks and defaults, the one Rust module that reads the environment, and
 that module being a leaf of the crate. Static checks; no job is started."""
 
@@ -70,9 +70,8 @@ def test_only_the_settings_module_reads_the_environment_in_rust():
 
 
 def _readme_settings() -> tuple[str, str]:
-    """README's generated settings tables, and its whole Settings section."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    """docs/settings.md's generated settings tables, and the whole page."""
+    section = (ROOT / "docs" / "settings.md").read_text()
     marker = "<!-- generated from src/settings.rs by `gradhub settings --markdown`"
     assert marker in section and "<!-- end of the generated settings -->" in section
     tables = section.split(marker, 1)[1].split("\n", 1)[1].split("<!-- end of the generated settings -->", 1)[0]
@@ -98,7 +97,7 @@ def test_every_setting_has_a_tier_and_internal_ones_stay_out_of_the_readme(capsy
     assert tiers["GRADHUB_PARTITION_BYTES"] == tiers["GRADHUB_HOST_REDUCE"] == "advanced"
     _, section = _readme_settings()
     documented = set(NAME.findall(section))
-    assert documented & internal == set(), "internal settings are not for the README"
+    assert documented & internal == set(), "internal settings are not for docs/settings.md"
     assert documented >= set(tiers) - internal
     # `gradhub settings` lists the two documented tiers, `--all` every one.
     assert cli.main(["settings"]) == 0

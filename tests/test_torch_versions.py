@@ -30,7 +30,7 @@ def _python() -> Path:
     if not py.exists():
         if os.environ.get("CI"):
             pytest.fail(f"{VENV} is missing: ./install.sh makes it (the oldest torch's environment)")
-        pytest.skip(f"{VENV} is missing (./install.sh makes it; GRADHUB_NO_OLDEST_TORCH=1 skipped it)")
+        pytest.skip(f"{VENV} is missing (./install.sh makes it; OLDEST_TORCH=0 skipped it)")
     return py
 
 

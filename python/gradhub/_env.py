@@ -49,7 +49,7 @@ SETTINGS: dict[str, Setting] = {
     for r in _core.settings()
 }
 
-# Who a setting is for, and the heading it is listed under: README shows the
+# Who a setting is for, and the heading it is listed under: docs/settings.md shows the
 # first two tiers, `gradhub settings --all` every one.
 TIERS = {
     "user": "User-facing settings (what you set to run a job)",
@@ -170,7 +170,7 @@ def settings_text(all_tiers: bool = False) -> str:
 
 
 def markdown_table(all_tiers: bool = False) -> str:
-    """README's settings tables (`gradhub settings --markdown`): the
+    """docs/settings.md's tables (`gradhub settings --markdown`): the
     user-facing and the advanced settings, each under a heading (with
     `all_tiers`, the internal ones too)."""
     out = []
@@ -435,7 +435,7 @@ def scheduler_env() -> SchedulerEnv:
 @dataclass
 class ServerEnv:
     scheduler: str | None
-    threads: int | None            # None: the launcher's default (see README, Settings)
+    threads: int | None            # None: the launcher's default (docs/settings.md)
     colocated: bool
     advertise: str | None
     port: int

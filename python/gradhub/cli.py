@@ -255,10 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
         "settings", help="list the GRADHUB_* settings: default, who reads it, what it does",
         description="The GRADHUB_* settings, from the registry the core declares them in (src/settings.rs): "
         "the user-facing and the advanced ones; --all adds the internal ones (test, benchmark and ablation "
-        "knobs). --markdown prints README's settings tables.")
+        "knobs). --markdown prints docs/settings.md's tables.")
     stg.add_argument("--all", action="store_true", dest="all_tiers",
                      help="every setting, the internal ones too")
-    stg.add_argument("--markdown", action="store_true", help="print the tables in README form")
+    stg.add_argument("--markdown", action="store_true", help="print the tables of docs/settings.md")
     sub.add_parser("simulate", help="predict gradhub's and DDP's samples/s on any cluster (docs/planning.md)",
                    add_help=False)
     sub.add_parser("plan", help="search servers, layout and options for a cluster with the simulator",

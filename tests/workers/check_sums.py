@@ -6,6 +6,7 @@ credit (the credit per connection this worker must have been given), sleep
 {rank: seconds after each round} (a straggler).
 """
 
+import os
 import time
 
 import numpy as np
@@ -16,6 +17,9 @@ from common import CONFIG, check, data
 gradhub.init()
 r, n = gradhub.rank(), gradhub.size()
 print(f"LOCAL {gradhub.local_rank()} of {gradhub.local_size()}", flush=True)
+if "NODE_RANK" in os.environ:   # the launcher's node, under torchrun's names (Lightning reads them)
+    print(f"NODE {os.environ['NODE_RANK']} GROUP {os.environ['GROUP_RANK']} OF {os.environ['GROUP_WORLD_SIZE']} "
+          f"LOCAL_WORLD_SIZE {os.environ['LOCAL_WORLD_SIZE']}", flush=True)
 if "credit" in CONFIG:
     assert gradhub.api.credit_bytes() == CONFIG["credit"], (gradhub.api.credit_bytes(), CONFIG["credit"])
 sizes = CONFIG.get("sizes", [1, 2, 3, 17, 1000, 262_147])

@@ -48,6 +48,13 @@ def torch_rendezvous_env(host: str, port: int, workers: int) -> dict[str, str]:
     return {"MASTER_ADDR": host, "MASTER_PORT": str(port), "WORLD_SIZE": str(workers)}
 
 
+def node_env(node: int, nodes: int) -> dict[str, str]:
+    """A worker's node, under the names torchrun exports and torch's
+    ecosystem reads (Lightning: NODE_RANK or GROUP_RANK): the index of its
+    host among the job's worker hosts, whose ranks are contiguous."""
+    return {"GROUP_RANK": str(node), "NODE_RANK": str(node), "GROUP_WORLD_SIZE": str(nodes)}
+
+
 def scheduler_flags(args) -> list[str]:
     """The launch flags the scheduler takes, as its command line."""
     flags = ["--stall-seconds", str(args.stall_seconds), "--peer-timeout", str(args.peer_timeout)]
@@ -107,7 +114,7 @@ def launch_local(args, command: list[str]) -> int:
 
     def start_worker(_lost: Proc | None = None) -> Proc:
         w = next(started)
-        env = {**base, **torch_env, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
+        env = {**base, **torch_env, **node_env(0, 1), "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(w),
                "LOCAL_RANK": str(w), "LOCAL_WORLD_SIZE": str(workers_n)}
         if torch_env:
             env["RANK"] = str(w)

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from .._ports import free_port
 from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
 from . import discovery, elastic
-from .local import job_env, scheduler_argv, server_argv, torch_rendezvous_env
+from .local import job_env, node_env, scheduler_argv, server_argv, torch_rendezvous_env
 from .proc import Proc, supervise
 
 # Runs on the remote host (`python -c`): one JSON line on stdin holds the
@@ -254,7 +254,8 @@ def launch_ssh(args, command: list[str]) -> int:
     workers = []
     for rank, host, local in slots:
         n = str(per_host[host.name])
-        env = {**base, **torch_env, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank),
+        env = {**base, **torch_env, **node_env(used.index(host.name), len(used)), "GRADHUB_ROLE": "worker",
+               "GRADHUB_RANK": str(rank),
                "GRADHUB_LOCAL_RANK": str(local), "GRADHUB_LOCAL_SIZE": n, "LOCAL_RANK": str(local),
                "LOCAL_WORLD_SIZE": n}
         if torch_env:

@@ -22,7 +22,12 @@ Each collective is one or two push_pulls (a sum across workers):
   core yet);
 - all_to_all: a gather of every member's input (after a gather of the
   split sizes, unless even), each keeping what was sent to it;
-- barrier: a push_pull of one element.
+- barrier: a push_pull of one element;
+- sparse all_reduce: every member's indices and values gathered, summed here;
+- monitored_barrier: through torch's store, rank 0 naming who did not come.
+
+The class: a `Backend` subclass where torch lets Python construct one
+(2.14 on), else a `ProcessGroup` subclass (`collectives.backend_class`).
 
 The job: an existing one if `gradhub.init()` ran (its rank and size must
 be torch's); one named by GRADHUB_SCHEDULER (`gradhub launch`, a separate
