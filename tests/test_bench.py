@@ -264,7 +264,8 @@ def test_train_ddp_and_fsdp_on_the_gradhub_backend_and_hook(tmp_path):
     gloo each train exactly (FSDP: every worker's shards), and their link
     bytes are their theory's: M each way for DDP on gradhub (2 hosts),
     4(n-1)/n M for FSDP on gloo (ring all-gathers, a reduce-scatter that
-    moves an all-reduce's bytes), 2.5 M for FSDP on gradhub."""
+    moves an all-reduce's bytes), 2.5 M for FSDP on gradhub; DDP over the
+    backend with a CPU-only server (the lab's job) too."""
     reason = netns.check_available()
     if reason:
         pytest.skip(reason)
@@ -294,9 +295,22 @@ def test_train_ddp_and_fsdp_on_the_gradhub_backend_and_hook(tmp_path):
     # the lab's process id and a count; other jobs may run clusters meanwhile).
     mine = re.compile(rf"^{netns.PREFIX}{p.pid % 10000}\d{{1,2}}(sched|w\d+)\b", re.M)
     assert not mine.search(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout)
-    bad = subprocess.run([sys.executable, "-m", "gradhub_lab", "train", "--systems", "ddp-gradhub", "--cpu-servers",
-                          "1"], capture_output=True, text=True, timeout=60, env=job_env())
-    assert bad.returncode == 2 and "colocated server per host only" in bad.stderr, bad.stderr
+    # With a CPU-only server the backend joins the lab's job (GRADHUB_SCHEDULER), as a user with
+    # CPU-only server hosts starts it by hand: exact, and each worker host's link carries M each way.
+    cpu = tmp_path / "cpu.jsonl"
+    r = subprocess.run([sys.executable, "-m", "gradhub_lab", "train", "--model", "alexnet", "--workers", "2",
+                        "--cpu-servers", "1", "--no-colocated", "--scale", "64", "--iters", "2", "--warmup", "1",
+                        "--systems", "ddp-gradhub", "--json", str(cpu)], capture_output=True, text=True, timeout=300,
+                       env=job_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = map(json.loads, cpu.read_text().splitlines())
+    assert row["result_error"] < 1e-4 and row["host_bytes_theory"] == pytest.approx(M), row
+    assert set(row["server_host_bytes"]) == {"s0"}, row
+    for way in ("host_tx_per_iter", "host_rx_per_iter"):
+        assert 0.9 <= row[way] / M <= 1.2, (way, row[way] / M)
+    bad = subprocess.run([sys.executable, "-m", "gradhub_lab", "train", "--systems", "ddp-gradhub", "--racks",
+                          "2"], capture_output=True, text=True, timeout=60, env=job_env())
+    assert bad.returncode == 2 and "no racks" in bad.stderr, bad.stderr
 
 
 @pytest.mark.machine_wide
