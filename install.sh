@@ -27,5 +27,5 @@ pip install -e lab/
 if [ "${OLDEST_TORCH:-1}" != 0 ]; then
     oldest=$(python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["torch"] if d.startswith("torch>=")).split(">=")[1])')
     [ -x .venv-oldest-torch/bin/python ] || python -m venv .venv-oldest-torch
-    .venv-oldest-torch/bin/pip install -q "torch~=${oldest}.0" numpy "pytest>=8,<9" pytest-xdist pyyaml
+    .venv-oldest-torch/bin/pip install -q "torch~=${oldest}.0" numpy "pytest>=8,<9" pytest-xdist pyyaml expecttest
 fi

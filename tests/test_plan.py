@@ -521,3 +521,16 @@ def test_bytepss_resnet50_at_256_gpus_is_reproduced():
 
     rows = [r for r in byteps_74(Costs()) if r.claim.startswith("ResNet-50")]
     assert len(rows) == 3 and all(r.within for r in rows), [(r.claim, r.predicted, r.error) for r in rows]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["simulate", "--model", "vgg19", "--link-efficiency", "2"], "--link-efficiency: 2 is out of range"),
+    (["plan", "--model", "vgg19", "--rate", "-5gbit"], "--rate: '-5gbit' is not a rate above 0"),
+    (["simulate", "--model", "vgg19", "--latency-us", "-3"], "--latency-us: -3 is out of range"),
+])
+def test_a_value_out_of_range_is_named_not_clamped(argv, words, capsys):
+    from gradhub.plan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Every torch the package accepts: the backend's tests (test_backend.py)
 again under the oldest torch pyproject.toml declares, in the environment
-./install.sh makes for it (.venv-oldest-torch/: that torch, numpy, pytest;
+./install.sh makes for it (.venv-oldest-torch/: that torch, numpy, pytest, expecttest;
 gradhub from this tree). Where torch's `Backend` has no Python constructor
 the backend is a `ProcessGroup` (`gradhub.torch.dist.backend_class`): this
 runs that path; the rest of the suite runs the newest."""

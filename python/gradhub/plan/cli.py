@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -107,7 +108,7 @@ def _cluster_args(p, plan: bool = False) -> None:
                         "bandwidth in GB/s (docs/planning.md)")
     p.add_argument("--transport", choices=["rdma", "tcp"], default="rdma",
                    help="NCCL's transport between machines (default rdma; tcp: NCCL's sockets); gradhub runs TCP")
-    p.add_argument("--link-efficiency", type=count(0, float), default=0.0, metavar="F",
+    p.add_argument("--link-efficiency", type=count(0, float, most=1.0), default=0.0, metavar="F",
                    help="payload per bit of line rate measured on the cluster, at most 1 (default: the transport's)")
     p.add_argument("--allreduce", choices=["auto", "nccl", "gloo"], default="auto",
                    help="DDP's all-reduce: nccl (GPUs), gloo (a flat ring on CPU); default auto: gloo with "
@@ -119,7 +120,7 @@ def _cluster(args, k: int = 0, colocated: bool = True) -> Cluster:
                    not getattr(args, "no_colocated", not colocated), rate(args.rate),
                    rate(args.core_rate) if args.core_rate else 0.0, max(1, args.racks), args.latency_us * 1e-6,
                    args.server_threads, args.shared_cores, args.gpu_link, args.transport,
-                   min(1.0, args.link_efficiency), args.allreduce)
+                   args.link_efficiency, args.allreduce)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,8 +242,24 @@ def _plan(args) -> int:
     return 0
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--rate -5gbit` as `--rate=-5gbit`: argparse takes a value that
+    starts with "-" and is not a plain number for an option and says only
+    "expected one argument"; joined, the option's own check names what is
+    wrong with the value."""
+    out, it = [], iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and re.match(r"-\.?\d", argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            next(it, None)
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_negative_values(argv))
     try:
         return _simulate(args) if args.cmd == "simulate" else _plan(args)
     except (ValueError, FileNotFoundError) as e:
