@@ -135,6 +135,22 @@ fn resident_bytes() -> u64 {
     pages * page.max(0) as u64
 }
 
+/// This process's CPU time in seconds, user and system (Linux; 0 elsewhere).
+fn cpu_seconds() -> f64 {
+    // /proc/self/stat: the command name (field 2) may hold spaces; utime and
+    // stime are fields 14 and 15, counted after its closing parenthesis.
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    let ticks: u64 = after.split_whitespace().skip(11).take(2).filter_map(|v| v.parse::<u64>().ok()).sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        ticks as f64 / hz as f64
+    } else {
+        0.0
+    }
+}
+
 impl Collector for Scrape {
     fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
         let s = (self.0)();
@@ -189,6 +205,12 @@ impl Collector for Scrape {
             "connections refused: the job token was not proven",
             AUTH_FAILURES.load(Relaxed),
         )?;
+        ConstCounter::new(cpu_seconds()).encode(e.encode_descriptor(
+            "gradhub_cpu_seconds",
+            "CPU time this process used, user and system",
+            None,
+            MetricType::Counter,
+        )?)?;
         ConstGauge::new(resident_bytes() as i64).encode(e.encode_descriptor(
             "gradhub_resident_bytes",
             "memory this process holds (resident set)",

@@ -112,3 +112,32 @@ def test_manifests_give_every_role_what_it_needs(workers_file):
     for d in docs:
         if d["kind"] == "Job" and d["spec"].get("completionMode") == "Indexed":
             assert d["spec"]["parallelism"] == d["spec"]["completions"]
+
+
+def test_the_image_the_manifests_name_is_the_one_deploy_dockerfile_builds():
+    """deploy/Dockerfile, checked as text (no container builder here): its
+    documented tag is the package's version and every manifest's image; a
+    Rust stage builds the wheel, a slim Python stage installs it and runs as
+    an unprivileged user; it copies only paths that exist, none of the
+    repository's tests, docs or lab beyond what the crate's manifest names."""
+    import re
+    import tomllib
+
+    root = DEPLOY.parent.parent
+    text = (DEPLOY.parent / "Dockerfile").read_text()
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    tag = f"gradhub:{version}"
+    assert f"docker build -f deploy/Dockerfile -t {tag} ." in text
+    images = {c["image"] for name in ("scheduler-and-servers.yaml", "workers-job.yaml", "workers-pytorchjob.yaml")
+              for _, _, t in pods(load(name)) for c in t["spec"]["containers"]}
+    assert images == {tag}, images
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?$", text, re.M)
+    assert [s[0].split(":")[0] for s in stages] == ["rust", "python"], stages
+    assert "maturin build --release" in text and "--from=wheel" in text
+    final = text.split(f"FROM {stages[-1][0]}", 1)[1]
+    users = re.findall(r"^USER (\S+)$", final, re.M)
+    assert users and users[-1] not in ("root", "0"), users
+    for src in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
+        for path in src.split():
+            assert (root / path).exists(), path
+            assert path.split("/")[0] not in ("docs", "lab", "deploy", "fuzz") and path != "tests/", path

@@ -111,6 +111,25 @@ def test_scheduler_and_server_metrics_move_during_a_job(cluster_factory, tmp_pat
     assert v2[count] == v2[("gradhub_rounds_total", job)] > v1[count]
     assert v2[("gradhub_round_latency_seconds_bucket", '{le="+Inf",gradhub_job=""}')] == v2[count]
     assert v2[("gradhub_resident_bytes", "")] > 0
+    assert v2[("gradhub_cpu_seconds_total", "")] > 0
+    # The Grafana dashboard (deploy/grafana/) queries only metrics the scheduler and server export.
+    exported = {n for n, _ in s1} | {n for n, _ in v2}
+    queried = dashboard_metrics()
+    assert queried and queried <= exported, queried - exported
+
+
+def dashboard_metrics() -> set[str]:
+    """Every metric deploy/grafana/gradhub-dashboard.json queries (its
+    panels' expressions and its variables' queries; `gradhub_job` is a label)."""
+    import json
+    import re
+    from pathlib import Path
+
+    d = json.loads((Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "gradhub-dashboard.json")
+                   .read_text())
+    texts = [t["expr"] for p in d["panels"] for t in p["targets"]]
+    texts += [v["query"] for v in d["templating"]["list"] if v.get("type") == "query"]
+    return {m for t in texts for m in re.findall(r"\bgradhub_[a-z_]+\b", t)} - {"gradhub_job"}
 
 
 def test_service_metrics_per_job(service, tmp_path):
