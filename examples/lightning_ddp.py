@@ -9,8 +9,10 @@ Under torchrun Lightning reads torchrun's variables (its TorchElastic
 environment) and the group forms a gradhub job of its own from torch's
 store; under `gradhub launch` Lightning's default environment reads the
 MASTER_ADDR/MASTER_PORT and LOCAL_RANK the launcher exports, and the group
-joins the launcher's job. One host: `devices` is the number of workers on
-it (LOCAL_WORLD_SIZE, which both export).
+joins the launcher's job. `devices` is the number of workers on each host
+(LOCAL_WORLD_SIZE, which both export) and `num_nodes` the hosts; across
+hosts (`gradhub launch -H a:2,b:2`) Lightning takes each worker's node from
+NODE_RANK, which both export too.
 
 A small regression on synthetic data made here. At the end every rank
 checks that all ranks hold bit-identical parameters (gathered through the

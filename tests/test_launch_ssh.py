@@ -116,6 +116,25 @@ def _same_netns(pid: int, host) -> bool:
     return os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{host.ns}").st_ino
 
 
+def test_lightning_trains_across_two_hosts_with_the_ranks_the_launcher_gave(ssh_hosts, tmp_path):
+    """examples/lightning_ddp.py (DDPStrategy on the gradhub backend) on 2
+    hosts x 2: Lightning takes each worker's node from the NODE_RANK the
+    launcher exports, so its global ranks are the launcher's (worker r on
+    host r // 2), and training equals one process (the example checks)."""
+    pytest.importorskip("lightning")
+    cluster = ssh_hosts
+    a, b = cluster.hosts["a"], cluster.hosts["b"]
+    example = Path(__file__).resolve().parent.parent / "examples" / "lightning_ddp.py"
+    p = _launch(cluster, tmp_path, f"{a.ip}:2,{b.ip}:2", example, uuid.uuid4().hex)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    assert p.returncode == 0, out[-6000:] + err[-3000:]
+    for r, host in ((0, a), (1, a), (2, b), (3, b)):
+        assert f"[worker {r}@{host.ip}] PASS rank {r}/4: Lightning DDP on gradhub" in out, out[-6000:]
+
+
 @pytest.mark.parametrize("where", ["local", "first"])
 def test_a_job_over_ssh_sums_exactly_and_a_killed_worker_stops_every_host(ssh_hosts, tmp_path, where):
     """The scheduler on the launcher's host, or (--scheduler-host first) on a."""

@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "tests of the kinds above)")
     ts.add_argument("--quick", action="store_true", help="one test of each kind (what CI runs)")
     ts.add_argument("--json", default=None, help="write every outcome to this file")
+    bl = sub.add_parser("backend-latency", help="one small collective through the gradhub backend beside gloo",
+                        description="N processes on this machine call all_reduce, all_gather_into_tensor and "
+                                    "reduce_scatter_tensor on a small tensor one after another, over gloo and "
+                                    "over the gradhub backend (its own job, one colocated server); prints "
+                                    "microseconds per call and the calling thread's CPU per call.")
+    bl.add_argument("--procs", type=int, default=2, help="processes (default 2)")
+    bl.add_argument("--iters", type=int, default=2000, help="calls of each kind (default 2000)")
+    bl.add_argument("--bytes", type=int, default=4096, help="bytes per process (default 4096)")
+    bl.add_argument("--trials", type=int, default=3, help="interleaved trials, median reported (default 3)")
     from . import faults
 
     fp = sub.add_parser("faults", help="fault campaign: jobs started role by role, one fault each (kill, stop, "
@@ -199,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if getattr(args, "workers_per_host", 1) < 1:
         ap.error("--workers-per-host must be at least 1")
+    if args.cmd == "backend-latency":
+        from . import backend_latency
+
+        if args.procs < 2 or args.iters < 1 or args.bytes < 4 or args.trials < 1:
+            ap.error("--procs at least 2, --iters and --trials at least 1, --bytes at least 4")
+        return backend_latency.main(args.procs, args.iters, args.bytes, args.trials)
     if args.cmd == "torch-suite":
         from . import torch_suite
 

@@ -20,8 +20,8 @@ SELECTION = (r"^test_(all_reduce|all_gather|allgather|reduce|broadcast|scatter|g
              r"destroy|DistributedDataParallel|ddp|sparse|average_parameters|periodic|static_graph)(?!.*(cuda|nccl|gpu|"
              r"Gpu|GPU|hpu|xpu))")
 # What CI runs: one test of each kind the backend must keep passing.
-QUICK = (r"^test_(all_reduce_sum|all_gather|broadcast|barrier|reduce_sum|all_to_all_single_equal_split|"
-         r"monitored_barrier_gloo|all_gather_coalesced_simple|all_gather_object_default_pg|"
+QUICK = (r"^test_(all_reduce_sum|all_gather|broadcast|barrier|reduce_sum|scatter|sparse_all_reduce_sum|"
+         r"monitored_barrier_gloo|all_gather_coalesced_simple|all_gather_object_default_pg|all_gather_object_subgroup|"
          r"DistributedDataParallelCPU)$")
 
 

@@ -775,6 +775,8 @@ class GradhubProcessGroup(Collectives, dist.ProcessGroup):
                                          datetime.timedelta(seconds=timeout))
             for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
                 self._register_backend(torch.device(dev), dist.ProcessGroup.BackendType.GLOO, gloo)
+            # (torch sets the default backend type on the group it made, which this one replaces)
+            self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
 
 
 _chosen: type | None = None
@@ -782,7 +784,11 @@ _chosen: type | None = None
 
 def backend_class() -> type:
     """The class this torch can construct from Python: the `Backend`
-    subclass where it can be made, else the `ProcessGroup` one."""
+    subclass where it can be made, else the `ProcessGroup` one. Also the
+    `ProcessGroup` one under TORCH_DISTRIBUTED_DEBUG=DETAIL: torch then
+    wraps a plug-in `Backend` in a checker that asks its C++ side for the
+    backend's name, which a Python backend cannot answer ("getBackendName
+    is not implemented"); a `ProcessGroup` is not wrapped."""
     global _chosen
     if _chosen is None:
         class _Probe(_C10dBackend):
@@ -793,4 +799,6 @@ def backend_class() -> type:
             _chosen = GradhubBackend
         except TypeError:
             _chosen = GradhubProcessGroup
+    if _chosen is GradhubBackend and dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        return GradhubProcessGroup
     return _chosen
