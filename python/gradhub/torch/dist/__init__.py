@@ -4,8 +4,9 @@ DDP, FSDP, DeviceMesh and the frameworks built on them through gradhub's
 servers. Registered when `gradhub.torch` is imported.
 
 Modules: `job.py` (the gradhub job: joined or formed from torch's store),
-`collectives.py` (`GradhubBackend`: the collectives), `work.py` (Work,
-futures, the watchdog); here: registration.
+`collectives.py` (`Collectives`: the collectives), `classes.py` (the torch
+class they extend: `GradhubBackend` or `GradhubProcessGroup`), `work.py`
+(Work, futures, the watchdog); here: registration.
 
 Each collective is one or two push_pulls (a sum across workers):
 
@@ -27,7 +28,7 @@ Each collective is one or two push_pulls (a sum across workers):
 - monitored_barrier: through torch's store, rank 0 naming who did not come.
 
 The class: a `Backend` subclass where torch lets Python construct one
-(2.14 on), else a `ProcessGroup` subclass (`collectives.backend_class`).
+(2.14 on), else a `ProcessGroup` subclass (`classes.backend_class`).
 
 The job: an existing one if `gradhub.init()` ran (its rank and size must
 be torch's); one named by GRADHUB_SCHEDULER (`gradhub launch`, a separate
@@ -66,7 +67,8 @@ import torch.distributed as dist
 from ... import api as _api
 from ..process_sets import ProcessSet, global_process_set
 from . import job as _job
-from .collectives import NAME, GradhubBackend, GradhubProcessGroup, _GroupSet, backend_class
+from .classes import GradhubBackend, GradhubProcessGroup, backend_class
+from .collectives import NAME, _GroupSet
 from .work import GradhubBackendError, Work
 
 __all__ = ["NAME", "GradhubBackend", "GradhubBackendError", "GradhubProcessGroup", "Work", "backend_class", "register"]
