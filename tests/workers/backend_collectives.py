@@ -23,8 +23,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 import gradhub.torch  # noqa: F401 - registers the backend
 from common import CONFIG
@@ -301,35 +299,10 @@ if r in sub_ranks:
     assert torch.equal(b, torch.full((4,), float(sub_ranks[-1]))), b
 dist.barrier()
 
-# ---------------------------------------------------------------- DDP equals one process on the combined batch
-def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
-
-
-def batch(step: int, q: int):
-    g = torch.Generator().manual_seed(100 * step + q)
-    return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-ddp = nn.parallel.DistributedDataParallel(model(), bucket_cap_mb=0.005)  # several buckets
-single = model()
-opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ddp, single)]
-for step in range(20):
-    x, y = batch(step, r)
-    opts[0].zero_grad()
-    F.cross_entropy(ddp(x), y).backward()
-    opts[0].step()
-    xs_, ys_ = zip(*(batch(step, q) for q in range(n)))
-    opts[1].zero_grad()
-    F.cross_entropy(single(torch.cat(xs_)), torch.cat(ys_)).backward()
-    opts[1].step()
-for (name, a), b in zip(ddp.module.named_parameters(), single.parameters()):
-    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (name, (a - b).abs().max())
-
-# ---------------------------------------------------------------- FSDP2, and a 2-D DeviceMesh (hybrid sharding)
+# ---------------------------------------------------------------- DDP, FSDP2 and a 2-D DeviceMesh (hybrid sharding)
 import backend_fsdp  # noqa: E402
 
+backend_fsdp.ddp("DDP", bucket_cap_mb=0.005)  # several buckets
 backend_fsdp.check()
 
 # ---------------------------------------------------------------- destroy and init again

@@ -9,8 +9,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 import gradhub.torch  # noqa: F401 - registers the backend
 from common import CONFIG
@@ -40,36 +38,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64):
     assert torch.equal(b.cpu(), torch.full((7,), n - 1, dtype=dtype)), b
 print("collectives on CUDA tensors: exact", flush=True)
 
-
-def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
-
-
-def batch(step: int, q: int):
-    g = torch.Generator().manual_seed(100 * step + q)
-    return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-ddp = nn.parallel.DistributedDataParallel(model().to(dev))
-single = model()
-opts = [torch.optim.SGD(x.parameters(), lr=0.05, momentum=0.9) for x in (ddp, single)]
-for step in range(20):
-    x, y = batch(step, r)
-    opts[0].zero_grad()
-    F.cross_entropy(ddp(x.to(dev)), y.to(dev)).backward()
-    opts[0].step()
-    xs, ys = zip(*(batch(step, q) for q in range(n)))
-    opts[1].zero_grad()
-    F.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
-    opts[1].step()
-for (name, a), b in zip(ddp.module.named_parameters(), single.parameters()):
-    assert torch.allclose(a.cpu(), b, rtol=1e-4, atol=1e-5), (name, (a.cpu() - b).abs().max())
-print("DDP on CUDA: 20 steps equal one process", flush=True)
-
 import backend_fsdp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
+backend_fsdp.ddp("DDP on CUDA", device=dev)
 backend_fsdp.train(init_device_mesh("cuda", (n,)), "FSDP2 on CUDA", device=dev)
 dist.destroy_process_group()
 print("PASS", rank, flush=True)

@@ -1,7 +1,8 @@
-"""FSDP2 (`fully_shard`) over the gradhub backend trains as one process
-does on the combined batch (20 steps, SGD with momentum), on a 1-D mesh and
-on a 2-D DeviceMesh (hybrid sharding: replicate x shard). Run by
-backend_collectives.py (`check(n)`) inside its job, or alone."""
+"""DDP and FSDP2 (`fully_shard`) over the gradhub backend train as one
+process does on the combined batch (20 steps, SGD with momentum): DDP
+(`ddp`), FSDP2 on a 1-D mesh and on a 2-D DeviceMesh (hybrid sharding:
+replicate x shard) (`check`, `train`), on the CPU or a CUDA device. Run by
+backend_collectives.py and backend_cuda.py inside their jobs, or alone."""
 
 import datetime
 
@@ -16,7 +17,7 @@ import gradhub.torch  # noqa: F401 - registers the backend
 
 
 
-def model():
+def make():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(10, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 3))
 
@@ -26,14 +27,34 @@ def batch(step: int, q: int):
     return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
+def ddp(label: str, device: str = "cpu", bucket_cap_mb: float = 25.0) -> None:
+    """DDP on `device` equals one process on the combined batch."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = nn.parallel.DistributedDataParallel(make().to(device), bucket_cap_mb=bucket_cap_mb)
+    single = make()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, single)]
+    for step in range(20):
+        x, y = batch(step, r)
+        opts[0].zero_grad()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        opts[0].step()
+        xs, ys = zip(*(batch(step, q) for q in range(n)))
+        opts[1].zero_grad()
+        F.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
+        opts[1].step()
+    for (name, a), b in zip(model.module.named_parameters(), single.parameters()):
+        assert torch.allclose(a.cpu(), b, rtol=1e-4, atol=1e-5), (label, name, (a.cpu() - b).abs().max())
+    print(f"{label}: 20 steps equal one process", flush=True)
+
+
 def train(mesh, label, device: str = "cpu"):
     r, n = dist.get_rank(), dist.get_world_size()
-    m = model().to(device)
+    m = make().to(device)
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
-    single = model()
+    single = make()
     opts = [torch.optim.SGD(x.parameters(), lr=0.05, momentum=0.9) for x in (m, single)]
     for step in range(20):
         x, y = batch(step, r)
