@@ -27,10 +27,11 @@ def batch(step: int, q: int):
     return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
-def ddp(label: str, device: str = "cpu", bucket_cap_mb: float = 25.0) -> None:
-    """DDP on `device` equals one process on the combined batch."""
+def _steps(model: nn.Module, label: str, device: str, full=lambda p: p) -> None:
+    """`model` (wrapped) trains 20 steps on this rank's batches beside one
+    process on the combined batches; its parameters (`full`: as whole
+    tensors) end equal."""
     r, n = dist.get_rank(), dist.get_world_size()
-    model = nn.parallel.DistributedDataParallel(make().to(device), bucket_cap_mb=bucket_cap_mb)
     single = make()
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, single)]
     for step in range(20):
@@ -42,33 +43,26 @@ def ddp(label: str, device: str = "cpu", bucket_cap_mb: float = 25.0) -> None:
         opts[1].zero_grad()
         F.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
         opts[1].step()
-    for (name, a), b in zip(model.module.named_parameters(), single.parameters()):
-        assert torch.allclose(a.cpu(), b, rtol=1e-4, atol=1e-5), (label, name, (a.cpu() - b).abs().max())
+    net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    for (name, a), b in zip(net.named_parameters(), single.parameters()):
+        whole = full(a).cpu()
+        assert torch.allclose(whole, b, rtol=1e-4, atol=1e-5), (label, name, (whole - b).abs().max())
     print(f"{label}: 20 steps equal one process", flush=True)
 
 
+def ddp(label: str, device: str = "cpu", bucket_cap_mb: float = 25.0) -> None:
+    """DDP on `device` equals one process on the combined batch."""
+    _steps(nn.parallel.DistributedDataParallel(make().to(device), bucket_cap_mb=bucket_cap_mb), label, device)
+
+
 def train(mesh, label, device: str = "cpu"):
-    r, n = dist.get_rank(), dist.get_world_size()
+    """FSDP2 (every Linear and the whole model sharded over `mesh`) equals one process."""
     m = make().to(device)
     for layer in m:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
-    single = make()
-    opts = [torch.optim.SGD(x.parameters(), lr=0.05, momentum=0.9) for x in (m, single)]
-    for step in range(20):
-        x, y = batch(step, r)
-        opts[0].zero_grad()
-        F.cross_entropy(m(x.to(device)), y.to(device)).backward()
-        opts[0].step()
-        xs, ys = zip(*(batch(step, q) for q in range(n)))
-        opts[1].zero_grad()
-        F.cross_entropy(single(torch.cat(xs)), torch.cat(ys)).backward()
-        opts[1].step()
-    for (name, a), b in zip(m.named_parameters(), single.parameters()):
-        full = a.full_tensor().cpu()
-        assert torch.allclose(full, b, rtol=1e-4, atol=1e-5), (label, name, (full - b).abs().max())
-    print(f"{label}: 20 steps equal one process", flush=True)
+    _steps(m, label, device, full=lambda p: p.full_tensor())
 
 
 def check() -> None:

@@ -5,6 +5,8 @@ the same for both)."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
@@ -33,8 +35,6 @@ class GradhubProcessGroup(Collectives, dist.ProcessGroup):
                  store=None):
         super().__init__(rank, size, ps, prefix, timeout, owns_job, store)
         if self._keys is not None:
-            import datetime
-
             # Under this creation's prefix: a member must not read a previous gloo's addresses.
             gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", self._keys), rank, size,
                                          datetime.timedelta(seconds=timeout))

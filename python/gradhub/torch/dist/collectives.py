@@ -4,6 +4,7 @@ package's docstring), and the byte-slot buffers gathers are made of."""
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import threading
 from typing import Callable
@@ -659,49 +660,48 @@ class Collectives:
         member checks in with member 0, which names who did not within the
         timeout (the first in rank order, or all with `wait_all_ranks`) and
         otherwise lets them all go. Blocking, as gloo's."""
-        import datetime
-
         t = opts if isinstance(opts, datetime.timedelta) else opts.timeout   # (the ProcessGroup form gets the timeout)
         timeout = t.total_seconds() if isinstance(t, datetime.timedelta) else float(t)
         if self._keys is None:
             raise _unsupported("monitored_barrier on a group created without torch's store")
         self._barriers += 1
         key = f"monitored_barrier/{self._barriers}"
-        go = f"{key}/go"
-        start = _now()
-        ms = round(timeout * 1000)
+        go, start, ms = f"{key}/go", _now(), round(timeout * 1000)
+
+        def arrived(k: str, within: float) -> bool:
+            try:
+                self._keys.wait([k], datetime.timedelta(seconds=max(within, 1e-3)))
+                return True
+            except Exception:  # noqa: BLE001 - the store's timeout
+                return False
+
         if self._rank != 0:
             self._keys.set(f"{key}/{self._rank}", "1")
-            try:
-                self._keys.wait([go], datetime.timedelta(seconds=max(timeout, 1e-3)))
-                ok = self._keys.get(go) == b"ok"
-            except Exception:  # noqa: BLE001 - the store's timeout
-                ok = False
-            if not ok:
+            if not (arrived(go, timeout) and self._keys.get(go) == b"ok"):
                 raise GradhubBackendError(
                     f"Rank {self._rank} successfully reached monitoredBarrier, but received errors while waiting "
                     f"for send/recv from rank 0. Please check rank 0 logs for faulty rank.")
             return None
+
+        def fail(message: str) -> GradhubBackendError:
+            self._keys.set(go, "failed")   # the others stop waiting
+            return GradhubBackendError(message)
+
         failed, done = [], []
         for q in range(1, self._size):
             # (as gloo: waiting for all, each member gets the whole timeout)
             left = timeout if wait_all_ranks else timeout - (_now() - start)
             if left <= 0 and not wait_all_ranks:
-                self._keys.set(go, "failed")
-                raise GradhubBackendError(f"Rank 0 timed out in monitoredBarrier after {ms} ms. Original timeout "
-                                          f"{ms} ms; ranks {done} checked in")
-            try:
-                self._keys.wait([f"{key}/{q}"], datetime.timedelta(seconds=max(left, 1e-3)))
+                raise fail(f"Rank 0 timed out in monitoredBarrier after {ms} ms. Original timeout {ms} ms; ranks "
+                           f"{done} checked in")
+            if arrived(f"{key}/{q}", left):
                 done.append(q)
-            except Exception:  # noqa: BLE001 - the store's timeout
+            elif wait_all_ranks:
                 failed.append(q)
-                if not wait_all_ranks:
-                    self._keys.set(go, "failed")
-                    raise GradhubBackendError(f"[Rank 0]: Rank {q} failed to pass monitoredBarrier in {ms} ms")
+            else:
+                raise fail(f"[Rank 0]: Rank {q} failed to pass monitoredBarrier in {ms} ms")
         if failed:
-            self._keys.set(go, "failed")
-            raise GradhubBackendError(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass "
-                                      f"monitoredBarrier in {ms} ms")
+            raise fail(f"[Rank 0]: Ranks {', '.join(map(str, failed))} failed to pass monitoredBarrier in {ms} ms")
         self._keys.set(go, "ok")
         return None
 
