@@ -205,7 +205,7 @@ def test_two_workers_per_host_host_stage_halves_the_host_link_bytes(tmp_path):
     out = tmp_path / "gp.jsonl"
     M = 8e6
     p = subprocess.run([sys.executable, "-m", "gradhub_lab", "goodput", "--workers", "2", "--workers-per-host",
-                        "2", "--k", "0", "--mbytes", "8", "--iters", "3", "--rate", "1gbit", "--host-reduce", "both",
+                        "2", "--k", "0", "--mbytes", "8", "--iters", "8", "--rate", "1gbit", "--host-reduce", "both",
                         "--json", str(out)], capture_output=True, text=True, timeout=300, env=job_env())
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {r["label"]: r for r in map(json.loads, out.read_text().splitlines())}
