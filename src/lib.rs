@@ -12,6 +12,7 @@
 //! - `scheduler`: rendezvous, declarations, liveness
 //! - `server`: the summation service (shared-nothing threads)
 //! - `client`: the worker's communication service (priority + credit)
+//! - `peer`: point-to-point between workers (torch's send and recv)
 //! - `host`: what a host's workers and its server share (host-stage sums,
 //!   pushes by reference)
 //! - `sum_order`: deterministic sums (`GRADHUB_DETERMINISTIC`): rank-order adds
@@ -31,6 +32,7 @@ pub(crate) mod host;
 pub mod kernels;
 pub mod logging;
 pub mod metrics;
+pub mod peer;
 pub mod placement;
 pub mod protocol;
 pub mod scheduler;

@@ -21,6 +21,7 @@ use crate::scheduler;
 use crate::server;
 
 mod config;
+mod peer;
 use config::{PyClientConfig, PySchedulerConfig, PyServerConfig, PyServiceConfig, PyServiceServerConfig};
 
 create_exception!(gradhub, GradhubError, PyRuntimeError, "A gradhub job or operation failed.");
@@ -45,13 +46,13 @@ fn py_err(e: impl Into<Error>) -> PyErr {
 /// GIL on the I/O thread would stall every other transfer while Python
 /// runs (and deadlock if the GIL holder waits for that thread). Bounded;
 /// when full, an overflowing callback gets a thread of its own.
-fn callback_queue() -> &'static Sender<(Py<PyAny>, Option<String>)> {
-    static QUEUE: OnceLock<Sender<(Py<PyAny>, Option<String>)>> = OnceLock::new();
+fn callback_queue() -> &'static Sender<(Py<PyAny>, Args)> {
+    static QUEUE: OnceLock<Sender<(Py<PyAny>, Args)>> = OnceLock::new();
     QUEUE.get_or_init(|| {
-        let (tx, rx) = bounded::<(Py<PyAny>, Option<String>)>(1 << 16);
+        let (tx, rx) = bounded::<(Py<PyAny>, Args)>(1 << 16);
         let spawned = std::thread::Builder::new().name("gradhub-callbacks".into()).spawn(move || {
-            for (f, err) in rx {
-                run_callback(f, err);
+            for (f, args) in rx {
+                run_callback(f, args);
             }
         });
         if let Err(e) = spawned {
@@ -80,7 +81,27 @@ fn gate() -> MutexGuard<'static, Gate> {
     GATE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn run_callback(f: Py<PyAny>, err: Option<String>) {
+/// What a completion callback is called with.
+enum Args {
+    /// An operation's: `(error,)`, None on success.
+    Done(Option<String>),
+    /// A point-to-point receive's: `(sender, error)`.
+    Received(Option<u32>, Option<String>),
+}
+
+/// Run `f(args)` on the callback thread (on a thread of its own when the
+/// queue is full).
+fn queue_callback(f: Py<PyAny>, args: Args) {
+    if let Err(TrySendError::Full(item) | TrySendError::Disconnected(item)) = callback_queue().try_send((f, args)) {
+        let spawned =
+            std::thread::Builder::new().name("gradhub-callback".into()).spawn(move || run_callback(item.0, item.1));
+        if let Err(e) = spawned {
+            log::error!(target: "worker", "cannot run a completion callback: {e}");
+        }
+    }
+}
+
+fn run_callback(f: Py<PyAny>, args: Args) {
     {
         let mut g = gate();
         if g.closing {
@@ -92,7 +113,11 @@ fn run_callback(f: Py<PyAny>, err: Option<String>) {
     }
     let _running = Running;
     Python::attach(|py| {
-        if let Err(e) = f.call1(py, (err,)) {
+        let called = match args {
+            Args::Done(err) => f.call1(py, (err,)),
+            Args::Received(src, err) => f.call1(py, (src, err)),
+        };
+        if let Err(e) = called {
             // Like an exception in a thread: reported, never lost silently.
             e.write_unraisable(py, Some(f.bind(py)));
         }
@@ -253,17 +278,7 @@ impl PyHandle {
             f.call1(py, (err,))?;
             return Ok(());
         }
-        self.op.on_complete(Box::new(move |res| {
-            let item = (f, res.err());
-            if let Err(TrySendError::Full(item) | TrySendError::Disconnected(item)) = callback_queue().try_send(item) {
-                let spawned = std::thread::Builder::new()
-                    .name("gradhub-callback".into())
-                    .spawn(move || run_callback(item.0, item.1));
-                if let Err(e) = spawned {
-                    log::error!(target: "worker", "cannot run a completion callback: {e}");
-                }
-            }
-        }));
+        self.op.on_complete(Box::new(move |res| queue_callback(f, Args::Done(res.err()))));
         Ok(())
     }
     #[getter]
@@ -479,6 +494,24 @@ impl PyClient {
         self.inner.failure()
     }
 
+    /// Point-to-point links for member `rank` of the group `group` of
+    /// `size` members, listening on `host` (`crate::peer`).
+    fn peer_links(
+        &self,
+        rank: u32,
+        size: u32,
+        group: String,
+        host: String,
+        timeout: f64,
+    ) -> PyResult<peer::PyPeerLinks> {
+        let t = Duration::from_secs_f64(timeout.max(0.001));
+        let links = self
+            .inner
+            .peer_links(rank, size, group, host, t)
+            .map_err(|e| PyRuntimeError::new_err(format!("gradhub: cannot listen for point-to-point messages: {e}")))?;
+        Ok(peer::PyPeerLinks::new(links))
+    }
+
     /// Whether workers wait to join this elastic job.
     fn hosts_updated(&self) -> bool {
         self.inner.hosts_updated()
@@ -538,6 +571,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyServiceServerConfig>()?;
     m.add_class::<PyClient>()?;
     m.add_class::<PyHandle>()?;
+    m.add_class::<peer::PyPeerLinks>()?;
     m.add_class::<SchedulerHandle>()?;
     m.add("GradhubError", m.py().get_type::<GradhubError>())?;
     m.add("GradhubTimeoutError", m.py().get_type::<GradhubTimeoutError>())?;

@@ -51,6 +51,14 @@ def test_backend_collectives_ddp_and_groups_3_processes_on_2_emulated_hosts():
         assert "against gloo" in out and "FSDP2: 20 steps equal one process" in out, out[-6000:]
 
 
+def test_point_to_point_3_processes_on_2_emulated_hosts():
+    # Every pair, dtypes, sizes of several frames, order and tags, any source, batch_isend_irecv,
+    # sub-groups, errors naming the sender, a receive withdrawn on its timeout (tests/workers/backend_p2p.py).
+    results = run_torchrun_style(3, "backend_p2p.py", ["host-a", "host-a", "host-b"])
+    for q, (rc, out) in enumerate(results):
+        assert rc == 0 and f"PASS {q}" in out, f"rank {q}:\n{out[-6000:]}"
+
+
 def test_backend_under_gradhub_launch_2_workers():
     rc, out = run_launch(2, 1, "backend_collectives.py", {"port": free_port(), "port2": free_port()})
     assert rc == 0, out[-6000:]

@@ -97,6 +97,17 @@ def hosts_updated() -> bool:
     return c is not None and c.hosts_updated()
 
 
+def core_client() -> _core.Client | None:
+    """This worker's core client, or None before init or after shutdown
+    (the torch backend's point-to-point links are opened on it)."""
+    return _client
+
+
+def scheduler_address() -> str | None:
+    """`host:port` of the job this worker joined, or None."""
+    return _joined if _client is not None else None
+
+
 def job_failure() -> str | None:
     """Why this worker's job failed (a lost peer, named), or None while it
     stands or before init: for waits outside the core, which must not outlive it."""

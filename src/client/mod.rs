@@ -165,6 +165,7 @@ impl Client {
         let shared = Arc::new(Shared {
             session: session.sender(),
             secret: cfg.secret.clone(),
+            namespace: ns,
             connect_timeout: cfg.connect_timeout,
             rack,
             table: Mutex::new(Table::default()),
@@ -416,6 +417,28 @@ impl Client {
             self.shared.io.send_control(slot as usize, spec.key, MsgType::OptConfig, payload.clone())?;
         }
         Ok(())
+    }
+
+    /// Point-to-point links for member `rank` of a group of `size` (its
+    /// name), authenticated with this job's token (`crate::peer`).
+    pub fn peer_links(
+        &self,
+        rank: u32,
+        size: u32,
+        group: String,
+        host: String,
+        timeout: Duration,
+    ) -> std::io::Result<crate::peer::PeerLinks> {
+        crate::peer::PeerLinks::open(crate::peer::PeerConfig {
+            rank,
+            size,
+            group,
+            namespace: self.shared.namespace,
+            secret: self.shared.secret.clone(),
+            host,
+            timeout,
+            buffer_bytes: crate::peer::BUFFER_BYTES,
+        })
     }
 
     /// Block until every worker has entered the barrier.

@@ -22,6 +22,8 @@ pub struct Shared {
     pub(super) session: SessionSender,
     /// How to reach a server that joins while the job runs (`ServerJoined`).
     pub(super) secret: Secret,
+    /// The job's namespace (point-to-point links carry it too).
+    pub(super) namespace: u32,
     pub(super) connect_timeout: Duration,
     /// With two-level reduction, this worker's rack: it pushes each chunk
     /// to its rack's relay (`TensorSpec::slot_for`).

@@ -21,7 +21,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 20;
+pub const VERSION: u8 = 21;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by `header_crc`.
 const CHECKED_LEN: usize = 36;
@@ -163,6 +163,8 @@ msg_types! {
     Unreachable = 51, "worker -> scheduler: its link to this live server could not be mended within the peer timeout; with failover the server is written off and its chunks move";
     Ack = 52, "member <-> scheduler: a heartbeat that also says how many messages (heartbeats aside) its sender has received in this session: the other side stops keeping those for a resume";
     Resumed = 53, "scheduler -> member whose connection broke and that dialled again (Rejoin) while the scheduler lived: how many of its messages arrived; each side sends again what the other missed";
+    PeerHello = 54, "worker -> worker (point-to-point, `peer`): first frame after the handshake (key = the sender's rank in the group; payload: the group's name)";
+    PeerData = 55, "worker -> worker: one frame of a point-to-point message (priority = tag, round = message number on the connection, chunk = frame index, key = the message's frame count)";
 }
 
 /// Element type of a tensor payload. `None` is used by control messages.

@@ -4,9 +4,10 @@ DDP, FSDP, DeviceMesh and the frameworks built on them through gradhub's
 servers. Registered when `gradhub.torch` is imported.
 
 Modules: `job.py` (the gradhub job: joined or formed from torch's store),
-`collectives.py` (`Collectives`: the collectives), `classes.py` (the torch
-class they extend: `GradhubBackend` or `GradhubProcessGroup`), `work.py`
-(Work, futures, the watchdog); here: registration.
+`collectives.py` (`Collectives`: the collectives), `p2p.py` (send and
+recv), `classes.py` (the torch class they extend: `GradhubBackend` or
+`GradhubProcessGroup`), `work.py` (Work, futures, the watchdog); here:
+registration.
 
 Each collective is one or two push_pulls (a sum across workers):
 
@@ -25,7 +26,10 @@ Each collective is one or two push_pulls (a sum across workers):
   split sizes, unless even), each keeping what was sent to it;
 - barrier: a push_pull of one element;
 - sparse all_reduce: every member's indices and values gathered, summed here;
-- monitored_barrier: through torch's store, rank 0 naming who did not come.
+- monitored_barrier: through torch's store, rank 0 naming who did not come;
+- send / recv / recv from any source (and so batch_isend_irecv and the
+  pipeline schedules): straight from worker to worker over the group's
+  point-to-point links (the core's `peer`), not through the servers.
 
 The class: a `Backend` subclass where torch lets Python construct one
 (2.14 on), else a `ProcessGroup` subclass (`classes.backend_class`).

@@ -17,6 +17,7 @@ from ..compression import Compression
 from ..ops import _push_pull_async
 from ..process_sets import ProcessSet
 from .job import end_job
+from .p2p import PointToPoint
 from .work import GradhubBackendError, Work, _all_of, _failure, _Helper, _now, _Op, _unsupported, _watchdog
 
 NAME = "gradhub"
@@ -101,9 +102,13 @@ class Collectives:
         # outlive its group (init, destroy, init again), so each creation's
         # keys go under a prefix of their own.
         self._keys = None
+        # This creation's name, the same on every member (point-to-point
+        # links refuse a connection for another group).
+        self._group_id = prefix or "default"
         if store is not None:
             gen = (store.add("gradhub/created", 1) - 1) // size
             self._keys = dist.PrefixStore(f"gradhub/{gen}", store)
+            self._group_id = f"{self._group_id}#{gen}"
         self._barriers = 0
         self._rank, self._size = rank, size
         self._ps = ps
@@ -642,18 +647,29 @@ class Collectives:
         h = self._sum(torch.zeros(1), name)
         return self._complete_when(op, [h])
 
-    # -- what is not supported: a clear error at the call
+    # -- point-to-point (`p2p`)
+
+    @property
+    def _p2p(self) -> PointToPoint:
+        p = getattr(self, "_p2p_side", None)
+        if p is None:
+            with self._lock:
+                p = getattr(self, "_p2p_side", None)
+                if p is None:
+                    p = self._p2p_side = PointToPoint(self._rank, self._size, self._keys, self._group_id, self._timeout)
+        return p
 
     def send(self, tensors, dst, tag):
-        raise _unsupported("point-to-point send (dist.send/isend, batch_isend_irecv)",
-                           "use a collective, or a gloo group for point-to-point traffic")
+        self._check_open()
+        return self._p2p.send(_one(tensors, "send"), dst, tag)
 
     def recv(self, tensors, src, tag):
-        raise _unsupported("point-to-point recv (dist.recv/irecv, batch_isend_irecv)",
-                           "use a collective, or a gloo group for point-to-point traffic")
+        self._check_open()
+        return self._p2p.recv(_one(tensors, "recv"), src, tag)
 
     def recv_anysource(self, tensors, tag):
-        raise _unsupported("point-to-point recv from any source (dist.recv without src)")
+        self._check_open()
+        return self._p2p.recv(_one(tensors, "recv"), None, tag)
 
     def monitored_barrier(self, opts, wait_all_ranks=False):
         """gloo's monitored barrier, through torch's store: every other
@@ -717,6 +733,9 @@ class Collectives:
         self._closed = True
         if self._helper is not None:
             self._helper.stop()
+        p2p = getattr(self, "_p2p_side", None)
+        if p2p is not None:
+            p2p.close()
         if self._owns_job:
             end_job()
 

@@ -32,7 +32,8 @@ class _Op:
     """A collective in flight: completed once, with its output tensors or
     an error, from a completion callback, the watchdog or a helper thread."""
 
-    __slots__ = ("what", "outputs", "_event", "_error", "_raw", "future", "_lock", "_cuda", "_finished", "__weakref__")
+    __slots__ = ("what", "outputs", "_event", "_error", "_raw", "future", "_lock", "_cuda", "_finished", "source",
+                 "on_failure", "__weakref__")
 
     def __init__(self, what: str, outputs: list[torch.Tensor]):
         self.what = what
@@ -40,6 +41,8 @@ class _Op:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self._finished = False
+        self.source = -1          # a receive from any member: who sent
+        self.on_failure = None    # run once if it fails (a receive withdraws itself)
         self._lock = threading.Lock()
         devs = sorted({t.device for t in outputs if t.device.type == "cuda"}, key=str)
         self._cuda = devs
@@ -54,6 +57,8 @@ class _Op:
                 return
             self._finished = True
             self._error = error
+        if error is not None and self.on_failure is not None:
+            self.on_failure()
         try:
             if error is None:
                 for d in self._cuda:  # the copies back from the host stage are done before anyone reads
@@ -69,7 +74,8 @@ class _Op:
 
     def wait(self, timeout: float | None) -> None:
         if not self._event.wait(timeout):
-            raise GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s")
+            # Given up on, as torch's backends do: failed for good (a receive withdraws itself).
+            self.finish(GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s"))
         if self._error is not None:
             raise self._error
 
@@ -110,6 +116,13 @@ class Work(dist.Work):
 
     def result(self):
         return self._op.outputs
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any member (after wait)."""
+        return self._op.source
+
+    def source_rank(self) -> int:
+        return self._op.source
 
     def synchronize(self) -> None:
         self._op.wait(self._timeout)
