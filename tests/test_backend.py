@@ -59,6 +59,17 @@ def test_point_to_point_3_processes_on_2_emulated_hosts():
         assert rc == 0 and f"PASS {q}" in out, f"rank {q}:\n{out[-6000:]}"
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_pipeline_schedules_gpipe_and_1f1b_train_equal_to_one_process(stages):
+    # torch.distributed.pipelining over the backend's point-to-point: one stage per process,
+    # on 2 emulated hosts (tests/workers/backend_pipeline.py).
+    hosts = ["host-a" if q < stages // 2 else "host-b" for q in range(stages)]
+    results = run_torchrun_style(stages, "backend_pipeline.py", hosts)
+    for q, (rc, out) in enumerate(results):
+        assert rc == 0 and f"PASS {q}" in out, f"rank {q}:\n{out[-6000:]}"
+        assert f"stage {q} of {stages}: GPipe then 1F1B equal one process" in out, out[-3000:]
+
+
 def test_backend_under_gradhub_launch_2_workers():
     rc, out = run_launch(2, 1, "backend_collectives.py", {"port": free_port(), "port2": free_port()})
     assert rc == 0, out[-6000:]
