@@ -317,3 +317,27 @@ def test_a_host_cut_off_from_its_server_past_the_peer_timeout_fails_naming_the_l
     assert not any("WRONG" in o or "AssertionError" in o for o in outs), outs
     # Silent for the socket's 2 s, mended for 3 s, then the job's end.
     assert took < 20, took
+
+
+def test_point_to_point_and_a_pipeline_across_emulated_hosts(hosts):
+    """torch's send and recv on the gradhub backend, started as torchrun
+    starts it (rank 0 hosts the job at MASTER_ADDR): ranks 0 and 1 on host
+    a, rank 2 on host b. Each member listens on its own host's address (the
+    route to the job's scheduler) and the others reach it there: every
+    point-to-point check passes (tests/workers/backend_p2p.py), then a
+    2-stage pipeline with a stage on each host trains equal to one process."""
+    a, b = hosts(1), hosts(2)
+    py = sys.executable
+
+    def run(script: str, layout: list[str], port: int) -> list[str]:
+        procs = [in_ns(ns, [py, str(WORKERS / script)],
+                       job_env(MASTER_ADDR=a[1], MASTER_PORT=port, RANK=q, WORLD_SIZE=len(layout)))
+                 for q, ns in enumerate(layout)]
+        return run_all(procs, timeout=180)
+
+    outs = run("backend_p2p.py", [a[0], a[0], b[0]], 9560)
+    for q in range(3):
+        assert f"PASS {q}" in outs[q], outs[q]
+    outs = run("backend_pipeline.py", [a[0], b[0]], 9561)
+    for q in range(2):
+        assert f"stage {q} of 2: GPipe then 1F1B equal one process" in outs[q], outs[q]

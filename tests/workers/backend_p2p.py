@@ -130,12 +130,12 @@ if r == 0:
     else:
         raise AssertionError("a receive nobody sent to completed")
     assert time.monotonic() - t0 < 10
-    dist.send(torch.ones(1), dst=2, group=quick, tag=13)           # tell rank 2 to send now
+    dist.send(torch.ones(1), dst=2, tag=13)           # tell rank 2 to send now (on the world group: 60 s)
     t2 = torch.empty(1)
     dist.recv(t2, src=2, group=quick, tag=12)
     assert t2.item() == 5.0 and t.item() == 0.0, (t, t2)
 elif r == 2:
-    dist.recv(torch.empty(1), src=0, group=quick, tag=13)
+    dist.recv(torch.empty(1), src=0, tag=13)
     dist.send(torch.tensor([5.0]), dst=0, group=quick, tag=12)
 print(f"rank {r}: a receive given up on is withdrawn", flush=True)
 
