@@ -4,7 +4,7 @@ by the registry the core declares them in (src/settings.rs, as
 
 gradhub reads its own GRADHUB_* variables first and falls back to torchrun's
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or
-in an srun step to Slurm's (launch/slurm.py), so a script started by `gradhub
+in an srun step to Slurm's (_slurm.py), so a script started by `gradhub
 launch`, torchrun or srun needs no extra setup. A value
 that does not parse raises a ValueError naming the variable.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from . import _core
-from .launch.slurm import step as slurm_step
+from ._slurm import step as slurm_step
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")

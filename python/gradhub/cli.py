@@ -11,8 +11,8 @@ import json
 import sys
 
 from . import _core, _env, roles
-from ._argtypes import Parser, count as _count, existing_file, output_file, port
-from .launch import elastic as launch_elastic
+from ._argtypes import Parser, count as _count, output_file, port
+from .launch import flags as launch_flags
 
 # The `--help` epilogs: the settings each command's roles read, from the
 # registry (src/settings.rs), so they show its defaults.
@@ -108,44 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         "  gradhub launch --host-discovery-script ./hosts.sh --min-workers 2 --max-workers 8 -- python train.py\n\n"
         + _env.env_help(ALL_ROLES),
     )
-    lp.add_argument("-w", "--workers", type=_count(1), default=None,
-                    help="number of worker processes (required on this machine; with -H/--hostfile: default "
-                    "every slot)")
-    lp.add_argument("-s", "--servers", type=_count(1), default=1, help="number of summation servers (default 1)")
-    lp.add_argument("--server-threads", type=_count(1), default=venv.threads or 1,
-                    help="threads per server (GRADHUB_SERVER_THREADS, else 1)")
-    g = lp.add_mutually_exclusive_group()
-    g.add_argument("--colocated", action="store_true",
-                   help="mark every server as colocated with a worker (all-reduce-like traffic split)")
-    g.add_argument("--colocated-servers", type=_count(0), default=0, metavar="C",
-                   help="mark the first C servers colocated, the rest CPU-only (mixed job)")
-    lp.add_argument("--port", type=port, default=0, help="scheduler port (default: a free port)")
-    hg = lp.add_argument_group(
-        "across hosts (SSH)", "Workers on other hosts, started over ssh (key-based login, no password prompt); "
-        "the scheduler runs on this machine (or --scheduler-host first), a server on each worker host (colocated) unless --server-hosts. "
-        "Every host must have the same Python (this one's path) with gradhub installed; each is checked before "
-        "anything starts. The environment (the job token among it) travels over ssh's stdin, never on a "
-        "command line.")
-    hx = hg.add_mutually_exclusive_group()
-    hx.add_argument("-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
-                    help="worker hosts and how many workers each runs, e.g. node1:4,node2:4 (horovodrun's -H)")
-    hx.add_argument("--hostfile", default=None, metavar="FILE",
-                    help="worker hosts, one a line: 'host slots=N' or 'host:N' (# comments)")
-    hg.add_argument("--server-hosts", default=None, metavar="HOST,...",
-                    help="run one CPU-only server on each of these hosts instead of a colocated one per worker host")
-    hg.add_argument("--ssh-port", type=_count(1, most=65535), default=None, help="ssh port on every host (default: ssh's, 22)")
-    hg.add_argument("--ssh-identity-file", type=existing_file, default=None, metavar="FILE",
-                    help="private key for every ssh connection (ssh -i)")
-    hg.add_argument("--ssh-config", type=existing_file, default=None, metavar="FILE",
-                    help="an ssh_config file for every ssh connection (ssh -F): user names, jump hosts, host keys")
-    hg.add_argument("--scheduler-host", choices=("local", "first"), default="local",
-                    help="where the scheduler (an elastic job's shared service) runs: on this machine (local, the "
-                    "default) or, started over ssh, on the first worker host (first), at that host's address as "
-                    "it saw this machine's ssh come in; for a launching machine the hosts cannot reach")
-    _add_scheduler_args(lp, senv)
-    _add_encrypt_arg(lp)
-    launch_elastic.add_args(lp)
-    lp.add_argument("command", nargs=argparse.REMAINDER, help="-- followed by the worker command")
+
+    def shared(p: argparse.ArgumentParser) -> None:  # what `gradhub scheduler` takes too
+        _add_scheduler_args(p, senv)
+        _add_encrypt_arg(p)
+
+    launch_flags.add_args(lp, venv.threads or 1, shared)
 
     sp = sub.add_parser(
         "scheduler",
@@ -400,30 +368,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from .launch import launch
 
-    parser.prog = "gradhub launch"  # the checks below: launch's usage errors
-    cmd = args.command
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    if not cmd:
-        parser.error("launch needs a worker command after --")
-    remote = args.hosts or args.hostfile or args.host_discovery_script
-    if args.host_discovery_script and (args.hosts or args.hostfile):
-        parser.error("--host-discovery-script gives the hosts: leave out -H/--hostfile")
-    if args.host_discovery_script and args.min_workers is None:
-        parser.error("--host-discovery-script needs --min-workers: only an elastic job follows its hosts")
-    if args.workers is None and not remote:
-        parser.error("launch needs -w/--workers (or -H/--hostfile to run across hosts)")
-    if args.server_hosts and not remote:
-        parser.error("--server-hosts needs -H/--hostfile")
-    if args.scheduler_host == "first" and not remote:
-        parser.error("--scheduler-host first needs hosts (-H/--hostfile/--host-discovery-script): a job on this "
-                     "machine has its scheduler here")
-    if args.slots_per_host < 1:
-        parser.error(f"argument --slots-per-host: {args.slots_per_host} is out of range (at least 1)")
-    if not 0 < args.discovery_interval < float("inf"):
-        parser.error(f"argument --discovery-interval: {args.discovery_interval:g} is out of range (more than 0)")
+    parser.prog = "gradhub launch"  # the checks of the options: launch's usage errors
+    opts = launch_flags.options(args, parser.error)
     try:
-        return launch(args, cmd)
+        return launch(opts)
     except ValueError as e:  # a malformed GRADHUB_* setting (e.g. the token file)
         print(f"gradhub launch: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,11 @@
-"""`gradhub launch`: a whole job, supervised, on this machine (local.py) or
+"""`gradhub launch`: a whole job, supervised. Its flags (flags.py) give the
+options from which a pure function makes the job's plan (plan.py: every
+process, where it runs, its argv and its environment); the launchers start
+and watch what the plan lists (run.py): on this machine (local.py) or
 across hosts over SSH (ssh.py, hosts from hosts.py, or an elastic job's
-from a discovery script: discovery.py). Output handling:
-output.py; child processes and supervision: proc.py."""
+from a discovery script: discovery.py; elastic jobs: elastic.py). An srun
+step's plan: slurm.py. Output handling: output.py; child processes and
+supervision: proc.py."""
 
 from __future__ import annotations
 
@@ -10,13 +14,13 @@ from .proc import Proc, supervise
 __all__ = ["Proc", "launch", "supervise"]
 
 
-def launch(args, command: list[str]) -> int:
-    """Run `command` as every worker of a job the launch flags describe;
-    returns the launcher's exit code."""
-    if any(getattr(args, a, None) for a in ("hosts", "hostfile", "host_discovery_script")):
+def launch(opts) -> int:
+    """Run the job the launch options (flags.LaunchOptions) describe: its
+    command as every worker; returns the launcher's exit code."""
+    if opts.remote:
         from .ssh import launch_ssh
 
-        return launch_ssh(args, command)
+        return launch_ssh(opts)
     from .local import launch_local
 
-    return launch_local(args, command)
+    return launch_local(opts)

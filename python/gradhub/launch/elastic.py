@@ -1,8 +1,9 @@
 """`gradhub launch --min-workers M`: the job as an elastic job, on a shared
 service the launch starts for it alone (a service-mode scheduler and
 servers, a made-up master token, the job's name and token), with the
-launch flags that say so. Supervision of an elastic job (a lost worker does
-not end it) is proc.py's `Losses`.
+launch flags that say so (flags.py; plan.py checks them and gives each
+role's environment from `Elastic`'s). Supervision of an elastic job (a lost
+worker does not end it) is proc.py's `Losses`.
 
 The service forms each generation of the job and gives its ranks; the
 launcher only starts the processes, and gives every worker the job's
@@ -25,52 +26,14 @@ SERVICE_READY_S = 60.0
 SERVICE_IDLE_S = 5.0
 
 
-def add_args(lp) -> None:
-    """The elastic flags of `gradhub launch`."""
-    g = lp.add_argument_group(
-        "elastic jobs", "Run the job as an elastic job (Horovod's elastic API, `gradhub.torch.elastic`): a worker "
-        "that fails does not end it while at least --min-workers are still running; the survivors roll back to "
-        "their last commit and go on with new ranks and size. The launch starts a shared service for the job "
-        "(`gradhub scheduler --service`, servers with --service) and stops it at the end. The exit code is 0 "
-        "when every worker still in the job at its end exited 0; the lost ones are reported.")
-    g.add_argument("--min-workers", type=int, default=None, metavar="M",
-                   help="run elastic: keep the job running while at least M workers live; fewer: stop it and "
-                   "fail (1 <= M <= -w)")
-    g.add_argument("--max-workers", type=int, default=None, metavar="X",
-                   help="the most workers the elastic job may have (default: -w), given to the workers as "
-                   "GRADHUB_MAX_WORKERS. Given, a lost worker is replaced (on its host) while fewer run, at most "
-                   "once per starting worker: the replacement joins at the job's next commit")
-    g.add_argument("--host-discovery-script", default=None, metavar="S",
-                   help="an executable that prints the hosts available now, one 'host:slots' a line (as "
-                   "horovodrun's): the job starts on them (-w defaults to their slots, up to --max-workers) and "
-                   "follows them, run every --discovery-interval: a new host or slot gets a worker (up to "
-                   "--max-workers; it joins at the next commit), a host gone has its workers stopped (the job goes "
-                   "on while --min-workers run). A run that fails or takes over 5 s is reported and the last hosts "
-                   "kept. Servers stay on the first hosts found (or --server-hosts). Instead of -H/--hostfile")
-    g.add_argument("--slots-per-host", type=int, default=1, metavar="N",
-                   help="the slots of a host the discovery script lists without any (default 1)")
-    g.add_argument("--discovery-interval", type=float, default=1.0, metavar="SECONDS",
-                   help="seconds between runs of the host discovery script (default 1)")
-
-
-def check(args, workers: int) -> str | None:
-    """What is wrong with the elastic flags for a job of `workers`, or None."""
-    if args.min_workers is None:
-        return "--max-workers needs --min-workers (an elastic job)" if args.max_workers is not None else None
-    most = args.max_workers if args.max_workers is not None else workers
-    if not 1 <= args.min_workers <= workers <= most:
-        return (f"an elastic job needs 1 <= --min-workers ({args.min_workers}) <= the workers ({workers}) <= "
-                f"--max-workers ({most})")
-    return None
-
-
 class Elastic:
     """One launch's elastic job: its service's master token, the job's name
     and token, and the environment of each role."""
 
-    def __init__(self, args):
-        self.min_workers: int = args.min_workers
-        self.max_workers: int | None = args.max_workers
+    def __init__(self, opts):
+        """`opts`: the launch options (min_workers, max_workers); the secrets are made up here."""
+        self.min_workers: int = opts.min_workers
+        self.max_workers: int | None = opts.max_workers
         self.master = secrets.token_hex(32)
         self.job = "launch-" + secrets.token_hex(4)
         self.token = _core.job_token(self.master, self.job)

@@ -13,7 +13,9 @@ other user of either machine can read the token in a process list. Closing that 
 kills the remote process group; a `TERM` line asks it to stop first.
 
 Before anything starts, every host is checked: reachable over ssh, and
-gradhub importable by this Python there.
+gradhub importable by this Python there; what the checks find (the
+scheduler's address, free ports) goes into the job's plan (plan.py), whose
+processes are started here (`RemoteProc`) and watched by run.py.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .._ports import free_port
-from .hosts import Host, parse_hostfile, parse_hosts, parse_server_hosts, worker_slots
-from . import discovery, elastic
-from .local import job_env, node_env, scheduler_argv, server_argv, torch_rendezvous_env
-from .proc import Proc, supervise
+from . import discovery
+from .elastic import Elastic
+from .flags import LaunchOptions
+from .hosts import Host, parse_hostfile, parse_hosts
+from .local import TOOL, made_up_token
+from .plan import Plan, ProcessSpec, Site, forwarded, layout, plan
+from .proc import Proc
+from .run import run, start_here
 
 # Runs on the remote host (`python -c`): one JSON line on stdin holds the
 # environment, the working directory and the command; the command runs in a
@@ -67,17 +73,6 @@ if job["watch"]:
 rc = p.wait()
 sys.exit(rc if rc >= 0 else 128 - rc)
 """
-
-# Variables that describe this login, not the job: the remote login has its own.
-_LOCAL_ONLY = {"HOME", "USER", "LOGNAME", "SHELL", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "TERM", "DISPLAY",
-               "MAIL", "TMUX", "STY", "LS_COLORS", "OLDPWD", "INVOCATION_ID", "JOURNAL_STREAM"}
-_LOCAL_PREFIXES = ("SSH_", "XDG_", "DBUS_")
-
-
-def forwarded(env: dict[str, str]) -> dict[str, str]:
-    """The part of the launcher's environment a remote process gets."""
-    return {k: v for k, v in env.items() if k not in _LOCAL_ONLY and not k.startswith(_LOCAL_PREFIXES)}
-
 
 class Ssh:
     """How to reach the hosts: the ssh command line before the remote command."""
@@ -186,37 +181,37 @@ def _address_towards(host: str) -> str:
         return s.getsockname()[0]
 
 
-def _hosts(args) -> tuple[list[Host], dict[str, int] | None]:
+def _hosts(opts: LaunchOptions) -> tuple[list[Host], dict[str, int] | None]:
     """The worker hosts; and, with --host-discovery-script, the set it found."""
-    if args.host_discovery_script:
-        found = discovery.run_script(args.host_discovery_script, args.slots_per_host)
+    if opts.host_discovery_script:
+        found = discovery.run_script(opts.host_discovery_script, opts.slots_per_host)
         return [Host(h, n) for h, n in found.items()], found
-    return (parse_hostfile(args.hostfile) if args.hostfile else parse_hosts(args.hosts)), None
+    assert opts.hosts or opts.hostfile
+    return (parse_hostfile(opts.hostfile) if opts.hostfile else parse_hosts(opts.hosts)), None
 
 
-def launch_ssh(args, command: list[str]) -> int:
-    tool = "gradhub launch"
+def banner(p: Plan, cpu_servers: bool) -> str:
+    """What the launcher says of a plan across hosts before it starts it."""
+    sched = p.processes[0]
+    return (f"{TOOL}: {'an elastic job on a shared service' if p.elastic else 'scheduler'} on "
+            f"{sched.host or 'this machine'} at {p.scheduler}; {len(p.workers)} workers on {', '.join(p.hosts)}; "
+            f"{len(p.servers)} {'CPU-only' if cpu_servers else 'colocated'} servers")
+
+
+def launch_ssh(opts: LaunchOptions) -> int:
     try:
-        hosts, found = _hosts(args)
-        server_hosts = parse_server_hosts(args.server_hosts) if args.server_hosts else []
-        n = args.workers
-        if found is not None and n is None:  # every slot found, up to --max-workers
-            n = min(sum(found.values()), args.max_workers or sum(found.values()))
-        slots = worker_slots(hosts, n)
-        problem = elastic.check(args, len(slots))
-        if problem:
-            raise ValueError(problem)
+        hosts, found = _hosts(opts)
+        lay = layout(opts, hosts)
     except ValueError as e:
-        print(f"{tool}: {e}", file=sys.stderr)
+        print(f"{TOOL}: {e}", file=sys.stderr)
         return 2
-    used = sorted({h.name for _, h, _ in slots}, key=[h.name for h in hosts].index)
-    servers = server_hosts or used
-    ssh = Ssh(args.ssh_port, args.ssh_identity_file, args.ssh_config)
-    every = list(dict.fromkeys(used + servers))
+    used = lay.hosts
+    ssh = Ssh(opts.ssh_port, opts.ssh_identity_file, opts.ssh_config)
+    every = lay.every_host
     with ThreadPoolExecutor(max_workers=min(16, len(every))) as pool:
         checked = list(pool.map(lambda h: _check_host(ssh, h, dict(os.environ)), every))
     problems = [p for p, _ in checked if p]
-    remote_sched = args.scheduler_host == "first"
+    remote_sched = opts.scheduler_host == "first"
     try:
         # The scheduler's address: the first host's own (as it saw the
         # launcher's ssh come in), or this machine's on the route to it.
@@ -225,80 +220,26 @@ def launch_ssh(args, command: list[str]) -> int:
         problems = problems or [f"cannot find this machine's address towards {used[0]}: {e}"]
     if problems:
         for p in problems:
-            print(f"{tool}: {p}", file=sys.stderr)
-        print(f"{tool}: nothing was started", file=sys.stderr)
+            print(f"{TOOL}: {p}", file=sys.stderr)
+        print(f"{TOOL}: nothing was started", file=sys.stderr)
         return 2
-    port = args.port or (checked[0][1]["port"] if remote_sched else free_port())
+    port = opts.port or (checked[0][1]["port"] if remote_sched else free_port())
     sched = f"[{sched_ip}]:{port}" if ":" in sched_ip else f"{sched_ip}:{port}"
-    base = job_env(args, sched, len(slots), len(servers))
-    el = elastic.Elastic(args) if args.min_workers is not None else None
-    svc_env = el.service_env(base) if el else base
-    print(f"{tool}: {'an elastic job on a shared service' if el else 'scheduler'} on "
-          f"{used[0] if remote_sched else 'this machine'} at {sched}; {len(slots)} workers on {', '.join(used)}; "
-          f"{len(servers)} {'CPU-only' if server_hosts else 'colocated'} servers", file=sys.stderr, flush=True)
-    sched_argv = scheduler_argv(args, sched, el is not None)
-    sched_env = {**svc_env, "GRADHUB_ROLE": "scheduler"}
-    procs: list[Proc] = [RemoteProc(f"scheduler@{used[0]}", ssh, used[0], sched_argv, sched_env) if remote_sched
-                         else Proc("scheduler", sched_argv, sched_env)]
-    for s, host in enumerate(servers):
-        argv = server_argv(args, not server_hosts, None if el else s)
-        procs.append(RemoteProc(f"server {s}@{host}", ssh, host, argv, {**svc_env, "GRADHUB_ROLE": "server"}))
-    rc = el.ready(sched, len(servers), procs, tool) if el else None
-    if rc is not None:
-        return rc
-    per_host = {h: sum(1 for _, x, _ in slots if x.name == h) for h in used}
+    el = Elastic(opts) if opts.elastic else None
     # torch's env:// rendezvous: rank 0's TCPStore on a port free on its host (not for an elastic job).
-    first = min(slots, key=lambda s: s[0])[1].name
+    first = lay.slots[0][1]
+    assert first is not None
     seen = checked[every.index(first)][1]
-    torch_env = {} if el else torch_rendezvous_env(seen.get("addr") or _bare(first), seen["store_port"], len(slots))
-    workers = []
-    for rank, host, local in slots:
-        n = str(per_host[host.name])
-        env = {**base, **torch_env, **node_env(used.index(host.name), len(used)), "GRADHUB_ROLE": "worker",
-               "GRADHUB_RANK": str(rank),
-               "GRADHUB_LOCAL_RANK": str(local), "GRADHUB_LOCAL_SIZE": n, "LOCAL_RANK": str(local),
-               "LOCAL_WORLD_SIZE": n}
-        if torch_env:
-            env["RANK"] = str(rank)
-        workers.append(RemoteProc(f"worker {rank}@{host.name}", ssh, host.name, command,
-                                  el.worker_env(env) if el else env))
-    procs += workers
-    if el is None:
-        return supervise(procs, workers, tool)
-    more = iter(range(len(slots), 1 << 30))
+    store = None if el else (seen.get("addr") or _bare(first), seen["store_port"])
+    job = plan(opts, lay, Site(scheduler=sched, environ=dict(os.environ), token=made_up_token(), store=store,
+                               elastic=el))
+    print(banner(job, lay.cpu_servers), file=sys.stderr, flush=True)
 
-    def start(host: str) -> Proc:
-        """A worker joining the running job on `host` (an elastic job's local ranks are the scheduler's)."""
-        rank = next(more)
-        env = {**base, "GRADHUB_ROLE": "worker", "GRADHUB_RANK": str(rank)}
-        return RemoteProc(f"worker {rank}@{host}", ssh, host, command, el.worker_env(env))
+    def start(spec: ProcessSpec) -> Proc:
+        if spec.host is None:
+            return start_here(spec)
+        return RemoteProc(spec.label, ssh, spec.host, list(spec.argv), dict(spec.env))
 
-    def grow(host: str) -> Proc:
-        """A worker on a discovered free slot (the follower adds it to `workers`)."""
-        p = start(host)
-        procs.append(p)
-        return p
-
-    most = el.max_workers or len(slots)
-    retired: set[Proc] = set()  # workers the follower stopped: their hosts left
-    follower = None
-    if found is not None:
-        poller = discovery.Poller(args.host_discovery_script, args.slots_per_host, args.discovery_interval, found,
-                                  tool).start()
-        follower = discovery.Follower(poller, workers, most, grow, retired.add, tool)
-
-    def replace(lost: Proc) -> Proc | None:
-        """A new worker for `lost`: on its host, or (a discovery job) a listed host with a free slot."""
-        host = lost.label.split("@", 1)[1]
-        if follower is not None:
-            free = follower.free_host(prefer=host)
-            return start(free) if free is not None else None
-        return start(host)
-
-    try:
-        return supervise(procs, workers, tool, min_workers=el.min_workers,
-                         replace=replace if el.max_workers is not None else None, max_workers=most,
-                         tick=follower.tick if follower else None, retired=retired, stop_service=el.stop)
-    finally:
-        if follower is not None:
-            follower.poller.stop()
+    follow = None if found is None else (opts.host_discovery_script, opts.slots_per_host, opts.discovery_interval,
+                                         found)
+    return run(job, start, TOOL, follow)
