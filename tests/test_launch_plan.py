@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from gradhub import _env, cli
-from gradhub.launch import flags, slurm
+from gradhub.launch import discovery, flags, slurm
 from gradhub.launch.elastic import Elastic
 from gradhub.launch.hosts import Host, parse_hostfile, parse_hosts
 from gradhub.launch.plan import GRADHUB, Site, layout, plan
@@ -291,3 +291,22 @@ def test_the_launch_flags_are_the_options_fields():
     dests = {a.dest for a in sub.choices["launch"]._actions if a.dest not in ("help", "encrypt", "join_timeout")}
     fields = set(flags.LaunchOptions.__dataclass_fields__)
     assert dests == fields, dests ^ fields
+
+
+def test_an_elastic_job_re_planned_when_its_discovered_hosts_change():
+    opts = options("--host-discovery-script", "./hosts.sh", "--min-workers", "1", "--max-workers", "5")
+    found = {"a": 2, "b": 1}
+    p = plan(opts, layout(opts, [Host(h, n) for h, n in found.items()]), Site("10.0.0.1:9000", ENVIRON,
+                                                                             elastic=Elastic(opts)))
+    assert p.most_workers == 5 and [w.host for w in p.workers] == ["a", "a", "b"]
+    # b gone, a grown by 2 and c new with 3: b's worker stops; a's two new slots, then c's first, up to 5 workers.
+    m = discovery.moves(found, {"a": 4, "c": 3}, {"a": 2, "b": 1}, p.most_workers)
+    assert m.stop == {"b": 1} and m.start == ["a", "a", "c"]
+    joiners = [p.joiner(3 + i, h) for i, h in enumerate(m.start)]
+    assert [(j.label, j.env["GRADHUB_RANK"]) for j in joiners] == [("worker 3@a", "3"), ("worker 4@a", "4"),
+                                                                  ("worker 5@c", "5")]
+    # A host with fewer slots stops its extra workers; nothing grows past the most; no change, no move.
+    assert discovery.moves({"a": 3}, {"a": 1, "b": 9}, {"a": 3}, 2) == discovery.Moves({"a": 2}, ["b"])
+    assert discovery.moves({"a": 2}, {"a": 2}, {"a": 1}, 5) == discovery.Moves()
+    # A host gone whose workers all exited already: nothing to stop.
+    assert discovery.moves({"a": 2, "b": 1}, {"a": 2}, {"a": 2}, 5) == discovery.Moves()

@@ -7,8 +7,10 @@ between two host sets are pure functions (`parse_hosts_output`, `diff`);
 `run_script` runs it once, bounded in time; `Poller` runs it every interval
 on a thread of its own and keeps the last good set; `Follower` applies each
 new set to the running job from the supervising loop (proc.py's `supervise`
-calls its `tick`): workers started on added hosts or slots up to
---max-workers, the workers of removed hosts or slots stopped (SIGTERM, then
+calls its `tick`), as `moves` re-plans it (a pure function of the hosts
+before and now and the workers running on each): workers started on added
+hosts or slots up to --max-workers (each the launch plan's `joiner`:
+run.py), the workers of removed hosts or slots stopped (SIGTERM, then
 SIGKILL), which the job takes as lost workers.
 """
 
@@ -75,6 +77,37 @@ def diff(old: dict[str, int], new: dict[str, int]) -> Change:
         elif new[h] < n:
             c.shrunk[h] = n - new[h]
     return c
+
+
+@dataclass
+class Moves:
+    """What an elastic job does when its hosts change: how many of each
+    host's running workers stop (the newest), and the hosts that each get a
+    new worker, in order (a host twice: two)."""
+    stop: dict[str, int] = field(default_factory=dict)
+    start: list[str] = field(default_factory=list)
+
+
+def moves(old: dict[str, int], new: dict[str, int], running: dict[str, int], most: int) -> Moves:
+    """The job re-planned from host set `old` to `new` (host -> slots), with
+    `running[host]` workers running on each: a host gone stops all of its,
+    a host with fewer slots its extra ones; a host with more slots (or a new
+    one) gets a worker on each free slot while the job has fewer than `most`."""
+    change, m = diff(old, new), Moves()
+    for h in change.removed:
+        if running.get(h, 0) > 0:
+            m.stop[h] = running[h]
+    for h in change.shrunk:
+        if running.get(h, 0) > new[h]:
+            m.stop[h] = running[h] - new[h]
+    left = {h: n - m.stop.get(h, 0) for h, n in running.items()}
+    total = sum(left.values())
+    for h in change.grown:
+        while total < most and left.get(h, 0) < new[h]:
+            m.start.append(h)
+            left[h] = left.get(h, 0) + 1
+            total += 1
+    return m
 
 
 def run_script(script: str, default_slots: int, timeout: float = SCRIPT_TIMEOUT_S) -> dict[str, int]:
@@ -187,20 +220,19 @@ class Follower:
         version, hosts = self.poller.get()
         if version == self.version:
             return
-        change = diff(self.hosts, hosts)
+        running: dict[str, int] = {}
+        for w in self.running():
+            running[self.host_of(w)] = running.get(self.host_of(w), 0) + 1
+        m = moves(self.hosts, hosts, running, self.most)
         self.version, self.hosts = version, hosts
-        for h in change.removed:
-            self._stop(self.running(h), f"{h} left the discovered hosts")
-        for h, n in change.shrunk.items():
-            extra = len(self.running(h)) - hosts[h]
-            if extra > 0:
-                self._stop(self.running(h)[-extra:], f"{h} has {hosts[h]} slots now")
-        for h in change.grown:
-            while len(self.running()) < self.most and len(self.running(h)) < hosts[h]:
-                w = self.start(h)
-                self.workers.append(w)
-                print(f"{self.tool}: {h} was discovered with a free slot: started {w.label}; it joins at the "
-                      "job's next commit", file=sys.stderr, flush=True)
+        for h, n in m.stop.items():
+            self._stop(self.running(h)[-n:], f"{h} has {hosts[h]} slots now" if h in hosts
+                       else f"{h} left the discovered hosts")
+        for h in m.start:
+            w = self.start(h)
+            self.workers.append(w)
+            print(f"{self.tool}: {h} was discovered with a free slot: started {w.label}; it joins at the "
+                  "job's next commit", file=sys.stderr, flush=True)
 
     def _stop(self, workers: list[Proc], why: str) -> None:
         for w in workers:
