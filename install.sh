@@ -4,8 +4,9 @@
 # test on emulated hosts, Slurm's controller, daemon and client with munge
 # for the srun test), then the package itself with its test and example
 # dependencies (the Rust core built by maturin, numpy, torch, pytest), then
-# the lab (lab/: the measurement harness behind docs/, which the tests
-# import; it depends on gradhub, never the reverse), then a second
+# the release wheel from the same compiled core (dist/), then the lab (lab/:
+# the measurement harness behind docs/, which the tests import; it depends
+# on gradhub, never the reverse), then a second
 # environment with the oldest torch the package accepts (.venv-oldest-torch/:
 # torch, numpy, pytest; gradhub from this tree on PYTHONPATH), where
 # tests/test_torch_versions.py runs the backend's tests
@@ -23,6 +24,17 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     fi
 fi
 pip install -e ".[dev]"
+# The release wheel, for machines without a Rust toolchain (README.md, "Install";
+# tests/test_wheel.py installs it in a fresh environment): maturin finds the core
+# the editable install above just compiled (the same release profile, features
+# and target/) up to date, so this only packs it, in about a second. Its tag is
+# the oldest manylinux that the core's glibc symbols allow, which maturin checks
+# (manylinux_2_34 built on Debian 12).
+# (maturin from PATH, else the module: in a virtual environment that sees the
+# system's packages, `python -m maturin` finds no script next to its python.)
+rm -f dist/gradhub-*.whl
+if command -v maturin >/dev/null; then maturin=(maturin); else maturin=(python -m maturin); fi
+"${maturin[@]}" build --release --out dist
 pip install -e lab/
 if [ "${OLDEST_TORCH:-1}" != 0 ]; then
     oldest=$(python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["torch"] if d.startswith("torch>=")).split(">=")[1])')

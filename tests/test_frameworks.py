@@ -1,7 +1,8 @@
 """Frameworks on the torch.distributed backend "gradhub": PyTorch Lightning
 (`DDPStrategy(process_group_backend="gradhub")`, examples/lightning_ddp.py)
 and Hugging Face Accelerate (a gradhub process group made before the
-`Accelerator`, examples/accelerate_train.py), each on 2 processes started
+`Accelerator`, examples/accelerate_train.py; Hugging Face Transformers'
+`Trainer` the same way, examples/hf_trainer.py), each on 2 processes started
 by torchrun and by `gradhub launch`. Each example checks on every rank
 that all ranks end with identical parameters, equal to one process
 training on the combined batches, and that the loss fell, then prints
@@ -9,6 +10,7 @@ training on the combined batches, and that the loss fell, then prints
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,5 +54,32 @@ def test_framework_trains_on_the_gradhub_backend(package, script, start):
     for r in range(2):
         assert f"PASS rank {r}/2: " in out, out[-6000:]
     # gradhub's own lines (its processes', the launcher's, its Python warnings), not the frameworks' advice.
+    ours = [line for line in alarming(out) if "gradhub" in line.lower()]
+    assert not ours, "\n".join(ours) + "\n" + out[-6000:]
+
+
+# Hugging Face Transformers' Trainer (examples/hf_trainer.py): TrainingArguments refuses ddp_backend="gradhub",
+# so the script makes the gradhub process group first and the Trainer keeps it. 20 steps: the loss's fall the
+# example asserts (to half) takes more than the 8 above; the training itself takes well under a second.
+HF_STEPS = 20
+HF_PASS = re.compile(r"PASS rank (\d)/2: Trainer on gradhub, (\d+) steps; .*\(sha256 ([0-9a-f]+)\); "
+                     r"loss ([\d.]+) -> ([\d.]+)$", re.M)
+
+
+@pytest.mark.parametrize("start", [torchrun, gradhub_launch], ids=["torchrun", "gradhub_launch"])
+def test_hf_trainer_trains_on_the_gradhub_backend(start):
+    pytest.importorskip("transformers")
+    argv = start("hf_trainer.py")
+    assert argv[-2:] == ["--steps", str(STEPS)]
+    rc, out = run(argv[:-1] + [str(HF_STEPS)])
+    assert rc == 0, out[-6000:]
+    passed = {int(m.group(1)): m.groups()[1:] for m in HF_PASS.finditer(out)}
+    assert sorted(passed) == [0, 1], out[-6000:]
+    # Every rank trained every step and ends with the same parameters (their digests, printed by each rank)...
+    assert {p[0] for p in passed.values()} == {str(HF_STEPS)}, passed
+    assert passed[0][1] == passed[1][1], f"the ranks' parameters differ: {passed}"
+    # ... and the loss over the whole data set fell.
+    for _, _, before, after in passed.values():
+        assert float(after) < float(before), passed
     ours = [line for line in alarming(out) if "gradhub" in line.lower()]
     assert not ours, "\n".join(ours) + "\n" + out[-6000:]
