@@ -310,3 +310,12 @@ def test_an_elastic_job_re_planned_when_its_discovered_hosts_change():
     assert discovery.moves({"a": 2}, {"a": 2}, {"a": 1}, 5) == discovery.Moves()
     # A host gone whose workers all exited already: nothing to stop.
     assert discovery.moves({"a": 2, "b": 1}, {"a": 2}, {"a": 2}, 5) == discovery.Moves()
+
+
+def test_a_plan_cannot_be_changed_once_made():
+    opts = options("-w", "1")
+    p = plan(opts, layout(opts, None), Site("127.0.0.1:1", ENVIRON, store=("127.0.0.1", 2)))
+    with pytest.raises(TypeError):
+        p.workers[0].env["GRADHUB_RANK"] = "5"  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        p.workers[0].host = "elsewhere"  # type: ignore[misc]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -111,7 +112,7 @@ class ProcessSpec:
     label: str                                # its output's prefix, and its name in the launcher's messages
     host: str | None                          # the host it is started on over ssh; None: this machine
     argv: tuple[str, ...]
-    env: Mapping[str, str] = field(repr=False)  # its environment (a remote one's: what travels to its host)
+    env: Mapping[str, str] = field(repr=False)  # its environment, read-only (a remote one's: what travels there)
     rank: int | None = None                   # a worker's rank, a server's number
 
 
@@ -220,7 +221,7 @@ def _spec(name: str, host: str | None, argv: Sequence[str], env: Mapping[str, st
           ) -> ProcessSpec:
     """A process named `name` (role first) on `host`: labelled name@host there."""
     return ProcessSpec(role=name.split()[0], label=f"{name}@{host}" if host else name, host=host,
-                       argv=tuple(argv), env=forwarded(env) if host else dict(env), rank=rank)
+                       argv=tuple(argv), env=MappingProxyType(forwarded(env) if host else dict(env)), rank=rank)
 
 
 def plan(opts: LaunchOptions, lay: Layout, site: Site) -> Plan:
@@ -266,4 +267,4 @@ def plan(opts: LaunchOptions, lay: Layout, site: Site) -> Plan:
     # another host, the service gives its local ranks.
     joining = ({**base, **node_env(0, 1), "GRADHUB_ROLE": "worker", "LOCAL_WORLD_SIZE": str(lay.workers)}
                if not remote else {**base, "GRADHUB_ROLE": "worker"})
-    return Plan(site.scheduler, tuple(procs), lay.hosts, el, joining, tuple(opts.command))
+    return Plan(site.scheduler, tuple(procs), lay.hosts, el, MappingProxyType(joining), tuple(opts.command))

@@ -10,6 +10,7 @@ rank 0) and each node's local rank 0 a colocated server, as under torchrun.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from .._slurm import PORT_BASE, PORT_SPAN, SlurmStep, expand_hostlist, expand_tasks_per_node, step
@@ -43,9 +44,10 @@ def plan(env: Mapping[str, str], command: Sequence[str] = ()) -> Plan:
                 break
             rank = len(tasks)
             tasks.append(ProcessSpec(role="worker", label=f"worker {rank}@{node}", host=node, argv=tuple(command),
-                                     env={"GRADHUB_SCHEDULER": scheduler, "GRADHUB_NUM_WORKERS": str(s.size),
-                                          "GRADHUB_NUM_SERVERS": servers, "GRADHUB_RANK": str(rank),
-                                          "GRADHUB_LOCAL_RANK": str(local), "GRADHUB_LOCAL_SIZE": str(here)},
+                                     env=MappingProxyType({
+                                         "GRADHUB_SCHEDULER": scheduler, "GRADHUB_NUM_WORKERS": str(s.size),
+                                         "GRADHUB_NUM_SERVERS": servers, "GRADHUB_RANK": str(rank),
+                                         "GRADHUB_LOCAL_RANK": str(local), "GRADHUB_LOCAL_SIZE": str(here)}),
                                      rank=rank))
     if len(tasks) != s.size:
         raise ValueError(f"Slurm's SLURM_STEP_TASKS_PER_NODE={env.get('SLURM_STEP_TASKS_PER_NODE')!r} places "
