@@ -2,7 +2,7 @@
 `dist.init_process_group("gradhub")` under a torchrun-style start (the group
 forms its own gradhub job from torch's store) and under `gradhub launch`
 (the launcher's job). One worker run checks every collective x dtype x op
-against gloo, Work, unsupported calls, a sub-group, DDP, FSDP2 and hybrid
+against gloo, Work, a sub-group, DDP, FSDP2 and hybrid
 sharding on a 2-D DeviceMesh against one process, and destroy + init again
 (tests/workers/backend_collectives.py, backend_fsdp.py)."""
 

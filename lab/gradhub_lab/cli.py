@@ -95,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--iters", type=int, default=2000, help="calls of each kind (default 2000)")
     bl.add_argument("--bytes", type=int, default=4096, help="bytes per process (default 4096)")
     bl.add_argument("--trials", type=int, default=3, help="interleaved trials, median reported (default 3)")
+    pp = sub.add_parser("p2p", help="point-to-point through the gradhub backend, direct and relayed, beside gloo",
+                        description="2 processes on this machine move messages from rank 0 to rank 1 over the "
+                                    "gradhub backend's send/recv (worker to worker), through its server (a "
+                                    "broadcast of the 2-member group, as a relay would carry them) and over "
+                                    "gloo's send/recv; prints the latency of a small message, the GB/s of a "
+                                    "large one and both processes' CPU seconds per GB.")
+    pp.add_argument("--iters", type=int, default=2000, help="round trips of the small message (default 2000)")
+    pp.add_argument("--small", type=int, default=4, help="bytes of the small message (default 4)")
+    pp.add_argument("--large", type=int, default=64 << 20, help="bytes of the large message (default 64 MiB)")
+    pp.add_argument("--count", type=int, default=16, help="large messages per trial (default 16)")
+    pp.add_argument("--trials", type=int, default=3, help="interleaved trials, median reported (default 3)")
+    pp.add_argument("--json", default=None, help="write the medians to this file")
     from . import faults
 
     fp = sub.add_parser("faults", help="fault campaign: jobs started role by role, one fault each (kill, stop, "
@@ -214,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.procs < 2 or args.iters < 1 or args.bytes < 4 or args.trials < 1:
             ap.error("--procs at least 2, --iters and --trials at least 1, --bytes at least 4")
         return backend_latency.main(args.procs, args.iters, args.bytes, args.trials)
+    if args.cmd == "p2p":
+        from . import p2p
+
+        if min(args.iters, args.count, args.trials) < 1 or args.small < 4 or args.large < 4:
+            ap.error("--iters, --count and --trials at least 1, --small and --large at least 4")
+        return p2p.main(args.iters, args.small, args.large, args.count, args.trials, args.json)
     if args.cmd == "torch-suite":
         from . import torch_suite
 

@@ -200,6 +200,21 @@ class Handle:
     @property
     def name(self) -> str: ...
 
+class PeerLinks:
+    """A group's point-to-point links (the torch backend's send and recv)."""
+
+    @property
+    def address(self) -> str: ...
+    def send(self, dst: int, addr: str, tag: int, ptr: int, nbytes: int, owner: Any) -> None:
+        """Send `nbytes` at `ptr` to member `dst` listening at `addr`; blocks, without the GIL, until written."""
+    def post_recv(self, src: int | None, tag: int, ptr: int, nbytes: int, owner: Any,
+                  callback: Callable[[int | None, str | None], None]) -> int | None:
+        """Post a receive; `callback(sender, error)` runs once it is filled or failed. The ticket while it waits."""
+    def cancel(self, ticket: int) -> bool:
+        """Withdraw a waiting receive: True if it was still waiting."""
+    def close(self, why: str) -> None:
+        """Close every link; waiting receives fail with `why`."""
+
 class Client:
     """A worker's connection to the job: joins on construction (blocking)."""
 
@@ -290,3 +305,6 @@ class Client:
         """The job's failure message, if it has failed."""
     def hosts_updated(self) -> bool:
         """Whether workers wait to join this elastic job (it re-forms at the next commit)."""
+    def peer_links(self, rank: int, size: int, group: str, host: str, timeout: float) -> PeerLinks:
+        """Point-to-point links for member `rank` of the group `group` of
+        `size` members, listening on `host` (`crate::peer`)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _core, _env, timeline
 from ._core import GradhubError, GradhubTimeoutError
-from .buffers import INTEGER_DTYPES, describe, get_buffer, host_memory, is_torch_tensor, validate
+from .buffers import INTEGER_DTYPES, describe, get_buffer, host_memory, is_torch_tensor, raw_buffer, validate
 
 _lock = threading.Lock()
 # Completion callbacks run on a core thread, which must not take the GIL
@@ -95,17 +95,6 @@ def hosts_updated() -> bool:
     """Whether workers wait to join this elastic job (`gradhub.torch.elastic`)."""
     c = _client
     return c is not None and c.hosts_updated()
-
-
-def core_client() -> _core.Client | None:
-    """This worker's core client, or None before init or after shutdown
-    (the torch backend's point-to-point links are opened on it)."""
-    return _client
-
-
-def scheduler_address() -> str | None:
-    """`host:port` of the job this worker joined, or None."""
-    return _joined if _client is not None else None
 
 
 def job_failure() -> str | None:
@@ -433,6 +422,65 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)
+
+
+class PeerLinks:
+    """Point-to-point links among the members of a group of workers (the
+    torch backend's send and recv): opened by `open_peer_links`, on this
+    worker's job, authenticated with its token. Messages are the bytes of
+    contiguous host memory (a numpy array or a CPU tensor, any dtype)."""
+
+    def __init__(self, links):
+        self._links = links
+
+    @property
+    def address(self) -> str:
+        """`host:port` where the group's other members reach this one."""
+        return self._links.address
+
+    def send(self, dst: int, addr: str, tag: int, data: Any) -> None:
+        """Send `data`'s bytes to member `dst` (listening at `addr`) with
+        `tag`; blocks, without the GIL, until they are written."""
+        b = raw_buffer(data)
+        self._links.send(dst, addr, tag, b.ptr, b.nbytes, b.obj)
+
+    def post_recv(self, src: int | None, tag: int, out: Any, callback) -> int | None:
+        """Post a receive into `out` from member `src` (None: any) with `tag`;
+        `callback(sender, error)` runs on gradhub's callback thread once it
+        is filled or failed. The ticket to `cancel` it by while it waits."""
+        b = raw_buffer(out)
+        return self._links.post_recv(src, tag, b.ptr, b.nbytes, b.obj, callback)
+
+    def cancel(self, ticket: int) -> bool:
+        """Withdraw a waiting receive: True if it was still waiting (its
+        callback then never runs, and the next message goes to the next receive)."""
+        return self._links.cancel(ticket)
+
+    def close(self, why: str) -> None:
+        self._links.close(why)
+
+
+def open_peer_links(rank: int, size: int, group: str, timeout: float) -> PeerLinks:
+    """Listen for point-to-point messages as member `rank` of the group
+    named `group` (the same name on every member) of `size` workers, on
+    GRADHUB_ADVERTISE_ADDR or else this host's address on the route to the
+    job's scheduler; `timeout` bounds connecting and a send held back."""
+    c = _require()
+    host = _env.get("GRADHUB_ADVERTISE_ADDR") or _route_to(_joined or "127.0.0.1:1")
+    return PeerLinks(c.peer_links(rank, size, group, host, timeout))
+
+
+def _route_to(addr: str) -> str:
+    """This host's address on the route to `addr` (host:port)."""
+    import socket
+
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 1))   # (no packet is sent: this only picks the route)
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

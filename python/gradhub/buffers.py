@@ -57,6 +57,21 @@ def get_buffer(x: Any, dtype: str | None = None) -> Buffer:
     raise TypeError(f"gradhub works on numpy arrays and CPU or CUDA torch tensors, not {type(x).__name__}")
 
 
+def raw_buffer(x: Any) -> Buffer:
+    """The bytes of `x` as they are (any dtype): a C-contiguous numpy array
+    or a contiguous CPU torch tensor; to move, not to sum."""
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous or not x.flags.writeable:
+            raise ValueError("gradhub needs a C-contiguous, writable array")
+        return Buffer(x.ctypes.data, x.nbytes, "bytes", x)
+    if is_torch_tensor(x):
+        if x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"gradhub needs contiguous host memory; got a tensor on {x.device}"
+                             + ("" if x.is_contiguous() else " that is not contiguous"))
+        return Buffer(x.data_ptr(), x.numel() * x.element_size(), "bytes", x)
+    raise TypeError(f"gradhub moves the bytes of numpy arrays and torch tensors, not {type(x).__name__}")
+
+
 def _check_tensor(x: Any, dtype: str | None) -> str:
     """Checks for an in-place operation on a torch tensor; returns its wire dtype."""
     if not x.is_contiguous():

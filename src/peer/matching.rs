@@ -101,14 +101,26 @@ impl<R> Matcher<R> {
         if self.closed.is_some() {
             return None;
         }
-        match self.pending.iter().position(|p| p.takes(msg.src, msg.tag)).and_then(|i| self.pending.remove(i)) {
-            Some(p) => Some((p.ticket, p.recv, msg)),
+        match self.claim(msg.src, msg.tag) {
+            Some((ticket, recv)) => Some((ticket, recv, msg)),
             None => {
                 *self.backlog.entry(msg.src).or_default() += msg.data.len();
                 self.inbox.push_back(msg);
                 None
             }
         }
+    }
+
+    /// A message from `src` with `tag` begins: the receive it goes to, if
+    /// one is posted (taken now, so its bytes can land in place; the
+    /// caller fills it). Messages from one source begin in the order they
+    /// were sent, after the one before was whole.
+    pub fn claim(&mut self, src: u32, tag: Tag) -> Option<(u64, R)> {
+        if self.closed.is_some() {
+            return None;
+        }
+        let i = self.pending.iter().position(|p| p.takes(src, tag))?;
+        self.pending.remove(i).map(|p| (p.ticket, p.recv))
     }
 
     /// Nothing more will come from `src` (why): the receives only it could

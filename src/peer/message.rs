@@ -1,7 +1,8 @@
 //! A point-to-point message on the wire: cut into `PeerData` frames of at
 //! most `FRAME_BYTES` on the way out (so a sealed connection seals bounded
-//! pieces and a reader's buffer stays bounded), checked and put together
-//! again on the way in. Every field a frame carries is checked against the
+//! pieces and a reader's buffer stays bounded); on the way in each frame's
+//! header is checked in sequence (`Sequence`) before its payload is read
+//! anywhere. Every field a frame carries is checked against the
 //! connection's sequence before it is trusted; a frame out of place is an
 //! error that ends the connection, never a message delivered wrong.
 
@@ -36,25 +37,34 @@ pub fn fits(bytes: usize) -> bool {
     bytes.div_ceil(FRAME_BYTES) <= MAX_FRAMES as usize
 }
 
+/// Where a frame stands in its message.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Step {
+    pub tag: Tag,
+    /// Its message's frame count.
+    pub count: u32,
+    pub first: bool,
+    pub last: bool,
+}
+
 struct Partial {
     tag: Tag,
     count: u32,
     next: u32,
-    data: Vec<u8>,
 }
 
-/// Puts one connection's frames together into messages, in order.
+/// One connection's frames, checked in sequence: each header must be the
+/// one that comes next (before its payload is read anywhere).
 #[derive(Default)]
-pub struct Assembler {
+pub struct Sequence {
     seq: u32,
     partial: Option<Partial>,
 }
 
-impl Assembler {
-    /// Take the next frame: the message it completes (tag and bytes), or
-    /// None while one is incomplete; an error if the frame is not the one
-    /// that must come next.
-    pub fn take(&mut self, h: &Header, payload: Vec<u8>) -> Result<Option<(Tag, Vec<u8>)>, String> {
+impl Sequence {
+    /// Check the next frame's header: where it stands, or why it cannot
+    /// come now.
+    pub fn check(&mut self, h: &Header) -> Result<Step, String> {
         if h.msg_type != MsgType::PeerData {
             return Err(format!("a {:?} frame among point-to-point messages", h.msg_type));
         }
@@ -64,15 +74,12 @@ impl Assembler {
         if h.round != self.seq {
             return Err(format!("message number {} where {} comes next", h.round, self.seq));
         }
-        if payload.len() != h.payload_len as usize {
-            return Err(format!("{} payload bytes where the header says {}", payload.len(), h.payload_len));
-        }
         let mut p = match self.partial.take() {
             None => {
                 if h.chunk != 0 || h.key == 0 || h.key > MAX_FRAMES {
                     return Err(format!("frame {} of {} to start a message", h.chunk, h.key));
                 }
-                Partial { tag: h.priority, count: h.key, next: 0, data: Vec::new() }
+                Partial { tag: h.priority, count: h.key, next: 0 }
             }
             Some(p) if h.chunk != p.next || h.key != p.count || h.priority != p.tag => {
                 return Err(format!(
@@ -82,27 +89,20 @@ impl Assembler {
             }
             Some(p) => p,
         };
-        let last = p.next + 1 == p.count;
-        let ok = if last {
-            payload.len() <= FRAME_BYTES && (p.count == 1 || !payload.is_empty())
-        } else {
-            payload.len() == FRAME_BYTES
-        };
+        let (first, last) = (p.next == 0, p.next + 1 == p.count);
+        let len = h.payload_len as usize;
+        let ok = if last { len <= FRAME_BYTES && (p.count == 1 || len > 0) } else { len == FRAME_BYTES };
         if !ok {
-            return Err(format!("frame {} of {} carries {} bytes", p.next, p.count, payload.len()));
-        }
-        if p.data.is_empty() {
-            p.data = payload;
-        } else {
-            p.data.extend_from_slice(&payload);
+            return Err(format!("frame {} of {} carries {len} bytes", p.next, p.count));
         }
         p.next += 1;
-        if !last {
+        let step = Step { tag: p.tag, count: p.count, first, last };
+        if last {
+            self.seq = self.seq.wrapping_add(1);
+        } else {
             self.partial = Some(p);
-            return Ok(None);
         }
-        self.seq = self.seq.wrapping_add(1);
-        Ok(Some((p.tag, p.data)))
+        Ok(step)
     }
 }
 
@@ -110,20 +110,20 @@ impl Assembler {
 mod tests {
     use super::*;
 
-    fn through(a: &mut Assembler, seq: u32, tag: Tag, data: &[u8]) -> Vec<Option<(Tag, Vec<u8>)>> {
-        frames(7, seq, tag, data).map(|(h, p)| a.take(&h, p.to_vec()).unwrap()).collect()
-    }
-
     #[test]
-    fn messages_of_every_size_come_out_whole_and_in_order() {
-        let mut a = Assembler::default();
-        for (seq, len) in [0, 1, FRAME_BYTES - 1, FRAME_BYTES, FRAME_BYTES + 1, 3 * FRAME_BYTES].into_iter().enumerate()
-        {
-            let data: Vec<u8> = (0..len).map(|i| (i * 7 + seq) as u8).collect();
-            let out = through(&mut a, seq as u32, -3, &data);
-            assert_eq!(out.len(), len.div_ceil(FRAME_BYTES).max(1));
-            assert!(out[..out.len() - 1].iter().all(|o| o.is_none()));
-            assert_eq!(out.last().unwrap().as_ref(), Some(&(-3, data)));
+    fn messages_of_every_size_are_cut_and_checked_in_order() {
+        let mut seq = Sequence::default();
+        for (n, len) in [0, 1, FRAME_BYTES - 1, FRAME_BYTES, FRAME_BYTES + 1, 3 * FRAME_BYTES].into_iter().enumerate() {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 + n) as u8).collect();
+            let fr: Vec<_> = frames(7, n as u32, -3, &data).collect();
+            assert_eq!(fr.len(), len.div_ceil(FRAME_BYTES).max(1));
+            let mut joined = Vec::new();
+            for (i, (h, part)) in fr.iter().enumerate() {
+                let step = seq.check(h).unwrap();
+                assert_eq!(step, Step { tag: -3, count: fr.len() as u32, first: i == 0, last: i + 1 == fr.len() });
+                joined.extend_from_slice(part);
+            }
+            assert_eq!(joined, data);
         }
         assert!(fits(FRAME_BYTES * MAX_FRAMES as usize) && !fits(FRAME_BYTES * MAX_FRAMES as usize + 1));
     }
@@ -131,36 +131,37 @@ mod tests {
     #[test]
     fn a_frame_out_of_place_is_an_error() {
         let data = vec![1u8; 2 * FRAME_BYTES + 5];
-        let fr: Vec<_> = frames(7, 0, 1, &data).map(|(h, p)| (h, p.to_vec())).collect();
-        type Change = Box<dyn Fn(&mut Header, &mut Vec<u8>)>;
-        let cases: Vec<(&str, Change)> = vec![
-            ("number", Box::new(|h, _| h.round = 1)),
-            ("frame index", Box::new(|h, _| h.chunk = 1)),
-            ("count", Box::new(|h, _| h.key = 0)),
-            ("too many", Box::new(|h, _| h.key = MAX_FRAMES + 1)),
-            (
-                "short",
-                Box::new(|h, p| {
-                    p.pop();
-                    h.payload_len -= 1;
-                }),
-            ),
-            ("length", Box::new(|h, _| h.payload_len -= 1)),
-            ("type", Box::new(|h, _| h.msg_type = MsgType::Push)),
-            ("flags", Box::new(|h, _| h.flags = 1)),
+        let fr: Vec<Header> = frames(7, 0, 1, &data).map(|(h, _)| h).collect();
+        type Change = fn(&mut Header);
+        let cases: [(&str, Change); 7] = [
+            ("number", |h| h.round = 1),
+            ("frame index", |h| h.chunk = 1),
+            ("count", |h| h.key = 0),
+            ("too many", |h| h.key = MAX_FRAMES + 1),
+            ("short", |h| h.payload_len -= 1),
+            ("type", |h| h.msg_type = MsgType::Push),
+            ("flags", |h| h.flags = 1),
         ];
         for (what, change) in cases {
-            let (mut h, mut p) = fr[0].clone();
-            change(&mut h, &mut p);
-            assert!(Assembler::default().take(&h, p).is_err(), "{what}");
+            let mut h = fr[0];
+            change(&mut h);
+            assert!(Sequence::default().check(&h).is_err(), "{what}");
         }
         // Mid-message: another tag, a skipped frame, a new message.
-        for change in [|h: &mut Header| h.priority = 2, |h: &mut Header| h.chunk = 2, |h: &mut Header| h.chunk = 0] {
-            let mut a = Assembler::default();
-            a.take(&fr[0].0, fr[0].1.clone()).unwrap();
-            let (mut h, p) = fr[1].clone();
+        let cases: [Change; 3] = [|h| h.priority = 2, |h| h.chunk = 2, |h| h.chunk = 0];
+        for change in cases {
+            let mut seq = Sequence::default();
+            seq.check(&fr[0]).unwrap();
+            let mut h = fr[1];
             change(&mut h);
-            assert!(a.take(&h, p).is_err());
+            assert!(seq.check(&h).is_err());
         }
+        // The last frame may be short, never empty in a message of several.
+        let mut seq = Sequence::default();
+        seq.check(&fr[0]).unwrap();
+        seq.check(&fr[1]).unwrap();
+        let mut h = fr[2];
+        h.payload_len = 0;
+        assert!(seq.check(&h).is_err());
     }
 }

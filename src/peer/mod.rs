@@ -19,6 +19,7 @@
 //! per destination. A peer whose connection ends or fails is lost: the
 //! receives only it could match fail, naming it; a send to it fails too.
 
+mod inbound;
 mod matching;
 mod message;
 
@@ -34,12 +35,12 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::protocol::auth::{self, Secret};
-use crate::protocol::{encode_frame, read_message, Header, MsgType, ReadError};
+use crate::protocol::{encode_frame, read_message, Header, MsgType};
 use crate::transport::{
     connect_authenticated, join_host_port, tune_data_socket, DeadlineReader, SealedReader, SealedWriter,
 };
 use matching::{Matcher, Message, Posted};
-use message::{Assembler, FRAME_BYTES};
+use message::FRAME_BYTES;
 
 /// Bytes one peer may have waiting unreceived before its reader pauses
 /// (a pipeline's activations for a few micro-batches fit).
@@ -90,13 +91,7 @@ impl Receive {
 
     fn deliver(self, msg: Message) {
         if msg.data.len() != self.len {
-            let why = format!(
-                "member {} sent a message of {} bytes (tag {}) to a receive of {} bytes",
-                msg.src,
-                msg.data.len(),
-                msg.tag,
-                self.len
-            );
+            let why = wrong_size(msg.src, msg.data.len(), msg.tag, self.len);
             return (self.done)(Err(why));
         }
         // SAFETY: `new`'s contract; the length was checked just above.
@@ -107,6 +102,24 @@ impl Receive {
     fn fail(self, why: String) {
         (self.done)(Err(why))
     }
+
+    /// Filled in place (`window`) with a whole message from member `src`.
+    fn complete(self, src: u32) {
+        (self.done)(Ok(src))
+    }
+
+    /// Its bytes `at..at + len` (within its length), to land a payload in.
+    fn window(&mut self, at: usize, len: usize) -> Option<&mut [u8]> {
+        if at.checked_add(len)? > self.len {
+            return None;
+        }
+        // SAFETY: `new`'s contract, and the range is within the buffer.
+        Some(unsafe { std::slice::from_raw_parts_mut((self.ptr as *mut u8).add(at), len) })
+    }
+}
+
+fn wrong_size(src: u32, got: usize, tag: Tag, want: usize) -> String {
+    format!("member {src} sent a message of {got} bytes (tag {tag}) to a receive of {want} bytes")
 }
 
 /// A connection to one peer's listener, made at the first send to it.
@@ -282,107 +295,6 @@ impl Links {
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
-        }
-    }
-
-    /// A connection from a peer: its handshake and hello, then its messages
-    /// until it ends.
-    fn serve(self: Arc<Self>, stream: TcpStream) {
-        let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-        let within = self.cfg.timeout.min(HELLO_WITHIN);
-        let _ = stream.set_write_timeout(Some(within));
-        let mut r = DeadlineReader::new(&stream, within);
-        let keys = match auth::listen_blocking(&mut r, &mut &stream, &self.cfg.secret.keys()) {
-            Ok((_, keys)) => keys,
-            Err(e) => {
-                if !self.closing.load(Ordering::SeqCst) {
-                    log::warn!(target: "p2p", "refusing a connection from {peer}: {e}");
-                }
-                return;
-            }
-        };
-        let (seal, open) = keys.map(|k| (k.seal, k.open)).unzip();
-        let mut r = SealedReader::new(r, open).limit(MAX_HELLO);
-        let greeted = read_message(&mut r, Some(self.cfg.namespace), MAX_HELLO)
-            .map_err(|e| e.to_string())
-            .and_then(|(h, p)| self.check_hello(&h, &p, None));
-        let open = r.into_parts().1;
-        let mut w = SealedWriter::new(&stream, seal);
-        let src = match greeted.and_then(|src| self.register(src, &stream).map(|()| src)) {
-            Ok(src) => src,
-            Err(why) => {
-                log::warn!(target: "p2p", "refusing a connection from {peer}: {why}");
-                let _ = w.write_all(&self.refusal(&why));
-                return;
-            }
-        };
-        let answered = w.write_all(&self.hello());
-        let _ = stream.set_read_timeout(None);
-        tune_data_socket(&stream);
-        let why = match answered {
-            Err(e) => format!("the connection from member {src} ({peer}) failed: {e}"),
-            Ok(()) => self.read_messages(&stream, open, src, &peer),
-        };
-        lock(&self.inbound).remove(&src);
-        if self.closing.load(Ordering::SeqCst) {
-            return;
-        }
-        log::info!(target: "p2p", "{why}");
-        let failed = lock(&self.matcher).lose(src, why);
-        for (_, r, why) in failed {
-            r.fail(why);
-        }
-    }
-
-    fn register(&self, src: u32, stream: &TcpStream) -> Result<(), String> {
-        let mut inbound = lock(&self.inbound);
-        if inbound.contains_key(&src) {
-            return Err(format!("member {src} is connected already"));
-        }
-        inbound.insert(src, stream.try_clone().map_err(|e| e.to_string())?);
-        Ok(())
-    }
-
-    /// Read member `src`'s messages until its connection ends: why it did.
-    fn read_messages(
-        &self,
-        stream: &TcpStream,
-        open: Option<crate::protocol::seal::Opener>,
-        src: u32,
-        peer: &str,
-    ) -> String {
-        let mut r = SealedReader::new(stream, open).limit(FRAME_BYTES as u32);
-        let mut whole = Assembler::default();
-        loop {
-            if self.closing.load(Ordering::SeqCst) {
-                return String::new();
-            }
-            let (h, payload) = match read_message(&mut r, Some(self.cfg.namespace), FRAME_BYTES as u32) {
-                Ok(frame) => frame,
-                Err(ReadError::Closed) => {
-                    return format!("member {src} ({peer}) closed its connection (it ended, or left the group)")
-                }
-                Err(e) => return format!("the connection from member {src} ({peer}) failed: {e}"),
-            };
-            match whole.take(&h, payload) {
-                Ok(Some((tag, data))) => self.arrive(Message { src, tag, data }),
-                Ok(None) => {}
-                Err(why) => return format!("member {src} ({peer}) sent a frame out of place: {why}"),
-            }
-        }
-    }
-
-    /// A whole message from a peer: to the receive it matches, if posted;
-    /// then wait while too much from this peer waits unreceived.
-    fn arrive(&self, msg: Message) {
-        let src = msg.src;
-        let matched = lock(&self.matcher).arrive(msg);
-        if let Some((_, r, msg)) = matched {
-            r.deliver(msg);
-        }
-        let mut m = lock(&self.matcher);
-        while m.backlog(src) > self.cfg.buffer_bytes && !m.is_closed() {
-            m = self.room.wait(m).unwrap_or_else(|e| e.into_inner());
         }
     }
 

@@ -1,6 +1,6 @@
 """Point-to-point for the gradhub backend (send, recv, recv from any source;
 torch's batch_isend_irecv and the pipeline schedules are built on them):
-one group's links (`gradhub._core.PeerLinks`, the core's `peer` module),
+one group's links (`gradhub.api.PeerLinks`, the core's `peer` module),
 opened at the group's first point-to-point call. Each member listens and
 publishes its address under the group's keys in torch's store; a send
 goes on a thread per destination (in call order, as torch orders a pair's
@@ -13,12 +13,10 @@ from __future__ import annotations
 import collections
 import datetime
 import queue
-import socket
 import threading
 
 import torch
 
-from ... import _env
 from ... import api as _api
 from .work import GradhubBackendError, Work, _Op, _watchdog
 
@@ -69,23 +67,6 @@ def _install_source_rank() -> None:
     cls._source_rank = _source_rank
     cls.source_rank = _source_rank
     cls._gradhub_source_rank = True
-
-
-def _listen_host() -> str:
-    """The address the others reach this process at: GRADHUB_ADVERTISE_ADDR,
-    else the local address of the route to the job's scheduler."""
-    v = _env.get("GRADHUB_ADVERTISE_ADDR")
-    if v:
-        return v
-    sched = _api.scheduler_address() or "127.0.0.1:1"
-    host = sched.rsplit(":", 1)[0].strip("[]")
-    try:
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(fam, socket.SOCK_DGRAM) as s:
-            s.connect((host, 1))   # (no packet is sent: this only picks the route)
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -139,10 +120,9 @@ class PointToPoint:
                 if self._keys is None:
                     raise RuntimeError("the gradhub torch.distributed backend does not support point-to-point on a "
                                        "group created without torch's store")
-                client = _api.core_client()
-                if client is None:
+                if not _api.is_initialized():
                     raise GradhubBackendError("gradhub: the process group was destroyed (its gradhub job has ended)")
-                self._links = client.peer_links(self._rank, self._size, self._name, _listen_host(), self._timeout)
+                self._links = _api.open_peer_links(self._rank, self._size, self._name, self._timeout)
                 self._keys.set(f"p2p/{self._rank}", self._links.address)
             return self._links
 
@@ -176,7 +156,7 @@ class PointToPoint:
             if op.done():   # (timed out while queued)
                 return
             try:
-                links.send(dst, self._address(dst), tag, data.data_ptr(), data.numel() * data.element_size(), data)
+                links.send(dst, self._address(dst), tag, data)
             except Exception as e:  # noqa: BLE001
                 op.finish(e if isinstance(e, GradhubBackendError) else GradhubBackendError(str(e)))
                 return
@@ -213,7 +193,7 @@ class PointToPoint:
                 _remember_source(tensor, sender)
             op.finish()
 
-        ticket = links.post_recv(src, tag, buf.data_ptr(), buf.numel() * buf.element_size(), buf, done)
+        ticket = links.post_recv(src, tag, buf, done)
         if ticket is not None:
             # Given up on (the group's timeout, a failed job): withdrawn, so a
             # message that comes later goes to the next receive instead.
