@@ -4,8 +4,23 @@
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use std::sync::{Arc, Mutex};
+
 use super::{queue_callback, Args};
 use crate::peer::{PeerLinks, Receive};
+
+/// Whether a receive's outcome comes while it is being posted.
+enum Told {
+    Posting(Option<Result<u32, String>>),
+    Later,
+}
+
+fn received(r: Result<u32, String>) -> Args {
+    match r {
+        Ok(src) => Args::Received(Some(src), None),
+        Err(e) => Args::Received(None, Some(e)),
+    }
+}
 
 #[pyclass(module = "gradhub._core", name = "PeerLinks")]
 pub struct PyPeerLinks {
@@ -76,14 +91,31 @@ impl PyPeerLinks {
         if !callback.bind(py).is_callable() {
             return Err(PyValueError::new_err("post_recv needs a callable"));
         }
-        let done = Box::new(move |r: Result<u32, String>| match r {
-            Ok(src) => queue_callback(callback, Args::Received(Some(src), None)),
-            Err(e) => queue_callback(callback, Args::Received(None, Some(e))),
+        // A receive matched while it is posted (its message had come) is
+        // told here, on the caller's thread, which holds the GIL: no trip
+        // through the callback thread. One matched later is told there.
+        let slot: Arc<Mutex<Told>> = Arc::new(Mutex::new(Told::Posting(None)));
+        let (s, cb) = (slot.clone(), callback.clone_ref(py));
+        let done = Box::new(move |r: Result<u32, String>| {
+            let mut told = s.lock().unwrap_or_else(|e| e.into_inner());
+            match &mut *told {
+                Told::Posting(at_once) => *at_once = Some(r),
+                Told::Later => queue_callback(cb, received(r)),
+            }
         });
         // SAFETY: the caller passes a contiguous, writable buffer owned by
         // `owner`, which the receive holds until it is done or cancelled.
         let recv = unsafe { Receive::new(ptr as *mut u8, nbytes, Box::new(owner), done) };
-        Ok(py.detach(|| self.links.post(src, tag, recv)))
+        let ticket = py.detach(|| self.links.post(src, tag, recv));
+        let at_once = std::mem::replace(&mut *slot.lock().unwrap_or_else(|e| e.into_inner()), Told::Later);
+        if let Told::Posting(Some(r)) = at_once {
+            let (src, err) = match r {
+                Ok(s) => (Some(s), None),
+                Err(e) => (None, Some(e)),
+            };
+            callback.call1(py, (src, err))?;
+        }
+        Ok(ticket)
     }
 
     /// Withdraw a waiting receive: True if it was still waiting (it is then

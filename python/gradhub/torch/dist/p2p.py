@@ -22,6 +22,8 @@ from .work import GradhubBackendError, Work, _Op, _watchdog
 
 # Sends waiting for one destination's thread before isend blocks.
 _SEND_QUEUE = 1024
+# Sends at most this large go on the caller's thread when nothing is queued.
+_INLINE_BYTES = 256 << 10
 
 # Who sent each recent receive from any member, by the received tensor's memory.
 _SOURCES: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -77,15 +79,33 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Sender:
-    """One destination's sends, on a thread of their own, in call order."""
+    """One destination's sends, in call order: on a thread of their own, or
+    on the caller's when nothing of this destination's is queued (`inline`)."""
 
     def __init__(self, dst: int):
         self._q: queue.Queue = queue.Queue(maxsize=_SEND_QUEUE)
+        self._lock = threading.Lock()
+        self._busy = 0   # sends queued or running
         self._t = threading.Thread(target=self._run, name=f"gradhub-p2p-send-{dst}", daemon=True)
         self._t.start()
 
     def submit(self, fn) -> None:
+        with self._lock:
+            self._busy += 1
         self._q.put(fn)
+
+    def inline(self, fn) -> bool:
+        """Run `fn` now, on this thread, if nothing is queued before it."""
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy += 1
+        try:
+            fn()
+        finally:
+            with self._lock:
+                self._busy -= 1
+        return True
 
     def stop(self) -> None:
         self._q.put(None)
@@ -95,7 +115,11 @@ class _Sender:
             fn = self._q.get()
             if fn is None:
                 return
-            fn()
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._busy -= 1
 
 
 class PointToPoint:
@@ -166,7 +190,11 @@ class PointToPoint:
             s = self._senders.get(dst)
             if s is None:
                 s = self._senders[dst] = _Sender(dst)
-        s.submit(run)
+        # A small message to a member already reached goes at once (a thread
+        # switch fewer: its bytes fit the socket's buffer); others in turn.
+        small = data.numel() * data.element_size() <= _INLINE_BYTES and dst in self._addrs
+        if not (small and s.inline(run)):
+            s.submit(run)
         return Work(op, self._timeout)
 
     def recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Work:

@@ -139,11 +139,13 @@ class _Watchdog:
 
     def add(self, op: _Op, timeout: float) -> None:
         with self._cv:
-            heapq.heappush(self._heap, (_now() + timeout, next(self._seq), weakref.ref(op), timeout))
+            entry = (_now() + timeout, next(self._seq), weakref.ref(op), timeout)
+            heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="gradhub-dist-watchdog", daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._heap[0] is entry:   # (a later deadline than the one it waits for: no need to wake it)
+                self._cv.notify()
 
     def _run(self) -> None:
         while True:
