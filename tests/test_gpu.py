@@ -57,3 +57,13 @@ def test_the_backend_on_cuda_tensors_collectives_ddp_and_fsdp2_equal_one_process
     rc, out = run_launch(2, 1, "backend_cuda.py", {"port": free_port()}, env={"GRADHUB_LOCAL_STAGE": "shm"})
     assert_all_passed(rc, out, 2)
     assert out.count("FSDP2 on CUDA: 20 steps equal one process") == 2, out[-6000:]
+    assert out.count("point-to-point on CUDA tensors: exact") == 2, out[-6000:]
+
+
+def test_a_pipeline_of_cuda_stages_over_the_backend_trains_equal_to_one_process():
+    # torch.distributed.pipelining, one stage per process, activations on CUDA through the backend's point-to-point.
+    from test_backend import run_torchrun_style
+
+    results = run_torchrun_style(2, "backend_pipeline.py", ["h", "h"], GH_PIPE_DEVICE="cuda")
+    for q, (rc, out) in enumerate(results):
+        assert rc == 0 and f"stage {q} of 2: GPipe then 1F1B equal one process (on cuda)" in out, out[-6000:]

@@ -1,7 +1,7 @@
 """Worker (CUDA): the "gradhub" backend on CUDA tensors, under `gradhub
 launch` (GH_TEST "port": the group's tcp:// store), any number of
 processes on one GPU or one each: collectives on CUDA tensors against the
-computed result, DDP on a CUDA model and FSDP2 (`fully_shard` on a CUDA
+computed result, point-to-point between every pair, DDP on a CUDA model and FSDP2 (`fully_shard` on a CUDA
 mesh) each equal one process training on the combined batch."""
 
 import datetime
@@ -37,6 +37,20 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64):
     dist.broadcast(b, n - 1)
     assert torch.equal(b.cpu(), torch.full((7,), n - 1, dtype=dtype)), b
 print("collectives on CUDA tensors: exact", flush=True)
+
+# point-to-point on CUDA tensors (through host memory), every pair, a large message and a small one
+for numel in (3, 3_000_000):
+    works, got = [], {}
+    for q in range(n):
+        if q != r:
+            works.append(dist.isend(torch.full((numel,), 100.0 * r + q, device=dev), dst=q))
+            got[q] = torch.zeros(numel, device=dev)
+            works.append(dist.irecv(got[q], src=q))
+    for w in works:
+        w.wait()
+    for q, t in got.items():
+        assert t.device.type == "cuda" and torch.equal(t.cpu(), torch.full((numel,), 100.0 * q + r)), (q, t[:3])
+print("point-to-point on CUDA tensors: exact", flush=True)
 
 import backend_fsdp  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402

@@ -5,9 +5,11 @@ with GPipe and then 1F1B (4 micro-batches each, SGD), every stage's
 parameters checked against one process training the whole model on the
 same batches. The schedules move activations and their gradients between
 neighbouring stages with batch_isend_irecv (the backend's point-to-point).
+On CUDA with GH_PIPE_DEVICE=cuda (the stages share the GPUs there are).
 Prints PASS <rank>."""
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,10 @@ dist.init_process_group("gradhub", timeout=datetime.timedelta(seconds=60))
 r, n = dist.get_rank(), dist.get_world_size()
 LAYERS, WIDTH, BATCH, MICRO, STEPS, LR = 8, 16, 32, 4, 3, 0.05
 assert LAYERS % n == 0, n
+DEV = torch.device(os.environ.get("GH_PIPE_DEVICE", "cpu"))
+if DEV.type == "cuda":
+    DEV = torch.device("cuda", r % torch.cuda.device_count())
+    torch.cuda.set_device(DEV)
 
 
 def model() -> nn.Sequential:
@@ -32,7 +38,7 @@ def model() -> nn.Sequential:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+    return torch.randn(BATCH, WIDTH, generator=g).to(DEV), torch.randn(BATCH, WIDTH, generator=g).to(DEV)
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -41,7 +47,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # One process, the whole model and whole batch: the micro-batches' mean
 # loss (the schedules scale gradients by the number of micro-batches).
-reference = model()
+reference = model().to(DEV)
 opt = torch.optim.SGD(reference.parameters(), lr=LR)
 for schedule in ("gpipe", "1f1b"):
     for step in range(STEPS):
@@ -53,9 +59,9 @@ for schedule in ("gpipe", "1f1b"):
 
 # This process's stage: layers [r * per, (r + 1) * per) of the same model.
 per = 2 * LAYERS // n
-full = model()
+full = model().to(DEV)
 part = nn.Sequential(*list(full.children())[r * per:(r + 1) * per])
-stage = PipelineStage(part, r, n, torch.device("cpu"))
+stage = PipelineStage(part, r, n, DEV)
 opt = torch.optim.SGD(part.parameters(), lr=LR)
 for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
     sched = cls(stage, MICRO, loss_fn=loss_fn, scale_grads=True)
@@ -76,7 +82,7 @@ for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
 want = list(reference.children())[r * per:(r + 1) * per]
 for a, b in zip(part.parameters(), nn.Sequential(*want).parameters()):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-print(f"rank {r}: stage {r} of {n}: GPipe then 1F1B equal one process", flush=True)
+print(f"rank {r}: stage {r} of {n}: GPipe then 1F1B equal one process (on {DEV.type})", flush=True)
 dist.barrier()
 dist.destroy_process_group()
 print(f"PASS {r}", flush=True)
