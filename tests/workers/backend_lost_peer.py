@@ -2,8 +2,8 @@
 
 Three ranks (torchrun-style start: the group forms its own gradhub job).
 Every rank completes one all_reduce; then rank 2 (CONFIG "victim") dies
-with os._exit while the others have an all_reduce (async_op=True) and a
-broadcast pending that it never joins. The survivors' wait() must raise
+with os._exit while the others have an all_reduce (async_op=True), a
+broadcast and a receive from it pending. The survivors' wait() must raise
 DistBackendError naming the lost worker, within the peer timeout, and they
 exit cleanly: "LOST <rank> <seconds> <message>", then destroy_process_group()
 and exit 0 (a hang is the failure this checks).
@@ -27,6 +27,13 @@ r, n = dist.get_rank(), dist.get_world_size()
 t = torch.ones(1000)
 dist.all_reduce(t)
 assert t[0].item() == n, t[0]
+# A point-to-point link from the victim to each of the others, used once.
+if r == victim:
+    for q in range(n):
+        if q != r:
+            dist.send(torch.ones(2), dst=q)
+else:
+    dist.recv(torch.zeros(2), src=victim)
 dist.barrier()
 if r == victim:
     print(f"DYING {r}", flush=True)
@@ -36,7 +43,8 @@ if r == victim:
     os._exit(3)
 
 x = torch.full((1000,), float(r))
-works = [dist.all_reduce(x, async_op=True), dist.broadcast(torch.zeros(10), src=0, async_op=True)]
+works = [dist.all_reduce(x, async_op=True), dist.broadcast(torch.zeros(10), src=0, async_op=True),
+         dist.irecv(torch.zeros(5), src=victim)]
 t0 = time.monotonic()
 for w in works:
     try:
