@@ -54,7 +54,10 @@ def worker() -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
-def run(backend: str, procs: int, iters: int, nbytes: int) -> dict:
+def run_group(module: str, procs: int, extra: dict, what: str) -> dict:
+    """Start `procs` processes of `module --worker` as torchrun would on this
+    machine (no GRADHUB_* from here: a gradhub group forms its own job), with
+    `extra` in their environment; rank 0's RESULT line."""
     import socket
 
     with socket.socket() as s:
@@ -64,15 +67,19 @@ def run(backend: str, procs: int, iters: int, nbytes: int) -> dict:
     for q in range(procs):
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(q), WORLD_SIZE=str(procs),
-                   LOCAL_RANK=str(q), LOCAL_WORLD_SIZE=str(procs), GH_LAT_BACKEND=backend, GH_LAT_ITERS=str(iters),
-                   GH_LAT_BYTES=str(nbytes), GRADHUB_INSECURE="1")
-        ps.append(subprocess.Popen([sys.executable, "-m", "gradhub_lab.backend_latency", "--worker"], env=env,
+                   LOCAL_RANK=str(q), LOCAL_WORLD_SIZE=str(procs), **{k: str(v) for k, v in extra.items()})
+        ps.append(subprocess.Popen([sys.executable, "-m", module, "--worker"], env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=600)[0] for p in ps]
     if any(p.returncode for p in ps):
-        raise RuntimeError(f"backend-latency on {backend} failed:\n" + "\n".join(o[-2000:] for o in outs))
+        raise RuntimeError(f"{what} failed:\n" + "\n".join(o[-2000:] for o in outs))
     line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
     return json.loads(line[7:])
+
+
+def run(backend: str, procs: int, iters: int, nbytes: int) -> dict:
+    return run_group("gradhub_lab.backend_latency", procs, dict(GH_LAT_BACKEND=backend, GH_LAT_ITERS=iters,
+                     GH_LAT_BYTES=nbytes, GRADHUB_INSECURE=1), f"backend-latency on {backend}")
 
 
 def main(procs: int, iters: int, nbytes: int, trials: int) -> int:

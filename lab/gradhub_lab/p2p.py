@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -78,24 +77,10 @@ def worker() -> None:
 
 
 def run(path: str, iters: int, small: int, large: int, count: int) -> dict:
-    import socket
+    from .backend_latency import run_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ps = []
-    for q in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(q), WORLD_SIZE="2", LOCAL_RANK=str(q),
-                   LOCAL_WORLD_SIZE="2", GH_P2P_PATH=path, GH_P2P_ITERS=str(iters), GH_P2P_SMALL=str(small),
-                   GH_P2P_LARGE=str(large), GH_P2P_COUNT=str(count))
-        ps.append(subprocess.Popen([sys.executable, "-m", "gradhub_lab.p2p", "--worker"], env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in ps]
-    if any(p.returncode for p in ps):
-        raise RuntimeError(f"p2p over {path} failed:\n" + "\n".join(o[-2000:] for o in outs))
-    line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[7:])
+    return run_group("gradhub_lab.p2p", 2, dict(GH_P2P_PATH=path, GH_P2P_ITERS=iters, GH_P2P_SMALL=small,
+                     GH_P2P_LARGE=large, GH_P2P_COUNT=count), f"p2p over {path}")
 
 
 def main(iters: int, small: int, large: int, count: int, trials: int, out: str | None = None) -> int:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import collections
 import datetime
-import queue
 import threading
 
 import torch
 
 from ... import api as _api
-from .work import GradhubBackendError, Work, _Op, _watchdog
+from .work import GradhubBackendError, Work, _Helper, _Op, _watchdog
 
 # Sends waiting for one destination's thread before isend blocks.
 _SEND_QUEUE = 1024
@@ -78,21 +77,27 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-class _Sender:
+class _Sender(_Helper):
     """One destination's sends, in call order: on a thread of their own, or
     on the caller's when nothing of this destination's is queued (`inline`)."""
 
     def __init__(self, dst: int):
-        self._q: queue.Queue = queue.Queue(maxsize=_SEND_QUEUE)
         self._lock = threading.Lock()
         self._busy = 0   # sends queued or running
-        self._t = threading.Thread(target=self._run, name=f"gradhub-p2p-send-{dst}", daemon=True)
-        self._t.start()
+        super().__init__(f"gradhub-p2p-send-{dst}", maxsize=_SEND_QUEUE)
 
     def submit(self, fn) -> None:
         with self._lock:
             self._busy += 1
-        self._q.put(fn)
+
+        def run():
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+        super().submit(run)
 
     def inline(self, fn) -> bool:
         """Run `fn` now, on this thread, if nothing is queued before it."""
@@ -106,20 +111,6 @@ class _Sender:
             with self._lock:
                 self._busy -= 1
         return True
-
-    def stop(self) -> None:
-        self._q.put(None)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            finally:
-                with self._lock:
-                    self._busy -= 1
 
 
 class PointToPoint:

@@ -219,11 +219,11 @@ def _all_of(works: list[Work], outputs: list[torch.Tensor], what: str, backend) 
 class _Helper:
     """One thread per group for collectives of several rounds, run in call order."""
 
-    def __init__(self):
+    def __init__(self, name: str = "gradhub-dist-helper", maxsize: int = 0):
         import queue
 
-        self._q: queue.Queue = queue.Queue()
-        self._t = threading.Thread(target=self._run, name="gradhub-dist-helper", daemon=True)
+        self._q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self._t = threading.Thread(target=self._run, name=name, daemon=True)
         self._t.start()
 
     def submit(self, fn) -> None:
