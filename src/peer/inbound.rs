@@ -33,42 +33,11 @@ impl Links {
     /// A connection from a peer: its handshake and hello, then its messages
     /// until it ends.
     pub(super) fn serve(self: Arc<Self>, stream: TcpStream) {
-        let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-        let within = self.cfg.timeout.min(HELLO_WITHIN);
-        let _ = stream.set_write_timeout(Some(within));
-        let mut r = DeadlineReader::new(&stream, within);
-        let keys = match auth::listen_blocking(&mut r, &mut &stream, &self.cfg.secret.keys()) {
-            Ok((_, keys)) => keys,
-            Err(e) => {
-                if !self.closing.load(Ordering::SeqCst) {
-                    log::warn!(target: "p2p", "refusing a connection from {peer}: {e}");
-                }
-                return;
-            }
-        };
-        let (seal, open) = keys.map(|k| (k.seal, k.open)).unzip();
-        let mut r = SealedReader::new(r, open).limit(MAX_HELLO);
-        let greeted = read_message(&mut r, Some(self.cfg.namespace), MAX_HELLO)
-            .map_err(|e| e.to_string())
-            .and_then(|(h, p)| self.check_hello(&h, &p, None));
-        let open = r.into_parts().1;
-        let mut w = SealedWriter::new(&stream, seal);
-        let src = match greeted.and_then(|src| self.register(src, &stream).map(|()| src)) {
-            Ok(src) => src,
-            Err(why) => {
-                log::warn!(target: "p2p", "refusing a connection from {peer}: {why}");
-                let _ = w.write_all(&self.refusal(&why));
-                return;
-            }
-        };
-        let answered = w.write_all(&self.hello());
-        let _ = stream.set_read_timeout(None);
-        tune_data_socket(&stream);
+        let greeted = self.greet(&stream);
+        self.greeting.fetch_sub(1, Ordering::SeqCst);
+        let Some((src, open, peer)) = greeted else { return };
         let mut landing = None;
-        let why = match answered {
-            Err(e) => format!("the connection from member {src} ({peer}) failed: {e}"),
-            Ok(()) => self.read_messages(&stream, open, src, &peer, &mut landing),
-        };
+        let why = self.read_messages(&stream, open, src, &peer, &mut landing);
         lock(&self.inbound).remove(&src);
         if let Some(Landing::Posted { recv, .. }) = landing {
             recv.fail(why.clone());
@@ -81,6 +50,48 @@ impl Links {
         for (_, r, why) in failed {
             r.fail(why);
         }
+    }
+
+    /// A new connection's handshake and hello, each way: the member it is
+    /// from, the key that opens its frames, and its address; None (logged)
+    /// if refused.
+    fn greet(&self, stream: &TcpStream) -> Option<(u32, Option<Opener>, String)> {
+        let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
+        let within = self.cfg.timeout.min(HELLO_WITHIN);
+        let _ = stream.set_write_timeout(Some(within));
+        let mut r = DeadlineReader::new(stream, within);
+        let keys = match auth::listen_blocking(&mut r, &mut &*stream, &self.cfg.secret.keys()) {
+            Ok((_, keys)) => keys,
+            Err(e) => {
+                if !self.closing.load(Ordering::SeqCst) {
+                    log::warn!(target: "p2p", "refusing a connection from {peer}: {e}");
+                }
+                return None;
+            }
+        };
+        let (seal, open) = keys.map(|k| (k.seal, k.open)).unzip();
+        let mut r = SealedReader::new(r, open).limit(MAX_HELLO);
+        let greeted = read_message(&mut r, Some(self.cfg.namespace), MAX_HELLO)
+            .map_err(|e| e.to_string())
+            .and_then(|(h, p)| self.check_hello(&h, &p, None));
+        let open = r.into_parts().1;
+        let mut w = SealedWriter::new(stream, seal);
+        let src = match greeted.and_then(|src| self.register(src, stream).map(|()| src)) {
+            Ok(src) => src,
+            Err(why) => {
+                log::warn!(target: "p2p", "refusing a connection from {peer}: {why}");
+                let _ = w.write_all(&self.refusal(&why));
+                return None;
+            }
+        };
+        if let Err(e) = w.write_all(&self.hello()) {
+            lock(&self.inbound).remove(&src);
+            log::warn!(target: "p2p", "the connection from member {src} ({peer}) failed: {e}");
+            return None;
+        }
+        let _ = stream.set_read_timeout(None);
+        tune_data_socket(stream);
+        Some((src, open, peer))
     }
 
     fn register(&self, src: u32, stream: &TcpStream) -> Result<(), String> {

@@ -29,7 +29,7 @@ use std::any::Any;
 use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -47,6 +47,8 @@ use message::FRAME_BYTES;
 pub const BUFFER_BYTES: usize = 256 << 20;
 /// The largest hello (a group's name).
 const MAX_HELLO: u32 = 4096;
+/// The most connections in their handshake at once.
+const MAX_GREETING: usize = 64;
 /// The most a stranger's handshake and hello may take.
 const HELLO_WITHIN: Duration = Duration::from_secs(30);
 
@@ -140,6 +142,9 @@ struct Links {
     /// The connected peers' sockets, to end their readers on close.
     inbound: Mutex<HashMap<u32, TcpStream>>,
     closing: AtomicBool,
+    /// Connections in their handshake (each holds a thread for at most
+    /// `HELLO_WITHIN`): past `MAX_GREETING`, new ones are closed at once.
+    greeting: AtomicUsize,
 }
 
 /// A group member's point-to-point endpoint.
@@ -165,6 +170,7 @@ impl PeerLinks {
             out: Mutex::new(HashMap::new()),
             inbound: Mutex::new(HashMap::new()),
             closing: AtomicBool::new(false),
+            greeting: AtomicUsize::new(0),
         });
         let l = links.clone();
         let accept = std::thread::Builder::new().name("gradhub-p2p-accept".into()).spawn(move || l.accept(listener))?;
@@ -284,9 +290,15 @@ impl Links {
             }
             match stream {
                 Ok(s) => {
+                    if self.greeting.fetch_add(1, Ordering::SeqCst) >= MAX_GREETING {
+                        self.greeting.fetch_sub(1, Ordering::SeqCst);
+                        log::warn!(target: "p2p", "closing a connection from {:?}: {MAX_GREETING} others are in their handshake", s.peer_addr());
+                        continue;
+                    }
                     let l = self.clone();
                     let spawned = std::thread::Builder::new().name("gradhub-p2p-in".into()).spawn(move || l.serve(s));
                     if let Err(e) = spawned {
+                        self.greeting.fetch_sub(1, Ordering::SeqCst);
                         log::warn!(target: "p2p", "cannot start a thread for a new connection: {e}");
                     }
                 }

@@ -163,3 +163,22 @@ fn a_receiver_that_reads_nothing_holds_its_sender_back_and_cancel_withdraws() {
     t.join().unwrap();
     assert!(cancelled.try_recv().is_err(), "a cancelled receive is never told");
 }
+
+#[test]
+fn silent_strangers_hold_at_most_max_greeting_threads_and_members_get_through_after() {
+    use std::io::Read;
+    let tok = Secret::new(b"tok");
+    let g = group(2, &tok);
+    let silent: Vec<TcpStream> = (0..MAX_GREETING).map(|_| TcpStream::connect(g[1].address()).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut extra = TcpStream::connect(g[1].address()).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!(extra.read(&mut [0u8; 8]).unwrap_or(0), 0, "one past the bound is closed");
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    drop(silent); // their handshakes end at once
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, r) = post(&g[1], Some(0), 0, 1);
+    g[0].send(1, g[1].address(), 0, &[7]).unwrap();
+    assert_eq!(got(&r), (Ok(0), vec![7]));
+}
