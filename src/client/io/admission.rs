@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use super::flow::SendOrder;
+use super::item::SendOrder;
 use super::Io;
 use crate::protocol::TensorSpec;
 

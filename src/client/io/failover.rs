@@ -5,13 +5,13 @@
 //! detaching a chunk from a live server, and applying a `FailoverNote` on
 //! the I/O thread.
 
-use super::flow::Carry;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::flow::SendItem;
-use super::links::{Conn, LinkState};
+use super::item::{Again, Carry, SendItem};
+use super::link::LinkState;
+use super::links::Conn;
 use super::thread::IoCore;
 use super::{Io, OpTable};
 use crate::host::SharedTensor;
@@ -386,7 +386,7 @@ impl IoCore {
                 if let Some(a) = ops.active.get_mut(&key) {
                     a.spec = spec.clone();
                     for m in moves.iter().filter(|m| m.resend) {
-                        if let Some(slot) = io.queue_chunk(seq, a, m.chunk, super::mend::Again::No) {
+                        if let Some(slot) = io.queue_chunk(seq, a, m.chunk, Again::No) {
                             resent += 1;
                             if !touched.contains(&slot) {
                                 touched.push(slot);

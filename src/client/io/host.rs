@@ -4,13 +4,12 @@
 //! owners publish them, and reporting local workers that are late.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
+use super::item::Again;
 use super::thread::IoCore;
 use super::{Io, NONE_LEFT};
-use crate::host::{HostStage, SharedTensor};
-use crate::waits::StallWatch;
+use crate::host::HostStage;
 
 /// The host stage as the data plane holds it.
 pub(super) struct HostSide {
@@ -31,16 +30,6 @@ impl HostSide {
     pub(super) fn left(&self) -> Option<u32> {
         Some(self.left.load(Ordering::Acquire)).filter(|&r| r != NONE_LEFT)
     }
-}
-
-/// A round through the host stage: which chunks this worker pushes (for
-/// the host, from `tensor`), and which of those it has queued.
-pub(super) struct HostRound {
-    pub(super) shared: Arc<SharedTensor>,
-    pub(super) owned: Vec<bool>,
-    pub(super) pushed: Vec<bool>,
-    /// Since this worker contributed.
-    pub(super) stall: StallWatch,
 }
 
 impl Io {
@@ -129,7 +118,7 @@ impl IoCore {
                     if let Some(hr) = &mut a.host {
                         hr.pushed[c] = true;
                     }
-                    if let Some(slot) = io.queue_chunk(&mut ops.seq, a, c, super::mend::Again::No) {
+                    if let Some(slot) = io.queue_chunk(&mut ops.seq, a, c, Again::No) {
                         if !touched.contains(&slot) {
                             touched.push(slot);
                         }

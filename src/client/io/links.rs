@@ -11,12 +11,14 @@ use std::time::Instant;
 use mio::net::TcpStream;
 use mio::Token;
 
-use super::flow::{Carry, InFlight, SendItem};
+use super::flow::InFlight;
+use super::item::{Carry, SendItem};
+use super::link::{broke, LinkState};
 use super::trace::Stamp;
 use super::Io;
 use crate::client::ClientError;
 use crate::protocol::seal::Keys;
-use crate::protocol::{encode_frame, Header, MsgType, ReadError, MAX_JOINED_SLOTS};
+use crate::protocol::{encode_frame, Header, MsgType, MAX_JOINED_SLOTS};
 use crate::transport::{Authed, ConnError, Connection, FrameWriter, Outgoing};
 
 /// The send side of the data plane: the connections, the registry they
@@ -191,40 +193,6 @@ impl std::ops::Index<usize> for ConnTable {
         match self.get(i) {
             Some(c) => c,
             None => panic!("no data connection for slot {i} (the job has {})", self.len()),
-        }
-    }
-}
-
-/// A link's life, which only moves forward (a link may skip states),
-/// except from `Mending` back to `Live`:
-/// - `Live`: in use;
-/// - `Mending`: its socket failed with its server not known lost: it is
-///   dialled again (`mend`); nothing is written meanwhile;
-/// - `Broken`: its socket failed (with failover on): nothing is written to
-///   it, and the I/O thread waits for the scheduler to say where its
-///   chunks went (`IoCore::check_lost` bounds that wait);
-/// - `WrittenOff`: the scheduler says its server was lost: nothing read
-///   from it counts any more (a frozen server may come back and answer
-///   rounds that moved), even before the failover is applied;
-/// - `Dead`: the failover is applied: deregistered, never touched again.
-#[repr(u8)]
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
-pub enum LinkState {
-    Live = 0,
-    Mending = 1,
-    Broken = 2,
-    WrittenOff = 3,
-    Dead = 4,
-}
-
-impl LinkState {
-    fn of(v: u8) -> LinkState {
-        match v {
-            0 => LinkState::Live,
-            1 => LinkState::Mending,
-            2 => LinkState::Broken,
-            3 => LinkState::WrittenOff,
-            _ => LinkState::Dead,
         }
     }
 }
@@ -456,16 +424,4 @@ impl Io {
         }
         r
     }
-}
-
-/// Whether an error means the connection broke (its server may be lost),
-/// not that the server said or sent something wrong.
-pub(super) fn broke(e: &ConnError) -> bool {
-    matches!(e, ConnError::Io(_) | ConnError::Read(ReadError::Closed | ReadError::ClosedMidFrame | ReadError::Io(_)))
-}
-
-/// The link broke in a way a new connection may mend (`mend`): `broke`,
-/// or a frame that changed on the way.
-pub(super) fn mendable(e: &ConnError) -> bool {
-    broke(e) || e.changed_on_the_way()
 }

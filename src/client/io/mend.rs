@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use mio::Token;
 
-use super::links::LinkState;
+use super::item::{Again, SendItem};
+use super::link::LinkState;
 use super::thread::IoCore;
 use super::Io;
 use crate::protocol::auth::Secret;
@@ -50,30 +51,6 @@ impl Mending {
 
     fn take(&self) -> Vec<(usize, std::io::Result<crate::transport::Authed>)> {
         std::mem::take(&mut *self.done.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-}
-
-/// What a re-sent chunk carries.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Again {
-    /// A first send.
-    No,
-    /// Its push again, flagged `FLAG_RESENT`.
-    Push,
-    /// Only its header (zeros, `FLAG_RESENT`): its result had started to
-    /// arrive, so the server has the round complete and answers with the
-    /// result; the push itself may be overwritten by that result already.
-    ResultOnly,
-}
-
-impl Again {
-    /// The flags a send of it carries, from the op's.
-    pub(super) fn flags(self, flags: u16) -> u16 {
-        match self {
-            Again::No => flags,
-            Again::Push => flags | FLAG_RESENT,
-            Again::ResultOnly => flags | FLAG_RESENT | crate::protocol::FLAG_ZEROS,
-        }
     }
 }
 
@@ -211,7 +188,7 @@ impl IoCore {
             st.mends += 1;
             let mut hello = Header::new(MsgType::DataHello);
             (hello.namespace, hello.key, hello.flags) = (io.namespace, io.rank, FLAG_RESENT);
-            st.heap.push(super::flow::SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
+            st.heap.push(SendItem::Control { seq: 0, header: hello, payload: Vec::new() });
             (sent, partial)
         };
         io.admission.spread().drop_slot(i);

@@ -78,6 +78,8 @@ mod admission;
 mod failover;
 mod flow;
 mod host;
+mod item;
+mod link;
 mod links;
 mod mend;
 mod receive;
@@ -100,7 +102,7 @@ use failover::{Failover, Kept, Released};
 use flow::Active;
 use host::HostSide;
 use links::SendSide;
-use thread::RecvSide;
+use receive::RecvSide;
 use trace::Tracing;
 
 use super::op::Op;

@@ -2,29 +2,65 @@
 //! caller's buffer, a kept copy or the host's segment), `Received` acks
 //! (credit back), stall reports and errors; completing ops.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
-use super::flow::Route;
-use super::links::LinkState;
+use mio::Waker;
+
+use super::item::{ResultDest, Route};
+use super::link::LinkState;
 use super::thread::IoCore;
 use crate::protocol::{decode_stall, Header, MsgType, ReadError, FLAG_LEAVING};
 use crate::transport::{ConnError, Drain, Frame};
 
-/// Where an incoming result goes: chunk `chunk` of tensor `key`, `len`
-/// bytes at `dst` in the caller's buffer.
-#[derive(Clone, Copy)]
-pub(super) struct ResultDest {
-    pub(super) key: u32,
-    pub(super) chunk: usize,
-    pub(super) dst: *mut u8,
-    pub(super) len: usize,
+/// The receive side as the other threads see it: how to wake the I/O
+/// thread, what they ask of it (stop, fail everything), the largest frame
+/// it reads, and the poller a waiting caller reads with.
+pub(super) struct RecvSide {
+    pub(super) max_payload: u32,
+    waker: Waker,
+    stop: AtomicBool,
+    fail_requested: Mutex<Option<String>>,
+    /// Reads a connection on a waiting caller's thread, once the I/O thread
+    /// runs (see `IoCore::poll_for`).
+    pub(super) poller: OnceLock<crate::client::op::Poller>,
 }
 
-// SAFETY: `dst` points into an active op's buffer, which stays valid until
-// the op completes; results are written and ops completed only by the
-// holder of the `IoCore` lock (the I/O thread, or a caller waiting on a
-// one-chunk op: `IoCore::poll_for`).
-unsafe impl Send for ResultDest {}
+impl RecvSide {
+    pub(super) fn new(waker: Waker, max_payload: u32) -> RecvSide {
+        RecvSide {
+            max_payload,
+            waker,
+            stop: AtomicBool::new(false),
+            fail_requested: Mutex::new(None),
+            poller: OnceLock::new(),
+        }
+    }
+
+    pub(super) fn wake(&self) {
+        let _ = self.waker.wake();
+    }
+
+    pub(super) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    pub(super) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// The first failure asked for wins; the I/O thread takes it.
+    pub(super) fn request_fail(&self, msg: String) {
+        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
+        self.wake();
+    }
+
+    pub(super) fn take_fail_request(&self) -> Option<String> {
+        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
 
 impl IoCore {
     pub(super) fn on_readable(&mut self, i: usize, drain: Drain) -> Result<(), ConnError> {

@@ -6,9 +6,8 @@ use super::Completion;
 use std::time::Instant;
 
 use super::failover::{Kept, NO_ROUND};
-use super::flow::{Active, ChunkSend, Route, SendItem};
-use super::host::HostRound;
-use super::mend::Again;
+use super::flow::{Active, HostRound};
+use super::item::{Again, ChunkSend, Route, SendItem};
 use super::{left_message, Io, Submission};
 use crate::waits::StallWatch;
 

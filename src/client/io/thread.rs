@@ -5,66 +5,17 @@
 //! and steer it (`RecvSide`).
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use mio::{Events, Poll, Waker};
+use mio::{Events, Poll};
 
-use super::links::{broke, mendable, LinkState};
-use super::receive::ResultDest;
+use super::item::ResultDest;
+use super::link::{broke, mendable, LinkState};
 use super::{Completion, Io};
 use super::{DOORBELL, WAKER};
 use crate::protocol::ReadError;
 use crate::transport::{ConnError, Drain, FrameReader};
-
-/// The receive side as the other threads see it: how to wake the I/O
-/// thread, what they ask of it (stop, fail everything), the largest frame
-/// it reads, and the poller a waiting caller reads with.
-pub(super) struct RecvSide {
-    pub(super) max_payload: u32,
-    waker: Waker,
-    stop: AtomicBool,
-    fail_requested: Mutex<Option<String>>,
-    /// Reads a connection on a waiting caller's thread, once the I/O thread
-    /// runs (see `IoCore::poll_for`).
-    pub(super) poller: OnceLock<crate::client::op::Poller>,
-}
-
-impl RecvSide {
-    pub(super) fn new(waker: Waker, max_payload: u32) -> RecvSide {
-        RecvSide {
-            max_payload,
-            waker,
-            stop: AtomicBool::new(false),
-            fail_requested: Mutex::new(None),
-            poller: OnceLock::new(),
-        }
-    }
-
-    pub(super) fn wake(&self) {
-        let _ = self.waker.wake();
-    }
-
-    pub(super) fn stop(&self) {
-        self.stop.store(true, Ordering::SeqCst);
-        self.wake();
-    }
-
-    fn stopped(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
-    }
-
-    /// The first failure asked for wins; the I/O thread takes it.
-    pub(super) fn request_fail(&self, msg: String) {
-        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(msg);
-        self.wake();
-    }
-
-    fn take_fail_request(&self) -> Option<String> {
-        self.fail_requested.lock().unwrap_or_else(|e| e.into_inner()).take()
-    }
-}
 
 /// What a caller spinning on an op whose result comes on connection `i`
 /// runs: read it, unless the I/O thread is at it (then that thread delivers
