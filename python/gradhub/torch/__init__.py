@@ -65,6 +65,7 @@ from .exchange import (
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, _resolve, add_process_set, global_process_set, remove_process_set
 from .startup import init
+from .sums import start_sum as _start_sum
 from .sync_batch_norm import SyncBatchNorm
 
 
@@ -86,7 +87,7 @@ def barrier(process_set=None):
         _barrier()
     else:
         # A set's barrier: a sum of one element over its members.
-        ps._push_pull_async(torch.zeros(1), ps._name(None, "barrier"), False).wait()
+        _start_sum(torch.zeros(1), ps._name(None, "barrier"), ps).wait()
     _settle_started()
 
 

@@ -16,6 +16,7 @@ from .. import _env
 from .. import api as _api
 from ..api import GradhubError, GradhubMismatchError
 from .process_sets import ProcessSet
+from .sums import start_sum
 
 # ---------------------------------------------------------------- names in flight
 
@@ -102,7 +103,7 @@ def start_shape_check(tensors, name: str, ps: ProcessSet):
     sig[r] = zlib.crc32(mine.encode()) + 1  # never 0: a worker in join() adds zeros
     # Named as its operation's part: freed after its round if the name was
     # generated, held like the data tensor (until released) if not.
-    h = ps._push_pull_async(sig, _api.derive_name(name, ".shape"), False)
+    h = start_sum(sig, _api.derive_name(name, ".shape"), ps)
 
     def check():
         h.wait()

@@ -14,7 +14,7 @@ groups. Everything here needs a GPU (tests/test_gpu.py runs it under CUDA;
   and `synchronize()`, `step()` and the DDP hook's future make the caller's
   stream wait on the final event (`wait`), not the host.
 - 16-bit compression (`Compression.fp16`) casts on the GPU before any copy:
-  `ops._push_pull_async` compresses the tensor on its device, so the share
+  `sums.start_reduction` compresses the tensor on its device, so the share
   staged here is already 16-bit.
 """
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .compression import Compression
-from .ops import _push_pull_async
+from .sums import start_reduction
 
 
 @dataclass
@@ -37,5 +37,6 @@ def ddp_comm_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
         except Exception as e:  # delivered to DDP, which raises it in backward
             fut.set_exception(e)
 
-    _push_pull_async(buf, name, True, st.priority, st.compression, buf).add_done_callback(done)
+    start_reduction(buf, name, average=True, priority=st.priority, compression=st.compression,
+                    target=buf).add_done_callback(done)
     return fut

@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from .ops import _wire_spec
+from .sums import wire_spec
 
 # Optimizers whose update of a parameter depends only on that parameter's
 # gradient and state, so parameters can be updated one at a time.
@@ -54,13 +54,13 @@ class OnWorkers:
         tie-break between equal priorities)."""
         opt = self.opt
         fused = opt._gh_fusion.of if opt._gh_fusion is not None else {}
-        specs = [(self.push_name(p), _wire_spec(p, opt._gh_compression))
+        specs = [(self.push_name(p), wire_spec(p, opt._gh_compression))
                  for p in reversed(opt._gh_params) if p.requires_grad and id(p) not in fused]
         buckets = opt._gh_fusion.declarations() if opt._gh_fusion is not None else []
         return [(name, (*spec, opt._gh_partition)) for name, spec in specs + buckets if spec is not None]
 
     def push(self, p, grad):
-        """Start reducing p's gradient; returns an ops.Handle."""
+        """Start reducing p's gradient; returns a sums.Handle."""
         opt = self.opt
         return opt._gh_reduce(grad, self.push_name(p), opt._gh_priority(p))
 

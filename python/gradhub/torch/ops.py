@@ -4,10 +4,12 @@ built on gradhub's push_pull (a sum across workers).
 - float32/float16/bfloat16 travel natively; float64 and integer tensors are
   carried as float32 (exact for integers below 2^24, a float32 rounding for
   float64) in allreduce, and as raw bytes (exact) in broadcast and allgather.
-- CUDA tensors are staged through pinned host memory with PyTorch's copies
-  (by gradhub.api.push_pull_async, the one door into the core), or, with
-  the torch local stage (GRADHUB_LOCAL_STAGE), reduce-scattered over the
-  host's GPUs first and staged 1/W each (`local_stage`).
+- Every sum starts in `sums` (`start_reduction`, `start_sum`), the path the
+  DDP hook and the torch.distributed backend take too. CUDA tensors are
+  staged through pinned host memory with PyTorch's copies (by
+  gradhub.api.push_pull_async, the one door into the core), or, with the
+  torch local stage (GRADHUB_LOCAL_STAGE), reduce-scattered over the host's
+  GPUs first and staged 1/W each (`local_stage`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pickle
 import threading
 import weakref
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +26,9 @@ import torch
 from .. import api as _api
 from ..api import GradhubMismatchError
 from . import agreement as _agree
-from . import local_stage as _local_stage
 from .compression import Compression
 from .process_sets import ProcessSet, _resolve, global_process_set
+from .sums import Handle, scaled, start_reduction, start_sum
 
 
 class ReduceOp:
@@ -65,51 +67,6 @@ def _resolve_op(average, op):
     return op
 
 
-class Handle:
-    """An operation in flight. `synchronize(handle)` (or `handle.wait()`)
-    returns its output tensor; `poll(handle)` tells whether it is done."""
-
-    def __init__(self, handle, finish, name: str):
-        self._h = handle  # a gradhub.api.Handle, or None if the result is ready
-        self._finish = finish
-        self._result = None
-        self._done = False
-        self._lock = threading.Lock()  # finish() runs once, also with a done callback racing wait()
-        self.name = name
-
-    def done(self) -> bool:
-        return self._done or self._h is None or self._h.done()
-
-    def wait(self, timeout: float | None = None):
-        if not self._done:
-            if self._h is not None:
-                self._h.wait(timeout)
-            with self._lock:
-                if not self._done:
-                    self._result = self._finish()
-                    self._done = True
-        return self._result
-
-    def _settle(self) -> None:
-        """Wait until the operation has finished, without taking its result
-        or failure (for `barrier()`; `wait()` still gives them)."""
-        if self._h is not None:
-            try:
-                self._h.wait()
-            except Exception:  # noqa: BLE001 - the caller's wait() raises it
-                pass
-
-    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Call `fn(handle)` once the operation has finished: from a core
-        thread, or at once if it is already done. Inside `fn`,
-        `handle.wait()` returns the output at once or raises the failure.
-        `fn` should be quick and must not raise."""
-        if self._h is None:
-            fn(self)
-        else:
-            self._h.add_done_callback(lambda _h: fn(self))
-
-
 # The operations the user started asynchronously and may not have waited
 # for: `barrier()` lets them finish first, as Horovod's does. (Public async
 # calls only: the optimizer's gradients never reach a barrier in flight.)
@@ -125,42 +82,6 @@ def _settle_started() -> None:
     """Wait for every operation this worker started asynchronously (barrier)."""
     for h in list(_started):
         h._settle()
-
-
-_WIRE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-               torch.float64: "float64", torch.int32: "int32", torch.int64: "int64"}
-# Summed exactly as int64, then cast back (wrapping as torch's sums do; a
-# bool comes back True where any worker's was).
-_VIA_INT64 = (torch.int8, torch.int16, torch.uint8, torch.bool)
-
-
-def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a reduction of `dtype` travels in: itself if the servers sum
-    it (exactly, for float64 and the integers), int64 for the small
-    integers and bool, else float32 (other floating types)."""
-    if dtype in _WIRE_NAMES:
-        return dtype
-    if dtype in _VIA_INT64:
-        return torch.int64
-    if dtype.is_floating_point:
-        return torch.float32
-    raise TypeError(f"cannot reduce tensors of dtype {dtype}")
-
-
-def _wire_spec(tensor: torch.Tensor, compression=Compression.none) -> tuple[int, str] | None:
-    """(numel, dtype name) that `_push_pull_async(tensor, ..., compression)`
-    sends, for declaring it ahead of its first reduction; None when only
-    running the compressor would tell (a user-defined one: it is not called
-    here, so it sees exactly the tensors it compresses)."""
-    from .compression import NoneCompressor, _CastCompressor
-
-    if isinstance(compression, type) and issubclass(compression, NoneCompressor):
-        dtype = tensor.dtype
-    elif isinstance(compression, type) and issubclass(compression, _CastCompressor):
-        dtype = compression.wire_dtype if tensor.dtype.is_floating_point else tensor.dtype
-    else:
-        return None
-    return tensor.numel(), _WIRE_NAMES[_wire_dtype(dtype)]
 
 
 def parameter_names(params: list, named_parameters) -> dict[int, str]:
@@ -190,73 +111,18 @@ def _check_inplace(tensor: torch.Tensor, what: str):
         )
 
 
-def _push_pull_async(tensor: torch.Tensor, name: str, average: bool, priority: int, compression,
-                     inplace_target: torch.Tensor | None, ps: ProcessSet = global_process_set) -> Handle:
-    """Reduce `tensor` over the process set `ps`; the result is written into
-    `inplace_target` if given, else returned as a new tensor. (The DDP comm
-    hook calls this too.)"""
-    src = tensor.detach()
-    comp, ctx = compression.compress(src)
-    wire_cast = None
-    wire = _wire_dtype(comp.dtype)
-    if wire is not comp.dtype:
-        wire_cast = comp.dtype
-        comp = comp.to(wire)
-    buf = comp
-    # The buffer is summed in place: never the caller's own memory unless asked.
-    if buf.data_ptr() == src.data_ptr() or not buf.is_contiguous():
-        buf = buf.contiguous().clone() if inplace_target is None else buf.contiguous()
-    # Integers are summed exactly; their average is scaled here, as Horovod
-    # does (times 1/n in float64, truncated toward zero). The
-    # servers average over every worker: a process set's is divided here.
-    int_average = average and not wire.is_floating_point
-    server_average = average and wire.is_floating_point and ps._is_global()
-    local_average = average and wire.is_floating_point and not server_average
-    # The torch local stage (GRADHUB_LOCAL_STAGE) takes the global set's reductions it applies to.
-    if ps._is_global() and _local_stage.uses(buf):
-        h = _local_stage.push_pull_async(buf, name, server_average, priority)
-    else:
-        h = ps._push_pull_async(buf, name, server_average, priority)
-    n = ps.size()
-
-    def finish():
-        out = buf
-        if int_average:
-            out = _scaled(out, 1.0 / n)
-        elif local_average:
-            out.div_(n)
-        if wire_cast is not None:
-            out = out.round().to(wire_cast) if out.is_floating_point() and not wire_cast.is_floating_point \
-                else out.to(wire_cast)
-        out = compression.decompress(out, ctx)
-        if inplace_target is not None:
-            if out.data_ptr() != inplace_target.data_ptr():
-                inplace_target.copy_(out.view_as(inplace_target))
-            return inplace_target
-        return out.to(tensor.device).view_as(tensor) if out.device != tensor.device else out.view_as(tensor)
-
-    return Handle(h, finish, name)
-
-
 # ---------------------------------------------------------------- allreduce
 
 
 def push_pull_async(tensor, average=True, name=None, priority=0, compression=Compression.none) -> Handle:
     """Start summing (average=True: averaging) `tensor` across workers; out of place."""
-    return _push_pull_async(tensor, name or _auto_name("push_pull"), bool(average), priority, compression, None)
+    return start_reduction(tensor, name or _auto_name("push_pull"), average=bool(average), priority=priority,
+                           compression=compression)
 
 
 def push_pull(tensor, average=True, name=None, priority=0, compression=Compression.none):
     """BytePS's name for allreduce: returns the reduced tensor (out of place)."""
     return push_pull_async(tensor, average, name, priority, compression).wait()
-
-
-def _scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """`t` times `factor` (Horovod's pre/postscale): in its own dtype for
-    floating types; integers in float64, truncated toward zero, as Horovod."""
-    if factor == 1.0:
-        return t
-    return (t.double() * factor).to(t.dtype) if not t.dtype.is_floating_point else t * factor
 
 
 def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, prescale: float,
@@ -274,13 +140,13 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
     check, shape_h = shape if shape is not None else (None, None)
     if op in _GATHERED:
         try:
-            t = _scaled(tensor.detach(), prescale).reshape(1, -1)
+            t = scaled(tensor.detach(), prescale).reshape(1, -1)
             gathered = _allgather_impl(t, name, ps)[0]
             if check is not None:
                 check()
         finally:
             _agree.release(name, token)
-        out = _scaled(_GATHERED[op](gathered).to(tensor.dtype), postscale).view_as(tensor)
+        out = scaled(_GATHERED[op](gathered).to(tensor.dtype), postscale).view_as(tensor)
         if inplace_target is not None:
             inplace_target.copy_(out)
             out = inplace_target
@@ -290,13 +156,13 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
         # truncated once (not rounded, then scaled again).
         op, postscale = Sum, postscale / ps.size()
     if prescale != 1.0:
-        tensor = _scaled(tensor.detach(), prescale)
+        tensor = scaled(tensor.detach(), prescale)
         if inplace_target is not None:
             inplace_target.copy_(tensor)
             tensor = inplace_target
     try:
-        h = _agree.after(_push_pull_async(tensor, name, op is Average, priority, compression, inplace_target, ps),
-                         check)
+        h = _agree.after(start_reduction(tensor, name, ps, average=op is Average, priority=priority,
+                                         compression=compression, target=inplace_target), check)
     except BaseException:
         _agree.release(name, token)
         raise
@@ -308,9 +174,9 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
             if postscale == 1.0:
                 return out
             if inplace_target is not None:
-                out.copy_(_scaled(out, postscale))
+                out.copy_(scaled(out, postscale))
                 return out
-            return _scaled(out, postscale)
+            return scaled(out, postscale)
         finally:
             _agree.release(name, token)  # every round is in: the name is free for the caller's next operation
 
@@ -545,9 +411,9 @@ def _broadcast_async(tensor, root_rank, name, target, ps: ProcessSet = global_pr
     roots[me, 0] = root_rank + 1
     roots[me, 1] = zlib.crc32(f"{tuple(src.shape)} {src.dtype}".encode())
     try:
-        roots_h = ps._push_pull_async(roots, _derive(name, ".root"), False)
+        roots_h = start_sum(roots, _derive(name, ".root"), ps)
         # Only the root's bytes travel: the others push zeros, header only.
-        h = ps._push_pull_async(buf, name, False, live=None if _api.rank() == root_rank else (0, 0))
+        h = start_sum(buf, name, ps, live=None if _api.rank() == root_rank else (0, 0))
     except BaseException:
         _agree.release(name, token)
         raise
@@ -630,7 +496,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     # shape and the dtype (a row count, and a checksum of both).
     meta = torch.zeros((n, 3), dtype=torch.int64)
     meta[r] = torch.tensor([t.shape[0], row, zlib.crc32(f"{tuple(t.shape[1:])} {t.dtype}".encode()) + 1])
-    ps._push_pull_async(meta, _derive(name, ".counts"), False, priority).wait()
+    start_sum(meta, _derive(name, ".counts"), ps, priority=priority).wait()
     # A worker in join() adds a row of zeros (the checksum, plus one, is
     # never 0): as in Horovod, the others raise.
     _agree.check_none_joined(meta.ne(0).any(1), "allgather", name, ps._members())
@@ -657,7 +523,7 @@ def _allgather_impl(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     # Only this worker's rows travel from it: the chunks of the others' go as zeros, header only.
     width = 1 if native else t.element_size()
     live = (start * row * width, (start + t.shape[0]) * row * width)
-    ps._push_pull_async(buf, _derive(name, ".data"), False, priority, live=live).wait()
+    start_sum(buf, _derive(name, ".data"), ps, priority=priority, live=live).wait()
     if native:
         out = buf.reshape(total, *t.shape[1:])
     else:

@@ -34,8 +34,9 @@ from . import autotune
 from .compression import Compression, NoneCompressor
 from .fusion import Fusion
 from .modes import ELEMENTWISE, OnWorkers, Synchronous
-from .ops import Average, Sum, _push_pull_async, _reduce_async, _resolve_op, _wire_spec, parameter_names
+from .ops import Average, Sum, _reduce_async, _resolve_op, parameter_names
 from .process_sets import _resolve, global_process_set
+from .sums import start_reduction, wire_spec
 from .sufficient_factors import SufficientFactors
 from .overlap import ForwardOverlap
 from .asynchronous import asynchronous_optimizer
@@ -169,8 +170,8 @@ class _DistributedOptimizer:
             f = self._gh_predivide
             return _reduce_async(grad, name, Sum, priority, self._gh_compression, grad, 1.0 / f,
                                  f / self._gh_ps.size(), self._gh_ps)
-        return _push_pull_async(grad, name, self._gh_op is Average, priority, self._gh_compression, grad,
-                                self._gh_ps)
+        return start_reduction(grad, name, self._gh_ps, average=self._gh_op is Average, priority=priority,
+                               compression=self._gh_compression, target=grad)
 
     # -------------------------------------------------------------- scheduling
 
@@ -583,7 +584,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Ite
                 fixed, overlap_auto=overlap_auto, elementwise=issubclass(base, ELEMENTWISE),
                 on_server=optimizer_on_server,
                 plain=isinstance(compression, type) and issubclass(compression, NoneCompressor),
-                declared_ahead=all(_wire_spec(p, compression) is not None for p in params))
+                declared_ahead=all(wire_spec(p, compression) is not None for p in params))
     loaded = None
     if tunable and tune.file:
         loaded = autotune.load(tune.file, autotune.fingerprint_of(optimizer, ps), job_partition)

@@ -58,7 +58,8 @@ class ProcessSet:
             return "ProcessSet(global)"
         return f"ProcessSet(id={self.process_set_id}, ranks={self.ranks})"
 
-    # The collectives' view of the set (gradhub.torch's internals).
+    # The collectives' view of the set (gradhub.torch's internals; its sums
+    # start in `sums.start_sum`).
 
     def _is_global(self) -> bool:
         return self.process_set_id == 0 or self.ranks is None
@@ -74,20 +75,6 @@ class ProcessSet:
         prefixed = f"ps{self.process_set_id}.{name}"
         # Generated (freed after its round) if the name was.
         return _api.AutoName(prefixed) if isinstance(name, _api.AutoName) else prefixed
-
-    def _push_pull_async(self, buf, name: str, average: bool, priority: int = 0, live=None):
-        """Sum `buf` over the set's members (average: global set only; a
-        set's average is divided by its caller). The first member tells the
-        workers outside the set to push zeros for it. `live`: see
-        `gradhub.api.push_pull_async` (buf is zeros outside it)."""
-        if self._is_global():
-            return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live)
-        if average:
-            raise AssertionError("a process set's average is divided by the caller")
-        h = _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live)
-        if self._members()[0] == _api.rank():
-            _api.announce(name, [r for r in range(_api.size()) if r not in self.ranks])
-        return h
 
 
 global_process_set = ProcessSet()
@@ -181,11 +168,15 @@ def _registered(process_set) -> bool:
     return any(ps.ranks == ranks for ps in _sets.values())
 
 
-def _reset() -> None:
-    """After shutdown: a new job starts with the global set only."""
+def reset() -> None:
+    """After shutdown: a new job starts with the global set only (`init`,
+    and the torch.distributed backend's `end_job`)."""
     global _next_id
     for set_id, ps in list(_sets.items()):
         if set_id != 0:
             ps.process_set_id = None
             del _sets[set_id]
     _next_id = itertools.count(1)
+
+
+_reset = reset  # the old name, until dist/job.py imports `reset`

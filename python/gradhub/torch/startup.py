@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..api import init as _init
 from ..api import is_initialized
 from .local_stage import setup as _local_stage_setup
-from .process_sets import _reset, _setup
+from .process_sets import _setup, reset
 
 
 def init(*args, process_sets=None, **kwargs):
@@ -24,6 +24,6 @@ def init(*args, process_sets=None, **kwargs):
         _setup(process_sets, only_new=True)
         return
     _init(*args, **kwargs)
-    _reset()
+    reset()
     _setup(process_sets)
     _local_stage_setup()

@@ -60,6 +60,7 @@ import torch
 from .. import _env
 
 from .ops import Average, Handle, _allgather_impl, _derive
+from .sums import start_sum
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -246,7 +247,7 @@ class SufficientFactors:
         buf[rank * slot] = rows + 1 if rows <= cap else -1.0  # -1: more rows than the slot holds
         if rows <= cap:
             buf[rank * slot + 1:rank * slot + 1 + rows * (m + n)] = factors.reshape(-1)
-        h = ps._push_pull_async(buf, name, False, priority, live=(rank * slot, (rank + 1) * slot))
+        h = start_sum(buf, name, ps, priority=priority, live=(rank * slot, (rank + 1) * slot))
         divisor = ps.size() if opt._gh_op is Average else 1
 
         def rebuild():
@@ -342,7 +343,7 @@ class SufficientFactors:
         for i, p in enumerate(params):
             votes[2 * i] = 0 if id(p) in self.rows and id(p) not in self.inexact else 1
             votes[2 * i + 1] = self.rows.get(id(p), 0)
-        ps._push_pull_async(votes, ps._name(None, "sfb.decide"), False).wait()
+        start_sum(votes, ps._name(None, "sfb.decide"), ps).wait()
         why: list[str] = []  # each layer's choice and its bytes: at debug only
         for i, p in enumerate(params):
             layer = self.layers.get(id(p))
@@ -400,7 +401,7 @@ class SufficientFactors:
         ps = self.opt._gh_ps
         rows = torch.tensor([self.rows_now.get(pid, 0) for pid in waiting], dtype=torch.int64)
         self.rows_now.clear()
-        ps._push_pull_async(rows, ps._name(None, "sfb.recheck"), False).wait()
+        start_sum(rows, ps._name(None, "sfb.recheck"), ps).wait()
         for pid, r in zip(waiting, rows.tolist()):
             m, n = self.eligible[pid]
             if r == 0 or r * (m + n) >= m * n:

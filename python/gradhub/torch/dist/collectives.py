@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ... import api as _api
-from ..compression import Compression
-from ..ops import _push_pull_async
 from ..process_sets import ProcessSet
+from ..sums import start_reduction, start_sum
 from .job import end_job
 from .p2p import PointToPoint
 from .work import GradhubBackendError, Work, _all_of, _failure, _Helper, _now, _Op, _unsupported, _watchdog
@@ -169,7 +168,7 @@ class Collectives:
         self._check_open()
         self._before(name)
         try:
-            h = self._ps._push_pull_async(buf, name, False, priority, live=live)
+            h = start_sum(buf, name, self._ps, priority=priority, live=live)
         except _api.GradhubError as e:
             raise _failure(f"operation {name}", e) from e
         if not isinstance(name, _api.AutoName):
@@ -332,7 +331,7 @@ class Collectives:
         self._before(name)
         target = out if src is t and out.is_contiguous() else None
         try:
-            h = _push_pull_async(src, name, kind == _R.AVG, 0, Compression.none, target, self._ps)
+            h = start_reduction(src, name, self._ps, average=kind == _R.AVG, target=target)
         except _api.GradhubError as e:
             raise _failure(what, e) from e
         self._last[name] = h
