@@ -9,8 +9,6 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::item::SendOrder;
-use super::Io;
-use crate::protocol::TensorSpec;
 
 /// Bytes in a window, by their place in the job-wide order: what the
 /// admission rules count. Its owner knows which chunk holds which order.
@@ -128,7 +126,7 @@ impl Admission {
     }
 
     /// The spread's default for shares placed as `shares`.
-    fn set_auto(&self, shares: &[u64]) {
+    pub(super) fn set_auto(&self, shares: &[u64]) {
         let auto = if uneven(shares) { crate::DEFAULT_CREDIT_BYTES * crate::SPREAD_CREDITS } else { 0 };
         self.auto.store(auto, Ordering::Relaxed);
     }
@@ -147,6 +145,23 @@ impl Admission {
 
     pub(super) fn spread(&self) -> MutexGuard<'_, Spread> {
         self.spread.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Change the base credit per connection (autotuning; see `Io::set_credit`).
+    pub(super) fn set_credit(&self, bytes: usize) {
+        self.credit.store(bytes.max(1), Ordering::Relaxed);
+    }
+
+    /// Chunk `chunk` of `key` is no longer in the spread: whether some
+    /// connection waited for it to shrink (the flag is cleared; the
+    /// caller pumps those connections: `Io::spread_done`).
+    pub(super) fn done(&self, key: u32, chunk: u32) -> bool {
+        if self.fixed == Some(0) {
+            return false; // off for good: nothing was counted
+        }
+        let mut sp = self.spread();
+        sp.remove(key, chunk);
+        self.blocked.swap(false, Ordering::AcqRel)
     }
 }
 
@@ -173,74 +188,6 @@ pub fn uneven(placed: &[u64]) -> bool {
     let Some(&first) = nonzero.next() else { return false };
     let (lo, hi) = nonzero.fold((first, first), |(lo, hi), &b| (lo.min(b), hi.max(b)));
     hi as f64 > 1.25 * lo as f64
-}
-
-impl Io {
-    /// Split the credit across connections in proportion to the bytes placed
-    /// on each (the whole budget is `credit` x connections in use). A
-    /// window-limited connection moves credit/RTT, so equal credits would
-    /// give every server the same rate, while the BytePS split gives a
-    /// CPU-only server up to 2(n-1)/(n-k) times a colocated one's bytes;
-    /// with equal credits its links idle while the small shares finish.
-    /// `placed`: the tensor was declared (true) or released (false).
-    pub fn note_placement(&self, spec: &TensorSpec, placed: bool) {
-        let shares = {
-            let mut bytes = self.admission.placed();
-            for (c, &slot) in spec.slots.iter().enumerate() {
-                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
-                    continue; // another worker on this host pushes it
-                }
-                let (lo, hi) = spec.chunk_range(c);
-                let n = ((hi - lo) * spec.dtype.size()) as u64;
-                if let Some(b) = bytes.get_mut(slot as usize) {
-                    *b = if placed { *b + n } else { b.saturating_sub(n) };
-                }
-            }
-            bytes.clone()
-        };
-        self.split_credit(&shares);
-    }
-
-    pub(super) fn split_credit(&self, shares: &[u64]) {
-        for (c, credit) in self.send.conns.iter().zip(split_credit(self.admission.credit(), shares)) {
-            c.send().credit = credit;
-        }
-        self.admission.set_auto(shares);
-    }
-
-    pub fn credit(&self) -> usize {
-        self.admission.credit()
-    }
-
-    /// Change the base credit per connection (autotuning); a larger window
-    /// is used from the next chunk each connection sends.
-    pub fn set_credit(&self, bytes: usize) {
-        self.admission.credit.store(bytes.max(1), Ordering::Relaxed);
-        let shares = self.admission.placed().clone();
-        self.split_credit(&shares);
-        self.pump_all(&(0..self.send.conns.len()).collect::<Vec<_>>());
-    }
-
-    /// Chunk `chunk` of `key` is no longer in the spread: pump the
-    /// connections that waited for it to shrink (a failure there is theirs,
-    /// not the caller's connection's).
-    pub(super) fn spread_done(&self, key: u32, chunk: u32) {
-        let adm = &self.admission;
-        if adm.fixed == Some(0) {
-            return; // off for good: nothing was counted
-        }
-        {
-            let mut sp = adm.spread();
-            sp.remove(key, chunk);
-            if !adm.blocked.swap(false, Ordering::AcqRel) {
-                return;
-            }
-        }
-        let conns = &self.send.conns;
-        let blocked: Vec<usize> =
-            (0..conns.len()).filter(|&i| conns[i].spread_blocked.swap(false, Ordering::AcqRel)).collect();
-        self.pump_all(&blocked);
-    }
 }
 
 #[cfg(test)]

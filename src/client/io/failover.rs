@@ -9,11 +9,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::admission::Admission;
+use super::conns::Conn;
 use super::item::{Again, Carry, SendItem};
 use super::link::LinkState;
-use super::links::Conn;
 use super::thread::IoCore;
-use super::{Io, OpTable};
+use super::OpTable;
 use crate::host::SharedTensor;
 use crate::protocol::{Header, MsgType, TensorSpec, NO_SERVER};
 
@@ -79,7 +80,7 @@ impl Failover {
         }
     }
 
-    fn note(&self, note: FailoverNote) {
+    pub(super) fn note(&self, note: FailoverNote) {
         self.notes.lock().unwrap_or_else(|e| e.into_inner()).push(note);
     }
 
@@ -95,28 +96,10 @@ impl Failover {
     pub(super) fn latest_spec(&self, key: u32) -> Option<Arc<TensorSpec>> {
         self.latest().get(&key).map(|(_, s)| s.clone())
     }
-}
-
-impl Io {
-    /// Drop this worker's state of a released tensor (nothing of it in
-    /// flight); with failover on, its last results stay a while (`Released`).
-    pub fn forget(&self, spec: &Arc<TensorSpec>) {
-        let shared = self.host.stage.as_ref().and_then(|h| h.forget(spec.key));
-        {
-            let mut ops = self.ops();
-            let last_round = ops.rounds.remove(&spec.key).and_then(|r| r.checked_sub(1));
-            let kept = ops.kept.remove(&spec.key);
-            if self.failover.on {
-                ops.released.push_back(Released { at: Instant::now(), spec: spec.clone(), last_round, kept, shared });
-                self.prune_released(&mut ops);
-            }
-        }
-        self.note_placement(spec, false);
-    }
 
     /// Drop released tensors' results once no failover can need them.
     pub(super) fn prune_released(&self, ops: &mut OpTable) {
-        let limit = self.failover.peer_timeout * RELEASED_FOR;
+        let limit = self.peer_timeout * RELEASED_FOR;
         let size = |r: &Released| r.spec.numel as usize * r.spec.dtype.size();
         let mut bytes: usize = ops.released.iter().map(size).sum();
         while let Some(r) = ops.released.front() {
@@ -127,40 +110,24 @@ impl Io {
             ops.released.pop_front();
         }
     }
+}
 
-    /// Chunk `chunk` of `key` moved off connection `from`, whose server is
-    /// live: drop its queued sends there, let its bytes in flight leave the
-    /// windows (the I/O thread ignores what the server still says of it:
-    /// `IoThread::moved_off`). A push being
-    /// written goes on from a copy (the frame cannot be cut short, and the
-    /// op may complete at the new server and free the caller's buffer).
-    pub(super) fn detach(&self, from: &Conn, key: u32, chunk: u32) {
-        let mut st = from.send();
-        st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
-        st.flights.forget(key, chunk);
-        self.admission.spread().remove(key, chunk);
-        if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
-            // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
-            let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
-            (*ptr, *len) = (copy.as_ptr(), copy.len());
-            st.detached.push(copy);
-        }
-    }
-
-    /// Hand a failover to the I/O thread (see `IoThread::apply_failover`).
-    pub fn fail_over(&self, note: FailoverNote) {
-        self.failover.note(note);
-        self.recv.wake();
-    }
-
-    /// The newest placement of every key a failover moved, updated by the
-    /// control thread before the client's table, so it is never older than
-    /// a spec an op was submitted with. Ops start, and failovers apply,
-    /// with it rather than with the note's spec: a note queued before a
-    /// later one must not move chunks back (two servers lost at once).
-    /// A leaf lock: nothing is locked while it is held.
-    pub fn latest(&self) -> MutexGuard<'_, HashMap<u32, (u32, Arc<TensorSpec>)>> {
-        self.failover.latest()
+/// Chunk `chunk` of `key` moved off connection `from`, whose server is
+/// live: drop its queued sends there, let its bytes in flight leave the
+/// windows (the I/O thread ignores what the server still says of it:
+/// `IoCore::moved_off`). A push being
+/// written goes on from a copy (the frame cannot be cut short, and the
+/// op may complete at the new server and free the caller's buffer).
+fn detach(admission: &Admission, from: &Conn, key: u32, chunk: u32) {
+    let mut st = from.send();
+    st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
+    st.flights.forget(key, chunk);
+    admission.spread().remove(key, chunk);
+    if let Some(Carry::Chunk { ptr, len }) = st.tx.current_mut() {
+        // SAFETY: the chunk of a live op's buffer being written (see BufPtr).
+        let copy: Box<[u8]> = unsafe { std::slice::from_raw_parts(*ptr, *len) }.into();
+        (*ptr, *len) = (copy.as_ptr(), copy.len());
+        st.detached.push(copy);
     }
 }
 
@@ -169,51 +136,6 @@ pub(super) struct Held<'a> {
     pub(super) spec: &'a TensorSpec,
     pub(super) kept: Option<&'a Kept>,
     pub(super) shared: Option<Arc<SharedTensor>>,
-}
-
-impl Io {
-    /// Queue a `Restore` of chunk `c`'s result of round `last`, if this
-    /// worker holds it (it pushes the chunk, and received that round).
-    pub(super) fn queue_restore(
-        &self,
-        seq: &mut u64,
-        from: &Held,
-        c: usize,
-        last: Option<u32>,
-        touched: &mut Vec<usize>,
-    ) -> bool {
-        let Some(round) = last else { return false };
-        let spec = from.spec;
-        let data: Vec<u8> = match (&from.shared, from.kept) {
-            (Some(st), _) => {
-                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank || !st.has_result(c, round) {
-                    return false;
-                }
-                let (p, len) = st.result(c);
-                // SAFETY: the chunk's result in the host's segment, which the
-                // next round's result cannot overwrite before this worker's
-                // next round (it is this thread's to receive).
-                unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
-            }
-            (None, Some(k)) if k.round[c] == round => {
-                let (s, e) = spec.chunk_range(c);
-                let es = spec.dtype.size();
-                k.buf[s * es..e * es].to_vec()
-            }
-            _ => return false,
-        };
-        let slot = spec.slots[c] as usize;
-        let Some(conn) = self.send.conns.get(slot) else { return false };
-        let mut header = Header::new(MsgType::Restore);
-        (header.namespace, header.key, header.chunk, header.round, header.dtype) =
-            (self.namespace, spec.key, c as u32, round, spec.dtype);
-        *seq += 1;
-        conn.send().heap.push(SendItem::Control { seq: *seq, header, payload: data });
-        if !touched.contains(&slot) {
-            touched.push(slot);
-        }
-        true
-    }
 }
 
 /// What this worker holds of a tensor whose chunks move.
@@ -295,7 +217,7 @@ impl IoCore {
         {
             let mut guard = io.ops();
             let ops = &mut *guard;
-            io.prune_released(ops);
+            io.failover.prune_released(ops);
             {
                 let latest = io.failover.latest();
                 ops.applied.retain(|k, _| latest.contains_key(k));
@@ -349,7 +271,7 @@ impl IoCore {
                     if m.detach {
                         // Off a live server (a move to one that joined): stop
                         // counting on it for this chunk.
-                        io.detach(&io.send.conns[m.from], key, m.chunk as u32);
+                        detach(&io.admission, &io.send.conns[m.from], key, m.chunk as u32);
                         if m.from >= self.moved_off.len() {
                             self.grow(); // added (a server joined) since the loop grew
                         }
@@ -381,7 +303,7 @@ impl IoCore {
                     },
                 };
                 for m in &moves {
-                    restored += io.queue_restore(seq, &from, m.chunk, m.restore, &mut touched) as usize;
+                    restored += self.queue_restore(seq, &from, m.chunk, m.restore, &mut touched) as usize;
                 }
                 if let Some(a) = ops.active.get_mut(&key) {
                     a.spec = spec.clone();
@@ -407,6 +329,50 @@ impl IoCore {
             ),
         }
         io.pump_all(&touched);
+    }
+
+    /// Queue a `Restore` of chunk `c`'s result of round `last`, if this
+    /// worker holds it (it pushes the chunk, and received that round).
+    pub(super) fn queue_restore(
+        &self,
+        seq: &mut u64,
+        from: &Held,
+        c: usize,
+        last: Option<u32>,
+        touched: &mut Vec<usize>,
+    ) -> bool {
+        let Some(round) = last else { return false };
+        let io = &self.io;
+        let spec = from.spec;
+        let data: Vec<u8> = match (&from.shared, from.kept) {
+            (Some(st), _) => {
+                if io.layout.owner(io.rank, spec.key, c as u32) != io.rank || !st.has_result(c, round) {
+                    return false;
+                }
+                let (p, len) = st.result(c);
+                // SAFETY: the chunk's result in the host's segment, which the
+                // next round's result cannot overwrite before this worker's
+                // next round (it is this thread's to receive).
+                unsafe { std::slice::from_raw_parts(p, len) }.to_vec()
+            }
+            (None, Some(k)) if k.round[c] == round => {
+                let (s, e) = spec.chunk_range(c);
+                let es = spec.dtype.size();
+                k.buf[s * es..e * es].to_vec()
+            }
+            _ => return false,
+        };
+        let slot = spec.slots[c] as usize;
+        let Some(conn) = io.send.conns.get(slot) else { return false };
+        let mut header = Header::new(MsgType::Restore);
+        (header.namespace, header.key, header.chunk, header.round, header.dtype) =
+            (io.namespace, spec.key, c as u32, round, spec.dtype);
+        *seq += 1;
+        conn.send().heap.push(SendItem::Control { seq: *seq, header, payload: data });
+        if !touched.contains(&slot) {
+            touched.push(slot);
+        }
+        true
     }
 }
 

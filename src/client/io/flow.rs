@@ -1,16 +1,18 @@
-//! One chunk's way through this worker: what is queued on a connection
-//! (`SendItem`, in the job-wide `SendOrder`), where its bytes come from
-//! (`ChunkSrc`), and the active round it belongs to (`Active`).
+//! One chunk's way through this worker once queued: its phases on a
+//! connection (`Phase`) and the credit windows that follow them
+//! (`InFlight`), the active round it belongs to (`Active`, with its
+//! `HostRound` through the host stage) and where a push's bytes come from
+//! (`ChunkSrc`). What is queued (`item::SendItem`) and its route
+//! (`item::Route`) are in `item`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::admission::Window;
-use super::item::{Route, SendItem, SendOrder};
+use super::item::{Route, SendOrder};
 use super::trace::Stamp;
 use super::BufPtr;
-use super::Io;
 use crate::client::op::Op;
 use crate::host::SharedTensor;
 use crate::protocol::TensorSpec;
@@ -168,34 +170,6 @@ impl InFlight {
     #[cfg(test)]
     pub(super) fn phase(&self, key: u32, chunk: u32) -> Option<Phase> {
         self.chunks.get(&(key, chunk)).map(|f| f.phase)
-    }
-}
-
-impl Io {
-    /// Chunk (`key`, `chunk`) on connection `i`: on the wire → received
-    /// (`InFlight::received`), and out of the spread. False if it was not
-    /// on the wire there.
-    pub(super) fn chunk_received(&self, i: usize, key: u32, chunk: u32) -> bool {
-        if !self.send.conns[i].send().flights.received(key, chunk) {
-            return false;
-        }
-        self.spread_done(key, chunk);
-        true
-    }
-
-    /// Its result is in: done on connection `i` (`InFlight::done`) and out
-    /// of the spread; its stamps, if a timeline is recorded.
-    pub(super) fn chunk_returned(&self, i: usize, key: u32, chunk: u32) -> Option<Stamp> {
-        let stamp = {
-            let mut st = self.send.conns[i].send();
-            if st.resent.remove(&(key, chunk)) {
-                // Answered before its re-send went: it goes no more.
-                st.heap.retain(|it| !matches!(it, SendItem::Chunk(c) if (c.key, c.chunk) == (key, chunk)));
-            }
-            st.flights.done(key, chunk)
-        };
-        self.spread_done(key, chunk);
-        stamp
     }
 }
 

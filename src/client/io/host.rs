@@ -1,14 +1,15 @@
-//! The host stage on the I/O side: a round whose chunks the host's workers
-//! sum in shared memory first (`HostRound`), pushing the chunks this worker
-//! owns once the host's sum is ready, taking the others' results once their
-//! owners publish them, and reporting local workers that are late.
+//! The host stage on the I/O side (`HostSide`): for a round whose chunks
+//! the host's workers sum in shared memory first (`flow::HostRound`), the
+//! I/O thread pushes the chunks this worker owns once the host's sum is
+//! ready, takes the others' results once their owners publish them, and
+//! reports local workers that are late.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use super::item::Again;
 use super::thread::IoCore;
-use super::{Io, NONE_LEFT};
+use super::NONE_LEFT;
 use crate::host::HostStage;
 
 /// The host stage as the data plane holds it.
@@ -30,25 +31,10 @@ impl HostSide {
     pub(super) fn left(&self) -> Option<u32> {
         Some(self.left.load(Ordering::Acquire)).filter(|&r| r != NONE_LEFT)
     }
-}
 
-impl Io {
-    /// Worker `rank` left the job while this one goes on: a host-stage
-    /// round submitted from now on checks for it.
-    pub fn set_left(&self, rank: u32) {
-        self.host.left.store(rank, Ordering::Release);
-    }
-
-    /// An active round of this host's stage that still waits for worker
-    /// `rank`'s contribution (so, if it left, will never complete).
-    pub fn waits_for_local(&self, rank: u32) -> Option<String> {
-        let h = self.host.stage.as_ref()?;
-        let local = h.workers.iter().position(|&r| r == rank)?;
-        let ops = self.ops();
-        ops.active
-            .values()
-            .find(|a| a.host.as_ref().is_some_and(|hr| hr.shared.missing(a.round) & (1 << local) != 0))
-            .map(|a| a.spec.name.clone())
+    /// Worker `rank` left the job while this one goes on (`Io::set_left`).
+    pub(super) fn set_left(&self, rank: u32) {
+        self.left.store(rank, Ordering::Release);
     }
 }
 

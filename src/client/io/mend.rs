@@ -22,7 +22,6 @@ use mio::Token;
 use super::item::{Again, SendItem};
 use super::link::LinkState;
 use super::thread::IoCore;
-use super::Io;
 use crate::protocol::auth::Secret;
 use crate::protocol::{Header, MsgType, FLAG_RESENT};
 use crate::transport::Connection;
@@ -105,7 +104,7 @@ impl IoCore {
         let weak = std::sync::Arc::downgrade(&io);
         let spawned = std::thread::Builder::new().name(format!("gradhub-mend-{i}")).spawn(move || {
             let Some(secret) = weak.upgrade().map(|io| io.mend.secret.clone()) else { return };
-            let wanted = || weak.upgrade().is_some_and(|io| io.mending(i));
+            let wanted = || weak.upgrade().is_some_and(|io| io.send.mending(i));
             let result = crate::transport::dial_until(&addr, until, &secret, wanted, crate::transport::Greeted::Done)
                 .map_err(|f| std::io::Error::other(f.why));
             if let Some(io) = weak.upgrade() {
@@ -129,7 +128,7 @@ impl IoCore {
             }
         }
         for (i, result) in self.io.mend.take() {
-            if !self.io.mending(i) {
+            if !self.io.send.mending(i) {
                 continue; // written off or failed meanwhile
             }
             match result.and_then(|s| self.install(i, s)) {
@@ -219,19 +218,13 @@ impl IoCore {
         let within = self.io.mend.within;
         let late: Vec<usize> = (0..self.rx.len())
             .filter(|&i| {
-                self.io.mending(i)
+                self.io.send.mending(i)
                     && self.io.send.conns[i].send().mending.is_some_and(|(t, _)| t.elapsed() > within + LATE)
             })
             .collect();
         for i in late {
             self.give_up(i, "no connection");
         }
-    }
-}
-
-impl Io {
-    pub(super) fn mending(&self, i: usize) -> bool {
-        self.send.conns.get(i).is_some_and(|c| c.state() == LinkState::Mending)
     }
 }
 

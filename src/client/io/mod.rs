@@ -46,25 +46,42 @@
 //! missed. Tensors released lately keep theirs a while (`Released`).
 //!
 //! Two state machines carry all of this (docs/architecture.md draws them):
-//! each chunk pushed on a connection is in a `flow::Phase` (queued, on the
-//! wire, received, done; `flow::InFlight` keeps the credit windows and the
-//! timeline stamps in step with it) and follows a `flow::Route` fixed when
-//! its round starts (caller's buffer, kept copy, host owner, host peer);
-//! each connection is in a `links::LinkState` (live, broken, written off,
-//! dead). The data plane reports back to the client only through
-//! `Completion`.
+//! each chunk pushed on a connection is queued (in its heap), then in a
+//! `flow::Phase` (on the wire, received) until it is done (its result is
+//! in, and it leaves; `flow::InFlight` keeps the credit windows and the
+//! timeline stamps in step with it), and follows an `item::Route` fixed
+//! when its round starts (caller's buffer, kept copy, host owner, host
+//! peer); each connection is in a `link::LinkState` (live, mending,
+//! broken, written off, dead). The data plane reports back to the client
+//! only through `Completion`.
 //!
-//! Where things are: `Io` is made of parts that own their fields, each
-//! with the file that works on it: the send side (`links::SendSide`: the
-//! connection table, the pump, push counts), admission (`admission::
-//! Admission`: windows, the spread, credit split), the receive side
-//! (`thread::RecvSide`: what wakes and steers the I/O thread; its loop and
-//! `IoCore`, with the frame handlers of `receive`), failover
-//! (`failover::Failover`: notes, newest placements; a pure
-//! `failover::plan`, then applied), the host stage (`host::HostSide`) and
-//! the chunk timeline (`trace::Tracing`). `submit` starts a round and
-//! `flow` holds a chunk's phases and routes; the op table (`OpTable`) is
-//! shared by all of them, under one lock.
+//! Where things are: `Io` (here) is made of parts that own their fields,
+//! each in the file named for it, with the methods that touch only its
+//! own state: the send side (`send::SendSide`: the connection table, the
+//! registry, push counts), admission (`admission::Admission`: windows,
+//! the spread, the credit split), the receive side (`receive::RecvSide`:
+//! what wakes and steers the I/O thread), mending (`mend::Mending`),
+//! failover (`failover::Failover`: notes, newest placements, released
+//! tensors; a pure `failover::plan`, then applied), the host stage
+//! (`host::HostSide`) and the chunk timeline (`trace::Tracing`). What
+//! works across parts is `Io`'s, in two files: here (setting up, failing,
+//! placement and credit, failover notes, the timeline) and `send` (a round
+//! from `Io::submit` to its chunks on the wire, the pump, credit coming back).
+//! The I/O thread (`thread`: `IoThread` and its loop; `IoCore`, what it
+//! works with, behind a lock) does each part's share of its work in that
+//! part's file: frames and results in `receive`, mends in `mend`, the
+//! host's doorbell and stalls in `host`, applying a failover in `failover`.
+//!
+//! The types every part shares are in leaf modules, which import no other
+//! part: a chunk's send item, order, route, result destination and how it
+//! goes again (`item`), a link's state and what its errors mean (`link`).
+//! Above them: `trace` (`Stamp`), `admission` (`Window`, `Spread`), `flow`
+//! (a chunk's phases and the windows that follow them, `InFlight`; an
+//! active round, `Active`, with its `HostRound`) and `conns` (`Conn`,
+//! `ConnTable`, each one's `SendHalf`). No file imports another in a
+//! circle, and `impl Io` is in `mod.rs` and `send.rs` only
+//! (`structure_tests` checks both). The op table (`OpTable`) is shared
+//! by all of them, under one lock.
 //!
 //! Locks, outermost first; a lock is never taken while one after it is
 //! held: the I/O thread's `IoCore` → `ops` (the op table) → a connection's
@@ -75,34 +92,37 @@
 //! while `ops` is held: ops complete after it is released.
 
 mod admission;
+mod conns;
 mod failover;
 mod flow;
 mod host;
 mod item;
 mod link;
-mod links;
 mod mend;
 mod receive;
-mod submit;
+mod send;
 mod thread;
 mod trace;
 
+#[cfg(test)]
+mod structure_tests;
+
+pub use conns::{ConnTable, NewConn};
 pub use failover::FailoverNote;
-pub use links::{ConnTable, NewConn};
 pub use thread::IoThread;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::{Interest, Poll, Token, Waker};
 
-use admission::{Admission, Spread};
+use admission::{split_credit, Admission, Spread};
 use failover::{Failover, Kept, Released};
 use flow::Active;
 use host::HostSide;
-use links::SendSide;
 use receive::RecvSide;
+use send::SendSide;
 use trace::Tracing;
 
 use super::op::Op;
@@ -298,5 +318,118 @@ impl Io {
         for a in drained {
             owner.finish_op(&a.op, Some(msg.clone()));
         }
+    }
+
+    /// Server connections `conns` belong to a lost server: from now on
+    /// nothing read from them counts. (A server that was only frozen may
+    /// come back and answer rounds its chunks' new servers now hold.)
+    pub fn write_off(&self, conns: &[usize]) {
+        self.send.write_off(conns);
+    }
+
+    /// Split the credit across connections in proportion to the bytes placed
+    /// on each (the whole budget is `credit` x connections in use). A
+    /// window-limited connection moves credit/RTT, so equal credits would
+    /// give every server the same rate, while the BytePS split gives a
+    /// CPU-only server up to 2(n-1)/(n-k) times a colocated one's bytes;
+    /// with equal credits its links idle while the small shares finish.
+    /// `placed`: the tensor was declared (true) or released (false).
+    pub fn note_placement(&self, spec: &TensorSpec, placed: bool) {
+        let shares = {
+            let mut bytes = self.admission.placed();
+            for (c, &slot) in spec.slots.iter().enumerate() {
+                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
+                    continue; // another worker on this host pushes it
+                }
+                let (lo, hi) = spec.chunk_range(c);
+                let n = ((hi - lo) * spec.dtype.size()) as u64;
+                if let Some(b) = bytes.get_mut(slot as usize) {
+                    *b = if placed { *b + n } else { b.saturating_sub(n) };
+                }
+            }
+            bytes.clone()
+        };
+        self.split_credit(&shares);
+    }
+
+    pub(super) fn split_credit(&self, shares: &[u64]) {
+        for (c, credit) in self.send.conns.iter().zip(split_credit(self.admission.credit(), shares)) {
+            c.send().credit = credit;
+        }
+        self.admission.set_auto(shares);
+    }
+
+    pub fn credit(&self) -> usize {
+        self.admission.credit()
+    }
+
+    /// Change the base credit per connection (autotuning); a larger window
+    /// is used from the next chunk each connection sends.
+    pub fn set_credit(&self, bytes: usize) {
+        self.admission.set_credit(bytes);
+        let shares = self.admission.placed().clone();
+        self.split_credit(&shares);
+        self.pump_all(&(0..self.send.conns.len()).collect::<Vec<_>>());
+    }
+
+    /// Drop this worker's state of a released tensor (nothing of it in
+    /// flight); with failover on, its last results stay a while (`Released`).
+    pub fn forget(&self, spec: &Arc<TensorSpec>) {
+        let shared = self.host.stage.as_ref().and_then(|h| h.forget(spec.key));
+        {
+            let mut ops = self.ops();
+            let last_round = ops.rounds.remove(&spec.key).and_then(|r| r.checked_sub(1));
+            let kept = ops.kept.remove(&spec.key);
+            if self.failover.on {
+                ops.released.push_back(Released { at: Instant::now(), spec: spec.clone(), last_round, kept, shared });
+                self.failover.prune_released(&mut ops);
+            }
+        }
+        self.note_placement(spec, false);
+    }
+
+    /// Hand a failover to the I/O thread (see `IoCore::apply_failover`).
+    pub fn fail_over(&self, note: FailoverNote) {
+        self.failover.note(note);
+        self.recv.wake();
+    }
+
+    /// The newest placement of every key a failover moved, updated by the
+    /// control thread before the client's table, so it is never older than
+    /// a spec an op was submitted with. Ops start, and failovers apply,
+    /// with it rather than with the note's spec: a note queued before a
+    /// later one must not move chunks back (two servers lost at once).
+    /// A leaf lock: nothing is locked while it is held.
+    pub fn latest(&self) -> MutexGuard<'_, HashMap<u32, (u32, Arc<TensorSpec>)>> {
+        self.failover.latest()
+    }
+
+    /// Worker `rank` left the job while this one goes on: a host-stage
+    /// round submitted from now on checks for it.
+    pub fn set_left(&self, rank: u32) {
+        self.host.set_left(rank);
+    }
+
+    /// An active round of this host's stage that still waits for worker
+    /// `rank`'s contribution (so, if it left, will never complete).
+    pub fn waits_for_local(&self, rank: u32) -> Option<String> {
+        let h = self.host.stage.as_ref()?;
+        let local = h.workers.iter().position(|&r| r == rank)?;
+        let ops = self.ops();
+        ops.active
+            .values()
+            .find(|a| a.host.as_ref().is_some_and(|hr| hr.shared.missing(a.round) & (1 << local) != 0))
+            .map(|a| a.spec.name.clone())
+    }
+
+    /// Record every chunk this worker pushes from now on in a timeline at
+    /// `path` (`crate::timeline`), replacing one already recorded.
+    pub fn start_timeline(&self, path: &str) -> std::io::Result<()> {
+        self.trace.open(path, self.rank)
+    }
+
+    /// Stop recording; returns once the file is written.
+    pub fn stop_timeline(&self) {
+        self.trace.stop();
     }
 }

@@ -1,6 +1,8 @@
-//! What servers send this worker, frame by frame: results (into the
-//! caller's buffer, a kept copy or the host's segment), `Received` acks
-//! (credit back), stall reports and errors; completing ops.
+//! The receive side: what other threads wake and steer the I/O thread
+//! with (`RecvSide`), and what servers send this worker, frame by frame
+//! (the I/O thread's `IoCore`): results (into the caller's buffer, a kept
+//! copy or the host's segment), `Received` acks (credit back), stall
+//! reports and errors; completing ops.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -100,7 +102,7 @@ impl IoCore {
             && matches!(hdr.msg_type, MsgType::Result | MsgType::ResultRef | MsgType::Received)
             && self.moved_off[i].contains(&(hdr.key, hdr.chunk));
         if stale {
-            // Of a chunk moved off this server (`Io::detach`): read and dropped.
+            // Of a chunk moved off this server (`failover::detach`): read and dropped.
             self.rx[i].receive_owned(hdr);
             return Ok(());
         }

@@ -1,8 +1,8 @@
 //! The I/O thread: its event loop (`IoThread`), the receiving side it
 //! drives (`IoCore`, behind a lock a caller waiting on a one-chunk op may
 //! take to read its result itself), with the checks it runs on a tick
-//! (broken links, host-stage stalls), and what other threads use to wake
-//! and steer it (`RecvSide`).
+//! (broken links, host-stage stalls). Other threads wake and steer it
+//! through the receive side (`receive::RecvSide`).
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -51,7 +51,7 @@ pub struct IoThread {
 
 /// The receiving side: what the I/O thread does with events, behind a lock
 /// so that a caller waiting for a small result may read it itself (one
-/// thread hop fewer: `Io::poller`).
+/// thread hop fewer: `CallerPoller`).
 pub struct IoCore {
     pub(super) io: Arc<Io>,
     /// Where completions and job failures go (the client).

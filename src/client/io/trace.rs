@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::Io;
 use crate::timeline::Trace;
 
 /// When a chunk in flight was queued, started on the wire, and (if it was
@@ -37,6 +36,15 @@ pub(super) struct Tracing {
 }
 
 impl Tracing {
+    /// Record every chunk pushed from now on in a timeline at `path`
+    /// (`crate::timeline`), replacing one already recorded.
+    pub(super) fn open(&self, path: &str, rank: u32) -> std::io::Result<()> {
+        let who = format!("worker {rank}");
+        let (t, w) = Trace::open(path, rank, &format!("gradhub {who}"), &[], &who)?;
+        self.start(t, w);
+        Ok(())
+    }
+
     fn start(&self, t: Arc<Trace>, w: JoinHandle<()>) {
         self.stop();
         *self.trace.write().unwrap_or_else(|e| e.into_inner()) = Some(t);
@@ -44,7 +52,8 @@ impl Tracing {
         *self.writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(w);
     }
 
-    fn stop(&self) {
+    /// Stop recording; returns once the file is written.
+    pub(super) fn stop(&self) {
         self.on.store(false, Ordering::Release);
         let t = self.trace.write().unwrap_or_else(|e| e.into_inner()).take();
         drop(t);
@@ -61,21 +70,5 @@ impl Tracing {
 
     pub(super) fn current(&self) -> Option<Arc<Trace>> {
         self.trace.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-}
-
-impl Io {
-    /// Record every chunk this worker pushes from now on in a timeline at
-    /// `path` (`crate::timeline`), replacing one already recorded.
-    pub fn start_timeline(&self, path: &str) -> std::io::Result<()> {
-        let who = format!("worker {}", self.rank);
-        let (t, w) = Trace::open(path, self.rank, &format!("gradhub {who}"), &[], &who)?;
-        self.trace.start(t, w);
-        Ok(())
-    }
-
-    /// Stop recording; returns once the file is written.
-    pub fn stop_timeline(&self) {
-        self.trace.stop();
     }
 }
