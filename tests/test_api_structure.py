@@ -331,6 +331,16 @@ def test_torch_doors_reach_the_core_through_sums():
              if m.startswith("gradhub.torch.dist") or m == "gradhub.torch.ddp"
              for i, line in enumerate(p.read_text().splitlines(), 1) if direct.search(line)]
     assert calls == []
+    # In the whole torch layer, the core's push_pull and announce are called
+    # by sums.py only, besides the local stage (under sums), the process
+    # sets' registration check, and the rounds that are not sums: the
+    # asynchronous mode's and the servers' updates (pushes with `init` or
+    # `asynchronous`, answered with new values).
+    core = re.compile(r"\b_?api\.(push_pull(_async)?|announce)\(")
+    others = {"sums.py", "local_stage.py", "process_sets.py", "asynchronous.py", "server_optimizer.py"}
+    calls = [f"{p.relative_to(PKG)}:{i}: {line.strip()}" for p in _sources("torch") if p.name not in others
+             for i, line in enumerate(p.read_text().splitlines(), 1) if core.search(line)]
+    assert calls == []
     assert "gradhub.torch.sums" in _import_graph()["gradhub.torch.dist.collectives"]
     assert "gradhub.torch.sums" in _import_graph()["gradhub.torch.ddp"]
 
