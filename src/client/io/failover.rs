@@ -114,10 +114,10 @@ impl Failover {
 
 /// Chunk `chunk` of `key` moved off connection `from`, whose server is
 /// live: drop its queued sends there, let its bytes in flight leave the
-/// windows (the I/O thread ignores what the server still says of it:
-/// `IoCore::moved_off`). A push being
-/// written goes on from a copy (the frame cannot be cut short, and the
-/// op may complete at the new server and free the caller's buffer).
+/// windows and the spread (the I/O thread ignores what the server still
+/// says of it: `IoCore::moved_off`). A push being written goes on from a
+/// copy (the frame cannot be cut short, and the op may complete at the
+/// new server and free the caller's buffer).
 fn detach(admission: &Admission, from: &Conn, key: u32, chunk: u32) {
     let mut st = from.send();
     st.heap.retain(|i| !matches!(i, SendItem::Chunk(c) if c.key == key && c.chunk == chunk));
@@ -333,14 +333,7 @@ impl IoCore {
 
     /// Queue a `Restore` of chunk `c`'s result of round `last`, if this
     /// worker holds it (it pushes the chunk, and received that round).
-    pub(super) fn queue_restore(
-        &self,
-        seq: &mut u64,
-        from: &Held,
-        c: usize,
-        last: Option<u32>,
-        touched: &mut Vec<usize>,
-    ) -> bool {
+    fn queue_restore(&self, seq: &mut u64, from: &Held, c: usize, last: Option<u32>, touched: &mut Vec<usize>) -> bool {
         let Some(round) = last else { return false };
         let io = &self.io;
         let spec = from.spec;

@@ -152,7 +152,8 @@ fn impls_io(line: &str) -> bool {
 fn the_files_of_client_io_import_one_another_without_a_circle() {
     let g = graph(&sources());
     // The parse sees the imports there are (else it would pass on anything).
-    assert!(g["send"].contains("conns") && g["receive"].contains("thread"), "{g:?}");
+    let edges: usize = g.values().map(BTreeSet::len).sum();
+    assert!(edges >= 10 && g.get("receive").is_some_and(|to| to.contains("thread")), "{g:?}");
     assert_eq!(find_cycle(&g), None, "an import circle in src/client/io: {g:?}");
 }
 
