@@ -16,7 +16,7 @@ from .. import _env
 from .. import api as _api
 from ..api import GradhubError, GradhubMismatchError
 from .process_sets import ProcessSet
-from .sums import start_sum
+from .sums import finish_with, start_sum
 
 # ---------------------------------------------------------------- names in flight
 
@@ -121,13 +121,12 @@ def after(h, check):
     """`h` (a gradhub.torch Handle), whose result is given only once
     `check()` passed."""
     if check is not None:
-        finish = h._finish
 
-        def checked():
+        def checked(finish):
             check()
             return finish()
 
-        h._finish = checked
+        finish_with(h, checked)
     return h
 
 

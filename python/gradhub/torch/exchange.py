@@ -25,6 +25,7 @@ from . import agreement as _agree
 from .compression import Compression
 from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _group, _held, _reduce_async, _resolve_op, _track
 from .process_sets import ProcessSet, _resolve, global_process_set
+from .sums import finish_with
 
 
 # ---------------------------------------------------------------- handles
@@ -116,9 +117,7 @@ def _reducescatter_async(tensor, op, name: str, ps: ProcessSet, prescale: float,
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     counts, r = _rows(tensor.shape[0], ps.size()), ps.rank()
     h = _reduce_async(tensor, name, op, 0, Compression.none, None, prescale, postscale, ps, check=True)
-    finish = h._finish
-    h._finish = lambda: _my_rows(finish(), counts, r).clone()
-    return h
+    return finish_with(h, lambda finish: _my_rows(finish(), counts, r).clone())
 
 
 class _ReducescatterFn(torch.autograd.Function):

@@ -28,7 +28,7 @@ from ..api import GradhubMismatchError
 from . import agreement as _agree
 from .compression import Compression
 from .process_sets import ProcessSet, _resolve, global_process_set
-from .sums import Handle, scaled, start_reduction, start_sum
+from .sums import Handle, finish_with, scaled, start_reduction, start_sum
 
 
 class ReduceOp:
@@ -166,9 +166,8 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
     except BaseException:
         _agree.release(name, token)
         raise
-    finish = h._finish
 
-    def finished():
+    def finished(finish):
         try:
             out = finish()
             if postscale == 1.0:
@@ -182,7 +181,7 @@ def _reduce_async(tensor, name: str, op, priority, compression, inplace_target, 
 
     if token is None and postscale == 1.0:
         return h  # nothing to add (the optimizer's gradients with a predivide factor come this way)
-    h._finish = finished
+    finish_with(h, finished)
     _agree.release_when_done(name, token, [h] if shape_h is None else [h, shape_h])
     return h
 
@@ -290,15 +289,14 @@ def _group(base: str, name: str, starts) -> _GroupHandle:
     except BaseException:
         _agree.release(base, token)
         raise
-    finish = g._finish
 
-    def finished():
+    def finished(finish):
         try:
             return finish()
         finally:
             _agree.release(base, token)
 
-    g._finish = finished
+    finish_with(g, finished)
     _agree.release_when_done(base, token, [g])
     return g
 

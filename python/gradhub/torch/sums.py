@@ -15,7 +15,8 @@ private functions:
   scaled here, a set's average divided here, the torch local stage for the
   global set's CUDA tensors), into `target` or a new tensor. Returns a
   `Handle`.
-- `Handle`: an operation in flight (`gradhub.torch.Handle`).
+- `Handle`: an operation in flight (`gradhub.torch.Handle`); `finish_with`
+  adds to what its `wait()` does.
 - `wire_dtype`, `wire_spec`: what a reduction of a dtype sends; `scaled`:
   Horovod's pre/postscale.
 
@@ -36,7 +37,7 @@ from . import local_stage as _local_stage
 from .compression import Compression
 from .process_sets import ProcessSet, global_process_set
 
-__all__ = ["Handle", "scaled", "start_reduction", "start_sum", "wire_dtype", "wire_spec"]
+__all__ = ["Handle", "finish_with", "scaled", "start_reduction", "start_sum", "wire_dtype", "wire_spec"]
 
 
 class Handle:
@@ -82,6 +83,15 @@ class Handle:
             fn(self)
         else:
             self._h.add_done_callback(lambda _h: fn(self))
+
+
+def finish_with(h: Handle, wrap: Callable[[Callable[[], object]], object]) -> Handle:
+    """`h`, whose `wait()` now gives `wrap(finish)`: `finish()` gives what it
+    gave before (its result, or its failure raised), so `wrap` can check
+    first, reshape after, or release a name either way. Before any `wait()`."""
+    finish = h._finish
+    h._finish = lambda: wrap(finish)
+    return h
 
 
 # ---------------------------------------------------------------- dtypes on the wire
