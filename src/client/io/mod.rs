@@ -65,8 +65,9 @@
 //! tensors; a pure `failover::plan`, then applied), the host stage
 //! (`host::HostSide`) and the chunk timeline (`trace::Tracing`). What
 //! works across parts is `Io`'s, in two files: here (setting up, failing,
-//! placement and credit, failover notes, the timeline) and `send` (a round
-//! from `Io::submit` to its chunks on the wire, the pump, credit coming back).
+//! placement and credit, released tensors, failover notes, a local worker
+//! that left, the timeline) and `send` (a round from `Io::submit` to its
+//! chunks on the wire, control frames, the pump, credit coming back).
 //! The I/O thread (`thread`: `IoThread` and its loop; `IoCore`, what it
 //! works with, behind a lock) does each part's share of its work in that
 //! part's file: frames and results in `receive`, mends in `mend`, the
@@ -75,11 +76,11 @@
 //! The types every part shares are in leaf modules, which import no other
 //! part: a chunk's send item, order, route, result destination and how it
 //! goes again (`item`), a link's state and what its errors mean (`link`).
-//! Above them: `trace` (`Stamp`), `admission` (`Window`, `Spread`), `flow`
-//! (a chunk's phases and the windows that follow them, `InFlight`; an
-//! active round, `Active`, with its `HostRound`) and `conns` (`Conn`,
-//! `ConnTable`, each one's `SendHalf`). No file imports another in a
-//! circle, and `impl Io` is in `mod.rs` and `send.rs` only
+//! Above them: `trace` (`Stamp`; a leaf too), `admission` (`Window`,
+//! `Spread`), `flow` (a chunk's phases and the windows that follow them,
+//! `InFlight`; an active round, `Active`, with its `HostRound`) and
+//! `conns` (`Conn`, `ConnTable`, each one's `SendHalf`). No file imports
+//! another in a circle, and `impl Io` is in `mod.rs` and `send.rs` only
 //! (`structure_tests` checks both). The op table (`OpTable`) is shared
 //! by all of them, under one lock.
 //!
