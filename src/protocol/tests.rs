@@ -7,7 +7,9 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 53] = [
+const ALL_MSG_TYPES: [MsgType; 55] = [
+    MsgType::PeerHello,
+    MsgType::PeerData,
     MsgType::Ack,
     MsgType::Resumed,
     MsgType::Unreachable,
@@ -66,7 +68,9 @@ const ALL_MSG_TYPES: [MsgType; 53] = [
 /// Data-plane types; every other MsgType is a Control message.
 /// Frames that are not control messages: the data plane's, and the
 /// authentication handshake's (before any control message).
-const DATA_TYPES: [MsgType; 15] = [
+const DATA_TYPES: [MsgType; 17] = [
+    MsgType::PeerHello,
+    MsgType::PeerData,
     MsgType::ServerHello,
     MsgType::Replicate,
     MsgType::Snapshot,

@@ -179,4 +179,3 @@ def reset() -> None:
     _next_id = itertools.count(1)
 
 
-_reset = reset  # the old name, until dist/job.py imports `reset`

@@ -1,4 +1,4 @@
-//! The module's shape, checked on its source (issue 57): the files of
+//! The module's shape, checked on its source: the files of
 //! `client/io` import one another without a circle, and `impl Io` is in
 //! at most two of them.
 //!

@@ -103,10 +103,10 @@ def end_job() -> None:
             return
         _owned = False
     from ...api import shutdown
-    from ..process_sets import _reset
+    from ..process_sets import reset
 
     shutdown()
-    _reset()
+    reset()
 
 
 def explain(message: str) -> str:
