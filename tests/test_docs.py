@@ -12,9 +12,11 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "docs" / "bench" / "suite.md", ROOT / "README.md"]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "docs" / "bench" / "suite.md", ROOT / "docs" / "bench" / "details.md",
+                                                ROOT / "README.md"]
 # Where the data files docs/benchmarks.md names by their bare names live.
-DATA_DOCS = {ROOT / "docs" / "benchmarks.md": ROOT / "docs" / "bench", ROOT / "docs" / "bench" / "suite.md": ROOT / "docs" / "bench"}
+DATA_DOCS = {ROOT / "docs" / "benchmarks.md": ROOT / "docs" / "bench", ROOT / "docs" / "bench" / "suite.md": ROOT / "docs" / "bench",
+             ROOT / "docs" / "bench" / "details.md": ROOT / "docs" / "bench"}
 
 ROOTS = ("src", "python", "lab", "tests", "docs", "examples", "deploy", "benches", "fuzz")
 # A path rooted in the repository, anywhere in the text (prose, backticks, code).
