@@ -48,7 +48,7 @@ def by_label(p) -> dict:
 
 def test_a_job_on_this_machine():
     opts = options("-w", "3", "-s", "2", "--colocated-servers", "1", "--server-threads", "4", "--port", "9100",
-                   "--partition-bytes", "65536", "--no-failover")
+                   "--partition-bytes", "65536", "--no-failover", "--join-timeout", "45")
     assert opts.command == tuple(CMD) and not opts.remote and not opts.elastic
     site = Site(scheduler="127.0.0.1:9100", environ=ENVIRON, token="made-up", store=("127.0.0.1", 9101))
     p = plan(opts, layout(opts, None), site)
@@ -59,6 +59,7 @@ def test_a_job_on_this_machine():
         "scheduler", "--bind", "127.0.0.1:9100")
     assert "--service" not in sched.argv and "--no-failover" in sched.argv
     assert sched.argv[sched.argv.index("--partition-bytes") + 1] == "65536"
+    assert sched.argv[sched.argv.index("--join-timeout") + 1] == "45.0"
     s0, s1 = p.servers
     # Servers on loopback, ranked; the first C colocated.
     assert s0.argv[len(GRADHUB):] == ("server", "--threads", "4", "--rank", "0", "--colocated",
@@ -288,7 +289,7 @@ def test_the_launch_flags_are_the_options_fields():
     # One place: every flag of `gradhub launch` (its dest) is a field of the options, and back.
     p = cli.build_parser()
     sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
-    dests = {a.dest for a in sub.choices["launch"]._actions if a.dest not in ("help", "encrypt", "join_timeout")}
+    dests = {a.dest for a in sub.choices["launch"]._actions if a.dest not in ("help", "encrypt")}
     fields = set(flags.LaunchOptions.__dataclass_fields__)
     assert dests == fields, dests ^ fields
 

@@ -105,6 +105,7 @@ class LaunchOptions:
     partition_bytes: int | None = None
     stall_seconds: float = 30.0
     peer_timeout: float = 30.0
+    join_timeout: float = 300.0
     host_reduce: bool | None = None        # None: the scheduler's default, from the training mode
     failover: bool = True
     rack_reduce: str = "auto"

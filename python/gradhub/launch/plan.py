@@ -192,7 +192,8 @@ def node_env(node: int, nodes: int) -> dict[str, str]:
 
 def scheduler_flags(opts: LaunchOptions) -> list[str]:
     """The launch flags the scheduler takes, as its command line."""
-    flags = ["--stall-seconds", str(opts.stall_seconds), "--peer-timeout", str(opts.peer_timeout)]
+    flags = ["--stall-seconds", str(opts.stall_seconds), "--peer-timeout", str(opts.peer_timeout),
+             "--join-timeout", str(opts.join_timeout)]
     if opts.partition_bytes:
         flags += ["--partition-bytes", str(opts.partition_bytes)]
     if opts.host_reduce is not None:   # None: the scheduler's default, from the training mode
