@@ -187,6 +187,27 @@ def test_the_package_never_imports_the_lab():
     assert not [m for m in LAB if m in MODULES], "a module of the lab is back in the package"
 
 
+def test_the_lab_uses_only_the_public_surface_and_gradhub_tools():
+    """The lab (lab/gradhub_lab) imports nothing private of the package: no
+    `gradhub._*` module and no `_`-name from it; what it needs beyond the
+    public API comes from the one documented internal module, gradhub.tools."""
+    hits = []
+    for path in sorted((PKG.parent.parent / "lab" / "gradhub_lab").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradhub"):
+                parts = (node.module or "").split(".")
+                names = [a.name for a in node.names]
+                if any(p.startswith("_") for p in parts) or any(n.startswith("_") for n in names):
+                    hits.append(f"{path.name}:{node.lineno}: from {node.module} import {', '.join(names)}")
+            elif isinstance(node, ast.Import):
+                hits += [f"{path.name}:{node.lineno}: import {a.name}" for a in node.names
+                         if a.name.startswith("gradhub.") and any(p.startswith("_") for p in a.name.split("."))]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("gradhub", "api", "tools"):
+                hits.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert hits == []
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The graph's strongly connected components of more than one module
     (Tarjan's algorithm), each as one circle through it."""

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradhub._ports import free_port
+from gradhub.tools import free_port
 
 from .faults import select_faults, write_results
 

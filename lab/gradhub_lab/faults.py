@@ -78,8 +78,8 @@ from typing import Protocol, Sequence, TypeVar
 
 import numpy as np
 
-from gradhub import _core
-from gradhub._ports import free_port
+from gradhub import tools
+from gradhub.tools import free_port
 
 from .proxy import Proxy
 
@@ -149,13 +149,12 @@ def _worker(steps: int, seed: int, raise_at: int, server_opt: bool = False) -> N
     end. `raise_at` >= 0 raises an exception at that step (the fault).
     `server_opt`: one more tensor, with its optimizer on the servers."""
     import gradhub
-    import gradhub.api
 
     gradhub.init()
     r, n = gradhub.rank(), gradhub.size()
     opt = len(TENSORS)  # the optimizer tensor's index in the data seeds
     if server_opt:
-        gradhub.api.set_server_optimizer("opt", OPT_SIZE, "sgd", OPT_LR, momentum=OPT_MOMENTUM)
+        tools.set_server_optimizer("opt", OPT_SIZE, "sgd", OPT_LR, momentum=OPT_MOMENTUM)
         params = _data(seed, 0, opt + 1, r, OPT_SIZE, np.float32)
         gradhub.push_pull_async(params, name="opt", init=True).wait(60)  # every worker gets worker 0's
         momentum = None
@@ -277,7 +276,7 @@ def _start(t: Trial, rng: random.Random) -> tuple[int, list[int], int]:
         for s in range(SERVERS):
             t.spawn(f"server{s}", py + ["server", "--service", "--threads", "1", "--advertise-addr", "127.0.0.1"],
                     dict(svc_env, GRADHUB_HOST_ID=f"faults-server{s}"))
-        base.update(GRADHUB_JOB=job, GRADHUB_JOB_TOKEN=_core.job_token(master, job))
+        base.update(GRADHUB_JOB=job, GRADHUB_JOB_TOKEN=tools.job_token(master, job))
         t.env = svc_env  # a restart starts the service as it was
         _wait_for_servers(t, SERVERS)
     # With a link fault the workers reach each server through a proxy: the
@@ -319,7 +318,7 @@ def _stranger(addr: tuple[str, int], kind: str, rng: random.Random) -> socket.so
         if kind == "garbage":
             s.send(rng.randbytes(rng.randrange(1, 200)))
         else:  # the start of a frame header (gradhub's magic and version), then nothing
-            s.send(_core.encode_frame(16)[:4])
+            s.send(tools.encode_frame(16)[:4])
         return s
     except OSError:
         s.close()

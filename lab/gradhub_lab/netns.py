@@ -17,7 +17,7 @@ import signal
 import subprocess
 from dataclasses import dataclass
 
-from gradhub import _env
+from gradhub.tools import setting
 from gradhub.plan.cluster import parse_rate
 from gradhub.plan.theory import tbf_burst
 
@@ -178,7 +178,7 @@ class EmulatedCluster:
         rate = rate or self.rate_bps
         burst = tbf_burst(rate)
         _run(*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate}bit", "burst", str(burst),
-             "latency", _env.get("GRADHUB_BENCH_TBF_LATENCY"))
+             "latency", setting("GRADHUB_BENCH_TBF_LATENCY"))
 
     def qdisc_drops(self) -> int:
         """Packets the token buckets dropped so far (all hosts, both

@@ -75,7 +75,7 @@ def _worker_cfg(args, start_at: float) -> dict:
 
 def run_jobs(cluster, args, jobs: int, master: str) -> dict:
     """J concurrent jobs on the service already running in `cluster`."""
-    from gradhub import _core
+    from gradhub.tools import job_token
 
     py = sys.executable
     base = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
@@ -86,7 +86,7 @@ def run_jobs(cluster, args, jobs: int, master: str) -> dict:
     workers = []
     for j in range(jobs):
         name = f"job{j}"
-        token = _core.job_token(master, name)
+        token = job_token(master, name)
         for r in range(w):
             env = dict(base, GRADHUB_JOB=name, GRADHUB_JOB_TOKEN=token, GRADHUB_NUM_WORKERS=str(w),
                        GRADHUB_RANK=str(r), GH_TENANCY=json.dumps(dict(cfg, job=name, rank=r)))

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from gradhub._env import DEFAULT_FUSION_THRESHOLD
+from gradhub.tools import DEFAULT_FUSION_THRESHOLD
 from gradhub.plan import models as profiles
 from gradhub.plan.cluster import parse_rate
 from gradhub.plan.theory import (allreduce_time, byteps_optimum_time, host_link_bytes, ring_host_link_bytes,
