@@ -167,7 +167,7 @@ def test_help_texts():
     for module, args, words in [
             ("gradhub", ("simulate",), ["--profile", "--torch-model", "--cpu-servers", "--json", "--gpu-link",
                                         "--transport", "--allreduce"]),
-            ("gradhub", ("plan",), ["--cpu-available", "--gpu-price", "--apply", "--gpu-link", "--transport"]),
+            ("gradhub", ("plan",), ["--cpu-available", "--gpu-price", "--apply", "--plot", "--gpu-link", "--transport"]),
             ("gradhub", ("bench", "calibrate"), ["--out", "--quick"]),
             ("gradhub_lab", ("validate",), ["--measure", "--cache", "--plots", "--plan-check"]),
             ("gradhub_lab", ("calibrate",), ["--out", "--quick", "--emulated"])]:
@@ -534,3 +534,83 @@ def test_a_value_out_of_range_is_named_not_clamped(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+# --plot: the plan as a figure (python/gradhub/plan/plot.py).
+PLOT_ARGS = ["plan", "--model", "alexnet", "--scale", "16", "--hosts", "2", "--cpu-available", "3", "--rate", "500mbit"]
+
+
+def test_plan_plot_writes_png_and_svg_with_axes_and_the_ddp_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gradhub.plan.plot import COST_LABEL, X_LABEL, Y_LABEL
+
+    png, svg = tmp_path / "plan.png", tmp_path / "plan.svg"
+    out = _cli(*PLOT_ARGS, "--plot", str(png))
+    assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    _cli(*PLOT_ARGS, "--gpu-price", "24", "--cpu-price", "2", "--plot", str(svg))
+    text = svg.read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text
+    for label in (X_LABEL, Y_LABEL, COST_LABEL, "DDP (", "plan's choice", "plan: k="):
+        assert label in text, label
+    # --json stays one JSON object with --plot.
+    d = json.loads(_cli(*PLOT_ARGS, "--json", "--plot", str(tmp_path / "j.svg")))
+    assert d["choices"] and (tmp_path / "j.svg").stat().st_size > 0
+
+
+def test_plan_plot_figure_has_a_point_per_k_the_ddp_line_and_the_choice_marked(tmp_path):
+    pytest.importorskip("matplotlib")
+    from gradhub.plan.cluster import Prices
+    from gradhub.plan.plot import COST_LABEL, X_LABEL, Y_LABEL, draw
+
+    p, costs = builtin("alexnet", 16), Costs()
+    base = Cluster(2, 1, 0, True, 500e6)
+    prices = Prices(24.0, 2.0)
+    seen: dict = {}
+    choices, ddp = plan(p, base, costs, 3, prices, seen=seen)
+    assert seen and all(isinstance(r, Result) for r in seen.values())
+    fig = draw(str(tmp_path / "f.svg"), p, base, costs, 3, seen, choices, ddp, prices, "gradhub")
+    top, bottom = fig.axes
+    assert (top.get_xlabel(), top.get_ylabel()) == ("", Y_LABEL)
+    assert (bottom.get_xlabel(), bottom.get_ylabel()) == (X_LABEL, COST_LABEL)
+    lines = {l.get_label(): l for l in top.get_lines()}
+    ddp_line = next(l for name, l in lines.items() if name.startswith("DDP"))
+    assert list(ddp_line.get_ydata()) == [pytest.approx(ddp.samples_per_s)] * 2   # horizontal, at DDP's prediction
+    gh = lines["gradhub, best layout at k"]
+    assert list(gh.get_xdata()) == [0, 1, 2, 3]
+    for k, y in zip(gh.get_xdata(), gh.get_ydata()):   # the best the search simulated at k
+        at_k = [r.samples_per_s for (c, _), r in seen.items() if c.cpu_servers == k]
+        assert not at_k or y == pytest.approx(max(at_k))
+    star = lines["plan's choice"]
+    assert (star.get_xdata()[0], star.get_ydata()[0]) == (choices[0].cluster.cpu_servers,
+                                                           pytest.approx(choices[0].result.samples_per_s))
+    cost_ddp = next(l for l in bottom.get_lines() if l.get_label().startswith("DDP"))
+    assert cost_ddp.get_ydata()[0] == pytest.approx(24.0 * 2 / 3600 / ddp.samples_per_s * 1e6)
+    # Without prices: one panel.
+    fig = draw(str(tmp_path / "f.png"), p, base, costs, 3, seen, choices, ddp)
+    assert len(fig.axes) == 1 and fig.axes[0].get_xlabel() == X_LABEL and (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_plan_plot_fills_the_ks_the_pruned_search_skipped():
+    """At the compute bound the search stops early; the plot still has every k."""
+    from gradhub.plan.plot import points
+
+    p, costs = builtin("resnet50"), Costs()
+    base = Cluster(2, 8, 0, True, 100e9)
+    seen: dict = {}
+    choices, ddp = plan(p, base, costs, 6, seen=seen)
+    pts = points(p, base, costs, 6, seen, choices[0])
+    assert [pt.k for pt in pts] == list(range(7))
+    assert any(not pt.searched for pt in pts) and all(pt.samples_per_s > 0 for pt in pts)
+    assert {pt.k for pt in pts if pt.searched} == {c.cpu_servers for c, _ in seen}
+
+
+def test_plan_plot_without_matplotlib_or_with_a_wrong_suffix_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    from gradhub.plan.cli import main
+
+    assert main([*PLOT_ARGS, "--plot", str(tmp_path / "x.jpg")]) == 2
+    assert capsys.readouterr().err.strip() == f"gradhub plan: --plot {tmp_path / 'x.jpg'}: expected a .png or .svg file"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` raises ImportError
+    assert main([*PLOT_ARGS, "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "gradhub plan: --plot needs matplotlib: pip install gradhub[bench]\n"
+    assert not (tmp_path / "x.png").exists()

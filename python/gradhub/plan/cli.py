@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "training semantics: updates one step late per layer)")
     pl.add_argument("--top", type=count(1), default=5, help="how many choices to print (default 5)")
     pl.add_argument("--apply", type=output_file, metavar="FILE", help="write the first choice's settings to FILE (KEY=VALUE lines)")
+    pl.add_argument("--plot", type=output_file, metavar="FILE.png|svg",
+                    help="also draw samples/s (and cost per sample with prices) against the number of CPU-only "
+                         "machines, DDP as a line, the first choice marked (needs matplotlib: gradhub[bench])")
     pl.add_argument("--json", action="store_true", help="print JSON")
     return p
 
@@ -210,8 +213,21 @@ def _plan(args) -> int:
     costs = Costs.load(args.costs)
     base = _cluster(args)
     prices = Prices(args.gpu_price, args.cpu_price) if (args.gpu_price or args.cpu_price) else None
-    choices, ddp = plan(prof, base, costs, args.cpu_available, prices, not args.no_overlap, top=args.top)
+    seen: dict = {}
+    if args.plot:   # before the search: a missing matplotlib or a wrong suffix fails at once
+        from .plot import check_path, matplotlib_or_error
+
+        check_path(args.plot)
+        matplotlib_or_error()
+    choices, ddp = plan(prof, base, costs, args.cpu_available, prices, not args.no_overlap, top=args.top, seen=seen)
     use, gain = verdict(choices, ddp, base, prices)
+    if args.plot:
+        from .plot import draw
+
+        per = "samples per unit of price" if prices else "samples/s"
+        draw(args.plot, prof, base, costs, args.cpu_available, seen, choices, ddp, prices,
+             f"{'DDP' if use == 'ddp' else use} ({gain:.2f}x DDP's {per})",
+             f"{prof.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs, {args.rate}")
     rows = [{"k": ch.cluster.cpu_servers, "colocated": ch.cluster.colocated, "env": ch.options.env(),
              "samples_per_s": ch.result.samples_per_s, "speedup_over_ddp": ch.result.samples_per_s / ddp.samples_per_s,
              "cost_per_sample": ch.cost_per_sample, "bottleneck": ch.result.bottleneck,
@@ -237,6 +253,8 @@ def _plan(args) -> int:
               f"({MODEL_ERROR:.0%}; docs/planning.md)")
     else:
         print(f"verdict: use gradhub (choice 1): {gain:.2f}x DDP's {what}, beyond the model's error ({MODEL_ERROR:.0%})")
+    if args.plot:
+        print(f"wrote {args.plot}")
     if args.apply and choices:
         print(f"wrote {args.apply} (the first choice: `set -a; . {args.apply}; set +a` before `gradhub launch`)")
     return 0

@@ -166,16 +166,19 @@ def k_grid(max_cpu: int) -> list[int]:
 
 def plan(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, prices: Prices | None = None,
          allow_overlap: bool = True, knobs: dict | None = None, top: int = 5, start: Options = Options(),
-         candidates: list[Cluster] | None = None) -> tuple[list[Choice], Result]:
+         candidates: list[Cluster] | None = None, seen: dict | None = None) -> tuple[list[Choice], Result]:
     """The best `top` (layout, options), best first (`rank`), and DDP's
     result on the GPU machines alone. `start`: the options the search starts
     from (e.g. scaled for the emulated cluster); `candidates`: the layouts to
     search, every one of them (default: k up to max_cpu, colocated or not,
-    pruned as the module says)."""
+    pruned as the module says); `seen`: a dict that receives every
+    simulation run, {(cluster, options): result} (the plot's points)."""
     knobs = dict(KNOBS if knobs is None else knobs)
     if not allow_overlap:
         knobs.pop("overlap_forward", None)
     sims = _Sims(profile, costs)
+    if seen is not None:
+        sims.cache = seen
     default: dict[tuple[Cluster, Options], Result] = {}
 
     def at_defaults(c: Cluster) -> list[tuple[Cluster, Options, Result]]:
