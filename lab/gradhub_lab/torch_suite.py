@@ -25,12 +25,16 @@ QUICK = (r"^test_(all_reduce_sum|all_gather|broadcast|barrier|reduce_sum|scatter
          r"DistributedDataParallelCPU|send_recv_any_source|batch_isend_irecv_gloo_tags)$")
 
 
-def run_backend(backend: str, world: int, select: str, timeout: float = 3600) -> dict[str, str]:
-    """One backend's outcomes (test -> "passed" | "failed: ..." | "skipped: ...")."""
+def run_backend(backend: str, world: int, select: str, timeout: float = 3600, start: str = "fork") -> dict[str, str]:
+    """One backend's outcomes (test -> "passed" | "failed: ..." | "skipped: ...").
+    `start`: how each test's processes start (`torch_suite_run`): "fork" (the
+    quick check: children of one process that imported torch and gradhub and
+    started nothing, about 1 s a test here instead of 10) or "spawn" (fresh
+    interpreters, as torch's `test_distributed_spawn.py`: the lab's runs)."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GRADHUB_")}
         env.update(BACKEND=backend, WORLD_SIZE=str(world), TEMP_DIR=tmp, PYTHONUNBUFFERED="1",
-                   PYTORCH_PRINT_REPRO_ON_FAILURE="0")
+                   PYTORCH_PRINT_REPRO_ON_FAILURE="0", START=start)
         r = subprocess.run([sys.executable, "-m", "gradhub_lab.torch_suite_run", backend, str(world), select],
                            capture_output=True, text=True, timeout=timeout, env=env)
     last = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -52,8 +56,8 @@ def main(worlds: list[int], select: str, json_out: str | None) -> int:
 
     records = []
     for world in worlds:
-        gloo = run_backend("gloo", world, select)
-        mine = run_backend("gradhub", world, select)
+        gloo = run_backend("gloo", world, select, start="spawn")
+        mine = run_backend("gradhub", world, select, start="spawn")
         c = compare(gloo, mine)
         print(f"torch {torch.__version__}, {world} processes, {len(gloo)} tests selected: gloo passes "
               f"{c['gloo_passed']}, gradhub {c['gradhub_passed']} of them", flush=True)

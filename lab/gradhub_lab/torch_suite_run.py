@@ -3,8 +3,15 @@ gradhub_lab.torch_suite_run BACKEND WORLD_SIZE SELECT_REGEX` runs the tests
 of `DistributedTest._DistTestBase` (torch's
 `torch.testing._internal.distributed.distributed_test`, shipped in every
 wheel) whose names match, as torch's `test_distributed_spawn.py` does (each
-test spawns WORLD_SIZE processes), and prints one JSON object, test name ->
+test starts WORLD_SIZE processes), and prints one JSON object, test name ->
 "passed" | "failed: ..." | "skipped: ...".
+
+START=spawn (the default) starts each test's processes as fresh
+interpreters, as torch's `test_distributed_spawn.py` does; START=fork forks
+them from this process, which has imported torch, the suite and gradhub but
+made no process group and started none of gradhub's threads: the same test
+bodies on a fresh process group in each child, without an interpreter's
+start-up and exit per process (seconds each), for the quick check CI runs.
 
 For BACKEND=gradhub the suite sees the backend as gloo's peer: its feature
 tables and `@require_backend_is_available({"gloo"})` gates are decided when
@@ -80,7 +87,12 @@ _dt = _import_suite()
 class TestDistBackendWithSpawn(_dt.TestDistBackend, _dt.DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("START", "spawn") == "fork":
+            import torch.multiprocessing
+
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 
 
 def main(argv: list[str]) -> int:
