@@ -261,14 +261,16 @@ def _plan(args) -> int:
 
 
 def _negative_values(argv: list[str]) -> list[str]:
-    """`--rate -5gbit` as `--rate=-5gbit`: argparse takes a value that
+    """`--rate -5gbit` as `--rate=-5gbit` (any negative spelling: -5gbit,
+    -.5gbit, -1e9, -inf, -nan): argparse takes a value that
     starts with "-" and is not a plain number for an option and says only
     "expected one argument"; joined, the option's own check names what is
     wrong with the value."""
     out, it = [], iter(range(len(argv)))
     for i in it:
         a = argv[i]
-        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and re.match(r"-\.?\d", argv[i + 1]):
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) \
+                and re.match(r"-\s*(\.?\d|inf|nan)", argv[i + 1], re.IGNORECASE):
             out.append(f"{a}={argv[i + 1]}")
             next(it, None)
         else:

@@ -14,9 +14,10 @@ is pruned, and each simulation is done once:
   machines is simulated after it, and its options are not tuned;
 - the options (partition, credit, forward overlap) are improved one at a
   time from gradhub's defaults (coordinate descent: each knob's best value
-  with the others fixed, until nothing improves) on the best layout, and
-  its tuned options tried on the next few; every (layout, options) result
-  is cached.
+  with the others fixed, until nothing improves by more than a tie, STEP)
+  on the best layout, from forward overlap off and on, and both descents'
+  ends tried on the next few; every (layout, options) result is cached
+  (the default credit and its value once).
 
 Ranking: predictions within TIE of each other are a tie, and a tie goes to
 fewer machines, then to the lower price, then to the faster. When the best
@@ -48,6 +49,11 @@ TIE = 0.01
 MODEL_ERROR = 0.10
 # Layouts whose options are tuned (coordinate descent), beyond the `top` shown.
 TUNE_AT_LEAST = 3
+# Coordinate descent takes a knob's value only if it improves the prediction
+# by more than a tie: smaller differences are below the simulation's
+# resolution, as in the ranking, and chasing them cost time (a smaller
+# partition is more chunks to simulate: BERT-large on 64 x 8 GPUs took 25 s).
+STEP = TIE
 
 
 @dataclass
@@ -114,6 +120,14 @@ class _Sims:
 
     def __call__(self, c: Cluster, o: Options) -> Result:
         key = (c, o)
+        if o.credit_bytes is None:   # the default credit is a value: one simulation for both spellings
+            got = self.cache.get((c, replace(o, credit_bytes=o.credit)))
+            if got is not None:
+                return got
+        elif o.credit_bytes == o.credit:
+            got = self.cache.get((c, replace(o, credit_bytes=None)))
+            if got is not None:
+                return got
         got = self.cache.get(key)
         if got is None:
             got = self.cache[key] = simulate_gradhub(self.profile, c, o, self.costs)
@@ -121,21 +135,26 @@ class _Sims:
 
 
 def tune(profile: SimProfile, c: Cluster, start: Options, costs: Costs, knobs: dict, prices=None,
-         cache: dict | None = None, sims: _Sims | None = None) -> tuple[Options, Result]:
+         cache: dict | None = None, sims: _Sims | None = None, ends: list | None = None) -> tuple[Options, Result]:
     """Coordinate descent over `knobs`, from `start` and, forward overlap
     being a different schedule (its best partition and credit differ), from
-    `start` with each forward-overlap value in `knobs`: the best found."""
+    `start` with each forward-overlap value in `knobs`: the best found.
+    `ends` receives each descent's end (options), best first: another
+    layout's best may be another schedule's (plan tries them all there)."""
     if sims is None:
         sims = _Sims(profile, costs)
         if cache is not None:
             sims.cache = cache
     starts = [start] + [replace(start, overlap_forward=v) for v in knobs.get("overlap_forward", ())
                         if v != start.overlap_forward]
-    best, best_r = None, None
+    best, best_r, got = None, None, []
     for first in starts:
         o, r = _descend(sims, c, first, knobs, prices)
+        got.append((o, r))
         if best is None or _score(r, c, prices) > _score(best_r, c, prices) * (1 + 1e-9):
             best, best_r = o, r
+    if ends is not None:
+        ends.extend(o for o, _ in sorted(got, key=lambda x: -_score(x[1], c, prices)) if o not in ends)
     return best, best_r
 
 
@@ -148,7 +167,7 @@ def _descend(sims, c: Cluster, start: Options, knobs: dict, prices) -> tuple[Opt
             for v in values:
                 o = replace(best, **{knob: v})
                 r = sims(c, o)
-                if _score(r, c, prices) > _score(best_r, c, prices) * (1 + 1e-9):
+                if _score(r, c, prices) > _score(best_r, c, prices) * (1 + STEP):
                     best, best_r, improved = o, r, True
     return best, best_r
 
@@ -199,18 +218,18 @@ def plan(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, prices:
     # try its options on the next few; every candidate given is tuned.
     firsts = rank([Choice(c, o, r) for (c, o), r in default.items()], prices)
     n_try = len(firsts) if candidates is not None else max(top, TUNE_AT_LEAST)
-    found, tuned = [], None
+    found, tuned = [], []
     for i, ch in enumerate(firsts):
         c, o, r = ch.cluster, ch.options, ch.result
         if i < n_try and knobs and _score(r, c, prices) < _bound(profile, c, prices) / (1 + TIE):
-            if tuned is None or candidates is not None:
-                o, r = tune(profile, c, o, costs, knobs, prices, sims=sims)
-                tuned = tuned or o
-            else:   # the first layout's tuned options, as a start: reuse
-                o2 = replace(tuned, host_reduce=o.host_reduce)
-                r2 = sims(c, o2)
-                if _score(r2, c, prices) > _score(r, c, prices):
-                    o, r = o2, r2
+            if not tuned or candidates is not None:
+                o, r = tune(profile, c, o, costs, knobs, prices, sims=sims, ends=tuned)
+            else:   # the first layout's tuned options (each descent's end), as they are: reuse
+                for t in tuned:
+                    o2 = replace(t, host_reduce=o.host_reduce)
+                    r2 = sims(c, o2)
+                    if _score(r2, c, prices) > _score(r, c, prices):
+                        o, r = o2, r2
         cps = prices.per_hour(c) / 3600 / r.samples_per_s if prices and prices.per_hour(c) > 0 else None
         found.append(Choice(c, o, r, cps))
     ddp = simulate_ddp(profile, replace(base, cpu_servers=0, colocated=False), costs)
