@@ -513,13 +513,35 @@ def test_plan_of_512_gpus_and_64_cpu_machines_is_quick():
     assert choices[0].cluster.cpu_servers == 0   # at the compute bound already: no CPU machine
 
 
-def test_bytepss_resnet50_at_256_gpus_is_reproduced():
-    """BytePS §7.4 (its profile: 256 images per V100, 100 GbE, Horovod +
-    NCCL): every row within 15 %."""
-    from gradhub.plan.papers import byteps_74
+def test_paper_rows_are_scored_as_a_user_decides():
+    """Efficiency rows by lost throughput (1 - efficiency), speed-ups by gain
+    (speed-up - 1), in points; a speed-up passes only with the same winner."""
+    from gradhub.plan.papers import GAIN_BAND, LOSS_BAND, Row
 
-    rows = [r for r in byteps_74(Costs()) if r.claim.startswith("ResNet-50")]
-    assert len(rows) == 3 and all(r.within for r in rows), [(r.claim, r.predicted, r.error) for r in rows]
+    eff = Row("s", "c", 0.88, 0.994, "%")
+    assert eff.error == pytest.approx((1 - 0.994) - (1 - 0.88))
+    assert eff.times_off == pytest.approx((1 - 0.994) / (1 - 0.88))
+    assert not eff.within                                     # 0.6 % lost against 12 %
+    assert Row("s", "c", 0.88, 0.88 - LOSS_BAND * 0.99, "%").within
+    gain = Row("s", "c", 0.975 / 0.88, 1.004)
+    assert gain.error == pytest.approx(0.004 - (0.975 / 0.88 - 1))
+    assert gain.winner(gain.paper) == "new" and gain.winner(gain.predicted) == "no clear winner" and not gain.within
+    # Within the band in gain but naming another winner: not the same decision.
+    assert not Row("s", "c", 1 + GAIN_BAND * 1.02, 1 + GAIN_BAND * 0.98).within
+    assert Row("s", "c", 1.5, 1.5 - GAIN_BAND * 0.9).within
+
+
+def test_paper_ranges_are_checked_as_ranges():
+    from gradhub.plan.papers import Row
+
+    low = Row("s", "c", (1.10, 1.84), 1.08)                  # below the range: not inside, by 2 points of gain
+    assert not low.within and low.error == pytest.approx(-0.02)
+    assert Row("s", "c", (1.10, 1.84), 1.5).error == 0 and Row("s", "c", (1.10, 1.84), 1.5).within
+    high = Row("s", "c", (1.0, 1.45), 1.60)
+    assert not high.within and high.error == pytest.approx(0.15)
+    eff = Row("s", "c", (0.916, 1.0), 0.90, "%")              # lost 10 % against at most 8.4 %
+    assert not eff.within and eff.error == pytest.approx(0.10 - 0.084)
+    assert Row("s", "c", 1.2, 1.2, unscored="lost plot").scored is False
 
 
 @pytest.mark.parametrize("argv, words", [
