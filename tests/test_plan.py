@@ -673,3 +673,43 @@ def test_plan_plot_without_matplotlib_or_with_a_wrong_suffix_fails_in_one_line(t
     err = capsys.readouterr().err
     assert err == "gradhub plan: --plot needs matplotlib: pip install gradhub[bench]\n"
     assert not (tmp_path / "x.png").exists()
+
+
+# --gpu: the built-in models on a GPU of the catalogue (python/gradhub/plan/gpus.py).
+@pytest.mark.parametrize("name", ["v100", "a100", "h100"])
+@pytest.mark.parametrize("precision", ["amp", "fp32"])
+def test_gpu_catalogue_runs_resnet50_at_its_published_rate_and_scales_every_layer_alike(name, precision):
+    from gradhub.plan.gpus import gpu, speedup
+    from gradhub.plan.profile import load
+
+    g = gpu(name, precision)
+    p = load("resnet50", 1.0, None, None, name, precision)
+    assert p.batch / p.compute_s == pytest.approx(g.resnet50_img_s)       # the published throughput itself
+    base = builtin("bert_large")
+    on = load("bert_large", 1.0, None, None, name, precision)
+    f = speedup("bert_large", g)
+    assert all(a.forward_s == pytest.approx(b.forward_s / f) and a.backward_s == pytest.approx(b.backward_s / f)
+               and a.tensors == b.tensors for a, b in zip(on.layers, base.layers))
+    assert g.source and on.unit == "tokens" and p.unit == "images"
+
+
+def test_gpu_catalogue_orders_the_gpus_and_precisions():
+    from gradhub.plan.gpus import gpu
+
+    for prec in ("amp", "fp32"):
+        assert gpu("v100", prec).resnet50_img_s < gpu("a100", prec).resnet50_img_s < gpu("h100", prec).resnet50_img_s
+    for name in ("v100", "a100", "h100"):
+        assert gpu(name, "fp32").resnet50_img_s < gpu(name, "amp").resnet50_img_s
+
+
+def test_gpu_is_refused_in_one_line_where_it_cannot_apply(tmp_path, capsys):
+    from gradhub.plan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--model", "vgg19", "--gpu", "h200"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--gpu: 'h200' is not a GPU of the catalogue" in err and err.count("\n") == 1
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"batch": 1, "layers": [{"params": 10, "forward_ms": 1, "backward_ms": 2}]}))
+    assert main(["simulate", "--profile", str(prof), "--gpu", "a100"]) == 2
+    assert "--gpu scales the built-in models" in capsys.readouterr().err

@@ -68,6 +68,16 @@ def _gpu_link(text: str) -> str:
     return text
 
 
+def _gpu_name(text: str) -> str:
+    """An argparse type: a GPU of the catalogue (gpus.py)."""
+    from .gpus import GPUS
+
+    names = sorted({n for n, _ in GPUS})
+    if text.strip().lower() not in names:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU of the catalogue ({', '.join(names)})")
+    return text.strip().lower()
+
+
 def _model_args(p) -> None:
     from .models import PROFILES
     from .profile import EXTRA
@@ -81,6 +91,11 @@ def _model_args(p) -> None:
                         '"backward_ms"}, ...]} in forward order')
     p.add_argument("--torch-model", metavar="MODULE:FACTORY",
                    help="time a PyTorch model on this machine: FACTORY() returns (model, example_batch)")
+    p.add_argument("--gpu", type=_gpu_name, metavar="NAME",
+                   help="the built-in model's compute on this GPU: v100, a100, h100 (published per-GPU training "
+                        "throughputs, docs/planning.md; default: the profile's own, PHub's GTX 1080 Ti for CNNs)")
+    p.add_argument("--precision", choices=["amp", "fp32"], default="amp",
+                   help="with --gpu: amp (mixed precision, default) or fp32 (TF32 on A100 and H100)")
     p.add_argument("--costs", type=_costs_file,
                    help=f"calibration file from `gradhub bench calibrate` (default {DEFAULT_FILE} if "
                         "present, else this project's machine)")
@@ -167,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args) -> int:
-    prof = load(args.model, args.scale, args.profile, args.torch_model)
+    prof = load(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
     costs = Costs.load(args.costs)
     c = _cluster(args)
     if c.num_servers < 1:
@@ -183,7 +198,7 @@ def _simulate(args) -> int:
     # torch DDP's 25 MiB buckets; the emulated cluster's runs use 25 MB (both / scale, as the lab runs them).
     ddp = simulate_ddp(prof, replace(c, cpu_servers=0), costs, (BUCKET_CAP if c.backend == "nccl" else 25e6) / args.scale)
     opt = byteps_optimum(prof, c)
-    out = {"model": prof.name, "cluster": c.describe(), "workers": c.workers,
+    out = {"model": prof.name, "unit": prof.unit, "cluster": c.describe(), "workers": c.workers,
            "model_mbytes": prof.model_bytes / 1e6, "compute_ms": prof.compute_s * 1e3,
            "gradhub_samples_per_s": gh.samples_per_s, "ddp_samples_per_s": ddp.samples_per_s,
            "speedup_over_ddp": gh.samples_per_s / ddp.samples_per_s, "bottleneck": gh.bottleneck,
@@ -195,13 +210,14 @@ def _simulate(args) -> int:
         print(json.dumps(out))
         return 0
     print(f"{prof.name} ({prof.model_bytes / 1e6:.1f} MB of gradients, {prof.compute_s * 1e3:.0f} ms compute per "
-          f"batch of {prof.batch}) on {c.describe()}:")
-    print(f"  gradhub  {gh.samples_per_s:10.1f} samples/s  ({gh.iter_s * 1e3:.1f} ms/iteration; busiest: "
+          f"batch of {prof.batch} {prof.unit}) on {c.describe()}:")
+    u = prof.unit
+    print(f"  gradhub  {gh.samples_per_s:10.1f} {u}/s  ({gh.iter_s * 1e3:.1f} ms/iteration; busiest: "
           f"{gh.bottleneck} {gh.utilization.get(gh.bottleneck, 0):.0%})")
-    print(f"  DDP      {ddp.samples_per_s:10.1f} samples/s  ({ddp.iter_s * 1e3:.1f} ms/iteration; busiest: "
+    print(f"  DDP      {ddp.samples_per_s:10.1f} {u}/s  ({ddp.iter_s * 1e3:.1f} ms/iteration; busiest: "
           f"{ddp.bottleneck}; {ddp.detail})")
     print(f"  gradhub / DDP {out['speedup_over_ddp']:.2f}; {out['share_of_byteps_optimum']:.0%} of the BytePS "
-          f"optimum ({opt:.1f} samples/s); {gh.host_bytes / 1e6:.1f} MB per host link and iteration; "
+          f"optimum ({opt:.1f} {u}/s); {gh.host_bytes / 1e6:.1f} MB per host link and iteration; "
           f"simulated in {out['simulation_s']:.2f} s")
     return 0
 
@@ -209,7 +225,7 @@ def _simulate(args) -> int:
 def _plan(args) -> int:
     from .search import MODEL_ERROR, env_file, plan, verdict
 
-    prof = load(args.model, args.scale, args.profile, args.torch_model)
+    prof = load(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
     costs = Costs.load(args.costs)
     base = _cluster(args)
     prices = Prices(args.gpu_price, args.cpu_price) if (args.gpu_price or args.cpu_price) else None
@@ -235,19 +251,19 @@ def _plan(args) -> int:
     if args.apply and choices:
         Path(args.apply).write_text(env_file(choices[0]))
     if args.json:
-        print(json.dumps({"model": prof.name, "ddp_samples_per_s": ddp.samples_per_s, "ddp_allreduce": ddp.detail,
+        print(json.dumps({"model": prof.name, "unit": prof.unit, "ddp_samples_per_s": ddp.samples_per_s, "ddp_allreduce": ddp.detail,
                           "verdict": use, "gain_over_ddp": gain, "model_error": MODEL_ERROR, "choices": rows}))
         return 0
     print(f"{prof.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs, {args.rate}, up to "
-          f"{args.cpu_available} CPU-only machines; DDP: {ddp.samples_per_s:.1f} samples/s ({ddp.detail})")
-    print(f"{'#':>2s} {'k':>3s} {'colocated':>9s} {'samples/s':>10s} {'vs DDP':>7s} {'$/Msample':>10s}  "
+          f"{args.cpu_available} CPU-only machines; DDP: {ddp.samples_per_s:.1f} {prof.unit}/s ({ddp.detail})")
+    print(f"{'#':>2s} {'k':>3s} {'colocated':>9s} {prof.unit + '/s':>10s} {'vs DDP':>7s} {'$/M' + prof.unit[:-1]:>10s}  "
           f"settings; why (busiest resource)")
     for i, (ch, r) in enumerate(zip(choices, rows), 1):
         cps = f"{r['cost_per_sample'] * 1e6:10.3f}" if r["cost_per_sample"] is not None else f"{'-':>10s}"
         env = " ".join(f"{k}={v}" for k, v in sorted(r["env"].items())) or "defaults"
         print(f"{i:2d} {r['k']:3d} {str(r['colocated']).lower():>9s} {r['samples_per_s']:10.1f} "
               f"{r['speedup_over_ddp']:7.2f} {cps}  {env}; {r['bottleneck']} {r['bottleneck_utilization']:.0%}")
-    what = "samples per unit of price" if prices else "samples/s"
+    what = f"{prof.unit} per unit of price" if prices else f"{prof.unit}/s"
     if use == "ddp":
         print(f"verdict: use DDP: the best layout gives {gain:.2f}x DDP's {what}, within the model's error "
               f"({MODEL_ERROR:.0%}; docs/planning.md)")

@@ -35,6 +35,7 @@ class SimProfile:
     batch: int                  # samples per worker and step
     layers: list[SimLayer] = field(default_factory=list)
     source: str = ""
+    unit: str = "samples"       # what a sample is: "images" (CNNs), "tokens" (the built-in transformers)
 
     @property
     def model_bytes(self) -> int:
@@ -88,7 +89,10 @@ def builtin(name: str, scale: float = 1.0) -> SimProfile:
     p = EXTRA[name]() if name in EXTRA else models.get(name)
     layers = [SimLayer(l.name, [4 * max(1, math.ceil(n / scale)) for n in l.params], f, b)
               for l, (f, b) in zip(p.layers, p.compute_times())]
-    return SimProfile(p.name, p.batch, layers, f"{p.source}, bytes / {scale:g}")
+    from .gpus import TRANSFORMERS
+
+    return SimProfile(p.name, p.batch, layers, f"{p.source}, bytes / {scale:g}",
+                      "tokens" if name in TRANSFORMERS else "images")
 
 
 def from_json(path: str) -> SimProfile:
@@ -226,13 +230,23 @@ def from_torch(spec: str, steps: int = 5, warmup: int = 2) -> SimProfile:
     return SimProfile(spec, batch, layers, f"timed on this machine (median of {steps} steps)")
 
 
-def load(model: str | None, scale: float, profile: str | None, torch_model: str | None) -> SimProfile:
-    """The profile the command line names (exactly one source)."""
+def load(model: str | None, scale: float, profile: str | None, torch_model: str | None,
+         gpu: str | None = None, precision: str = "amp") -> SimProfile:
+    """The profile the command line names (exactly one source); `gpu`: a
+    built-in model's compute on that GPU of the catalogue (gpus.py)."""
     given = [x for x in (profile, torch_model) if x]
     if len(given) > 1:
         raise ValueError("give one of --model, --profile, --torch-model")
+    if given and gpu:
+        raise ValueError("--gpu scales the built-in models; a --profile's or --torch-model's times are its own")
     if profile:
         return from_json(profile)
     if torch_model:
         return from_torch(torch_model)
-    return builtin(model or "vgg19", scale)
+    name = model or "vgg19"
+    p = builtin(name, scale)
+    if gpu:
+        from .gpus import gpu as lookup, on_gpu
+
+        p = on_gpu(p, name, lookup(gpu, precision))
+    return p
