@@ -125,6 +125,12 @@ def _cluster_args(p, plan: bool = False) -> None:
                    help="NCCL's transport between machines (default rdma; tcp: NCCL's sockets); gradhub runs TCP")
     p.add_argument("--link-efficiency", type=count(0, float, most=1.0), default=0.0, metavar="F",
                    help="payload per bit of line rate measured on the cluster, at most 1 (default: the transport's)")
+    p.add_argument("--jitter", type=count(0, float, most=1.0), default=0.0, metavar="CV",
+                   help="stragglers: one GPU's per-step compute time, standard deviation over mean (0.01: 1%%); every "
+                        "synchronous step waits for the slowest of the GPUs (default 0: all alike; docs/planning.md)")
+    p.add_argument("--incast", type=count(0, float, above=True, most=1.0), default=1.0, metavar="F",
+                   help="share of its line rate a server's downlink keeps while every worker pushes to it "
+                        "(default 1: lossless, as RDMA with PFC)")
     p.add_argument("--allreduce", choices=["auto", "nccl", "gloo"], default="auto",
                    help="DDP's all-reduce: nccl (GPUs), gloo (a flat ring on CPU); default auto: gloo with "
                         "--shared-cores (the emulated cluster), else nccl")
@@ -135,7 +141,7 @@ def _cluster(args, k: int = 0, colocated: bool = True) -> Cluster:
                    not getattr(args, "no_colocated", not colocated), rate(args.rate),
                    rate(args.core_rate) if args.core_rate else 0.0, max(1, args.racks), args.latency_us * 1e-6,
                    args.server_threads, args.shared_cores, args.gpu_link, args.transport,
-                   args.link_efficiency, args.allreduce)
+                   args.link_efficiency, args.allreduce, args.jitter, args.incast)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,7 +229,7 @@ def _simulate(args) -> int:
 
 
 def _plan(args) -> int:
-    from .search import MODEL_ERROR, env_file, plan, verdict
+    from .search import EVIDENCE, MODEL_ERROR, env_file, margin_text, plan, verdict
 
     prof = load(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
     costs = Costs.load(args.costs)
@@ -252,7 +258,8 @@ def _plan(args) -> int:
         Path(args.apply).write_text(env_file(choices[0]))
     if args.json:
         print(json.dumps({"model": prof.name, "unit": prof.unit, "ddp_samples_per_s": ddp.samples_per_s, "ddp_allreduce": ddp.detail,
-                          "verdict": use, "gain_over_ddp": gain, "model_error": MODEL_ERROR, "choices": rows}))
+                          "verdict": use, "gain_over_ddp": gain, "model_error": MODEL_ERROR,
+                          "margin_evidence": [{"where": w, "what": d, "error": e} for w, d, e in EVIDENCE], "choices": rows}))
         return 0
     print(f"{prof.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs, {args.rate}, up to "
           f"{args.cpu_available} CPU-only machines; DDP: {ddp.samples_per_s:.1f} {prof.unit}/s ({ddp.detail})")
@@ -265,10 +272,11 @@ def _plan(args) -> int:
               f"{r['speedup_over_ddp']:7.2f} {cps}  {env}; {r['bottleneck']} {r['bottleneck_utilization']:.0%}")
     what = f"{prof.unit} per unit of price" if prices else f"{prof.unit}/s"
     if use == "ddp":
-        print(f"verdict: use DDP: the best layout gives {gain:.2f}x DDP's {what}, within the model's error "
-              f"({MODEL_ERROR:.0%}; docs/planning.md)")
+        print(f"verdict: use DDP: the best layout gives {gain:.2f}x DDP's {what}, no clear winner within the "
+              f"model's margin ({margin_text()})")
     else:
-        print(f"verdict: use gradhub (choice 1): {gain:.2f}x DDP's {what}, beyond the model's error ({MODEL_ERROR:.0%})")
+        print(f"verdict: use gradhub (choice 1): {gain:.2f}x DDP's {what}, beyond the model's margin "
+              f"({margin_text()})")
     if args.plot:
         print(f"wrote {args.plot}")
     if args.apply and choices:

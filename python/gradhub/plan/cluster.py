@@ -39,6 +39,11 @@ class Cluster:
     # over TCP, what the emulated cluster runs), "auto": gloo with shared
     # cores (the emulated cluster), else nccl.
     allreduce: str = "auto"
+    # What large jobs lose (effects.py): one GPU's per-step compute time's
+    # coefficient of variation (stragglers; 0: every GPU alike), and the
+    # share of its line rate a server's downlink keeps under incast (1: lossless).
+    jitter: float = 0.0
+    incast: float = 1.0
 
     @property
     def backend(self) -> str:

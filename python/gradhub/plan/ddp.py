@@ -85,11 +85,17 @@ HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 
 
 def simulate_ddp(profile: SimProfile, c: Cluster, costs: Costs, bucket_cap: float = BUCKET_CAP,
-                 fusion: str = "ddp") -> Result:
+                 fusion: str = "ddp", cycle_s: float = HOROVOD_CYCLE_S, negotiation: bool = True) -> Result:
     """One iteration of data-parallel training with all-reduce. `fusion`:
     "ddp" (torch DDP's buckets, each all-reduced once all its gradients are
-    in) or "horovod" (Horovod's cycles: every HOROVOD_CYCLE_S, the tensors
-    ready by then, fused up to HOROVOD_FUSION_BYTES per all-reduce)."""
+    in) or "horovod" (Horovod's cycles: every `cycle_s`, the tensors
+    ready by then, fused up to HOROVOD_FUSION_BYTES per all-reduce, launched
+    after the ranks' negotiation, effects.negotiation_s, unless
+    `negotiation` is off). Stragglers (`c.jitter`) lengthen every step
+    (effects.py)."""
+    from .effects import negotiation_s, with_stragglers
+
+    nego = negotiation_s(c.workers, c.latency_s) if negotiation else 0.0
     t0 = time.perf_counter()
     e = Engine()
     nccl = c.backend == "nccl"
@@ -101,7 +107,7 @@ def simulate_ddp(profile: SimProfile, c: Cluster, costs: Costs, bucket_cap: floa
     # The local step on the CPU in the emulated cluster only (sim.py).
     step_s = profile.model_bytes / costs.step_Bps * max(1.0, N / c.shared_cores) if c.shared_cores else 0.0
     queue: list[float] = []          # all-reduces ready to launch, in order (one stream: one at a time)
-    state = {"qi": 0, "busy": False, "sent": 0, "bwd_end": None, "end": None, "ops": 0}
+    state = {"qi": 0, "busy": False, "sent": 0, "bwd_end": None, "end": None, "ops": 0, "negotiating": 0}
     if fusion == "ddp":
         bks = buckets(profile, bucket_cap)
         total = len(bks)
@@ -138,21 +144,32 @@ def simulate_ddp(profile: SimProfile, c: Cluster, costs: Costs, bucket_cap: floa
             state["end"] = e.now
         start_next()
 
+    def launch(batch):
+        """The negotiated tensors, fused up to the threshold, queued for the stream."""
+        size = 0.0
+        for b in batch:
+            if size and size + b > HOROVOD_FUSION_BYTES:
+                queue.append(size)
+                size = 0.0
+            size += b
+        queue.append(size)
+        state["sent"] += len(batch)
+        state["negotiating"] -= len(batch) if nego > 0 else 0
+        start_next()
+
     def cycle():
-        """Horovod's background thread: fuse what is ready, launch it."""
+        """Horovod's background thread, every cycle_s: what is ready now is
+        negotiated among the ranks (nego seconds), then fused and launched."""
         if ready_t:
-            size = 0.0
-            for b in ready_t:
-                if size and size + b > HOROVOD_FUSION_BYTES:
-                    queue.append(size)
-                    size = 0.0
-                size += b
-            queue.append(size)
-            state["sent"] += len(ready_t)
+            batch = list(ready_t)
             ready_t.clear()
-            start_next()
-        if state["sent"] < total:
-            e.at(e.now + HOROVOD_CYCLE_S, cycle)
+            if nego > 0:
+                state["negotiating"] += len(batch)
+                e.at(e.now + nego, launch, batch)
+            else:
+                launch(batch)
+        if state["sent"] + state["negotiating"] < total:
+            e.at(e.now + cycle_s, cycle)
 
     def backward(li):
         if li < 0:
@@ -176,7 +193,7 @@ def simulate_ddp(profile: SimProfile, c: Cluster, costs: Costs, bucket_cap: floa
     compute.busy += fwd
     e.at(fwd, backward, L - 1)
     if fusion == "horovod" and total:
-        e.at(fwd + HOROVOD_CYCLE_S, cycle)
+        e.at(fwd + cycle_s, cycle)
     e.run()
     iter_s = max(state["end"] or 0.0, state["bwd_end"] or 0.0) + step_s
     util = {r.name: r.busy / iter_s for r in (link, cpu, compute) if r.busy > 0}
@@ -184,5 +201,6 @@ def simulate_ddp(profile: SimProfile, c: Cluster, costs: Costs, bucket_cap: floa
     host_bytes = 2 * (N - 1) / N * profile.model_bytes if c.hosts > 1 else 0.0
     how = ", ".join(f"{n} {a}" for a, n in sorted(algos.items()))
     what = "buckets" if fusion == "ddp" else "Horovod all-reduces"
-    return Result("ddp", N * profile.batch / iter_s, iter_s, neck, util, host_bytes, e.events,
-                  time.perf_counter() - t0, f"{state['ops']} {what} ({how})")
+    r = Result("ddp", N * profile.batch / iter_s, iter_s, neck, util, host_bytes, e.events,
+               time.perf_counter() - t0, f"{state['ops']} {what} ({how})")
+    return with_stragglers(r, profile.compute_s, c.jitter, N)

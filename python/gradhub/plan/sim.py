@@ -288,7 +288,9 @@ class GradhubSim:
                 send += b / k.mem_Bps
                 recv += b / k.mem_Bps
         own_B = self.B_host if kind == "gpu" else self.B   # the owner's link: a worker machine's or a CPU-only one's
-        got = (push_up / self.B_host, own_down / own_B, res_up / self.B_host, own_up / own_B, core_b / self.core_B,
+        # Incast: every pusher's chunks converge on the owner's downlink (effects.py).
+        own_in = own_B * (c.incast if self.n_push > 1 else 1.0)
+        got = (push_up / self.B_host, own_down / own_in, res_up / self.B_host, own_up / own_B, core_b / self.core_B,
                send, srv, recv, send_path)
         self._cost_cache[key] = got
         return got
@@ -583,7 +585,9 @@ class GradhubSim:
 
 
 def simulate_gradhub(profile: SimProfile, c: Cluster, opt: Options, costs: Costs) -> Result:
-    return GradhubSim(profile, c, opt, costs).run()
+    from .effects import with_stragglers
+
+    return with_stragglers(GradhubSim(profile, c, opt, costs).run(), profile.compute_s, c.jitter, c.workers)
 
 
 def byteps_optimum(profile: SimProfile, c: Cluster) -> float:
