@@ -356,10 +356,12 @@ impl PyClient {
     /// generated name, never used again).
     /// `live`: (from, to) bytes outside which the buffer is zeros (pushed as
     /// header-only zero chunks); None: all of it.
+    /// `want`: (from, to) bytes whose result is needed; the chunks wholly
+    /// outside keep what was pushed (answered by a header only); None: all.
     /// `asynchronous`: a push of an asynchronous tensor (`GRADHUB_ASYNC`):
     /// the buffer holds this worker's parameter change (with `init`, its
     /// parameters) and receives the parameters the servers hold.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, asynchronous=false))]
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, asynchronous=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -373,6 +375,7 @@ impl PyClient {
         init: bool,
         release_after: bool,
         live: Option<(usize, usize)>,
+        want: Option<(usize, usize)>,
         asynchronous: bool,
     ) -> PyResult<PyHandle> {
         let flags = if asynchronous { crate::protocol::FLAG_ASYNC } else { 0 }
@@ -394,7 +397,7 @@ impl PyClient {
                 release_after,
                 priority,
                 Some(Box::new(owner)),
-                live,
+                crate::client::Extent { live, want },
             )
         }
         .map_err(py_err)?;

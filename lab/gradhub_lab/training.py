@@ -161,19 +161,20 @@ def fsdp_host_bytes(layout: Layout, model_bytes: float, system: str) -> float | 
     gradients. gloo: a ring all-gather, (n-1)/n M each way; its
     reduce-scatter moves what its all-reduce does, 2(n-1)/n M (measured:
     not a ring reduce-scatter's (n-1)/n). The gradhub backend
-    (colocated servers, one worker per host; None otherwise): a
-    reduce-scatter is a push_pull of the whole model (its BytePS split), an
-    all-gather a push of one's own M/n slot and a pull of all of it: up,
-    the slot's share for the other servers, (n-1)/n M/n, plus the own
-    server's 1/n of the result for the other n-1 hosts, (n-1)/n M; down
-    mirrors it."""
+    (colocated servers, one worker per host; None otherwise), each server
+    holding 1/n of every tensor: an all-gather pushes one's own M/n slot
+    and pulls all of it: up, the slot's share for the other servers,
+    (n-1)/n M/n, plus the own server's 1/n of the result for the other n-1
+    hosts, (n-1)/n M; down mirrors it. A reduce-scatter pushes all of it
+    and pulls one's own shard: up, the other servers' share of the push,
+    (n-1)/n M, plus the own server's results for the other hosts' shards,
+    (n-1)/n M/n: the same bytes."""
     n = layout.num_workers
     if system == "fsdp-gloo":
         return 4 * (n - 1) / n * model_bytes
     if layout.workers_per_host != 1 or layout.cpu_servers or not layout.colocated:
         return None
-    gather = (n - 1) / n * model_bytes * (1 + 1 / n)
-    return 2 * gather + gradhub_host_bytes(layout, model_bytes, True)
+    return 3 * (n - 1) / n * model_bytes * (1 + 1 / n)
 
 
 def _compare_with_ddp(runs: list[tuple[str, dict]]) -> None:

@@ -260,11 +260,14 @@ class Client:
         init: bool = False,
         release_after: bool = False,
         live: tuple[int, int] | None = None,
+        want: tuple[int, int] | None = None,
         asynchronous: bool = False,
     ) -> Handle:
         """Start an in-place push_pull of raw memory. `owner` is kept alive until done.
         `release_after`: free the tensor once this round completes. `live`: (from, to)
         bytes outside which the memory is zeros (those chunks are pushed as zeros, header only).
+        `want`: (from, to) bytes whose result is needed (the chunks wholly outside keep what
+        was pushed; their results come back as a header only).
         `asynchronous`: a parameter change of an asynchronous tensor (GRADHUB_ASYNC), answered
         with the parameters the servers hold."""
     def release(self, names: list[str]) -> None:

@@ -375,7 +375,7 @@ _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32":
 
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
                     dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None,
-                    asynchronous: bool = False) -> Handle:
+                    want: tuple[int, int] | None = None, asynchronous: bool = False) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
@@ -397,6 +397,10 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     (this worker's rows of an allgather, a broadcast from another worker),
     so the chunks wholly outside them are pushed as a header saying "zeros"
     instead of their bytes. The caller must make sure they are zeros.
+    `want=(start, stop)`: only elements start..stop of the result are needed
+    (a reduce-scatter's shard), so the chunks wholly outside them come back
+    as a header saying the round is complete, and keep what this worker
+    pushed, instead of the sum (under the host stage every chunk comes back).
     `asynchronous=True` (float32, a job with GRADHUB_ASYNC=1): `tensor` is this
     worker's change of a parameter (with `init=True`, its initial value); the
     servers add it to the parameter they hold as soon as it arrives and the
@@ -413,12 +417,14 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
         name = auto_name("push_pull")
     tl = timeline.active()
     end = tl.start(name, buf.nbytes, buf.dtype, int(priority)) if tl is not None else None
-    if live is not None:
-        es = _ELEM_BYTES[buf.dtype]
-        live = (max(0, int(live[0])) * es, max(0, int(live[1])) * es)
+    es = _ELEM_BYTES[buf.dtype]
+
+    def _bytes(r):
+        return None if r is None else (max(0, int(r[0])) * es, max(0, int(r[1])) * es)
+
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
-                          init=bool(init), release_after=isinstance(name, AutoName), live=live,
-                          asynchronous=bool(asynchronous))
+                          init=bool(init), release_after=isinstance(name, AutoName), live=_bytes(live),
+                          want=_bytes(want), asynchronous=bool(asynchronous))
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)

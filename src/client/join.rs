@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::bounded;
 
-use super::op::Op;
+use super::op::{Extent, Op};
 use super::table::JOIN_QUEUE;
 use super::{Client, ClientError};
 use crate::protocol::{Control, DType};
@@ -154,7 +154,11 @@ impl Client {
         // SAFETY: `zeros` is kept in `zero_pushes` (its heap buffer does not
         // move) until the op has completed.
         let op = unsafe {
-            self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, release_after, 0, None, Some((0, 0)))?
+            {
+                // Zeros pushed, no result wanted: a header each way per chunk.
+                let none = Extent { live: Some((0, 0)), want: Some((0, 0)) };
+                self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, release_after, 0, None, none)?
+            }
         };
         if background {
             let mut t = self.shared.table();

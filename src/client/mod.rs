@@ -24,7 +24,7 @@ mod table;
 
 pub use config::{ClientConfig, ClientError};
 pub use io::IoStats;
-pub use op::{Callback, Op, OpError};
+pub use op::{Callback, Extent, Op, OpError};
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -276,20 +276,24 @@ impl Client {
         keepalive: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<Arc<Op>, ClientError> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, None) }
+        unsafe { self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, Extent::default()) }
     }
 
-    /// `push_pull` of a buffer that is zeros outside bytes `live` (a
+    /// `push_pull` of a buffer that is zeros outside bytes `extent.live` (a
     /// worker's own rows of an allgather, a broadcast from another worker):
     /// the chunks wholly outside it are pushed as zeros, header only
-    /// (`FLAG_ZEROS`), unless the host stage sums this host's pushes first.
+    /// (`FLAG_ZEROS`); and whose result is needed only in bytes
+    /// `extent.want` (a reduce-scatter's shard; none for a joined worker's
+    /// zeros): the chunks wholly outside it are answered by a header only and
+    /// keep what was pushed. Neither applies under the host stage, which
+    /// sums and shares every chunk of a host.
     /// `release_after`: free the tensor once this round completes (see
     /// `release`), for a generated name that is never used again; the
     /// worker's own bookkeeping, told to joined workers in `JoinOp`, never
     /// a frame flag.
     ///
     /// # Safety
-    /// As `push_pull`; and the buffer must be zeros outside `live`.
+    /// As `push_pull`; and the buffer must be zeros outside `extent.live`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn push_pull_live(
         &self,
@@ -301,7 +305,7 @@ impl Client {
         release_after: bool,
         priority: i32,
         keepalive: Option<Box<dyn std::any::Any + Send>>,
-        live: Option<(usize, usize)>,
+        extent: Extent,
     ) -> Result<Arc<Op>, ClientError> {
         self.check_usable()?;
         if dtype == DType::None {
@@ -318,7 +322,10 @@ impl Client {
         if flags & !known != 0 {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
-        let op = Arc::new(Op::new(name.to_string(), keepalive, live));
+        if extent.want.is_some() && flags & crate::protocol::FLAG_ASYNC != 0 {
+            return Err(ClientError::Usage("an asynchronous push_pull always returns its whole result".into()));
+        }
+        let op = Arc::new(Op::new(name.to_string(), keepalive, extent));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
         if t.specs.get(name).is_some_and(|s| check_matches(s, numel, dtype).is_err()) {

@@ -31,6 +31,30 @@ pub(crate) trait ConnPoller: Send + Sync {
 }
 pub(crate) type Poller = std::sync::Arc<dyn ConnPoller>;
 
+/// Which bytes of an op's buffer matter, each as `from..to` (None: all).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Extent {
+    /// The only bytes that may be nonzero: the chunks wholly outside are
+    /// zeros, pushed as a header only (`FLAG_ZEROS`).
+    pub live: Option<(usize, usize)>,
+    /// The only bytes whose result the caller needs: the chunks wholly
+    /// outside are pushed asking for no result (`FLAG_NO_RESULT`), answered
+    /// by a header only, and keep the bytes this worker pushed.
+    pub want: Option<(usize, usize)>,
+}
+
+impl Extent {
+    /// Bytes `lo..hi` (a chunk's) are zeros.
+    pub fn zeros(&self, lo: usize, hi: usize) -> bool {
+        self.live.is_some_and(|(from, to)| hi <= from || lo >= to)
+    }
+
+    /// The result of bytes `lo..hi` (a chunk's) is not needed.
+    pub fn unwanted(&self, lo: usize, hi: usize) -> bool {
+        self.want.is_some_and(|(from, to)| hi <= from || lo >= to)
+    }
+}
+
 #[derive(Default)]
 struct OpState {
     done: bool,
@@ -66,9 +90,8 @@ pub struct Op {
     cv: Condvar,
     /// Mirrors `state.done` so a waiter can spin without the lock.
     done_flag: AtomicBool,
-    /// Bytes `from..to` of the buffer may be nonzero; outside them it is
-    /// zeros, pushed as header-only zero pushes (`FLAG_ZEROS`). None: all.
-    pub(crate) live: Option<(usize, usize)>,
+    /// The bytes of the buffer that may be nonzero, and those wanted back.
+    pub(crate) extent: Extent,
     /// Run while spinning in `wait`: reads the result from the socket
     /// on the caller's thread if it can (one-chunk ops; see `Io::submit`).
     poller: OnceLock<(Poller, usize)>,
@@ -82,10 +105,10 @@ fn spin_limit() -> Duration {
 }
 
 impl Op {
-    pub fn new(name: String, keepalive: Option<Box<dyn Any + Send>>, live: Option<(usize, usize)>) -> Op {
+    pub fn new(name: String, keepalive: Option<Box<dyn Any + Send>>, extent: Extent) -> Op {
         Op {
             name,
-            live,
+            extent,
             state: Mutex::new(OpState { keepalive, ..Default::default() }),
             cv: Condvar::new(),
             done_flag: AtomicBool::new(false),

@@ -21,7 +21,7 @@
 use super::ProtocolError;
 
 pub const MAGIC: u16 = 0x4847;
-pub const VERSION: u8 = 21;
+pub const VERSION: u8 = 22;
 pub const HEADER_LEN: usize = 40;
 /// Bytes of the header covered by `header_crc`.
 const CHECKED_LEN: usize = 36;
@@ -91,9 +91,15 @@ pub const FLAG_LEAVING: u16 = 32;
 /// Flag bit, on AuthHello and AuthChallenge: the sender encrypts its
 /// connections (`protocol::seal`); both ends must agree (`protocol::auth`).
 pub const FLAG_SEALED: u16 = 64;
+/// Flag bit: on a Push, the pusher does not need this chunk's result (a
+/// reduce-scatter's chunks outside its shard, a joined worker's or a process
+/// set's non-member's zeros); on a Result, the answer to such a push: no
+/// payload, only the word that the round is complete.
+pub const FLAG_NO_RESULT: u16 = 128;
 /// The flags of one push alone, not of the round it is part of.
-pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT;
-const KNOWN_FLAGS: u16 = FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING | FLAG_SEALED;
+pub const PUSH_OWN_FLAGS: u16 = FLAG_ZEROS | FLAG_RESENT | FLAG_NO_RESULT;
+const KNOWN_FLAGS: u16 =
+    FLAG_AVERAGE | FLAG_INIT | FLAG_ZEROS | FLAG_ASYNC | FLAG_RESENT | FLAG_LEAVING | FLAG_SEALED | FLAG_NO_RESULT;
 
 macro_rules! msg_types {
     ($($name:ident = $val:expr, $doc:literal;)*) => {

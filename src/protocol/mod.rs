@@ -14,8 +14,8 @@ pub use control::{
     MAX_JOINED_SLOTS, NO_SERVER,
 };
 pub use frame::{
-    crc32c, encode_frame, DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_LEAVING, FLAG_RESENT,
-    FLAG_SEALED, FLAG_ZEROS, HEADER_LEN, MAGIC, PUSH_OWN_FLAGS, VERSION,
+    crc32c, encode_frame, DType, Header, MsgType, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_LEAVING, FLAG_NO_RESULT,
+    FLAG_RESENT, FLAG_SEALED, FLAG_ZEROS, HEADER_LEN, MAGIC, PUSH_OWN_FLAGS, VERSION,
 };
 pub use optim::{OptConfig, OptKind};
 pub use reader::{Frame, FrameReader, ReadError};

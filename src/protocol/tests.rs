@@ -637,10 +637,13 @@ fn header_rejects_unknown_type() {
 #[test]
 fn header_rejects_unknown_flag_bits() {
     // Bit 0 is FLAG_AVERAGE, bit 1 FLAG_INIT, bit 2 FLAG_ZEROS, bit 3 FLAG_ASYNC, bit 4 FLAG_RESENT,
-    // bit 5 FLAG_LEAVING, bit 6 FLAG_SEALED.
-    use crate::protocol::{FLAG_ASYNC, FLAG_LEAVING, FLAG_RESENT, FLAG_SEALED};
-    assert_eq!((FLAG_INIT, FLAG_ZEROS, FLAG_ASYNC, FLAG_RESENT, FLAG_LEAVING, FLAG_SEALED), (2, 4, 8, 16, 32, 64));
-    for bit in 7..16 {
+    // bit 5 FLAG_LEAVING, bit 6 FLAG_SEALED, bit 7 FLAG_NO_RESULT.
+    use crate::protocol::{FLAG_ASYNC, FLAG_LEAVING, FLAG_NO_RESULT, FLAG_RESENT, FLAG_SEALED};
+    assert_eq!(
+        (FLAG_INIT, FLAG_ZEROS, FLAG_ASYNC, FLAG_RESENT, FLAG_LEAVING, FLAG_SEALED, FLAG_NO_RESULT),
+        (2, 4, 8, 16, 32, 64, 128)
+    );
+    for bit in 8..16 {
         let flags = 1u16 << bit;
         let mut b = valid_header_bytes();
         b[4..6].copy_from_slice(&flags.to_le_bytes());

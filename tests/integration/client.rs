@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gradhub::client::{Client, ClientConfig};
+use gradhub::client::{Client, ClientConfig, Extent};
 use gradhub::protocol::{Control, DType, DeclEntry, MsgType, Role, FLAG_AVERAGE};
 use gradhub::scheduler::SchedulerConfig;
 use half::{bf16, f16};
@@ -629,13 +629,17 @@ fn small_partitions_still_deliver_stall_notices() {
 }
 
 /// In-place push_pull of f32 `buf`, zeros outside bytes `live`.
-fn push_pull_live(c: &Client, name: &str, mut buf: Vec<f32>, live: (usize, usize)) -> Vec<f32> {
+fn push_pull_live(c: &Client, name: &str, buf: Vec<f32>, live: (usize, usize)) -> Vec<f32> {
+    push_pull_extent(c, name, buf, Extent { live: Some(live), want: None })
+}
+
+/// In-place push_pull of f32 `buf` with `extent`.
+fn push_pull_extent(c: &Client, name: &str, mut buf: Vec<f32>, extent: Extent) -> Vec<f32> {
     let nbytes = buf.len() * 4;
     // SAFETY: buf lives until the op completes (waited below, or the test fails).
-    let op = unsafe {
-        c.push_pull_live(buf.as_mut_ptr() as *mut u8, nbytes, DType::F32, name, 0, false, 0, None, Some(live))
-    }
-    .unwrap();
+    let op =
+        unsafe { c.push_pull_live(buf.as_mut_ptr() as *mut u8, nbytes, DType::F32, name, 0, false, 0, None, extent) }
+            .unwrap();
     op.wait(Some(IO_TIMEOUT)).unwrap();
     buf
 }
@@ -674,6 +678,59 @@ fn chunks_outside_the_live_bytes_go_as_zeros_and_everything_sums_right() {
                     let zeros = c.stats().data.pushed_zeros;
                     let want_zeros = if host_reduce { 0 } else { 3 * 2 + if r == 0 { 0 } else { 4 } };
                     assert_eq!(zeros, want_zeros, "worker {r} host_reduce {host_reduce}");
+                });
+            }
+        });
+        shutdown_all(clients);
+        job.finish_ok();
+    }
+}
+
+#[test]
+fn chunks_outside_the_wanted_bytes_come_back_as_a_header_and_keep_the_push() {
+    // A reduce-scatter: every worker pushes all of it and wants its own
+    // rows. Without the host stage the chunks wholly outside them are
+    // answered by a header only and keep what the worker pushed; the
+    // others (its rows' chunks, edges included) hold the sum. With the
+    // host stage every chunk comes back summed. A worker that wants
+    // nothing (a joined one's zeros) gets only headers.
+    for host_reduce in [false, true] {
+        let mut cfg = sched_config(3, 2);
+        cfg.host_reduce = host_reduce;
+        let job = real_job(cfg, &[(1, false), (2, false)]);
+        let clients = job.clients(3, 3, 2);
+        let val = |r: usize, i: usize| ((i * (r + 3)) % 89) as f32 - 40.0;
+        let sum: Vec<f32> = (0..1000).map(|i| (0..3).map(|r| val(r, i)).sum()).collect();
+        std::thread::scope(|s| {
+            for c in &clients {
+                let sum = &sum;
+                s.spawn(move || {
+                    let r = c.rank as usize;
+                    // Rows 300r..300r+300 of chunks of 256 values: 0..300 touches
+                    // chunks 0-1, 300..600 chunks 1-2, 600..900 chunks 2-3.
+                    let rows = 300 * r..300 * r + 300;
+                    let touched = (rows.start / 256)..=((rows.end - 1) / 256);
+                    let mine: Vec<f32> = (0..1000).map(|i| val(r, i)).collect();
+                    let want = Extent { live: None, want: Some((rows.start * 4, rows.end * 4)) };
+                    for round in 0..3 {
+                        let got = push_pull_extent(c, "scatter", mine.clone(), want);
+                        for i in 0..1000 {
+                            let summed = host_reduce || touched.contains(&(i / 256));
+                            let expect = if summed { sum[i] } else { mine[i] };
+                            assert_eq!(
+                                got[i], expect,
+                                "worker {r} round {round} element {i} host_reduce {host_reduce}"
+                            );
+                        }
+                    }
+                    // Wanting nothing: every chunk's result is a header (the
+                    // buffer keeps its push), and the round still completes.
+                    let none = Extent { live: None, want: Some((0, 0)) };
+                    let got = push_pull_extent(c, "nothing", mine.clone(), none);
+                    assert_eq!(got, if host_reduce { sum.clone() } else { mine.clone() }, "worker {r}");
+                    let asked_none = c.stats().data.pushed_no_result;
+                    let want_none = if host_reduce { 0 } else { 3 * (4 - touched.count() as u64) + 4 };
+                    assert_eq!(asked_none, want_none, "worker {r} host_reduce {host_reduce}");
                 });
             }
         });

@@ -295,7 +295,7 @@ fn bad_frames_get_an_error_and_a_closed_connection_while_others_go_on() {
     c.expect_error("out of range");
 
     let mut c = job.conn(0, 1);
-    c.send_header(&hdr(&spec, |h| h.flags = 0x80));
+    c.send_header(&hdr(&spec, |h| h.flags = 0x100));
     c.expect_error("flag");
 
     let mut c = job.conn(0, 1);
@@ -1047,6 +1047,43 @@ fn asynchronous_chunks_apply_each_change_on_arrival_and_answer_only_its_worker()
     again.push(&w, 0, 3, 0, &vals(1.0));
     again.expect_error("pushed it synchronously, but it is asynchronous");
     drop((c, again));
+    job.finish();
+}
+
+#[test]
+fn a_push_that_wants_no_result_is_answered_by_a_header_alone() {
+    use gradhub::protocol::FLAG_NO_RESULT;
+    let mut job = data_job(2, 1, |_| {});
+    let g = job.declare(0, &[("g", 64, DType::F32)]).remove(0);
+    let mut c: Vec<DataConn> = (0..2).map(|r| job.conn(0, r)).collect();
+    for round in 0..3u32 {
+        // Worker 1 declines the result (in round 1 it pushes zeros too); worker 0 wants it.
+        let zeros = round == 1;
+        let (flags, one) =
+            if zeros { (FLAG_NO_RESULT | FLAG_ZEROS, vec![]) } else { (FLAG_NO_RESULT, f32_bytes(&[2.0; 64])) };
+        c[1].push(&g, 0, round, flags, &one);
+        c[1].expect_received(&g, 0, round);
+        c[0].push(&g, 0, round, 0, &f32_bytes(&[0.5; 64]));
+        let want = if zeros { 0.5 } else { 2.5 };
+        assert_eq!(bytes_f32(&c[0].expect_result(&g, 0, round)), vec![want; 64], "round {round}");
+        let (h, p) = c[1].read_frame();
+        assert_eq!((h.msg_type, h.key, h.chunk, h.round), (MsgType::Result, g.key, 0, round));
+        assert_eq!((h.flags, h.payload_len, p.len()), (FLAG_NO_RESULT, 0, 0), "round {round}");
+    }
+    drop(c);
+    job.finish();
+}
+
+#[test]
+fn an_asynchronous_push_that_wants_no_result_is_refused() {
+    use gradhub::protocol::{FLAG_ASYNC, FLAG_INIT, FLAG_NO_RESULT};
+    use gradhub::training::Training;
+    let mut job = data_job(1, 1, |c| c.training = Training::Asynchronous { staleness: None });
+    let w = job.declare(0, &[("w", 16, DType::F32)]).remove(0);
+    let mut c = job.conn(0, 0);
+    c.push(&w, 0, 0, FLAG_ASYNC | FLAG_INIT | FLAG_NO_RESULT, &f32_bytes(&[1.0; 16]));
+    c.expect_error("an asynchronous push cannot decline its answer");
+    drop(c);
     job.finish();
 }
 

@@ -144,27 +144,31 @@ def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def start_sum(buf: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool = False,
-              priority: int = 0, live=None):
+              priority: int = 0, live=None, want=None):
     """Start summing `buf` in place over the members of `ps` under `name`:
     the core's handle. `average`: the global set only (the servers divide;
     a set's average is divided by its caller). A set's first member tells
     the workers outside the set to push zeros for it. `live`: see
-    `gradhub.api.push_pull_async` (buf is zeros outside it)."""
+    `gradhub.api.push_pull_async` (buf is zeros outside it); `want`: the
+    elements whose sum is needed (the rest keep what was pushed)."""
     if ps._is_global():
-        return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live)
+        return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live, want=want)
     if average:
         raise AssertionError("a process set's average is divided by the caller")
-    h = _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live)
+    h = _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live, want=want)
     if ps._members()[0] == _api.rank():
         _api.announce(name, [r for r in range(_api.size()) if r not in ps.ranks])
     return h
 
 
 def start_reduction(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool,
-                    priority: int = 0, compression=Compression.none, target: torch.Tensor | None = None) -> Handle:
+                    priority: int = 0, compression=Compression.none, target: torch.Tensor | None = None,
+                    want: tuple[int, int] | None = None) -> Handle:
     """Start reducing (summing; `average`: averaging) `tensor` over the
     members of `ps` under `name`; the result is written into `target` if
-    given, else returned as a new tensor on the tensor's device."""
+    given, else returned as a new tensor on the tensor's device. `want`:
+    the elements (start, stop) of the flattened result the caller reads;
+    outside them the result is undefined (a reduce-scatter's other shards)."""
     src = tensor.detach()
     comp, ctx = compression.compress(src)
     wire_cast = None
@@ -186,7 +190,7 @@ def start_reduction(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     if ps._is_global() and _local_stage.uses(buf):
         h = _local_stage.push_pull_async(buf, name, server_average, priority)
     else:
-        h = start_sum(buf, name, ps, average=server_average, priority=priority)
+        h = start_sum(buf, name, ps, average=server_average, priority=priority, want=want)
     n = ps.size()
 
     def finish():

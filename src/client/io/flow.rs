@@ -53,6 +53,15 @@ impl Active {
         (unsafe { self.ptr.0.add(a * es) }, (b - a) * es)
     }
 
+    /// Whether this worker wants chunk `c`'s result back: not where the
+    /// caller said it needs none of the chunk (`Extent::want`), unless the
+    /// host stage shares it with the host's other workers.
+    pub(super) fn wants_result(&self, c: usize) -> bool {
+        let (lo, hi) = self.spec.chunk_range(c);
+        let es = self.spec.dtype.size();
+        !(matches!(self.route(c), Route::Caller | Route::Kept) && self.op.extent.unwanted(lo * es, hi * es))
+    }
+
     /// What this worker's push of chunk `c` reads; None if another worker
     /// of this host pushes it.
     pub(super) fn push_src(&self, c: usize) -> Option<ChunkSrc> {

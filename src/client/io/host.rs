@@ -114,7 +114,7 @@ impl IoCore {
         }
         io.pump_all(&touched);
         for (key, c) in published {
-            self.land(key, c);
+            self.land(key, c, true);
         }
     }
 }

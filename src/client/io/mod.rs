@@ -194,6 +194,8 @@ pub struct IoStats {
     /// Chunks pushed through a socket, and of those, zeros (a header only).
     pub pushed_by_socket: u64,
     pub pushed_zeros: u64,
+    /// Chunks pushed asking for no result (`Extent::want`): answered by a header only.
+    pub pushed_no_result: u64,
     /// Chunks queued or in flight that their servers have not received
     /// whole yet, and their bytes (what the spread counts; none once
     /// every op is done).
@@ -262,8 +264,8 @@ impl Io {
 
     pub fn stats(&self) -> IoStats {
         let (unreceived_chunks, unreceived_bytes) = self.admission.unreceived();
-        let (pushed_by_ref, pushed_by_socket, pushed_zeros) = self.send.counts.snapshot();
-        IoStats { pushed_by_ref, pushed_by_socket, pushed_zeros, unreceived_chunks, unreceived_bytes }
+        let (pushed_by_ref, pushed_by_socket, pushed_zeros, pushed_no_result) = self.send.counts.snapshot();
+        IoStats { pushed_by_ref, pushed_by_socket, pushed_zeros, pushed_no_result, unreceived_chunks, unreceived_bytes }
     }
 
     pub fn rank(&self) -> u32 {

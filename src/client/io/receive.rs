@@ -13,7 +13,7 @@ use mio::Waker;
 use super::item::{ResultDest, Route};
 use super::link::LinkState;
 use super::thread::IoCore;
-use crate::protocol::{decode_stall, Header, MsgType, ReadError, FLAG_LEAVING};
+use crate::protocol::{decode_stall, Header, MsgType, ReadError, FLAG_LEAVING, FLAG_NO_RESULT};
 use crate::transport::{ConnError, Drain, Frame};
 
 /// The receive side as the other threads see it: how to wake the I/O
@@ -84,7 +84,7 @@ impl IoCore {
             match frame {
                 None => return Ok(()),
                 Some(Frame::Header(hdr)) => self.on_header(i, hdr)?,
-                Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk)?,
+                Some(Frame::Payload(_, d)) => self.chunk_done(i, d.key, d.chunk, true)?,
                 Some(Frame::Message(hdr, buf)) => self.on_small(i, hdr, buf)?,
             }
         }
@@ -129,7 +129,16 @@ impl IoCore {
                     )));
                 }
                 let len = a.spec.chunk_bytes(c);
-                let sent = if by_ref { 0 } else { len };
+                // Only the word that the round is complete, for a push that
+                // asked for no result.
+                let word_only = hdr.flags & FLAG_NO_RESULT != 0;
+                if word_only && (by_ref || a.wants_result(c)) {
+                    return Err(ConnError::Invalid(format!(
+                        "result without its bytes for tensor '{}' chunk {c}, whose result this worker asked for",
+                        a.spec.name
+                    )));
+                }
+                let sent = if by_ref || word_only { 0 } else { len };
                 let route = a.route(c);
                 if by_ref && !(io.send.conns[i].by_ref && route == Route::HostOwner) {
                     return Err(ConnError::Invalid(format!(
@@ -161,9 +170,9 @@ impl IoCore {
                     }
                 };
                 drop(guard);
-                if by_ref {
-                    // Already in the shared buffer.
-                    return self.chunk_done(i, hdr.key, c);
+                if by_ref || word_only {
+                    // Already in the shared buffer, or not wanted.
+                    return self.chunk_done(i, hdr.key, c, !word_only);
                 }
                 self.rx[i].receive_into(hdr, ResultDest { key: hdr.key, chunk: c, dst, len });
                 Ok(())
@@ -235,7 +244,9 @@ impl IoCore {
         Ok(())
     }
 
-    pub(super) fn chunk_done(&mut self, i: usize, key: u32, chunk: usize) -> Result<(), ConnError> {
+    /// Chunk `chunk`'s result is in (`landed`: its bytes; else only the
+    /// word that its round completed, for a push that wanted no result).
+    pub(super) fn chunk_done(&mut self, i: usize, key: u32, chunk: usize, landed: bool) -> Result<(), ConnError> {
         let io = &self.io;
         // Before the op can complete: its caller may queue the chunk's next
         // round at once, which must not find this one still counted.
@@ -255,14 +266,15 @@ impl IoCore {
                 result: Instant::now(),
             });
         }
-        self.land(key, chunk);
+        self.land(key, chunk, landed);
         // Outstanding room came back: keep the connection busy.
         self.io.pump(i)
     }
 
     /// Chunk `chunk`'s result is whole where its route put it: bring it to
     /// the caller's buffer (`Route`), and complete the op with its last chunk.
-    pub(super) fn land(&mut self, key: u32, chunk: usize) {
+    /// Not `landed` (no result wanted): the caller's bytes stay as pushed.
+    pub(super) fn land(&mut self, key: u32, chunk: usize, landed: bool) {
         let io = self.io.clone();
         let done = {
             let mut guard = io.ops();
@@ -270,6 +282,7 @@ impl IoCore {
             let Some(a) = ops.active.get_mut(&key) else { return };
             let (dst, len) = a.caller_chunk(chunk);
             match (a.route(chunk), &a.host, ops.kept.get_mut(&key)) {
+                _ if !landed => {}
                 (Route::Caller, ..) => {}
                 (Route::Kept, _, Some(k)) => {
                     // The whole result is in: now it may replace this worker's push.

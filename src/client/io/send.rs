@@ -55,27 +55,31 @@ impl SendSide {
 }
 
 /// Chunks pushed since the start: by reference, through sockets, and of
-/// those, zeros (a header only).
+/// those, zeros (a header only) and those that asked for no result.
 #[derive(Default)]
 pub(super) struct PushCounts {
     by_ref: AtomicU64,
     by_socket: AtomicU64,
     zeros: AtomicU64,
+    no_result: AtomicU64,
 }
 
 impl PushCounts {
-    fn count(&self, by_ref: bool, zeros: bool) {
+    fn count(&self, by_ref: bool, flags: u16) {
         let n = if by_ref { &self.by_ref } else { &self.by_socket };
         n.fetch_add(1, Ordering::Relaxed);
-        if zeros && !by_ref {
+        if flags & crate::protocol::FLAG_ZEROS != 0 && !by_ref {
             self.zeros.fetch_add(1, Ordering::Relaxed);
+        }
+        if flags & crate::protocol::FLAG_NO_RESULT != 0 {
+            self.no_result.fetch_add(1, Ordering::Relaxed);
         }
     }
 
-    /// (by reference, through sockets, zeros).
-    pub(super) fn snapshot(&self) -> (u64, u64, u64) {
+    /// (by reference, through sockets, zeros, no result asked).
+    pub(super) fn snapshot(&self) -> (u64, u64, u64, u64) {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        (load(&self.by_ref), load(&self.by_socket), load(&self.zeros))
+        (load(&self.by_ref), load(&self.by_socket), load(&self.zeros), load(&self.no_result))
     }
 }
 
@@ -229,16 +233,19 @@ impl Io {
         let (lo, hi) = a.spec.chunk_range(c);
         let es = a.spec.dtype.size();
         let zeros = again == Again::ResultOnly
-            || matches!(route, Route::Caller | Route::Kept)
-                && a.op.live.is_some_and(|(from, to)| hi * es <= from || lo * es >= to);
+            || matches!(route, Route::Caller | Route::Kept) && a.op.extent.zeros(lo * es, hi * es);
         let len = if zeros { 0 } else { src.len };
+        let mut flags = if zeros { a.flags | crate::protocol::FLAG_ZEROS } else { a.flags };
+        if !a.wants_result(c) {
+            flags |= crate::protocol::FLAG_NO_RESULT;
+        }
         let item = SendItem::Chunk(ChunkSend {
             priority: a.priority,
             seq: *seq,
             key: a.spec.key,
             chunk: c as u32,
             round: a.round,
-            flags: again.flags(if zeros { a.flags | crate::protocol::FLAG_ZEROS } else { a.flags }),
+            flags: again.flags(flags),
             dtype: a.spec.dtype,
             ptr: src.ptr,
             len,
@@ -406,7 +413,7 @@ impl Io {
                     }
                     let stamp = tracing.then(|| Stamp::sent(ch.queued, ch.round, ch.len));
                     flights.sent(ch.key, ch.chunk, order, ch.len, stamp);
-                    self.send.counts.count(ch.by_ref, ch.flags & crate::protocol::FLAG_ZEROS != 0);
+                    self.send.counts.count(ch.by_ref, ch.flags);
                     if ch.by_ref {
                         h.msg_type = MsgType::PushRef;
                         h.payload_len = 0;

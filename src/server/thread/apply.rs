@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use super::flush;
+use super::round::Reply;
 use super::sum::Source;
 use super::validate::{Command, Dest, PayloadKind};
 use super::{ConnResult, ServerThread};
@@ -21,7 +22,7 @@ impl ServerThread {
             Command::PushRef { chunk, at, kind } => {
                 self.chunks[chunk].round.learn(hdr.round);
                 match kind {
-                    PayloadKind::Replay => self.replay(t, hdr, chunk, true),
+                    PayloadKind::Replay => self.replay(t, hdr, chunk, Reply::to(hdr.flags, true)),
                     PayloadKind::Counted => {
                         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
                         flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);
@@ -81,7 +82,7 @@ impl ServerThread {
                 if d.len == 0 {
                     let zeros = hdr.flags & FLAG_ZEROS != 0;
                     return match d.kind {
-                        PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
+                        PayloadKind::Replay => self.replay(t, hdr, d.chunk, Reply::to(hdr.flags, false)),
                         _ => self.add_push(t, hdr, d.chunk, if zeros { Source::Zeros } else { Source::Scratch }),
                     };
                 }
@@ -127,10 +128,10 @@ impl ServerThread {
             }
             PayloadKind::Push => match self.on_arrival(t, &hdr, d.chunk)? {
                 PayloadKind::Push => self.add_push(t, hdr, d.chunk, Source::Scratch),
-                PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
+                PayloadKind::Replay => self.replay(t, hdr, d.chunk, Reply::to(hdr.flags, false)),
                 _ => Ok(()),
             },
-            PayloadKind::Replay => self.replay(t, hdr, d.chunk, false),
+            PayloadKind::Replay => self.replay(t, hdr, d.chunk, Reply::to(hdr.flags, false)),
             PayloadKind::Restore => self.restore(t, hdr, d.chunk),
             PayloadKind::Counted => {
                 // Its round may have completed while this payload arrived,
@@ -166,8 +167,8 @@ impl ServerThread {
         }
         let (parity, first, init) = ((hdr.round & 1) as usize, ch.round.untouched(), hdr.flags & FLAG_INIT != 0);
         ch.accumulate(parity, rank, first, init, src, &mut conn.scratch, &mut self.pool);
-        let by_ref = matches!(src, Source::Shared(_));
-        if !ch.round.add(rank, hdr.flags & !PUSH_OWN_FLAGS, hdr.priority, by_ref, Instant::now) {
+        let reply = Reply::to(hdr.flags, matches!(src, Source::Shared(_)));
+        if !ch.round.add(rank, hdr.flags & !PUSH_OWN_FLAGS, hdr.priority, reply, Instant::now) {
             // The last push of a round is answered by the result itself
             // (one frame and one wake-up fewer on a small round trip).
             flush::ack(&mut conn.acks, self.cfg.namespace, &hdr);

@@ -7,8 +7,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use super::round::Reply;
 use super::{ConnResult, ServerThread};
-use crate::protocol::{encode_frame, encode_stall, Header, MsgType};
+use crate::protocol::{encode_frame, encode_stall, Header, MsgType, FLAG_NO_RESULT};
 use crate::transport::Outgoing;
 
 /// A result waiting to be sent; higher priority first, then FIFO.
@@ -18,7 +19,7 @@ pub(super) struct TxItem {
     pub seq: u64,
     pub chunk: usize,
     pub round: u32,
-    pub by_ref: bool,
+    pub reply: Reply,
     /// A relay's push of its rack's sum to the owner, not a result.
     pub push: bool,
 }
@@ -85,7 +86,7 @@ impl ServerThread {
         let ch = &mut self.chunks[idx];
         let priority = ch.round.priority;
         let round = ch.round.complete();
-        let mut sent = 0;
+        let mut returned = 0;
         for i in 0..self.chunks[idx].round.pushers.len() {
             let r = self.chunks[idx].round.pushers[i];
             // A restored result completes a round some pushers had not pushed.
@@ -94,17 +95,17 @@ impl ServerThread {
             }
             let Some(t) = self.worker_conn[r as usize] else { continue };
             self.seq += 1;
-            let by_ref = self.chunks[idx].round.by_ref(r);
+            let reply = self.chunks[idx].round.reply(r);
             if let Some(c) = self.conns.get_mut(&t) {
-                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref, push: false });
+                c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, reply, push: false });
                 c.note_answer(idx, round);
-                sent += 1;
+                returned += usize::from(reply != Reply::Nothing);
             }
             if let Err(why) = self.flush(t) {
                 self.close(t, &why.to_string());
             }
         }
-        self.cfg.traffic.returned((self.chunks[idx].bytes() * sent) as u64);
+        self.cfg.traffic.returned((self.chunks[idx].bytes() * returned) as u64);
         self.chunks[idx].round.delivered();
     }
 
@@ -137,7 +138,13 @@ impl ServerThread {
                 priority: item.priority,
                 payload_len: (ch.elems * ch.dtype.size()) as u32,
             };
-            if item.by_ref {
+            if item.reply == Reply::Nothing {
+                // The round is complete; the pusher wanted no bytes of it.
+                h.flags = FLAG_NO_RESULT;
+                h.payload_len = 0;
+                return Some(Outgoing::encoded(Carry::Encoded, h.encode(&[]).to_vec()));
+            }
+            if item.reply == Reply::ByRef {
                 if let Some(st) = shm.get(&ch.key) {
                     let src = ch.result_bytes(parity);
                     let (dst, len) = st.result(ch.chunk as usize);

@@ -10,7 +10,7 @@ use std::collections::HashSet;
 use super::accumulation::Accumulation;
 use super::delta::Deltas;
 use super::flush::{self, Carry, TxItem};
-use super::round::{Origin, Restored, Role, Round};
+use super::round::{Origin, Reply, Restored, Role, Round};
 use super::sum::{Chunk, ChunkBuf};
 use super::validate::{Dest, PayloadKind};
 use super::{ConnResult, ServerThread, FREED_MEMORY};
@@ -298,11 +298,11 @@ impl ServerThread {
 
     /// A push of round `hdr.round`, already complete here: answer it with
     /// the result (the payload, received into scratch, is not needed).
-    pub(super) fn replay(&mut self, t: usize, hdr: Header, idx: usize, by_ref: bool) -> ConnResult {
+    pub(super) fn replay(&mut self, t: usize, hdr: Header, idx: usize, reply: Reply) -> ConnResult {
         let conn = self.conns.get_mut(&t).ok_or("internal: no connection")?;
         self.seq += 1;
         let priority = hdr.priority;
-        conn.results.push(TxItem { priority, seq: self.seq, chunk: idx, round: hdr.round, by_ref, push: false });
+        conn.results.push(TxItem { priority, seq: self.seq, chunk: idx, round: hdr.round, reply, push: false });
         conn.note_answer(idx, hdr.round);
         self.flush(t)
     }

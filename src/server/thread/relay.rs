@@ -4,7 +4,7 @@
 //! optimizer state in step (`super::super::replica`) and releasing a held
 //! round on its ack.
 
-use super::round::Phase;
+use super::round::{Phase, Reply};
 use super::ServerThread;
 use crate::server::replica;
 
@@ -32,7 +32,7 @@ impl ServerThread {
         };
         self.seq += 1;
         if let Some(c) = self.conns.get_mut(&t) {
-            c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, by_ref: false, push: true });
+            c.results.push(TxItem { priority, seq: self.seq, chunk: idx, round, reply: Reply::Bytes, push: true });
         }
         if let Err(why) = self.flush(t) {
             self.close(t, &why.to_string());

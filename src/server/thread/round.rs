@@ -108,6 +108,28 @@ pub(super) enum Restored {
     Completes,
 }
 
+/// How a pusher gets a round's result: its bytes, written into its shared
+/// segment (it pushed by reference), or only the word that the round is
+/// complete (it wanted no result: `FLAG_NO_RESULT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(super) enum Reply {
+    #[default]
+    Bytes,
+    ByRef,
+    Nothing,
+}
+
+impl Reply {
+    /// The reply a push asks for: by its flags, and whether it came by reference.
+    pub fn to(flags: u16, by_ref: bool) -> Reply {
+        match (flags & crate::protocol::FLAG_NO_RESULT != 0, by_ref) {
+            (true, _) => Reply::Nothing,
+            (false, true) => Reply::ByRef,
+            (false, false) => Reply::Bytes,
+        }
+    }
+}
+
 /// Phase, number and role change only through the transitions below.
 pub(super) struct Round {
     /// The round being summed (or, `Unknown`, not known yet).
@@ -127,9 +149,9 @@ pub(super) struct Round {
     pub priority: i32,
     /// The pusher whose push started the round (for the timeline).
     pub first: u32,
-    /// By rank: pushed this round, and by reference (so its result goes back so).
+    /// By rank: pushed this round, and how its result goes back.
     pushed: Vec<bool>,
-    by_ref: Vec<bool>,
+    reply: Vec<Reply>,
     count: u32,
 }
 
@@ -148,7 +170,7 @@ impl Round {
             priority: 0,
             first: 0,
             pushed: vec![false; ranks],
-            by_ref: vec![false; ranks],
+            reply: vec![Reply::Bytes; ranks],
             count: 0,
         }
     }
@@ -195,8 +217,8 @@ impl Round {
         self.pushed.get(rank as usize).copied().unwrap_or(false)
     }
 
-    pub fn by_ref(&self, rank: u32) -> bool {
-        self.by_ref.get(rank as usize).copied().unwrap_or(false)
+    pub fn reply(&self, rank: u32) -> Reply {
+        self.reply.get(rank as usize).copied().unwrap_or_default()
     }
 
     /// The ranks that pushed the current round.
@@ -282,14 +304,14 @@ impl Round {
 
     /// Idle/Summing: count an admitted push; true when it was the last.
     /// `now` is read for a round's first push only (one clock read a round).
-    pub fn add(&mut self, rank: u32, flags: u16, priority: i32, by_ref: bool, now: impl FnOnce() -> Instant) -> bool {
+    pub fn add(&mut self, rank: u32, flags: u16, priority: i32, reply: Reply, now: impl FnOnce() -> Instant) -> bool {
         if self.count == 0 {
             self.phase = Phase::Summing { stall: StallWatch::since(now()) };
             (self.first, self.flags, self.priority) = (rank, flags, priority);
         }
         self.priority = self.priority.max(priority);
         self.pushed[rank as usize] = true;
-        self.by_ref[rank as usize] = by_ref;
+        self.reply[rank as usize] = reply;
         self.count += 1;
         self.count as usize == self.pushers.len()
     }
@@ -394,21 +416,22 @@ mod tests {
         let mut r = owner(&[0, 2, 5]);
         assert_eq!(r.phase, Phase::Idle);
         assert_eq!(r.admit(2, 0), Ok(Admit::Push));
-        assert!(!r.add(2, 0, 3, false, || t0));
+        assert!(!r.add(2, 0, 3, Reply::Bytes, || t0));
         assert_eq!(r.phase, Phase::Summing { stall: StallWatch::since(t0) });
         assert_eq!((r.first, r.priority), (2, 3));
         assert_eq!(r.admit(2, 0), Err(Refusal::Twice));
         assert_eq!(r.admit(1, 0), Err(Refusal::NotAPusher));
         assert_eq!(r.admit(0, 1), Err(Refusal::Round { at: 0 }));
-        assert!(!r.add(0, 0, 7, true, || t0 + MS));
+        assert!(!r.add(0, 0, 7, Reply::ByRef, || t0 + MS));
         assert_eq!(r.missing().collect::<Vec<_>>(), vec![5]);
-        assert!(r.add(5, 0, 1, false, || t0 + 2 * MS));
+        assert!(r.add(5, 0, 1, Reply::to(crate::protocol::FLAG_NO_RESULT, true), || t0 + 2 * MS));
         assert_eq!(r.priority, 7);
         assert_eq!(r.complete(), 0);
         assert_eq!((r.number, r.done, r.phase), (1, Some(0), Phase::Idle));
-        // The pushers of round 0 get its result, by reference where they pushed so.
+        // The pushers of round 0 get its result, by reference where they
+        // pushed so, and only its word where they wanted none.
         assert_eq!(r.pushed_ranks().collect::<Vec<_>>(), vec![0, 2, 5]);
-        assert!(r.by_ref(0) && !r.by_ref(2));
+        assert_eq!((r.reply(0), r.reply(2), r.reply(5)), (Reply::ByRef, Reply::Bytes, Reply::Nothing));
         r.delivered();
         assert_eq!(r.pushed_ranks().count(), 0);
         assert!(r.untouched());
@@ -419,7 +442,7 @@ mod tests {
     fn a_single_pusher_completes_at_once_and_zero_pushes_complete_nothing() {
         let mut r = owner(&[4]);
         assert_eq!(r.admit(4, 0), Ok(Admit::Push));
-        assert!(r.add(4, 0, 0, false, Instant::now));
+        assert!(r.add(4, 0, 0, Reply::Bytes, Instant::now));
         // No push yet: the round waits (no stall, nothing in flight).
         let mut idle = owner(&[0, 1]);
         assert!(!idle.in_flight());
@@ -432,8 +455,8 @@ mod tests {
         let mut r = owner(&[0, 1]);
         for n in 0..5u32 {
             assert_eq!(r.parity(), (n & 1) as usize);
-            r.add(0, 0, 0, false, Instant::now);
-            r.add(1, 0, 0, false, Instant::now);
+            r.add(0, 0, 0, Reply::Bytes, Instant::now);
+            r.add(1, 0, 0, Reply::Bytes, Instant::now);
             assert_eq!(r.complete(), n);
             r.delivered();
             // Round n's result stays in its parity while n + 1 sums in the other.
@@ -446,8 +469,8 @@ mod tests {
         let t0 = Instant::now();
         let mut r = Round::new(Role::Owner { replica: Some(3) }, Origin::Installed, vec![0, 1], 0, 2);
         assert_eq!(r.replica(), Some(3));
-        r.add(0, 0, 0, false, || t0);
-        assert!(r.add(1, 0, 0, false, || t0));
+        r.add(0, 0, 0, Reply::Bytes, || t0);
+        assert!(r.add(1, 0, 0, Reply::Bytes, || t0));
         r.hold(t0 + MS);
         assert_eq!(r.done, Some(0));
         assert!(r.held_for(0) && !r.held_for(1));
@@ -464,8 +487,8 @@ mod tests {
         let t0 = Instant::now();
         let mut r = Round::new(Role::Relay { owner: 9 }, Origin::Installed, vec![1, 2], u32::MAX, 4);
         assert_eq!((r.upstream(), r.replica()), (Some(9), None));
-        r.add(1, 0, 0, false, || t0);
-        assert!(r.add(2, 0, 0, false, || t0));
+        r.add(1, 0, 0, Reply::Bytes, || t0);
+        assert!(r.add(2, 0, 0, Reply::Bytes, || t0));
         r.forward();
         assert_eq!(r.phase, Phase::Forwarded);
         assert!(r.in_flight());
@@ -479,12 +502,12 @@ mod tests {
     fn a_stall_is_reported_once_per_round() {
         let t0 = Instant::now();
         let mut r = owner(&[0, 1]);
-        r.add(0, 0, 0, false, || t0);
+        r.add(0, 0, 0, Reply::Bytes, || t0);
         assert_eq!(r.stalled(t0 + 5 * MS, 10 * MS), None);
         assert_eq!(r.stalled(t0 + 10 * MS, 10 * MS), Some(10 * MS));
         assert!(r.stall_reported());
         assert_eq!(r.stalled(t0 + 50 * MS, 10 * MS), None);
-        r.add(1, 0, 0, false, || t0);
+        r.add(1, 0, 0, Reply::Bytes, || t0);
         r.complete();
         assert!(!r.stall_reported());
     }
@@ -497,8 +520,8 @@ mod tests {
         assert_eq!(r.admit(0, 7), Ok(Admit::Push));
         r.learn(7);
         assert_eq!((r.number, r.phase), (7, Phase::Idle));
-        r.add(0, 0, 0, false, Instant::now);
-        r.add(1, 0, 0, false, Instant::now);
+        r.add(0, 0, 0, Reply::Bytes, Instant::now);
+        r.add(1, 0, 0, Reply::Bytes, Instant::now);
         r.complete();
         r.delivered();
         // A push of round 7 again (its pusher never got the result): a replay.
@@ -506,7 +529,7 @@ mod tests {
         assert_eq!(r.admit(1, 6), Err(Refusal::Round { at: 8 }));
         // Installed chunks never replay.
         let mut i = owner(&[0]);
-        i.add(0, 0, 0, false, Instant::now);
+        i.add(0, 0, 0, Reply::Bytes, Instant::now);
         i.complete();
         assert_eq!(i.admit(0, 0), Err(Refusal::Round { at: 1 }));
     }
@@ -514,13 +537,13 @@ mod tests {
     #[test]
     fn a_push_sent_again_over_a_mended_link_counts_once() {
         let mut r = owner(&[0, 1]);
-        r.add(0, 0, 0, false, Instant::now);
+        r.add(0, 0, 0, Reply::Bytes, Instant::now);
         // Counted already (the old link delivered it): only acknowledged.
         assert_eq!(r.admit_again(0, 0), Ok(Admit::Counted));
         assert_eq!(r.admit(0, 0), Err(Refusal::Twice), "without the flag it is an error");
         // Not counted yet (the old link lost it): a push like any other.
         assert_eq!(r.admit_again(1, 0), Ok(Admit::Push));
-        r.add(1, 0, 0, false, Instant::now);
+        r.add(1, 0, 0, Reply::Bytes, Instant::now);
         r.complete();
         r.delivered();
         // Complete (its result lost with the old link): answered again.
@@ -542,7 +565,7 @@ mod tests {
         assert_eq!(r.restore(4, 0), Restored::Stale);
         assert_eq!(r.restore(2, 0), Restored::Stale);
         // The current round, with one push in: the restore completes it for that pusher.
-        r.add(1, 0, 0, false, Instant::now);
+        r.add(1, 0, 0, Reply::Bytes, Instant::now);
         assert_eq!(r.restore(5, 0), Restored::Completes);
         assert_eq!(r.complete(), 5);
         assert_eq!(r.pushed_ranks().collect::<Vec<_>>(), vec![1]);
@@ -558,7 +581,7 @@ mod tests {
     #[test]
     fn a_retired_round_forgets_its_pushes() {
         let mut r = owner(&[0, 1]);
-        r.add(0, 0, 0, false, Instant::now);
+        r.add(0, 0, 0, Reply::Bytes, Instant::now);
         r.retire();
         assert_eq!(r.phase, Phase::Retired);
         assert!(r.untouched() && r.pushed_ranks().count() == 0 && !r.in_flight());

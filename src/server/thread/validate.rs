@@ -8,8 +8,8 @@ use super::sum::Chunk;
 use super::ServerThread;
 use crate::protocol::auth;
 use crate::protocol::{
-    DType, Header, MsgType, ProtocolError, ReadError, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_RESENT, FLAG_ZEROS,
-    PUSH_OWN_FLAGS,
+    DType, Header, MsgType, ProtocolError, ReadError, FLAG_ASYNC, FLAG_AVERAGE, FLAG_INIT, FLAG_NO_RESULT, FLAG_RESENT,
+    FLAG_ZEROS, PUSH_OWN_FLAGS,
 };
 use crate::transport::ConnError;
 
@@ -273,6 +273,14 @@ impl ServerThread {
         let (idx, rank) = self.chunk_of(t, hdr)?;
         let ch = &self.chunks[idx];
         if hdr.flags & FLAG_ASYNC != 0 || ch.deltas.is_some() {
+            if hdr.flags & FLAG_NO_RESULT != 0 {
+                // An asynchronous push is answered with the parameters it changed.
+                return Err(invalid(format!(
+                    "tensor '{}' chunk {}: an asynchronous push cannot decline its answer",
+                    self.name(hdr.key),
+                    hdr.chunk
+                )));
+            }
             return Ok((idx, rank, self.check_async_push(idx, rank, hdr)?));
         }
         let name = self.name(hdr.key);

@@ -163,12 +163,13 @@ class Collectives:
             except Exception:  # noqa: BLE001 - reported by that operation's own Work
                 pass
 
-    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0):
-        """Start summing `buf` (in place) over the group: an api.Handle."""
+    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0, want=None):
+        """Start summing `buf` (in place) over the group: an api.Handle.
+        `live`, `want`: as `gradhub.api.push_pull_async`'s."""
         self._check_open()
         self._before(name)
         try:
-            h = start_sum(buf, name, self._ps, priority=priority, live=live)
+            h = start_sum(buf, name, self._ps, priority=priority, live=live, want=want)
         except _api.GradhubError as e:
             raise _failure(f"operation {name}", e) from e
         if not isinstance(name, _api.AutoName):
@@ -241,12 +242,14 @@ class Collectives:
 
     # -- gathers (the building block of min/max, all_gather, gather, all_to_all)
 
-    def _gather_start(self, t: torch.Tensor, name: str, device=None):
-        """Start gathering every member's `t` (same size everywhere): (handle, buffer, words per slot)."""
+    def _gather_start(self, t: torch.Tensor, name: str, device=None, wanted: bool = True):
+        """Start gathering every member's `t` (same size everywhere): (handle,
+        buffer, words per slot). Not `wanted`: this member reads none of it."""
         words = _words(t.numel() * t.element_size())
         buf = torch.zeros(self._size * words, dtype=torch.int32, device=device or t.device)
         _slot_write(buf, self._rank, words, t)
-        h = self._sum(buf, name, live=(self._rank * words, (self._rank + 1) * words))
+        h = self._sum(buf, name, live=(self._rank * words, (self._rank + 1) * words),
+                      want=None if wanted else _NOTHING)
         return h, buf, words
 
     # ---------------------------------------------------------------- collectives
@@ -302,8 +305,10 @@ class Collectives:
         data_name = _api.AutoName(f"{self._prefix}dist.all_reduce.sparse{_api.AUTO_MARK}{next(self._once)}")
         return self._in_thread("sparse all_reduce", [t], body)
 
-    def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None) -> Work:
-        """Reduce `t` over the group into `out` (default: `t`, in place)."""
+    def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None,
+                   want: tuple[int, int] | None = None) -> Work:
+        """Reduce `t` over the group into `out` (default: `t`, in place);
+        `want`: only these elements of the flattened result are read."""
         out = t if out is None else out
         kind = rop.op
         if t.is_sparse:
@@ -312,7 +317,7 @@ class Collectives:
             if kind in (_R.BAND, _R.BOR, _R.BXOR) and t.is_floating_point():
                 raise _unsupported(f"{what} with {kind.name} on {t.dtype}", "bitwise ops need integer or bool tensors")
             name = self._name(what + ".gather", t.dtype, t.numel() * t.element_size())
-            h, buf, words = self._gather_start(t, name)
+            h, buf, words = self._gather_start(t, name, wanted=want != _NOTHING)
             op = self._op(what, [out])
 
             def reduce():
@@ -331,7 +336,7 @@ class Collectives:
         self._before(name)
         target = out if src is t and out.is_contiguous() else None
         try:
-            h = start_reduction(src, name, self._ps, average=kind == _R.AVG, target=target)
+            h = start_reduction(src, name, self._ps, average=kind == _R.AVG, target=target, want=want)
         except _api.GradhubError as e:
             raise _failure(what, e) from e
         self._last[name] = h
@@ -380,8 +385,9 @@ class Collectives:
         t = _one(tensors, "reduce")
         if self._rank == opts.rootRank:
             return self._allreduce(t, opts.reduceOp, "reduce")
-        # The others' tensors are left as they are (gloo's leave them unspecified).
-        return self._allreduce(t.clone(), opts.reduceOp, "reduce")
+        # The others' tensors are left as they are (gloo's leave them
+        # unspecified), and no result comes back to them.
+        return self._allreduce(t.clone(), opts.reduceOp, "reduce", want=_NOTHING)
 
     def all_gather_single(self, output, input, opts):
         return self._all_gather_flat(output, input, "all_gather_into_tensor")
@@ -464,7 +470,7 @@ class Collectives:
         op = self._op("gather", list(outs))
         if t.numel() == 0:
             return self._complete_when(op, [])
-        h, buf, words = self._gather_start(t, name)
+        h, buf, words = self._gather_start(t, name, wanted=self._rank == root)
 
         def finish():
             if self._rank == root:
@@ -487,7 +493,7 @@ class Collectives:
                              f"{input.numel()} (the group's size times the input's)")
         if nbytes == 0:
             return self._complete_when(op, [])
-        h, buf, words = self._gather_start(input, name)
+        h, buf, words = self._gather_start(input, name, wanted=self._rank == root)
 
         def finish():
             if self._rank == root:
@@ -515,9 +521,9 @@ class Collectives:
                 if x.numel() != out.numel():
                     raise _unsupported("scatter of tensors of different sizes")
                 _slot_write(buf, q, words, x)
-            h = self._sum(buf, name)
-        else:
-            h = self._sum(buf, name, live=(0, 0))
+        # Each member reads its own slot only.
+        mine = (self._rank * words, (self._rank + 1) * words)
+        h = self._sum(buf, name, want=mine) if self._rank == root else self._sum(buf, name, live=(0, 0), want=mine)
 
         def finish():
             out.copy_(_slot_read(buf, self._rank, words, out))
@@ -549,11 +555,12 @@ class Collectives:
         if input.numel() != output.numel() * self._size:
             raise ValueError(f"{what}: the input has {input.numel()} elements, not {self._size} x "
                              f"{output.numel()} (the group's size times the output's)")
-        # The whole input is reduced (a copy: the input is the caller's), each keeping its shard.
+        # The whole input is pushed (a copy: the input is the caller's); only
+        # this member's shard of the sum comes back.
         full = input.detach().reshape(-1).clone()
         op = self._op(what, [output])
-        inner = self._allreduce(full, rop, what)
         n = output.numel()
+        inner = self._allreduce(full, rop, what, want=(self._rank * n, (self._rank + 1) * n))
 
         def copy(_fut=None):
             output.copy_(full[self._rank * n:(self._rank + 1) * n].view(output.shape))
@@ -737,6 +744,10 @@ class Collectives:
             p2p.close()
         if self._owns_job:
             end_job()
+
+
+# `want` for a member that reads none of a result (a reduce's or a gather's non-root).
+_NOTHING = (0, 0)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
