@@ -789,3 +789,27 @@ def test_the_verdicts_margin_is_the_largest_measured_error_of_a_predicted_gain()
     assert len(table) == 23 and abs(worst - EVIDENCE[0][2]) < 5e-4
     gain = [r for r in byteps_74(Costs()) if r.claim.startswith("ResNet-50") and r.unit == "x"][0]
     assert abs(abs(gain.error) - EVIDENCE[1][2]) < 5e-4
+
+
+@pytest.mark.parametrize("k,colocated", [(0, True), (1, False), (2, False), (2, True), (4, False)])
+def test_the_link_bound_the_search_prunes_by_is_an_upper_bound(k, colocated):
+    """Every simulated layout at or under its bound (with the slack): what
+    the pruned search assumes when it skips a layout."""
+    from gradhub.plan.search import LINK_BOUND_SLACK, _link_bound
+
+    p = builtin("vgg19", 16)
+    for w in (1, 2):
+        c = Cluster(4, w, k, colocated, 1e9)
+        for o in (Options(), Options(partition_bytes=64 << 10, overlap_forward=True)):
+            r = simulate_gradhub(p, c, o, Costs())
+            assert r.samples_per_s <= _link_bound(p, c, None) * LINK_BOUND_SLACK
+
+
+def test_partitions_of_too_many_chunks_are_not_searched():
+    from gradhub.plan.search import MAX_CHUNKS
+
+    p = builtin("vgg19")
+    seen = {}
+    plan(p, Cluster(2, 1, 0, True, 10e9), Costs(), 1, seen=seen)
+    assert all(p.model_bytes / o.partition_bytes <= MAX_CHUNKS for (_, o) in seen)
+    assert p.model_bytes / (64 << 10) > MAX_CHUNKS      # 64 KiB was a knob value, left out here

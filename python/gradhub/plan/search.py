@@ -17,7 +17,8 @@ is pruned, and each simulation is done once:
   with the others fixed, until nothing improves by more than a tie, STEP)
   on the best layout, from forward overlap off and on, and both descents'
   ends tried on the next few; every (layout, options) result is cached
-  (the default credit and its value once).
+  (the default credit and its value once); partitions cutting a step into
+  more than MAX_CHUNKS chunks are not searched.
 
 Ranking: predictions within TIE of each other are a tie, and a tie goes to
 fewer machines, then to the lower price, then to the faster. When the best
@@ -71,6 +72,11 @@ TUNE_AT_LEAST = 3
 # resolution, as in the ranking, and chasing them cost time (a smaller
 # partition is more chunks to simulate: BERT-large on 64 x 8 GPUs took 25 s).
 STEP = TIE
+# Partitions that cut a step's gradients into more chunks than this are not
+# searched: simulating them took most of the search's time (BERT-large on
+# 64 x 8 GPUs: 64 KiB is 20,000 chunks a step, 3.4 of its 9.5 CPU seconds)
+# for a gain within a tie or two.
+MAX_CHUNKS = 8192
 
 
 @dataclass
@@ -212,6 +218,10 @@ def plan(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, prices:
     knobs = dict(KNOBS if knobs is None else knobs)
     if not allow_overlap:
         knobs.pop("overlap_forward", None)
+    if "partition_bytes" in knobs:
+        parts = knobs["partition_bytes"]
+        fit = tuple(v for v in parts if profile.model_bytes / v <= MAX_CHUNKS)
+        knobs["partition_bytes"] = fit or (max(parts),)
     sims = _Sims(profile, costs)
     if seen is not None:
         sims.cache = seen
@@ -253,6 +263,27 @@ def plan(profile: SimProfile, base: Cluster, costs: Costs, max_cpu: int, prices:
     return rank(found, prices)[:top], ddp
 
 
+# The bytes a layout must move bound it (links at their line rate; the
+# placement's chunks put a link's bytes within a few percent of BytePS's
+# split): a layout whose bound, with this slack, is below the best found by
+# more than a tie is not simulated (non-colocated layouts with few servers).
+LINK_BOUND_SLACK = 1.10
+
+
+def _link_bound(profile: SimProfile, c: Cluster, prices: Prices | None) -> float:
+    """An upper bound on a layout's score: every GPU computing all the time,
+    or the busiest link (a worker host's or a CPU-only server's, BytePS's
+    split with the host stage, at the line rate) moving its bytes all the time."""
+    from .theory import host_link_bytes, server_link_bytes
+
+    M = profile.model_bytes
+    link_s = max(host_link_bytes(c.hosts, c.cpu_servers, M, c.workers_per_host, True, c.colocated),
+                 server_link_bytes(c.hosts, c.cpu_servers, M, c.workers_per_host, True, c.colocated)) \
+        / (c.rate_bps / 8)
+    t = max(profile.compute_s, link_s, 1e-12)
+    return _score(Result("bound", c.workers * profile.batch / t, t, ""), c, prices)
+
+
 def _search_layouts(profile: SimProfile, base: Cluster, max_cpu: int, prices, at_defaults) -> None:
     """Simulate the layouts the pruned search needs at the default options
     (`at_defaults` caches them): k on the grid, refined around the best and
@@ -263,7 +294,15 @@ def _search_layouts(profile: SimProfile, base: Cluster, max_cpu: int, prices, at
     def score(k: int) -> float:
         if k not in scores:
             cl = [replace(base, cpu_servers=k, colocated=col) for col in ((True, False) if k else (True,))]
-            scores[k] = max(_score(r, c, prices) for cc in cl for c, _, r in at_defaults(cc))
+            best = max(scores.values(), default=0.0)
+            got = []
+            for cc in cl:
+                ub = _link_bound(profile, cc, prices)
+                if ub * LINK_BOUND_SLACK < best / (1 + TIE):
+                    got.append(ub)      # cannot come near the best so far: not simulated
+                else:
+                    got += [_score(r, c, prices) for c, _, r in at_defaults(cc)]
+            scores[k] = max(got)
         return scores[k]
 
     def at_bound(k: int) -> bool:
