@@ -607,7 +607,7 @@ PLOT_ARGS = ["plan", "--model", "alexnet", "--scale", "16", "--hosts", "2", "--c
 
 def test_plan_plot_writes_png_and_svg_with_axes_and_the_ddp_line(tmp_path):
     pytest.importorskip("matplotlib")
-    from gradhub.plan.plot import COST_LABEL, X_LABEL, Y_LABEL
+    from gradhub.plan.plot import COST_LABEL, X_LABEL, Y_LABEL, in_units
 
     png, svg = tmp_path / "plan.png", tmp_path / "plan.svg"
     out = _cli(*PLOT_ARGS, "--plot", str(png))
@@ -615,7 +615,8 @@ def test_plan_plot_writes_png_and_svg_with_axes_and_the_ddp_line(tmp_path):
     _cli(*PLOT_ARGS, "--gpu-price", "24", "--cpu-price", "2", "--plot", str(svg))
     text = svg.read_text()
     assert text.lstrip().startswith("<?xml") and "<svg" in text
-    for label in (X_LABEL, Y_LABEL, COST_LABEL, "DDP (", "plan's choice", "plan: k="):
+    for label in (X_LABEL, in_units(Y_LABEL, "images"), in_units(COST_LABEL, "images"), "DDP (", "plan's choice",
+                  "plan: k="):
         assert label in text, label
     # --json stays one JSON object with --plot.
     d = json.loads(_cli(*PLOT_ARGS, "--json", "--plot", str(tmp_path / "j.svg")))
@@ -625,7 +626,7 @@ def test_plan_plot_writes_png_and_svg_with_axes_and_the_ddp_line(tmp_path):
 def test_plan_plot_figure_has_a_point_per_k_the_ddp_line_and_the_choice_marked(tmp_path):
     pytest.importorskip("matplotlib")
     from gradhub.plan.cluster import Prices
-    from gradhub.plan.plot import COST_LABEL, X_LABEL, Y_LABEL, draw
+    from gradhub.plan.plot import COST_LABEL, X_LABEL, Y_LABEL, draw, in_units
 
     p, costs = builtin("alexnet", 16), Costs()
     base = Cluster(2, 1, 0, True, 500e6)
@@ -635,8 +636,8 @@ def test_plan_plot_figure_has_a_point_per_k_the_ddp_line_and_the_choice_marked(t
     assert seen and all(isinstance(r, Result) for r in seen.values())
     fig = draw(str(tmp_path / "f.svg"), p, base, costs, 3, seen, choices, ddp, prices, "gradhub")
     top, bottom = fig.axes
-    assert (top.get_xlabel(), top.get_ylabel()) == ("", Y_LABEL)
-    assert (bottom.get_xlabel(), bottom.get_ylabel()) == (X_LABEL, COST_LABEL)
+    assert (top.get_xlabel(), top.get_ylabel()) == ("", in_units(Y_LABEL, "images"))   # a CNN's samples: images
+    assert (bottom.get_xlabel(), bottom.get_ylabel()) == (X_LABEL, in_units(COST_LABEL, "images"))
     lines = {l.get_label(): l for l in top.get_lines()}
     ddp_line = next(l for name, l in lines.items() if name.startswith("DDP"))
     assert list(ddp_line.get_ydata()) == [pytest.approx(ddp.samples_per_s)] * 2   # horizontal, at DDP's prediction

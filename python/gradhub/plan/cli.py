@@ -246,7 +246,7 @@ def _plan(args) -> int:
     if args.plot:
         from .plot import draw
 
-        per = "samples per unit of price" if prices else "samples/s"
+        per = f"{prof.unit} per unit of price" if prices else f"{prof.unit}/s"
         draw(args.plot, prof, base, costs, args.cpu_available, seen, choices, ddp, prices,
              f"{'DDP' if use == 'ddp' else use} ({gain:.2f}x DDP's {per})",
              f"{prof.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs, {args.rate}")

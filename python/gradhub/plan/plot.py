@@ -37,6 +37,11 @@ Y_LABEL = "predicted samples/s"
 COST_LABEL = "cost per million samples"
 
 
+def in_units(label: str, unit: str = "samples") -> str:
+    """A label with the profile's unit for "samples" (images, tokens)."""
+    return label.replace("samples", unit)
+
+
 def check_path(path: str) -> None:
     """ValueError unless `path` ends in a format the plot writes."""
     if Path(path).suffix.lower().lstrip(".") not in FORMATS:
@@ -95,7 +100,7 @@ def _cost(prices: Prices, c: Cluster, samples_per_s: float) -> float:
 
 
 def figure(title: str, pts: list[Point], ddp: Result, base: Cluster, first: Choice | None,
-           prices: Prices | None = None, verdict: str = "", bound: float = 0.0):
+           prices: Prices | None = None, verdict: str = "", bound: float = 0.0, unit: str = "samples"):
     """The matplotlib Figure (on an Agg canvas): samples/s against k, DDP's
     line, the first choice marked; with prices a second panel of cost per
     million samples. `bound`: samples/s with every GPU busy (drawn if > 0)."""
@@ -116,12 +121,12 @@ def figure(title: str, pts: list[Point], ddp: Result, base: Cluster, first: Choi
     ax.axhline(ddp.samples_per_s, color="C3", linestyle="--", label=f"{DDP_LABEL} ({ddp.samples_per_s:.0f})")
     if bound:
         ax.axhline(bound, color="0.5", linestyle=":", linewidth=1, label="every GPU busy (compute bound)")
-    ax.set_ylabel(Y_LABEL)
+    ax.set_ylabel(in_units(Y_LABEL, unit))
     ax.set_ylim(bottom=0, top=max([p.samples_per_s for p in pts] + [ddp.samples_per_s, bound]) * 1.12)
     if first is not None:
         k = first.cluster.cpu_servers
         where = "" if k == 0 or first.cluster.colocated else ", not colocated"
-        text = (f"plan: k={k}{where}\n{first.result.samples_per_s:.0f} samples/s, "
+        text = (f"plan: k={k}{where}\n{first.result.samples_per_s:.0f} {unit}/s, "
                 f"{first.result.samples_per_s / ddp.samples_per_s:.2f}x DDP")
         ax.plot([k], [first.result.samples_per_s], marker="*", markersize=16, color="C2", linestyle="none",
                 label="plan's choice", zorder=5)
@@ -140,7 +145,7 @@ def figure(title: str, pts: list[Point], ddp: Result, base: Cluster, first: Choi
         if first is not None:
             cx.plot([first.cluster.cpu_servers], [_cost(prices, first.cluster, first.result.samples_per_s)],
                     marker="*", markersize=16, color="C2", linestyle="none", label="plan's choice", zorder=5)
-        cx.set_ylabel(COST_LABEL)
+        cx.set_ylabel(in_units(COST_LABEL, unit))
         cx.legend(fontsize=8, loc="upper right")
         cx.grid(True, alpha=0.3)
     axes[-1].set_xlabel(X_LABEL)
@@ -167,6 +172,6 @@ def draw(path: str, profile: SimProfile, base: Cluster, costs: Costs, max_cpu: i
     pts = points(profile, base, costs, max_cpu, seen, first)
     fig = figure(title or f"{profile.name} on {base.hosts} GPU machines x {base.workers_per_host} GPUs",
                  pts, ddp, base, first, prices, verdict,
-                 base.workers * profile.batch / profile.compute_s if profile.compute_s > 0 else 0.0)
+                 base.workers * profile.batch / profile.compute_s if profile.compute_s > 0 else 0.0, profile.unit)
     save(fig, path)
     return fig
