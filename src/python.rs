@@ -334,7 +334,9 @@ impl PyClient {
     fn declare(&self, py: Python<'_>, entries: Vec<(String, u64, String, u32)>) -> PyResult<()> {
         let entries = entries
             .into_iter()
-            .map(|(name, numel, d, partition)| Ok(DeclEntry { name, numel, dtype: dtype_of(&d)?, partition }))
+            .map(|(name, numel, d, partition)| {
+                Ok(DeclEntry { name, numel, dtype: dtype_of(&d)?, partition, members: Vec::new() })
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let c = self.inner.clone();
         py.detach(move || c.declare(entries)).map_err(py_err)
@@ -358,10 +360,11 @@ impl PyClient {
     /// header-only zero chunks); None: all of it.
     /// `want`: (from, to) bytes whose result is needed; the chunks wholly
     /// outside keep what was pushed (answered by a header only); None: all.
+    /// `members`: the ranks (ascending) that sum this tensor; None: all.
     /// `asynchronous`: a push of an asynchronous tensor (`GRADHUB_ASYNC`):
     /// the buffer holds this worker's parameter change (with `init`, its
     /// parameters) and receives the parameters the servers hold.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, asynchronous=false))]
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, members=None, asynchronous=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -376,6 +379,7 @@ impl PyClient {
         release_after: bool,
         live: Option<(usize, usize)>,
         want: Option<(usize, usize)>,
+        members: Option<Vec<u32>>,
         asynchronous: bool,
     ) -> PyResult<PyHandle> {
         let flags = if asynchronous { crate::protocol::FLAG_ASYNC } else { 0 }
@@ -398,22 +402,11 @@ impl PyClient {
                 priority,
                 Some(Box::new(owner)),
                 crate::client::Extent { live, want },
+                members.as_deref().unwrap_or(&[]),
             )
         }
         .map_err(py_err)?;
         Ok(PyHandle { op })
-    }
-
-    /// Tell the workers `to` (outside this operation's process set) to push
-    /// zeros for the operation just started on `name`.
-    fn announce(&self, name: &str, to: Vec<u32>) -> PyResult<()> {
-        self.inner.announce(name, to).map_err(py_err)
-    }
-
-    /// From now on, push zeros for the operations of process sets this
-    /// worker is not in (a background thread).
-    fn serve_set_ops(&self) -> PyResult<()> {
-        self.inner.serve_set_ops().map_err(py_err)
     }
 
     /// Run an optimizer on the servers for float32 tensor `name` (see DistributedOptimizer(optimizer_on_server=True)).

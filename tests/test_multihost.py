@@ -341,3 +341,36 @@ def test_point_to_point_and_a_pipeline_across_emulated_hosts(hosts):
     outs = run("backend_pipeline.py", [a[0], b[0]], 9561)
     for q in range(2):
         assert f"stage {q} of 2: GPipe then 1F1B equal one process (on cpu)" in outs[q], outs[q]
+
+
+def test_a_2d_mesh_group_moves_no_byte_on_a_host_without_its_members(hosts):
+    """A 2-D DeviceMesh on the gradhub backend, 2 hosts x 4 workers, the job's
+    server on a host of its own: every group's collectives are exact
+    (tests/workers/backend_mesh.py), and while host a's group sums and
+    reduce-scatters 80 MiB, host b's link carries nothing of it (its
+    workers take no part in a group they are not in): under 64 KiB there,
+    the control traffic and a barrier. Host a's link carries its theory:
+    each of its 4 workers pushes for itself (no host stage for a group's
+    tensors), 4 MiB each way per all_reduce, 4 MiB up and its 1 MiB shard
+    down per reduce_scatter."""
+    sched_ns, sched_ip = hosts(0)
+    a, b, srv = hosts(1), hosts(2), hosts(3)
+    py = sys.executable
+    env = job_env(GRADHUB_SCHEDULER=f"{sched_ip}:9562", GRADHUB_NUM_WORKERS=8, GRADHUB_NUM_SERVERS=1)
+    procs = [in_ns(sched_ns, [py, "-m", "gradhub", "scheduler"], env),
+             in_ns(srv[0], [py, "-m", "gradhub", "server", "--threads", "2"], env)]
+    layout = [a[0]] * 4 + [b[0]] * 4
+    procs += [in_ns(ns, [py, str(WORKERS / "backend_mesh.py")],
+                    dict(env, MASTER_ADDR=a[1], MASTER_PORT="9563", RANK=str(q), WORLD_SIZE="8",
+                         GH_TEST='{"hosts": 2}'))
+              for q, ns in enumerate(layout)]
+    outs = run_all(procs, timeout=240)
+    moved = {}
+    for q in range(8):
+        out = outs[2 + q]
+        assert f"PASS {q}" in out, out
+        moved[q] = int(re.search(rf"^LINK {q} (\d+)$", out, re.M).group(1))
+    print("link bytes while host a's group worked:", moved)
+    theory = 10 * 4 * ((4 + 4) + (4 + 1)) * 2**20
+    assert all(0.98 <= moved[q] / theory <= 1.1 for q in range(4)), (moved, theory)
+    assert all(moved[q] < 64 << 10 for q in range(4, 8)), moved

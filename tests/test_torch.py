@@ -288,15 +288,9 @@ def test_join_without_the_host_stage():
 
 
 @pytest.mark.parametrize("workers,host_stage", [(2, "1"), (4, "1"), (3, "0")])
-def test_process_sets_reduce_over_their_members_while_the_others_push_zeros(workers, host_stage):
+def test_process_sets_reduce_over_their_members_alone(workers, host_stage):
     rc, out = run_launch(workers, 2, "torch_process_sets.py", env={"GRADHUB_HOST_REDUCE": host_stage})
     assert_all_passed(rc, out, workers)
-
-
-def test_a_process_set_operation_announced_to_a_worker_outside_the_job_fails_the_job():
-    rc, out = run_launch(2, 1, "set_op_bad.py", timeout=120)
-    assert "announced 'x' of a process set to worker 7, which is out of range" in out, out[-4000:]
-    assert "UNEXPECTED" not in out, out[-4000:]
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])

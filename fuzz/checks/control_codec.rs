@@ -89,8 +89,20 @@ impl<'a> Source<'a> {
             (true, 1..) => (0..chunks * (1 + self.u32() as u64 % 3)).map(|_| self.u32()).collect(),
             _ => Vec::new(),
         };
+        let members = match relays.is_empty() {
+            true => self.ranks(),
+            false => Vec::new(),
+        };
         let (key, name, dtype) = (self.u32(), self.text(), self.dtype());
-        TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas, relays }
+        TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas, relays, members }
+    }
+    /// Ranks in strictly ascending order (a tensor's members), maybe none.
+    fn ranks(&mut self) -> Vec<u32> {
+        let mut at = 0u32;
+        self.list(5, |s| {
+            at = at.saturating_add(1 + s.u32() % 9);
+            at
+        })
     }
     fn server(&mut self) -> ServerInfo {
         ServerInfo {
@@ -178,7 +190,13 @@ pub fn message(s: &mut Source) -> Control {
         1 => Control::Welcome(welcome(s)),
         2 => Control::Declare {
             req: s.u32(),
-            entries: s.list(6, |s| DeclEntry { name: s.text(), numel: s.u64(), dtype: s.dtype(), partition: s.u32() }),
+            entries: s.list(6, |s| DeclEntry {
+                name: s.text(),
+                numel: s.u64(),
+                dtype: s.dtype(),
+                partition: s.u32(),
+                members: s.ranks(),
+            }),
         },
         3 => Control::Declared { req: s.u32(), specs: s.list(4, |s| s.spec()) },
         4 => Control::DeclareError { req: s.u32(), message: s.text() },
@@ -218,15 +236,6 @@ pub fn message(s: &mut Source) -> Control {
         25 => Control::Joined { rank: s.u32() },
         26 => Control::JoinDone { last: s.u32() },
         27 => Control::JoinOp {
-            name: s.text(),
-            numel: s.u64(),
-            dtype: s.dtype(),
-            flags: s.u16(),
-            round: s.u32(),
-            release_after: s.bool(),
-        },
-        28 => Control::SetOp {
-            to: s.list(8, |s| s.u32()),
             name: s.text(),
             numel: s.u64(),
             dtype: s.dtype(),

@@ -261,13 +261,15 @@ class Client:
         release_after: bool = False,
         live: tuple[int, int] | None = None,
         want: tuple[int, int] | None = None,
+        members: list[int] | None = None,
         asynchronous: bool = False,
     ) -> Handle:
         """Start an in-place push_pull of raw memory. `owner` is kept alive until done.
         `release_after`: free the tensor once this round completes. `live`: (from, to)
         bytes outside which the memory is zeros (those chunks are pushed as zeros, header only).
         `want`: (from, to) bytes whose result is needed (the chunks wholly outside keep what
-        was pushed; their results come back as a header only).
+        was pushed; their results come back as a header only). `members`: the ranks
+        (ascending) that sum this tensor, each pushing for itself; None: every worker.
         `asynchronous`: a parameter change of an asynchronous tensor (GRADHUB_ASYNC), answered
         with the parameters the servers hold."""
     def release(self, names: list[str]) -> None:
@@ -289,12 +291,6 @@ class Client:
         eps: float = 1e-8,
     ) -> None:
         """Run an optimizer ("sgd" or "adamw") on the servers for float32 tensor `name`."""
-    def announce(self, name: str, to: list[int]) -> None:
-        """Tell the workers `to`, outside this operation's process set, to push
-        zeros for the operation just started on `name`."""
-    def serve_set_ops(self) -> None:
-        """From now on, push zeros (a background thread) for the operations of
-        process sets this worker is not in."""
     def barrier(self) -> None: ...
     def join(self) -> tuple[int, list[str]]:
         """Horovod's join: push zeros for the others' operations until every

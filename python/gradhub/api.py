@@ -375,7 +375,8 @@ _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32":
 
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
                     dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None,
-                    want: tuple[int, int] | None = None, asynchronous: bool = False) -> Handle:
+                    want: tuple[int, int] | None = None, members: list[int] | None = None,
+                    asynchronous: bool = False) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
@@ -401,6 +402,10 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     (a reduce-scatter's shard), so the chunks wholly outside them come back
     as a header saying the round is complete, and keep what this worker
     pushed, instead of the sum (under the host stage every chunk comes back).
+    `members`: the ranks that sum this tensor (a process set, a torch
+    sub-group), this worker among them; only they push it, each for itself
+    (not through the host stage), and no other worker takes part. Every
+    member must give the same list for a name. None: every worker.
     `asynchronous=True` (float32, a job with GRADHUB_ASYNC=1): `tensor` is this
     worker's change of a parameter (with `init=True`, its initial value); the
     servers add it to the parameter they hold as soon as it arrives and the
@@ -424,7 +429,8 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
 
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
                           init=bool(init), release_after=isinstance(name, AutoName), live=_bytes(live),
-                          want=_bytes(want), asynchronous=bool(asynchronous))
+                          want=_bytes(want), members=None if members is None else sorted(int(r) for r in members),
+                          asynchronous=bool(asynchronous))
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)
@@ -601,18 +607,6 @@ def set_server_optimizer(name: str, numel: int, kind: str, lr: float, momentum: 
                                     dampening=float(dampening), weight_decay=float(weight_decay),
                                     nesterov=bool(nesterov), beta1=float(beta1), beta2=float(beta2),
                                     eps=float(eps))
-
-
-def announce(name: str, to: list[int]) -> None:
-    """Process sets: the operation just started on `name` (by this worker,
-    the first of its set) needs zeros from the workers `to`, outside the set."""
-    _require().announce(name, [int(r) for r in to])
-
-
-def serve_set_ops() -> None:
-    """Process sets: from now on this worker pushes zeros, on a thread of
-    its own, for the operations of sets it is not in (idempotent)."""
-    _require().serve_set_ops()
 
 
 def barrier() -> None:

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::shared::Shared;
-use super::table::{join_op, Waiter, JOIN_QUEUE};
+use super::table::{join_op, Waiter};
 use crate::protocol::Control;
 use crate::session::Session;
 
@@ -73,20 +73,9 @@ pub(super) fn control_loop(shared: Arc<Shared>, mut session: Session) {
                 }
             }
             Ok(msg @ Control::JoinOp { .. }) => {
-                // In join(), join() takes part; else the process-set thread.
-                let (join, set) = {
-                    let t = shared.table();
-                    (t.join_events.clone(), t.set_events.clone())
-                };
-                if let Some(tx) = join {
+                // In join(), join() takes part (outside it: a late one, dropped).
+                if let Some(tx) = shared.table().join_events.clone() {
                     let _ = tx.send(msg);
-                } else if let Some(tx) = set {
-                    if tx.try_send(msg).is_err() {
-                        shared.set_failure(format!(
-                            "over {JOIN_QUEUE} operations of process sets wait for this worker's zeros"
-                        ));
-                        return;
-                    }
                 }
             }
             Ok(Control::JoinDone { last }) => {

@@ -1,10 +1,9 @@
-//! Horovod's join and process sets on the worker: taking part with zeros in
-//! operations other workers announce (`join()`, the process-set thread),
-//! and announcing this worker's own to them.
+//! Horovod's join on the worker: taking part with zeros in the operations
+//! other workers announce while this one is in `join()`.
 
 use std::collections::HashMap;
-use std::sync::{Arc, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, MutexGuard};
+use std::time::Duration;
 
 use crossbeam_channel::bounded;
 
@@ -15,30 +14,6 @@ use crate::protocol::{Control, DType};
 
 /// Zero pushes in flight, by name, with the buffers they read.
 pub(super) type ZeroPushes = HashMap<String, (Arc<Op>, Vec<u8>)>;
-
-/// The thread behind `Client::serve_set_ops`: pushes zeros for each
-/// announced operation of a process set this worker is not in, until the
-/// client is closed or dropped (it holds the client only while working).
-pub(super) fn set_ops_loop(client: Weak<Client>, rx: crossbeam_channel::Receiver<Control>) {
-    loop {
-        let msg = rx.recv_timeout(Duration::from_millis(100));
-        let Some(c) = client.upgrade() else { return };
-        if c.check_usable().is_err() {
-            return;
-        }
-        match msg {
-            Ok(Control::JoinOp { name, numel, dtype, flags, round, release_after }) => {
-                if let Err(e) = c.push_zeros(&name, numel, dtype, (flags, release_after), round, true) {
-                    // The job failed (and says why) or is closing.
-                    log::debug!(target: &format!("worker {}", c.rank), "process-set thread ends: {e}");
-                    return;
-                }
-            }
-            Ok(_) | Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return,
-        }
-    }
-}
 
 impl Client {
     /// Horovod's join: this worker has no more data. Until every worker has
@@ -51,9 +26,8 @@ impl Client {
         let (tx, rx) = bounded(JOIN_QUEUE);
         {
             let mut t = self.shared.table();
-            if t.in_flight.iter().any(|n| !t.set_pushes.contains(n)) {
-                let mut names: Vec<&str> =
-                    t.in_flight.iter().filter(|n| !t.set_pushes.contains(*n)).map(String::as_str).collect();
+            if !t.in_flight.is_empty() {
+                let mut names: Vec<&str> = t.in_flight.iter().map(String::as_str).collect();
                 names.sort_unstable();
                 return Err(ClientError::Usage(format!(
                     "join() with operations in flight ({}): wait for them first",
@@ -103,7 +77,7 @@ impl Client {
                     return Ok((last, pushed));
                 }
                 Control::JoinOp { name, numel, dtype, flags, round, release_after } => {
-                    let took_part = self.push_zeros(&name, numel, dtype, (flags, release_after), round, false)?;
+                    let took_part = self.push_zeros(&name, numel, dtype, (flags, release_after), round)?;
                     pushed.extend(took_part.then_some(name));
                 }
                 _ => {}
@@ -112,10 +86,8 @@ impl Client {
     }
 
     /// Take part with zeros in the `round`-th use of `name`, which another
-    /// worker announced (`JoinOp`: this worker joined, or is outside the
-    /// process set of the operation). Returns false for a round this worker
-    /// took part in already. `background`: for the set-op thread (see
-    /// `serve_set_ops`), so that leaving waits for it.
+    /// worker announced (`JoinOp`: this worker joined). Returns false for a
+    /// round this worker took part in already.
     fn push_zeros(
         &self,
         name: &str,
@@ -123,7 +95,6 @@ impl Client {
         dtype: DType,
         (flags, release_after): (u16, bool),
         round: u32,
-        background: bool,
     ) -> Result<bool, ClientError> {
         let (done, finished) = {
             let t = self.shared.table();
@@ -134,7 +105,7 @@ impl Client {
         }
         if flags & crate::protocol::FLAG_INIT != 0 {
             let why = format!(
-                "worker {} takes part with zeros (it joined, or is outside a process set) in the initial \
+                "worker {} takes part with zeros (it joined) in the initial \
                  parameters of '{name}' for a server-side optimizer: that is not possible",
                 self.rank
             );
@@ -157,15 +128,9 @@ impl Client {
             {
                 // Zeros pushed, no result wanted: a header each way per chunk.
                 let none = Extent { live: Some((0, 0)), want: Some((0, 0)) };
-                self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, release_after, 0, None, none)?
+                self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, release_after, 0, None, none, &[])?
             }
         };
-        if background {
-            let mut t = self.shared.table();
-            if t.in_flight.contains(name) {
-                t.set_pushes.insert(name.to_string());
-            }
-        }
         let mut z = self.zero_pushes();
         z.retain(|_, (op, _)| !op.done());
         z.insert(name.to_string(), (op, zeros));
@@ -174,68 +139,5 @@ impl Client {
 
     fn zero_pushes(&self) -> MutexGuard<'_, ZeroPushes> {
         self.zero_pushes.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Take part, from now on, in the operations of process sets this
-    /// worker is not in: their first member announces each one (`announce`)
-    /// and a thread of this worker pushes zeros for it (an operation needs
-    /// every worker's push). Idempotent; the thread ends with the client.
-    pub fn serve_set_ops(self: &Arc<Self>) -> Result<(), ClientError> {
-        self.check_usable()?;
-        let (tx, rx) = bounded(JOIN_QUEUE);
-        {
-            let mut t = self.shared.table();
-            if t.set_events.is_some() {
-                return Ok(());
-            }
-            t.set_events = Some(tx);
-        }
-        let me = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("gradhub-set-ops".into())
-            .spawn(move || set_ops_loop(me, rx))
-            .map(|_| ())
-            .map_err(|e| ClientError::Failed(format!("cannot start the process-set thread: {e}")))
-    }
-
-    /// Announce the operation just started on `name` (this worker is the
-    /// first member of its process set) to the workers `to`, outside the
-    /// set: they push zeros for it.
-    pub fn announce(&self, name: &str, to: Vec<u32>) -> Result<(), ClientError> {
-        if to.is_empty() {
-            return Ok(());
-        }
-        let u = self.shared.table().uses.get(name).copied();
-        let u = u.ok_or_else(|| ClientError::Usage(format!("announce('{name}') before its push_pull")))?;
-        let msg = Control::SetOp {
-            to,
-            name: name.to_string(),
-            numel: u.numel,
-            dtype: u.dtype,
-            flags: u.flags,
-            round: u.round,
-            release_after: u.release_after,
-        };
-        self.shared.send_ctrl(&msg).map_err(|e| ClientError::Failed(e.to_string()))
-    }
-
-    /// Before a clean goodbye: the zeros this worker pushed for process
-    /// sets it is not in complete once the sets' members pushed theirs
-    /// (they have announced them, so they are on their way): wait for
-    /// that, at most a peer timeout, rather than leave them in flight.
-    pub(super) fn finish_set_pushes(&self) {
-        let deadline = Instant::now() + self.shared.io.peer_timeout().max(Duration::from_secs(5));
-        loop {
-            {
-                let t = self.shared.table();
-                if t.set_pushes.is_empty() || t.in_flight.iter().any(|n| !t.set_pushes.contains(n)) {
-                    return;
-                }
-            }
-            if Instant::now() >= deadline || self.shared.failure().is_some() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
     }
 }

@@ -276,7 +276,9 @@ impl Client {
         keepalive: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<Arc<Op>, ClientError> {
         // SAFETY: the caller's contract, passed on.
-        unsafe { self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, Extent::default()) }
+        unsafe {
+            self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, Extent::default(), &[])
+        }
     }
 
     /// `push_pull` of a buffer that is zeros outside bytes `extent.live` (a
@@ -287,6 +289,11 @@ impl Client {
     /// zeros): the chunks wholly outside it are answered by a header only and
     /// keep what was pushed. Neither applies under the host stage, which
     /// sums and shares every chunk of a host.
+    /// `members`: the workers that sum this tensor, by rank, ascending (a
+    /// process set's, a torch sub-group's), this one among them; each
+    /// pushes for itself, and no other worker takes part (empty: every
+    /// worker). Horovod's join does not cover such a tensor: a joined
+    /// worker pushes zeros only for tensors of every worker.
     /// `release_after`: free the tensor once this round completes (see
     /// `release`), for a generated name that is never used again; the
     /// worker's own bookkeeping, told to joined workers in `JoinOp`, never
@@ -306,6 +313,7 @@ impl Client {
         priority: i32,
         keepalive: Option<Box<dyn std::any::Any + Send>>,
         extent: Extent,
+        members: &[u32],
     ) -> Result<Arc<Op>, ClientError> {
         self.check_usable()?;
         if dtype == DType::None {
@@ -325,6 +333,12 @@ impl Client {
         if extent.want.is_some() && flags & crate::protocol::FLAG_ASYNC != 0 {
             return Err(ClientError::Usage("an asynchronous push_pull always returns its whole result".into()));
         }
+        let rank = self.shared.io.rank();
+        if !members.is_empty() && (members.windows(2).any(|w| w[0] >= w[1]) || members.binary_search(&rank).is_err()) {
+            return Err(ClientError::Usage(format!(
+                "push_pull '{name}': members {members:?} must be ascending ranks that include this worker ({rank})"
+            )));
+        }
         let op = Arc::new(Op::new(name.to_string(), keepalive, extent));
         let ptr = BufPtr(ptr);
         let mut t = self.shared.table();
@@ -338,7 +352,8 @@ impl Client {
         // An asynchronous push waits for nobody: a worker that finished early
         // does not hold the others back.
         let waits_for_all = flags & crate::protocol::FLAG_ASYNC == 0;
-        let left = if waits_for_all { self.shared.check_left(&t, &format!("push_pull '{name}'")) } else { Ok(()) };
+        let left =
+            if waits_for_all { self.shared.check_left_of(&t, &format!("push_pull '{name}'"), members) } else { Ok(()) };
         if let Err(e) = left {
             drop(t);
             self.shared.fail_job(e.to_string());
@@ -362,7 +377,7 @@ impl Client {
                 t.uses.insert(name.to_string(), u);
             }
         }
-        if t.peers_joined {
+        if t.peers_joined && members.is_empty() {
             drop(t);
             if let Err(e) = self.shared.send_ctrl(&join_op(name, &u)) {
                 self.shared.set_failure(e.to_string());
@@ -389,7 +404,7 @@ impl Client {
             let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
             t.waiters.insert(req, Waiter::Async(vec![name.to_string()]));
             drop(t);
-            let e = DeclEntry { name: name.to_string(), numel, dtype, partition: 0 };
+            let e = DeclEntry { name: name.to_string(), numel, dtype, partition: 0, members: members.to_vec() };
             if let Err(msg) = self.shared.send_ctrl(&Control::Declare { req, entries: vec![e] }) {
                 self.shared.set_failure(msg.to_string());
             }
@@ -407,7 +422,13 @@ impl Client {
         numel: u64,
         cfg: crate::protocol::OptConfig,
     ) -> Result<(), ClientError> {
-        self.declare(vec![DeclEntry { name: name.to_string(), numel, dtype: DType::F32, partition: 0 }])?;
+        self.declare(vec![DeclEntry {
+            name: name.to_string(),
+            numel,
+            dtype: DType::F32,
+            partition: 0,
+            members: Vec::new(),
+        }])?;
         let spec = self
             .shared
             .table()
@@ -497,9 +518,6 @@ impl Client {
     /// worker that leaves with operations in flight (others may be waiting
     /// for its pushes) fails the job instead, naming them.
     fn leave(&self, failure: Option<String>) {
-        if failure.is_none() {
-            self.finish_set_pushes();
-        }
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }

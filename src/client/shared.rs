@@ -82,12 +82,17 @@ impl Shared {
 
     /// Fails the job if a worker has left (see `on_peer_left`).
     pub(super) fn check_left(&self, t: &Table, what: &str) -> Result<(), ClientError> {
+        self.check_left_of(t, what, &[])
+    }
+
+    /// `check_left` for an operation of the workers `members` (empty: all).
+    pub(super) fn check_left_of(&self, t: &Table, what: &str, members: &[u32]) -> Result<(), ClientError> {
         match t.left {
-            Some(r) => {
+            Some(r) if members.is_empty() || members.binary_search(&r).is_ok() => {
                 let msg = io::left_message(r, self.io.rank(), what);
                 Err(ClientError::Failed(msg))
             }
-            None => Ok(()),
+            _ => Ok(()),
         }
     }
 
@@ -133,7 +138,6 @@ impl Shared {
         let release = {
             let mut t = self.table();
             t.in_flight.remove(&op.name);
-            t.set_pushes.remove(&op.name);
             // After a failure the job is over (or the tensor never existed).
             match t.transient.remove(&op.name) && error.is_none() {
                 true => {

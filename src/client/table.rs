@@ -56,11 +56,6 @@ pub(super) struct Table {
     /// While this worker is in `join()`: where the scheduler's join
     /// messages go.
     pub(super) join_events: Option<Sender<Control>>,
-    /// Once process sets exist (`serve_set_ops`): where operations of sets
-    /// this worker is not in go, the rest of the time.
-    pub(super) set_events: Option<Sender<Control>>,
-    /// Names of the zero pushes in flight for those.
-    pub(super) set_pushes: HashSet<String>,
 }
 
 #[derive(Clone, Copy)]

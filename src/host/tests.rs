@@ -41,6 +41,7 @@ fn spec(numel: u64, dtype: DType) -> TensorSpec {
         slots: vec![0; n],
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     }
 }
 

@@ -67,6 +67,7 @@ fn a_server_that_joins_takes_its_weighted_share_and_only_from_the_others() {
         slots: Vec::new(),
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     };
     let (mut a, mut b) = (mk(0, 60_000), mk(1, 37_000));
     let chunk = 4000;
@@ -123,6 +124,7 @@ fn a_server_that_joins_takes_small_chunks_when_the_large_ones_would_overload_it(
         slots: Vec::new(),
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     };
     let sizes: Vec<u64> = (0..3).map(|_| 8000).chain((0..24).map(|_| 500)).collect();
     t.slots = p.place(sizes.iter().copied());
@@ -143,6 +145,7 @@ fn a_server_that_joins_takes_small_chunks_when_the_large_ones_would_overload_it(
             slots: vec![slot],
             replicas: Vec::new(),
             relays: Vec::new(),
+            members: Vec::new(),
         })
         .collect();
     let mut refs: Vec<&mut crate::protocol::TensorSpec> = specs.iter_mut().collect();
@@ -167,6 +170,7 @@ fn a_cpu_only_server_that_joins_changes_the_byteps_split() {
         slots: Vec::new(),
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     };
     t.slots = p.place((0..40).map(|_| 4000));
     let joined = servers(&[true, true, false], 1).remove(2);
@@ -197,6 +201,7 @@ fn replicas_are_on_another_server_and_take_the_chunks_of_a_lost_one() {
         slots: Vec::new(),
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     };
     spec.slots = p.place((0..30).map(|c| spec.chunk_bytes(c) as u64));
     spec.replicas = p.place_replicas(&spec);
@@ -252,6 +257,7 @@ fn a_lost_servers_chunks_move_to_the_others_in_proportion() {
         slots: Vec::new(),
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     };
     spec.slots = p.place((0..60).map(|c| spec.chunk_bytes(c) as u64));
     assert!(spec.slots.iter().any(|&s| s / 2 == 1), "server 1 got chunks");
@@ -350,6 +356,7 @@ fn relays_stay_in_their_rack_and_every_rack_pushes_to_the_owner_once() {
         slots: Vec::new(),
         replicas: Vec::new(),
         relays: Vec::new(),
+        members: Vec::new(),
     };
     spec.slots = p.place((0..40).map(|c| spec.chunk_bytes(c) as u64));
     spec.relays = p.place_relays(&spec);
@@ -431,6 +438,7 @@ fn a_placer_that_counts_the_tensors_placed_before_places_the_next_ones_alike() {
             slots: Vec::new(),
             replicas: Vec::new(),
             relays: Vec::new(),
+            members: Vec::new(),
         };
         spec.slots = p.place((0..n as usize).map(|c| {
             let (a, b) = (c as u64 * chunk_elems, ((c as u64 + 1) * chunk_elems).min(numel));

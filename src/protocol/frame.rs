@@ -160,7 +160,7 @@ msg_types! {
     Joined = 42, "scheduler -> workers: a worker joined; announce your operations in flight and to come (JoinOp)";
     JoinOp = 43, "worker -> scheduler -> joined workers: an operation (name, size, dtype, flags, round, freed after it) a joined worker must push zeros for";
     JoinDone = 44, "scheduler -> workers: every worker joined (payload: the last one); all go on";
-    SetOp = 45, "worker -> scheduler: an operation of a process set, for the workers outside it (listed) to push zeros for; forwarded to them as JoinOp";
+    // 45 was SetOp (a process set's operation announced to the workers outside it), retired in version 22: a set's tensors are its members' alone.
     ServerJoined = 46, "scheduler -> members: a server joined the running job (its address and ports); workers connect to it";
     ServerMove = 47, "scheduler -> servers: chunks move to a server that joined (new specs); give yours up unless they hold server-side optimizer state";
     ServerMoveAck = 48, "server -> scheduler: chunks given up; payload: the (key, chunk) pairs kept";

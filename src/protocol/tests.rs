@@ -7,7 +7,7 @@ use std::io::Cursor;
 
 /// Every MsgType. `header_rejects_unknown_type` fails if frame.rs gains a
 /// type that is missing here.
-const ALL_MSG_TYPES: [MsgType; 55] = [
+const ALL_MSG_TYPES: [MsgType; 54] = [
     MsgType::PeerHello,
     MsgType::PeerData,
     MsgType::Ack,
@@ -15,7 +15,6 @@ const ALL_MSG_TYPES: [MsgType; 55] = [
     MsgType::Unreachable,
     MsgType::Rejoin,
     MsgType::HostsUpdated,
-    MsgType::SetOp,
     MsgType::ServerJoined,
     MsgType::ServerMove,
     MsgType::ServerMoveAck,
@@ -109,6 +108,11 @@ fn spec(key: u32, name: &str, numel: u64, dtype: DType, chunk_elems: u64, first_
         },
         relays: match key % 3 {
             0 => (0..2 * n as u32).map(|i| first_slot.wrapping_add(i) % 5).collect(),
+            _ => Vec::new(),
+        },
+        // A member tensor has no relays.
+        members: match key % 3 {
+            1 => vec![0, 2, first_slot + 3],
             _ => Vec::new(),
         },
     }
@@ -230,9 +234,27 @@ fn sample_controls() -> Vec<Control> {
         Control::Declare {
             req: 7,
             entries: vec![
-                DeclEntry { name: "layer1.weight".into(), numel: 1 << 20, dtype: DType::F32, partition: 0 },
-                DeclEntry { name: "layer1.bias".into(), numel: 0, dtype: DType::F16, partition: 64 << 10 },
-                DeclEntry { name: "emb.🚀.grad".into(), numel: u64::MAX, dtype: DType::BF16, partition: u32::MAX },
+                DeclEntry {
+                    name: "layer1.weight".into(),
+                    numel: 1 << 20,
+                    dtype: DType::F32,
+                    partition: 0,
+                    members: Vec::new(),
+                },
+                DeclEntry {
+                    name: "layer1.bias".into(),
+                    numel: 0,
+                    dtype: DType::F16,
+                    partition: 64 << 10,
+                    members: Vec::new(),
+                },
+                DeclEntry {
+                    name: "emb.🚀.grad".into(),
+                    numel: u64::MAX,
+                    dtype: DType::BF16,
+                    partition: u32::MAX,
+                    members: Vec::new(),
+                },
             ],
         },
         Control::Declare { req: u32::MAX, entries: vec![] },
@@ -335,24 +357,6 @@ fn sample_controls() -> Vec<Control> {
             release_after: false,
         },
         Control::JoinOp { name: String::new(), numel: 0, dtype: DType::I64, flags: 0, round: 0, release_after: true },
-        Control::SetOp {
-            to: vec![0, 2, u32::MAX],
-            name: "ps1.x".into(),
-            numel: 9,
-            dtype: DType::F16,
-            flags: 0,
-            round: 1,
-            release_after: false,
-        },
-        Control::SetOp {
-            to: vec![],
-            name: String::new(),
-            numel: 0,
-            dtype: DType::F64,
-            flags: 0,
-            round: 0,
-            release_after: true,
-        },
         Control::Error { message: "scheduler: job namespace mismatch — bye 👋".into() },
         Control::Error { message: String::new() },
     ];
@@ -961,6 +965,7 @@ fn raw_spec(numel: u64, dtype: u8, chunk_elems: u64, nslots: u32) -> Vec<u8> {
     }
     p.u32(0); // no replicas
     p.u32(0); // no relays
+    p.u32(0); // no members
     p.buf
 }
 
@@ -974,13 +979,13 @@ fn specs_payload(t: MsgType, spec_bytes: &[u8]) -> (Header, Vec<u8>) {
 fn control_rejects_a_replica_count_that_is_not_the_chunk_count() {
     for (nrep, ok) in [(0u32, true), (4, true), (3, false), (5, false)] {
         let mut b = raw_spec(10, 1, 3, 4);
-        b.truncate(b.len() - 8);
+        b.truncate(b.len() - 12);
         let mut p = w();
         p.u32(nrep);
         (0..nrep).for_each(|i| {
             p.u32(i + 1);
         });
-        p.u32(0);
+        p.u32(0).u32(0);
         b.extend_from_slice(&p.buf);
         let (h, payload) = specs_payload(MsgType::Declared, &b);
         match Control::decode(&h, &payload) {
@@ -996,12 +1001,13 @@ fn control_rejects_a_relay_count_that_is_not_a_multiple_of_the_chunk_count() {
     // Per chunk, one slot per rack: 4 chunks in 2 or 3 racks.
     for (nrel, ok) in [(0u32, true), (8, true), (12, true), (4, true), (6, false), (9, false)] {
         let mut b = raw_spec(10, 1, 3, 4);
-        b.truncate(b.len() - 4);
+        b.truncate(b.len() - 8);
         let mut p = w();
         p.u32(nrel);
         (0..nrel).for_each(|i| {
             p.u32(i);
         });
+        p.u32(0);
         b.extend_from_slice(&p.buf);
         let (h, payload) = specs_payload(MsgType::Declared, &b);
         match Control::decode(&h, &payload) {
@@ -1010,6 +1016,42 @@ fn control_rejects_a_relay_count_that_is_not_a_multiple_of_the_chunk_count() {
             other => panic!("{nrel} relays: {other:?}"),
         }
     }
+}
+
+#[test]
+fn control_rejects_members_out_of_order_or_beside_relays() {
+    // A spec's members: strictly ascending ranks, and no relays beside them.
+    for (members, relays, ok) in [
+        (&[1u32, 4][..], 0u32, true),
+        (&[][..], 4, true),
+        (&[4, 1][..], 0, false),
+        (&[2, 2][..], 0, false),
+        (&[0, 3][..], 4, false),
+    ] {
+        let mut b = raw_spec(10, 1, 3, 4);
+        b.truncate(b.len() - 8);
+        let mut p = w();
+        p.u32(relays);
+        (0..relays).for_each(|i| {
+            p.u32(i);
+        });
+        p.u32(members.len() as u32);
+        members.iter().for_each(|&r| {
+            p.u32(r);
+        });
+        b.extend_from_slice(&p.buf);
+        let (h, payload) = specs_payload(MsgType::Declared, &b);
+        match Control::decode(&h, &payload) {
+            Ok(Control::Declared { specs, .. }) if ok => assert_eq!(specs[0].members, members),
+            Err(ProtocolError::BadPayload(m)) if !ok => assert!(m.contains("members"), "{m}"),
+            other => panic!("{members:?} with {relays} relays: {other:?}"),
+        }
+    }
+    // The same in a declaration.
+    let mut p = w();
+    p.u32(1).u32(1).str("x").u64(4).u8(1).u32(0).u32(2).u32(3).u32(1);
+    let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);
+    assert!(matches!(Control::decode(&h, &p), Err(ProtocolError::BadPayload(m)) if m.contains("ascending")));
 }
 
 #[test]
@@ -1050,14 +1092,14 @@ fn control_rejects_inconsistent_tensor_specs() {
 fn control_rejects_bad_dtype_in_declaration() {
     for d in [0u8, 7, 0x80, 0xff] {
         let mut p = w();
-        p.u32(1).u32(2).str("ok").u64(4).u8(1).u32(0).str("bad").u64(4).u8(d).u32(0);
+        p.u32(1).u32(2).str("ok").u64(4).u8(1).u32(0).u32(0).str("bad").u64(4).u8(d).u32(0).u32(0);
         let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);
         assert_eq!(Control::decode(&h, &p), Err(ProtocolError::BadDtype(d)), "dtype {d}");
     }
     // Encoding a DType::None declaration produces something the peer rejects.
     let msg = Control::Declare {
         req: 1,
-        entries: vec![DeclEntry { name: "x".into(), numel: 1, dtype: DType::None, partition: 0 }],
+        entries: vec![DeclEntry { name: "x".into(), numel: 1, dtype: DType::None, partition: 0, members: Vec::new() }],
     };
     assert_eq!(decode_frame(&msg.encode(NS)), Err(ProtocolError::BadDtype(0)));
 }

@@ -20,6 +20,8 @@ struct Decl {
     /// Bytes per chunk (resolved: never 0).
     partition: u32,
     first_rank: u32,
+    /// The workers that sum it (empty: all); the others count as declared.
+    members: Vec<u32>,
     declared_by: Vec<bool>,
     conflict: Option<String>,
     spec: Option<TensorSpec>,
@@ -74,6 +76,13 @@ pub(super) struct Declarations {
     /// still holds (a tensor freed after the restart began, reported by a
     /// server not back yet) would be given out again.
     placing_held: bool,
+}
+
+/// By rank, whether a worker is outside `members` (empty: every worker is in):
+/// what a tensor's declarations and releases start from, so that it is
+/// complete once every member declared (released) it.
+fn outside(members: &[u32], n: usize) -> Vec<bool> {
+    (0..n as u32).map(|r| !members.is_empty() && members.binary_search(&r).is_err()).collect()
 }
 
 /// At most this many keys released early (`Declarations::early`).
@@ -143,6 +152,12 @@ impl Declarations {
     /// one cannot.
     fn check(cfg: &SchedulerConfig, e: &DeclEntry) -> Option<String> {
         let job = cfg.partition_bytes;
+        if e.members.last().is_some_and(|&r| r >= cfg.num_workers) {
+            return Some(format!(
+                "tensor '{}': members {:?} name a rank outside the job's {} workers",
+                e.name, e.members, cfg.num_workers
+            ));
+        }
         // A tensor may take smaller chunks than the job's (autotuning tries
         // them), never larger: the job's partition bounds every data frame.
         if e.partition != 0 && (e.partition < e.dtype.size() as u32 || e.partition > job) {
@@ -186,6 +201,12 @@ impl Declarations {
         if let Some(message) = entries.iter().find_map(|e| Self::check(cfg, e)) {
             return Err(message);
         }
+        if let Some(e) = entries.iter().find(|e| !e.members.is_empty() && e.members.binary_search(&rank).is_err()) {
+            return Err(format!(
+                "worker {rank} declared tensor '{}' of the workers {:?}, not its own",
+                e.name, e.members
+            ));
+        }
         if let Some(message) = self.over_limits(cfg, &entries) {
             return Err(message);
         }
@@ -199,7 +220,8 @@ impl Declarations {
                 dtype: e.dtype,
                 partition,
                 first_rank: rank,
-                declared_by: vec![false; n],
+                declared_by: outside(&e.members, n),
+                members: e.members.clone(),
                 conflict: None,
                 spec: None,
                 installed: false,
@@ -218,6 +240,13 @@ impl Declarations {
                     e.numel,
                     e.dtype.name(),
                     partition
+                ));
+            }
+            if d.conflict.is_none() && d.members != e.members {
+                d.conflict = Some(format!(
+                    "tensor '{}' declared inconsistently: worker {} sums it over workers {:?}, worker {rank} over {:?} \
+                     (empty: every worker)",
+                    e.name, d.first_rank, d.members, e.members
                 ));
             }
             d.declared_by[rank as usize] = true;
@@ -246,7 +275,7 @@ impl Declarations {
             let key = self.next_key;
             self.next_key += 1;
             let Some(d) = self.decls.get(&name) else { continue };
-            let (numel, dtype) = (d.numel, d.dtype);
+            let (numel, dtype, members) = (d.numel, d.dtype, d.members.clone());
             let ce = chunk_elems(d.partition, dtype.size());
             let nchunks = numel.div_ceil(ce);
             let sizes = (0..nchunks).map(|c| (ce.min(numel - c * ce)) * dtype.size() as u64);
@@ -261,9 +290,13 @@ impl Declarations {
                 slots,
                 replicas: Vec::new(),
                 relays: Vec::new(),
+                members,
             };
             spec.replicas = placer.place_replicas(&spec);
-            spec.relays = placer.place_relays(&spec);
+            // Members push straight to each chunk's owner.
+            if spec.members.is_empty() {
+                spec.relays = placer.place_relays(&spec);
+            }
             if let Some(d) = self.decls.get_mut(&name) {
                 d.spec = Some(spec.clone());
             }
@@ -294,7 +327,8 @@ impl Declarations {
                         dtype: s.dtype,
                         partition: (s.chunk_elems.saturating_mul(s.dtype.size() as u64)).min(u32::MAX as u64) as u32,
                         first_rank: rank,
-                        declared_by: vec![false; n],
+                        declared_by: outside(&s.members, n),
+                        members: s.members.clone(),
                         conflict: None,
                         spec: Some(s.clone()),
                         installed: true,
@@ -404,7 +438,7 @@ impl Declarations {
                     Some(spec) if installed => spec,
                     _ => return Err(format!("worker {rank} released tensor key {key}, which is not in use")),
                 };
-                let mut released_by = vec![false; n];
+                let mut released_by = outside(&spec.members, n);
                 for r in self.early.remove(&key).unwrap_or_default() {
                     if let Some(b) = released_by.get_mut(r as usize) {
                         *b = true;
@@ -475,8 +509,9 @@ impl Declarations {
             }
             let Some(waited) = d.stall.overdue(stall) else { continue };
             let by = &d.declared_by;
+            let member = |r: &u32| d.members.is_empty() || d.members.binary_search(r).is_ok();
             let missing: Vec<u32> = (0..by.len() as u32).filter(|&r| !by[r as usize]).collect();
-            let waiting: Vec<u32> = (0..by.len() as u32).filter(|&r| by[r as usize]).collect();
+            let waiting: Vec<u32> = (0..by.len() as u32).filter(|&r| by[r as usize] && member(&r)).collect();
             reports.push(Stall { name: name.clone(), missing, waiting, waited });
         }
         reports
@@ -564,7 +599,7 @@ pub(super) mod tests {
     }
 
     pub(in crate::scheduler) fn entry(name: &str, numel: u64) -> DeclEntry {
-        DeclEntry { name: name.into(), numel, dtype: DType::F32, partition: 0 }
+        DeclEntry { name: name.into(), numel, dtype: DType::F32, partition: 0, members: Vec::new() }
     }
 
     /// Every worker declares `entries` (request 0); the tensors placed.
@@ -776,5 +811,38 @@ pub(super) mod tests {
         assert!(d.waiting_on_departed(&[0].into()).is_none());
         assert!(d.stalls(Duration::ZERO).iter().any(|s| s.name == "w" && s.missing == [1] && s.waiting == [0]));
         assert!(d.stalls(Duration::ZERO).is_empty(), "reported once");
+    }
+
+    #[test]
+    fn a_member_tensor_is_placed_once_its_members_declared_it_and_freed_once_they_released_it() {
+        let (cfg, mut d) = job(4, &servers(2, 1));
+        let m = |name: &str, members: &[u32]| DeclEntry { members: members.to_vec(), ..entry(name, 40) };
+        assert!(d.declare(&cfg, 0, 0, vec![m("g", &[1, 3])]).unwrap_err().contains("not its own"));
+        assert!(d.declare(&cfg, 1, 0, vec![m("g", &[1, 4])]).unwrap_err().contains("outside the job's 4 workers"));
+        assert!(d.declare(&cfg, 1, 0, vec![m("g", &[1, 3])]).unwrap().is_empty(), "worker 3 has not declared");
+        let stall = d.stalls(Duration::ZERO);
+        assert!(stall.iter().any(|s| s.name == "g" && s.missing == [3] && s.waiting == [1]), "members only");
+        let specs = d.declare(&cfg, 3, 0, vec![m("g", &[1, 3])]).unwrap();
+        assert_eq!(specs.len(), 1);
+        assert_eq!((specs[0].members.as_slice(), specs[0].relays.len()), (&[1u32, 3][..], 0));
+        d.installed(&specs);
+        assert_eq!(answers(&mut d).iter().map(|a| a.0).collect::<Vec<_>>(), [1, 3], "members are answered");
+        // Declared over other members by one of them: a conflict.
+        d.declare(&cfg, 0, 1, vec![m("h", &[0, 2])]).unwrap();
+        d.declare(&cfg, 2, 1, vec![m("h", &[0, 2, 3])]).unwrap();
+        let a = answers(&mut d);
+        assert!(
+            a.iter().all(
+                |(_, r)| matches!(r, Control::DeclareError { message, .. } if message.contains("over workers [0, 2]"))
+            ),
+            "{a:?}"
+        );
+        // Freed once both members released it; a non-member's release is refused.
+        let key = specs[0].key;
+        assert!(d.release(0, 4, vec![key]).is_err());
+        assert_eq!(d.release(1, 4, vec![key]), Ok(false));
+        assert!(d.take_to_free().is_empty());
+        assert_eq!(d.release(3, 4, vec![key]), Ok(false));
+        assert_eq!(d.take_to_free(), vec![key]);
     }
 }

@@ -334,13 +334,6 @@ pub(super) fn serve_member(shared: &Arc<Shared>, me: &Arc<Member>, mut stream: R
             }
             Ok(Control::Join) if me.role == Role::Worker => shared.join_worker(&mut st, me.rank),
             Ok(op @ Control::JoinOp { .. }) if me.role == Role::Worker => shared.forward_join_op(&mut st, op),
-            Ok(op @ Control::SetOp { .. }) if me.role == Role::Worker => {
-                if let Err(reason) = shared.forward_set_op(&st, me.rank, op) {
-                    me.send(&Control::Error { message: reason.clone() }, ns);
-                    shared.fail(&mut st, Some(me), reason);
-                    return;
-                }
-            }
             Ok(Control::Release { keys }) if me.role == Role::Worker => {
                 if let Err(reason) = shared.release(&mut st, me.rank, keys) {
                     me.send(&Control::Error { message: reason.clone() }, ns);

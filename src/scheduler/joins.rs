@@ -56,19 +56,6 @@ impl JoinOps {
     }
 }
 
-/// The workers `to` outside a process set that push zeros for an operation
-/// worker `from` announced (of `num_workers`), or why the list is invalid.
-pub(super) fn set_op_targets(from: u32, to: &[u32], name: &str, num_workers: u32) -> Result<HashSet<u32>, String> {
-    let mut seen = HashSet::new();
-    if let Some(bad) = to.iter().find(|&&r| r >= num_workers || r == from || !seen.insert(r)) {
-        return Err(format!(
-            "worker {from} announced '{name}' of a process set to worker {bad}, which is out of range, \
-             itself or listed twice (the job has {num_workers} workers)"
-        ));
-    }
-    Ok(seen)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -104,14 +91,5 @@ mod tests {
         // Rounds wrap around.
         assert_eq!(sorted(j.targets("w", u32::MAX)), vec![1, 3]);
         assert_eq!(sorted(j.targets("w", 0)), vec![1, 3]);
-    }
-
-    #[test]
-    fn set_ops_go_to_valid_outsiders_only() {
-        assert_eq!(sorted(set_op_targets(0, &[2, 1], "x", 3).unwrap().into_iter().collect()), vec![1, 2]);
-        for bad in [&[3][..], &[0], &[1, 1]] {
-            let e = set_op_targets(0, bad, "x", 3).unwrap_err();
-            assert!(e.contains("worker 0 announced 'x'") && e.contains("3 workers"), "{e}");
-        }
     }
 }

@@ -15,7 +15,7 @@ use std::time::Duration;
 use super::config::SchedulerConfig;
 use super::declarations::Declarations;
 use super::installs::Installs;
-use super::joins::{set_op_targets, JoinOps, JoinStep};
+use super::joins::{JoinOps, JoinStep};
 use super::member::{Member, Writer};
 use super::membership::{Members, Refusal, Registration};
 use super::moves::Moves;
@@ -410,19 +410,5 @@ impl Shared {
         for m in st.members.workers().filter(|m| targets.contains(&m.rank)) {
             m.send(&op, self.cfg.namespace);
         }
-    }
-
-    /// An operation of a process set, announced by the set's first member:
-    /// the workers `to`, outside the set, push zeros for it (sent as a
-    /// `JoinOp`). Returns why the announcement is invalid, if it is.
-    pub fn forward_set_op(&self, st: &State, from: u32, op: Control) -> Result<(), String> {
-        let Control::SetOp { to, name, numel, dtype, flags, round, release_after } = op else { return Ok(()) };
-        let to = set_op_targets(from, &to, &name, self.cfg.num_workers)?;
-        let msg = Control::JoinOp { name, numel, dtype, flags, round, release_after };
-        // One that left is not waited for: the announcer's op fails on its PeerLeft.
-        for m in st.members.workers().filter(|m| to.contains(&m.rank)) {
-            m.send(&msg, self.cfg.namespace);
-        }
-        Ok(())
     }
 }

@@ -185,6 +185,7 @@ fn declare_many_tensors_in_one_exchange() {
             dtype: if i % 4 == 0 { DType::BF16 } else { DType::F32 },
             // Some in chunks of their own size (smaller than the job's).
             partition: if i % 3 == 0 { 64 } else { 0 },
+            members: Vec::new(),
         })
         .collect();
     std::thread::scope(|s| {
@@ -202,7 +203,14 @@ fn declare_many_tensors_in_one_exchange() {
     std::thread::scope(|s| {
         for c in &clients {
             s.spawn(move || {
-                c.declare(vec![DeclEntry { name: "p1".into(), numel: 5, dtype: DType::F16, partition: 0 }]).unwrap();
+                c.declare(vec![DeclEntry {
+                    name: "p1".into(),
+                    numel: 5,
+                    dtype: DType::F16,
+                    partition: 0,
+                    members: Vec::new(),
+                }])
+                .unwrap();
                 let got = push_pull(c, "p1", vec![f16::from_f32(1.0); 5], DType::F16, 0, 0).unwrap();
                 assert_eq!(got, vec![f16::from_f32(NW as f32); 5]);
             });
@@ -233,8 +241,13 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
             .iter()
             .map(|c| {
                 s.spawn(move || {
-                    let e =
-                        DeclEntry { name: "bad".into(), numel: 10 + c.rank as u64, dtype: DType::F32, partition: 0 };
+                    let e = DeclEntry {
+                        name: "bad".into(),
+                        numel: 10 + c.rank as u64,
+                        dtype: DType::F32,
+                        partition: 0,
+                        members: Vec::new(),
+                    };
                     c.declare(vec![e]).unwrap_err().to_string()
                 })
             })
@@ -250,9 +263,21 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
             .iter()
             .map(|c| {
                 s.spawn(move || {
-                    let big = DeclEntry { name: "big".into(), numel: 10, dtype: DType::F32, partition: PARTITION + 4 };
+                    let big = DeclEntry {
+                        name: "big".into(),
+                        numel: 10,
+                        dtype: DType::F32,
+                        partition: PARTITION + 4,
+                        members: Vec::new(),
+                    };
                     let e1 = c.declare(vec![big]).unwrap_err().to_string();
-                    let odd = DeclEntry { name: "odd".into(), numel: 10, dtype: DType::F32, partition: 8 + 8 * c.rank };
+                    let odd = DeclEntry {
+                        name: "odd".into(),
+                        numel: 10,
+                        dtype: DType::F32,
+                        partition: 8 + 8 * c.rank,
+                        members: Vec::new(),
+                    };
                     (e1, c.declare(vec![odd]).unwrap_err().to_string())
                 })
             })
@@ -372,9 +397,15 @@ fn after_shutdown_every_call_is_a_usage_error() {
     let e = push_pull(c0, "x", vec![1.0f32; 3], DType::F32, 0, 0).unwrap_err();
     assert_contains(&e, &["shut down"]);
     assert_contains(
-        &c0.declare(vec![DeclEntry { name: "y".into(), numel: 1, dtype: DType::F32, partition: 0 }])
-            .unwrap_err()
-            .to_string(),
+        &c0.declare(vec![DeclEntry {
+            name: "y".into(),
+            numel: 1,
+            dtype: DType::F32,
+            partition: 0,
+            members: Vec::new(),
+        }])
+        .unwrap_err()
+        .to_string(),
         &["shut down"],
     );
     assert_contains(&c0.barrier().unwrap_err().to_string(), &["shut down"]);
@@ -499,7 +530,7 @@ fn timeouts_quote_the_stall_reports_naming_the_missing_rank() {
     // SAFETY: both ops are waited until they fail, below, while the buffers live.
     let op_a = unsafe { c.push_pull(a.as_mut_ptr() as *mut u8, 40, DType::F32, "a", 0, 0, None) }.unwrap();
     // "b": worker 1 declares it but never pushes (the server's stall report).
-    let decl = DeclEntry { name: "b".into(), numel: 10, dtype: DType::F32, partition: 0 };
+    let decl = DeclEntry { name: "b".into(), numel: 10, dtype: DType::F32, partition: 0, members: Vec::new() };
     w1.send(&Control::Declare { req: 0, entries: vec![decl] }).unwrap();
     let mut b = vec![1.0f32; 10];
     let op_b = unsafe { c.push_pull(b.as_mut_ptr() as *mut u8, 40, DType::F32, "b", 0, 0, None) }.unwrap();
@@ -571,7 +602,14 @@ fn shutdown_fails_the_operations_in_flight() {
     std::thread::scope(|s| {
         for c in &clients {
             s.spawn(move || {
-                c.declare(vec![DeclEntry { name: "x".into(), numel: 1000, dtype: DType::F32, partition: 0 }]).unwrap()
+                c.declare(vec![DeclEntry {
+                    name: "x".into(),
+                    numel: 1000,
+                    dtype: DType::F32,
+                    partition: 0,
+                    members: Vec::new(),
+                }])
+                .unwrap()
             });
         }
     });
@@ -610,7 +648,7 @@ fn small_partitions_still_deliver_stall_notices() {
     let mut w1 = Member::register(job.addr, worker_reg(1, "h", 2, 1));
     assert_eq!(w1.welcome().rank, 1);
     let c = pending.join();
-    let decl = DeclEntry { name: "x".into(), numel: 4, dtype: DType::F32, partition: 0 };
+    let decl = DeclEntry { name: "x".into(), numel: 4, dtype: DType::F32, partition: 0, members: Vec::new() };
     w1.send(&Control::Declare { req: 0, entries: vec![decl] }).unwrap();
     let mut buf = vec![1.0f32; 4];
     // SAFETY: the op is waited for until it fails (below) while `buf` lives.
@@ -634,12 +672,16 @@ fn push_pull_live(c: &Client, name: &str, buf: Vec<f32>, live: (usize, usize)) -
 }
 
 /// In-place push_pull of f32 `buf` with `extent`.
-fn push_pull_extent(c: &Client, name: &str, mut buf: Vec<f32>, extent: Extent) -> Vec<f32> {
+fn push_pull_extent(c: &Client, name: &str, buf: Vec<f32>, extent: Extent) -> Vec<f32> {
+    push_pull_of(c, name, buf, extent, &[])
+}
+
+/// In-place push_pull of f32 `buf` with `extent`, summed over `members` (empty: all).
+fn push_pull_of(c: &Client, name: &str, mut buf: Vec<f32>, extent: Extent, members: &[u32]) -> Vec<f32> {
     let nbytes = buf.len() * 4;
+    let ptr = buf.as_mut_ptr() as *mut u8;
     // SAFETY: buf lives until the op completes (waited below, or the test fails).
-    let op =
-        unsafe { c.push_pull_live(buf.as_mut_ptr() as *mut u8, nbytes, DType::F32, name, 0, false, 0, None, extent) }
-            .unwrap();
+    let op = unsafe { c.push_pull_live(ptr, nbytes, DType::F32, name, 0, false, 0, None, extent, members) }.unwrap();
     op.wait(Some(IO_TIMEOUT)).unwrap();
     buf
 }
@@ -684,6 +726,65 @@ fn chunks_outside_the_live_bytes_go_as_zeros_and_everything_sums_right() {
         shutdown_all(clients);
         job.finish_ok();
     }
+}
+
+#[test]
+fn a_member_tensor_is_summed_by_its_members_alone_beside_the_host_stage() {
+    // Four workers on one host (the host stage on), two servers: tensors of
+    // the workers {0, 1}, {2, 3} and {1, 3} are pushed by their members
+    // alone, each for itself (through sockets, not the host's segment), and
+    // sum over them; the others never touch them. A tensor of every worker
+    // still goes through the host stage.
+    let mut cfg = sched_config(4, 2);
+    cfg.host_reduce = true;
+    let job = real_job(cfg, &[(1, false), (2, false)]);
+    let clients = job.clients(4, 4, 2);
+    let sets: [&[u32]; 3] = [&[0, 1], &[2, 3], &[1, 3]];
+    let val = |r: u32, i: usize| ((i * (r as usize + 2)) % 53) as f32 - 20.0;
+    std::thread::scope(|s| {
+        for c in &clients {
+            s.spawn(move || {
+                let r = c.rank;
+                let mine: Vec<&[u32]> = sets.iter().copied().filter(|m| m.contains(&r)).collect();
+                for round in 0..3 {
+                    for (k, m) in sets.iter().enumerate().filter(|(_, m)| m.contains(&r)) {
+                        let buf: Vec<f32> = (0..1000).map(|i| val(r, i) + round as f32).collect();
+                        let got = push_pull_of(c, &format!("set{k}"), buf, Extent::default(), m);
+                        let want: Vec<f32> =
+                            (0..1000).map(|i| m.iter().map(|&q| val(q, i) + round as f32).sum()).collect();
+                        assert_eq!(got, want, "worker {r} set {m:?} round {round}");
+                    }
+                }
+                // 1000 values in chunks of 256: 4 pushes a round, by socket.
+                let d = c.stats().data;
+                assert_eq!((d.pushed_by_socket, d.pushed_by_ref), (3 * 4 * mine.len() as u64, 0), "worker {r}");
+                let everyone: Vec<f32> = (0..1000).map(|i| val(r, i)).collect();
+                let got = push_pull_extent(c, "all", everyone, Extent::default());
+                assert_eq!(got, (0..1000).map(|i| (0..4).map(|q| val(q, i)).sum()).collect::<Vec<f32>>());
+                // Members that do not include this worker are refused.
+                let other: &[u32] = if r == 0 { &[1, 2] } else { &[0] };
+                let mut b = vec![0f32; 4];
+                // SAFETY: refused before anything is queued.
+                let refused = unsafe {
+                    c.push_pull_live(
+                        b.as_mut_ptr().cast(),
+                        16,
+                        DType::F32,
+                        "x",
+                        0,
+                        false,
+                        0,
+                        None,
+                        Extent::default(),
+                        other,
+                    )
+                };
+                assert!(refused.is_err_and(|e| e.to_string().contains("must be ascending ranks that include")));
+            });
+        }
+    });
+    shutdown_all(clients);
+    job.finish_ok();
 }
 
 #[test]

@@ -84,7 +84,13 @@ fn workers_declaring_in_different_orders_get_identical_specs() {
 
 fn entries(e: &[(&str, u64, DType)]) -> Vec<gradhub::protocol::DeclEntry> {
     e.iter()
-        .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype, partition: 0 })
+        .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry {
+            name: n.into(),
+            numel,
+            dtype,
+            partition: 0,
+            members: Vec::new(),
+        })
         .collect()
 }
 

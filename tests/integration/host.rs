@@ -353,7 +353,14 @@ fn a_round_waiting_for_a_local_worker_is_reported_naming_it() {
     std::thread::scope(|s| {
         for c in &clients {
             s.spawn(move || {
-                c.declare(vec![DeclEntry { name: "x".into(), numel: 3000, dtype: DType::F32, partition: 0 }]).unwrap()
+                c.declare(vec![DeclEntry {
+                    name: "x".into(),
+                    numel: 3000,
+                    dtype: DType::F32,
+                    partition: 0,
+                    members: Vec::new(),
+                }])
+                .unwrap()
             });
         }
     });
@@ -381,7 +388,7 @@ fn push_pull_then_release(c: &Client, name: &str, mut buf: Vec<f32>) -> Vec<f32>
     let nbytes = buf.len() * 4;
     // SAFETY: buf lives until the op completes (waited below, or the test fails).
     let op = unsafe {
-        c.push_pull_live(buf.as_mut_ptr().cast(), nbytes, DType::F32, name, 0, true, 0, None, Default::default())
+        c.push_pull_live(buf.as_mut_ptr().cast(), nbytes, DType::F32, name, 0, true, 0, None, Default::default(), &[])
     }
     .unwrap();
     op.wait(Some(IO_TIMEOUT)).unwrap();

@@ -51,7 +51,13 @@ impl DataJob {
     fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Vec<TensorSpec> {
         let e: Vec<_> = entries
             .iter()
-            .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry { name: n.into(), numel, dtype, partition: 0 })
+            .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry {
+                name: n.into(),
+                numel,
+                dtype,
+                partition: 0,
+                members: Vec::new(),
+            })
             .collect();
         for w in &self.workers {
             w.send(&Control::Declare { req, entries: e.clone() }).unwrap();
@@ -791,7 +797,13 @@ fn taken_over(nw: u32) -> TakenOver {
     let welcome = workers.iter_mut().map(|w| w.welcome()).collect::<Vec<_>>().remove(0);
     assert!(welcome.failover);
     let port = welcome.servers[0].ports[0];
-    let e = vec![gradhub::protocol::DeclEntry { name: "x".into(), numel: 2048, dtype: DType::F32, partition: 0 }];
+    let e = vec![gradhub::protocol::DeclEntry {
+        name: "x".into(),
+        numel: 2048,
+        dtype: DType::F32,
+        partition: 0,
+        members: Vec::new(),
+    }];
     for w in &workers {
         w.send(&Control::Declare { req: 0, entries: e.clone() }).unwrap();
     }

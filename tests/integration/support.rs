@@ -275,8 +275,10 @@ impl Member {
 
     /// Declare and wait for the reply to this request (other messages are returned too).
     pub fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Control {
-        let entries =
-            entries.iter().map(|&(n, numel, dtype)| DeclEntry { name: n.into(), numel, dtype, partition: 0 }).collect();
+        let entries = entries
+            .iter()
+            .map(|&(n, numel, dtype)| DeclEntry { name: n.into(), numel, dtype, partition: 0, members: Vec::new() })
+            .collect();
         self.send(&Control::Declare { req, entries }).expect("send Declare");
         self.recv()
     }

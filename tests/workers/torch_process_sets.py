@@ -1,7 +1,7 @@
 """Worker: Horovod's process sets (2-4 workers). Two disjoint sets (even and
 odd ranks) train models of their own at the same time, each set's gradients
-averaged over its members only, while every worker pushes zeros for the
-other set's operations; every collective over a set (and an overlapping
+averaged over its members only (nobody else takes part in a set's
+operations); every collective over a set (and an overlapping
 third set) against values computed here; global operations, named and
 unnamed, interleaved with them; and the errors."""
 

@@ -1,11 +1,11 @@
 """Horovod's process sets: collectives over a subset of the workers.
 
-gradhub's servers sum over every worker, so a set's operation is carried by
-all of them: the set's first member announces each operation through the
-scheduler, and every worker outside the set pushes zeros for it from a
-thread of its own (`gradhub.api.serve_set_ops`, the machinery of `join()`).
-The members get the set's sum; averages divide by the set's size. This is
-exact, but moves no fewer bytes than a collective over every worker.
+A set's tensors are its members' alone (`gradhub.api.push_pull_async`'s
+`members`): the scheduler places one once every member declared it, the
+servers sum the members' pushes, and no worker outside the set takes part
+or moves a byte for it. Each member pushes for itself (the host stage, which
+sums a whole host's workers first, is for tensors of every worker). The
+members get the set's sum; averages divide by the set's size.
 
 As in Horovod, every worker registers the same sets in the same order
 (`init(process_sets=[...])` or `add_process_set`), and only members call a
@@ -123,10 +123,6 @@ def add_process_set(process_set) -> ProcessSet:
     mine = zlib.crc32(repr((set_id, ps.ranks)).encode())
     seen = torch.zeros(n, dtype=torch.int64)
     seen[_api.rank()] = mine
-    # Ready for the set's operations before this worker's part of the check:
-    # a member may announce one as soon as the check completes there, which
-    # can be before the check's result reaches this worker.
-    _api.serve_set_ops()
     _api.push_pull(seen, name=f"process_set.add.{set_id}")
     _api.release(f"process_set.add.{set_id}")
     if bool((seen != mine).any()):

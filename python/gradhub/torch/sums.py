@@ -147,18 +147,16 @@ def start_sum(buf: torch.Tensor, name: str, ps: ProcessSet = global_process_set,
               priority: int = 0, live=None, want=None):
     """Start summing `buf` in place over the members of `ps` under `name`:
     the core's handle. `average`: the global set only (the servers divide;
-    a set's average is divided by its caller). A set's first member tells
-    the workers outside the set to push zeros for it. `live`: see
+    a set's average is divided by its caller). A set's tensor is its
+    members' alone: nobody outside the set takes part. `live`: see
     `gradhub.api.push_pull_async` (buf is zeros outside it); `want`: the
     elements whose sum is needed (the rest keep what was pushed)."""
     if ps._is_global():
         return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live, want=want)
     if average:
         raise AssertionError("a process set's average is divided by the caller")
-    h = _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live, want=want)
-    if ps._members()[0] == _api.rank():
-        _api.announce(name, [r for r in range(_api.size()) if r not in ps.ranks])
-    return h
+    return _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live, want=want,
+                                members=ps.ranks)
 
 
 def start_reduction(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool,

@@ -384,6 +384,7 @@ mod tests {
             slots: slots.to_vec(),
             replicas: Vec::new(),
             relays: Vec::new(),
+            members: Vec::new(),
         }
     }
 

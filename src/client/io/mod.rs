@@ -277,11 +277,6 @@ impl Io {
         &self.send.conns
     }
 
-    /// The job's peer timeout, when it survives a lost server (else zero).
-    pub fn peer_timeout(&self) -> Duration {
-        self.failover.peer_timeout
-    }
-
     /// This worker's part in its host's stage, when other workers share
     /// the host (and host reduction is on).
     pub fn host_stage(&self) -> Option<&HostStage> {
@@ -340,8 +335,11 @@ impl Io {
     pub fn note_placement(&self, spec: &TensorSpec, placed: bool) {
         let shares = {
             let mut bytes = self.admission.placed();
+            if !spec.members.is_empty() && spec.members.binary_search(&self.rank).is_err() {
+                return; // not a member: never pushes it
+            }
             for (c, &slot) in spec.slots.iter().enumerate() {
-                if self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
+                if spec.members.is_empty() && self.layout.owner(self.rank, spec.key, c as u32) != self.rank {
                     continue; // another worker on this host pushes it
                 }
                 let (lo, hi) = spec.chunk_range(c);

@@ -93,7 +93,8 @@ impl Io {
             Err(e) => return owner.finish_op(&s.op, Some(e)),
         };
         let n = s.spec.num_chunks();
-        let Some(h) = &self.host.stage else {
+        // A member tensor's members push for themselves: no host stage.
+        let Some(h) = self.host.stage.as_ref().filter(|_| s.spec.members.is_empty()) else {
             if n == 1 {
                 // Small: its caller may read its result itself (`IoCore::poll_for`).
                 if let Some(poll) = self.recv.poller.get() {

@@ -180,6 +180,9 @@ pub struct DeclEntry {
     /// Bytes per chunk of this tensor; 0: the job's partition size, which
     /// also bounds it (a data frame never exceeds the job's limit).
     pub partition: u32,
+    /// The workers that sum it, by rank, ascending (a process set's or a
+    /// torch sub-group's tensor); empty: every worker.
+    pub members: Vec<u32>,
 }
 
 /// Everything a worker and a server need to move one tensor: its key, how it
@@ -202,6 +205,10 @@ pub struct TensorSpec {
     /// the chunk to: the owner itself in the owner's rack, else a relay in
     /// theirs; empty otherwise.
     pub relays: Vec<u32>,
+    /// The workers that push it, by rank, ascending: each pushes for
+    /// itself (no host stage, no relays); empty: every worker, as the host
+    /// layout says (`DeclEntry::members`).
+    pub members: Vec<u32>,
 }
 
 impl TensorSpec {
@@ -392,17 +399,6 @@ pub enum Control {
     JoinDone {
         last: u32,
     },
-    /// An operation of a process set (as in `JoinOp`): the workers `to`,
-    /// outside the set, take part with zeros.
-    SetOp {
-        to: Vec<u32>,
-        name: String,
-        numel: u64,
-        dtype: DType,
-        flags: u16,
-        round: u32,
-        release_after: bool,
-    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -463,7 +459,6 @@ impl Control {
             Control::Joined { .. } => MsgType::Joined,
             Control::JoinOp { .. } => MsgType::JoinOp,
             Control::JoinDone { .. } => MsgType::JoinDone,
-            Control::SetOp { .. } => MsgType::SetOp,
             Control::ServerJoined { .. } => MsgType::ServerJoined,
             Control::ServerMove { .. } => MsgType::ServerMove,
             Control::ServerMoveAck { .. } => MsgType::ServerMoveAck,

@@ -39,6 +39,24 @@ fn put_spec(w: &mut Writer, s: &TensorSpec) {
     for &slot in &s.relays {
         w.u32(slot);
     }
+    put_ranks(w, &s.members);
+}
+
+fn put_ranks(w: &mut Writer, ranks: &[u32]) {
+    w.u32(ranks.len() as u32);
+    for &r in ranks {
+        w.u32(r);
+    }
+}
+
+/// A list of ranks, strictly ascending (a tensor's members).
+fn get_ranks(r: &mut Reader, what: &'static str) -> Result<Vec<u32>, ProtocolError> {
+    let n = r.count(what, 4)?;
+    let ranks = (0..n).map(|_| r.u32("rank")).collect::<Result<Vec<u32>, _>>()?;
+    if ranks.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(ProtocolError::BadPayload(format!("{what} {ranks:?} are not in strictly ascending order")));
+    }
+    Ok(ranks)
 }
 
 fn get_dtype(r: &mut Reader) -> Result<DType, ProtocolError> {
@@ -76,6 +94,12 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
     if nl != 0 && (n == 0 || !nl.is_multiple_of(n)) {
         return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {nl} relay slots for {n} chunks")));
     }
+    let members = get_ranks(r, "members")?;
+    if !members.is_empty() && nl != 0 {
+        return Err(ProtocolError::BadPayload(format!(
+            "tensor spec '{name}': members and relays (a member pushes to the owner)"
+        )));
+    }
     let elem = dtype.size() as u64;
     if numel.checked_mul(elem).is_none_or(|b| b > MAX_TENSOR_BYTES) {
         return Err(ProtocolError::BadPayload(format!("tensor spec '{name}': {numel} elements is too large")));
@@ -91,7 +115,7 @@ fn get_spec(r: &mut Reader) -> Result<TensorSpec, ProtocolError> {
             "tensor spec '{name}': {n} chunk slots do not cover {numel} elements in chunks of {chunk_elems}"
         )));
     }
-    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas, relays })
+    Ok(TensorSpec { key, name, numel, dtype, chunk_elems, slots, replicas, relays, members })
 }
 
 fn put_specs(w: &mut Writer, specs: &[TensorSpec]) {
@@ -277,6 +301,7 @@ impl Control {
                 w.u32(*req).u32(entries.len() as u32);
                 for e in entries {
                     w.str(&e.name).u64(e.numel).u8(e.dtype as u8).u32(e.partition);
+                    put_ranks(&mut w, &e.members);
                 }
             }
             Control::Declared { req, specs } => {
@@ -302,13 +327,6 @@ impl Control {
                 w.u64(*received);
             }
             Control::JoinOp { name, numel, dtype, flags, round, release_after } => {
-                w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round).u8(*release_after as u8);
-            }
-            Control::SetOp { to, name, numel, dtype, flags, round, release_after } => {
-                w.u32(to.len() as u32);
-                for r in to {
-                    w.u32(*r);
-                }
                 w.str(name).u64(*numel).u8(*dtype as u8).u16(*flags).u32(*round).u8(*release_after as u8);
             }
             Control::ServiceJoin(j) => {
@@ -414,7 +432,8 @@ impl Control {
                     let numel = r.u64("numel")?;
                     let dtype = get_dtype(&mut r)?;
                     let partition = r.u32("partition")?;
-                    entries.push(DeclEntry { name, numel, dtype, partition });
+                    let members = get_ranks(&mut r, "members")?;
+                    entries.push(DeclEntry { name, numel, dtype, partition, members });
                 }
                 Control::Declare { req, entries }
             }
@@ -523,16 +542,6 @@ impl Control {
                 let flags = r.u16("flags")?;
                 let round = r.u32("round")?;
                 Control::JoinOp { name, numel, dtype, flags, round, release_after: r.u8("release_after")? != 0 }
-            }
-            MsgType::SetOp => {
-                let n = r.count("to", 4)?;
-                let to = (0..n).map(|_| r.u32("rank")).collect::<Result<Vec<u32>, _>>()?;
-                let name = r.str("name")?;
-                let numel = r.u64("numel")?;
-                let dtype = get_dtype(&mut r)?;
-                let flags = r.u16("flags")?;
-                let round = r.u32("round")?;
-                Control::SetOp { to, name, numel, dtype, flags, round, release_after: r.u8("release_after")? != 0 }
             }
             MsgType::StatusReply => Control::StatusReply { json: r.str("json")? },
             MsgType::Error => return Ok(Control::Error { message: String::from_utf8_lossy(payload).into_owned() }),

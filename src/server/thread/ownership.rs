@@ -59,9 +59,14 @@ impl ServerThread {
                 };
                 let origin = if adopt { Origin::Adopted } else { Origin::Installed };
                 let relay = upstream.is_some();
-                let pushers = layout.pushers_at(s.key, c as u32, self.cfg.rack, relay, &relay_slot);
-                let init_from =
-                    layout.init_pusher(s.key, c as u32, self.cfg.rack, relay, &relay_slot).unwrap_or(u32::MAX);
+                // A member tensor's members push for themselves (no host stage, no relays).
+                let (pushers, init_from) = match s.members.first() {
+                    Some(&first) => (s.members.clone(), first),
+                    None => (
+                        layout.pushers_at(s.key, c as u32, self.cfg.rack, relay, &relay_slot),
+                        layout.init_pusher(s.key, c as u32, self.cfg.rack, relay, &relay_slot).unwrap_or(u32::MAX),
+                    ),
+                };
                 let order = Accumulation::new(self.cfg.sum_order, s.dtype, &pushers);
                 let mut chunk = Chunk {
                     key: s.key,

@@ -53,7 +53,6 @@ def _form_job(store, rank: int, size: int, timeout: float) -> bool:
         if _api.rank() != rank or _api.size() != size:
             raise RuntimeError(f"init_process_group('gradhub'): this process is worker {_api.rank()} of "
                                f"{_api.size()} in its gradhub job, but rank {rank} of {size} in torch's group")
-        _api.serve_set_ops()
         return False
     from ..startup import init as _gh_init
 
@@ -63,7 +62,6 @@ def _form_job(store, rank: int, size: int, timeout: float) -> bool:
         env.rank, env.num_workers = rank, size
         env.connect_timeout = min(env.connect_timeout, timeout) if env.connect_timeout else timeout
         _gh_init(_worker_env=env)
-        _api.serve_set_ops()
         return False  # the launcher's (or service's) job: it outlives the group, a new group joins it again
     # Form one from torch's store. Arrivals count across re-initialisations
     # in one store: the k-th `size` arrivals are generation k.
@@ -92,7 +90,6 @@ def _form_job(store, rank: int, size: int, timeout: float) -> bool:
     env.token = token
     env.connect_timeout = timeout
     _gh_init(_worker_env=env)
-    _api.serve_set_ops()
     return True
 
 
