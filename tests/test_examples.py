@@ -5,9 +5,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import job_env
+from conftest import ZYGOTE, job_env
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def example(name: str, *args: str) -> list[str]:
+    """`python examples/NAME ARGS`, forked from the session's zygote
+    (tests/zygote.py: torch already imported; the same process semantics,
+    an interpreter of its own where no zygote runs)."""
+    return [sys.executable, str(ZYGOTE), str(EXAMPLES / name), *args]
 
 
 def run(argv, timeout=300, **env):
@@ -22,10 +29,10 @@ def final_accuracy(out: str) -> float:
 
 
 def test_digits_distributed_matches_single_process():
-    args = [str(EXAMPLES / "digits.py"), "--epochs", "12", "--no-progress"]
-    rc, single = run([sys.executable, *args])
+    args = example("digits.py", "--epochs", "12", "--no-progress")
+    rc, single = run(args)
     assert rc == 0, single[-3000:]
-    rc, dist = run([sys.executable, "-m", "gradhub", "launch", "-w", "4", "-s", "2", "--", sys.executable, *args])
+    rc, dist = run([sys.executable, "-m", "gradhub", "launch", "-w", "4", "-s", "2", "--", *args])
     assert rc == 0, dist[-3000:]
     assert "(4 workers)" in dist and re.search(r"\[worker 0\] epoch 12: train loss", dist)
     a1, a4 = final_accuracy(single), final_accuracy(dist)
@@ -36,7 +43,7 @@ def test_digits_distributed_matches_single_process():
     # Stale updates cost it some, and which ones are stale varies: 12 runs
     # here ended 2.5 points below to 1.3 above the synchronous run (397
     # test digits: one is 0.25 points).
-    rc, out = run([sys.executable, "-m", "gradhub", "launch", "-w", "4", "-s", "2", "--", sys.executable, *args],
+    rc, out = run([sys.executable, "-m", "gradhub", "launch", "-w", "4", "-s", "2", "--", *args],
                   GRADHUB_ASYNC=1, GRADHUB_HOST_REDUCE=0)
     assert rc == 0, out[-3000:]
     aa = final_accuracy(out)
@@ -44,9 +51,9 @@ def test_digits_distributed_matches_single_process():
 
 
 def test_synthetic_benchmark_runs():
-    argv = [sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--", sys.executable,
-            str(EXAMPLES / "synthetic_benchmark.py"), "--model", "mlp", "--num-iters", "2",
-            "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8"]
+    argv = [sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--",
+            *example("synthetic_benchmark.py", "--model", "mlp", "--num-iters", "2", "--num-batches-per-iter", "2",
+                     "--num-warmup-batches", "1", "--batch-size", "8")]
     rc, out = run(argv)
     assert rc == 0, out[-3000:]
     m = re.search(r"Total img/sec on 2 CPU\(s\): ([0-9.]+)", out)
@@ -60,8 +67,8 @@ def test_horovod_style_mnist_runs_with_only_the_import_changed():
     script = str(EXAMPLES / "horovod_mnist.py")
     assert "import gradhub.torch as hvd  # or: import horovod.torch as hvd" in Path(script).read_text()
     for extra in ([], ["--fp16-allreduce", "--gradient-predivide-factor", "2.0"]):
-        rc, out = run([sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--", sys.executable, script,
-                       "--epochs", "2", "--synthetic", *extra])
+        rc, out = run([sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--",
+                       *example("horovod_mnist.py", "--epochs", "2", "--synthetic", *extra)])
         assert rc == 0, out[-3000:]
         acc = [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", out)]
         assert len(acc) == 2 and acc[-1] > 90.0, out[-3000:]
