@@ -335,7 +335,7 @@ impl PyClient {
         let entries = entries
             .into_iter()
             .map(|(name, numel, d, partition)| {
-                Ok(DeclEntry { name, numel, dtype: dtype_of(&d)?, partition, members: Vec::new() })
+                Ok(DeclEntry { name, numel, dtype: dtype_of(&d)?, partition, members: Vec::new(), sharded: false })
             })
             .collect::<PyResult<Vec<_>>>()?;
         let c = self.inner.clone();
@@ -361,10 +361,11 @@ impl PyClient {
     /// `want`: (from, to) bytes whose result is needed; the chunks wholly
     /// outside keep what was pushed (answered by a header only); None: all.
     /// `members`: the ranks (ascending) that sum this tensor; None: all.
+    /// `sharded`: member q reads the q-th of as many equal shards.
     /// `asynchronous`: a push of an asynchronous tensor (`GRADHUB_ASYNC`):
     /// the buffer holds this worker's parameter change (with `init`, its
     /// parameters) and receives the parameters the servers hold.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, members=None, asynchronous=false))]
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, members=None, sharded=false, asynchronous=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -380,6 +381,7 @@ impl PyClient {
         live: Option<(usize, usize)>,
         want: Option<(usize, usize)>,
         members: Option<Vec<u32>>,
+        sharded: bool,
         asynchronous: bool,
     ) -> PyResult<PyHandle> {
         let flags = if asynchronous { crate::protocol::FLAG_ASYNC } else { 0 }
@@ -402,7 +404,7 @@ impl PyClient {
                 priority,
                 Some(Box::new(owner)),
                 crate::client::Extent { live, want },
-                members.as_deref().unwrap_or(&[]),
+                crate::client::Summed { members: members.as_deref().unwrap_or(&[]), sharded },
             )
         }
         .map_err(py_err)?;

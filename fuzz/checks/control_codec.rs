@@ -196,6 +196,7 @@ pub fn message(s: &mut Source) -> Control {
                 dtype: s.dtype(),
                 partition: s.u32(),
                 members: s.ranks(),
+                sharded: s.bool(),
             }),
         },
         3 => Control::Declared { req: s.u32(), specs: s.list(4, |s| s.spec()) },

@@ -161,20 +161,25 @@ def fsdp_host_bytes(layout: Layout, model_bytes: float, system: str) -> float | 
     gradients. gloo: a ring all-gather, (n-1)/n M each way; its
     reduce-scatter moves what its all-reduce does, 2(n-1)/n M (measured:
     not a ring reduce-scatter's (n-1)/n). The gradhub backend
-    (colocated servers, one worker per host; None otherwise), each server
-    holding 1/n of every tensor: an all-gather pushes one's own M/n slot
-    and pulls all of it: up, the slot's share for the other servers,
-    (n-1)/n M/n, plus the own server's 1/n of the result for the other n-1
-    hosts, (n-1)/n M; down mirrors it. A reduce-scatter pushes all of it
-    and pulls one's own shard: up, the other servers' share of the push,
-    (n-1)/n M, plus the own server's results for the other hosts' shards,
-    (n-1)/n M/n: the same bytes."""
+    (colocated servers, one worker per host; None otherwise) places each
+    member's shard on its own host's server (sharded tensors): an
+    all-gather pushes one's own slot there and pulls the others' slots,
+    (n-1)/n M each way; a reduce-scatter pushes the other shards, (n-1)/n
+    M, and pulls its own from its own host: a ring's bytes, 3(n-1)/n M in
+    all. With CPU-only servers alone the two ways
+    differ: an all-gather pushes M/n and pulls M, a reduce-scatter pushes
+    M and pulls M/n, so down (the busier way, the figure given) carries
+    (2 + 1/n) M and up (1 + 2/n) M."""
     n = layout.num_workers
     if system == "fsdp-gloo":
         return 4 * (n - 1) / n * model_bytes
-    if layout.workers_per_host != 1 or layout.cpu_servers or not layout.colocated:
+    if layout.workers_per_host != 1:
         return None
-    return 3 * (n - 1) / n * model_bytes * (1 + 1 / n)
+    if layout.cpu_servers and not layout.colocated:
+        return (2 + 1 / n) * model_bytes
+    if layout.cpu_servers or not layout.colocated:
+        return None
+    return 3 * (n - 1) / n * model_bytes
 
 
 def _compare_with_ddp(runs: list[tuple[str, dict]]) -> None:

@@ -262,6 +262,7 @@ class Client:
         live: tuple[int, int] | None = None,
         want: tuple[int, int] | None = None,
         members: list[int] | None = None,
+        sharded: bool = False,
         asynchronous: bool = False,
     ) -> Handle:
         """Start an in-place push_pull of raw memory. `owner` is kept alive until done.
@@ -270,6 +271,7 @@ class Client:
         `want`: (from, to) bytes whose result is needed (the chunks wholly outside keep what
         was pushed; their results come back as a header only). `members`: the ranks
         (ascending) that sum this tensor, each pushing for itself; None: every worker.
+        `sharded`: member q reads the q-th of as many equal shards (placed on its host).
         `asynchronous`: a parameter change of an asynchronous tensor (GRADHUB_ASYNC), answered
         with the parameters the servers hold."""
     def release(self, names: list[str]) -> None:

@@ -376,7 +376,7 @@ _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32":
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
                     dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None,
                     want: tuple[int, int] | None = None, members: list[int] | None = None,
-                    asynchronous: bool = False) -> Handle:
+                    sharded: bool = False, asynchronous: bool = False) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
@@ -406,6 +406,11 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     sub-group), this worker among them; only they push it, each for itself
     (not through the host stage), and no other worker takes part. Every
     member must give the same list for a name. None: every worker.
+    `sharded=True`: the tensor is as many equal shards as it has members
+    (or workers), the q-th this job's q-th member's (a reduce-scatter's
+    result, an all-gather's slots): each shard is placed on a server on its
+    member's host where there is one, so that shard's push or result stays
+    on the host. Given on the name's first use.
     `asynchronous=True` (float32, a job with GRADHUB_ASYNC=1): `tensor` is this
     worker's change of a parameter (with `init=True`, its initial value); the
     servers add it to the parameter they hold as soon as it arrives and the
@@ -430,7 +435,7 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
                           init=bool(init), release_after=isinstance(name, AutoName), live=_bytes(live),
                           want=_bytes(want), members=None if members is None else sorted(int(r) for r in members),
-                          asynchronous=bool(asynchronous))
+                          sharded=bool(sharded), asynchronous=bool(asynchronous))
     if end is not None:
         h.add_done_callback(end)
     return Handle(h, tensor, host if host is not tensor else None)

@@ -128,7 +128,18 @@ impl Client {
             {
                 // Zeros pushed, no result wanted: a header each way per chunk.
                 let none = Extent { live: Some((0, 0)), want: Some((0, 0)) };
-                self.push_pull_live(zeros.as_mut_ptr(), bytes, dtype, name, flags, release_after, 0, None, none, &[])?
+                self.push_pull_live(
+                    zeros.as_mut_ptr(),
+                    bytes,
+                    dtype,
+                    name,
+                    flags,
+                    release_after,
+                    0,
+                    None,
+                    none,
+                    Default::default(),
+                )?
             }
         };
         let mut z = self.zero_pushes();

@@ -24,7 +24,7 @@ mod table;
 
 pub use config::{ClientConfig, ClientError};
 pub use io::IoStats;
-pub use op::{Callback, Extent, Op, OpError};
+pub use op::{Callback, Extent, Op, OpError, Summed};
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -277,7 +277,8 @@ impl Client {
     ) -> Result<Arc<Op>, ClientError> {
         // SAFETY: the caller's contract, passed on.
         unsafe {
-            self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, Extent::default(), &[])
+            let all = (Extent::default(), Summed::default());
+            self.push_pull_live(ptr, nbytes, dtype, name, flags, false, priority, keepalive, all.0, all.1)
         }
     }
 
@@ -289,10 +290,12 @@ impl Client {
     /// zeros): the chunks wholly outside it are answered by a header only and
     /// keep what was pushed. Neither applies under the host stage, which
     /// sums and shares every chunk of a host.
-    /// `members`: the workers that sum this tensor, by rank, ascending (a
-    /// process set's, a torch sub-group's), this one among them; each
-    /// pushes for itself, and no other worker takes part (empty: every
-    /// worker). Horovod's join does not cover such a tensor: a joined
+    /// `summed.members`: the workers that sum this tensor, by rank,
+    /// ascending (a process set's, a torch sub-group's), this one among
+    /// them; each pushes for itself, and no other worker takes part (empty:
+    /// every worker). `summed.sharded`: member q reads the q-th of as many
+    /// equal shards (placed on its host's server, where it has one). Both
+    /// are the tensor's: they count when it is first declared. Horovod's join does not cover such a tensor: a joined
     /// worker pushes zeros only for tensors of every worker.
     /// `release_after`: free the tensor once this round completes (see
     /// `release`), for a generated name that is never used again; the
@@ -313,8 +316,9 @@ impl Client {
         priority: i32,
         keepalive: Option<Box<dyn std::any::Any + Send>>,
         extent: Extent,
-        members: &[u32],
+        summed: Summed,
     ) -> Result<Arc<Op>, ClientError> {
+        let members = summed.members;
         self.check_usable()?;
         if dtype == DType::None {
             return Err(ClientError::Usage("push_pull needs a float32, float16 or bfloat16 tensor".into()));
@@ -404,7 +408,8 @@ impl Client {
             let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
             t.waiters.insert(req, Waiter::Async(vec![name.to_string()]));
             drop(t);
-            let e = DeclEntry { name: name.to_string(), numel, dtype, partition: 0, members: members.to_vec() };
+            let (members, sharded) = (members.to_vec(), summed.sharded);
+            let e = DeclEntry { name: name.to_string(), numel, dtype, partition: 0, members, sharded };
             if let Err(msg) = self.shared.send_ctrl(&Control::Declare { req, entries: vec![e] }) {
                 self.shared.set_failure(msg.to_string());
             }
@@ -428,6 +433,7 @@ impl Client {
             dtype: DType::F32,
             partition: 0,
             members: Vec::new(),
+            sharded: false,
         }])?;
         let spec = self
             .shared

@@ -43,6 +43,17 @@ pub struct Extent {
     pub want: Option<(usize, usize)>,
 }
 
+/// Who sums a tensor, and how it lies among them: what its declaration
+/// says (`DeclEntry::members`, `DeclEntry::sharded`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Summed<'a> {
+    /// The workers that sum it, by rank, ascending, this one among them
+    /// (empty: every worker).
+    pub members: &'a [u32],
+    /// As many equal shards as members, the q-th read by the q-th member.
+    pub sharded: bool,
+}
+
 impl Extent {
     /// Bytes `lo..hi` (a chunk's) are zeros.
     pub fn zeros(&self, lo: usize, hi: usize) -> bool {

@@ -66,6 +66,9 @@ pub struct Placer {
     rack: Vec<u32>,
     racks_with_workers: Vec<bool>,
     relay_load: Vec<u64>,
+    /// By worker rank, the slots of the servers colocated with it
+    /// (`with_homes`): where a sharded tensor's shard for it goes.
+    homes: Vec<Vec<u32>>,
 }
 
 impl Placer {
@@ -98,7 +101,50 @@ impl Placer {
             rack: Vec::new(),
             racks_with_workers: Vec::new(),
             relay_load: Vec::new(),
+            homes: Vec::new(),
         }
+    }
+
+    /// Each worker's colocated servers, from the workers' host identities
+    /// (by rank) and the servers' (`place_sharded`).
+    pub fn with_homes(mut self, worker_hosts: &[String], servers: &[ServerInfo]) -> Placer {
+        self.homes = worker_hosts
+            .iter()
+            .map(|h| {
+                let here =
+                    |i: &usize| servers.iter().any(|s| s.colocated && &s.host == h && s.rank == self.slots[*i].server);
+                (0..self.slots.len()).filter(here).map(|i| i as u32).collect()
+            })
+            .collect();
+        self
+    }
+
+    /// Place a sharded tensor's chunks (`DeclEntry::sharded`): each chunk
+    /// `(elements lo..hi, bytes)` that lies in one reader's shard
+    /// (`reader(lo, hi)`: its rank) goes to that reader's least-loaded
+    /// colocated slot, so its result (a reduce-scatter's) or its push (an
+    /// all-gather's) stays on the host; the others, and every chunk of a
+    /// reader with no server on its host, as `place` would.
+    pub fn place_sharded(
+        &mut self,
+        chunks: impl IntoIterator<Item = (u64, u64, u64)>,
+        reader: impl Fn(u64, u64) -> Option<u32>,
+    ) -> Vec<u32> {
+        let mut out = Vec::new();
+        for (lo, hi, b) in chunks {
+            let home = reader(lo, hi).and_then(|r| self.homes.get(r as usize));
+            let best = home.and_then(|slots| {
+                slots.iter().copied().filter(|&s| !self.lost[s as usize]).min_by_key(|&s| self.load[s as usize])
+            });
+            out.push(match best {
+                Some(s) => {
+                    self.load[s as usize] += b;
+                    s
+                }
+                None => self.least_loaded(b, None).unwrap_or(0),
+            });
+        }
+        out
     }
 
     /// Reduce within racks first (`scheduler::racks`): `server_racks` by

@@ -466,3 +466,29 @@ fn a_placer_that_counts_the_tensors_placed_before_places_the_next_ones_alike() {
     }
     assert_eq!(again.loads(), first.loads());
 }
+
+#[test]
+fn a_sharded_tensor_puts_each_shard_on_its_reader_s_host() {
+    // Servers 0 and 1 colocated on hosts h0 and h1 (2 threads each), server 2 CPU-only;
+    // workers 0 and 1 on h0 and h1, worker 2 on a host without a server.
+    let s = servers(&[true, true, false], 2);
+    let hosts: Vec<String> = ["h0", "h1", "h9"].iter().map(|h| h.to_string()).collect();
+    let mut p = Placer::new(&s, 3).with_homes(&hosts, &s);
+    // 6 chunks of 10 elements in 3 shards of 20: chunks 0-1 worker 0's, 2-3 worker 1's, 4-5 worker 2's.
+    let chunks: Vec<(u64, u64, u64)> = (0..6).map(|c| (c * 10, c * 10 + 10, 40)).collect();
+    let reader = |lo: u64, hi: u64| (lo / 20 == (hi - 1) / 20).then_some((lo / 20) as u32);
+    let slots = p.place_sharded(chunks.clone(), reader);
+    let server = |slot: u32| p.slot(slot).unwrap().server;
+    assert_eq!(slots[..4].iter().map(|&x| server(x)).collect::<Vec<_>>(), [0, 0, 1, 1]);
+    // Each reader's chunks spread over its server's threads (least loaded first).
+    assert_ne!(slots[0], slots[1]);
+    assert_ne!(slots[2], slots[3]);
+    // Worker 2 has no server on its host: its shard goes by the BytePS split, here to the
+    // CPU-only server (weight 4 against 2, and the colocated ones hold the other shards).
+    assert_eq!(slots[4..].iter().map(|&x| server(x)).collect::<Vec<_>>(), [2, 2]);
+    // A chunk across two shards goes by the split too.
+    let mut q = Placer::new(&s, 3).with_homes(&hosts, &s);
+    let across = q.place_sharded([(15, 25, 40)], reader);
+    let mut r = Placer::new(&s, 3);
+    assert_eq!(across, r.place([40]));
+}

@@ -240,6 +240,7 @@ fn sample_controls() -> Vec<Control> {
                     dtype: DType::F32,
                     partition: 0,
                     members: Vec::new(),
+                    sharded: false,
                 },
                 DeclEntry {
                     name: "layer1.bias".into(),
@@ -247,6 +248,7 @@ fn sample_controls() -> Vec<Control> {
                     dtype: DType::F16,
                     partition: 64 << 10,
                     members: Vec::new(),
+                    sharded: false,
                 },
                 DeclEntry {
                     name: "emb.🚀.grad".into(),
@@ -254,6 +256,7 @@ fn sample_controls() -> Vec<Control> {
                     dtype: DType::BF16,
                     partition: u32::MAX,
                     members: Vec::new(),
+                    sharded: false,
                 },
             ],
         },
@@ -1052,6 +1055,11 @@ fn control_rejects_members_out_of_order_or_beside_relays() {
     p.u32(1).u32(1).str("x").u64(4).u8(1).u32(0).u32(2).u32(3).u32(1);
     let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);
     assert!(matches!(Control::decode(&h, &p), Err(ProtocolError::BadPayload(m)) if m.contains("ascending")));
+    // A sharded flag is 0 or 1.
+    let mut p = w();
+    p.u32(1).u32(1).str("x").u64(4).u8(1).u32(0).u32(0).u8(2);
+    let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);
+    assert!(matches!(Control::decode(&h, &p), Err(ProtocolError::BadPayload(m)) if m.contains("sharded 2")));
 }
 
 #[test]
@@ -1092,14 +1100,21 @@ fn control_rejects_inconsistent_tensor_specs() {
 fn control_rejects_bad_dtype_in_declaration() {
     for d in [0u8, 7, 0x80, 0xff] {
         let mut p = w();
-        p.u32(1).u32(2).str("ok").u64(4).u8(1).u32(0).u32(0).str("bad").u64(4).u8(d).u32(0).u32(0);
+        p.u32(1).u32(2).str("ok").u64(4).u8(1).u32(0).u32(0).u8(0).str("bad").u64(4).u8(d).u32(0).u32(0).u8(0);
         let (h, p) = frame_with_payload(MsgType::Declare, &p.buf);
         assert_eq!(Control::decode(&h, &p), Err(ProtocolError::BadDtype(d)), "dtype {d}");
     }
     // Encoding a DType::None declaration produces something the peer rejects.
     let msg = Control::Declare {
         req: 1,
-        entries: vec![DeclEntry { name: "x".into(), numel: 1, dtype: DType::None, partition: 0, members: Vec::new() }],
+        entries: vec![DeclEntry {
+            name: "x".into(),
+            numel: 1,
+            dtype: DType::None,
+            partition: 0,
+            members: Vec::new(),
+            sharded: false,
+        }],
     };
     assert_eq!(decode_frame(&msg.encode(NS)), Err(ProtocolError::BadDtype(0)));
 }

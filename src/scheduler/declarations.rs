@@ -22,6 +22,8 @@ struct Decl {
     first_rank: u32,
     /// The workers that sum it (empty: all); the others count as declared.
     members: Vec<u32>,
+    /// Its shards go to their readers' hosts (`DeclEntry::sharded`).
+    sharded: bool,
     declared_by: Vec<bool>,
     conflict: Option<String>,
     spec: Option<TensorSpec>,
@@ -222,6 +224,7 @@ impl Declarations {
                 first_rank: rank,
                 declared_by: outside(&e.members, n),
                 members: e.members.clone(),
+                sharded: e.sharded,
                 conflict: None,
                 spec: None,
                 installed: false,
@@ -240,6 +243,17 @@ impl Declarations {
                     e.numel,
                     e.dtype.name(),
                     partition
+                ));
+            }
+            // (Once placed, how it was placed no longer matters: a
+            // scheduler that restarted rebuilt it without knowing.)
+            if d.conflict.is_none() && d.spec.is_none() && d.sharded != e.sharded {
+                d.conflict = Some(format!(
+                    "tensor '{}' declared inconsistently: worker {} {} it as shards, worker {rank} {}",
+                    e.name,
+                    d.first_rank,
+                    if d.sharded { "declared" } else { "did not declare" },
+                    if e.sharded { "did" } else { "did not" }
                 ));
             }
             if d.conflict.is_none() && d.members != e.members {
@@ -276,11 +290,25 @@ impl Declarations {
             self.next_key += 1;
             let Some(d) = self.decls.get(&name) else { continue };
             let (numel, dtype, members) = (d.numel, d.dtype, d.members.clone());
+            // Its readers, in shard order (every worker when it has no members).
+            let readers: Vec<u32> = match (d.sharded, members.is_empty()) {
+                (false, _) => Vec::new(),
+                (true, true) => (0..d.declared_by.len() as u32).collect(),
+                (true, false) => members.clone(),
+            };
             let ce = chunk_elems(d.partition, dtype.size());
             let nchunks = numel.div_ceil(ce);
-            let sizes = (0..nchunks).map(|c| (ce.min(numel - c * ce)) * dtype.size() as u64);
+            let chunks = (0..nchunks)
+                .map(|c| (c * ce, (c * ce + ce).min(numel), (ce.min(numel - c * ce)) * dtype.size() as u64));
             let Some(placer) = self.placer.as_mut() else { continue };
-            let slots = placer.place(sizes);
+            let shard = (numel / readers.len().max(1) as u64).max(1);
+            let slots = match !readers.is_empty() && numel.is_multiple_of(readers.len() as u64) {
+                // Shard q: elements q * shard .. (q + 1) * shard, read by readers[q].
+                true => placer.place_sharded(chunks, |lo, hi| {
+                    (lo / shard == (hi - 1) / shard).then(|| readers.get((lo / shard) as usize).copied()).flatten()
+                }),
+                false => placer.place(chunks.map(|(_, _, b)| b)),
+            };
             let mut spec = TensorSpec {
                 key,
                 name: name.clone(),
@@ -329,6 +357,7 @@ impl Declarations {
                         first_rank: rank,
                         declared_by: outside(&s.members, n),
                         members: s.members.clone(),
+                        sharded: false,
                         conflict: None,
                         spec: Some(s.clone()),
                         installed: true,
@@ -599,7 +628,7 @@ pub(super) mod tests {
     }
 
     pub(in crate::scheduler) fn entry(name: &str, numel: u64) -> DeclEntry {
-        DeclEntry { name: name.into(), numel, dtype: DType::F32, partition: 0, members: Vec::new() }
+        DeclEntry { name: name.into(), numel, dtype: DType::F32, partition: 0, members: Vec::new(), sharded: false }
     }
 
     /// Every worker declares `entries` (request 0); the tensors placed.

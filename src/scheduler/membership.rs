@@ -442,7 +442,8 @@ impl Members {
 /// racks if it reduces within them.
 pub(super) fn placer_of(w: &Welcome) -> Result<Placer, String> {
     let layout = HostLayout::new(&w.worker_hosts, &w.worker_local_ranks, w.host_reduce)?;
-    let mut placer = Placer::new(&w.servers, layout.num_hosts()).with_replicas(w.failover);
+    let mut placer =
+        Placer::new(&w.servers, layout.num_hosts()).with_replicas(w.failover).with_homes(&w.worker_hosts, &w.servers);
     if w.rack_reduce {
         let mut with_workers = vec![false; w.racks.len()];
         for &r in &w.worker_racks {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gradhub::client::{Client, ClientConfig, Extent};
+use gradhub::client::{Client, ClientConfig, Extent, Summed};
 use gradhub::protocol::{Control, DType, DeclEntry, MsgType, Role, FLAG_AVERAGE};
 use gradhub::scheduler::SchedulerConfig;
 use half::{bf16, f16};
@@ -186,6 +186,7 @@ fn declare_many_tensors_in_one_exchange() {
             // Some in chunks of their own size (smaller than the job's).
             partition: if i % 3 == 0 { 64 } else { 0 },
             members: Vec::new(),
+            sharded: false,
         })
         .collect();
     std::thread::scope(|s| {
@@ -209,6 +210,7 @@ fn declare_many_tensors_in_one_exchange() {
                     dtype: DType::F16,
                     partition: 0,
                     members: Vec::new(),
+                    sharded: false,
                 }])
                 .unwrap();
                 let got = push_pull(c, "p1", vec![f16::from_f32(1.0); 5], DType::F16, 0, 0).unwrap();
@@ -247,6 +249,7 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
                         dtype: DType::F32,
                         partition: 0,
                         members: Vec::new(),
+                        sharded: false,
                     };
                     c.declare(vec![e]).unwrap_err().to_string()
                 })
@@ -269,6 +272,7 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
                         dtype: DType::F32,
                         partition: PARTITION + 4,
                         members: Vec::new(),
+                        sharded: false,
                     };
                     let e1 = c.declare(vec![big]).unwrap_err().to_string();
                     let odd = DeclEntry {
@@ -277,6 +281,7 @@ fn inconsistent_declarations_fail_every_worker_involved_and_the_job_goes_on() {
                         dtype: DType::F32,
                         partition: 8 + 8 * c.rank,
                         members: Vec::new(),
+                        sharded: false,
                     };
                     (e1, c.declare(vec![odd]).unwrap_err().to_string())
                 })
@@ -403,6 +408,7 @@ fn after_shutdown_every_call_is_a_usage_error() {
             dtype: DType::F32,
             partition: 0,
             members: Vec::new(),
+            sharded: false,
         }])
         .unwrap_err()
         .to_string(),
@@ -530,7 +536,8 @@ fn timeouts_quote_the_stall_reports_naming_the_missing_rank() {
     // SAFETY: both ops are waited until they fail, below, while the buffers live.
     let op_a = unsafe { c.push_pull(a.as_mut_ptr() as *mut u8, 40, DType::F32, "a", 0, 0, None) }.unwrap();
     // "b": worker 1 declares it but never pushes (the server's stall report).
-    let decl = DeclEntry { name: "b".into(), numel: 10, dtype: DType::F32, partition: 0, members: Vec::new() };
+    let decl =
+        DeclEntry { name: "b".into(), numel: 10, dtype: DType::F32, partition: 0, members: Vec::new(), sharded: false };
     w1.send(&Control::Declare { req: 0, entries: vec![decl] }).unwrap();
     let mut b = vec![1.0f32; 10];
     let op_b = unsafe { c.push_pull(b.as_mut_ptr() as *mut u8, 40, DType::F32, "b", 0, 0, None) }.unwrap();
@@ -608,6 +615,7 @@ fn shutdown_fails_the_operations_in_flight() {
                     dtype: DType::F32,
                     partition: 0,
                     members: Vec::new(),
+                    sharded: false,
                 }])
                 .unwrap()
             });
@@ -648,7 +656,8 @@ fn small_partitions_still_deliver_stall_notices() {
     let mut w1 = Member::register(job.addr, worker_reg(1, "h", 2, 1));
     assert_eq!(w1.welcome().rank, 1);
     let c = pending.join();
-    let decl = DeclEntry { name: "x".into(), numel: 4, dtype: DType::F32, partition: 0, members: Vec::new() };
+    let decl =
+        DeclEntry { name: "x".into(), numel: 4, dtype: DType::F32, partition: 0, members: Vec::new(), sharded: false };
     w1.send(&Control::Declare { req: 0, entries: vec![decl] }).unwrap();
     let mut buf = vec![1.0f32; 4];
     // SAFETY: the op is waited for until it fails (below) while `buf` lives.
@@ -681,7 +690,10 @@ fn push_pull_of(c: &Client, name: &str, mut buf: Vec<f32>, extent: Extent, membe
     let nbytes = buf.len() * 4;
     let ptr = buf.as_mut_ptr() as *mut u8;
     // SAFETY: buf lives until the op completes (waited below, or the test fails).
-    let op = unsafe { c.push_pull_live(ptr, nbytes, DType::F32, name, 0, false, 0, None, extent, members) }.unwrap();
+    let op = unsafe {
+        c.push_pull_live(ptr, nbytes, DType::F32, name, 0, false, 0, None, extent, Summed { members, sharded: false })
+    }
+    .unwrap();
     op.wait(Some(IO_TIMEOUT)).unwrap();
     buf
 }
@@ -776,7 +788,7 @@ fn a_member_tensor_is_summed_by_its_members_alone_beside_the_host_stage() {
                         0,
                         None,
                         Extent::default(),
-                        other,
+                        Summed { members: other, sharded: false },
                     )
                 };
                 assert!(refused.is_err_and(|e| e.to_string().contains("must be ascending ranks that include")));

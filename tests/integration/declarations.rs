@@ -90,6 +90,7 @@ fn entries(e: &[(&str, u64, DType)]) -> Vec<gradhub::protocol::DeclEntry> {
             dtype,
             partition: 0,
             members: Vec::new(),
+            sharded: false,
         })
         .collect()
 }

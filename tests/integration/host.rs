@@ -359,6 +359,7 @@ fn a_round_waiting_for_a_local_worker_is_reported_naming_it() {
                     dtype: DType::F32,
                     partition: 0,
                     members: Vec::new(),
+                    sharded: false,
                 }])
                 .unwrap()
             });
@@ -388,7 +389,18 @@ fn push_pull_then_release(c: &Client, name: &str, mut buf: Vec<f32>) -> Vec<f32>
     let nbytes = buf.len() * 4;
     // SAFETY: buf lives until the op completes (waited below, or the test fails).
     let op = unsafe {
-        c.push_pull_live(buf.as_mut_ptr().cast(), nbytes, DType::F32, name, 0, true, 0, None, Default::default(), &[])
+        c.push_pull_live(
+            buf.as_mut_ptr().cast(),
+            nbytes,
+            DType::F32,
+            name,
+            0,
+            true,
+            0,
+            None,
+            Default::default(),
+            Default::default(),
+        )
     }
     .unwrap();
     op.wait(Some(IO_TIMEOUT)).unwrap();

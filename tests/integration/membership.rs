@@ -442,7 +442,14 @@ fn strangers_cannot_hold_the_scheduler_before_registering() {
 fn a_declaration_or_barrier_that_needs_a_worker_that_left_fails_the_job() {
     // Worker 0 waits for a declaration worker 1 never makes; worker 1 leaves.
     let mut job = fake_job(sched_config(2, 1), &[(1, false)]);
-    let entries = vec![DeclEntry { name: "x".into(), numel: 10, dtype: DType::F32, partition: 0, members: Vec::new() }];
+    let entries = vec![DeclEntry {
+        name: "x".into(),
+        numel: 10,
+        dtype: DType::F32,
+        partition: 0,
+        members: Vec::new(),
+        sharded: false,
+    }];
     job.workers[0].send(&Control::Declare { req: 1, entries }).unwrap();
     std::thread::sleep(Duration::from_millis(100));
     job.workers[1].send(&Control::Goodbye).unwrap();

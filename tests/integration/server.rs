@@ -57,6 +57,7 @@ impl DataJob {
                 dtype,
                 partition: 0,
                 members: Vec::new(),
+                sharded: false,
             })
             .collect();
         for w in &self.workers {
@@ -803,6 +804,7 @@ fn taken_over(nw: u32) -> TakenOver {
         dtype: DType::F32,
         partition: 0,
         members: Vec::new(),
+        sharded: false,
     }];
     for w in &workers {
         w.send(&Control::Declare { req: 0, entries: e.clone() }).unwrap();

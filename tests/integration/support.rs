@@ -277,7 +277,14 @@ impl Member {
     pub fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Control {
         let entries = entries
             .iter()
-            .map(|&(n, numel, dtype)| DeclEntry { name: n.into(), numel, dtype, partition: 0, members: Vec::new() })
+            .map(|&(n, numel, dtype)| DeclEntry {
+                name: n.into(),
+                numel,
+                dtype,
+                partition: 0,
+                members: Vec::new(),
+                sharded: false,
+            })
             .collect();
         self.send(&Control::Declare { req, entries }).expect("send Declare");
         self.recv()

@@ -144,29 +144,33 @@ def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def start_sum(buf: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool = False,
-              priority: int = 0, live=None, want=None):
+              priority: int = 0, live=None, want=None, sharded: bool = False):
     """Start summing `buf` in place over the members of `ps` under `name`:
     the core's handle. `average`: the global set only (the servers divide;
     a set's average is divided by its caller). A set's tensor is its
     members' alone: nobody outside the set takes part. `live`: see
     `gradhub.api.push_pull_async` (buf is zeros outside it); `want`: the
-    elements whose sum is needed (the rest keep what was pushed)."""
+    elements whose sum is needed (the rest keep what was pushed);
+    `sharded`: `buf` is one equal shard per member, the q-th member's
+    placed on its host (see `gradhub.api.push_pull_async`)."""
     if ps._is_global():
-        return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live, want=want)
+        return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live, want=want,
+                                    sharded=sharded)
     if average:
         raise AssertionError("a process set's average is divided by the caller")
     return _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live, want=want,
-                                members=ps.ranks)
+                                members=ps.ranks, sharded=sharded)
 
 
 def start_reduction(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool,
                     priority: int = 0, compression=Compression.none, target: torch.Tensor | None = None,
-                    want: tuple[int, int] | None = None) -> Handle:
+                    want: tuple[int, int] | None = None, sharded: bool = False) -> Handle:
     """Start reducing (summing; `average`: averaging) `tensor` over the
     members of `ps` under `name`; the result is written into `target` if
     given, else returned as a new tensor on the tensor's device. `want`:
     the elements (start, stop) of the flattened result the caller reads;
-    outside them the result is undefined (a reduce-scatter's other shards)."""
+    outside them the result is undefined (a reduce-scatter's other shards);
+    `sharded`: as `start_sum`'s."""
     src = tensor.detach()
     comp, ctx = compression.compress(src)
     wire_cast = None
@@ -188,7 +192,7 @@ def start_reduction(tensor: torch.Tensor, name: str, ps: ProcessSet = global_pro
     if ps._is_global() and _local_stage.uses(buf):
         h = _local_stage.push_pull_async(buf, name, server_average, priority)
     else:
-        h = start_sum(buf, name, ps, average=server_average, priority=priority, want=want)
+        h = start_sum(buf, name, ps, average=server_average, priority=priority, want=want, sharded=sharded)
     n = ps.size()
 
     def finish():

@@ -183,6 +183,11 @@ pub struct DeclEntry {
     /// The workers that sum it, by rank, ascending (a process set's or a
     /// torch sub-group's tensor); empty: every worker.
     pub members: Vec<u32>,
+    /// It is as many equal shards as it has members (or workers), the q-th
+    /// read by the q-th of them (a reduce-scatter's result, an all-gather's
+    /// slots): each shard's chunks are placed on a server on its reader's
+    /// host, where one is (`Placer::place_sharded`).
+    pub sharded: bool,
 }
 
 /// Everything a worker and a server need to move one tensor: its key, how it

@@ -302,6 +302,7 @@ impl Control {
                 for e in entries {
                     w.str(&e.name).u64(e.numel).u8(e.dtype as u8).u32(e.partition);
                     put_ranks(&mut w, &e.members);
+                    w.u8(e.sharded as u8);
                 }
             }
             Control::Declared { req, specs } => {
@@ -433,7 +434,12 @@ impl Control {
                     let dtype = get_dtype(&mut r)?;
                     let partition = r.u32("partition")?;
                     let members = get_ranks(&mut r, "members")?;
-                    entries.push(DeclEntry { name, numel, dtype, partition, members });
+                    let sharded = match r.u8("sharded")? {
+                        0 => false,
+                        1 => true,
+                        v => return Err(ProtocolError::BadPayload(format!("declaration '{name}': sharded {v}"))),
+                    };
+                    entries.push(DeclEntry { name, numel, dtype, partition, members, sharded });
                 }
                 Control::Declare { req, entries }
             }

@@ -163,13 +163,13 @@ class Collectives:
             except Exception:  # noqa: BLE001 - reported by that operation's own Work
                 pass
 
-    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0, want=None):
+    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0, want=None, sharded: bool = False):
         """Start summing `buf` (in place) over the group: an api.Handle.
-        `live`, `want`: as `gradhub.api.push_pull_async`'s."""
+        `live`, `want`, `sharded`: as `gradhub.api.push_pull_async`'s."""
         self._check_open()
         self._before(name)
         try:
-            h = start_sum(buf, name, self._ps, priority=priority, live=live, want=want)
+            h = start_sum(buf, name, self._ps, priority=priority, live=live, want=want, sharded=sharded)
         except _api.GradhubError as e:
             raise _failure(f"operation {name}", e) from e
         if not isinstance(name, _api.AutoName):
@@ -249,7 +249,7 @@ class Collectives:
         buf = torch.zeros(self._size * words, dtype=torch.int32, device=device or t.device)
         _slot_write(buf, self._rank, words, t)
         h = self._sum(buf, name, live=(self._rank * words, (self._rank + 1) * words),
-                      want=None if wanted else _NOTHING)
+                      want=None if wanted else _NOTHING, sharded=True)
         return h, buf, words
 
     # ---------------------------------------------------------------- collectives
@@ -306,7 +306,7 @@ class Collectives:
         return self._in_thread("sparse all_reduce", [t], body)
 
     def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None,
-                   want: tuple[int, int] | None = None) -> Work:
+                   want: tuple[int, int] | None = None, sharded: bool = False) -> Work:
         """Reduce `t` over the group into `out` (default: `t`, in place);
         `want`: only these elements of the flattened result are read."""
         out = t if out is None else out
@@ -336,7 +336,8 @@ class Collectives:
         self._before(name)
         target = out if src is t and out.is_contiguous() else None
         try:
-            h = start_reduction(src, name, self._ps, average=kind == _R.AVG, target=target, want=want)
+            h = start_reduction(src, name, self._ps, average=kind == _R.AVG, target=target, want=want,
+                                sharded=sharded)
         except _api.GradhubError as e:
             raise _failure(what, e) from e
         self._last[name] = h
@@ -414,7 +415,7 @@ class Collectives:
             mine = src.clone() if _overlaps(output, input) else src
             out_words.zero_()
             out_words.view(torch.uint8)[self._rank * nbytes:(self._rank + 1) * nbytes].copy_(mine)
-            h = self._sum(out_words, name, live=(self._rank * w, (self._rank + 1) * w))
+            h = self._sum(out_words, name, live=(self._rank * w, (self._rank + 1) * w), sharded=True)
             return self._complete_when(op, [h])
         h, buf, words = self._gather_start(input, name)
 
@@ -560,7 +561,7 @@ class Collectives:
         full = input.detach().reshape(-1).clone()
         op = self._op(what, [output])
         n = output.numel()
-        inner = self._allreduce(full, rop, what, want=(self._rank * n, (self._rank + 1) * n))
+        inner = self._allreduce(full, rop, what, want=(self._rank * n, (self._rank + 1) * n), sharded=True)
 
         def copy(_fut=None):
             output.copy_(full[self._rank * n:(self._rank + 1) * n].view(output.shape))
