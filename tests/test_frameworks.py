@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alarming, free_port_pair, job_env
+from conftest import ZYGOTE, alarming, free_port_pair, job_env
 
 pytest.importorskip("torch")
 
@@ -38,7 +38,8 @@ def torchrun(script: str) -> list[str]:
 
 
 def gradhub_launch(script: str) -> list[str]:
-    return [sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--", sys.executable,
+    # Each worker forked from the session's zygote (tests/zygote.py: torch already imported), the example as __main__.
+    return [sys.executable, "-m", "gradhub", "launch", "-w", "2", "-s", "1", "--", sys.executable, str(ZYGOTE),
             str(EXAMPLES / script), "--steps", str(STEPS)]
 
 
