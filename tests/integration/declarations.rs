@@ -28,8 +28,8 @@ fn workers_declaring_in_different_orders_get_identical_specs() {
     let servers: Vec<AckServer> = job.servers.drain(..).map(auto_ack).collect();
     let all = [("a", 1000u64, DType::F32), ("b", 10, DType::F16), ("c", 300, DType::BF16), ("e", 0, DType::F32)];
     let w = &mut job.workers;
-    w[0].send(&Control::Declare { req: 10, entries: entries(&[all[0], all[1], all[2], all[3]]) }).unwrap();
-    w[1].send(&Control::Declare { req: 20, entries: entries(&[all[2], all[3], all[0], all[1]]) }).unwrap();
+    w[0].send(&Control::Declare { req: 10, entries: decl_entries(&[all[0], all[1], all[2], all[3]]) }).unwrap();
+    w[1].send(&Control::Declare { req: 20, entries: decl_entries(&[all[2], all[3], all[0], all[1]]) }).unwrap();
     // Worker 2 in two requests.
     let s2a = declared(w[2].declare(30, &[all[0]]), 30);
     let s2b = declared(w[2].declare(31, &[all[3], all[1], all[2]]), 31);
@@ -82,24 +82,11 @@ fn workers_declaring_in_different_orders_get_identical_specs() {
     job.finish();
 }
 
-fn entries(e: &[(&str, u64, DType)]) -> Vec<gradhub::protocol::DeclEntry> {
-    e.iter()
-        .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry {
-            name: n.into(),
-            numel,
-            dtype,
-            partition: 0,
-            members: Vec::new(),
-            sharded: false,
-        })
-        .collect()
-}
-
 #[test]
 fn tensors_are_installed_on_every_server_before_any_worker_is_answered() {
     let mut job = fake_job(sched_config(2, 2), &[(1, false), (1, false)]);
     for w in &job.workers {
-        w.send(&Control::Declare { req: 1, entries: entries(&[("w", 5000, DType::F32)]) }).unwrap();
+        w.send(&Control::Declare { req: 1, entries: decl_entries(&[("w", 5000, DType::F32)]) }).unwrap();
     }
     let mut batches = Vec::new();
     for s in &mut job.servers {
@@ -128,8 +115,8 @@ fn inconsistent_declarations_are_answered_with_an_error_to_every_worker_involved
     let w = &mut job.workers;
 
     // Different sizes.
-    w[0].send(&Control::Declare { req: 1, entries: entries(&[("x", 100, DType::F32)]) }).unwrap();
-    w[1].send(&Control::Declare { req: 1, entries: entries(&[("x", 101, DType::F32)]) }).unwrap();
+    w[0].send(&Control::Declare { req: 1, entries: decl_entries(&[("x", 100, DType::F32)]) }).unwrap();
+    w[1].send(&Control::Declare { req: 1, entries: decl_entries(&[("x", 101, DType::F32)]) }).unwrap();
     for i in [0, 1] {
         match w[i].recv() {
             Control::DeclareError { req, message } => {
@@ -146,8 +133,9 @@ fn inconsistent_declarations_are_answered_with_an_error_to_every_worker_involved
     }
 
     // Different dtypes, inside a batch with a good tensor.
-    w[0].send(&Control::Declare { req: 2, entries: entries(&[("ok", 8, DType::F32), ("y", 10, DType::F32)]) }).unwrap();
-    w[1].send(&Control::Declare { req: 2, entries: entries(&[("y", 10, DType::F16)]) }).unwrap();
+    w[0].send(&Control::Declare { req: 2, entries: decl_entries(&[("ok", 8, DType::F32), ("y", 10, DType::F32)]) })
+        .unwrap();
+    w[1].send(&Control::Declare { req: 2, entries: decl_entries(&[("y", 10, DType::F16)]) }).unwrap();
     for i in [0, 1] {
         match w[i].recv() {
             Control::DeclareError { req, message } => {
@@ -160,7 +148,7 @@ fn inconsistent_declarations_are_answered_with_an_error_to_every_worker_involved
 
     // The job goes on: a consistent tensor is declared normally.
     for w in w.iter() {
-        w.send(&Control::Declare { req: 3, entries: entries(&[("z", 64, DType::BF16)]) }).unwrap();
+        w.send(&Control::Declare { req: 3, entries: decl_entries(&[("z", 64, DType::BF16)]) }).unwrap();
     }
     let specs: Vec<_> = w.iter_mut().map(|m| declared(m.recv(), 3)).collect();
     assert!(specs.iter().all(|s| s == &specs[0] && s[0].name == "z"));
@@ -184,7 +172,7 @@ fn oversized_tensor_is_refused_to_its_declarer_only() {
     job.workers[1].expect_silence(Duration::from_millis(200));
     // Nothing of the refused request was recorded: 'fine' needs worker 0 again.
     for w in &job.workers {
-        w.send(&Control::Declare { req: 5, entries: entries(&[("fine", 4, DType::F32)]) }).unwrap();
+        w.send(&Control::Declare { req: 5, entries: decl_entries(&[("fine", 4, DType::F32)]) }).unwrap();
     }
     for w in &mut job.workers {
         assert_eq!(declared(w.recv(), 5).len(), 1);
@@ -203,7 +191,7 @@ fn declaration_waiting_for_a_worker_gets_a_stall_report_naming_it() {
     let srv = auto_ack(job.servers.remove(0));
     let t0 = Instant::now();
     for i in [0, 2] {
-        job.workers[i].send(&Control::Declare { req: 9, entries: entries(&[("s", 10, DType::F32)]) }).unwrap();
+        job.workers[i].send(&Control::Declare { req: 9, entries: decl_entries(&[("s", 10, DType::F32)]) }).unwrap();
     }
     for i in [0, 2] {
         match job.workers[i].recv() {
@@ -248,7 +236,7 @@ fn declare_everywhere(job: &mut FakeJob, tensors: &[(String, u64, DType)]) -> Ve
         if i % 2 == 1 {
             e.reverse();
         }
-        w.send(&Control::Declare { req: 0, entries: entries(&e) }).unwrap();
+        w.send(&Control::Declare { req: 0, entries: decl_entries(&e) }).unwrap();
     }
     let mut specs: Vec<Vec<TensorSpec>> = job.workers.iter_mut().map(|w| declared(w.recv(), 0)).collect();
     for s in &mut specs {
@@ -337,7 +325,7 @@ fn placement_counts_hosts_not_workers_when_hosts_sum_first() {
 fn a_name_repeated_in_one_request_is_placed_and_installed_once() {
     let mut job = fake_job(sched_config(1, 1), &[(2, false)]);
     job.workers[0]
-        .send(&Control::Declare { req: 0, entries: entries(&[("x", 600, DType::F32), ("x", 600, DType::F32)]) })
+        .send(&Control::Declare { req: 0, entries: decl_entries(&[("x", 600, DType::F32), ("x", 600, DType::F32)]) })
         .unwrap();
     let (batch, specs) = match job.servers[0].recv() {
         Control::ServerDeclare { batch, specs } => (batch, specs),
@@ -369,7 +357,7 @@ fn ack_install(s: &mut Member) -> Vec<TensorSpec> {
 fn a_tensor_is_freed_on_the_servers_once_every_worker_released_it_and_its_name_is_free_at_once() {
     let mut job = fake_job(sched_config(2, 1), &[(2, false)]);
     for w in &job.workers {
-        w.send(&Control::Declare { req: 1, entries: entries(&[("x", 1000, DType::F32), ("y", 8, DType::F32)]) })
+        w.send(&Control::Declare { req: 1, entries: decl_entries(&[("x", 1000, DType::F32), ("y", 8, DType::F32)]) })
             .unwrap();
     }
     let installed = ack_install(&mut job.servers[0]);
@@ -384,14 +372,14 @@ fn a_tensor_is_freed_on_the_servers_once_every_worker_released_it_and_its_name_i
     job.servers[0].expect_silence(Duration::from_millis(300));
     // ... but the name is free: declaring it again is a new tensor, once
     // every worker declared it.
-    job.workers[0].send(&Control::Declare { req: 2, entries: entries(&[("x", 10, DType::F16)]) }).unwrap();
+    job.workers[0].send(&Control::Declare { req: 2, entries: decl_entries(&[("x", 10, DType::F16)]) }).unwrap();
     job.servers[0].expect_silence(Duration::from_millis(300));
     job.workers[1].send(&Control::Release { keys: vec![x.key] }).unwrap();
     match job.servers[0].recv() {
         Control::ServerRelease { keys } => assert_eq!(keys, vec![x.key]),
         other => panic!("expected ServerRelease, got {other:?}"),
     }
-    job.workers[1].send(&Control::Declare { req: 2, entries: entries(&[("x", 10, DType::F16)]) }).unwrap();
+    job.workers[1].send(&Control::Declare { req: 2, entries: decl_entries(&[("x", 10, DType::F16)]) }).unwrap();
     let again = ack_install(&mut job.servers[0]);
     let new: Vec<TensorSpec> = job.workers.iter_mut().map(|w| declared(w.recv(), 2).remove(0)).collect();
     assert_eq!(new[0], new[1]);

@@ -49,17 +49,7 @@ fn data_job_on(
 impl DataJob {
     /// Every worker declares `entries`; returns the (identical) specs.
     fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Vec<TensorSpec> {
-        let e: Vec<_> = entries
-            .iter()
-            .map(|&(n, numel, dtype)| gradhub::protocol::DeclEntry {
-                name: n.into(),
-                numel,
-                dtype,
-                partition: 0,
-                members: Vec::new(),
-                sharded: false,
-            })
-            .collect();
+        let e = decl_entries(entries);
         for w in &self.workers {
             w.send(&Control::Declare { req, entries: e.clone() }).unwrap();
         }

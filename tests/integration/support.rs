@@ -275,18 +275,7 @@ impl Member {
 
     /// Declare and wait for the reply to this request (other messages are returned too).
     pub fn declare(&mut self, req: u32, entries: &[(&str, u64, DType)]) -> Control {
-        let entries = entries
-            .iter()
-            .map(|&(n, numel, dtype)| DeclEntry {
-                name: n.into(),
-                numel,
-                dtype,
-                partition: 0,
-                members: Vec::new(),
-                sharded: false,
-            })
-            .collect();
-        self.send(&Control::Declare { req, entries }).expect("send Declare");
+        self.send(&Control::Declare { req, entries: decl_entries(entries) }).expect("send Declare");
         self.recv()
     }
 
@@ -301,6 +290,20 @@ impl Drop for Member {
     fn drop(&mut self) {
         self.stop_heartbeat();
     }
+}
+
+/// Declarations of every worker's tensors (name, elements, dtype), in the job's chunks.
+pub fn decl_entries(e: &[(&str, u64, DType)]) -> Vec<DeclEntry> {
+    e.iter()
+        .map(|&(n, numel, dtype)| DeclEntry {
+            name: n.into(),
+            numel,
+            dtype,
+            partition: 0,
+            members: Vec::new(),
+            sharded: false,
+        })
+        .collect()
 }
 
 pub fn declared(msg: Control, want_req: u32) -> Vec<TensorSpec> {
