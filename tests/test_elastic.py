@@ -91,23 +91,25 @@ def test_a_worker_joins_a_running_elastic_job_at_its_next_commit(tmp_path):
 
 
 def test_the_elastic_fault_campaign_quick_mode(tmp_path):
-    # One trial of a killed and of an added worker: no hang, no wrong
-    # result, no disagreement, every trial as expected.
+    # The campaign command end to end, on one trial of a killed worker: no
+    # hang, no wrong result, no disagreement, the trial as expected, its
+    # recovery timed. (The behaviours themselves, with exact single-process
+    # parameters, are the tests above: a worker lost mid-step, one that joins.)
     import subprocess
 
     from conftest import job_env
 
     out = tmp_path / "faults.json"
-    # Two of the four faults (the full campaign, docs/reliability.md, runs all four 25 times each).
+    # One of the four faults (the full campaign, docs/reliability.md, runs all four 25 times each).
     p = subprocess.run([sys.executable, "-m", "gradhub_lab", "faults", "--elastic", "--quick", "--faults",
-                        "kill worker,add worker", "--json", str(out)],
+                        "kill worker", "--json", str(out)],
                        env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-6000:]
     import json
 
     s = json.loads(out.read_text())["summary"]
-    assert s["trials"] == s["ok"] == 2 and s["hangs"] == s["wrong"] == s["disagree"] == 0, s
-    assert set(s["by_fault"]) == {"kill worker", "add worker"}, s
+    assert s["trials"] == s["ok"] == 1 and s["hangs"] == s["wrong"] == s["disagree"] == 0, s
+    assert set(s["by_fault"]) == {"kill worker"}, s
     assert all(row["recovery_median_s"] is not None for row in s["by_fault"].values()), s
 
 
