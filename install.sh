@@ -35,9 +35,20 @@ pip install -e ".[dev]"
 rm -f dist/gradhub-*.whl
 if command -v maturin >/dev/null; then maturin=(maturin); else maturin=(python -m maturin); fi
 "${maturin[@]}" build --release --out dist
+# The Rust tests' binaries (`cargo test --release`, the README's next command,
+# then finds them built) compile while the lab and the oldest torch install:
+# mostly downloads and unpacking, which leave the cores to cargo. Its output
+# goes to target/install-cargo-test.log; a failure here is only reported
+# (`cargo test` builds again and says why).
+cargo_log=target/install-cargo-test.log
+mkdir -p target
+cargo test --release --no-run >"$cargo_log" 2>&1 &
+cargo_pid=$!
+trap 'kill "$cargo_pid" 2>/dev/null || true' EXIT  # not left running if a step below fails
 pip install -e lab/
 if [ "${OLDEST_TORCH:-1}" != 0 ]; then
     oldest=$(python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["torch"] if d.startswith("torch>=")).split(">=")[1])')
     [ -x .venv-oldest-torch/bin/python ] || python -m venv .venv-oldest-torch
     .venv-oldest-torch/bin/pip install -q "torch~=${oldest}.0" numpy "pytest>=8,<9" pytest-xdist pyyaml expecttest
 fi
+wait "$cargo_pid" || echo "install.sh: building the Rust tests failed (see $cargo_log)" >&2
