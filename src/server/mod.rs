@@ -613,7 +613,8 @@ impl Segments {
             return Ok(Vec::new());
         }
         let mut out = Vec::with_capacity(specs.len());
-        for s in specs {
+        // A member tensor's members push for themselves, never by reference.
+        for s in specs.iter().filter(|s| s.members.is_empty()) {
             let st = match self.open.get(&s.key) {
                 Some(st) => st.clone(),
                 None => {
