@@ -30,13 +30,18 @@ def worker_argv(script: str, fresh: bool = False) -> list[str]:
     return [sys.executable, str(ZYGOTE), str(WORKERS / script)]
 
 
-# Tests that build network namespaces, bridges and fixed subnets (emulated
-# hosts), or start machine-wide daemons (sshd on emulated hosts, Slurm):
+# Tests of the lab's emulated clusters (gradhub_lab.netns: shaped links,
+# timed or byte-counted, each checking that no cluster of the lab's is left
+# behind) or that start machine-wide daemons (sshd on emulated hosts, Slurm):
 # under pytest-xdist they run one after another in one worker process, as
 # their resources are the machine's, not the test's. Such a test is in one
-# of these files, takes the `hosts` fixture, or is marked `machine_wide`.
-MACHINE_WIDE = {"test_multihost.py", "test_launch_ssh.py", "test_launch_elastic_ssh.py", "test_launch_slurm.py",
-                "test_plan_emulated.py"}
+# of these files or is marked `machine_wide`.
+MACHINE_WIDE = {"test_launch_ssh.py", "test_launch_elastic_ssh.py", "test_launch_slurm.py", "test_plan_emulated.py"}
+# Tests of emulated hosts made by the `hosts` fixture (tests/test_multihost.py:
+# namespaces and a bridge named by the test process's id, their own subnet
+# behind that bridge): one after another in one worker process too, but
+# beside the machine-wide ones, with which they share no name or address.
+EMULATED_HOSTS = {"test_multihost.py"}
 
 
 def pytest_configure(config):
@@ -47,9 +52,10 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if (item.path.name in MACHINE_WIDE or "hosts" in getattr(item, "fixturenames", ())
-                or item.get_closest_marker("machine_wide")):
+        if item.path.name in MACHINE_WIDE or item.get_closest_marker("machine_wide"):
             item.add_marker(pytest.mark.xdist_group("machine-wide"))
+        elif item.path.name in EMULATED_HOSTS or "hosts" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("emulated-hosts"))
 
 
 @pytest.fixture(scope="session", autouse=True)
