@@ -686,14 +686,13 @@ def test_plan_plot_without_matplotlib_or_with_a_wrong_suffix_fails_in_one_line(t
 @pytest.mark.parametrize("name", ["v100", "a100", "h100"])
 @pytest.mark.parametrize("precision", ["amp", "fp32"])
 def test_gpu_catalogue_runs_resnet50_at_its_published_rate_and_scales_every_layer_alike(name, precision):
-    from gradhub.plan.gpus import gpu, speedup
-    from gradhub.plan.profile import load
+    from gradhub.plan.gpus import gpu, load_on, speedup
 
     g = gpu(name, precision)
-    p = load("resnet50", 1.0, None, None, name, precision)
+    p = load_on("resnet50", 1.0, None, None, name, precision)
     assert p.batch / p.compute_s == pytest.approx(g.resnet50_img_s)       # the published throughput itself
     base = builtin("bert_large")
-    on = load("bert_large", 1.0, None, None, name, precision)
+    on = load_on("bert_large", 1.0, None, None, name, precision)
     f = speedup("bert_large", g)
     assert all(a.forward_s == pytest.approx(b.forward_s / f) and a.backward_s == pytest.approx(b.backward_s / f)
                and a.tensors == b.tensors for a, b in zip(on.layers, base.layers))

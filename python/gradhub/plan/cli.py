@@ -14,7 +14,7 @@ from .._argtypes import Parser, count, output_file
 from .cluster import Cluster, Options, Prices, rate
 from .costs import DEFAULT_FILE, Costs
 from .ddp import simulate_ddp
-from .profile import load
+from .gpus import load_on
 from .sim import byteps_optimum, simulate_gradhub
 
 
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args) -> int:
-    prof = load(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
+    prof = load_on(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
     costs = Costs.load(args.costs)
     c = _cluster(args)
     if c.num_servers < 1:
@@ -231,7 +231,7 @@ def _simulate(args) -> int:
 def _plan(args) -> int:
     from .search import EVIDENCE, MODEL_ERROR, env_file, margin_text, plan, verdict
 
-    prof = load(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
+    prof = load_on(args.model, args.scale, args.profile, args.torch_model, args.gpu, args.precision)
     costs = Costs.load(args.costs)
     base = _cluster(args)
     prices = Prices(args.gpu_price, args.cpu_price) if (args.gpu_price or args.cpu_price) else None

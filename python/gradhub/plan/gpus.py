@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .profile import SimProfile
+from .profile import TRANSFORMERS, SimProfile, load
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ GPUS = {
 # 32 in 161 ms) for CNNs; the transformers' estimate is a V100 in mixed precision.
 CNN_BASE_IMG_S = 32 / 0.161
 TRANSFORMER_BASE_IMG_S = GPUS[("v100", "amp")].resnet50_img_s
-TRANSFORMERS = ("bert_base", "bert_large", "gpt2_small")
 
 
 def gpu(name: str, precision: str = "amp") -> Gpu:
@@ -74,3 +73,13 @@ def on_gpu(p: SimProfile, model: str, g: Gpu) -> SimProfile:
     layers = [replace(l, forward_s=l.forward_s / f, backward_s=l.backward_s / f) for l in p.layers]
     return SimProfile(p.name, p.batch, layers, f"{p.source}; compute on {g.name} ({g.precision}): {g.source}",
                       p.unit)
+
+
+def load_on(model: str | None, scale: float, profile: str | None, torch_model: str | None,
+            gpu_name: str | None = None, precision: str = "amp") -> SimProfile:
+    """The profile the command line names (`profile.load`); with `gpu_name`,
+    a built-in model's compute on that GPU of the catalogue."""
+    if gpu_name and (profile or torch_model):
+        raise ValueError("--gpu scales the built-in models; a --profile's or --torch-model's times are its own")
+    p = load(model, scale, profile, torch_model)
+    return on_gpu(p, model or "vgg19", gpu(gpu_name, precision)) if gpu_name else p

@@ -78,6 +78,10 @@ def _bert_large():
 EXTRA = {"vgg16": _vgg16, "bert_large": _bert_large}
 
 
+# The built-in transformers: their samples are tokens.
+TRANSFORMERS = ("bert_base", "bert_large", "gpt2_small")
+
+
 def builtin(name: str, scale: float = 1.0) -> SimProfile:
     """A built-in model (models.py, or one of EXTRA): tensors of
     ceil(n / scale) float32 elements (at least one), as the lab's emulated
@@ -89,8 +93,6 @@ def builtin(name: str, scale: float = 1.0) -> SimProfile:
     p = EXTRA[name]() if name in EXTRA else models.get(name)
     layers = [SimLayer(l.name, [4 * max(1, math.ceil(n / scale)) for n in l.params], f, b)
               for l, (f, b) in zip(p.layers, p.compute_times())]
-    from .gpus import TRANSFORMERS
-
     return SimProfile(p.name, p.batch, layers, f"{p.source}, bytes / {scale:g}",
                       "tokens" if name in TRANSFORMERS else "images")
 
@@ -230,23 +232,13 @@ def from_torch(spec: str, steps: int = 5, warmup: int = 2) -> SimProfile:
     return SimProfile(spec, batch, layers, f"timed on this machine (median of {steps} steps)")
 
 
-def load(model: str | None, scale: float, profile: str | None, torch_model: str | None,
-         gpu: str | None = None, precision: str = "amp") -> SimProfile:
-    """The profile the command line names (exactly one source); `gpu`: a
-    built-in model's compute on that GPU of the catalogue (gpus.py)."""
+def load(model: str | None, scale: float, profile: str | None, torch_model: str | None) -> SimProfile:
+    """The profile the command line names (exactly one source)."""
     given = [x for x in (profile, torch_model) if x]
     if len(given) > 1:
         raise ValueError("give one of --model, --profile, --torch-model")
-    if given and gpu:
-        raise ValueError("--gpu scales the built-in models; a --profile's or --torch-model's times are its own")
     if profile:
         return from_json(profile)
     if torch_model:
         return from_torch(torch_model)
-    name = model or "vgg19"
-    p = builtin(name, scale)
-    if gpu:
-        from .gpus import gpu as lookup, on_gpu
-
-        p = on_gpu(p, name, lookup(gpu, precision))
-    return p
+    return builtin(model or "vgg19", scale)

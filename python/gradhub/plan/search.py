@@ -46,7 +46,7 @@ KNOBS = {
 # resolution: a pipeline's fill and drain, the discrete placement).
 TIE = 0.01
 # The verdict's margin, from the measured errors of a predicted gain over
-# DDP (docs/planning.md, "The verdict's margin"): within it, "no clear
+# DDP (docs/planning.md, "`gradhub plan`", its verdict's margin): within it, "no clear
 # winner", and the verdict is DDP. Each: (where it was measured, the largest
 # error of the predicted speed-up, in points of gain). The tests check them
 # against the validation table and the papers' table as they stand.
