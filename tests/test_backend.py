@@ -51,6 +51,16 @@ def test_backend_collectives_ddp_and_groups_3_processes_on_2_emulated_hosts():
         assert "against gloo" in out and "FSDP2: 20 steps equal one process" in out, out[-6000:]
 
 
+@pytest.mark.parametrize("backend,hosts", [("gradhub", ["host-a", "host-a", "host-b"]), ("gloo", ["a", "b"])])
+def test_ddp_forward_overlap_trains_as_one_process_and_plain_ddp(backend, hosts):
+    # gradhub.torch.ddp_forward_overlap: SGD and Adam, an LR scheduler, buckets as views or not, no_sync,
+    # a checkpoint mid-run, the refusals (tests/workers/backend_ddp_overlap.py); over gloo too.
+    results = run_torchrun_style(len(hosts), "backend_ddp_overlap.py", hosts, {"backend": backend})
+    for q, (rc, out) in enumerate(results):
+        assert rc == 0 and f"PASS {q}" in out, f"rank {q}:\n{out[-6000:]}"
+        assert "adam, gradient_as_bucket_view=False: 12 steps equal one process and plain DDP" in out, out[-3000:]
+
+
 def test_point_to_point_3_processes_on_2_emulated_hosts():
     # Every pair, dtypes, sizes of several frames, order and tags, any source, batch_isend_irecv,
     # sub-groups, errors naming the sender, a receive withdrawn on its timeout (tests/workers/backend_p2p.py).

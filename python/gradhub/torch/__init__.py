@@ -19,6 +19,7 @@ from ..api import join as _join
 from ..api import start_timeline, stop_timeline
 from .compression import Compression, Compressor
 from .ddp import HookState, ddp_comm_hook
+from .ddp_overlap import DDPForwardOverlap, ddp_forward_overlap
 from .ops import _settle_started
 from .ops import (
     Adasum,
@@ -146,7 +147,7 @@ __all__ = [
     "allgather_async", "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
     "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built",
-    "ddl_built", "ddp_comm_hook", "elastic", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
+    "DDPForwardOverlap", "ddl_built", "ddp_comm_hook", "ddp_forward_overlap", "elastic", "gloo_built", "gloo_enabled", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "init", "is_homogeneous", "is_initialized", "local_rank",
     "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll", "push_pull",
     "push_pull_async", "rank", "rocm_built", "shutdown", "size", "synchronize",

@@ -36,9 +36,8 @@ class OnWorkers:
 
     def __init__(self, opt):
         self.opt = opt
-        # ForwardOverlap's updates of a module's parameters: an optimizer of
-        # the wrapped class over just them, by the ids of the parameters.
-        self.sub: dict[tuple, torch.optim.Optimizer] = {}
+        # ForwardOverlap's and the eager updates of some parameters.
+        self.partial = PartialSteps(opt._gh_base_cls)
 
     def push_name(self, p, tagged: bool = True) -> str:
         """The name p's gradient is pushed under; with a chunk size of its
@@ -100,16 +99,28 @@ class OnWorkers:
     def update_some(self, params: list, hyper: dict | None) -> None:
         """Update `params` (of one group) with their reduced gradients, with
         the group's hyperparameters `hyper` as they were at step() (None:
-        as they are), through an optimizer of the same class over them that
-        shares the state, so a module's parameters take one optimizer call."""
+        as they are)."""
         opt = self.opt
-        group = opt._gh_group_of(params[0])
+        self.partial.step(opt, params, opt._gh_group_of(params[0]), hyper)
+
+
+class PartialSteps:
+    """The update of some parameters of one group: an optimizer of the
+    wrapped class over just them, sharing the wrapped optimizer's state, so
+    a module's parameters take one optimizer call; for the `ELEMENTWISE`
+    classes the same arithmetic as one step over all of them."""
+
+    def __init__(self, base: type):
+        self.base = base
+        self.sub: dict[tuple, torch.optim.Optimizer] = {}  # by the ids of the parameters
+
+    def step(self, opt: torch.optim.Optimizer, params: list, group: dict, hyper: dict | None) -> None:
         if hyper is None:
             hyper = {k: v for k, v in group.items() if k != "params"}
         key = tuple(id(p) for p in params)
         sub = self.sub.get(key)
         if sub is None:
-            base = opt._gh_base_cls
+            base = self.base
             hyper0 = {k: v for k, v in group.items() if k != "params"}
             sub = base(params, **{k: v for k, v in hyper0.items() if k in base.__init__.__code__.co_varnames})
             if len(self.sub) >= 4096:  # sets that keep changing (stragglers): bounded

@@ -29,7 +29,7 @@ from .modes import Synchronous
 # The number the next autograd node created on this thread will get (nodes
 # are numbered in creation order): what places a node in a module call.
 # Private to torch (torch.fx reads it the same way), present since 2.1.
-_next_node_nr = torch.autograd._get_sequence_nr
+next_node_nr = torch.autograd._get_sequence_nr
 
 
 def _tensors(out):
@@ -44,7 +44,7 @@ def _tensors(out):
             yield from _tensors(o)
 
 
-def _graph_uses(outputs, since: int, by_id) -> dict[int, int]:
+def graph_uses(outputs, since: int, by_id) -> dict[int, int]:
     """{param id: number of the first node using it} over the part of the
     autograd graph of `outputs` created since node number `since` (this
     forward pass), whether or not a torch function was given the parameter
@@ -67,6 +67,15 @@ def _graph_uses(outputs, since: int, by_id) -> dict[int, int]:
                 seen.add(nxt)
                 todo.append(nxt)
     return first
+
+
+def innermost_call(calls: list, nr: int) -> int | None:
+    """The index in `calls` ([module, first node number, node number after
+    or None], in the order they started) of the innermost call during which
+    node `nr` was created, or None. Calls nest and start in order: the last
+    one containing the node is the innermost."""
+    return max((i for i, (_, start, end) in enumerate(calls) if start <= nr and (end is None or nr < end)),
+               default=None)
 
 
 def _tensor_args(args, kwargs):
@@ -161,13 +170,13 @@ class ForwardOverlap(Synchronous):
             by_id = self.opt._gh_by_id
             self.covered.update(id(p) for p in self.opt._gh_module_params(module) if id(p) in by_id)
             self.open.append(len(self.calls))
-            self.calls.append([module, _next_node_nr(), None])
+            self.calls.append([module, next_node_nr(), None])
 
     def _call_ends(self, module, inputs, output):
         self.depth = max(0, self.depth - 1)
         discover = self.first_use.discover
         if discover and self.open:
-            self.calls[self.open.pop()][2] = _next_node_nr()
+            self.calls[self.open.pop()][2] = next_node_nr()
         if self.depth == 0 and self.mode_on:
             self.mode_on = False
             self.first_use.__exit__(None, None, None)
@@ -189,7 +198,7 @@ class ForwardOverlap(Synchronous):
         updates it: nothing more per step. Says whether the graph reached any
         of this optimizer's parameters."""
         opt = self.opt
-        uses = _graph_uses(output, self.calls[0][1], opt._gh_by_id) if self.calls else {}
+        uses = graph_uses(output, self.calls[0][1], opt._gh_by_id) if self.calls else {}
         owner_from: dict[int, int] = {}  # param id -> node number when a module owning it was called
         for module, start, _ in self.calls:
             for p in opt._gh_module_params(module):
@@ -198,9 +207,7 @@ class ForwardOverlap(Synchronous):
         for pid, nr in uses.items():
             if pid in self.outside or owner_from.get(pid, nr + 1) <= nr:
                 continue
-            # Calls nest, and start in order: the last one containing the node is the innermost.
-            at = max((i for i, (_, start, end) in enumerate(self.calls) if start <= nr and (end is None or nr < end)),
-                     default=None)
+            at = innermost_call(self.calls, nr)
             if at is not None:
                 place.setdefault(at, (self.calls[at][0], []))[1].append(opt._gh_by_id[pid])
         for module, params in place.values():

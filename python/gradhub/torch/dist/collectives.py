@@ -305,8 +305,15 @@ class Collectives:
         data_name = _api.AutoName(f"{self._prefix}dist.all_reduce.sparse{_api.AUTO_MARK}{next(self._once)}")
         return self._in_thread("sparse all_reduce", [t], body)
 
+    def average_prioritized(self, t: torch.Tensor, priority: int) -> Work:
+        """Average `t` over the group in place, its chunks queued at
+        `priority` (higher = sooner) among this worker's pushes: what
+        `ddp_forward_overlap`'s comm hook starts for each of DDP's buckets,
+        the first layers' first (torch's all_reduce has no priority)."""
+        return self._allreduce(t, dist.ReduceOp(dist.ReduceOp.AVG), "all_reduce", priority=priority)
+
     def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None,
-                   want: tuple[int, int] | None = None, sharded: bool = False) -> Work:
+                   want: tuple[int, int] | None = None, sharded: bool = False, priority: int = 0) -> Work:
         """Reduce `t` over the group into `out` (default: `t`, in place);
         `want`: only these elements of the flattened result are read."""
         out = t if out is None else out
@@ -337,7 +344,7 @@ class Collectives:
         target = out if src is t and out.is_contiguous() else None
         try:
             h = start_reduction(src, name, self._ps, average=kind == _R.AVG, target=target, want=want,
-                                sharded=sharded)
+                                sharded=sharded, priority=priority)
         except _api.GradhubError as e:
             raise _failure(what, e) from e
         self._last[name] = h
