@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "other run is put beside), ddp, gradhub, and torch.distributed on gradhub: ddp-hook (DDP "
                         "over gloo, gradhub's comm hook, the lab's gradhub job), ddp-gradhub (DDP over the "
                         "\"gradhub\" backend: it forms its own job with colocated servers, or joins the lab's "
-                        "with --cpu-servers or --no-colocated), fsdp-gloo, fsdp-gradhub (FSDP2, every layer "
-                        "sharded)")
+                        "with --cpu-servers or --no-colocated), ddp-overlap and ddp-gradhub-overlap (DDP over gloo or "
+                        "the \"gradhub\" backend with gradhub.torch.ddp_forward_overlap), fsdp-gloo, fsdp-gradhub "
+                        "(FSDP2, every layer sharded)")
     t.add_argument("--unscaled", action="store_true",
                    help="leave the chunk size, fusion buckets and DDP's buckets at the defaults a user gets (roles at "
                         "defaults, as started by hand) instead of dividing them by --scale with every other byte count")

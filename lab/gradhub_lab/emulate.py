@@ -12,6 +12,9 @@ timing structure. Systems:
   ddp-gradhub  DDP whose process group is the "gradhub" torch.distributed backend
                (`init_process_group("gradhub")` from torchrun's variables: the
                group forms its own job, rank 0's scheduler, a server per host)
+  ddp-overlap, ddp-gradhub-overlap  DDP over gloo or over the "gradhub"
+               backend with `gradhub.torch.ddp_forward_overlap` (the exchange
+               overlaps the next forward pass)
   fsdp-gloo, fsdp-gradhub  FSDP2 (`fully_shard` on every emulated layer, then
                the root; 1-D CPU mesh) over gloo or over the "gradhub" backend
   none     no synchronization: the compute-only upper bound, measured with
@@ -84,8 +87,8 @@ class _Clock:
 CLOCK = _Clock()
 
 # The systems on torch.distributed (DDP, FSDP2), and their process group's backend.
-TORCH_SYSTEMS = {"ddp": "gloo", "ddp-hook": "gloo", "ddp-gradhub": "gradhub",
-                 "fsdp-gloo": "gloo", "fsdp-gradhub": "gradhub"}
+TORCH_SYSTEMS = {"ddp": "gloo", "ddp-hook": "gloo", "ddp-gradhub": "gradhub", "ddp-overlap": "gloo",
+                 "ddp-gradhub-overlap": "gradhub", "fsdp-gloo": "gloo", "fsdp-gradhub": "gradhub"}
 
 
 class _SleepFn(torch.autograd.Function):
@@ -223,7 +226,7 @@ def main():
     elif system in TORCH_SYSTEMS:
         import torch.distributed as dist
 
-        if system.endswith("-gradhub"):
+        if TORCH_SYSTEMS[system] == "gradhub":
             import gradhub.torch  # noqa: F401 - registers the backend
 
             # As under torchrun: MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE (set by the lab).
@@ -247,9 +250,15 @@ def main():
             # DDP's buckets scale with every other byte count, unless the run
             # keeps the defaults a user gets (`unscaled`).
             bucket_mb = 25.0 if cfg.get("unscaled") else 25.0 / scale
-            model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+            overlap = system.endswith("-overlap")
+            model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb,
+                                                        gradient_as_bucket_view=overlap)
             if system == "ddp-hook":
                 model.register_comm_hook(None, hvd.ddp_comm_hook)
+            if overlap:
+                import gradhub.torch as ght
+
+                opt = ght.ddp_forward_overlap(model, opt).opt
     elif system != "none":
         raise ValueError(f"unknown system {system!r}")
     together = _StartTogether(cfg, rank, world) if system == "none" and world > 1 else None
@@ -289,6 +298,8 @@ def main():
         lates.append(CLOCK.late - late0)
     if system == "gradhub" and hasattr(opt, "finish"):
         opt.finish()
+    if system.endswith("-overlap"):
+        opt._gh_ddp_overlap.finish()
     if together is not None:
         together.meet("done", everyone=False)  # worker 0 holds the store: it leaves last
     if not extra:

@@ -25,7 +25,7 @@ TORCH_PORT = 29500
 # torch's store (the scheduler in rank 0, a colocated server in the first
 # worker of each host).
 LAB_JOB_SYSTEMS = ("gradhub", "ddp-hook")
-BACKEND_SYSTEMS = ("ddp-gradhub", "fsdp-gradhub")
+BACKEND_SYSTEMS = ("ddp-gradhub", "ddp-gradhub-overlap", "fsdp-gradhub")
 
 
 # gradhub scheduling options, as the environment switches a Horovod-style

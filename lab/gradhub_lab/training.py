@@ -23,8 +23,9 @@ from .runner import BACKEND_SYSTEMS, Layout, core_link_bytes, ring_core_link_byt
 
 # Every system `train` runs (emulate.py), and those whose members are gradhub
 # roles (--env reaches them).
-SYSTEMS = ("none", "ddp", "gradhub", "ddp-hook", "ddp-gradhub", "fsdp-gloo", "fsdp-gradhub")
-GRADHUB_SYSTEMS = ("gradhub", "ddp-hook", "ddp-gradhub", "fsdp-gradhub")
+SYSTEMS = ("none", "ddp", "gradhub", "ddp-hook", "ddp-gradhub", "ddp-overlap", "ddp-gradhub-overlap", "fsdp-gloo",
+           "fsdp-gradhub")
+GRADHUB_SYSTEMS = ("gradhub", "ddp-hook", "ddp-gradhub", "ddp-gradhub-overlap", "fsdp-gradhub")
 
 
 @dataclass
@@ -277,7 +278,8 @@ def train(spec: TrainSpec) -> tuple[int, list[dict]]:
         if system.startswith("fsdp"):
             theory = fsdp_host_bytes(layout, M, system)
         else:
-            theory = {"none": 0.0, "ddp": ring_host_link_bytes(layout.workers, W, M)}.get(
+            ring = ring_host_link_bytes(layout.workers, W, M)
+            theory = {"none": 0.0, "ddp": ring, "ddp-overlap": ring}.get(
                 system, gradhub_host_bytes(layout, M, host_reduce))
         s_theory = server_link_bytes(layout.workers, layout.cpu_servers, M, W, host_reduce, layout.colocated) \
             if system in ("gradhub", "ddp-hook") else None

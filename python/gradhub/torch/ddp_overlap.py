@@ -134,7 +134,7 @@ class DDPForwardOverlap:
             raise RuntimeError(f"ddp_forward_overlap: a gradient was made for {len(late)} parameter(s) whose "
                                f"update was still pending (used outside the forward pass of the model?)")
         if self._backend is not None:
-            work = self._backend.average_prioritized(buf, bucket.index())
+            work = self._backend.average_bucket(buf, bucket.index())
         else:
             buf.div_(self._size)
             work = dist.all_reduce(buf, group=self._group, async_op=True)

@@ -305,15 +305,20 @@ class Collectives:
         data_name = _api.AutoName(f"{self._prefix}dist.all_reduce.sparse{_api.AUTO_MARK}{next(self._once)}")
         return self._in_thread("sparse all_reduce", [t], body)
 
-    def average_prioritized(self, t: torch.Tensor, priority: int) -> Work:
-        """Average `t` over the group in place, its chunks queued at
-        `priority` (higher = sooner) among this worker's pushes: what
-        `ddp_forward_overlap`'s comm hook starts for each of DDP's buckets,
-        the first layers' first (torch's all_reduce has no priority)."""
-        return self._allreduce(t, dist.ReduceOp(dist.ReduceOp.AVG), "all_reduce", priority=priority)
+    def average_bucket(self, t: torch.Tensor, index: int) -> Work:
+        """Average DDP's bucket `index` (`t`, its buffer) over the group in
+        place, at `index` as its priority (higher = sooner among this
+        worker's pushes: DDP numbers buckets in gradient order, so the first
+        layers' come first), under a name of the bucket's own: what
+        `ddp_forward_overlap`'s comm hook starts (torch's all_reduce has
+        neither, and its names cycle through `_WINDOW` per size, which would
+        stall a backward pass making more buckets of one size)."""
+        name = f"{self._prefix}dist.ddp_bucket.{index}.{str(t.dtype).replace('torch.', '')}.{t.numel()}"
+        return self._allreduce(t, dist.ReduceOp(dist.ReduceOp.AVG), "all_reduce", priority=index, name=name)
 
     def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None,
-                   want: tuple[int, int] | None = None, sharded: bool = False, priority: int = 0) -> Work:
+                   want: tuple[int, int] | None = None, sharded: bool = False, priority: int = 0,
+                   name: str | None = None) -> Work:
         """Reduce `t` over the group into `out` (default: `t`, in place);
         `want`: only these elements of the flattened result are read."""
         out = t if out is None else out
@@ -338,7 +343,7 @@ class Collectives:
         if kind == _R.PREMUL_SUM:
             f = _premul_factor(rop)
             src = t * (f.to(t.device) if isinstance(f, torch.Tensor) else f)
-        name = self._name(what, t.dtype, t.numel() * t.element_size())
+        name = name or self._name(what, t.dtype, t.numel() * t.element_size())
         self._check_open()
         self._before(name)
         target = out if src is t and out.is_contiguous() else None
