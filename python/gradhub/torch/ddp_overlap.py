@@ -290,10 +290,15 @@ class DDPForwardOverlap:
 
 
 def _zero(p, set_to_none: bool) -> None:
+    """As torch's zero_grad() (a gradient may be a view of a DDP bucket)."""
     if set_to_none:
         p.grad = None
-    else:
-        p.grad.detach_().zero_()
+    elif p.grad is not None:
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        p.grad.zero_()
 
 
 def _step(opt, closure=None):

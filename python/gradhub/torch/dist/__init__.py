@@ -19,9 +19,9 @@ Each collective is one or two push_pulls (a sum across workers):
   headers); the sum is everyone's bytes, bit-exact for every dtype (buffers
   travel as int32 words, x + 0 = x);
 - broadcast / scatter: the root's push, the others push headers only;
-- reduce_scatter: a push_pull of the whole input, each keeping its shard
-  (the servers send back every shard: pulling only one's own is not in the
-  core yet);
+- reduce_scatter: a push_pull of the whole input that pulls only the
+  caller's shard (the servers answer the rest with headers), each shard's
+  chunks on a server on its member's host (a sharded tensor);
 - all_to_all: a gather of every member's input (after a gather of the
   split sizes, unless even), each keeping what was sent to it;
 - barrier: a push_pull of one element;
@@ -46,12 +46,12 @@ the default group (`destroy_process_group()`); a new `init_process_group`
 forms a new one.
 
 Sub-groups (`new_group`, DeviceMesh dimensions) are process sets (see
-`process_sets.py`): every worker outside a group pushes zeros for the
-group's operations from a thread of its own, so they need no registration
-on non-members (torch calls the backend on members only).
+`process_sets.py`) whose tensors are their members' alone: only members
+declare, push and pull them, and no byte of theirs reaches a host without
+a member (torch calls the backend on members only).
 
-Names: operations are named by group, kind, dtype and size, and numbered
-per such key (every member calls a group's collectives in the same order,
+Names: operations are named by group, kind, dtype and size (DDP's buckets
+under `ddp_forward_overlap`: by bucket), and numbered per such key (every member calls a group's collectives in the same order,
 so the numbers agree), and a name is used again once its previous round is
 in: DDP's buckets, FSDP's per-layer gathers keep their names, declared
 once, from step to step. A group keeps at most `_MAX_NAMES` such names;
