@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "tests of the kinds above)")
     ts.add_argument("--quick", action="store_true", help="one test of each kind (what CI runs)")
     ts.add_argument("--json", default=None, help="write every outcome to this file")
+    ts.add_argument("--start", choices=("spawn", "fork"), default="spawn",
+                    help="how each test's processes start: spawn (fresh interpreters, as torch's "
+                         "test_distributed_spawn.py; default) or fork (children of one process that imported torch, "
+                         "the suite and gradhub and started nothing: the same test bodies, about 1 s a test "
+                         "instead of 4)")
     bl = sub.add_parser("backend-latency", help="one small collective through the gradhub backend beside gloo",
                         description="N processes on this machine call all_reduce, all_gather_into_tensor and "
                                     "reduce_scatter_tensor on a small tensor one after another, over gloo and "
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if not worlds or min(worlds) < 2:
             ap.error("--world: every world size must be at least 2")
         select = args.select or (torch_suite.QUICK if args.quick else torch_suite.SELECTION)
-        return torch_suite.main(worlds, select, args.json)
+        return torch_suite.main(worlds, select, args.json, args.start)
     if args.cmd == "torch-options":
         from gradhub.bench.checkout import CheckoutError
 

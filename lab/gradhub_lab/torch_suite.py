@@ -51,19 +51,19 @@ def compare(gloo: dict[str, str], gradhub: dict[str, str]) -> dict:
             "gradhub_only": sorted(n for n, o in gradhub.items() if o == "passed" and gloo.get(n) != "passed")}
 
 
-def main(worlds: list[int], select: str, json_out: str | None) -> int:
+def main(worlds: list[int], select: str, json_out: str | None, start: str = "spawn") -> int:
     import torch
 
     records = []
     for world in worlds:
-        gloo = run_backend("gloo", world, select, start="spawn")
-        mine = run_backend("gradhub", world, select, start="spawn")
+        gloo = run_backend("gloo", world, select, start=start)
+        mine = run_backend("gradhub", world, select, start=start)
         c = compare(gloo, mine)
         print(f"torch {torch.__version__}, {world} processes, {len(gloo)} tests selected: gloo passes "
               f"{c['gloo_passed']}, gradhub {c['gradhub_passed']} of them", flush=True)
         for name, why in c["not_passed"].items():
             print(f"  {name}: {why}", flush=True)
-        records.append({"torch": torch.__version__, "world": world, "selected": len(gloo), **c,
+        records.append({"torch": torch.__version__, "world": world, "start": start, "selected": len(gloo), **c,
                         "gloo": gloo, "gradhub": mine})
     if json_out:
         with open(json_out, "w") as f:

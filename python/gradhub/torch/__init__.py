@@ -1,9 +1,12 @@
 """gradhub for PyTorch, with Horovod's API: change `import horovod.torch as hvd`
 to `import gradhub.torch as hvd`.
 
-Three ways to use it:
+Ways to use it:
+- the torch.distributed backend: `dist.init_process_group("gradhub")` (dist/),
+  with DDP's exchange overlapping the next forward pass if asked:
+  `gradhub.torch.ddp_forward_overlap(ddp_model, optimizer)` (ddp_overlap.py)
 - Horovod style: `opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())`
-- DDP: `ddp_model.register_comm_hook(None, gradhub.torch.ddp_comm_hook)`
+- DDP over another backend: `ddp_model.register_comm_hook(None, gradhub.torch.ddp_comm_hook)`
 - low level: `hvd.allreduce(t)`, `hvd.push_pull(t)`, `hvd.broadcast(t, 0)`, ...
 """
 
