@@ -22,7 +22,7 @@ SELECTION = (r"^test_(all_reduce|all_gather|allgather|reduce|broadcast|scatter|g
 # What CI runs: one test of each kind the backend must keep passing.
 QUICK = (r"^test_(all_reduce_sum|all_gather|broadcast|barrier|reduce_sum|scatter|sparse_all_reduce_sum|"
          r"monitored_barrier_gloo|all_gather_coalesced_simple|all_gather_object_default_pg|all_gather_object_subgroup|"
-         r"DistributedDataParallelCPU|send_recv_any_source|batch_isend_irecv_gloo_tags)$")
+         r"DistributedDataParallelCPU|send_recv_any_source|batch_isend_irecv_gloo_tags|barrier_timeout_arg)$")
 
 
 def run_backend(backend: str, world: int, select: str, timeout: float = 3600, start: str = "fork") -> dict[str, str]:

@@ -182,9 +182,11 @@ class Collectives:
 
     # -- completion
 
-    def _op(self, what: str, outputs: list[torch.Tensor]) -> _Op:
+    def _op(self, what: str, outputs: list[torch.Tensor], timeout: float | None = None) -> _Op:
+        """An operation, failed by the watchdog after the group's timeout
+        or the call's own (`timeout`)."""
         op = _Op(what, outputs)
-        _watchdog.add(op, self._timeout)
+        _watchdog.add(op, self._timeout if timeout is None else timeout, own=timeout is not None)
         return op
 
     def _complete_when(self, op: _Op, handles: list, finish: Callable[[], None] | None = None) -> Work:
@@ -662,7 +664,8 @@ class Collectives:
 
     def barrier(self, opts):
         name = self._name("barrier", torch.float32, 4)
-        op = self._op("barrier", [])
+        own = opts.timeout.total_seconds() if isinstance(opts.timeout, datetime.timedelta) else -1.0
+        op = self._op("barrier", [], timeout=own if own > 0 else None)   # (unset: -1 ms)
         h = self._sum(torch.zeros(1), name)
         return self._complete_when(op, [h])
 

@@ -137,9 +137,14 @@ class _Watchdog:
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def add(self, op: _Op, timeout: float) -> None:
+    def add(self, op: _Op, timeout: float, own: bool = False) -> None:
+        """Fail `op` if it is not done within `timeout` seconds: the group's
+        timeout, or (`own`) the call's (`barrier(timeout=)`), reported in
+        gloo's words, which torch's tests match."""
+        why = f"Timed out waiting {timeout * 1e3:g}ms (the call's timeout)" if own else \
+            f"did not complete within the group's timeout ({timeout:g} s)"
         with self._cv:
-            entry = (_now() + timeout, next(self._seq), weakref.ref(op), timeout)
+            entry = (_now() + timeout, next(self._seq), weakref.ref(op), why)
             heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="gradhub-dist-watchdog", daemon=True)
@@ -157,7 +162,7 @@ class _Watchdog:
                     self._cv.wait(1.0)
                     continue
                 failure = _api.job_failure()
-                deadline, _, ref, timeout = self._heap[0]
+                deadline, _, ref, why = self._heap[0]
                 if failure is not None:
                     pending = [r() for _, _, r, _ in self._heap]
                     self._heap.clear()
@@ -165,8 +170,7 @@ class _Watchdog:
                 elif deadline <= _now():
                     heapq.heappop(self._heap)
                     pending = [ref()]
-                    err = GradhubBackendError(f"gradhub: {pending[0].what if pending[0] else 'a collective'} did "
-                                              f"not complete within the group's timeout ({timeout:g} s)")
+                    err = GradhubBackendError(f"gradhub: {pending[0].what if pending[0] else 'a collective'} {why}")
                 else:
                     self._cv.wait(min(deadline - _now(), 0.5))
                     continue
