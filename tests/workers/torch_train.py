@@ -310,7 +310,7 @@ if hasattr(opt, "finish"):
 if overlap and model_kind == "deep":
     # Updates applied a module at a time: one optimizer call per Linear or LayerNorm (weight and bias),
     # and one for all at finish().
-    print(f"UPDATES IN GROUPS OF {sorted({len(k) for k in opt._gh_mode.where.sub})}", flush=True)
+    print(f"UPDATES IN GROUPS OF {sorted({len(k) for k in opt._gh_mode.where.partial.sub})}", flush=True)
 if autotuned:
     # Every tensor of the layouts tried and not chosen was released.
     held = gradhub_api._require().num_tensors()
