@@ -24,7 +24,7 @@ priority; over any other backend it is the group's all_reduce.
 
 Limits, each refused or documented (docs/torch.md): SGD, Adam or AdamW
 only (an update per parameter); nothing may read the gradients between
-backward() and step() (gradient clipping would see local ones); an LR
+backward() and step() (gradient clipping would read them mid-average); an LR
 scheduler must be made after this (it wraps step()); parameters read
 outside a forward pass need `finish()` first (the model's and the
 optimizer's state_dict() call it). A parameter used in a forward pass
