@@ -325,7 +325,8 @@ def test_point_to_point_and_a_pipeline_across_emulated_hosts(hosts):
     a, rank 2 on host b. Each member listens on its own host's address (the
     route to the job's scheduler) and the others reach it there: every
     point-to-point check passes (tests/workers/backend_p2p.py), then a
-    2-stage pipeline with a stage on each host trains equal to one process."""
+    2-stage pipeline with a stage on each host trains equal to one process,
+    and so does DDP with `ddp_forward_overlap` on one rank a host."""
     a, b = hosts(1), hosts(2)
     py = sys.executable
 
@@ -341,6 +342,10 @@ def test_point_to_point_and_a_pipeline_across_emulated_hosts(hosts):
     outs = run("backend_pipeline.py", [a[0], b[0]], 9561)
     for q in range(2):
         assert f"stage {q} of 2: GPipe then 1F1B equal one process (on cpu)" in outs[q], outs[q]
+    # DDP whose exchange overlaps the next forward pass (gradhub.torch.ddp_forward_overlap), one rank a host.
+    outs = run("backend_ddp_overlap.py", [a[0], b[0]], 9562)
+    for q in range(2):
+        assert f"PASS {q}" in outs[q] and "sgd, gradient_as_bucket_view=True: 12 steps equal" in outs[q], outs[q]
 
 
 def test_a_2d_mesh_group_moves_no_byte_on_a_host_without_its_members(hosts):
