@@ -116,3 +116,37 @@ def test_refusals(group):
     torch.optim.lr_scheduler.StepLR(o, 1)
     with pytest.raises(TypeError, match="make the scheduler after"):
         ght.ddp_forward_overlap(m, o)
+
+
+class Branchy(nn.Module):
+    """A layer used only on odd steps: DDP with find_unused_parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.odd = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.odd:
+            h = torch.tanh(self.b(h))
+        return self.c(h)
+
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_unused_parameters_step_as_plain_ddp(group, as_view):
+    models = [nn.parallel.DistributedDataParallel(Branchy(), find_unused_parameters=True, bucket_cap_mb=0.0001,
+                                                  gradient_as_bucket_view=as_view) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    ov = ght.ddp_forward_overlap(models[0], opts[0])
+    for step in range(8):
+        x, y = data(step)
+        for model, opt in zip(models, opts):
+            model.module.odd = step % 2 == 1
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    ov.finish()
+    same(*models)
+    assert ov.overlapped >= 8 - 2
