@@ -166,6 +166,7 @@ class DDPForwardOverlap:
         self._start_nr = next_node_nr()
         for h in self._global_hooks:   # a first pass that raised
             h.remove()
+        self._global_hooks = []
         if not self._placed and torch.is_grad_enabled():
             self._calls, self._open = [], []
             self._global_hooks = [
