@@ -23,6 +23,7 @@ from .. import GradhubTimeoutError
 from ..api import derive_name as _derive
 from . import agreement as _agree
 from .compression import Compression
+from .exit_gate import exit_gate
 from .ops import Adasum, Average, Handle, Sum, _allgather_impl, _group, _held, _reduce_async, _resolve_op, _track
 from .process_sets import ProcessSet, _resolve, global_process_set
 from .sums import finish_with
@@ -47,16 +48,21 @@ class _ThreadHandle(Handle):
         self._cb_lock = threading.Lock()
 
         def run():
+            if not exit_gate.enter():
+                return   # (the interpreter is ending: nobody waits)
             try:
-                self._value = fn()
-            except BaseException as e:  # handed to whoever waits
-                self._error = e
-            _agree.release(name, token)
-            with self._cb_lock:
-                self._event.set()
-                callbacks, self._callbacks = self._callbacks, []
-            for cb in callbacks:
-                cb(self)
+                try:
+                    self._value = fn()
+                except BaseException as e:  # handed to whoever waits
+                    self._error = e
+                _agree.release(name, token)
+                with self._cb_lock:
+                    self._event.set()
+                    callbacks, self._callbacks = self._callbacks, []
+                for cb in callbacks:
+                    cb(self)
+            finally:
+                exit_gate.leave()
 
         threading.Thread(target=run, name=f"gradhub-{name}", daemon=True).start()
 

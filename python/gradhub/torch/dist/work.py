@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from ... import api as _api
+from ..exit_gate import exit_gate
 from .job import explain
+
 
 class GradhubBackendError(dist.DistBackendError):
     """A collective of the gradhub backend failed: a peer was lost (named),
@@ -59,6 +61,9 @@ class _Op:
             self._error = error
         if error is not None and self.on_failure is not None:
             self.on_failure()
+        if not exit_gate.enter():
+            self._event.set()   # (the interpreter is ending: its future is left alone)
+            return
         try:
             if error is None:
                 for d in self._cuda:  # the copies back from the host stage are done before anyone reads
@@ -67,6 +72,7 @@ class _Op:
             else:
                 self._raw.set_result((error, None))
         finally:
+            exit_gate.leave()
             self._event.set()  # after the future: a Work waited for is completed, its future too
 
     def done(self) -> bool:
@@ -239,6 +245,9 @@ class _Helper:
     def _run(self) -> None:
         while True:
             fn = self._q.get()
-            if fn is None:
+            if fn is None or not exit_gate.enter():
                 return
-            fn()
+            try:
+                fn()
+            finally:
+                exit_gate.leave()
