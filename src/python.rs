@@ -360,12 +360,14 @@ impl PyClient {
     /// header-only zero chunks); None: all of it.
     /// `want`: (from, to) bytes whose result is needed; the chunks wholly
     /// outside keep what was pushed (answered by a header only); None: all.
+    /// `live_is_own`: no other worker's bytes fall in `live` (an
+    /// all-gather's slot): its chunks keep what was pushed, as unwanted ones.
     /// `members`: the ranks (ascending) that sum this tensor; None: all.
     /// `sharded`: member q reads the q-th of as many equal shards.
     /// `asynchronous`: a push of an asynchronous tensor (`GRADHUB_ASYNC`):
     /// the buffer holds this worker's parameter change (with `init`, its
     /// parameters) and receives the parameters the servers hold.
-    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, members=None, sharded=false, asynchronous=false))]
+    #[pyo3(signature = (ptr, nbytes, dtype, name, average, priority, owner, init=false, release_after=false, live=None, want=None, live_is_own=false, members=None, sharded=false, asynchronous=false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull_async(
         &self,
@@ -380,6 +382,7 @@ impl PyClient {
         release_after: bool,
         live: Option<(usize, usize)>,
         want: Option<(usize, usize)>,
+        live_is_own: bool,
         members: Option<Vec<u32>>,
         sharded: bool,
         asynchronous: bool,
@@ -403,7 +406,7 @@ impl PyClient {
                 release_after,
                 priority,
                 Some(Box::new(owner)),
-                crate::client::Extent { live, want },
+                crate::client::Extent { live, want, live_is_own },
                 crate::client::Summed { members: members.as_deref().unwrap_or(&[]), sharded },
             )
         }

@@ -168,16 +168,16 @@ def fsdp_host_bytes(layout: Layout, model_bytes: float, system: str) -> float | 
     (n-1)/n M each way; a reduce-scatter pushes the other shards, (n-1)/n
     M, and pulls its own from its own host: a ring's bytes, 3(n-1)/n M in
     all. With CPU-only servers alone the two ways
-    differ: an all-gather pushes M/n and pulls M, a reduce-scatter pushes
-    M and pulls M/n, so down (the busier way, the figure given) carries
-    (2 + 1/n) M and up (1 + 2/n) M."""
+    differ: an all-gather pushes M/n and pulls the others' slots, (n-1)/n
+    M, a reduce-scatter pushes M and pulls M/n, so down carries
+    (2n-1)/n M and up (n+2)/n M; the figure given is the busier way's."""
     n = layout.num_workers
     if system == "fsdp-gloo":
         return 4 * (n - 1) / n * model_bytes
     if layout.workers_per_host != 1:
         return None
     if layout.cpu_servers and not layout.colocated:
-        return (2 + 1 / n) * model_bytes
+        return max(2 * n - 1, n + 2) / n * model_bytes
     if layout.cpu_servers or not layout.colocated:
         return None
     return 3 * (n - 1) / n * model_bytes

@@ -261,6 +261,7 @@ class Client:
         release_after: bool = False,
         live: tuple[int, int] | None = None,
         want: tuple[int, int] | None = None,
+        live_is_own: bool = False,
         members: list[int] | None = None,
         sharded: bool = False,
         asynchronous: bool = False,
@@ -269,7 +270,9 @@ class Client:
         `release_after`: free the tensor once this round completes. `live`: (from, to)
         bytes outside which the memory is zeros (those chunks are pushed as zeros, header only).
         `want`: (from, to) bytes whose result is needed (the chunks wholly outside keep what
-        was pushed; their results come back as a header only). `members`: the ranks
+        was pushed; their results come back as a header only). `live_is_own`: no other
+        worker's bytes fall in `live` (an all-gather's slot): its chunks keep what was
+        pushed, as unwanted ones. `members`: the ranks
         (ascending) that sum this tensor, each pushing for itself; None: every worker.
         `sharded`: member q reads the q-th of as many equal shards (placed on its host).
         `asynchronous`: a parameter change of an asynchronous tensor (GRADHUB_ASYNC), answered

@@ -376,7 +376,7 @@ _ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int32":
 def push_pull_async(tensor: Any, name: str | None = None, average: bool = False, priority: int = 0,
                     dtype: str | None = None, init: bool = False, live: tuple[int, int] | None = None,
                     want: tuple[int, int] | None = None, members: list[int] | None = None,
-                    sharded: bool = False, asynchronous: bool = False) -> Handle:
+                    sharded: bool = False, asynchronous: bool = False, live_is_own: bool = False) -> Handle:
     """Start summing `tensor` (in place) across all workers.
 
     `tensor`: a numpy array or a contiguous torch tensor (float32, float16,
@@ -402,6 +402,10 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
     (a reduce-scatter's shard), so the chunks wholly outside them come back
     as a header saying the round is complete, and keep what this worker
     pushed, instead of the sum (under the host stage every chunk comes back).
+    `live_is_own=True`: no other worker's bytes fall in `live` (this
+    worker's slot of an all-gather), so the sum of the chunks wholly inside
+    it is what this worker pushed: they are pushed asking for no result, as
+    those outside `want` (under the host stage every chunk comes back).
     `members`: the ranks that sum this tensor (a process set, a torch
     sub-group), this worker among them; only they push it, each for itself
     (not through the host stage), and no other worker takes part. Every
@@ -434,7 +438,7 @@ def push_pull_async(tensor: Any, name: str | None = None, average: bool = False,
 
     h = c.push_pull_async(buf.ptr, buf.nbytes, buf.dtype, name, bool(average), int(priority), buf.obj,
                           init=bool(init), release_after=isinstance(name, AutoName), live=_bytes(live),
-                          want=_bytes(want), members=None if members is None else sorted(int(r) for r in members),
+                          want=_bytes(want), live_is_own=bool(live_is_own), members=None if members is None else sorted(int(r) for r in members),
                           sharded=bool(sharded), asynchronous=bool(asynchronous))
     if end is not None:
         h.add_done_callback(end)

@@ -127,7 +127,7 @@ impl Client {
         let op = unsafe {
             {
                 // Zeros pushed, no result wanted: a header each way per chunk.
-                let none = Extent { live: Some((0, 0)), want: Some((0, 0)) };
+                let none = Extent { live: Some((0, 0)), want: Some((0, 0)), live_is_own: false };
                 self.push_pull_live(
                     zeros.as_mut_ptr(),
                     bytes,

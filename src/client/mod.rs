@@ -288,7 +288,8 @@ impl Client {
     /// (`FLAG_ZEROS`); and whose result is needed only in bytes
     /// `extent.want` (a reduce-scatter's shard; none for a joined worker's
     /// zeros): the chunks wholly outside it are answered by a header only and
-    /// keep what was pushed. Neither applies under the host stage, which
+    /// keep what was pushed; so are those wholly inside `extent.live` if
+    /// `extent.live_is_own` (an all-gather's own slot). Neither applies under the host stage, which
     /// sums and shares every chunk of a host.
     /// `summed.members`: the workers that sum this tensor, by rank,
     /// ascending (a process set's, a torch sub-group's), this one among
@@ -334,7 +335,7 @@ impl Client {
         if flags & !known != 0 {
             return Err(ClientError::Usage(format!("unknown push_pull flags {flags:#x}")));
         }
-        if extent.want.is_some() && flags & crate::protocol::FLAG_ASYNC != 0 {
+        if (extent.want.is_some() || extent.live_is_own) && flags & crate::protocol::FLAG_ASYNC != 0 {
             return Err(ClientError::Usage("an asynchronous push_pull always returns its whole result".into()));
         }
         let rank = self.shared.io.rank();

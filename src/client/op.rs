@@ -41,6 +41,10 @@ pub struct Extent {
     /// outside are pushed asking for no result (`FLAG_NO_RESULT`), answered
     /// by a header only, and keep the bytes this worker pushed.
     pub want: Option<(usize, usize)>,
+    /// No other worker's bytes fall in `live` (an all-gather's slot): the
+    /// sum of a chunk wholly inside is what this worker pushed, so it is
+    /// pushed asking for no result too.
+    pub live_is_own: bool,
 }
 
 /// Who sums a tensor, and how it lies among them: what its declaration
@@ -63,6 +67,7 @@ impl Extent {
     /// The result of bytes `lo..hi` (a chunk's) is not needed.
     pub fn unwanted(&self, lo: usize, hi: usize) -> bool {
         self.want.is_some_and(|(from, to)| hi <= from || lo >= to)
+            || (self.live_is_own && self.live.is_some_and(|(from, to)| from <= lo && hi <= to))
     }
 }
 

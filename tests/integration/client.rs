@@ -677,7 +677,7 @@ fn small_partitions_still_deliver_stall_notices() {
 
 /// In-place push_pull of f32 `buf`, zeros outside bytes `live`.
 fn push_pull_live(c: &Client, name: &str, buf: Vec<f32>, live: (usize, usize)) -> Vec<f32> {
-    push_pull_extent(c, name, buf, Extent { live: Some(live), want: None })
+    push_pull_extent(c, name, buf, Extent { live: Some(live), ..Extent::default() })
 }
 
 /// In-place push_pull of f32 `buf` with `extent`.
@@ -732,6 +732,20 @@ fn chunks_outside_the_live_bytes_go_as_zeros_and_everything_sums_right() {
                     let zeros = c.stats().data.pushed_zeros;
                     let want_zeros = if host_reduce { 0 } else { 3 * 2 + if r == 0 { 0 } else { 4 } };
                     assert_eq!(zeros, want_zeros, "worker {r} host_reduce {host_reduce}");
+                    // An all-gather's own slot (`live_is_own`), on chunk edges: 1536
+                    // values, worker r's 512r..512r+512, chunks 2r and 2r+1. Their
+                    // sums are its own push: they come back as a header (keeping it).
+                    let all: Vec<f32> = (0..1536).map(val).collect();
+                    let rows = 512 * r..512 * r + 512;
+                    let mine: Vec<f32> = (0..1536).map(|i| if rows.contains(&i) { val(i) } else { 0.0 }).collect();
+                    let own =
+                        Extent { live: Some((rows.start * 4, rows.end * 4)), live_is_own: true, ..Extent::default() };
+                    for round in 0..3 {
+                        let got = push_pull_extent(c, "gather-own", mine.clone(), own);
+                        assert_eq!(got, all, "worker {r} round {round} host_reduce {host_reduce}");
+                    }
+                    let asked_none = c.stats().data.pushed_no_result;
+                    assert_eq!(asked_none, if host_reduce { 0 } else { 3 * 2 }, "worker {r} host_reduce {host_reduce}");
                 });
             }
         });
@@ -824,7 +838,7 @@ fn chunks_outside_the_wanted_bytes_come_back_as_a_header_and_keep_the_push() {
                     let rows = 300 * r..300 * r + 300;
                     let touched = (rows.start / 256)..=((rows.end - 1) / 256);
                     let mine: Vec<f32> = (0..1000).map(|i| val(r, i)).collect();
-                    let want = Extent { live: None, want: Some((rows.start * 4, rows.end * 4)) };
+                    let want = Extent { want: Some((rows.start * 4, rows.end * 4)), ..Extent::default() };
                     for round in 0..3 {
                         let got = push_pull_extent(c, "scatter", mine.clone(), want);
                         for i in 0..1000 {
@@ -838,7 +852,7 @@ fn chunks_outside_the_wanted_bytes_come_back_as_a_header_and_keep_the_push() {
                     }
                     // Wanting nothing: every chunk's result is a header (the
                     // buffer keeps its push), and the round still completes.
-                    let none = Extent { live: None, want: Some((0, 0)) };
+                    let none = Extent { want: Some((0, 0)), ..Extent::default() };
                     let got = push_pull_extent(c, "nothing", mine.clone(), none);
                     assert_eq!(got, if host_reduce { sum.clone() } else { mine.clone() }, "worker {r}");
                     let asked_none = c.stats().data.pushed_no_result;

@@ -144,7 +144,7 @@ def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def start_sum(buf: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool = False,
-              priority: int = 0, live=None, want=None, sharded: bool = False):
+              priority: int = 0, live=None, want=None, sharded: bool = False, live_is_own: bool = False):
     """Start summing `buf` in place over the members of `ps` under `name`:
     the core's handle. `average`: the global set only (the servers divide;
     a set's average is divided by its caller). A set's tensor is its
@@ -152,14 +152,15 @@ def start_sum(buf: torch.Tensor, name: str, ps: ProcessSet = global_process_set,
     `gradhub.api.push_pull_async` (buf is zeros outside it); `want`: the
     elements whose sum is needed (the rest keep what was pushed);
     `sharded`: `buf` is one equal shard per member, the q-th member's
-    placed on its host (see `gradhub.api.push_pull_async`)."""
+    placed on its host; `live_is_own`: no other member's bytes fall in
+    `live` (see `gradhub.api.push_pull_async`)."""
     if ps._is_global():
         return _api.push_pull_async(buf, name=name, average=average, priority=priority, live=live, want=want,
-                                    sharded=sharded)
+                                    sharded=sharded, live_is_own=live_is_own)
     if average:
         raise AssertionError("a process set's average is divided by the caller")
     return _api.push_pull_async(buf, name=name, average=False, priority=priority, live=live, want=want,
-                                members=ps.ranks, sharded=sharded)
+                                members=ps.ranks, sharded=sharded, live_is_own=live_is_own)
 
 
 def start_reduction(tensor: torch.Tensor, name: str, ps: ProcessSet = global_process_set, *, average: bool,

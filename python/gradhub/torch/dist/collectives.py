@@ -163,13 +163,15 @@ class Collectives:
             except Exception:  # noqa: BLE001 - reported by that operation's own Work
                 pass
 
-    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0, want=None, sharded: bool = False):
+    def _sum(self, buf: torch.Tensor, name: str, live=None, priority: int = 0, want=None, sharded: bool = False,
+             live_is_own: bool = False):
         """Start summing `buf` (in place) over the group: an api.Handle.
-        `live`, `want`, `sharded`: as `gradhub.api.push_pull_async`'s."""
+        `live`, `want`, `sharded`, `live_is_own`: as `gradhub.api.push_pull_async`'s."""
         self._check_open()
         self._before(name)
         try:
-            h = start_sum(buf, name, self._ps, priority=priority, live=live, want=want, sharded=sharded)
+            h = start_sum(buf, name, self._ps, priority=priority, live=live, want=want, sharded=sharded,
+                          live_is_own=live_is_own)
         except _api.GradhubError as e:
             raise _failure(f"operation {name}", e) from e
         if not isinstance(name, _api.AutoName):
@@ -250,8 +252,9 @@ class Collectives:
         words = _words(t.numel() * t.element_size())
         buf = torch.zeros(self._size * words, dtype=torch.int32, device=device or t.device)
         _slot_write(buf, self._rank, words, t)
+        # (our own slot comes back as we wrote it: its chunks ask for no result)
         h = self._sum(buf, name, live=(self._rank * words, (self._rank + 1) * words),
-                      want=None if wanted else _NOTHING, sharded=True)
+                      want=None if wanted else _NOTHING, sharded=True, live_is_own=True)
         return h, buf, words
 
     # ---------------------------------------------------------------- collectives
@@ -429,7 +432,7 @@ class Collectives:
             mine = src.clone() if _overlaps(output, input) else src
             out_words.zero_()
             out_words.view(torch.uint8)[self._rank * nbytes:(self._rank + 1) * nbytes].copy_(mine)
-            h = self._sum(out_words, name, live=(self._rank * w, (self._rank + 1) * w), sharded=True)
+            h = self._sum(out_words, name, live=(self._rank * w, (self._rank + 1) * w), sharded=True, live_is_own=True)
             return self._complete_when(op, [h])
         h, buf, words = self._gather_start(input, name)
 
