@@ -391,8 +391,9 @@ impl Client {
         }
         if let Some(s) = t.specs.get(name).cloned() {
             // Checked against the spec above.
+            let shards = t.shards.get(name).copied().unwrap_or(0);
             drop(t);
-            self.shared.submit(op.clone(), s, ptr, priority, flags);
+            self.shared.submit(op.clone(), s, ptr, priority, flags, shards);
             return Ok(op);
         }
         // First use: declare it asynchronously; the op runs when every worker declared it.
@@ -406,6 +407,12 @@ impl Client {
             flags,
         });
         if first {
+            if summed.sharded {
+                let m = if members.is_empty() { self.num_workers } else { members.len() as u32 };
+                t.shards.insert(name.to_string(), m);
+            } else {
+                t.shards.remove(name);
+            }
             let req = self.shared.next_req.fetch_add(1, Ordering::Relaxed);
             t.waiters.insert(req, Waiter::Async(vec![name.to_string()]));
             drop(t);
@@ -634,6 +641,7 @@ impl Client {
                 if let Some(s) = t.specs.remove(n) {
                     specs.push(s);
                 }
+                t.shards.remove(n);
             }
             specs
         };

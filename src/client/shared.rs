@@ -151,6 +151,7 @@ impl Shared {
                             }
                         }
                     }
+                    t.shards.remove(&op.name);
                     t.specs.remove(&op.name)
                 }
                 false => None,
@@ -199,8 +200,17 @@ impl Shared {
         self.session.send(msg)
     }
 
-    pub(super) fn submit(&self, op: Arc<Op>, spec: Arc<TensorSpec>, ptr: BufPtr, priority: i32, flags: u16) {
-        self.io.submit(Submission { op, spec, ptr, priority, flags }, self);
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn submit(
+        &self,
+        op: Arc<Op>,
+        spec: Arc<TensorSpec>,
+        ptr: BufPtr,
+        priority: i32,
+        flags: u16,
+        shards: u32,
+    ) {
+        self.io.submit(Submission { op, spec, ptr, priority, flags, shards }, self);
     }
 
     /// Install declared specs and release ops that were waiting for them.
@@ -215,13 +225,14 @@ impl Shared {
                 let s = Arc::new(s);
                 t.specs.insert(s.name.clone(), s.clone());
                 if let Some(ops) = t.parked.remove(&s.name) {
-                    ready.extend(ops.into_iter().map(|p| (p, s.clone())));
+                    let shards = t.shards.get(&s.name).copied().unwrap_or(0);
+                    ready.extend(ops.into_iter().map(|p| (p, s.clone(), shards)));
                 }
             }
         }
-        for (p, s) in ready {
+        for (p, s, shards) in ready {
             match check_matches(&s, p.numel, p.dtype) {
-                Ok(()) => self.submit(p.op, s, p.ptr, p.priority, p.flags),
+                Ok(()) => self.submit(p.op, s, p.ptr, p.priority, p.flags, shards),
                 Err(e) => self.finish_op(&p.op, Some(e.to_string())),
             }
         }

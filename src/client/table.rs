@@ -43,6 +43,10 @@ pub(super) struct Table {
     /// restarts: `Rejoin`).
     pub(super) gone: Vec<u32>,
     pub(super) lost_servers: Vec<u32>,
+    /// Sharded tensors (`DeclEntry::sharded`, as this worker declared them,
+    /// which the scheduler holds every worker to): their shard count, which
+    /// orders their chunks' pushes (`io::Submission::shards`).
+    pub(super) shards: HashMap<String, u32>,
     /// Tensors (keys) whose optimizer runs on the servers: its OptConfig payload.
     pub(super) server_opt: HashMap<u32, Vec<u8>>,
     /// Horovod's join: every name's uses so far (its round counter, the

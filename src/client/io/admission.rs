@@ -19,7 +19,12 @@ pub(super) struct Window {
 }
 
 impl Window {
+    /// A chunk of no bytes (a push of zeros) is not counted: it holds no
+    /// credit, and as the first in the window it would stop preemption.
     pub(super) fn insert(&mut self, order: SendOrder, len: usize) {
+        if len == 0 {
+            return;
+        }
         self.bytes += len;
         if let Some(old) = self.orders.insert(order, len) {
             self.bytes -= old;

@@ -26,6 +26,8 @@ pub(super) struct Active {
     pub(super) round: u32,
     pub(super) priority: i32,
     pub(super) flags: u16,
+    /// A sharded tensor's shard count (0: not sharded).
+    pub(super) shards: u32,
     /// By chunk: its result is in the caller's buffer.
     pub(super) got: Vec<bool>,
     pub(super) remaining: usize,
@@ -36,6 +38,16 @@ pub(super) struct Active {
 }
 
 impl Active {
+    /// Chunk `c`'s place among the tensor's pushes, the same on every
+    /// worker: its index, or in a sharded tensor, the shards interleaved
+    /// (each shard's first chunk, then each one's second, ...). A
+    /// reduce-scatter's shards then complete side by side, so each reader
+    /// pulls its own while the pushes go on, instead of the last shard's
+    /// reader pulling all of its shard after every push.
+    pub(super) fn push_position(&self, c: usize) -> u32 {
+        push_position(c, self.spec.numel, self.spec.chunk_elems, self.shards)
+    }
+
     pub(super) fn route(&self, c: usize) -> Route {
         match &self.host {
             Some(h) if h.owned[c] => Route::HostOwner,
@@ -182,10 +194,46 @@ impl InFlight {
     }
 }
 
+/// `Active::push_position` of chunk `c` (of `chunk_elems`) of a tensor of
+/// `numel` elements in `shards` equal shards (0 or 1: not sharded). Distinct
+/// for distinct chunks: within a shard, chunks start `chunk_elems` apart.
+fn push_position(c: usize, numel: u64, chunk_elems: u64, shards: u32) -> u32 {
+    let (m, per) = (shards as u64, chunk_elems.max(1));
+    if m < 2 || !numel.is_multiple_of(m) || numel / m == 0 {
+        return c as u32;
+    }
+    let start = c as u64 * per;
+    let (shard, within) = (start / (numel / m), start % (numel / m));
+    u32::try_from(within / per * m + shard).unwrap_or(c as u32)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{InFlight, Phase, SendOrder};
+    use super::{push_position, InFlight, Phase, SendOrder};
     use std::cmp::Reverse;
+
+    #[test]
+    fn a_sharded_tensor_pushes_its_shards_interleaved() {
+        // 3 shards of 2 chunks: shard 0's first chunk, shard 1's, shard 2's, then the seconds.
+        let order = |numel: u64, per: u64, m: u32| {
+            let n = numel.div_ceil(per) as usize;
+            let mut c: Vec<usize> = (0..n).collect();
+            c.sort_by_key(|&c| push_position(c, numel, per, m));
+            c
+        };
+        assert_eq!(order(1536, 256, 3), vec![0, 2, 4, 1, 3, 5]);
+        // Not sharded, or shards that do not divide the tensor: chunk order.
+        assert_eq!(order(1536, 256, 0), (0..6).collect::<Vec<_>>());
+        assert_eq!(order(1537, 256, 3), (0..7).collect::<Vec<_>>());
+        // Chunks off the shards' edges: still one place each.
+        for (numel, per, m) in [(1000u64, 256u64, 4u32), (4096, 100, 4), (99, 7, 3), (10, 256, 2), (6000, 1, 8)] {
+            let n = numel.div_ceil(per) as usize;
+            let mut p: Vec<u32> = (0..n).map(|c| push_position(c, numel, per, m)).collect();
+            p.sort_unstable();
+            p.dedup();
+            assert_eq!(p.len(), n, "numel {numel} chunk {per} shards {m}");
+        }
+    }
 
     fn order(key: u32, chunk: u32) -> SendOrder {
         (Reverse(0), key, chunk, 0)

@@ -15,6 +15,8 @@ pub(super) struct ChunkSend {
     pub(super) seq: u64,
     pub(super) key: u32,
     pub(super) chunk: u32,
+    /// Its place among the tensor's pushes (`flow::Active::push_position`).
+    pub(super) position: u32,
     pub(super) round: u32,
     pub(super) flags: u16,
     pub(super) dtype: DType,
@@ -29,7 +31,13 @@ pub(super) struct ChunkSend {
 
 /// Something waiting to be sent on a connection. Strict total order,
 /// identical on every worker: higher priority first, then lower key
-/// (earlier first use), then lower chunk index — never a `<=`-style comparator.
+/// (earlier first use), then the chunk's place among the tensor's pushes
+/// (its index, the shards interleaved in a sharded tensor) — never a
+/// `<=`-style comparator.
+/// A push of zeros (a header only: an all-gather's others' slots) goes
+/// before every push with data: it costs its link nothing, and the chunk's
+/// round, which waits for it, can complete as soon as the chunk's data
+/// arrives from its owner, instead of after this worker's own data.
 #[derive(PartialEq, Eq)]
 pub(super) enum SendItem {
     Chunk(ChunkSend),
@@ -47,14 +55,17 @@ impl SendItem {
     /// Position in the job-wide order (smaller = sooner).
     pub(super) fn order(&self) -> SendOrder {
         match self {
-            SendItem::Chunk(c) => (std::cmp::Reverse(c.priority), c.key, c.chunk, c.seq),
+            SendItem::Chunk(c) if c.flags & crate::protocol::FLAG_ZEROS != 0 => {
+                (std::cmp::Reverse(i32::MAX), c.key, c.position, c.seq)
+            }
+            SendItem::Chunk(c) => (std::cmp::Reverse(c.priority), c.key, c.position, c.seq),
             // Control frames: FIFO among themselves, before every push.
             SendItem::Control { seq, .. } => (std::cmp::Reverse(i32::MAX), 0, 0, *seq),
         }
     }
 }
-/// A send's place in the job-wide order (priority descending, key, chunk,
-/// then queueing): which chunk goes first, not the order sums add in
+/// A send's place in the job-wide order (priority descending, key, the
+/// chunk's place among the tensor's pushes, then queueing): which chunk goes first, not the order sums add in
 /// (`crate::sum_order`).
 pub(super) type SendOrder = (std::cmp::Reverse<i32>, u32, u32, u64);
 

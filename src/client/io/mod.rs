@@ -26,8 +26,9 @@
 //!   them all made priority scheduling 14 % slower than FIFO on BERT).
 //!
 //! The job-wide order is the same on every worker — (priority descending,
-//! tensor key, chunk index); keys are assigned by the scheduler in first-use
-//! order, which makes ties FIFO. No deadlock: the unreceived window drains
+//! tensor key, chunk index; a sharded tensor's shards interleaved); keys
+//! are assigned by the scheduler in first-use order, which makes ties FIFO.
+//! Pushes of zeros (a header only) go first: they hold no credit. No deadlock: the unreceived window drains
 //! without any other worker's help, and the first unfinished chunk of the
 //! job has no unreturned chunk before it, so every worker can send it.
 //!
@@ -149,6 +150,9 @@ pub struct Submission {
     pub ptr: BufPtr,
     pub priority: i32,
     pub flags: u16,
+    /// A sharded tensor's shard count (0: not sharded): its chunks go out
+    /// the shards interleaved (`flow::Active::push_position`).
+    pub shards: u32,
 }
 
 #[derive(Default)]
