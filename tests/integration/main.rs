@@ -7,6 +7,7 @@
 //! - `declarations`: tensor specs, installation on servers, conflicts, stalls, placement
 //! - `server`: the server thread's data plane, driven by fake workers
 //! - `client`: `Client` setup, push_pull, declare, barrier, failures, shutdown
+//! - `extents`: live and wanted bytes, an all-gather's own slot, member tensors
 //! - `session`: the member session: peer timeout from Welcome, lost scheduler
 //! - `host`: several workers per host: sums through shared memory, failures
 //! - `fuzz`: a short random run of the fuzz targets' checks
@@ -20,6 +21,7 @@ mod auth;
 mod client;
 mod declarations;
 mod encryption;
+mod extents;
 mod fuzz;
 mod host;
 mod membership;
