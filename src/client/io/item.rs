@@ -55,7 +55,10 @@ impl SendItem {
     /// Position in the job-wide order (smaller = sooner).
     pub(super) fn order(&self) -> SendOrder {
         match self {
-            SendItem::Chunk(c) if c.flags & crate::protocol::FLAG_ZEROS != 0 => {
+            // (A send again after a mend or a failover keeps its place.)
+            SendItem::Chunk(c)
+                if c.flags & (crate::protocol::FLAG_ZEROS | FLAG_RESENT) == crate::protocol::FLAG_ZEROS =>
+            {
                 (std::cmp::Reverse(i32::MAX), c.key, c.position, c.seq)
             }
             SendItem::Chunk(c) => (std::cmp::Reverse(c.priority), c.key, c.position, c.seq),
