@@ -150,7 +150,7 @@ JOB = textwrap.dedent("""\
     dist.destroy_process_group()
     # One write, newline included: print() writes the line and its end apart, and
     # the other processes' output (the same pipe) may land between them.
-    sys.stdout.write(f"JOB rank {r}/{n} ok: core {gradhub._core.__file__}\n")
+    sys.stdout.write(f"JOB rank {r}/{n} ok: core {gradhub._core.__file__}\\n")
     sys.stdout.flush()
 """)
 
