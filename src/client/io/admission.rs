@@ -20,9 +20,11 @@ pub(super) struct Window {
 
 impl Window {
     /// A chunk of no bytes (a push of zeros) is not counted: it holds no
-    /// credit, and as the first in the window it would stop preemption.
+    /// credit, and as the first in the window it would stop preemption
+    /// (one sent again as zeros replaces what it counted before).
     pub(super) fn insert(&mut self, order: SendOrder, len: usize) {
         if len == 0 {
+            self.remove(&order);
             return;
         }
         self.bytes += len;
