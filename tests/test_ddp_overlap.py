@@ -106,12 +106,28 @@ def test_checkpoints_save_and_load_applied_updates(group):
     assert not ov._pending
 
 
+def test_bucket_parts_are_whole_parameters_at_least_the_share_and_the_minimum():
+    from gradhub.torch.ddp_overlap import bucket_parts
+    sizes = [400, 100, 100, 300, 50, 50, 1000, 8]
+    runs = bucket_parts(sizes, 4, 1)
+    # Contiguous, covering every parameter once, at most 4, each (but the last) >= the share (502).
+    assert [i for a, b in runs for i in range(a, b)] == list(range(len(sizes)))
+    assert runs == [(0, 3), (3, 7), (7, 8)]
+    assert all(sum(sizes[a:b]) >= 502 for a, b in runs[:-1])
+    assert bucket_parts(sizes, 8, 10_000) == [(0, 8)]              # under the minimum: one part
+    assert bucket_parts(sizes, 1, 1) == [(0, 8)]
+    assert bucket_parts([4] * 10, 64, 1) == [(i, i + 1) for i in range(10)]
+    assert bucket_parts([], 4, 1) == []
+
+
 def test_refusals(group):
     m = nn.parallel.DistributedDataParallel(make())
     with pytest.raises(TypeError, match="must be a DistributedDataParallel"):
         ght.ddp_forward_overlap(make(), torch.optim.SGD(m.parameters(), lr=0.1))
     with pytest.raises(TypeError, match="RMSprop is not supported"):
         ght.ddp_forward_overlap(m, torch.optim.RMSprop(m.parameters()))
+    with pytest.raises(ValueError, match="parts must be in 1..64"):
+        ght.ddp_forward_overlap(m, torch.optim.SGD(m.parameters(), lr=0.1), parts=0)
     o = torch.optim.SGD(m.parameters(), lr=0.1)
     torch.optim.lr_scheduler.StepLR(o, 1)
     with pytest.raises(TypeError, match="make the scheduler after"):

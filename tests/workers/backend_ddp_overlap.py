@@ -118,6 +118,41 @@ def accumulation_under_no_sync(steps: int = 6) -> None:
     print("no_sync accumulation equals plain DDP", flush=True)
 
 
+def parts_started_early(backend: str, steps: int = 8) -> None:
+    """DDP's default buckets (the whole model in one here) averaged in parts
+    that start as their gradients come in, before DDP hands the bucket over:
+    still equal to one process and plain DDP, with the default zero_grad()."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    ddp = nn.parallel.DistributedDataParallel(make(), gradient_as_bucket_view=True)
+    plain = nn.parallel.DistributedDataParallel(make())
+    single = make()
+    opt = optimizer("adam", ddp.parameters())
+    overlap = ght.ddp_forward_overlap(ddp, opt, parts=4, part_bytes=256)
+    opts = [opt, optimizer("adam", plain.parameters()), optimizer("adam", single.parameters())]
+    for step in range(steps):
+        x, y = batch(step, r)
+        xs, ys = zip(*(batch(step, q) for q in range(n)))
+        for model, o, (xb, yb) in zip((ddp, plain, single), opts, ((x, y), (x, y), (torch.cat(xs), torch.cat(ys)))):
+            o.zero_grad()
+            F.cross_entropy(model(xb), yb).backward()
+            o.step()
+    overlap.finish()
+    for (name, a), b, c in zip(ddp.module.named_parameters(), plain.module.parameters(), single.parameters()):
+        close(a.detach(), b.detach(), f"parts {name} vs plain DDP")
+        close(a.detach(), c.detach(), f"parts {name} vs one process")
+    # One bucket in up to 4 parts; from the third step on (after DDP rebuilt
+    # its bucket) each part starts from the gradient hooks, over the gradhub
+    # backend only (elsewhere a collective's order must match on every rank).
+    assert len(overlap._layouts) == (1 if backend == "gradhub" else 0), overlap._layouts
+    if backend == "gradhub":
+        runs = overlap._layouts[0].runs
+        assert 2 <= len(runs) <= 4, runs
+        assert overlap.early == len(runs) * (steps - 2), (overlap.early, runs)
+    else:
+        assert overlap.early == 0
+    print(f"parts started early: {overlap.early}, equal to one process and plain DDP", flush=True)
+
+
 def refusals() -> None:
     def raises(fn, text: str) -> None:
         try:
@@ -163,6 +198,7 @@ if __name__ == "__main__":
         for as_view in (True, False):
             equal_to_one_process_and_plain_ddp(kind, as_view)
     accumulation_under_no_sync()
+    parts_started_early(backend)
     refusals()
     rank = dist.get_rank()
     dist.destroy_process_group()

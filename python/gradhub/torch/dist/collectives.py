@@ -32,6 +32,7 @@ _GATHERED: dict = {
 }
 _MAX_NAMES = 256   # persistent names per group (then: named once, freed after the round)
 _WINDOW = 4        # rounds of one key that may be in flight at once, under names of their own
+BUCKET_PARTS = 64  # parts of one DDP bucket averaged apart at most (average_bucket)
 
 
 def _fold(g: torch.Tensor, fn) -> torch.Tensor:
@@ -310,16 +311,21 @@ class Collectives:
         data_name = _api.AutoName(f"{self._prefix}dist.all_reduce.sparse{_api.AUTO_MARK}{next(self._once)}")
         return self._in_thread("sparse all_reduce", [t], body)
 
-    def average_bucket(self, t: torch.Tensor, index: int) -> Work:
-        """Average DDP's bucket `index` (`t`, its buffer) over the group in
-        place, at `index` as its priority (higher = sooner among this
-        worker's pushes: DDP numbers buckets in gradient order, so the first
-        layers' come first), under a name of the bucket's own: what
-        `ddp_forward_overlap`'s comm hook starts (torch's all_reduce has
-        neither, and its names cycle through `_WINDOW` per size, which would
-        stall a backward pass making more buckets of one size)."""
-        name = f"{self._prefix}dist.ddp_bucket.{index}.{str(t.dtype).replace('torch.', '')}.{t.numel()}"
-        return self._allreduce(t, dist.ReduceOp(dist.ReduceOp.AVG), "all_reduce", priority=index, name=name)
+    def average_bucket(self, t: torch.Tensor, index: int, part: int = 0) -> Work:
+        """Average part `part` of DDP's bucket `index` (`t`, a view of its
+        buffer) over the group in place, under a name of its own and at a
+        priority that puts later buckets, then later parts, sooner among
+        this worker's pushes (DDP numbers buckets, and lays out each
+        bucket's gradients, in the order they become ready, so the first
+        layers' come last and are needed first): what `ddp_forward_overlap`
+        starts (torch's all_reduce has neither, and its names cycle through
+        `_WINDOW` per size, which would stall a backward pass making more
+        buckets of one size)."""
+        if not 0 <= part < BUCKET_PARTS:
+            raise ValueError(f"average_bucket: part {part} is outside 0..{BUCKET_PARTS - 1}")
+        name = f"{self._prefix}dist.ddp_bucket.{index}.{part}.{str(t.dtype).replace('torch.', '')}.{t.numel()}"
+        return self._allreduce(t, dist.ReduceOp(dist.ReduceOp.AVG), "all_reduce",
+                               priority=index * BUCKET_PARTS + part, name=name)
 
     def _allreduce(self, t: torch.Tensor, rop, what: str, out: torch.Tensor | None = None,
                    want: tuple[int, int] | None = None, sharded: bool = False, priority: int = 0,
