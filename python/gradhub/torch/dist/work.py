@@ -32,26 +32,48 @@ def _unsupported(what: str, hint: str = "") -> RuntimeError:
 
 class _Op:
     """A collective in flight: completed once, with its output tensors or
-    an error, from a completion callback, the watchdog or a helper thread."""
+    an error, from a completion callback, the watchdog or a helper thread.
+    Its torch future is made when first asked for (DDP asks; FSDP2 and a
+    plain `wait()` do not, and making one costs about 8 µs a call)."""
 
-    __slots__ = ("what", "outputs", "_event", "_error", "_raw", "future", "_lock", "_cuda", "_finished", "source",
-                 "on_failure", "__weakref__")
+    __slots__ = ("what", "outputs", "_latch", "_released", "_settled", "_error", "_raw", "_future", "_lock",
+                 "_cuda", "_finished", "source", "on_failure", "__weakref__")
 
     def __init__(self, what: str, outputs: list[torch.Tensor]):
         self.what = what
         self.outputs = outputs
-        self._event = threading.Event()
+        # Held until the operation has completed: a waiter takes it and hands
+        # it on (a lock is cheaper to make than an Event, and one is made a call).
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._released = False    # completed: waiters go
+        self._settled = False     # finish() found no future: one made later is completed as it is made
         self._error: BaseException | None = None
         self._finished = False
         self.source = -1          # a receive from any member: who sent
         self.on_failure = None    # run once if it fails (a receive withdraws itself)
         self._lock = threading.Lock()
-        devs = sorted({t.device for t in outputs if t.device.type == "cuda"}, key=str)
-        self._cuda = devs
-        # A failure reaches the future's C++ side (DDP's reducer raises it) through
-        # a callback that raises: torch's Python set_exception alone does not.
-        self._raw = Future(devices=devs) if devs else Future()
-        self.future = self._raw.then(_unwrap)
+        self._cuda = sorted({t.device for t in outputs if t.device.type == "cuda"}, key=str) if outputs else []
+        self._raw: Future | None = None
+        self._future: Future | None = None
+
+    @property
+    def future(self) -> Future:
+        """torch's future of this operation (made now, if not yet)."""
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            # A failure reaches the future's C++ side (DDP's reducer raises it) through
+            # a callback that raises: torch's Python set_exception alone does not.
+            raw = self._raw = Future(devices=self._cuda) if self._cuda else Future()
+            self._future = raw.then(_unwrap)
+            settled = self._settled
+        if settled:
+            raw.set_result(self._outcome())
+        return self._future
+
+    def _outcome(self) -> tuple:
+        return (None, self.outputs) if self._error is None else (self._error, None)
 
     def finish(self, error: BaseException | None = None) -> None:
         with self._lock:
@@ -62,26 +84,35 @@ class _Op:
         if error is not None and self.on_failure is not None:
             self.on_failure()
         if not exit_gate.enter():
-            self._event.set()   # (the interpreter is ending: its future is left alone)
+            self._release()   # (the interpreter is ending: its future is left alone)
             return
         try:
             if error is None:
                 for d in self._cuda:  # the copies back from the host stage are done before anyone reads
                     torch.cuda.current_stream(d).synchronize()
-                self._raw.set_result((None, self.outputs))
-            else:
-                self._raw.set_result((error, None))
+            with self._lock:
+                raw, self._settled = self._raw, True
+            if raw is not None:
+                raw.set_result(self._outcome())
         finally:
             exit_gate.leave()
-            self._event.set()  # after the future: a Work waited for is completed, its future too
+            self._release()  # after the future: a Work waited for is completed, its future too
+
+    def _release(self) -> None:
+        self._released = True
+        self._latch.release()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._released
 
     def wait(self, timeout: float | None) -> None:
-        if not self._event.wait(timeout):
-            # Given up on, as torch's backends do: failed for good (a receive withdraws itself).
-            self.finish(GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s"))
+        if not self._released:
+            if self._latch.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+                self._latch.release()   # for the next waiter
+            else:
+                # Given up on, as torch's backends do: failed for good (a receive withdraws itself).
+                self.finish(GradhubBackendError(f"gradhub: {self.what} did not complete within {timeout:g} s"))
+                self.wait(None)   # (released by that finish, or by one that came first)
         if self._error is not None:
             raise self._error
 
@@ -147,10 +178,8 @@ class _Watchdog:
         """Fail `op` if it is not done within `timeout` seconds: the group's
         timeout, or (`own`) the call's (`barrier(timeout=)`), reported in
         gloo's words, which torch's tests match."""
-        why = f"Timed out waiting {timeout * 1e3:g}ms (the call's timeout)" if own else \
-            f"did not complete within the group's timeout ({timeout:g} s)"
         with self._cv:
-            entry = (_now() + timeout, next(self._seq), weakref.ref(op), why)
+            entry = (_now() + timeout, next(self._seq), weakref.ref(op), timeout, own)
             heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="gradhub-dist-watchdog", daemon=True)
@@ -168,14 +197,16 @@ class _Watchdog:
                     self._cv.wait(1.0)
                     continue
                 failure = _api.job_failure()
-                deadline, _, ref, why = self._heap[0]
+                deadline, _, ref, timeout, own = self._heap[0]
                 if failure is not None:
-                    pending = [r() for _, _, r, _ in self._heap]
+                    pending = [entry[2]() for entry in self._heap]
                     self._heap.clear()
                     err = GradhubBackendError(explain(f"gradhub: the job failed: {failure}"))
                 elif deadline <= _now():
                     heapq.heappop(self._heap)
                     pending = [ref()]
+                    why = f"Timed out waiting {timeout * 1e3:g}ms (the call's timeout)" if own else \
+                        f"did not complete within the group's timeout ({timeout:g} s)"
                     err = GradhubBackendError(f"gradhub: {pending[0].what if pending[0] else 'a collective'} {why}")
                 else:
                     self._cv.wait(min(deadline - _now(), 0.5))
