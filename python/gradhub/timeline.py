@@ -37,6 +37,20 @@ def chunk_path(path: str) -> str:
     return (path[:-5] if path.endswith(".json") else path) + ".chunks.json"
 
 
+def _clock_pair() -> tuple[float, float]:
+    """(perf_counter(), the wall clock in µs) read at one instant, as far as
+    can be told: the tightest of a few brackets (a thread preempted between
+    the two reads would shift every event of the file on `merge`'s clock)."""
+    best = None
+    for _ in range(5):
+        a = time.perf_counter()
+        wall = time.time()
+        b = time.perf_counter()
+        if best is None or b - a < best[0]:
+            best = (b - a, (a + b) / 2, wall * 1e6)
+    return best[1], best[2]
+
+
 class Timeline:
     def __init__(self, path: str, pid: int):
         self._f = open(path, "w", encoding="utf-8")
@@ -45,11 +59,11 @@ class Timeline:
         self._idle = threading.Condition(self._lock)
         self._open = 0  # operations started and not recorded yet
         self._tids: dict[str, int] = {}
-        self._t0 = time.perf_counter()
+        self._t0, unix_us = _clock_pair()
         self._pid = pid
         self._write({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"gradhub worker {pid}"}})
         # Where this file's clock starts, for `merge`.
-        self._write({"name": "clock", "ph": "M", "pid": pid, "args": {"unix_us": time.time() * 1e6}})
+        self._write({"name": "clock", "ph": "M", "pid": pid, "args": {"unix_us": unix_us}})
 
     def _write(self, event: dict) -> None:
         # One event per line; Chrome's viewer accepts the array unterminated,
