@@ -261,6 +261,13 @@ class DDPForwardOverlap:
 
     # -- the model's forward pass
 
+    def _early_mode(self) -> bool:
+        """Whether parts may start early: the gradients are the buckets'
+        views, each final after its one hook (not so with
+        find_unused_parameters or static_graph, which DDP may set later)."""
+        m = self.model
+        return self._early_ok and not m.find_unused_parameters and not m.static_graph
+
     def _may_rebuild(self) -> bool:
         """Whether DDP may rebuild its buckets in this forward pass (it
         copies each gradient into a new bucket then)."""
@@ -275,9 +282,8 @@ class DDPForwardOverlap:
                 rec.wait()
             self._early.clear()
         self._ready.clear()
-        m = self.model
-        self._armed = (self._early_ok and torch.is_grad_enabled() and self._placed and not self._may_rebuild()
-                       and m.require_backward_grad_sync and not m.find_unused_parameters and not m.static_graph)
+        self._armed = (self._early_mode() and torch.is_grad_enabled() and self._placed and not self._may_rebuild()
+                       and self.model.require_backward_grad_sync)
         if not torch.is_grad_enabled() or not self._placed or self._may_rebuild():
             self.finish()   # an evaluation, the pass that places the updates, a rebuild
         else:
@@ -416,8 +422,7 @@ class DDPForwardOverlap:
         """As torch's zero_grad(), but a gradient that is its bucket's view
         stays one (zeroed) where parts may start early: the next gradient
         then accumulates into the bucket, where its part can start at once."""
-        m = self.model
-        if set_to_none and self._early_ok and not m.find_unused_parameters and not m.static_graph:
+        if set_to_none and self._early_mode():
             lay = self._where.get(id(p))
             if lay is not None and p.grad is not None and p.grad.data_ptr() == lay.ptr[id(p)]:
                 set_to_none = False
